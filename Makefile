@@ -1,0 +1,47 @@
+# Every target creates .venv on first use; a fresh clone needs nothing else.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+
+.PHONY: demo test test-all lint docs bench clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/activate
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate
+	$(PY) -m pip install -q -e ".[dev,docs]"
+	touch $@
+
+$(VENV)/.installed-bench: pyproject.toml | $(BIN)/activate
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m eqx_ensemble demo
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(BIN)/mkdocs build --strict -q
+
+test-all: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -n 2 --dist loadfile -m ""
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pyright
+
+docs: $(VENV)/.installed-dev
+	$(BIN)/mkdocs build --strict
+
+bench: $(VENV)/.installed-bench
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) site .pytest_cache

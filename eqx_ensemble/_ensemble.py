@@ -1,0 +1,239 @@
+"""The `Ensemble` module and `ensemble`: weights born stacked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
+
+from ._tree import leading_size
+
+Member = TypeVar("Member")
+
+
+class Ensemble(eqx.Module, Generic[Member]):
+    """An ensemble of models stored as ONE model whose array leaves are stacked.
+
+    Every array leaf of `members` carries a leading *member* axis of the same size;
+    non-array leaves (activation functions, Python floats, static fields) are shared
+    by all members. Build one with [`ee.ensemble`][eqx_ensemble.ensemble] (weights
+    born stacked) or [`ee.stack`][eqx_ensemble.stack] (from a list of models).
+
+    **Arguments:**
+
+    - `members`: the stacked model: any PyTree, usually an `eqx.Module`.
+
+    **Example:**
+
+    ```python
+    import equinox as eqx, jax, jax.numpy as jnp
+    import eqx_ensemble as ee
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(3, 2, key=k), size=4,
+                      key=jax.random.key(0))
+    assert len(ens) == 4
+    ens(jnp.ones(3)).shape          # (4, 2): one output per member
+    ens[0]                          # member 0 as a plain eqx.nn.Linear
+    ens[1:3]                        # a sub-ensemble of 2 members
+    ```
+    """
+
+    members: Member
+
+    def __check_init__(self):
+        leading_size(self.members)
+
+    def __len__(self) -> int:
+        return leading_size(self.members)
+
+    @property
+    def size(self) -> int:
+        """The number of members (same as `len(ens)`)."""
+        return len(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        """Member `index` as a plain model, or a sub-ensemble for a slice/index array.
+
+        **Arguments:**
+
+        - `index`: an `int` (returns that member as a plain model), a `slice`, a
+          1-D integer array of member indices, or a 1-D boolean mask of length
+          `len(ens)` (each returns an `Ensemble`).
+        """
+        size = len(self)
+        if isinstance(index, slice):
+            positions = np.arange(size)[index]
+            return _take(self.members, positions, size)
+        if isinstance(index, int | np.integer) or (
+            eqx.is_array(index) and jnp.ndim(index) == 0
+        ):
+            if _is_concrete(index):
+                position = int(index)
+                if not -size <= position < size:
+                    raise IndexError(
+                        f"member index {position} is out of range for an ensemble "
+                        f"of {size} members"
+                    )
+                position %= size
+            else:
+                position = index
+            return jax.tree.map(
+                lambda leaf: leaf[position] if eqx.is_array(leaf) else leaf,
+                self.members,
+            )
+        if isinstance(index, list | tuple) or eqx.is_array(index):
+            return _take(self.members, _member_positions(index, size), size)
+        raise TypeError(
+            "An ensemble is indexed by an int, a slice, or a 1-D array of member "
+            f"indices or a boolean mask; got {type(index).__name__}."
+        )
+
+    def __call__(self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any):
+        """Call every member on the same inputs; outputs gain a leading member axis.
+
+        **Arguments:**
+
+        - `*args`, `**kwargs`: passed unchanged to every member.
+        - `key`: optional PRNG key; it is split so that member `i` is called with its
+          own `key=member_keys[i]` (for dropout and other stochastic layers).
+
+        **Returns:**
+
+        The members' outputs stacked along a new leading axis of size `len(ens)`.
+        """
+        from ._map import map as ensemble_map
+
+        def call_member(member, *member_args, **member_kwargs):
+            return member(*member_args, **kwargs, **member_kwargs)
+
+        return ensemble_map(call_member, self, *args, key=key)
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _member_positions(
+    index: Int[Array, " n"] | Bool[Array, " members"] | list | tuple, size: int
+) -> Any:
+    array = index if eqx.is_array(index) else np.asarray(index)
+    if array.ndim != 1:
+        raise IndexError(
+            f"an index array must be 1-D, got shape {tuple(array.shape)}; use an int "
+            "to get a single member"
+        )
+    if array.dtype == bool:
+        if array.shape[0] != size:
+            raise IndexError(
+                f"a boolean member mask must have length {size} (the ensemble size), "
+                f"got length {array.shape[0]}"
+            )
+        if not _is_concrete(array):
+            raise IndexError("a boolean member mask must be concrete (not traced)")
+        return np.nonzero(np.asarray(array))[0]
+    if not jnp.issubdtype(array.dtype, jnp.integer):
+        raise IndexError(f"member indices must be integers, got dtype {array.dtype}")
+    if _is_concrete(array):
+        host = np.asarray(array)
+        bad = host[(host < -size) | (host >= size)]
+        if bad.size:
+            raise IndexError(
+                f"member indices {bad.tolist()} are out of range for an ensemble of "
+                f"{size} members"
+            )
+        return host % size
+    return array
+
+
+def _take(members: Any, positions: Any, size: int) -> Ensemble:
+    if len(positions) == 0:
+        raise IndexError(
+            f"the index selects no members of the ensemble of {size}; an ensemble "
+            "needs at least one member"
+        )
+    return Ensemble(
+        jax.tree.map(
+            lambda leaf: leaf[positions] if eqx.is_array(leaf) else leaf, members
+        )
+    )
+
+
+def check_key(key: Any, *, what: str = "key") -> None:
+    """Raise a clear error unless `key` is ONE PRNG key (typed, or raw uint32[2])."""
+    if not eqx.is_array(key):
+        raise TypeError(
+            f"`{what}` must be a JAX PRNG key such as `jax.random.key(0)`, got "
+            f"{type(key).__name__}"
+        )
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(
+                f"`{what}` must be a single PRNG key of shape (), got a key array of "
+                f"shape {tuple(key.shape)}; pass one key and the library splits it"
+            )
+        return
+    if key.dtype != jnp.uint32 or key.shape != (2,):
+        raise ValueError(
+            f"`{what}` must be a single PRNG key (`jax.random.key(seed)`, or a raw "
+            f"uint32 key of shape (2,)), got an array of shape {tuple(key.shape)} and "
+            f"dtype {key.dtype}; pass one key and the library splits it"
+        )
+
+
+def split_member_keys(key: PRNGKeyArray, size: int) -> PRNGKeyArray:
+    """The per-member keys used throughout the library: `jax.random.split(key, size)`."""
+    check_key(key)
+    return jax.random.split(key, size)
+
+
+def ensemble(
+    make: Callable[[PRNGKeyArray], Member | tuple[Member, Any]],
+    *,
+    size: int,
+    key: PRNGKeyArray,
+) -> Ensemble[Member] | tuple[Ensemble[Member], PyTree[Any]]:
+    """Build an ensemble whose weights are born stacked.
+
+    Calls `make(member_key)` under `eqx.filter_vmap` over
+    `jax.random.split(key, size)`: the model is traced once and initialised for all
+    members in one vectorised computation, never a Python loop over members.
+
+    **Arguments:**
+
+    - `make`: `make(key) -> model`, e.g. `lambda k: eqx.nn.MLP(2, 1, 32, 2, key=k)`.
+      It may also return `(model, state)` as `eqx.nn.make_with_state` does.
+    - `size`: the number of members, at least 1.
+    - `key`: ONE PRNG key; member `i` is made with `jax.random.split(key, size)[i]`.
+
+    **Returns:**
+
+    An [`Ensemble`][eqx_ensemble.Ensemble]; or `(Ensemble, stacked_state)` when
+    `make` returns a `(model, eqx.nn.State)` pair.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 32, 2, key=k), size=5,
+                      key=jax.random.key(0))
+    ens.members.layers[0].weight.shape   # (5, 32, 1)
+    ```
+    """
+    if isinstance(size, bool) or not isinstance(size, int | np.integer):
+        raise TypeError(f"`size` must be an int, got {type(size).__name__}")
+    if size < 1:
+        raise ValueError(f"`size` must be at least 1, got {size}")
+    member_keys = split_member_keys(key, int(size))
+    made = eqx.filter_vmap(make)(member_keys)
+    if (
+        isinstance(made, tuple)
+        and len(made) == 2
+        and isinstance(made[1], eqx.nn.State)
+    ):
+        model, state = made
+        return Ensemble(model), state
+    return Ensemble(made)

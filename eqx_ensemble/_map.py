@@ -1,0 +1,228 @@
+"""`map`: the one general primitive, `fn(member, *args)` across members."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import PRNGKeyArray, PyTree
+
+from ._ensemble import Ensemble, split_member_keys
+from ._tree import keystr
+
+
+def _check_in_axes(in_axes: Any, num_args: int) -> tuple[Any, ...]:
+    if in_axes is None:
+        return (None,) * num_args
+    if isinstance(in_axes, int) and not isinstance(in_axes, bool):
+        in_axes = (in_axes,) * num_args
+    if not isinstance(in_axes, Sequence) or isinstance(in_axes, str):
+        raise TypeError(
+            "`in_axes` must be None (all arguments shared), 0 (all per-member), or a "
+            f"tuple with one entry per argument; got {in_axes!r}"
+        )
+    in_axes = tuple(in_axes)
+    if len(in_axes) != num_args:
+        raise ValueError(
+            f"`in_axes` has {len(in_axes)} entries but {num_args} positional "
+            f"argument(s) were given after the ensemble; give one entry per argument "
+            "(None = shared by all members, 0 = one slice per member)"
+        )
+    for position, spec in enumerate(in_axes):
+        for leaf in jtu.tree_leaves(spec, is_leaf=lambda x: x is None):
+            if leaf is not None and (leaf != 0 or isinstance(leaf, bool)):
+                raise ValueError(
+                    f"`in_axes[{position}]` must be None (shared) or 0 (per member) "
+                    f"(or a PyTree prefix of those), got {leaf!r}"
+                )
+    return in_axes
+
+
+def _check_per_member_args(args: tuple, in_axes: tuple, size: int) -> None:
+    for position, (arg, spec) in enumerate(zip(args, in_axes, strict=True)):
+        if spec is None:
+            continue
+        resolved = jtu.tree_map(
+            lambda s, subtree: jtu.tree_map(lambda _: s, subtree),
+            spec,
+            arg,
+            is_leaf=lambda x: x is None,
+        )
+        for (path, leaf), axis in zip(
+            jtu.tree_flatten_with_path(arg)[0], jtu.tree_leaves(
+                resolved, is_leaf=lambda x: x is None
+            ), strict=True
+        ):
+            if axis is None or not eqx.is_array(leaf):
+                continue
+            if leaf.ndim == 0 or leaf.shape[0] != size:
+                where = f"argument {position}" + (
+                    f" at leaf `{keystr(path)}`" if path else ""
+                )
+                raise ValueError(
+                    f"{where} is per-member (in_axes 0) so its leading axis must be "
+                    f"the ensemble size {size}, but it has shape {tuple(leaf.shape)}"
+                )
+
+
+def _member_in_axes(spec: Any, arg: Any) -> Any:
+    if spec is None:
+        return None
+    return jtu.tree_map(
+        lambda s: eqx.if_array(0) if s == 0 else None,
+        spec,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def map(
+    fn: Callable[..., Any],
+    ens: Ensemble,
+    *args: Any,
+    in_axes: int | Sequence[Any] | None = None,
+    chunk_size: int | None = None,
+    key: PRNGKeyArray | None = None,
+) -> PyTree[Any]:
+    """Apply `fn(member, *args)` to every member in one vectorised computation.
+
+    **Arguments:**
+
+    - `fn`: `fn(member, *args) -> output`, written for ONE model. If `key` is given
+      it is called as `fn(member, *args, key=member_key)`.
+    - `ens`: the [`Ensemble`][eqx_ensemble.Ensemble].
+    - `*args`: further arguments.
+    - `in_axes`: per argument, `None` = shared by all members, `0` = its leading axis
+      indexes members (it must have size `len(ens)`); a PyTree prefix of `None`/`0`
+      mixes both inside one argument. `None` (the default) shares every argument;
+      a bare `0` makes every argument per-member. Non-array leaves are always shared.
+    - `chunk_size`: if given, members are evaluated `chunk_size` at a time (a
+      `jax.lax.scan` over chunks, any remainder in one more call), which bounds peak
+      memory by the chunk instead of the whole ensemble. The result is the same.
+    - `key`: optional PRNG key split into one key per member.
+
+    **Returns:**
+
+    `fn`'s output with a leading member axis on every array leaf.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(3, 1, key=k), size=4,
+                      key=jax.random.key(0))
+    x = jnp.ones((10, 3))
+    shared = ee.map(lambda m, x: jax.vmap(m)(x), ens, x)             # (4, 10, 1)
+    per_member = ee.map(lambda m, x: jax.vmap(m)(x), ens,
+                        jnp.ones((4, 10, 3)), in_axes=(0,))         # (4, 10, 1)
+    chunked = ee.map(lambda m, x: jax.vmap(m)(x), ens, x, chunk_size=2)
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(
+            f"`ee.map` expects an `ee.Ensemble` as its second argument, got "
+            f"{type(ens).__name__}; build one with `ee.ensemble` or `ee.stack`"
+        )
+    size = len(ens)
+    axes = _check_in_axes(in_axes, len(args))
+    _check_per_member_args(args, axes, size)
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+            raise TypeError(f"`chunk_size` must be an int, got {chunk_size!r}")
+        if not 1 <= chunk_size <= size:
+            raise ValueError(
+                f"`chunk_size` must be between 1 and the ensemble size {size}, got "
+                f"{chunk_size}"
+            )
+    member_keys = None if key is None else split_member_keys(key, size)
+
+    def apply(member, member_args, member_key):
+        if member_key is None:
+            return fn(member, *member_args)
+        return fn(member, *member_args, key=member_key)
+
+    arg_axes = tuple(_member_in_axes(spec, arg) for spec, arg in zip(axes, args))
+    vmapped = eqx.filter_vmap(
+        apply, in_axes=(eqx.if_array(0), arg_axes, eqx.if_array(0))
+    )
+    if chunk_size is None or chunk_size == size:
+        return vmapped(ens.members, args, member_keys)
+    return _chunked(vmapped, ens.members, args, arg_axes, member_keys, size, chunk_size)
+
+
+def _chunked(vmapped, members, args, arg_axes, member_keys, size, chunk_size):
+    # Split everything that is per-member into (a) `num_chunks` full chunks scanned
+    # one at a time and (b) a remainder run as one more call; shared arguments are
+    # closed over. Peak memory is then that of one chunk, not of the whole ensemble.
+    per_member = (members, _select_per_member(args, arg_axes), member_keys)
+    shared_args = _select_shared(args, arg_axes)
+    dynamic, static = eqx.partition(per_member, eqx.is_array)
+    num_chunks, remainder = divmod(size, chunk_size)
+    main = num_chunks * chunk_size
+
+    def run(dynamic_chunk):
+        chunk_members, chunk_args, chunk_keys = eqx.combine(dynamic_chunk, static)
+        return vmapped(chunk_members, _merge(chunk_args, shared_args), chunk_keys)
+
+    out_static_box = []
+
+    def body(carry, dynamic_chunk):
+        out = run(dynamic_chunk)
+        out_dynamic, out_static = eqx.partition(out, eqx.is_array)
+        if not out_static_box:
+            out_static_box.append(out_static)
+        return carry, out_dynamic
+
+    head = jax.tree.map(
+        lambda x: x[:main].reshape(num_chunks, chunk_size, *x.shape[1:]), dynamic
+    )
+    _, stacked = jax.lax.scan(body, None, head)
+    stacked = jax.tree.map(lambda x: x.reshape(main, *x.shape[2:]), stacked)
+    if remainder:
+        tail = jax.tree.map(lambda x: x[main:], dynamic)
+        tail_out, _ = eqx.partition(run(tail), eqx.is_array)
+        stacked = jax.tree.map(
+            lambda a, b: jnp.concatenate([a, b], axis=0), stacked, tail_out
+        )
+    return eqx.combine(stacked, out_static_box[0])
+
+
+class _Shared:
+    """Placeholder for a shared argument inside the per-member half of `args`."""
+
+
+_SHARED = _Shared()
+
+
+def _select_per_member(args: tuple, arg_axes: tuple) -> tuple:
+    return tuple(
+        _SHARED if spec is None else eqx.filter(arg, _resolve(spec, arg))
+        for arg, spec in zip(args, arg_axes)
+    )
+
+
+def _select_shared(args: tuple, arg_axes: tuple) -> tuple:
+    return tuple(
+        arg if spec is None else eqx.filter(arg, _resolve(spec, arg), inverse=True)
+        for arg, spec in zip(args, arg_axes)
+    )
+
+
+def _resolve(spec: Any, arg: Any) -> Any:
+    # A boolean mask over `arg`: True where the leaf is an array mapped over members.
+    return jtu.tree_map(
+        lambda s, subtree: jtu.tree_map(
+            lambda leaf: s is not None and eqx.is_array(leaf), subtree
+        ),
+        spec,
+        arg,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _merge(per_member: tuple, shared: tuple) -> tuple:
+    return tuple(
+        s if p is _SHARED else eqx.combine(p, s) for p, s in zip(per_member, shared)
+    )

@@ -1,0 +1,142 @@
+"""`stack`, `unstack`, `concatenate`: list-of-structs <-> struct-of-arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._ensemble import Ensemble
+from ._tree import first_difference
+
+Member = TypeVar("Member")
+
+
+def _check_same_structure(
+    trees: Sequence[Any], what: str, *, ignore_leading_axis: bool = False
+) -> None:
+    for position, tree in enumerate(trees[1:], start=1):
+        difference = first_difference(
+            trees[0], tree, ignore_leading_axis=ignore_leading_axis
+        )
+        if difference is not None:
+            raise ValueError(
+                f"Cannot combine {what}: {what[:-1]} 0 and {what[:-1]} {position} "
+                f"differ. First difference: {difference} (values given for "
+                f"{what[:-1]} 0 first)."
+            )
+
+
+def stack(models: Sequence[Member]) -> Ensemble[Member]:
+    """Stack a list of same-structure models into one [`Ensemble`][eqx_ensemble.Ensemble].
+
+    Array leaves are stacked along a new leading member axis; non-array leaves
+    (activation functions, Python numbers, static fields) must be equal across models
+    and are kept once. Works for `eqx.Module`s and for plain PyTrees such as a list of
+    `(weight, bias)` tuples.
+
+    **Arguments:**
+
+    - `models`: a non-empty sequence of models with the same structure.
+
+    **Returns:**
+
+    An `Ensemble` with `len(models)` members.
+
+    **Raises:**
+
+    `ValueError` naming the first differing leaf path and both shapes/dtypes, or the
+    differing static field and both values, when the models' structures differ.
+
+    **Example:**
+
+    ```python
+    params = [(jnp.ones((3, 2)), jnp.zeros(2)) for _ in range(4)]
+    ens = ee.stack(params)
+    ens.members[0][0].shape    # (4, 3, 2)
+    ```
+    """
+    if isinstance(models, Ensemble) or not isinstance(models, Sequence):
+        raise TypeError(
+            "`ee.stack` takes a list (or tuple) of models, got "
+            f"{type(models).__name__}"
+        )
+    if len(models) == 0:
+        raise ValueError("`ee.stack` got an empty list; an ensemble needs a member")
+    _check_same_structure(models, "models")
+    stacked = jax.tree.map(
+        lambda *leaves: jnp.stack(leaves) if eqx.is_array(leaves[0]) else leaves[0],
+        *models,
+    )
+    return Ensemble(stacked)
+
+
+def unstack(ens: Ensemble[Member]) -> list[Member]:
+    """Split an ensemble into a list of plain models, one per member.
+
+    The inverse of [`stack`][eqx_ensemble.stack]: `unstack(stack(ms))` equals `ms`
+    leaf for leaf and `stack(unstack(ens))` equals `ens`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(3, 2, key=k), size=3,
+                      key=jax.random.key(0))
+    models = ee.unstack(ens)           # three eqx.nn.Linear
+    models[1].weight.shape             # (2, 3)
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"`ee.unstack` takes an `ee.Ensemble`, got {type(ens).__name__}")
+    size = len(ens)
+    dynamic, static = eqx.partition(ens.members, eqx.is_array)
+    # One split per leaf (not one indexing op per member per leaf).
+    per_leaf = jax.tree.map(lambda leaf: list(jnp.unstack(leaf, axis=0)), dynamic)
+    leaves, treedef = jax.tree.flatten(dynamic)
+    split = jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
+    return [
+        eqx.combine(
+            jax.tree.unflatten(treedef, [pieces[i] for pieces in split]), static
+        )
+        for i in range(size)
+    ]
+
+
+def concatenate(ensembles: Sequence[Ensemble[Member]]) -> Ensemble[Member]:
+    """Join ensembles of the same structure along the member axis.
+
+    **Example:**
+
+    ```python
+    make = lambda k: eqx.nn.Linear(3, 2, key=k)
+    a = ee.ensemble(make, size=2, key=jax.random.key(0))
+    b = ee.ensemble(make, size=3, key=jax.random.key(1))
+    len(ee.concatenate([a, b]))        # 5
+    ```
+    """
+    if isinstance(ensembles, Ensemble) or not isinstance(ensembles, Sequence):
+        raise TypeError(
+            "`ee.concatenate` takes a list of ensembles, got "
+            f"{type(ensembles).__name__}"
+        )
+    if len(ensembles) == 0:
+        raise ValueError("`ee.concatenate` got an empty list of ensembles")
+    for position, ens in enumerate(ensembles):
+        if not isinstance(ens, Ensemble):
+            raise TypeError(
+                f"`ee.concatenate`: item {position} is a {type(ens).__name__}, not an "
+                "`ee.Ensemble`; use `ee.stack` for plain models"
+            )
+    _check_same_structure(
+        [ens.members for ens in ensembles], "ensembles", ignore_leading_axis=True
+    )
+    joined = jax.tree.map(
+        lambda *leaves: (
+            jnp.concatenate(leaves, axis=0) if eqx.is_array(leaves[0]) else leaves[0]
+        ),
+        *[ens.members for ens in ensembles],
+    )
+    return Ensemble(joined)

@@ -1,0 +1,195 @@
+"""Combining the stacked predictions of an ensemble into one prediction.
+
+Every function takes predictions with a leading member axis, as returned by
+`ens(x)` or `ee.map`, and an optional weight per member.
+
+```python
+import eqx_ensemble as ee
+probs = jax.nn.softmax(ens_logits, axis=-1)   # (members, batch, classes)
+ee.combine.mean_probs(probs)                  # (batch, classes)
+```
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int
+
+__all__ = [
+    "mean_probs",
+    "mean_probs_from_logits",
+    "log_mean_probs_from_logits",
+    "mean_logits",
+    "majority_vote",
+    "gaussian_mixture",
+]
+
+
+def _normalised_weights(
+    weights: Float[ArrayLike, " members"] | None, members: int, dtype
+) -> Float[Array, " members"]:
+    if weights is None:
+        return jnp.full((members,), 1.0 / members, dtype=dtype)
+    weights = jnp.asarray(weights)
+    if weights.ndim != 1 or weights.shape[0] != members:
+        raise ValueError(
+            f"`weights` must have one entry per member: predictions have {members} "
+            f"members, weights have shape {tuple(weights.shape)}"
+        )
+    weights = weights.astype(dtype)
+    return weights / weights.sum()
+
+
+def _weighted_mean(x: Array, weights: Float[ArrayLike, " members"] | None) -> Array:
+    w = _normalised_weights(weights, x.shape[0], x.dtype)
+    return jnp.tensordot(w, x, axes=1)
+
+
+def mean_probs(
+    probs: Float[Array, "members *batch classes"],
+    weights: Float[ArrayLike, " members"] | None = None,
+) -> Float[Array, "*batch classes"]:
+    """The (weighted) mean of the members' predicted probabilities.
+
+    **Arguments:**
+
+    - `probs`: per-member class probabilities, members first.
+    - `weights`: optional weight per member, normalised to sum to one.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1]], [[0.5, 0.5]]])   # 2 members, 1 input
+    ee.combine.mean_probs(probs)                        # [[0.7, 0.3]]
+    ```
+    """
+    return _weighted_mean(probs, weights)
+
+
+def mean_probs_from_logits(
+    logits: Float[Array, "members *batch classes"],
+    weights: Float[ArrayLike, " members"] | None = None,
+) -> Float[Array, "*batch classes"]:
+    """The mean of the members' softmax probabilities, from their logits.
+
+    **Example:**
+
+    ```python
+    logits = jnp.zeros((5, 8, 3))
+    ee.combine.mean_probs_from_logits(logits)          # all 1/3, shape (8, 3)
+    ```
+    """
+    return jnp.exp(log_mean_probs_from_logits(logits, weights))
+
+
+def log_mean_probs_from_logits(
+    logits: Float[Array, "members *batch classes"],
+    weights: Float[ArrayLike, " members"] | None = None,
+) -> Float[Array, "*batch classes"]:
+    """`log(mean_i softmax(logits_i))` computed in log-space (no underflow).
+
+    Use it for the ensemble's negative log-likelihood: the log of the mean of very
+    small probabilities stays finite.
+
+    **Example:**
+
+    ```python
+    logits = jnp.array([[[0.0, -200.0]], [[0.0, -300.0]]])
+    ee.combine.log_mean_probs_from_logits(logits)      # finite, about [[0, -200.7]]
+    ```
+    """
+    members = logits.shape[0]
+    log_w = jnp.log(_normalised_weights(weights, members, logits.dtype))
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    log_w = log_w.reshape((members,) + (1,) * (logits.ndim - 1))
+    return jax.nn.logsumexp(log_probs + log_w, axis=0)
+
+
+def mean_logits(
+    logits: Float[Array, "members *batch classes"],
+    weights: Float[ArrayLike, " members"] | None = None,
+) -> Float[Array, "*batch classes"]:
+    """Logit averaging: the (weighted) mean of the members' logits.
+
+    The softmax of the result is a normalised geometric mean of the members'
+    probabilities (sharper than `mean_probs`).
+
+    **Example:**
+
+    ```python
+    logits = jnp.array([[[2.0, 0.0]], [[0.0, 2.0]]])
+    ee.combine.mean_logits(logits)                     # [[1.0, 1.0]]
+    ```
+    """
+    return _weighted_mean(logits, weights)
+
+
+def majority_vote(
+    predictions: Int[Array, "members *batch"],
+    num_classes: int,
+    weights: Float[ArrayLike, " members"] | None = None,
+) -> Int[Array, "*batch"]:
+    """The class predicted by the most members (weighted votes if `weights`).
+
+    Ties are broken deterministically in favour of the **smallest class index**
+    among the tied classes.
+
+    **Arguments:**
+
+    - `predictions`: each member's predicted class labels, e.g.
+      `jnp.argmax(logits, axis=-1)`.
+    - `num_classes`: the number of classes; labels must lie in `[0, num_classes)`.
+    - `weights`: optional weight per member (votes count with that weight).
+
+    **Example:**
+
+    ```python
+    votes = jnp.array([[0, 1], [2, 1], [2, 0]])        # 3 members, 2 inputs
+    ee.combine.majority_vote(votes, num_classes=3)     # [2, 1]
+    ```
+    """
+    if num_classes < 1:
+        raise ValueError(f"`num_classes` must be at least 1, got {num_classes}")
+    if not isinstance(predictions, jax.core.Tracer):
+        low, high = int(predictions.min()), int(predictions.max())
+        if low < 0 or high >= num_classes:
+            raise ValueError(
+                f"predicted labels must lie in [0, {num_classes}), found labels in "
+                f"[{low}, {high}]"
+            )
+    one_hot = jax.nn.one_hot(predictions, num_classes, dtype=jnp.float32)
+    counts = _weighted_mean(one_hot, weights)
+    # argmax returns the first maximal index: ties go to the smallest class.
+    return jnp.argmax(counts, axis=-1)
+
+
+def gaussian_mixture(
+    means: Float[Array, "members *batch"],
+    variances: Float[Array, "members *batch"],
+    weights: Float[ArrayLike, " members"] | None = None,
+) -> tuple[Float[Array, "*batch"], Float[Array, "*batch"]]:
+    """Mean and variance of the mixture of the members' Gaussian predictions.
+
+    For members predicting `N(mu_i, sigma_i^2)` with mixture weights `w_i`:
+    `mean = sum_i w_i mu_i` and
+    `variance = sum_i w_i sigma_i^2 + sum_i w_i (mu_i - mean)^2`
+    (aleatoric plus epistemic; Lakshminarayanan et al. 2017), computed in the
+    centred form, which never goes negative through cancellation.
+
+    **Example:**
+
+    ```python
+    mu = jnp.array([[0.0], [2.0]])
+    var = jnp.array([[1.0], [1.0]])
+    ee.combine.gaussian_mixture(mu, var)               # ([1.0], [2.0])
+    ```
+    """
+    if means.shape != variances.shape:
+        raise ValueError(
+            f"`means` and `variances` must have the same shape, got "
+            f"{tuple(means.shape)} and {tuple(variances.shape)}"
+        )
+    mean = _weighted_mean(means, weights)
+    spread = _weighted_mean(jnp.square(means - mean), weights)
+    return mean, _weighted_mean(variances, weights) + spread

@@ -1,0 +1,50 @@
+"""Test configuration: 8 virtual CPU devices, strict promotion, a key fixture."""
+
+import os
+
+# Must happen before JAX initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import itertools  # noqa: E402
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture
+def getkey():
+    """`getkey()` returns a fresh PRNG key each call, deterministic per test."""
+    counter = itertools.count()
+    base = jax.random.key(0)
+
+    def _getkey():
+        return jax.random.fold_in(base, next(counter))
+
+    return _getkey
+
+
+def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:
+    """`eqx.tree_equal` with float32 tolerances, as a plain bool."""
+    return bool(eqx.tree_equal(a, b, rtol=rtol, atol=atol))
+
+
+def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
+    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+    flat_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
+    assert tree_a == tree_b, f"structures differ:\n{tree_a}\n{tree_b}"
+    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
+        if eqx.is_array(x):
+            assert jnp.allclose(x, y, rtol=rtol, atol=atol), (
+                f"leaf {jax.tree_util.keystr(path)} differs: max abs diff "
+                f"{float(jnp.max(jnp.abs(x - y)))}"
+            )
+        else:
+            assert x == y, f"leaf {jax.tree_util.keystr(path)}: {x!r} != {y!r}"
