@@ -2,8 +2,9 @@
 
 ```python
 import eqx_ensemble as ee
-ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 32, 2, key=k), size=8, key=key)
-ens(x)             # (8, 1): one output per member, one compiled computation
+ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 32, 2, key=k), size=8,
+                  key=jax.random.key(0))
+ens(jnp.ones(2))   # shape (8, 1): one output per member, one compiled computation
 ```
 """
 

@@ -1,7 +1,5 @@
 """`tree_weighted_sum` and `average` (a "model soup")."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -9,10 +7,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, PyTree
+from jaxtyping import ArrayLike, Float, PyTree
 
 from ._ensemble import Ensemble
 from ._stack import _check_same_structure
+from ._tree import is_traced
 
 T = TypeVar("T")
 
@@ -58,7 +57,7 @@ def tree_weighted_sum(
             f"`weights` must have one entry per tree: got {len(trees)} trees and "
             f"weights of shape {tuple(weights.shape)}"
         )
-    _check_same_structure(list(trees), "trees")
+    _check_same_structure(list(trees), "trees", numbers_are_data=True)
 
     def combine(*leaves):
         if not _is_summable(leaves[0]):
@@ -75,9 +74,7 @@ def tree_weighted_sum(
     return jax.tree.map(combine, *trees)
 
 
-def average(
-    ens: Ensemble[T], weights: Float[ArrayLike, " members"] | None = None
-) -> T:
+def average(ens: Ensemble[T], weights: Float[ArrayLike, " members"] | None = None) -> T:
     """One model whose weights are the (weighted) mean of the members' weights.
 
     This is a "model soup" (Wortsman et al. 2022): useful when the members share an
@@ -104,7 +101,9 @@ def average(
     ```
     """
     if not isinstance(ens, Ensemble):
-        raise TypeError(f"`ee.average` takes an `ee.Ensemble`, got {type(ens).__name__}")
+        raise TypeError(
+            f"`ee.average` takes an `ee.Ensemble`, got {type(ens).__name__}"
+        )
     size = len(ens)
     if weights is None:
         normalised = jnp.full((size,), 1.0 / size)
@@ -115,7 +114,7 @@ def average(
                 f"`weights` must have one entry per member: the ensemble has {size} "
                 f"members, weights have shape {tuple(weights.shape)}"
             )
-        if not isinstance(weights, jax.core.Tracer):
+        if not is_traced(weights):
             host = np.asarray(weights)
             if (host < 0).any() or host.sum() <= 0:
                 raise ValueError(
@@ -129,7 +128,7 @@ def average(
         if jnp.issubdtype(leaf.dtype, jnp.inexact):
             w = normalised.astype(leaf.dtype)
             return jnp.tensordot(w, leaf, axes=1)
-        if not isinstance(leaf, jax.core.Tracer):
+        if not is_traced(leaf):
             host = np.asarray(leaf)
             if not (host == host[:1]).all():
                 raise ValueError(

@@ -1,17 +1,15 @@
 """The `Ensemble` module and `ensemble`: weights born stacked."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Int, Key, PRNGKeyArray, PyTree, UInt32
 
-from ._tree import leading_size
+from ._tree import is_traced, leading_size
 
 Member = TypeVar("Member")
 
@@ -115,13 +113,13 @@ class Ensemble(eqx.Module, Generic[Member]):
 
 
 def _is_concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)
+    return not is_traced(x)
 
 
 def _member_positions(
     index: Int[Array, " n"] | Bool[Array, " members"] | list | tuple, size: int
 ) -> Any:
-    array = index if eqx.is_array(index) else np.asarray(index)
+    array: Any = index if eqx.is_array(index) else np.asarray(index)
     if array.ndim != 1:
         raise IndexError(
             f"an index array must be 1-D, got shape {tuple(array.shape)}; use an int "
@@ -185,8 +183,10 @@ def check_key(key: Any, *, what: str = "key") -> None:
         )
 
 
-def split_member_keys(key: PRNGKeyArray, size: int) -> PRNGKeyArray:
-    """The per-member keys used throughout the library: `jax.random.split(key, size)`."""
+def split_member_keys(
+    key: PRNGKeyArray, size: int
+) -> Key[Array, " members"] | UInt32[Array, " members 2"]:
+    """The per-member keys used throughout the library: `split(key, size)`."""
     check_key(key)
     return jax.random.split(key, size)
 
@@ -228,12 +228,8 @@ def ensemble(
     if size < 1:
         raise ValueError(f"`size` must be at least 1, got {size}")
     member_keys = split_member_keys(key, int(size))
-    made = eqx.filter_vmap(make)(member_keys)
-    if (
-        isinstance(made, tuple)
-        and len(made) == 2
-        and isinstance(made[1], eqx.nn.State)
-    ):
+    made: Any = eqx.filter_vmap(make)(member_keys)
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], eqx.nn.State):
         model, state = made
-        return Ensemble(model), state
-    return Ensemble(made)
+        return cast(Ensemble[Member], Ensemble(model)), state
+    return cast(Ensemble[Member], Ensemble(made))

@@ -1,7 +1,5 @@
 """`map`: the one general primitive, `fn(member, *args)` across members."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,9 +51,9 @@ def _check_per_member_args(args: tuple, in_axes: tuple, size: int) -> None:
             is_leaf=lambda x: x is None,
         )
         for (path, leaf), axis in zip(
-            jtu.tree_flatten_with_path(arg)[0], jtu.tree_leaves(
-                resolved, is_leaf=lambda x: x is None
-            ), strict=True
+            jtu.tree_flatten_with_path(arg)[0],
+            jtu.tree_leaves(resolved, is_leaf=lambda x: x is None),
+            strict=True,
         ):
             if axis is None or not eqx.is_array(leaf):
                 continue

@@ -1,7 +1,5 @@
 """`stack`, `unstack`, `concatenate`: list-of-structs <-> struct-of-arrays."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -16,11 +14,18 @@ Member = TypeVar("Member")
 
 
 def _check_same_structure(
-    trees: Sequence[Any], what: str, *, ignore_leading_axis: bool = False
+    trees: Sequence[Any],
+    what: str,
+    *,
+    ignore_leading_axis: bool = False,
+    numbers_are_data: bool = False,
 ) -> None:
     for position, tree in enumerate(trees[1:], start=1):
         difference = first_difference(
-            trees[0], tree, ignore_leading_axis=ignore_leading_axis
+            trees[0],
+            tree,
+            ignore_leading_axis=ignore_leading_axis,
+            numbers_are_data=numbers_are_data,
         )
         if difference is not None:
             raise ValueError(
@@ -31,7 +36,7 @@ def _check_same_structure(
 
 
 def stack(models: Sequence[Member]) -> Ensemble[Member]:
-    """Stack a list of same-structure models into one [`Ensemble`][eqx_ensemble.Ensemble].
+    """Stack same-structure models into one [`Ensemble`][eqx_ensemble.Ensemble].
 
     Array leaves are stacked along a new leading member axis; non-array leaves
     (activation functions, Python numbers, static fields) must be equal across models
@@ -61,8 +66,7 @@ def stack(models: Sequence[Member]) -> Ensemble[Member]:
     """
     if isinstance(models, Ensemble) or not isinstance(models, Sequence):
         raise TypeError(
-            "`ee.stack` takes a list (or tuple) of models, got "
-            f"{type(models).__name__}"
+            f"`ee.stack` takes a list (or tuple) of models, got {type(models).__name__}"
         )
     if len(models) == 0:
         raise ValueError("`ee.stack` got an empty list; an ensemble needs a member")
@@ -90,7 +94,9 @@ def unstack(ens: Ensemble[Member]) -> list[Member]:
     ```
     """
     if not isinstance(ens, Ensemble):
-        raise TypeError(f"`ee.unstack` takes an `ee.Ensemble`, got {type(ens).__name__}")
+        raise TypeError(
+            f"`ee.unstack` takes an `ee.Ensemble`, got {type(ens).__name__}"
+        )
     size = len(ens)
     dynamic, static = eqx.partition(ens.members, eqx.is_array)
     # One split per leaf (not one indexing op per member per leaf).

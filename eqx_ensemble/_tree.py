@@ -1,7 +1,5 @@
 """PyTree helpers shared by the package: leaf paths, structure comparison, sizes."""
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Any
 
@@ -9,6 +7,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 import numpy as np
+from jax.core import Tracer
 
 
 def keystr(path: tuple[Any, ...]) -> str:
@@ -28,7 +27,7 @@ def describe(x: Any) -> str:
 
 
 def _children_with_keys(node: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """One level of flattening: `[(key, child), ...]` and the node's one-level treedef."""
+    """One level of flattening: `[(key, child), ...]` and the one-level treedef."""
     leaves_with_path, treedef = jtu.tree_flatten_with_path(
         node, is_leaf=lambda child: child is not node
     )
@@ -50,7 +49,8 @@ def _static_field_difference(a: Any, b: Any, path: str) -> str | None:
         value_b = getattr(b, field.name, None)
         if not _leaves_equal(value_a, value_b):
             return (
-                f"static field `{path}.{field.name}` differs: {value_a!r} vs {value_b!r}"
+                f"static field `{path}.{field.name}` differs: "
+                f"{value_a!r} vs {value_b!r}"
             )
     return None
 
@@ -67,18 +67,29 @@ def _leaves_equal(a: Any, b: Any) -> bool:
         return False
 
 
-def first_difference(a: Any, b: Any, *, ignore_leading_axis: bool = False) -> str | None:
+def first_difference(
+    a: Any, b: Any, *, ignore_leading_axis: bool = False, numbers_are_data: bool = False
+) -> str | None:
     """Describe the first place where two PyTrees differ in structure, or `None`.
 
     Array leaves are compared by shape and dtype (the leading axis is ignored when
     `ignore_leading_axis`), non-array leaves by equality, nodes by type, static
-    fields and children. The description names the leaf path and both values.
+    fields and children. The description names the leaf path and both values. With
+    `numbers_are_data`, Python numbers are data (like arrays) and may differ.
     """
-    return _first_difference(a, b, (), ignore_leading_axis)
+    return _first_difference(a, b, (), ignore_leading_axis, numbers_are_data)
 
 
-def _first_difference(a: Any, b: Any, path: tuple[Any, ...], ignore_leading: bool):
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float | complex) and not isinstance(x, bool)
+
+
+def _first_difference(
+    a: Any, b: Any, path: tuple[Any, ...], ignore_leading: bool, numbers: bool
+) -> str | None:
     where = keystr(path)
+    if numbers and _is_number(a) and _is_number(b):
+        return None
     a_is_array, b_is_array = eqx.is_array(a), eqx.is_array(b)
     if a_is_array or b_is_array:
         if not (a_is_array and b_is_array):
@@ -110,7 +121,9 @@ def _first_difference(a: Any, b: Any, path: tuple[Any, ...], ignore_leading: boo
             return f"node `{where}` has children {keys_a} vs {keys_b}"
         return f"node `{where}` differs in its metadata: {treedef_a} vs {treedef_b}"
     for (key, child_a), (_, child_b) in zip(children_a, children_b, strict=True):
-        found = _first_difference(child_a, child_b, (*path, key), ignore_leading)
+        found = _first_difference(
+            child_a, child_b, (*path, key), ignore_leading, numbers
+        )
         if found is not None:
             return found
     return None
@@ -148,3 +161,8 @@ def leading_size(tree: Any, *, what: str = "ensemble") -> int:
                 f"{size}) but leaf `{path}` has shape {tuple(leaf.shape)}."
             )
     return int(size)
+
+
+def is_traced(x: Any) -> bool:
+    """Whether `x` is a tracer (its value is unknown until run time)."""
+    return isinstance(x, Tracer)

@@ -5,16 +5,16 @@ Every function takes predictions with a leading member axis, as returned by
 
 ```python
 import eqx_ensemble as ee
-probs = jax.nn.softmax(ens_logits, axis=-1)   # (members, batch, classes)
+probs = jax.nn.softmax(jnp.zeros((5, 8, 3)), axis=-1)  # (members, batch, classes)
 ee.combine.mean_probs(probs)                  # (batch, classes)
 ```
 """
 
-from __future__ import annotations
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
+
+from ._tree import is_traced
 
 __all__ = [
     "mean_probs",
@@ -47,9 +47,9 @@ def _weighted_mean(x: Array, weights: Float[ArrayLike, " members"] | None) -> Ar
 
 
 def mean_probs(
-    probs: Float[Array, "members *batch classes"],
+    probs: Float[Array, " members *batch classes"],
     weights: Float[ArrayLike, " members"] | None = None,
-) -> Float[Array, "*batch classes"]:
+) -> Float[Array, " *batch classes"]:
     """The (weighted) mean of the members' predicted probabilities.
 
     **Arguments:**
@@ -68,9 +68,9 @@ def mean_probs(
 
 
 def mean_probs_from_logits(
-    logits: Float[Array, "members *batch classes"],
+    logits: Float[Array, " members *batch classes"],
     weights: Float[ArrayLike, " members"] | None = None,
-) -> Float[Array, "*batch classes"]:
+) -> Float[Array, " *batch classes"]:
     """The mean of the members' softmax probabilities, from their logits.
 
     **Example:**
@@ -84,9 +84,9 @@ def mean_probs_from_logits(
 
 
 def log_mean_probs_from_logits(
-    logits: Float[Array, "members *batch classes"],
+    logits: Float[Array, " members *batch classes"],
     weights: Float[ArrayLike, " members"] | None = None,
-) -> Float[Array, "*batch classes"]:
+) -> Float[Array, " *batch classes"]:
     """`log(mean_i softmax(logits_i))` computed in log-space (no underflow).
 
     Use it for the ensemble's negative log-likelihood: the log of the mean of very
@@ -107,9 +107,9 @@ def log_mean_probs_from_logits(
 
 
 def mean_logits(
-    logits: Float[Array, "members *batch classes"],
+    logits: Float[Array, " members *batch classes"],
     weights: Float[ArrayLike, " members"] | None = None,
-) -> Float[Array, "*batch classes"]:
+) -> Float[Array, " *batch classes"]:
     """Logit averaging: the (weighted) mean of the members' logits.
 
     The softmax of the result is a normalised geometric mean of the members'
@@ -126,10 +126,10 @@ def mean_logits(
 
 
 def majority_vote(
-    predictions: Int[Array, "members *batch"],
+    predictions: Int[Array, " members *batch"],
     num_classes: int,
     weights: Float[ArrayLike, " members"] | None = None,
-) -> Int[Array, "*batch"]:
+) -> Int[Array, " *batch"]:
     """The class predicted by the most members (weighted votes if `weights`).
 
     Ties are broken deterministically in favour of the **smallest class index**
@@ -151,7 +151,7 @@ def majority_vote(
     """
     if num_classes < 1:
         raise ValueError(f"`num_classes` must be at least 1, got {num_classes}")
-    if not isinstance(predictions, jax.core.Tracer):
+    if not is_traced(predictions):
         low, high = int(predictions.min()), int(predictions.max())
         if low < 0 or high >= num_classes:
             raise ValueError(
@@ -165,10 +165,10 @@ def majority_vote(
 
 
 def gaussian_mixture(
-    means: Float[Array, "members *batch"],
-    variances: Float[Array, "members *batch"],
+    means: Float[Array, " members *batch"],
+    variances: Float[Array, " members *batch"],
     weights: Float[ArrayLike, " members"] | None = None,
-) -> tuple[Float[Array, "*batch"], Float[Array, "*batch"]]:
+) -> tuple[Float[Array, " *batch"], Float[Array, " *batch"]]:
     """Mean and variance of the mixture of the members' Gaussian predictions.
 
     For members predicting `N(mu_i, sigma_i^2)` with mixture weights `w_i`:
@@ -191,5 +191,5 @@ def gaussian_mixture(
             f"{tuple(means.shape)} and {tuple(variances.shape)}"
         )
     mean = _weighted_mean(means, weights)
-    spread = _weighted_mean(jnp.square(means - mean), weights)
+    spread = _weighted_mean(jnp.square(means - mean[None]), weights)
     return mean, _weighted_mean(variances, weights) + spread
