@@ -11,7 +11,7 @@ $(BIN)/activate:
 	$(PY) -m pip install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/activate
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[plot]"
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate

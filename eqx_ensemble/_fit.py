@@ -1,0 +1,456 @@
+"""`fit`: the training loop, several steps fused per dispatch with `lax.scan`."""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+
+from ._data import (
+    SAMPLINGS,
+    batch_indices,
+    bootstrap_resamples,
+    gather,
+    num_examples,
+)
+from ._ensemble import Ensemble, check_key
+from ._optim import check_opt_state, init_optimizer, set_hyperparams
+from ._step import vmapped_update
+
+
+class TrainState(eqx.Module):
+    """Everything a run carries from step to step (and what a checkpoint holds)."""
+
+    ensemble: Ensemble
+    opt_state: PyTree[Any]
+    model_state: PyTree[Any]
+    step: Int[Array, ""]
+    diverged_at: Int[Array, " members"]
+    best_ensemble: Ensemble | None
+    best_score: Float[Array, " members"] | None
+    best_step: Int[Array, " members"] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+    """Per-member training history.
+
+    - `losses`: `(steps, members)` training loss of every member at every step.
+    - `eval_steps`: `(evaluations,)` the step count after which each evaluation ran.
+    - `eval_scores`: `(evaluations, members)` each member's `eval_fn` score.
+    """
+
+    losses: np.ndarray
+    eval_steps: np.ndarray
+    eval_scores: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What [`fit`][eqx_ensemble.fit] returns.
+
+    - `ensemble`: the trained ensemble (after the last step).
+    - `opt_state`: the stacked optimizer state.
+    - `state`: the stacked model state (`eqx.nn.State`) or `None`.
+    - `history`: a [`History`][eqx_ensemble.History] of per-member losses and scores.
+    - `diverged`: `{member: step}` for members whose loss or gradient became
+      non-finite; from that step on they were frozen (the others trained on).
+    - `best_ensemble`: with `eval_fn`, each member at its best evaluation score
+      (lowest), else `None`; `best_step` holds the step of each member's best.
+    - `step`: the number of steps done.
+    """
+
+    ensemble: Ensemble
+    opt_state: PyTree[Any]
+    state: PyTree[Any]
+    history: History
+    diverged: dict[int, int]
+    best_ensemble: Ensemble | None
+    best_step: np.ndarray | None
+    step: int
+
+
+class EnsembleDivergedError(FloatingPointError):
+    """Every member of the ensemble diverged (non-finite loss or gradient)."""
+
+
+class _Config(NamedTuple):
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    eval_fn: Callable[..., Any] | None
+    sampling: str
+    batch_size: int
+    num_examples: int
+    size: int
+    chunk: int
+    eval_every: int
+    stateful: bool
+
+
+def _member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any]:
+    # Per-member choice over stacked leaves: member i takes `new` where better[i].
+    def pick(n, o):
+        if not eqx.is_array(n):
+            return n
+        mask = better.reshape(better.shape + (1,) * (n.ndim - 1))
+        return jnp.where(mask, n, o)
+
+    return jax.tree.map(pick, new, old)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _run_chunk(inputs: tuple, train_state: TrainState):
+    config, data, eval_data, data_key, train_key, resamples, end = inputs
+    dynamic, static = eqx.partition(train_state, eqx.is_array)
+    update = vmapped_update(
+        config.loss_fn, config.optimizer, per_member_batch=config.sampling != "shared"
+    )
+    nan_row = jnp.full((config.size,), jnp.nan, dtype=jnp.float32)
+
+    def evaluate(ts: TrainState) -> Array:
+        if config.stateful:
+            scores = eqx.filter_vmap(
+                lambda m, s: config.eval_fn(m, s, eval_data)  # type: ignore[misc]
+            )(ts.ensemble.members, ts.model_state)
+        else:
+            scores = eqx.filter_vmap(
+                lambda m: config.eval_fn(m, eval_data)  # type: ignore[misc]
+            )(ts.ensemble.members)
+        return jnp.asarray(scores, dtype=jnp.float32).reshape(config.size)
+
+    def active(ts: TrainState):
+        step = ts.step
+        indices = batch_indices(
+            config.sampling,
+            data_key,
+            resamples,
+            step,
+            n=config.num_examples,
+            batch_size=config.batch_size,
+            size=config.size,
+        )
+        batch = gather(data, indices)
+        member_keys = jax.random.split(jax.random.fold_in(train_key, step), config.size)
+        frozen = ts.diverged_at >= 0
+        members, opt_state, losses, _, model_state, diverged = update(
+            ts.ensemble.members,
+            ts.opt_state,
+            batch,
+            member_keys,
+            ts.model_state,
+            frozen,
+        )
+        ts = dataclasses.replace(
+            ts,
+            ensemble=Ensemble(members),
+            opt_state=opt_state,
+            model_state=model_state,
+            step=step + 1,
+            diverged_at=jnp.where(diverged, step, ts.diverged_at),
+        )
+        scores = nan_row
+        if config.eval_fn is not None:
+            ts_dynamic, ts_static = eqx.partition(ts, eqx.is_array)
+            scores = jax.lax.cond(
+                (step + 1) % config.eval_every == 0,
+                lambda d: evaluate(eqx.combine(d, ts_static)),
+                lambda _: nan_row,
+                ts_dynamic,
+            )
+            assert ts.best_score is not None and ts.best_step is not None
+            better = scores < ts.best_score
+            ts = dataclasses.replace(
+                ts,
+                best_ensemble=_member_select(better, ts.ensemble, ts.best_ensemble),
+                best_score=jnp.where(better, scores, ts.best_score),
+                best_step=jnp.where(better, step + 1, ts.best_step),
+            )
+        losses = jnp.asarray(losses, dtype=jnp.float32)
+        return eqx.filter(ts, eqx.is_array), (losses, scores)
+
+    def inactive(ts: TrainState):
+        return eqx.filter(ts, eqx.is_array), (nan_row, nan_row)
+
+    def body(carry, _):
+        return jax.lax.cond(
+            carry.step < end,
+            lambda d: active(eqx.combine(d, static)),
+            lambda d: inactive(eqx.combine(d, static)),
+            carry,
+        )
+
+    dynamic, (losses, scores) = jax.lax.scan(body, dynamic, None, length=config.chunk)
+    return eqx.combine(dynamic, static), losses, scores
+
+
+def _check_positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be at least 1, got {value}")
+    return int(value)
+
+
+def fit(
+    ens: Ensemble,
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    data: PyTree[Any],
+    *,
+    steps: int,
+    batch_size: int,
+    key: PRNGKeyArray,
+    sampling: str = "shared",
+    opt_state: PyTree[Any] = None,
+    state: PyTree[Any] = None,
+    hyperparams: dict[str, Any] | None = None,
+    steps_per_dispatch: int = 100,
+    eval_fn: Callable[..., Any] | None = None,
+    eval_data: PyTree[Any] = None,
+    eval_every: int | None = None,
+    callback: Callable[[FitResult], Any] | None = None,
+    progress: bool = True,
+) -> FitResult:
+    """Train every member of an ensemble: the loop users call.
+
+    Minibatches are sampled inside compiled code and `steps_per_dispatch` steps are
+    fused into one dispatch with `jax.lax.scan`, so the Python overhead is paid once
+    per dispatch, not once per step or per member.
+
+    **Arguments:**
+
+    - `ens`: the ensemble to train.
+    - `loss_fn`: the loss of ONE model, `loss_fn(model, batch, key) -> loss` or
+      `(loss, aux)`; with a model `state`: `loss_fn(model, state, batch, key) ->
+      (loss, new_state)` or `(loss, new_state, aux)`. `batch` has the structure of
+      `data` with `batch_size` examples.
+    - `optimizer`: an `optax.GradientTransformation`, applied per member.
+    - `data`: a PyTree of arrays sharing a leading example axis, e.g. `(x, y)`.
+    - `steps`: the number of optimisation steps (in total, counting resumed ones).
+    - `batch_size`: examples per step (per member).
+    - `key`: ONE PRNG key; everything random derives from it (see below).
+    - `sampling`: `"shared"`: all members see the same minibatch; `"independent"`:
+      each member shuffles the data on its own; `"bootstrap"`: each member trains
+      on its own bootstrap resample of the data (bagging).
+    - `opt_state`: a stacked optimizer state to continue from (default: fresh
+      [`init_optimizer`][eqx_ensemble.init_optimizer]).
+    - `state`: the stacked model state for models with `eqx.nn.State`.
+    - `hyperparams`: per-member hyperparameters for an optimizer built with
+      `optax.inject_hyperparams`, name -> array of shape `(len(ens),)`.
+    - `steps_per_dispatch`: steps fused into one compiled call.
+    - `eval_fn`: optional `eval_fn(model, eval_data) -> scalar` (lower is better;
+      `eval_fn(model, state, eval_data)` with a model state), run every
+      `eval_every` steps inside the compiled loop. Each member's best parameters
+      are kept in `FitResult.best_ensemble`.
+    - `callback`: called after every dispatch with the current `FitResult`.
+    - `progress`: show a tqdm progress bar with the step and the mean/min/max
+      member loss.
+
+    **Returns:**
+
+    A [`FitResult`][eqx_ensemble.FitResult].
+
+    **Randomness (exact and documented, so runs are reproducible):**
+    `data_key, bootstrap_key, train_key = jax.random.split(key, 3)`. At step `s`
+    (from 0) member `i`'s `loss_fn` gets key
+    `jax.random.split(jax.random.fold_in(train_key, s), len(ens))[i]`. Batches:
+    `"shared"` uses epochs of `E = n // batch_size` steps; step `s` takes slice
+    `s % E` (of `batch_size` indices) of
+    `jax.random.permutation(jax.random.fold_in(data_key, s // E), n)`.
+    `"independent"` does the same per member with data key
+    `jax.random.split(data_key, len(ens))[i]`. `"bootstrap"`: member `i`'s resample
+    is `jax.random.randint(split(bootstrap_key, len(ens))[i], (n,), 0, n)` and step
+    `s` draws positions `jax.random.randint(fold_in(data_key, s),
+    (len(ens), batch_size), 0, n)` into it.
+
+    **Example:**
+
+    ```python
+    x = jnp.linspace(-1, 1, 64)[:, None]
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 16, 1, key=k), size=4,
+                      key=jax.random.key(0))
+
+    def loss_fn(model, batch, key):
+        xb, yb = batch
+        return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+    result = ee.fit(ens, loss_fn, optax.adam(1e-2), (x, x**2), steps=200,
+                    batch_size=16, key=jax.random.key(1), progress=False)
+    result.history.losses.shape     # (200, 4)
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"`fit` expects an `ee.Ensemble`, got {type(ens).__name__}")
+    size = len(ens)
+    steps = _check_positive_int(steps, "steps")
+    batch_size = _check_positive_int(batch_size, "batch_size")
+    chunk = _check_positive_int(steps_per_dispatch, "steps_per_dispatch")
+    check_key(key)
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"`sampling` must be one of {SAMPLINGS}, got {sampling!r}")
+    n = num_examples(data)
+    if sampling != "bootstrap" and batch_size > n:
+        raise ValueError(
+            f"`batch_size` ({batch_size}) is larger than the data ({n} examples); "
+            "use a smaller batch or `sampling='bootstrap'` (sampling with "
+            "replacement)"
+        )
+    if eval_fn is None and (eval_data is not None or eval_every is not None):
+        raise ValueError("`eval_data`/`eval_every` need an `eval_fn`")
+    if eval_fn is not None:
+        if eval_every is None:
+            raise ValueError("`eval_fn` needs `eval_every` (evaluate every N steps)")
+        eval_every = _check_positive_int(eval_every, "eval_every")
+    if opt_state is None:
+        opt_state = init_optimizer(optimizer, ens)
+    else:
+        check_opt_state(optimizer, ens.members, opt_state)
+    if hyperparams:
+        opt_state = set_hyperparams(opt_state, hyperparams, size)
+    stateful = state is not None
+
+    data_key, bootstrap_key, train_key = jax.random.split(key, 3)
+    resamples = (
+        bootstrap_resamples(bootstrap_key, size, n) if sampling == "bootstrap" else None
+    )
+    config = _Config(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        eval_fn=eval_fn,
+        sampling=sampling,
+        batch_size=batch_size,
+        num_examples=n,
+        size=size,
+        chunk=min(chunk, steps),
+        eval_every=eval_every or 1,
+        stateful=stateful,
+    )
+    # The loop donates its state to each dispatch: copy so the caller's arrays stay
+    # valid.
+    copy = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree
+    )
+    with_eval = eval_fn is not None
+    train_state = TrainState(
+        ensemble=copy(ens),
+        opt_state=copy(opt_state),
+        model_state=copy(state),
+        step=jnp.array(0, dtype=jnp.int32),
+        diverged_at=jnp.full((size,), -1, dtype=jnp.int32),
+        best_ensemble=copy(ens) if with_eval else None,
+        best_score=jnp.full((size,), jnp.inf, jnp.float32) if with_eval else None,
+        best_step=jnp.zeros((size,), jnp.int32) if with_eval else None,
+    )
+    losses_seen: list[np.ndarray] = []
+    eval_steps: list[int] = []
+    eval_scores: list[np.ndarray] = []
+    done = int(train_state.step)
+
+    bar = _progress_bar(steps, done, progress)
+    try:
+        while done < steps:
+            end = min(steps, done + config.chunk)
+            inputs = (
+                config,
+                data,
+                eval_data,
+                data_key,
+                train_key,
+                resamples,
+                jnp.array(end, dtype=jnp.int32),
+            )
+            train_state, chunk_losses, chunk_scores = _run_chunk(inputs, train_state)
+            active = end - done
+            chunk_losses = np.asarray(chunk_losses)[:active]
+            losses_seen.append(chunk_losses)
+            if with_eval:
+                chunk_scores = np.asarray(chunk_scores)[:active]
+                for offset in range(active):
+                    if (done + offset + 1) % config.eval_every == 0:
+                        eval_steps.append(done + offset + 1)
+                        eval_scores.append(chunk_scores[offset])
+            done = end
+            diverged_at = np.asarray(train_state.diverged_at)
+            if bar is not None:
+                bar.update(active)
+                bar.set_postfix_str(_loss_summary(chunk_losses[-1], diverged_at))
+            if (diverged_at >= 0).all():
+                raise EnsembleDivergedError(
+                    f"All {size} members diverged (non-finite loss or gradient) at "
+                    f"steps {diverged_at.tolist()}; lower the learning rate or check "
+                    "the loss"
+                )
+            if callback is not None:
+                callback(
+                    _result(train_state, losses_seen, eval_steps, eval_scores, size)
+                )
+    finally:
+        if bar is not None:
+            bar.close()
+    return _result(train_state, losses_seen, eval_steps, eval_scores, size)
+
+
+def _result(
+    train_state: TrainState,
+    losses_seen: list[np.ndarray],
+    eval_steps: list[int],
+    eval_scores: list[np.ndarray],
+    size: int,
+) -> FitResult:
+    diverged_at = np.asarray(train_state.diverged_at)
+    losses = (
+        np.concatenate(losses_seen)
+        if losses_seen
+        else np.zeros((0, size), dtype=np.float32)
+    )
+    history = History(
+        losses=losses,
+        eval_steps=np.asarray(eval_steps, dtype=np.int64),
+        eval_scores=(
+            np.stack(eval_scores)
+            if eval_scores
+            else np.zeros((0, size), dtype=np.float32)
+        ),
+    )
+    return FitResult(
+        ensemble=train_state.ensemble,
+        opt_state=train_state.opt_state,
+        state=train_state.model_state,
+        history=history,
+        diverged={
+            int(member): int(step)
+            for member, step in enumerate(diverged_at)
+            if step >= 0
+        },
+        best_ensemble=train_state.best_ensemble,
+        best_step=(
+            None if train_state.best_step is None else np.asarray(train_state.best_step)
+        ),
+        step=int(train_state.step),
+    )
+
+
+def _loss_summary(last_losses: np.ndarray, diverged_at: np.ndarray) -> str:
+    healthy = last_losses[(diverged_at < 0) & np.isfinite(last_losses)]
+    text = "diverged: all"
+    if healthy.size:
+        text = (
+            f"loss mean={healthy.mean():.4g} min={healthy.min():.4g} "
+            f"max={healthy.max():.4g}"
+        )
+    if (diverged_at >= 0).any():
+        text += f" diverged={int((diverged_at >= 0).sum())}"
+    return text
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="fit", unit="step", leave=True)

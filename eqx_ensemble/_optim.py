@@ -1,0 +1,206 @@
+"""`init_optimizer`: one optax state per member, per-member hyperparameters."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import optax
+from jaxtyping import ArrayLike, Float, PyTree
+
+from ._ensemble import Ensemble
+from ._tree import first_difference, keystr
+
+
+def trainable(members: PyTree[Any]) -> PyTree[Any]:
+    """The parameters an optimizer sees: the floating-point array leaves."""
+    return eqx.filter(members, eqx.is_inexact_array)
+
+
+def _hyperparam_nodes(opt_state: PyTree[Any]) -> list[tuple[str, Any]]:
+    found = []
+
+    def is_node(x):
+        return (
+            isinstance(x, tuple)
+            and hasattr(x, "hyperparams")
+            and isinstance(getattr(x, "hyperparams"), dict)
+        )
+
+    for path, node in jtu.tree_flatten_with_path(opt_state, is_leaf=is_node)[0]:
+        if is_node(node):
+            found.append((keystr(path), node))
+    return found
+
+
+def set_hyperparams(
+    opt_state: PyTree[Any],
+    hyperparams: Mapping[str, Float[ArrayLike, " members"] | float],
+    size: int,
+) -> PyTree[Any]:
+    """Set per-member hyperparameters inside a stacked `inject_hyperparams` state.
+
+    **Arguments:**
+
+    - `opt_state`: a stacked optimizer state from
+      [`init_optimizer`][eqx_ensemble.init_optimizer].
+    - `hyperparams`: name -> one value per member (or one value for all).
+    - `size`: the ensemble size.
+
+    **Returns:**
+
+    The state with the hyperparameters replaced.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(2, 1, key=k), size=3,
+                      key=jax.random.key(0))
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = ee.init_optimizer(opt, ens)
+    state = ee.set_hyperparams(state, {"learning_rate": jnp.array([0.1, 0.01, 0.0])},
+                               size=3)
+    state.hyperparams["learning_rate"]      # [0.1, 0.01, 0.0]
+    ```
+    """
+    nodes = _hyperparam_nodes(opt_state)
+    if not nodes:
+        raise ValueError(
+            "Per-member hyperparameters need an optimizer built with "
+            "`optax.inject_hyperparams`, e.g. "
+            "`optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)`; this "
+            "optimizer state has no injected hyperparameters."
+        )
+    for name, value in hyperparams.items():
+        owners = [(path, node) for path, node in nodes if name in node.hyperparams]
+        if not owners:
+            available = sorted({n for _, node in nodes for n in node.hyperparams})
+            raise ValueError(
+                f"Unknown hyperparameter {name!r}; the injected hyperparameters are "
+                f"{available}"
+            )
+        if len(owners) > 1:
+            raise ValueError(
+                f"Hyperparameter {name!r} is injected in several places "
+                f"({[path for path, _ in owners]}); set them on the optimizer itself"
+            )
+        path, node = owners[0]
+        current = node.hyperparams[name]
+        array = jnp.asarray(value)
+        if array.ndim == 0:
+            array = jnp.broadcast_to(array, (size,))
+        if array.shape != (size,):
+            raise ValueError(
+                f"Hyperparameter {name!r} must have one value per member: the "
+                f"ensemble has {size} members, got shape {tuple(array.shape)}"
+            )
+        if not isinstance(value, jax.Array) or not jax.numpy.issubdtype(
+            array.dtype, current.dtype
+        ):
+            array = array.astype(current.dtype)
+        new_hyperparams = {**node.hyperparams, name: array}
+        opt_state = jtu.tree_map(
+            lambda x, node=node, new=new_hyperparams: (
+                x._replace(hyperparams=new) if x is node else x
+            ),
+            opt_state,
+            is_leaf=lambda x: x is node,
+        )
+        nodes = _hyperparam_nodes(opt_state)
+    return opt_state
+
+
+def init_optimizer(
+    optimizer: optax.GradientTransformation,
+    ens: Ensemble,
+    *,
+    hyperparams: Mapping[str, Float[ArrayLike, " members"] | float] | None = None,
+) -> PyTree[Any]:
+    """Initialise one optax state per member, stacked like the ensemble.
+
+    The state is `filter_vmap(optimizer.init)` over the members' floating-point
+    leaves, so every transformation keeps its per-member meaning (Adam moments,
+    `clip_by_global_norm`'s norm, schedules' step counts are all per member).
+
+    **Arguments:**
+
+    - `optimizer`: any `optax.GradientTransformation`.
+    - `ens`: the ensemble.
+    - `hyperparams`: optional per-member hyperparameters, name -> array of shape
+      `(len(ens),)`, for an optimizer built with `optax.inject_hyperparams`; e.g. a
+      learning-rate sweep trained as one ensemble.
+
+    **Returns:**
+
+    The stacked optimizer state (leading member axis on every array leaf).
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 16, 1, key=k), size=4,
+                      key=jax.random.key(0))
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    state = ee.init_optimizer(opt, ens,
+                              hyperparams={"learning_rate": jnp.logspace(-4, -1, 4)})
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
+    size = len(ens)
+    opt_state = eqx.filter_vmap(optimizer.init)(trainable(ens.members))
+    if hyperparams:
+        opt_state = set_hyperparams(opt_state, hyperparams, size)
+    return opt_state
+
+
+def check_opt_state(
+    optimizer: optax.GradientTransformation, members: PyTree[Any], opt_state: Any
+) -> None:
+    """Raise a clear error if `opt_state` was not made for these members."""
+    size = jax.tree.leaves(eqx.filter(members, eqx.is_array))[0].shape[0]
+    expected = eqx.filter_eval_shape(
+        eqx.filter_vmap(optimizer.init), trainable(members)
+    )
+    expected_arrays = eqx.filter(expected, eqx.is_array_like)
+    given_arrays = eqx.filter(opt_state, eqx.is_array_like)
+    difference = first_difference(
+        jax.tree.map(_as_struct, expected_arrays),
+        jax.tree.map(_as_struct, given_arrays),
+    )
+    if difference is not None:
+        raise ValueError(
+            "The optimizer state does not match the ensemble and optimizer (make it "
+            f"with `ee.init_optimizer(optimizer, ens)` for this {size}-member "
+            f"ensemble). First difference (expected first): {difference}"
+        )
+
+
+class _Spec:
+    """Shape and dtype of an array leaf, compared without weak types or shardings."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
+        self.shape, self.dtype = tuple(shape), jnp.dtype(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Spec)
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+def _as_struct(x: Any) -> Any:
+    if isinstance(x, bool | int | float | complex):
+        return x
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return _Spec(x.shape, x.dtype)
+    return _Spec(np.shape(x), jnp.result_type(x))

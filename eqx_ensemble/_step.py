@@ -1,0 +1,226 @@
+"""`make_step`: one compiled optimisation step for every member at once."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
+
+from ._ensemble import Ensemble, check_key
+from ._map import _check_per_member_args
+from ._optim import check_opt_state, trainable
+
+
+class StepOutput(NamedTuple):
+    """What a step returns: unpack it as
+    `ens, opt_state, losses, aux, state = step(...)`."""
+
+    ensemble: Ensemble
+    opt_state: PyTree[Any]
+    losses: Float[Array, " members"]
+    aux: PyTree[Any]
+    state: PyTree[Any]
+
+
+def _split_loss_output(out: Any, stateful: bool) -> tuple[Array, Any, Any]:
+    if stateful:
+        if not isinstance(out, tuple) or len(out) not in (2, 3):
+            raise TypeError(
+                "With a model state, `loss_fn(model, state, batch, key)` must return "
+                "`(loss, new_state)` or `(loss, new_state, aux)`; got "
+                f"{type(out).__name__}"
+            )
+        loss, new_state = out[0], out[1]
+        aux = out[2] if len(out) == 3 else None
+    else:
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise TypeError(
+                    "`loss_fn(model, batch, key)` must return a scalar loss or "
+                    f"`(loss, aux)`; got a tuple of length {len(out)}"
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        new_state = None
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise ValueError(
+            "`loss_fn` must return a scalar loss for ONE model (the library vmaps "
+            f"over members), but it returned a loss of shape {tuple(loss.shape)}; "
+            "reduce it, e.g. with `.mean()`"
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"`loss_fn` must return a floating loss, got {loss.dtype}")
+    return loss, aux, new_state
+
+
+def _all_finite(tree: PyTree[Any]) -> Bool[Array, ""]:
+    leaves = [
+        jnp.all(jnp.isfinite(leaf))
+        for leaf in jax.tree.leaves(tree)
+        if eqx.is_inexact_array(leaf)
+    ]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack(leaves))
+
+
+def _select(keep_new: Bool[Array, ""], new: Any, old: Any) -> Any:
+    def pick(n, o):
+        if not eqx.is_array(n) or jnp.issubdtype(n.dtype, jax.dtypes.prng_key):
+            return n
+        return jnp.where(keep_new, n, o)
+
+    return jax.tree.map(pick, new, old)
+
+
+def member_update(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    member: Any,
+    opt_state: Any,
+    batch: Any,
+    key: Any,
+    state: Any,
+    frozen: Any,
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """One step for ONE member (vmapped over members by the callers).
+
+    A member whose loss or gradients are not finite, or that is `frozen`, keeps its
+    parameters, optimizer state and model state; `diverged` reports the former.
+    """
+    stateful = state is not None
+
+    def loss_of(model):
+        if stateful:
+            out = loss_fn(model, state, batch, key)
+        else:
+            out = loss_fn(model, batch, key)
+        loss, aux, new_state = _split_loss_output(out, stateful)
+        return loss, (aux, new_state)
+
+    (loss, (aux, new_state)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(
+        member
+    )
+    # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
+    # count in Adam's bias correction); trace it that way even when the user runs
+    # with `jax_numpy_dtype_promotion="strict"`.
+    with jax.numpy_dtype_promotion("standard"):
+        updates, new_opt_state = optimizer.update(grads, opt_state, trainable(member))
+    new_member = eqx.apply_updates(member, updates)
+    finite = jnp.isfinite(loss) & _all_finite(grads)
+    keep_new = finite & jnp.logical_not(frozen)
+    new_member = _select(keep_new, new_member, member)
+    new_opt_state = _select(keep_new, new_opt_state, opt_state)
+    if stateful:
+        new_state = _select(keep_new, new_state, state)
+    diverged = jnp.logical_not(finite) & jnp.logical_not(frozen)
+    return new_member, new_opt_state, loss, aux, new_state, diverged
+
+
+def vmapped_update(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    per_member_batch: bool,
+) -> Callable[..., Any]:
+    """`member_update` under `eqx.filter_vmap` over the member axis."""
+
+    def update(member, opt_state, batch, key, state, frozen):
+        return member_update(
+            loss_fn, optimizer, member, opt_state, batch, key, state, frozen
+        )
+
+    batch_axes = eqx.if_array(0) if per_member_batch else None
+    return eqx.filter_vmap(
+        update,
+        in_axes=(
+            eqx.if_array(0),
+            eqx.if_array(0),
+            batch_axes,
+            eqx.if_array(0),
+            eqx.if_array(0),
+            eqx.if_array(0),
+        ),
+    )
+
+
+def make_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    per_member_batch: bool = False,
+) -> Callable[..., StepOutput]:
+    """A compiled training step that updates every member at once.
+
+    The step applies `eqx.filter_value_and_grad(loss_fn)` and the optax update to
+    each member under `eqx.filter_vmap`: one trace, one compile, one dispatch for the
+    whole ensemble. Every optax transformation keeps its per-member meaning
+    (`optax.clip_by_global_norm` clips each member by its own norm).
+
+    **Arguments:**
+
+    - `loss_fn`: the loss of ONE model: `loss_fn(model, batch, key) -> loss` or
+      `-> (loss, aux)`. For models with `eqx.nn.State` (e.g. BatchNorm):
+      `loss_fn(model, state, batch, key) -> (loss, new_state)` or
+      `(loss, new_state, aux)`. The loss must be a scalar.
+    - `optimizer`: an `optax.GradientTransformation`; its state comes from
+      [`init_optimizer`][eqx_ensemble.init_optimizer].
+    - `per_member_batch`: `False`: every member gets the same `batch`; `True`: every
+      array leaf of `batch` has a leading member axis and member `i` gets slice `i`.
+
+    **Returns:**
+
+    `step(ens, opt_state, batch, key, state=None) -> StepOutput`, a
+    `(ensemble, opt_state, losses, aux, state)` named tuple with per-member
+    `losses` of shape `(len(ens),)`. Member `i` is called with key
+    `jax.random.split(key, len(ens))[i]`. A member whose loss or gradient is not
+    finite keeps its previous parameters and optimizer state (its loss is
+    reported as non-finite), so it cannot corrupt anything.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 16, 1, key=k), size=3,
+                      key=jax.random.key(0))
+    opt = optax.adam(1e-2)
+    opt_state = ee.init_optimizer(opt, ens)
+
+    def loss_fn(model, batch, key):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    step = ee.make_step(loss_fn, opt)
+    x = jnp.linspace(-1, 1, 32)[:, None]
+    ens, opt_state, losses, aux, _ = step(ens, opt_state, (x, x**2),
+                                          jax.random.key(1))
+    losses.shape     # (3,)
+    ```
+    """
+
+    @eqx.filter_jit
+    def step(
+        ens: Ensemble,
+        opt_state: PyTree[Any],
+        batch: PyTree[Any],
+        key: PRNGKeyArray,
+        state: PyTree[Any] = None,
+    ) -> StepOutput:
+        if not isinstance(ens, Ensemble):
+            raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
+        check_key(key)
+        size = len(ens)
+        check_opt_state(optimizer, ens.members, opt_state)
+        if per_member_batch:
+            _check_per_member_args((batch,), (0,), size)
+        member_keys = jax.random.split(key, size)
+        frozen = jnp.zeros((size,), dtype=bool)
+        members, new_opt_state, losses, aux, new_state, _ = vmapped_update(
+            loss_fn, optimizer, per_member_batch
+        )(ens.members, opt_state, batch, member_keys, state, frozen)
+        return StepOutput(Ensemble(members), new_opt_state, losses, aux, new_state)
+
+    return step
