@@ -1,0 +1,479 @@
+"""`save` / `load`: verified, atomic checkpoints of any PyTree (ensembles included).
+
+Why a container of our own rather than `eqx.tree_serialise_leaves`: that format is
+a bare stream of `np.save` records with no manifest, so it cannot say which leaf
+of a mismatched file differs, cannot detect a flipped byte, and cannot restore typed
+PRNG keys or shardings. Ours keeps its spirit (leaves stored in flattening order,
+non-array leaves taken from `like`) and adds a verified manifest; the layout is
+documented in `_checkpoint_file.py` and in `ee.save`'s docstring.
+"""
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from ._checkpoint_file import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CheckpointFile,
+    aligned,
+    write_file,
+)
+from ._checkpoint_tree import (
+    ARRAY_KINDS,
+    PYTHON_KINDS,
+    classify,
+    describe,
+    describe_nodes,
+    ensemble_difference,
+    find_ensembles,
+    node_difference,
+    path_difference,
+)
+from ._tree import is_traced, keystr
+
+Tree = TypeVar("Tree")
+
+
+def save(
+    path: str | os.PathLike[str],
+    tree: PyTree,
+    *,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Save a PyTree (an ensemble, an optimizer state, a PRNG key...) to one file.
+
+    The write is atomic: the file is written to a temporary file in the same folder,
+    flushed and fsynced, then renamed over `path`; a crash at any point leaves the
+    previous file at `path` intact. Missing parent folders are created.
+
+    Stored: every array leaf (`jax.Array`, `np.ndarray`, NumPy scalar; bfloat16 and
+    other ML dtypes included), typed PRNG key arrays (their key data and
+    implementation name), and Python `bool`/`int`/`float`/`complex` leaves (exactly).
+    Other leaves (functions, strings...) and static fields are not stored: `load`
+    takes them from `like`, as `eqx.tree_deserialise_leaves` does.
+
+    **File format** (version 1): 8 magic bytes `\\x89EQXENS\\n`, the manifest length
+    (uint64 little-endian), the manifest's sha256, the manifest (UTF-8 JSON), then
+    the data: each array's raw little-endian C-order bytes at a 64-byte-aligned
+    offset. The manifest holds the format name and version, the library, JAX and
+    Equinox versions, the tree's `treedef` text, its node types and static fields,
+    per leaf its path, kind, shape, dtype, offset and size (or its Python value),
+    the size of every `ee.Ensemble` in the tree (`ensemble_size` for the first),
+    the data's length and sha256, and your `metadata`.
+
+    **Multi-host** (`jax.process_count() > 1`): every process must call `save` with
+    its part of the same global tree; arrays that are not fully addressable are
+    gathered with `jax.experimental.multihost_utils.process_allgather`, process 0
+    writes the file (on a file system every process can read), and all processes
+    return once it is written. In one process nothing is gathered or synchronised.
+
+    **Arguments:**
+
+    - `path`: the file to write (conventionally `*.ckpt`).
+    - `tree`: any PyTree; its arrays must be concrete (not traced).
+    - `metadata`: an optional JSON-serialisable dict (string keys) stored in the
+      manifest; read it back with [`ee.load_manifest`][eqx_ensemble.load_manifest].
+
+    **Returns:**
+
+    The path written, as a `pathlib.Path`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 8, 2, key=k), size=4,
+                      key=jax.random.key(0))
+    ee.save("ensemble.ckpt", ens, metadata={"epoch": 3})
+    like = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 8, 2, key=k), size=4,
+                       key=jax.random.key(1))
+    restored = ee.load("ensemble.ckpt", like)
+    assert eqx.tree_equal(restored, ens)
+    ee.load_manifest("ensemble.ckpt")["metadata"]   # {'epoch': 3}
+    ```
+    """
+    return save_tree(Path(path), tree, metadata=metadata)
+
+
+def save_tree(
+    path: Path,
+    tree: Any,
+    *,
+    metadata: dict[str, Any] | None,
+    step: int | None = None,
+    after_write: Callable[[], None] | None = None,
+) -> Path:
+    """`save`, also recording a training `step` and running `after_write` on the
+    writing process once the file is in place (used to prune old checkpoints)."""
+    metadata = _checked_metadata(metadata)
+    leaves, treedef = jtu.tree_flatten_with_path(tree)
+    records, chunks = _encode_leaves(leaves)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": _library_version(),
+        "jax_version": jax.__version__,
+        "equinox_version": eqx.__version__,
+        "step": step,
+        "ensemble_size": None,
+        "ensembles": find_ensembles(tree),
+        "treedef": str(treedef),
+        "nodes": describe_nodes(tree),
+        "leaves": records,
+        "metadata": metadata,
+    }
+    if manifest["ensembles"]:
+        manifest["ensemble_size"] = manifest["ensembles"][0]["size"]
+
+    def write() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file(path, manifest, chunks)
+        if after_write is not None:
+            after_write()
+
+    if jax.process_count() == 1:
+        write()
+    else:
+        _write_on_process_zero(write, path)
+    return path
+
+
+def _library_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(name, str) for name in metadata
+    ):
+        raise TypeError("`metadata` must be a dict with string keys")
+    try:
+        return json.loads(json.dumps(metadata))
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"`metadata` must be JSON-serialisable (dicts, lists, strings, numbers, "
+            f"booleans, None): {error}"
+        ) from None
+
+
+def _encode_leaves(leaves: list[tuple[Any, Any]]) -> tuple[list[dict], list[Any]]:
+    records: list[dict[str, Any]] = []
+    chunks: list[Any] = []
+    offset = 0
+    for path, leaf in leaves:
+        where = keystr(path)
+        if is_traced(leaf):
+            raise TypeError(
+                f"Cannot save leaf `{where}`: it is traced (inside `jit`, `vmap`, "
+                "`grad`...). Call `ee.save` outside transformed code."
+            )
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"Cannot save leaf `{where}`: it is a `jax.ShapeDtypeStruct`, which "
+                "has no values (structs are for `like` in `ee.load`)."
+            )
+        record = {"path": where, **classify(leaf)}
+        kind = record["kind"]
+        if kind in ARRAY_KINDS:
+            host = _host_bytes(leaf, where, record)
+            padding = aligned(offset) - offset
+            if padding:
+                chunks.append(bytes(padding))
+                offset += padding
+            record["offset"], record["nbytes"] = offset, host.nbytes
+            chunks.append(host)
+            offset += host.nbytes
+        elif kind == "float":
+            record["value"] = float(leaf).hex()
+        elif kind == "complex":
+            record["value"] = [complex(leaf).real.hex(), complex(leaf).imag.hex()]
+        elif kind in PYTHON_KINDS:
+            record["value"] = int(leaf)
+        records.append(record)
+    return records, chunks
+
+
+def _host_bytes(leaf: Any, where: str, record: dict[str, Any]) -> np.ndarray:
+    """The leaf's value as a flat little-endian uint8 host array."""
+    if record["kind"] == "key":
+        record["impl"] = str(jax.random.key_impl(leaf))
+        leaf = jax.random.key_data(leaf)
+        record["data_dtype"] = np.dtype(leaf.dtype).name
+        record["data_shape"] = list(leaf.shape)
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        host = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    else:
+        host = np.asarray(leaf)
+    if not _restorable(host.dtype):
+        raise TypeError(
+            f"Cannot save leaf `{where}`: arrays of dtype {host.dtype} are not "
+            "supported (use numeric, boolean or ML dtypes such as bfloat16)."
+        )
+    if host.dtype.byteorder == ">":
+        host = host.astype(host.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+
+
+def _restorable(dtype: np.dtype) -> bool:
+    """Whether `jnp.dtype(dtype.name)` gives the dtype back (numeric, ML dtypes)."""
+    try:
+        return not dtype.hasobject and jnp.dtype(dtype.name) == dtype.newbyteorder("=")
+    except TypeError:
+        return False
+
+
+def _write_on_process_zero(write: Callable[[], None], path: Path) -> None:
+    from jax.experimental import multihost_utils
+
+    failure: BaseException | None = None
+    if jax.process_index() == 0:
+        try:
+            write()
+        except Exception as error:
+            failure = error
+    # Also a barrier: no process returns before the file is in place.
+    succeeded = multihost_utils.broadcast_one_to_all(np.asarray(failure is None))
+    if failure is not None:
+        raise failure
+    if not bool(succeeded):
+        raise OSError(f"process 0 failed to write the checkpoint {path}")
+
+
+def load(path: str | os.PathLike[str], like: Tree) -> Tree:
+    """Load a checkpoint written by [`ee.save`][eqx_ensemble.save] into `like`'s shape.
+
+    The file is verified before anything is returned: its header, the manifest's
+    sha256, its length (truncation, trailing bytes) and the data's sha256; and the
+    stored tree is compared with `like`: ensemble sizes, node types and static
+    fields, leaf paths, and each leaf's kind, shape and dtype. Non-array leaves
+    (functions...) and static fields come from `like`; Python numbers are restored
+    from the file as the Python type found in `like`.
+
+    Placement follows `like`: a loaded array is put on the sharding of `like`'s
+    leaf (`jax.device_put(x, like_leaf.sharding)`), so a checkpoint saved from a run
+    sharded over 8 devices loads onto 1 device or another mesh, and the other way
+    round. `like` may come from `eqx.filter_eval_shape` (leaves are
+    `jax.ShapeDtypeStruct`s): arrays then go on the struct's sharding if it has one,
+    otherwise on the default device. NumPy leaves in `like` load as NumPy arrays.
+
+    **Arguments:**
+
+    - `path`: a file written by `ee.save` (or `ee.save_checkpoint`).
+    - `like`: a PyTree with the same structure as the saved one: a model of the same
+      architecture, or `eqx.filter_eval_shape` of its constructor.
+
+    **Returns:**
+
+    A PyTree with `like`'s structure and the checkpoint's values.
+
+    **Raises:**
+
+    [`ee.CheckpointError`][eqx_ensemble.CheckpointError] (a `ValueError`) when the
+    file is not a checkpoint, is truncated or corrupt, or differs from `like`; the
+    message says what differs (leaf path, both shapes/dtypes, both ensemble sizes).
+    `FileNotFoundError` when there is no file at `path`.
+
+    **Example:**
+
+    ```python
+    make = lambda k: eqx.nn.MLP(3, 2, 16, 2, key=k)
+    ens = ee.ensemble(make, size=8, key=jax.random.key(0))
+    ee.save("ens.ckpt", ens)
+    # No need to initialise real weights to get a `like`:
+    like = eqx.filter_eval_shape(ee.ensemble, make, size=8, key=jax.random.key(0))
+    restored = ee.load("ens.ckpt", like)
+    assert eqx.tree_equal(restored, ens)
+    ```
+    """
+    path = Path(path)
+    like_leaves, like_treedef = jtu.tree_flatten_with_path(like)
+    with CheckpointFile(path) as file:
+        records = _verified_records(file, like, like_leaves)
+        data = file.read_data()
+    leaves = [
+        _decode(record, like_leaf, data)
+        for record, (_, like_leaf) in zip(records, like_leaves, strict=True)
+    ]
+    return jtu.tree_unflatten(like_treedef, leaves)
+
+
+def _verified_records(
+    file: CheckpointFile, like: Any, like_leaves: list[tuple[Any, Any]]
+) -> list[dict[str, Any]]:
+    """The manifest's leaf records, once they are known to match `like`."""
+    try:
+        records = list(file.manifest["leaves"])
+        message = (
+            _structure_difference(file.manifest, like, like_leaves)
+            or _first_mismatch(records, like_leaves)
+            or _layout_error(records, file.data_bytes)
+        )
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise file.error(f"the manifest is malformed ({error!r})") from None
+    if message is not None:
+        raise file.error(message)
+    return records
+
+
+def _structure_difference(
+    manifest: dict[str, Any], like: Any, like_leaves: list[tuple[Any, Any]]
+) -> str | None:
+    return (
+        ensemble_difference(manifest["ensembles"], find_ensembles(like))
+        or node_difference(manifest["nodes"], describe_nodes(like))
+        or path_difference(
+            [record["path"] for record in manifest["leaves"]],
+            [keystr(path) for path, _ in like_leaves],
+        )
+    )
+
+
+def _first_mismatch(
+    records: list[dict[str, Any]], like_leaves: list[tuple[Any, Any]]
+) -> str | None:
+    for record, (path, like_leaf) in zip(records, like_leaves, strict=True):
+        expected = classify(like_leaf)
+        found = {key: record.get(key) for key in expected}
+        if record["kind"] == "static" and expected["kind"] == "static":
+            continue
+        if found != expected:
+            return (
+                f"leaf `{keystr(path)}` differs: the checkpoint holds "
+                f"{describe(record)}, `like` holds {describe(expected)}"
+            )
+    return None
+
+
+def _layout_error(records: list[dict[str, Any]], data_bytes: int) -> str | None:
+    for record in records:
+        if record["kind"] not in ARRAY_KINDS:
+            continue
+        key = record["kind"] == "key"
+        dtype = jnp.dtype(record["data_dtype"] if key else record["dtype"])
+        shape = record["data_shape"] if key else record["shape"]
+        offset, nbytes = int(record["offset"]), int(record["nbytes"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if nbytes != count * dtype.itemsize or not 0 <= offset <= data_bytes - nbytes:
+            return (
+                f"the manifest entry of leaf `{record['path']}` is inconsistent: "
+                f"{nbytes} bytes at offset {offset} of {data_bytes} for "
+                f"{dtype.name}{tuple(shape)}"
+            )
+    return None
+
+
+def _decode(record: dict[str, Any], like_leaf: Any, data: bytearray) -> Any:
+    kind = record["kind"]
+    if kind == "static":
+        return like_leaf
+    if kind == "float":
+        return type(like_leaf)(float.fromhex(record["value"]))
+    if kind == "complex":
+        real, imag = record["value"]
+        return type(like_leaf)(complex(float.fromhex(real), float.fromhex(imag)))
+    if kind in PYTHON_KINDS:
+        return type(like_leaf)(record["value"])
+    if kind == "key":
+        host = _host_view(data, record, record["data_dtype"], record["data_shape"])
+        return _place_key(host, record["impl"], like_leaf)
+    host = _host_view(data, record, record["dtype"], record["shape"])
+    return _place_array(host, like_leaf)
+
+
+def _host_view(
+    data: bytearray, record: dict[str, Any], dtype_name: str, shape: list[int]
+) -> np.ndarray:
+    dtype = jnp.dtype(dtype_name)
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(
+        data, dtype=dtype, count=count, offset=record["offset"]
+    ).reshape(shape)
+
+
+def _placement(like_leaf: Any) -> tuple[Any, bool]:
+    """The sharding to put a loaded array on (`None`: default device, uncommitted)
+    and whether it should be weakly typed."""
+    if isinstance(like_leaf, jax.Array):
+        sharding = like_leaf.sharding if like_leaf.committed else None
+        return sharding, getattr(like_leaf, "weak_type", False)
+    if isinstance(like_leaf, jax.ShapeDtypeStruct):
+        return like_leaf.sharding, like_leaf.weak_type
+    return None, False
+
+
+def _place_array(host: np.ndarray, like_leaf: Any) -> Any:
+    if isinstance(like_leaf, np.ndarray):
+        return host.copy()
+    if isinstance(like_leaf, np.generic):
+        return host.reshape(())[()]
+    sharding, weak = _placement(like_leaf)
+    value: Any = host
+    if weak:
+        # `.at[].set` keeps the weak type of the (weakly typed) array it updates.
+        base = jnp.full(host.shape, host.dtype.type(0).item())
+        if base.dtype == host.dtype:
+            value = base.at[...].set(host)
+    if sharding is None:
+        return jnp.asarray(value)
+    if sharding.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _place_key(host: np.ndarray, impl: str, like_leaf: Any) -> Any:
+    sharding, _ = _placement(like_leaf)
+    if sharding is None or sharding.is_fully_addressable:
+        keys = jax.random.wrap_key_data(host, impl=impl)
+        return keys if sharding is None else jax.device_put(keys, sharding)
+    # Across processes: build the global key data on the same (leading-axes)
+    # sharding, then wrap it.
+    data = jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+    return jax.random.wrap_key_data(data, impl=impl)
+
+
+def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and verify a checkpoint's manifest without loading its arrays.
+
+    Checks the header, the manifest's sha256 and the file's length (not the data's
+    sha256: [`ee.load`][eqx_ensemble.load] does that).
+
+    **Arguments:**
+
+    - `path`: a file written by [`ee.save`][eqx_ensemble.save].
+
+    **Returns:**
+
+    The manifest as a dict: `"metadata"` (what was passed to `save`), `"step"`
+    (set by [`ee.save_checkpoint`][eqx_ensemble.save_checkpoint], else `None`),
+    `"ensemble_size"`, `"leaves"` (path, kind, shape, dtype of each leaf),
+    `"format_version"`, `"library_version"`, `"jax_version"`, `"data"` (length and
+    sha256)...
+
+    **Example:**
+
+    ```python
+    ee.save("keys.ckpt", {"key": jax.random.key(0), "lr": 0.1}, metadata={"a": 1})
+    manifest = ee.load_manifest("keys.ckpt")
+    manifest["metadata"], [leaf["path"] for leaf in manifest["leaves"]]
+    # ({'a': 1}, ["['key']", "['lr']"])
+    ```
+    """
+    with CheckpointFile(Path(path)) as file:
+        return file.manifest

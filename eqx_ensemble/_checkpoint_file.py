@@ -1,0 +1,238 @@
+"""The checkpoint container: one file holding a JSON manifest and the leaves' bytes.
+
+Layout (integers little-endian):
+
+| offset   | size     | content                                                  |
+|----------|----------|----------------------------------------------------------|
+| 0        | 8        | magic `b"\\x89EQXENS\\n"`                                 |
+| 8        | 8        | `M`, the manifest length (uint64)                        |
+| 16       | 32       | sha256 of the manifest bytes                             |
+| 48       | `M`      | the manifest: UTF-8 JSON                                 |
+| 48 + `M` | `D`      | the data: every array leaf's raw C-order little-endian   |
+|          |          | bytes at the 64-byte-aligned offset its manifest entry   |
+|          |          | names; `D` and the data's sha256 are in the manifest     |
+
+The file is exactly `48 + M + D` bytes long, so truncation and trailing garbage
+are detected before anything is decoded. Files are written atomically: into a
+temporary file in the same folder, flushed and fsynced, renamed over the target with
+`os.replace`, then the folder is fsynced.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+MAGIC = b"\x89EQXENS\n"
+FORMAT_NAME = "eqx_ensemble.checkpoint"
+FORMAT_VERSION = 1
+ALIGNMENT = 64
+TEMP_SUFFIX = ".tmp"
+
+_HEADER = struct.Struct("<8sQ32s")
+_MAX_MANIFEST_BYTES = 1 << 34
+_READ_CHUNK = 1 << 24
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is unreadable, corrupt, or does not match `like`.
+
+    Raised by [`ee.load`][eqx_ensemble.load] and
+    [`ee.load_manifest`][eqx_ensemble.load_manifest] for a file that is not a
+    checkpoint, is truncated, has trailing bytes, fails its sha256 check, was written
+    by a newer format version, or holds a tree that differs from `like` (the message
+    names the first differing leaf path with both shapes/dtypes, or both ensemble
+    sizes). A subclass of `ValueError`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(2, 2, key=k), size=3,
+                      key=jax.random.key(0))
+    ee.save("model.ckpt", ens)
+    smaller = ee.ensemble(lambda k: eqx.nn.Linear(2, 2, key=k), size=2,
+                          key=jax.random.key(0))
+    try:
+        ee.load("model.ckpt", like=smaller)
+    except ee.CheckpointError as error:
+        print(error)   # ... an ensemble of 3 members ... `like` has 2 members
+    ```
+    """
+
+
+def aligned(offset: int) -> int:
+    """`offset` rounded up to the data alignment."""
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def _sha256(chunks: Iterable[Any]) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    total = 0
+    for chunk in chunks:
+        view = memoryview(chunk)
+        digest.update(view)
+        total += view.nbytes
+    return digest.hexdigest(), total
+
+
+def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
+    """Write a checkpoint file atomically.
+
+    `chunks` are the data section in order (bytes-like objects, padding included);
+    their length and sha256 are added to `manifest` under `"data"`.
+    """
+    data_sha256, data_bytes = _sha256(chunks)
+    manifest = {**manifest, "data": {"bytes": data_bytes, "sha256": data_sha256}}
+    manifest_bytes = json.dumps(manifest, separators=(",", ":")).encode("utf-8")
+    header = _HEADER.pack(
+        MAGIC, len(manifest_bytes), hashlib.sha256(manifest_bytes).digest()
+    )
+    directory = path.parent
+    temporary = directory / f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    # O_EXCL: never clobber; mode 0o666 so the umask applies as for any new file.
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(descriptor, "wb") as stream:
+            stream.write(header)
+            stream.write(manifest_bytes)
+            for chunk in chunks:
+                stream.write(chunk)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    fsync_directory(directory)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename or unlink in `directory` durable (a no-op where unsupported)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        descriptor = os.open(directory, flags)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class CheckpointFile:
+    """An open checkpoint: the verified manifest now, the verified data on request."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._stream = open(path, "rb")  # noqa: SIM115 (closed by __exit__)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no checkpoint file at {path}") from None
+        try:
+            self.manifest = self._read_manifest()
+        except BaseException:
+            self._stream.close()
+            raise
+
+    def __enter__(self) -> "CheckpointFile":
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._stream.close()
+
+    def error(self, message: str) -> CheckpointError:
+        return CheckpointError(f"Checkpoint {self.path}: {message}")
+
+    def _read_manifest(self) -> dict[str, Any]:
+        file_bytes = os.fstat(self._stream.fileno()).st_size
+        header = self._stream.read(_HEADER.size)
+        if not header:
+            raise self.error("the file is empty")
+        if len(header) < _HEADER.size or header[: len(MAGIC)] != MAGIC:
+            if header[: len(MAGIC)] == MAGIC[: len(header)]:
+                raise self.error(
+                    f"the file is truncated: {file_bytes} bytes, shorter than the "
+                    f"{_HEADER.size}-byte header"
+                )
+            raise self.error(
+                "not an eqx_ensemble checkpoint (wrong magic bytes at the start of "
+                "the file); write checkpoints with `ee.save`"
+            )
+        _, manifest_length, manifest_sha256 = _HEADER.unpack(header)
+        if manifest_length > min(file_bytes - _HEADER.size, _MAX_MANIFEST_BYTES):
+            raise self.error(
+                f"the file is truncated or its header is corrupt: the header "
+                f"announces a {manifest_length}-byte manifest but the file has "
+                f"{file_bytes} bytes"
+            )
+        manifest_bytes = self._stream.read(manifest_length)
+        if hashlib.sha256(manifest_bytes).digest() != manifest_sha256:
+            raise self.error(
+                "the manifest is corrupt: its sha256 does not match the one in the "
+                "header"
+            )
+        try:
+            manifest = json.loads(manifest_bytes.decode("utf-8"))
+            data = manifest["data"]
+            data_bytes, data_sha256 = int(data["bytes"]), str(data["sha256"])
+            version = manifest["format_version"]
+            name = manifest["format"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise self.error(f"the manifest is malformed ({error})") from None
+        if name != FORMAT_NAME or not isinstance(version, int):
+            raise self.error(f"unknown format {name!r} version {version!r}")
+        if version > FORMAT_VERSION:
+            raise self.error(
+                f"written with checkpoint format version {version}, newer than the "
+                f"version {FORMAT_VERSION} this eqx_ensemble reads; upgrade "
+                "eqx_ensemble to load it"
+            )
+        self.data_offset = _HEADER.size + manifest_length
+        self.data_bytes = data_bytes
+        self.data_sha256 = data_sha256
+        expected_bytes = self.data_offset + data_bytes
+        if file_bytes < expected_bytes:
+            raise self.error(
+                f"the file is truncated: {file_bytes} bytes, the manifest describes "
+                f"{expected_bytes} bytes"
+            )
+        if file_bytes > expected_bytes:
+            raise self.error(
+                f"the file has {file_bytes - expected_bytes} unexpected trailing bytes "
+                f"after the {expected_bytes} bytes its manifest describes"
+            )
+        return manifest
+
+    def read_data(self) -> bytearray:
+        """The data section, after checking its sha256 against the manifest."""
+        data = bytearray(self.data_bytes)
+        view = memoryview(data)
+        self._stream.seek(self.data_offset)
+        digest = hashlib.sha256()
+        position = 0
+        while position < self.data_bytes:
+            end = min(position + _READ_CHUNK, self.data_bytes)
+            count = self._stream.readinto(view[position:end])
+            if not count:
+                raise self.error("the file was truncated while it was being read")
+            digest.update(view[position : position + count])
+            position += count
+        if digest.hexdigest() != self.data_sha256:
+            raise self.error(
+                "the data is corrupt: its sha256 does not match the manifest's "
+                f"({digest.hexdigest()} vs {self.data_sha256})"
+            )
+        return data
