@@ -1,13 +1,13 @@
 """The `Ensemble` module and `ensemble`: weights born stacked."""
 
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast, overload
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int, Key, PRNGKeyArray, PyTree, UInt32
+from jaxtyping import Array, Key, PRNGKeyArray, PyTree, UInt32
 
 from ._tree import is_traced, leading_size
 
@@ -62,11 +62,28 @@ class Ensemble(eqx.Module, Generic[Member]):
         - `index`: an `int` (returns that member as a plain model), a `slice`, a
           1-D integer array of member indices, or a 1-D boolean mask of length
           `len(ens)` (each returns an `Ensemble`).
+
+        Concrete indices are bounds-checked (an `IndexError` names the ensemble
+        size). Under `jax.jit` an integer index or index array may be traced; it is
+        then not bounds-checked and follows JAX's indexing rules (out-of-range
+        indices are clamped). Boolean masks must be concrete.
         """
         size = len(self)
         if isinstance(index, slice):
             positions = np.arange(size)[index]
             return _take(self.members, positions, size)
+        if isinstance(index, bool | np.bool_) or (
+            eqx.is_array(index) and jnp.ndim(index) == 0 and index.dtype == bool
+        ):
+            raise TypeError(
+                "An ensemble cannot be indexed by a single bool; use an int member "
+                f"index or a boolean mask of length {size}."
+            )
+        if eqx.is_array(index) and jnp.ndim(index) == 0:
+            if not jnp.issubdtype(index.dtype, jnp.integer):
+                raise TypeError(
+                    f"A member index must be an integer, got dtype {index.dtype}"
+                )
         if isinstance(index, int | np.integer) or (
             eqx.is_array(index) and jnp.ndim(index) == 0
         ):
@@ -116,9 +133,9 @@ def _is_concrete(x: Any) -> bool:
     return not is_traced(x)
 
 
-def _member_positions(
-    index: Int[Array, " n"] | Bool[Array, " members"] | list | tuple, size: int
-) -> Any:
+def _member_positions(index: Any, size: int) -> Any:
+    # `index`: a list/tuple, or a JAX or NumPy integer array or boolean mask (any
+    # rank here: a clear IndexError below rejects anything but 1-D).
     array: Any = index if eqx.is_array(index) else np.asarray(index)
     if array.ndim != 1:
         raise IndexError(
@@ -189,6 +206,21 @@ def split_member_keys(
     """The per-member keys used throughout the library: `split(key, size)`."""
     check_key(key)
     return jax.random.split(key, size)
+
+
+@overload
+def ensemble(
+    make: Callable[[PRNGKeyArray], tuple[Member, eqx.nn.State]],
+    *,
+    size: int,
+    key: PRNGKeyArray,
+) -> tuple[Ensemble[Member], eqx.nn.State]: ...
+
+
+@overload
+def ensemble(
+    make: Callable[[PRNGKeyArray], Member], *, size: int, key: PRNGKeyArray
+) -> Ensemble[Member]: ...
 
 
 def ensemble(

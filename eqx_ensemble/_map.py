@@ -40,22 +40,35 @@ def _check_in_axes(in_axes: Any, num_args: int) -> tuple[Any, ...]:
     return in_axes
 
 
-def _check_per_member_args(args: tuple, in_axes: tuple, size: int) -> None:
-    for position, (arg, spec) in enumerate(zip(args, in_axes, strict=True)):
-        if spec is None:
-            continue
-        resolved = jtu.tree_map(
-            lambda s, subtree: jtu.tree_map(lambda _: s, subtree),
+def _mapped_mask(spec: Any, arg: Any, position: int) -> Any:
+    """`arg`'s structure with `True` at each array leaf mapped over members."""
+    if spec is None:
+        return jtu.tree_map(lambda _: False, arg)
+    try:
+        # `spec` is a PyTree prefix of `arg`: each of its leaves (None or 0) covers a
+        # whole subtree of `arg`. Flattening the result with the default rules keeps
+        # exactly one bool per leaf of `arg` (its `None` nodes stay empty subtrees).
+        return jtu.tree_map(
+            lambda axis, subtree: jtu.tree_map(
+                lambda leaf: axis is not None and eqx.is_array(leaf), subtree
+            ),
             spec,
             arg,
             is_leaf=lambda x: x is None,
         )
-        for (path, leaf), axis in zip(
-            jtu.tree_flatten_with_path(arg)[0],
-            jtu.tree_leaves(resolved, is_leaf=lambda x: x is None),
-            strict=True,
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"`in_axes[{position}]` = {spec!r} is not a PyTree prefix of argument "
+            f"{position} (a {type(arg).__name__}): {error}"
+        ) from None
+
+
+def _check_per_member_args(args: tuple, masks: tuple, size: int) -> None:
+    for position, (arg, mask) in enumerate(zip(args, masks, strict=True)):
+        for (path, leaf), mapped in zip(
+            jtu.tree_flatten_with_path(arg)[0], jtu.tree_leaves(mask), strict=True
         ):
-            if axis is None or not eqx.is_array(leaf):
+            if not mapped:
                 continue
             if leaf.ndim == 0 or leaf.shape[0] != size:
                 where = f"argument {position}" + (
@@ -65,16 +78,6 @@ def _check_per_member_args(args: tuple, in_axes: tuple, size: int) -> None:
                     f"{where} is per-member (in_axes 0) so its leading axis must be "
                     f"the ensemble size {size}, but it has shape {tuple(leaf.shape)}"
                 )
-
-
-def _member_in_axes(spec: Any, arg: Any) -> Any:
-    if spec is None:
-        return None
-    return jtu.tree_map(
-        lambda s: eqx.if_array(0) if s == 0 else None,
-        spec,
-        is_leaf=lambda x: x is None,
-    )
 
 
 def map(
@@ -125,7 +128,11 @@ def map(
         )
     size = len(ens)
     axes = _check_in_axes(in_axes, len(args))
-    _check_per_member_args(args, axes, size)
+    masks = tuple(
+        _mapped_mask(spec, arg, position)
+        for position, (spec, arg) in enumerate(zip(axes, args))
+    )
+    _check_per_member_args(args, masks, size)
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"`chunk_size` must be an int, got {chunk_size!r}")
@@ -141,21 +148,26 @@ def map(
             return fn(member, *member_args)
         return fn(member, *member_args, key=member_key)
 
-    arg_axes = tuple(_member_in_axes(spec, arg) for spec, arg in zip(axes, args))
+    arg_axes = tuple(
+        None
+        if spec is None
+        else jtu.tree_map(lambda mapped: 0 if mapped else None, mask)
+        for spec, mask in zip(axes, masks)
+    )
     vmapped = eqx.filter_vmap(
         apply, in_axes=(eqx.if_array(0), arg_axes, eqx.if_array(0))
     )
     if chunk_size is None or chunk_size == size:
         return vmapped(ens.members, args, member_keys)
-    return _chunked(vmapped, ens.members, args, arg_axes, member_keys, size, chunk_size)
+    return _chunked(vmapped, ens.members, args, masks, member_keys, size, chunk_size)
 
 
-def _chunked(vmapped, members, args, arg_axes, member_keys, size, chunk_size):
+def _chunked(vmapped, members, args, masks, member_keys, size, chunk_size):
     # Split everything that is per-member into (a) `num_chunks` full chunks scanned
     # one at a time and (b) a remainder run as one more call; shared arguments are
     # closed over. Peak memory is then that of one chunk, not of the whole ensemble.
-    per_member = (members, _select_per_member(args, arg_axes), member_keys)
-    shared_args = _select_shared(args, arg_axes)
+    per_member = (members, _select_per_member(args, masks), member_keys)
+    shared_args = _select_shared(args, masks)
     dynamic, static = eqx.partition(per_member, eqx.is_array)
     num_chunks, remainder = divmod(size, chunk_size)
     main = num_chunks * chunk_size
@@ -194,30 +206,22 @@ class _Shared:
 _SHARED = _Shared()
 
 
-def _select_per_member(args: tuple, arg_axes: tuple) -> tuple:
+def _select_per_member(args: tuple, masks: tuple) -> tuple:
     return tuple(
-        _SHARED if spec is None else eqx.filter(arg, _resolve(spec, arg))
-        for arg, spec in zip(args, arg_axes)
+        eqx.filter(arg, mask) if _any_mapped(mask) else _SHARED
+        for arg, mask in zip(args, masks)
     )
 
 
-def _select_shared(args: tuple, arg_axes: tuple) -> tuple:
+def _select_shared(args: tuple, masks: tuple) -> tuple:
     return tuple(
-        arg if spec is None else eqx.filter(arg, _resolve(spec, arg), inverse=True)
-        for arg, spec in zip(args, arg_axes)
+        eqx.filter(arg, mask, inverse=True) if _any_mapped(mask) else arg
+        for arg, mask in zip(args, masks)
     )
 
 
-def _resolve(spec: Any, arg: Any) -> Any:
-    # A boolean mask over `arg`: True where the leaf is an array mapped over members.
-    return jtu.tree_map(
-        lambda s, subtree: jtu.tree_map(
-            lambda leaf: s is not None and eqx.is_array(leaf), subtree
-        ),
-        spec,
-        arg,
-        is_leaf=lambda x: x is None,
-    )
+def _any_mapped(mask: Any) -> bool:
+    return any(jtu.tree_leaves(mask))
 
 
 def _merge(per_member: tuple, shared: tuple) -> tuple:

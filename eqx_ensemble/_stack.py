@@ -99,10 +99,10 @@ def unstack(ens: Ensemble[Member]) -> list[Member]:
         )
     size = len(ens)
     dynamic, static = eqx.partition(ens.members, eqx.is_array)
-    # One split per leaf (not one indexing op per member per leaf).
-    per_leaf = jax.tree.map(lambda leaf: list(jnp.unstack(leaf, axis=0)), dynamic)
     leaves, treedef = jax.tree.flatten(dynamic)
-    split = jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, list))
+    # One split per leaf (not one indexing op per member per leaf). Work on the flat
+    # leaves: the model itself may contain lists, so no `is_leaf=list` trick.
+    split = [jnp.unstack(leaf, axis=0) for leaf in leaves]
     return [
         eqx.combine(
             jax.tree.unflatten(treedef, [pieces[i] for pieces in split]), static

@@ -20,6 +20,11 @@ def describe(x: Any) -> str:
     """Short description of a leaf for error messages."""
     if eqx.is_array(x):
         return f"array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if callable(x) and not isinstance(x, type) and hasattr(x, "__name__"):
+        # Functions (e.g. activations) by name: their repr is an address.
+        module = getattr(x, "__module__", None) or ""
+        name = getattr(x, "__qualname__", None) or x.__name__
+        return f"function `{module + '.' if module else ''}{name}`"
     text = repr(x)
     if len(text) > 80:
         text = text[:77] + "..."
@@ -102,12 +107,19 @@ def _first_difference(
         return None
     if type(a) is not type(b):
         return (
-            f"node `{where}` differs in type: {type(a).__name__} vs {type(b).__name__}"
+            f"`{where}` differs in type: {type(a).__name__} vs {type(b).__name__} "
+            f"({describe(a)} vs {describe(b)})"
         )
     if _is_leaf(a) or _is_leaf(b):
         # A genuine leaf that is not an array (a float, a function, a string...).
         if not _leaves_equal(a, b):
-            return f"leaf `{where}` differs: {describe(a)} vs {describe(b)}"
+            message = f"leaf `{where}` differs: {describe(a)} vs {describe(b)}"
+            if callable(a) and callable(b) and describe(a) == describe(b):
+                message += (
+                    " (two distinct function objects, e.g. one lambda per model: "
+                    "build every model with the same function object)"
+                )
+            return message
         return None
     children_a, treedef_a = _children_with_keys(a)
     children_b, treedef_b = _children_with_keys(b)

@@ -12,6 +12,7 @@ ee.combine.mean_probs(probs)                  # (batch, classes)
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from ._tree import is_traced
@@ -37,6 +38,13 @@ def _normalised_weights(
             f"`weights` must have one entry per member: predictions have {members} "
             f"members, weights have shape {tuple(weights.shape)}"
         )
+    if not is_traced(weights):
+        host = np.asarray(weights)
+        if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
+            raise ValueError(
+                "`weights` must be finite and non-negative with a positive sum, got "
+                f"{host}"
+            )
     weights = weights.astype(dtype)
     return weights / weights.sum()
 
@@ -158,8 +166,13 @@ def majority_vote(
                 f"predicted labels must lie in [0, {num_classes}), found labels in "
                 f"[{low}, {high}]"
             )
-    one_hot = jax.nn.one_hot(predictions, num_classes, dtype=jnp.float32)
-    counts = _weighted_mean(one_hot, weights)
+    if weights is None:
+        # Integer vote counts: exact, so ties are exact ties.
+        one_hot = jax.nn.one_hot(predictions, num_classes, dtype=jnp.int32)
+        counts = one_hot.sum(axis=0)
+    else:
+        one_hot = jax.nn.one_hot(predictions, num_classes, dtype=jnp.float32)
+        counts = _weighted_mean(one_hot, weights)
     # argmax returns the first maximal index: ties go to the smallest class.
     return jnp.argmax(counts, axis=-1)
 
