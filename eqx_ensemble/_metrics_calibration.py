@@ -1,0 +1,449 @@
+"""Calibration: binned calibration errors (equal-width and equal-mass bins) and
+temperature scaling (Guo et al. 2017)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from ._metrics_checks import check_n_bins
+from ._metrics_classification import (
+    ensemble_log_probs,
+    label_log_probs,
+    member_log_probs,
+    prepare_labels,
+    prepare_predictions,
+)
+from ._tree import is_traced
+
+
+class CalibrationBins(eqx.Module):
+    """Per-bin statistics of top-label confidence, from
+    `ee.metrics.calibration_bins`. Every field has shape `(n_bins,)`.
+
+    - `count`: number of examples in the bin (as a float).
+    - `accuracy`: fraction of them whose predicted class is the label (0 if empty).
+    - `confidence`: their mean confidence (0 if empty).
+    - `lower`, `upper`: the bin's range of confidence. For equal-width bins these are
+      the fixed edges `k / n_bins`; for equal-mass bins, the smallest and largest
+      confidence in the bin (NaN if the bin is empty).
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1], [0.6, 0.4], [0.3, 0.7]]])
+    bins = ee.metrics.calibration_bins(probs, jnp.array([0, 1, 1]), n_bins=2)
+    bins.count, bins.accuracy          # [0, 3], [0, 2/3]
+    ```
+    """
+
+    count: Float[Array, " bins"]
+    accuracy: Float[Array, " bins"]
+    confidence: Float[Array, " bins"]
+    lower: Float[Array, " bins"]
+    upper: Float[Array, " bins"]
+
+
+def _equal_width_bins(confidence: Array, n_bins: int) -> Array:
+    # Bin k holds confidences in (k / n_bins, (k + 1) / n_bins]; 0 joins bin 0
+    # (the right-closed bins of Guo et al. 2017).
+    edges = jnp.linspace(0.0, 1.0, n_bins + 1, dtype=confidence.dtype)
+    index = jnp.searchsorted(edges, confidence, side="left") - 1
+    return jnp.clip(index, 0, n_bins - 1)
+
+
+def _equal_mass_bins(confidence: Array, n_bins: int) -> Array:
+    # Sort by confidence and cut into `n_bins` consecutive groups whose sizes
+    # differ by at most one, the first `batch % n_bins` groups one larger (the
+    # split of `numpy.array_split`). Ties are cut in their (stable) sorted order.
+    batch = confidence.shape[0]
+    size, larger = divmod(batch, n_bins)
+    rank = np.arange(batch)
+    boundary = larger * (size + 1)
+    bin_of_rank = np.where(
+        rank < boundary,
+        rank // (size + 1),
+        larger + (rank - boundary) // max(size, 1),
+    )
+    order = jnp.argsort(confidence, stable=True)
+    return jnp.zeros(batch, jnp.int32).at[order].set(jnp.asarray(bin_of_rank))
+
+
+def _top_label(probs: Array, labels: Array) -> tuple[Array, Array]:
+    """Confidence (largest probability) and correctness of the predicted class."""
+    confidence = jnp.max(probs, axis=-1)
+    correct = (jnp.argmax(probs, axis=-1) == labels).astype(probs.dtype)
+    return confidence, correct
+
+
+def _bin_sums(
+    confidence: Array, correct: Array, n_bins: int, adaptive: bool
+) -> tuple[Array, Array, Array, Array]:
+    """Bin index per example and per-bin count, sum of correctness, of confidence."""
+    if adaptive:
+        index = _equal_mass_bins(confidence, n_bins)
+    else:
+        index = _equal_width_bins(confidence, n_bins)
+    segment = lambda x: jax.ops.segment_sum(x, index, num_segments=n_bins)
+    count = segment(jnp.ones_like(confidence))
+    return index, count, segment(correct), segment(confidence)
+
+
+def _calibration_error(probs: Array, labels: Array, n_bins: int, adaptive: bool):
+    confidence, correct = _top_label(probs, labels)
+    _, _, correct_sum, confidence_sum = _bin_sums(confidence, correct, n_bins, adaptive)
+    # sum_b (n_b / N) |acc_b - conf_b| = sum_b |sum_correct_b - sum_conf_b| / N.
+    return jnp.sum(jnp.abs(correct_sum - confidence_sum)) / confidence.shape[0]
+
+
+def _ensemble_probs(probs, labels, from_logits: bool, n_bins: int):
+    check_n_bins(n_bins)
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    return jnp.mean(member_probs, axis=0), labels
+
+
+def calibration_bins(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    n_bins: int = 15,
+    *,
+    adaptive: bool = False,
+    from_logits: bool = False,
+) -> CalibrationBins:
+    """Bin the ensemble's top-label confidence and compare it with accuracy: the
+    data of a reliability diagram.
+
+    Confidence is the largest probability of the ensemble's mean prediction, and
+    an example is correct when that class is the label. Equal-width bins are
+    right-closed, `(k/n, (k+1)/n]` (0 falls in the first); equal-mass bins
+    (`adaptive=True`) sort the examples by confidence and cut them into `n_bins`
+    groups whose sizes differ by at most one (larger groups first, as
+    `numpy.array_split`).
+
+    **Arguments:**
+
+    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
+      (logits if `from_logits=True`).
+    - `labels`: integer class labels, shape `(batch,)`.
+    - `n_bins`: the number of bins, a Python int of at least 1.
+    - `adaptive`: equal-mass bins instead of equal-width bins.
+    - `from_logits`: whether `probs` holds logits.
+
+    **Returns:**
+
+    A `CalibrationBins` of per-bin `count`, `accuracy`, `confidence`, `lower`,
+    `upper`, each of shape `(n_bins,)`.
+
+    **Example:**
+
+    ```python
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (5, 100, 3)), -1)
+    labels = jax.random.randint(jax.random.key(1), (100,), 0, 3)
+    bins = ee.metrics.calibration_bins(probs, labels, n_bins=10)
+    bins.count.sum()                                   # 100
+    ```
+    """
+    mean_probs, labels = _ensemble_probs(probs, labels, from_logits, n_bins)
+    confidence, correct = _top_label(mean_probs, labels)
+    index, count, correct_sum, confidence_sum = _bin_sums(
+        confidence, correct, n_bins, adaptive
+    )
+    occupied = count > 0
+    safe_count = jnp.where(occupied, count, 1.0)
+    accuracy = jnp.where(occupied, correct_sum / safe_count, 0.0)
+    mean_confidence = jnp.where(occupied, confidence_sum / safe_count, 0.0)
+    if adaptive:
+        nan = jnp.array(jnp.nan, confidence.dtype)
+        lower = jax.ops.segment_min(confidence, index, num_segments=n_bins)
+        upper = jax.ops.segment_max(confidence, index, num_segments=n_bins)
+        lower, upper = jnp.where(occupied, lower, nan), jnp.where(occupied, upper, nan)
+    else:
+        edges = jnp.linspace(0.0, 1.0, n_bins + 1, dtype=confidence.dtype)
+        lower, upper = edges[:-1], edges[1:]
+    return CalibrationBins(
+        count=count,
+        accuracy=accuracy,
+        confidence=mean_confidence,
+        lower=lower,
+        upper=upper,
+    )
+
+
+def expected_calibration_error(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    n_bins: int = 15,
+    *,
+    from_logits: bool = False,
+) -> Float[Array, ""]:
+    """Expected calibration error (ECE) of the ensemble's mean prediction with
+    equal-width bins (Naeini et al. 2015; Guo et al. 2017):
+    `sum_b (n_b / N) |accuracy_b - confidence_b|`.
+
+    Top-label confidence, bins `(k/n, (k+1)/n]` as in `ee.metrics.calibration_bins`.
+    The default of 15 bins follows Guo et al. (2017).
+
+    **Arguments:**
+
+    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
+      (logits if `from_logits=True`).
+    - `labels`: integer class labels, shape `(batch,)`.
+    - `n_bins`: the number of equal-width bins, a Python int of at least 1.
+    - `from_logits`: whether `probs` holds logits.
+
+    **Returns:**
+
+    A scalar in `[0, 1]`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1], [0.9, 0.1]]])   # one model, 90% confident
+    ee.metrics.expected_calibration_error(probs, jnp.array([0, 1]))  # |0.5 - 0.9| = 0.4
+    ```
+    """
+    mean_probs, labels = _ensemble_probs(probs, labels, from_logits, n_bins)
+    return _calibration_error(mean_probs, labels, n_bins, adaptive=False)
+
+
+def adaptive_calibration_error(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    n_bins: int = 15,
+    *,
+    from_logits: bool = False,
+) -> Float[Array, ""]:
+    """ECE with equal-mass (adaptive) bins: every bin holds the same number of
+    examples, up to one (Nguyen & O'Connor 2015; Nixon et al. 2019 for the
+    top-label variant).
+
+    Less sensitive than equal-width ECE to empty or near-empty bins when the
+    confidences bunch up near 1. Binning as in `ee.metrics.calibration_bins`
+    with `adaptive=True`.
+
+    **Arguments:** as `ee.metrics.expected_calibration_error`.
+
+    **Returns:**
+
+    A scalar in `[0, 1]`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.7, 0.3]]])
+    labels = jnp.array([0, 0, 1, 0])
+    ee.metrics.adaptive_calibration_error(probs, labels, n_bins=2)
+    # bins {0.6, 0.7}: |0.5 - 0.65|; {0.8, 0.9}: |1 - 0.85|; ECE = 0.15
+    ```
+    """
+    mean_probs, labels = _ensemble_probs(probs, labels, from_logits, n_bins)
+    return _calibration_error(mean_probs, labels, n_bins, adaptive=True)
+
+
+def max_calibration_error(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    n_bins: int = 15,
+    *,
+    adaptive: bool = False,
+    from_logits: bool = False,
+) -> Float[Array, ""]:
+    """Maximum calibration error (MCE): the largest `|accuracy_b - confidence_b|`
+    over the non-empty bins (Naeini et al. 2015).
+
+    **Arguments:** as `ee.metrics.calibration_bins` (equal-width bins unless
+    `adaptive=True`).
+
+    **Returns:**
+
+    A scalar in `[0, 1]`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1], [0.9, 0.1], [0.55, 0.45]]])
+    ee.metrics.max_calibration_error(probs, jnp.array([0, 1, 0]), n_bins=10)  # 0.45
+    ```
+    """
+    bins = calibration_bins(
+        probs, labels, n_bins, adaptive=adaptive, from_logits=from_logits
+    )
+    gaps = jnp.where(bins.count > 0, jnp.abs(bins.accuracy - bins.confidence), 0.0)
+    return jnp.max(gaps)
+
+
+def per_member_calibration_error(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    n_bins: int = 15,
+    *,
+    adaptive: bool = False,
+    from_logits: bool = False,
+) -> Float[Array, " members"]:
+    """The expected calibration error of each member on its own (equal-width bins,
+    or equal-mass bins if `adaptive=True`).
+
+    **Arguments:** as `ee.metrics.calibration_bins`.
+
+    **Returns:**
+
+    One ECE per member, shape `(members,)`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1], [0.9, 0.1]],     # member 0: overconfident
+                       [[0.5, 0.5], [0.5, 0.5]]])    # member 1: calibrated
+    ee.metrics.per_member_calibration_error(probs, jnp.array([0, 1]))  # [0.4, 0.0]
+    ```
+    """
+    check_n_bins(n_bins)
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    return jax.vmap(lambda p: _calibration_error(p, labels, n_bins, adaptive))(
+        member_probs
+    )
+
+
+def _check_bounds(bounds: tuple[float | int, float | int]) -> None:
+    lower, upper = bounds
+    if not 0 < lower < upper:
+        raise ValueError(
+            f"`bounds` must be (lower, upper) with 0 < lower < upper, got {bounds}"
+        )
+
+
+def fit_temperature(
+    logits: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    bounds: tuple[float | int, float | int] = (0.01, 100.0),
+    iterations: int = 60,
+) -> Float[Array, ""]:
+    """Fit one temperature `T` for the ensemble on held-out data (temperature
+    scaling, Guo et al. 2017): the `T` minimising the ensemble's NLL
+    `-log((1/M) sum_i softmax(logits_i / T)[label])`.
+
+    The search is a golden-section search over `log T` in `bounds`, which finds
+    the minimum of a unimodal function (the NLL of one model is convex in `1/T`,
+    hence unimodal in `log T`); `iterations` steps shrink the bracket by
+    `0.618**iterations` (60 steps: about `1e-12` of its width, below float32
+    resolution). Every step is a fixed amount of work, so it runs under `jax.jit`.
+    If the best temperature lies outside `bounds`, the nearest bound is returned.
+
+    For a single model pass `logits[None]`; for one temperature per member,
+    `jax.vmap` over members (see the example).
+
+    **Arguments:**
+
+    - `logits`: per-member logits on held-out data, shape `(members, batch, classes)`.
+    - `labels`: integer class labels, shape `(batch,)`.
+    - `bounds`: the range `(lower, upper)` of temperatures searched,
+      `0 < lower < upper`.
+    - `iterations`: the number of golden-section steps.
+
+    **Returns:**
+
+    The temperature, a positive scalar. Apply it with `ee.metrics.apply_temperature`.
+
+    **Example:**
+
+    ```python
+    key_logits, key_labels = jax.random.split(jax.random.key(0))
+    logits = 5 * jax.random.normal(key_logits, (3, 200, 4))   # overconfident
+    labels = jax.random.randint(key_labels, (200,), 0, 4)
+    temperature = ee.metrics.fit_temperature(logits, labels)  # > 1: soften
+    scaled = ee.metrics.apply_temperature(logits, temperature)
+    per_member = jax.vmap(lambda x: ee.metrics.fit_temperature(x[None], labels))(logits)
+    ```
+    """
+    _check_bounds(bounds)
+    if isinstance(iterations, bool) or not isinstance(iterations, int):
+        raise TypeError(f"`iterations` must be a Python int, got {iterations!r}")
+    predictions = prepare_predictions(logits, from_logits=True)
+    labels = prepare_labels(labels, predictions)
+    dtype = predictions.dtype
+
+    def objective(log_temperature):
+        scaled = predictions / jnp.exp(log_temperature)
+        _, log_probs = member_log_probs(scaled, from_logits=True)
+        return -jnp.mean(label_log_probs(ensemble_log_probs(log_probs), labels))
+
+    inverse_golden = (np.sqrt(5.0) - 1.0) / 2.0
+    low = jnp.asarray(np.log(bounds[0]), dtype)
+    high = jnp.asarray(np.log(bounds[1]), dtype)
+    inner_low = high - inverse_golden * (high - low)
+    inner_high = low + inverse_golden * (high - low)
+
+    def step(_, state):
+        low, high, inner_low, inner_high, value_low, value_high = state
+        keep_left = value_low < value_high
+        # Keep the bracket around the better interior point; reuse its value and
+        # evaluate the objective once, at the new interior point.
+        low = jnp.where(keep_left, low, inner_low)
+        high = jnp.where(keep_left, inner_high, high)
+        new_point = jnp.where(
+            keep_left,
+            high - inverse_golden * (high - low),
+            low + inverse_golden * (high - low),
+        )
+        value_new = objective(new_point)
+        inner_low, inner_high, value_low, value_high = (
+            jnp.where(keep_left, new_point, inner_high),
+            jnp.where(keep_left, inner_low, new_point),
+            jnp.where(keep_left, value_new, value_high),
+            jnp.where(keep_left, value_low, value_new),
+        )
+        return low, high, inner_low, inner_high, value_low, value_high
+
+    state = (
+        low,
+        high,
+        inner_low,
+        inner_high,
+        objective(inner_low),
+        objective(inner_high),
+    )
+    low, high, *_ = jax.lax.fori_loop(0, iterations, step, state)
+    return jnp.exp((low + high) / 2)
+
+
+def apply_temperature(
+    logits: Float[ArrayLike, " *batch classes"],
+    temperature: Float[ArrayLike, ""] | float,
+) -> Float[Array, " *batch classes"]:
+    """Divide logits by a temperature (from `ee.metrics.fit_temperature`).
+
+    `T > 1` softens the predictions, `T < 1` sharpens them; the predicted class
+    never changes, so accuracy is unchanged.
+
+    **Arguments:**
+
+    - `logits`: logits of any shape with classes last, e.g. `(members, batch, classes)`.
+    - `temperature`: a positive scalar.
+
+    **Returns:**
+
+    `logits / temperature`, the same shape as `logits`.
+
+    **Example:**
+
+    ```python
+    logits = jnp.array([[[4.0, 0.0]]])
+    softened = ee.metrics.apply_temperature(logits, 2.0)   # [[[2.0, 0.0]]]
+    jax.nn.softmax(softened, axis=-1)                      # [[[0.88, 0.12]]]
+    ```
+    """
+    logits = jnp.asarray(logits)
+    temperature = jnp.asarray(temperature, logits.dtype)
+    if temperature.ndim != 0:
+        raise ValueError(
+            f"`temperature` must be a scalar, got shape {tuple(temperature.shape)}"
+        )
+    if not is_traced(temperature) and not float(temperature) > 0:
+        raise ValueError(f"`temperature` must be positive, got {float(temperature)}")
+    return logits / temperature

@@ -1,0 +1,198 @@
+"""Input validation for `ee.metrics`.
+
+Every check runs eagerly on concrete inputs, before any computation, and is
+skipped for values that are traced (inside `jax.jit`, `jax.vmap`, ...), whose
+contents are unknown until run time. Shape checks always run: shapes are known
+even under tracing.
+"""
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from ._tree import is_traced
+
+_SINGLE_MODEL_HINT = (
+    "metrics take stacked per-member predictions with a leading member axis; "
+    "for a single model add one with `x[None]`"
+)
+
+
+def as_float_array(x: Any, name: str) -> Array:
+    """`x` as a JAX array of a floating dtype; a clear error for other dtypes."""
+    array = jnp.asarray(x)
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        raise TypeError(
+            f"`{name}` must be a floating-point array, got dtype {array.dtype} "
+            f"(shape {tuple(array.shape)})"
+        )
+    return array
+
+
+def probability_tolerance(dtype: Any) -> float:
+    """How far from one a row of probabilities may sum (looser for 16-bit floats)."""
+    return max(1e-3, 16 * float(jnp.finfo(dtype).eps))
+
+
+def check_classification_predictions(
+    predictions: Array, *, from_logits: bool, name: str
+) -> None:
+    """`predictions` is `(members, batch, classes)`: probabilities unless logits."""
+    shape = tuple(predictions.shape)
+    if predictions.ndim != 3:
+        raise ValueError(
+            f"`{name}` must have shape (members, batch, classes), got shape {shape}; "
+            + _SINGLE_MODEL_HINT
+        )
+    members, batch, classes = shape
+    if members < 1 or batch < 1 or classes < 1:
+        raise ValueError(
+            f"`{name}` must have at least one member, one example and one class, "
+            f"got shape {shape} (members, batch, classes)"
+        )
+    if is_traced(predictions):
+        return
+    values = np.asarray(predictions)
+    finite = np.isfinite(values)
+    if from_logits:
+        if np.isnan(values).any():
+            where = tuple(int(i) for i in np.argwhere(np.isnan(values))[0])
+            raise ValueError(
+                f"`{name}` (logits of shape {shape}) contains NaN, first at index "
+                f"{where} (member, example, class)"
+            )
+        return
+    if not finite.all():
+        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise ValueError(
+            f"`{name}` (probabilities of shape {shape}) contains NaN or infinite "
+            f"values, first at index {where} (member, example, class)"
+        )
+    tolerance = probability_tolerance(values.dtype)
+    low, high = float(values.min()), float(values.max())
+    if low < -tolerance or high > 1 + tolerance:
+        raise ValueError(
+            f"`{name}` must hold probabilities in [0, 1], but values of `{name}` "
+            f"(shape {shape}) lie in [{low:.6g}, {high:.6g}]. If these are logits, "
+            "pass `from_logits=True`."
+        )
+    sums = values.sum(axis=-1, dtype=np.float64)
+    error = np.abs(sums - 1.0)
+    member, example = np.unravel_index(int(np.argmax(error)), error.shape)
+    if error[member, example] > tolerance:
+        raise ValueError(
+            f"`{name}` must sum to one along the class (last) axis within "
+            f"{tolerance:.3g}: `{name}` has shape {shape} (members, batch, classes) "
+            f"and its sums over classes lie in [{sums.min():.6g}, {sums.max():.6g}]; "
+            f"the worst is member {member}, example {example}, which sums to "
+            f"{sums[member, example]:.6g}. If these are logits, pass "
+            "`from_logits=True`; otherwise normalise them, e.g. with "
+            "`jax.nn.softmax`."
+        )
+
+
+def check_labels(
+    labels: Array, classes: int, batch: int, *, predictions_shape: tuple[int, ...]
+) -> None:
+    """`labels` is `(batch,)` of integers in `[0, classes)`."""
+    shape = tuple(labels.shape)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(
+            f"`labels` must be integer class indices, got dtype {labels.dtype} "
+            f"(shape {shape})"
+        )
+    if labels.ndim != 1 or shape[0] != batch:
+        raise ValueError(
+            f"`labels` must have shape (batch,) = ({batch},) to match the predictions "
+            f"of shape {predictions_shape} (members, batch, classes), but `labels` "
+            f"has shape {shape}"
+        )
+    if is_traced(labels):
+        return
+    values = np.asarray(labels)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= classes:
+        bad = int(np.argmax((values < 0) | (values >= classes)))
+        raise ValueError(
+            f"`labels` must lie in [0, {classes}) (the predictions have {classes} "
+            f"classes), but they lie in [{low}, {high}]; the first out-of-range "
+            f"label is {int(values[bad])} at index {bad}"
+        )
+
+
+def check_n_bins(n_bins: Any) -> None:
+    """`n_bins` is a Python integer of at least one (it fixes an array shape)."""
+    if isinstance(n_bins, bool) or not isinstance(n_bins, int | np.integer):
+        raise TypeError(
+            f"`n_bins` must be a Python int (it sets the number of bins, a shape), "
+            f"got {type(n_bins).__name__} {n_bins!r}"
+        )
+    if n_bins < 1:
+        raise ValueError(f"`n_bins` must be at least 1, got {n_bins}")
+
+
+def check_regression(
+    means: Array,
+    variances: Array | None = None,
+    targets: Array | None = None,
+    *,
+    means_name: str = "means",
+) -> None:
+    """`means` (and `variances`) are `(members, batch)`, `targets` is `(batch,)`."""
+    shape = tuple(means.shape)
+    if means.ndim != 2:
+        raise ValueError(
+            f"`{means_name}` must have shape (members, batch), got shape {shape}; "
+            + _SINGLE_MODEL_HINT
+        )
+    if shape[0] < 1 or shape[1] < 1:
+        raise ValueError(
+            f"`{means_name}` must have at least one member and one example, got "
+            f"shape {shape}"
+        )
+    if variances is not None:
+        if tuple(variances.shape) != shape:
+            raise ValueError(
+                f"`variances` must have the same shape as `means`, (members, batch) = "
+                f"{shape}, got shape {tuple(variances.shape)}"
+            )
+        if not is_traced(variances):
+            values = np.asarray(variances)
+            negative = values < 0
+            if negative.any():
+                member, example = (int(i) for i in np.argwhere(negative)[0])
+                raise ValueError(
+                    f"`variances` must be non-negative, but {int(negative.sum())} of "
+                    f"its {values.size} entries (shape {shape}) are negative, the "
+                    f"smallest {float(values.min()):.6g}; the first is at member "
+                    f"{member}, example {example}. Pass variances, not log-variances "
+                    "(e.g. `jax.nn.softplus(raw) + 1e-6`)."
+                )
+    if targets is not None:
+        if targets.ndim != 1 or targets.shape[0] != shape[1]:
+            raise ValueError(
+                f"`targets` must have shape (batch,) = ({shape[1]},) to match "
+                f"`{means_name}` "
+                f"of shape {shape} (members, batch), got shape "
+                f"{tuple(targets.shape)}"
+            )
+
+
+def check_level(level: Any) -> None:
+    """A probability level strictly between 0 and 1 (when concrete)."""
+    if is_traced(level):
+        return
+    value = float(np.asarray(level))
+    if not 0.0 < value < 1.0:
+        raise ValueError(
+            f"`level` must lie strictly between 0 and 1 (e.g. 0.95), got {value}"
+        )
+
+
+def check_reduction(reduction: Any) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(
+            f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}"
+        )

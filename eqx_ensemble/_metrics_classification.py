@@ -1,0 +1,469 @@
+"""Classification metrics on stacked per-member predictions: accuracy, NLL, Brier,
+uncertainty decomposition (entropy, mutual information), vote-based disagreement."""
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from ._metrics_checks import (
+    as_float_array,
+    check_classification_predictions,
+    check_labels,
+    check_reduction,
+)
+
+Reduction = Literal["mean", "sum", "none"]
+
+
+def prepare_predictions(probs: ArrayLike, *, from_logits: bool) -> Array:
+    """Validated `(members, batch, classes)` predictions as a float array."""
+    array = as_float_array(probs, "probs")
+    check_classification_predictions(array, from_logits=from_logits, name="probs")
+    return array
+
+
+def prepare_labels(labels: ArrayLike, predictions: Array) -> Array:
+    """Validated `(batch,)` integer labels matching `predictions`."""
+    array = jnp.asarray(labels)
+    _, batch, classes = predictions.shape
+    check_labels(array, classes, batch, predictions_shape=tuple(predictions.shape))
+    return array
+
+
+def member_log_probs(predictions: Array, *, from_logits: bool) -> tuple[Array, Array]:
+    """Per-member `(probs, log_probs)`; `log_probs` is `-inf` where `probs` is 0."""
+    if from_logits:
+        log_probs = jax.nn.log_softmax(predictions, axis=-1)
+        return jnp.exp(log_probs), log_probs
+    # Probabilities within tolerance of [0, 1] may stray by rounding: clip so the
+    # logarithm never sees a negative number.
+    probs = jnp.clip(predictions, 0.0, 1.0)
+    return probs, jnp.log(probs)
+
+
+def ensemble_log_probs(log_probs: Array) -> Array:
+    """`log(mean_i p_i)` over the member axis, in log-space (no underflow)."""
+    members = log_probs.shape[0]
+    return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(members).astype(
+        log_probs.dtype
+    )
+
+
+def log_floor(dtype) -> float:
+    """The smallest log-probability a loss uses: `log` of the smallest normal float.
+
+    A probability of exactly 0 on the true class then costs a large but finite loss
+    (about 87.3 nats in float32) rather than `inf`.
+    """
+    return float(np.log(float(jnp.finfo(dtype).tiny)))
+
+
+def entropy(probs: Array, log_probs: Array) -> Array:
+    """`-sum_c p_c log p_c` over the last axis, with `0 log 0 = 0` (NaN-free grads)."""
+    positive = probs > 0
+    safe_log = jnp.where(positive, log_probs, 0.0)
+    return -jnp.sum(jnp.where(positive, probs * safe_log, 0.0), axis=-1)
+
+
+def label_log_probs(log_probs: Array, labels: Array) -> Array:
+    """`log_probs[..., labels]`: the log-probability of the true class, floored."""
+    index = jnp.broadcast_to(labels[..., None], log_probs.shape[:-1] + (1,))
+    picked = jnp.take_along_axis(log_probs, index, axis=-1)[..., 0]
+    return jnp.maximum(picked, log_floor(log_probs.dtype))
+
+
+def reduce(values: Array, reduction: Reduction) -> Array:
+    if reduction == "mean":
+        return jnp.mean(values)
+    if reduction == "sum":
+        return jnp.sum(values)
+    return values
+
+
+def accuracy(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    from_logits: bool = False,
+) -> Float[Array, ""]:
+    """Accuracy of the ensemble: the fraction of examples whose most probable class
+    under the mean of the members' probabilities is the label.
+
+    Ties go to the smallest class index (as `jnp.argmax`).
+
+    **Arguments:**
+
+    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
+      (logits if `from_logits=True`).
+    - `labels`: integer class labels, shape `(batch,)`.
+    - `from_logits`: whether `probs` holds logits (softmax is applied per member).
+
+    **Returns:**
+
+    A scalar in `[0, 1]`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1], [0.4, 0.6]],
+                       [[0.7, 0.3], [0.6, 0.4]]])   # 2 members, 2 examples
+    ee.metrics.accuracy(probs, jnp.array([0, 1]))    # 0.5: example 1 ties, argmax 0
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    predicted = jnp.argmax(jnp.mean(member_probs, axis=0), axis=-1)
+    return jnp.mean((predicted == labels).astype(predictions.dtype))
+
+
+def per_member_accuracy(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    from_logits: bool = False,
+) -> Float[Array, " members"]:
+    """The accuracy of each member on its own.
+
+    **Arguments:** as `ee.metrics.accuracy`.
+
+    **Returns:**
+
+    One accuracy per member, shape `(members,)`.
+
+    **Example:**
+
+    ```python
+    logits = jnp.array([[[2.0, 0.0]], [[0.0, 2.0]]])   # 2 members, 1 example
+    ee.metrics.per_member_accuracy(logits, jnp.array([0]), from_logits=True)  # [1, 0]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    predicted = jnp.argmax(predictions, axis=-1)
+    return jnp.mean((predicted == labels[None]).astype(predictions.dtype), axis=1)
+
+
+def nll(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    from_logits: bool = False,
+    reduction: Reduction = "mean",
+) -> Float[Array, ""] | Float[Array, " batch"]:
+    """Negative log-likelihood of the labels under the ensemble's mean prediction,
+    `-log((1/M) sum_i p_i[label])`, in nats.
+
+    With `from_logits=True` the mean is taken in log-space (`logsumexp` over
+    members of `log_softmax`), exact even where probabilities underflow. A
+    probability of exactly 0 on the true class gives a large finite loss (the
+    log-probability is floored at `log` of the dtype's smallest normal number,
+    about -87.3 in float32) instead of `inf`.
+
+    **Arguments:**
+
+    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
+      (logits if `from_logits=True`).
+    - `labels`: integer class labels, shape `(batch,)`.
+    - `from_logits`: whether `probs` holds logits.
+    - `reduction`: `"mean"` (default) or `"sum"` over the batch, or `"none"` for
+      one loss per example.
+
+    **Returns:**
+
+    A scalar, or shape `(batch,)` with `reduction="none"`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1]], [[0.5, 0.5]]])  # mean prediction [0.7, 0.3]
+    ee.metrics.nll(probs, jnp.array([0]))            # -log(0.7) = 0.357
+    logits = jnp.array([[[0.0, -200.0]], [[0.0, -300.0]]])
+    ee.metrics.nll(logits, jnp.array([1]), from_logits=True)  # 200.69, no underflow
+    ```
+    """
+    check_reduction(reduction)
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    _, log_probs = member_log_probs(predictions, from_logits=from_logits)
+    losses = -label_log_probs(ensemble_log_probs(log_probs), labels)
+    return reduce(losses, reduction)
+
+
+def per_member_nll(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    from_logits: bool = False,
+) -> Float[Array, " members"]:
+    """The mean negative log-likelihood of each member on its own.
+
+    **Arguments:** as `ee.metrics.nll`.
+
+    **Returns:**
+
+    One mean NLL per member, shape `(members,)`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1]], [[0.5, 0.5]]])
+    ee.metrics.per_member_nll(probs, jnp.array([0]))  # [-log 0.9, -log 0.5]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    _, log_probs = member_log_probs(predictions, from_logits=from_logits)
+    return -jnp.mean(label_log_probs(log_probs, labels[None]), axis=1)
+
+
+def _brier(probs: Array, labels: Array) -> Array:
+    one_hot = jax.nn.one_hot(labels, probs.shape[-1], dtype=probs.dtype)
+    return jnp.sum(jnp.square(probs - one_hot), axis=-1)
+
+
+def brier_score(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    from_logits: bool = False,
+    reduction: Reduction = "mean",
+) -> Float[Array, ""] | Float[Array, " batch"]:
+    """Brier score of the ensemble's mean prediction, **summed over classes**:
+    `sum_c (pbar_c - onehot(label)_c)^2`, averaged over the batch.
+
+    This is Brier's (1950) multi-class definition, used by Lakshminarayanan et al.
+    (2017) and Ovadia et al. (2019); it lies in `[0, 2]`. For two classes it is
+    twice scikit-learn's binary `brier_score_loss` (which scores the positive
+    class only); it equals `brier_score_loss(..., scale_by_half=False)`.
+
+    **Arguments:**
+
+    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
+      (logits if `from_logits=True`).
+    - `labels`: integer class labels, shape `(batch,)`.
+    - `from_logits`: whether `probs` holds logits.
+    - `reduction`: `"mean"`, `"sum"` or `"none"` (one score per example).
+
+    **Returns:**
+
+    A scalar, or shape `(batch,)` with `reduction="none"`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.8, 0.2]], [[0.6, 0.4]]])  # mean prediction [0.7, 0.3]
+    ee.metrics.brier_score(probs, jnp.array([0]))    # 0.3**2 + 0.3**2 = 0.18
+    ```
+    """
+    check_reduction(reduction)
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    return reduce(_brier(jnp.mean(member_probs, axis=0), labels), reduction)
+
+
+def per_member_brier_score(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    from_logits: bool = False,
+) -> Float[Array, " members"]:
+    """The Brier score (summed over classes, averaged over the batch) of each member.
+
+    **Arguments:** as `ee.metrics.brier_score`.
+
+    **Returns:**
+
+    One Brier score per member, shape `(members,)`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.8, 0.2]], [[0.6, 0.4]]])
+    ee.metrics.per_member_brier_score(probs, jnp.array([0]))  # [0.08, 0.32]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    return jnp.mean(_brier(member_probs, labels[None]), axis=1)
+
+
+def predictive_entropy(
+    probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
+) -> Float[Array, " batch"]:
+    """Entropy of the ensemble's mean prediction, `H[(1/M) sum_i p_i]` (total
+    uncertainty), per example, in nats.
+
+    Terms with probability 0 contribute 0. It lies in `[0, log(classes)]`.
+
+    **Arguments:**
+
+    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
+      (logits if `from_logits=True`).
+    - `from_logits`: whether `probs` holds logits.
+
+    **Returns:**
+
+    One entropy per example, shape `(batch,)`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[1.0, 0.0]], [[0.0, 1.0]]])   # two confident members disagree
+    ee.metrics.predictive_entropy(probs)              # [log 2] = [0.693]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    member_probs, log_probs = member_log_probs(predictions, from_logits=from_logits)
+    return entropy(jnp.mean(member_probs, axis=0), ensemble_log_probs(log_probs))
+
+
+def expected_entropy(
+    probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
+) -> Float[Array, " batch"]:
+    """Mean over members of each member's entropy, `(1/M) sum_i H[p_i]` (the
+    aleatoric part of the uncertainty), per example, in nats.
+
+    **Arguments:** as `ee.metrics.predictive_entropy`.
+
+    **Returns:**
+
+    One value per example, shape `(batch,)`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[1.0, 0.0]], [[0.0, 1.0]]])   # each member is certain
+    ee.metrics.expected_entropy(probs)                # [0.0]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    member_probs, log_probs = member_log_probs(predictions, from_logits=from_logits)
+    return jnp.mean(entropy(member_probs, log_probs), axis=0)
+
+
+def mutual_information(
+    probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
+) -> Float[Array, " batch"]:
+    """Mutual information between the prediction and the member (the epistemic
+    part of the uncertainty): predictive entropy minus expected entropy, per
+    example, in nats (Depeweg et al. 2018; the BALD score of Houlsby et al. 2011).
+
+    It is 0 when all members agree and at most `log(min(members, classes))`;
+    rounding below 0 is clipped to 0.
+
+    **Arguments:** as `ee.metrics.predictive_entropy`.
+
+    **Returns:**
+
+    One value per example, shape `(batch,)`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[1.0, 0.0], [0.5, 0.5]],
+                       [[0.0, 1.0], [0.5, 0.5]]])
+    ee.metrics.mutual_information(probs)   # [log 2, 0]: disagreement vs shared doubt
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    member_probs, log_probs = member_log_probs(predictions, from_logits=from_logits)
+    total = entropy(jnp.mean(member_probs, axis=0), ensemble_log_probs(log_probs))
+    aleatoric = jnp.mean(entropy(member_probs, log_probs), axis=0)
+    return jnp.maximum(total - aleatoric, 0.0)
+
+
+def _vote_counts(predictions: Array) -> Array:
+    """`(batch, classes)`: how many members predict each class (their argmax)."""
+    votes = jnp.argmax(predictions, axis=-1)
+    one_hot = jax.nn.one_hot(votes, predictions.shape[-1], dtype=predictions.dtype)
+    return jnp.sum(one_hot, axis=0)
+
+
+def variation_ratio(
+    probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
+) -> Float[Array, " batch"]:
+    """Variation ratio of the members' votes, `1 - (votes for the modal class) / M`
+    (Freeman 1965; Gal 2016), per example.
+
+    Each member votes for its most probable class. It is 0 when all members agree
+    and at most `1 - 1/min(members, classes)`.
+
+    **Arguments:** as `ee.metrics.predictive_entropy`.
+
+    **Returns:**
+
+    One value per example, shape `(batch,)`.
+
+    **Example:**
+
+    ```python
+    probs = jax.nn.one_hot(jnp.array([[0], [0], [1], [2]]), 3)  # 4 members, 1 example
+    ee.metrics.variation_ratio(probs)                          # [1 - 2/4] = [0.5]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    members = predictions.shape[0]
+    return 1.0 - jnp.max(_vote_counts(predictions), axis=-1) / members
+
+
+def disagreement(
+    probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
+) -> Float[Array, " batch"]:
+    """Member disagreement: the fraction of pairs of distinct members whose
+    most probable classes differ, per example (0 for a single member).
+
+    Averaged over a batch it is the mean pairwise prediction disagreement of
+    Fort et al. (2019); see `ee.metrics.pairwise_disagreement` for each pair.
+
+    **Arguments:** as `ee.metrics.predictive_entropy`.
+
+    **Returns:**
+
+    One value in `[0, 1]` per example, shape `(batch,)`.
+
+    **Example:**
+
+    ```python
+    probs = jax.nn.one_hot(jnp.array([[0], [0], [1]]), 2)  # 3 members, 1 example
+    ee.metrics.disagreement(probs)                        # 2 of 3 pairs: [0.667]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    members = predictions.shape[0]
+    if members == 1:
+        return jnp.zeros(predictions.shape[1], predictions.dtype)
+    counts = _vote_counts(predictions)
+    agreeing_pairs = jnp.sum(counts * (counts - 1.0), axis=-1)
+    return 1.0 - agreeing_pairs / (members * (members - 1))
+
+
+def pairwise_disagreement(
+    probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
+) -> Float[Array, " members members"]:
+    """For each pair of members, the fraction of examples on which their most
+    probable classes differ (a symmetric matrix with a zero diagonal).
+
+    **Arguments:** as `ee.metrics.predictive_entropy`.
+
+    **Returns:**
+
+    Shape `(members, members)`.
+
+    **Example:**
+
+    ```python
+    probs = jax.nn.one_hot(jnp.array([[0, 1], [0, 0], [1, 0]]), 2)  # 3 members
+    ee.metrics.pairwise_disagreement(probs)   # [[0, .5, 1], [.5, 0, .5], [1, .5, 0]]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    votes = jnp.argmax(predictions, axis=-1)
+    one_hot = jax.nn.one_hot(votes, predictions.shape[-1], dtype=predictions.dtype)
+    agreement = jnp.einsum("ibc,jbc->ij", one_hot, one_hot) / predictions.shape[1]
+    return 1.0 - agreement
