@@ -8,10 +8,25 @@ ens(jnp.ones(2))   # shape (8, 1): one output per member, one compiled computati
 ```
 """
 
-from . import combine as combine
+from . import combine as combine, metrics as metrics, plot as plot
 from ._average import average as average, tree_weighted_sum as tree_weighted_sum
+from ._checkpoint import load as load, load_manifest as load_manifest, save as save
+from ._checkpoint_dir import (
+    latest_checkpoint as latest_checkpoint,
+    list_checkpoints as list_checkpoints,
+    save_checkpoint as save_checkpoint,
+)
+from ._checkpoint_file import CheckpointError as CheckpointError
 from ._ensemble import Ensemble as Ensemble, ensemble as ensemble
+from ._fit import (
+    EnsembleDivergedError as EnsembleDivergedError,
+    FitResult as FitResult,
+    History as History,
+    fit as fit,
+)
 from ._map import map as map
+from ._optim import init_optimizer as init_optimizer, set_hyperparams as set_hyperparams
 from ._stack import concatenate as concatenate, stack as stack, unstack as unstack
+from ._step import StepOutput as StepOutput, make_step as make_step
 
 __version__ = "0.1.0"

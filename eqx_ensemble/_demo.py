@@ -120,7 +120,7 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     plot_path = _plot(out / "demo.png", x, y, x_wide, wide_mean, wide_std, wide_means)
     print(f"plot: {plot_path}" if plot_path else "plot: skipped (no matplotlib)")
-    checkpoint_path = _save(out / "ensemble.eqx", trained)
+    checkpoint_path = _save(out / "ensemble.ckpt", trained)
     print(f"checkpoint: {checkpoint_path}")
     print(f"done in {time.perf_counter() - start:.1f} s")
     return {
@@ -143,8 +143,9 @@ def _predict(ens: Any, xs: Array) -> tuple[Array, Array]:
 
 
 def _save(path: Path, tree: Any) -> Path:
-    eqx.tree_serialise_leaves(path, tree)
-    return path
+    from ._checkpoint import save
+
+    return save(path, tree, metadata={"demo": "toy regression y = x^3 + noise"})
 
 
 def _plot(path, x, y, x_wide, mean, std, member_means) -> Path | None:

@@ -1,6 +1,7 @@
 """`fit`: the training loop, several steps fused per dispatch with `lax.scan`."""
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -9,17 +10,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from ._checkpoint import load, load_manifest
+from ._checkpoint_dir import latest_checkpoint, save_checkpoint
+from ._checkpoint_file import CheckpointError
 from ._data import (
     SAMPLINGS,
     batch_indices,
     bootstrap_resamples,
-    gather,
     num_examples,
 )
 from ._ensemble import Ensemble, check_key
 from ._optim import check_opt_state, init_optimizer, set_hyperparams
+from ._sharding import (
+    check_fit_mesh,
+    gather_batch,
+    mesh_context,
+    on_mesh,
+    place_state,
+    replicate,
+)
 from ._step import vmapped_update
 
 
@@ -90,6 +102,7 @@ class _Config(NamedTuple):
     chunk: int
     eval_every: int
     stateful: bool
+    mesh: Mesh | None = None
 
 
 def _member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any]:
@@ -121,7 +134,8 @@ def _run_chunk(inputs: tuple, train_state: TrainState):
             scores = eqx.filter_vmap(
                 lambda m: config.eval_fn(m, eval_data)  # type: ignore[misc]
             )(ts.ensemble.members)
-        return jnp.asarray(scores, dtype=jnp.float32).reshape(config.size)
+        scores = jnp.asarray(scores, dtype=jnp.float32).reshape(config.size)
+        return replicate(scores, config.mesh)
 
     def active(ts: TrainState):
         step = ts.step
@@ -134,7 +148,7 @@ def _run_chunk(inputs: tuple, train_state: TrainState):
             batch_size=config.batch_size,
             size=config.size,
         )
-        batch = gather(data, indices)
+        batch = gather_batch(data, indices, config.mesh)
         member_keys = jax.random.split(jax.random.fold_in(train_key, step), config.size)
         frozen = ts.diverged_at >= 0
         members, opt_state, losses, _, model_state, diverged = update(
@@ -170,7 +184,8 @@ def _run_chunk(inputs: tuple, train_state: TrainState):
                 best_score=jnp.where(better, scores, ts.best_score),
                 best_step=jnp.where(better, step + 1, ts.best_step),
             )
-        losses = jnp.asarray(losses, dtype=jnp.float32)
+        losses = replicate(jnp.asarray(losses, dtype=jnp.float32), config.mesh)
+        ts = place_state(ts, config.mesh, inside_jit=True)
         return eqx.filter(ts, eqx.is_array), (losses, scores)
 
     def inactive(ts: TrainState):
@@ -185,6 +200,7 @@ def _run_chunk(inputs: tuple, train_state: TrainState):
         )
 
     dynamic, (losses, scores) = jax.lax.scan(body, dynamic, None, length=config.chunk)
+    dynamic = place_state(dynamic, config.mesh, inside_jit=True)
     return eqx.combine(dynamic, static), losses, scores
 
 
@@ -213,8 +229,12 @@ def fit(
     eval_fn: Callable[..., Any] | None = None,
     eval_data: PyTree[Any] = None,
     eval_every: int | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    keep_checkpoints: int | None = 3,
     callback: Callable[[FitResult], Any] | None = None,
     progress: bool = True,
+    mesh: Mesh | None = None,
 ) -> FitResult:
     """Train every member of an ensemble: the loop users call.
 
@@ -247,9 +267,27 @@ def fit(
       `eval_fn(model, state, eval_data)` with a model state), run every
       `eval_every` steps inside the compiled loop. Each member's best parameters
       are kept in `FitResult.best_ensemble`.
-    - `callback`: called after every dispatch with the current `FitResult`.
+    - `checkpoint_dir`: a folder for checkpoints. Every `checkpoint_every` steps
+      (and at the end) the ensemble, optimizer state, model state, step count,
+      divergence record, best members and history are saved atomically with
+      [`ee.save_checkpoint`][eqx_ensemble.save_checkpoint], keeping the last
+      `keep_checkpoints`. If the folder already holds a checkpoint, `fit`
+      **resumes** from the newest one and continues exactly as the uninterrupted
+      run would (same parameters, same random stream); the other arguments must
+      describe the same run (same `key`, `batch_size`, `sampling`, ensemble size).
+    - `checkpoint_every`: checkpoint period in steps (default: at the end only).
+    - `keep_checkpoints`: how many checkpoints to keep (`None`: all).
+    - `callback`: called after every dispatch (and after its checkpoint, if any)
+      with the current `FitResult`.
     - `progress`: show a tqdm progress bar with the step and the mean/min/max
       member loss.
+    - `mesh`: a device mesh from [`ee.make_mesh`][eqx_ensemble.make_mesh] to train
+      on several devices (or processes): the member axis of the ensemble and its
+      states is split over the mesh axis `"members"`, each step's batch over
+      `"data"`, and the shardings are kept through the compiled loop (the results
+      carry them). `data` is used as placed when it is already on the mesh (e.g.
+      `ee.shard(data, mesh, axes="data")`), else replicated. The results equal
+      the single-device run's. See the sharding guide.
 
     **Returns:**
 
@@ -289,6 +327,8 @@ def fit(
     size = len(ens)
     steps = _check_positive_int(steps, "steps")
     batch_size = _check_positive_int(batch_size, "batch_size")
+    if mesh is not None:
+        mesh = check_fit_mesh(mesh, size, batch_size)
     chunk = _check_positive_int(steps_per_dispatch, "steps_per_dispatch")
     check_key(key)
     if sampling not in SAMPLINGS:
@@ -306,6 +346,12 @@ def fit(
         if eval_every is None:
             raise ValueError("`eval_fn` needs `eval_every` (evaluate every N steps)")
         eval_every = _check_positive_int(eval_every, "eval_every")
+    if checkpoint_dir is None and checkpoint_every is not None:
+        raise ValueError("`checkpoint_every` needs a `checkpoint_dir`")
+    if checkpoint_every is not None:
+        checkpoint_every = _check_positive_int(checkpoint_every, "checkpoint_every")
+    if keep_checkpoints is not None:
+        keep_checkpoints = _check_positive_int(keep_checkpoints, "keep_checkpoints")
     if opt_state is None:
         opt_state = init_optimizer(optimizer, ens)
     else:
@@ -329,6 +375,7 @@ def fit(
         chunk=min(chunk, steps),
         eval_every=eval_every or 1,
         stateful=stateful,
+        mesh=mesh,
     )
     # The loop donates its state to each dispatch: copy so the caller's arrays stay
     # valid.
@@ -349,12 +396,34 @@ def fit(
     losses_seen: list[np.ndarray] = []
     eval_steps: list[int] = []
     eval_scores: list[np.ndarray] = []
+    run_record = {
+        "size": size,
+        "batch_size": batch_size,
+        "sampling": sampling,
+        "num_examples": n,
+        "key": np.asarray(jax.random.key_data(key)).ravel().tolist()
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        else np.asarray(key).ravel().tolist(),
+    }
+    if checkpoint_dir is not None:
+        resumed = _resume(checkpoint_dir, train_state, run_record)
+        if resumed is not None:
+            train_state, losses, resumed_eval_steps, resumed_eval_scores = resumed
+            losses_seen.append(losses)
+            eval_steps.extend(int(s) for s in resumed_eval_steps)
+            eval_scores.extend(resumed_eval_scores)
+    train_state = place_state(train_state, mesh)
+    data, eval_data, data_key, train_key, resamples = on_mesh(
+        (data, eval_data, data_key, train_key, resamples), mesh
+    )
     done = int(train_state.step)
 
     bar = _progress_bar(steps, done, progress)
     try:
         while done < steps:
             end = min(steps, done + config.chunk)
+            if checkpoint_every is not None:
+                end = min(end, (done // checkpoint_every + 1) * checkpoint_every)
             inputs = (
                 config,
                 data,
@@ -364,7 +433,10 @@ def fit(
                 resamples,
                 jnp.array(end, dtype=jnp.int32),
             )
-            train_state, chunk_losses, chunk_scores = _run_chunk(inputs, train_state)
+            with mesh_context(mesh):
+                train_state, chunk_losses, chunk_scores = _run_chunk(
+                    on_mesh(inputs, mesh), train_state
+                )
             active = end - done
             chunk_losses = np.asarray(chunk_losses)[:active]
             losses_seen.append(chunk_losses)
@@ -385,6 +457,20 @@ def fit(
                     f"steps {diverged_at.tolist()}; lower the learning rate or check "
                     "the loss"
                 )
+            if checkpoint_dir is not None and (
+                done == steps
+                or (checkpoint_every is not None and done % checkpoint_every == 0)
+            ):
+                _save(
+                    checkpoint_dir,
+                    train_state,
+                    losses_seen,
+                    eval_steps,
+                    eval_scores,
+                    size,
+                    run_record,
+                    keep_checkpoints,
+                )
             if callback is not None:
                 callback(
                     _result(train_state, losses_seen, eval_steps, eval_scores, size)
@@ -395,6 +481,97 @@ def fit(
     return _result(train_state, losses_seen, eval_steps, eval_scores, size)
 
 
+def _history_arrays(
+    losses_seen: list[np.ndarray],
+    eval_steps: list[int],
+    eval_scores: list[np.ndarray],
+    size: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    losses = (
+        np.concatenate(losses_seen).astype(np.float32)
+        if losses_seen
+        else np.zeros((0, size), dtype=np.float32)
+    )
+    scores = (
+        np.stack(eval_scores).astype(np.float32)
+        if eval_scores
+        else np.zeros((0, size), dtype=np.float32)
+    )
+    return losses, np.asarray(eval_steps, dtype=np.int64), scores
+
+
+def _save(
+    directory: str | os.PathLike[str],
+    train_state: TrainState,
+    losses_seen: list[np.ndarray],
+    eval_steps: list[int],
+    eval_scores: list[np.ndarray],
+    size: int,
+    run_record: dict[str, Any],
+    keep: int | None,
+) -> None:
+    losses, steps, scores = _history_arrays(losses_seen, eval_steps, eval_scores, size)
+    step = int(train_state.step)
+    save_checkpoint(
+        directory,
+        step,
+        {
+            "train_state": train_state,
+            "losses": losses,
+            "eval_steps": steps,
+            "eval_scores": scores,
+        },
+        metadata={
+            "kind": "eqx_ensemble.fit",
+            "step": step,
+            "num_evaluations": int(steps.shape[0]),
+            "run": run_record,
+        },
+        keep=keep,
+    )
+
+
+def _resume(
+    directory: str | os.PathLike[str],
+    train_state: TrainState,
+    run_record: dict[str, Any],
+) -> tuple[TrainState, np.ndarray, np.ndarray, list[np.ndarray]] | None:
+    path = latest_checkpoint(directory)
+    if path is None:
+        return None
+    metadata = load_manifest(path).get("metadata", {})
+    if metadata.get("kind") != "eqx_ensemble.fit":
+        raise CheckpointError(
+            f"{path} was not written by `ee.fit`; point `checkpoint_dir` at a folder "
+            "of fit checkpoints (or an empty one)"
+        )
+    saved_run = metadata["run"]
+    for field, value in run_record.items():
+        if saved_run.get(field) != value:
+            shown = "PRNG key" if field == "key" else f"`{field}`"
+            raise CheckpointError(
+                f"Cannot resume from {path}: it was written by a run with a different "
+                f"{shown} ({saved_run.get(field)!r} there, {value!r} now); exact "
+                "resume needs the same run. Use another `checkpoint_dir` for a new run."
+            )
+    size = run_record["size"]
+    step = int(metadata["step"])
+    evaluations = int(metadata["num_evaluations"])
+    like = {
+        "train_state": train_state,
+        "losses": np.zeros((step, size), np.float32),
+        "eval_steps": np.zeros((evaluations,), np.int64),
+        "eval_scores": np.zeros((evaluations, size), np.float32),
+    }
+    restored = load(path, like)
+    return (
+        restored["train_state"],
+        np.asarray(restored["losses"]),
+        np.asarray(restored["eval_steps"]),
+        list(np.asarray(restored["eval_scores"])),
+    )
+
+
 def _result(
     train_state: TrainState,
     losses_seen: list[np.ndarray],
@@ -403,20 +580,8 @@ def _result(
     size: int,
 ) -> FitResult:
     diverged_at = np.asarray(train_state.diverged_at)
-    losses = (
-        np.concatenate(losses_seen)
-        if losses_seen
-        else np.zeros((0, size), dtype=np.float32)
-    )
-    history = History(
-        losses=losses,
-        eval_steps=np.asarray(eval_steps, dtype=np.int64),
-        eval_scores=(
-            np.stack(eval_scores)
-            if eval_scores
-            else np.zeros((0, size), dtype=np.float32)
-        ),
-    )
+    losses, steps, scores = _history_arrays(losses_seen, eval_steps, eval_scores, size)
+    history = History(losses=losses, eval_steps=steps, eval_scores=scores)
     return FitResult(
         ensemble=train_state.ensemble,
         opt_state=train_state.opt_state,
