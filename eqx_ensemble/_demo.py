@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from . import combine
+from . import metrics
 from ._ensemble import ensemble
 from ._fit import fit
 
@@ -85,19 +85,18 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
         return means * y_scale, variances * y_scale**2
 
     means, variances = predict(x_test)
-    rows = []
-    for i in range(members):
-        nll = float(jnp.mean(gaussian_nll(means[i], variances[i], y_test)))
-        rmse = float(jnp.sqrt(jnp.mean(jnp.square(means[i] - y_test))))
-        rows.append((f"member {i}", nll, rmse))
-    mix_mean, mix_var = combine.gaussian_mixture(means, variances)
-    ens_nll = float(jnp.mean(gaussian_nll(mix_mean, mix_var, y_test)))
-    ens_rmse = float(jnp.sqrt(jnp.mean(jnp.square(mix_mean - y_test))))
+    member_nll = np.asarray(metrics.per_member_gaussian_nll(means, variances, y_test))
+    member_rmse = np.asarray(metrics.per_member_rmse(means, y_test))
+    rows = [(f"member {i}", member_nll[i], member_rmse[i]) for i in range(members)]
+    ens_nll = float(
+        metrics.gaussian_nll(means, variances, y_test, predictive="mixture")
+    )
+    ens_rmse = float(metrics.rmse(means, y_test))
+    coverage = float(metrics.interval_coverage(means, variances, y_test, 0.95))
 
     x_wide = jnp.linspace(-6.0, 6.0, 241)[:, None]
     wide_means, wide_vars = predict(x_wide)
-    wide_mean, wide_var = combine.gaussian_mixture(wide_means, wide_vars)
-    wide_std = np.sqrt(np.asarray(wide_var))
+    wide_std = np.sqrt(np.asarray(metrics.predictive_variance(wide_means, wide_vars)))
     inside = np.abs(np.asarray(x_wide[:, 0])) <= TRAIN_RANGE
     outside = np.abs(np.asarray(x_wide[:, 0])) >= 5.0
 
@@ -105,12 +104,11 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
     print(f"{'model':<12}{'test NLL':>10}{'test RMSE':>11}")
     for name, nll, rmse in rows:
         print(f"{name:<12}{nll:>10.3f}{rmse:>11.3f}")
-    member_nll = np.mean([r[1] for r in rows])
-    member_rmse = np.mean([r[2] for r in rows])
-    print(f"{'mean member':<12}{member_nll:>10.3f}{member_rmse:>11.3f}")
+    print(f"{'mean member':<12}{member_nll.mean():>10.3f}{member_rmse.mean():>11.3f}")
     print(f"{'ensemble':<12}{ens_nll:>10.3f}{ens_rmse:>11.3f}")
+    print(f"\n95% interval coverage on the test grid: {coverage:.1%}")
     print(
-        f"\npredictive std: {wide_std[inside].mean():.2f} inside the training range "
+        f"predictive std: {wide_std[inside].mean():.2f} inside the training range "
         f"|x| <= {TRAIN_RANGE:g}, {wide_std[outside].mean():.2f} for |x| >= 5 "
         f"({wide_std[outside].mean() / wide_std[inside].mean():.1f}x)"
     )
@@ -118,14 +116,15 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
         print(f"diverged members: {result.diverged}")
 
     out.mkdir(parents=True, exist_ok=True)
-    plot_path = _plot(out / "demo.png", x, y, x_wide, wide_mean, wide_std, wide_means)
+    plot_path = _plot(out / "demo.png", x, y, x_wide, wide_means, wide_vars)
     print(f"plot: {plot_path}" if plot_path else "plot: skipped (no matplotlib)")
     checkpoint_path = _save(out / "ensemble.ckpt", trained)
     print(f"checkpoint: {checkpoint_path}")
     print(f"done in {time.perf_counter() - start:.1f} s")
     return {
-        "member_nll": [r[1] for r in rows],
-        "member_rmse": [r[2] for r in rows],
+        "member_nll": member_nll.tolist(),
+        "member_rmse": member_rmse.tolist(),
+        "coverage_95": coverage,
         "ensemble_nll": ens_nll,
         "ensemble_rmse": ens_rmse,
         "std_inside": float(wide_std[inside].mean()),
@@ -148,7 +147,7 @@ def _save(path: Path, tree: Any) -> Path:
     return save(path, tree, metadata={"demo": "toy regression y = x^3 + noise"})
 
 
-def _plot(path, x, y, x_wide, mean, std, member_means) -> Path | None:
+def _plot(path: Path, x, y, x_wide, means, variances) -> Path | None:
     try:
         import matplotlib
 
@@ -156,32 +155,24 @@ def _plot(path, x, y, x_wide, mean, std, member_means) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    from . import plot
+
+    fig, ax = plot.predictive_band(
+        np.asarray(x_wide[:, 0]),
+        means,
+        variances,
+        k=3,
+        x_train=np.asarray(x[:, 0]),
+        y_train=np.asarray(y),
+        show_members=True,
+    )
     xs = np.asarray(x_wide[:, 0])
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.fill_between(
-        xs,
-        np.asarray(mean) - 3 * std,
-        np.asarray(mean) + 3 * std,
-        color="tab:blue",
-        alpha=0.2,
-        label="ensemble mean ± 3σ",
-    )
-    for member_mean in np.asarray(member_means):
-        ax.plot(xs, member_mean, color="tab:gray", lw=0.7, alpha=0.6)
-    ax.plot(xs, np.asarray(mean), color="tab:blue", lw=2, label="ensemble mean")
     ax.plot(xs, xs**3, "k--", lw=1, label="y = x³")
-    ax.scatter(
-        np.asarray(x[:, 0]),
-        np.asarray(y),
-        color="tab:red",
-        zorder=3,
-        label="training data",
-    )
     ax.set_ylim(-150, 150)
-    ax.set_xlabel("x")
-    ax.set_ylabel("y")
     ax.legend(loc="upper left")
-    ax.set_title("Deep ensemble on y = x³ + ε (Lakshminarayanan et al. 2017)")
+    ax.set_title(
+        "Deep ensemble on y = x³ + ε: mean ± 3σ (Lakshminarayanan et al. 2017)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -200,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
     )
     demo.add_argument("--members", type=int, default=5, help="ensemble size (5)")
-    demo.add_argument("--steps", type=int, default=2000, help="Adam steps (2000)")
+    demo.add_argument("--steps", type=int, default=1000, help="Adam steps (1000)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (0)")
     demo.add_argument(
         "--out", type=Path, default=Path("demo_output"), help="output folder"
