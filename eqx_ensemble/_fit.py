@@ -472,8 +472,12 @@ def fit(
                     keep_checkpoints,
                 )
             if callback is not None:
+                # The next dispatch donates `train_state`'s buffers: give the
+                # callback a copy it may keep.
                 callback(
-                    _result(train_state, losses_seen, eval_steps, eval_scores, size)
+                    _result(
+                        copy(train_state), losses_seen, eval_steps, eval_scores, size
+                    )
                 )
     finally:
         if bar is not None:

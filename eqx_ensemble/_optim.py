@@ -164,8 +164,10 @@ def check_opt_state(
     expected = eqx.filter_eval_shape(
         eqx.filter_vmap(optimizer.init), trainable(members)
     )
-    expected_arrays = eqx.filter(expected, eqx.is_array_like)
-    given_arrays = eqx.filter(opt_state, eqx.is_array_like)
+    # `filter_eval_shape` gives `ShapeDtypeStruct`s, which `eqx.is_array_like` does
+    # not count as arrays: keep them, or every real state would "differ".
+    expected_arrays = eqx.filter(expected, _is_array_or_struct)
+    given_arrays = eqx.filter(opt_state, _is_array_or_struct)
     difference = first_difference(
         jax.tree.map(_as_struct, expected_arrays),
         jax.tree.map(_as_struct, given_arrays),
@@ -176,6 +178,10 @@ def check_opt_state(
             f"with `ee.init_optimizer(optimizer, ens)` for this {size}-member "
             f"ensemble). First difference (expected first): {difference}"
         )
+
+
+def _is_array_or_struct(x: Any) -> bool:
+    return eqx.is_array_like(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 class _Spec:
