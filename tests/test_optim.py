@@ -1,0 +1,176 @@
+"""`ee.init_optimizer` / `ee.set_hyperparams`: one optax state per member."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_tree_allclose
+
+import eqx_ensemble as ee
+
+SIZE = 3
+
+
+def params(model):
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+def stacked(trees):
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def member(tree, i):
+    return jax.tree.map(lambda leaf: leaf[i] if eqx.is_array(leaf) else leaf, tree)
+
+
+@pytest.fixture(scope="module")
+def ens():
+    return ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, 4, 1, key=k), size=SIZE, key=jax.random.key(0)
+    )
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optax.adam(1e-3),
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9),
+    ],
+    ids=["adam", "clip+adamw", "inject(sgd)"],
+)
+def test_state_is_the_stack_of_member_states(ens, optimizer):
+    state = ee.init_optimizer(optimizer, ens)
+    expected = stacked([optimizer.init(params(ens[i])) for i in range(SIZE)])
+    assert_tree_allclose(state, expected, rtol=0, atol=0)
+    for leaf in jax.tree.leaves(state):
+        assert leaf.shape[0] == SIZE
+
+
+def test_per_member_hyperparams(ens):
+    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, b1=0.9)
+    learning_rates = jnp.array([0.0, 1e-2, 1e-3])
+    state = ee.init_optimizer(
+        optimizer, ens, hyperparams={"learning_rate": learning_rates}
+    )
+    np.testing.assert_array_equal(state.hyperparams["learning_rate"], learning_rates)
+    # The others keep their (per-member copies of the) shared value.
+    np.testing.assert_allclose(state.hyperparams["b1"], np.full(SIZE, 0.9))
+    # Member i's state equals a solo state whose optimizer has member i's value.
+    for i in range(SIZE):
+        solo_optimizer = optax.inject_hyperparams(optax.adam)(
+            learning_rate=learning_rates[i], b1=0.9
+        )
+        assert_tree_allclose(
+            member(state, i), solo_optimizer.init(params(ens[i])), rtol=0, atol=0
+        )
+
+
+def test_scalar_and_numpy_hyperparams_are_broadcast_and_cast(ens):
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = ee.init_optimizer(optimizer, ens, hyperparams={"learning_rate": 0.5})
+    np.testing.assert_array_equal(state.hyperparams["learning_rate"], [0.5] * SIZE)
+    state = ee.set_hyperparams(
+        state, {"learning_rate": np.array([0.1, 0.2, 0.3])}, SIZE
+    )
+    rates = state.hyperparams["learning_rate"]
+    assert rates.dtype == jnp.float32
+    np.testing.assert_allclose(rates, [0.1, 0.2, 0.3])
+
+
+def test_hyperparams_inside_a_chain(ens):
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=1e-4),
+    )
+    decays = jnp.array([0.0, 0.1, 0.2])
+    state = ee.init_optimizer(optimizer, ens, hyperparams={"weight_decay": decays})
+    np.testing.assert_array_equal(state[1].hyperparams["weight_decay"], decays)
+
+
+def test_per_member_weight_decay_trains_like_solo_runs(ens):
+    # A hyperparameter sweep as one ensemble: member i == adamw with decay i.
+    decays = [0.0, 0.5, 2.0]
+    optimizer = optax.inject_hyperparams(optax.adamw)(
+        learning_rate=0.1, weight_decay=0.0
+    )
+    opt_state = ee.init_optimizer(
+        optimizer, ens, hyperparams={"weight_decay": jnp.array(decays)}
+    )
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    batch = (x, x[:, :1] * x[:, 1:])
+
+    def loss_fn(model, batch, key):
+        xb, yb = batch
+        return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+    step = ee.make_step(loss_fn, optimizer)
+    trained = ens
+    for t in range(3):
+        trained, opt_state, *_ = step(trained, opt_state, batch, jax.random.key(t))
+    for i, decay in enumerate(decays):
+        solo_optimizer = optax.adamw(0.1, weight_decay=decay)
+        model, solo_state = ens[i], solo_optimizer.init(params(ens[i]))
+        for _ in range(3):
+            grads = eqx.filter_grad(loss_fn)(model, batch, None)
+            with jax.numpy_dtype_promotion("standard"):
+                updates, solo_state = solo_optimizer.update(
+                    grads, solo_state, params(model)
+                )
+            model = eqx.apply_updates(model, updates)
+        # Adam's normalised steps turn float32 rounding of small gradients into
+        # ~1e-6 differences after a few large (lr 0.1) steps.
+        assert_tree_allclose(trained[i], model, rtol=1e-5, atol=1e-5)
+    assert not eqx.tree_equal(trained[1], trained[2])
+
+
+def test_set_hyperparams_does_not_modify_its_input(ens):
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = ee.init_optimizer(optimizer, ens)
+    ee.set_hyperparams(state, {"learning_rate": jnp.zeros(SIZE)}, SIZE)
+    np.testing.assert_allclose(state.hyperparams["learning_rate"], [0.1] * SIZE)
+
+
+# --------------------------------------------------------------------------------
+# Bad input.
+# --------------------------------------------------------------------------------
+
+
+def test_hyperparams_of_wrong_length(ens):
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"ensemble has 3 members, got shape \(2,\)"):
+        ee.init_optimizer(optimizer, ens, hyperparams={"learning_rate": jnp.ones(2)})
+    # A 2-D array: the runtime type check (TypeError) or the library rejects it.
+    with pytest.raises((TypeError, ValueError), match=r"3, ?1"):
+        ee.init_optimizer(
+            optimizer, ens, hyperparams={"learning_rate": jnp.ones((3, 1))}
+        )
+
+
+def test_unknown_hyperparameter(ens):
+    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"Unknown hyperparameter 'lr'.*'b1'"):
+        ee.init_optimizer(optimizer, ens, hyperparams={"lr": jnp.ones(SIZE)})
+
+
+def test_hyperparams_without_inject_hyperparams(ens):
+    with pytest.raises(ValueError, match=r"optax.inject_hyperparams"):
+        ee.init_optimizer(
+            optax.adam(0.1), ens, hyperparams={"learning_rate": jnp.ones(SIZE)}
+        )
+
+
+def test_hyperparameter_injected_twice(ens):
+    optimizer = optax.chain(
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.2),
+    )
+    with pytest.raises(ValueError, match="injected in several places"):
+        ee.init_optimizer(optimizer, ens, hyperparams={"learning_rate": jnp.ones(SIZE)})
+
+
+def test_not_an_ensemble(ens):
+    with pytest.raises(TypeError, match="Ensemble"):
+        ee.init_optimizer(optax.adam(0.1), ens[0])
