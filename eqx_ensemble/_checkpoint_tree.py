@@ -67,9 +67,12 @@ def describe(record: dict[str, Any]) -> str:
     """A leaf description for error messages."""
     kind = record["kind"]
     if kind == "array":
-        return f"a {record['dtype']} array of shape {tuple(record['shape'])}"
+        return f"an array of shape {tuple(record['shape'])} and dtype {record['dtype']}"
     if kind == "key":
-        return f"a {record['dtype']} PRNG key array of shape {tuple(record['shape'])}"
+        return (
+            f"a PRNG key array of shape {tuple(record['shape'])} and dtype "
+            f"{record['dtype']}"
+        )
     if kind in PYTHON_KINDS:
         return f"a Python {kind}"
     return f"a non-array leaf of type {record.get('type', '?')}"
@@ -119,8 +122,8 @@ def node_difference(saved: list[list[Any]], like: list[list[Any]]) -> str | None
             )
         if saved_type != like_type:
             return (
-                f"node `{path}` is a {saved_type} in the checkpoint but a "
-                f"{like_type} in `like`"
+                f"node `{path}` is of type {saved_type} in the checkpoint but of "
+                f"type {like_type} in `like`"
             )
         for name in sorted(set(saved_static) | set(like_static)):
             if saved_static.get(name) != like_static.get(name):
