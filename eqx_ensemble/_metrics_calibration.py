@@ -9,6 +9,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from ._metrics_checks import check_n_bins
 from ._metrics_classification import (
+    compiled,
     ensemble_log_probs,
     label_log_probs,
     member_log_probs,
@@ -97,12 +98,25 @@ def _calibration_error(probs: Array, labels: Array, n_bins: int, adaptive: bool)
     return jnp.sum(jnp.abs(correct_sum - confidence_sum)) / confidence.shape[0]
 
 
-def _ensemble_probs(probs, labels, from_logits: bool, n_bins: int):
+def _validate(
+    probs: ArrayLike, labels: ArrayLike, from_logits: bool, n_bins: int
+) -> tuple[Array, Array]:
     check_n_bins(n_bins)
     predictions = prepare_predictions(probs, from_logits=from_logits)
-    labels = prepare_labels(labels, predictions)
+    return predictions, prepare_labels(labels, predictions)
+
+
+def _mean_probs(predictions: Array, from_logits: bool) -> Array:
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
-    return jnp.mean(member_probs, axis=0), labels
+    return jnp.mean(member_probs, axis=0)
+
+
+@compiled("n_bins", "adaptive", "from_logits")
+def _ensemble_calibration_error(
+    predictions: Array, labels: Array, n_bins: int, adaptive: bool, from_logits: bool
+) -> Array:
+    mean_probs = _mean_probs(predictions, from_logits)
+    return _calibration_error(mean_probs, labels, n_bins, adaptive)
 
 
 def calibration_bins(
@@ -146,8 +160,15 @@ def calibration_bins(
     bins.count.sum()                                   # 100
     ```
     """
-    mean_probs, labels = _ensemble_probs(probs, labels, from_logits, n_bins)
-    confidence, correct = _top_label(mean_probs, labels)
+    predictions, labels = _validate(probs, labels, from_logits, n_bins)
+    return _calibration_bins(predictions, labels, n_bins, adaptive, from_logits)
+
+
+@compiled("n_bins", "adaptive", "from_logits")
+def _calibration_bins(
+    predictions: Array, labels: Array, n_bins: int, adaptive: bool, from_logits: bool
+) -> CalibrationBins:
+    confidence, correct = _top_label(_mean_probs(predictions, from_logits), labels)
     index, count, correct_sum, confidence_sum = _bin_sums(
         confidence, correct, n_bins, adaptive
     )
@@ -205,8 +226,8 @@ def expected_calibration_error(
     ee.metrics.expected_calibration_error(probs, jnp.array([0, 1]))  # |0.5 - 0.9| = 0.4
     ```
     """
-    mean_probs, labels = _ensemble_probs(probs, labels, from_logits, n_bins)
-    return _calibration_error(mean_probs, labels, n_bins, adaptive=False)
+    predictions, labels = _validate(probs, labels, from_logits, n_bins)
+    return _ensemble_calibration_error(predictions, labels, n_bins, False, from_logits)
 
 
 def adaptive_calibration_error(
@@ -239,8 +260,8 @@ def adaptive_calibration_error(
     # bins {0.6, 0.7}: |0.5 - 0.65|; {0.8, 0.9}: |1 - 0.85|; ECE = 0.15
     ```
     """
-    mean_probs, labels = _ensemble_probs(probs, labels, from_logits, n_bins)
-    return _calibration_error(mean_probs, labels, n_bins, adaptive=True)
+    predictions, labels = _validate(probs, labels, from_logits, n_bins)
+    return _ensemble_calibration_error(predictions, labels, n_bins, True, from_logits)
 
 
 def max_calibration_error(
@@ -268,9 +289,15 @@ def max_calibration_error(
     ee.metrics.max_calibration_error(probs, jnp.array([0, 1, 0]), n_bins=10)  # 0.45
     ```
     """
-    bins = calibration_bins(
-        probs, labels, n_bins, adaptive=adaptive, from_logits=from_logits
-    )
+    predictions, labels = _validate(probs, labels, from_logits, n_bins)
+    return _max_calibration_error(predictions, labels, n_bins, adaptive, from_logits)
+
+
+@compiled("n_bins", "adaptive", "from_logits")
+def _max_calibration_error(
+    predictions: Array, labels: Array, n_bins: int, adaptive: bool, from_logits: bool
+) -> Array:
+    bins = _calibration_bins(predictions, labels, n_bins, adaptive, from_logits)
     gaps = jnp.where(bins.count > 0, jnp.abs(bins.accuracy - bins.confidence), 0.0)
     return jnp.max(gaps)
 
@@ -300,9 +327,16 @@ def per_member_calibration_error(
     ee.metrics.per_member_calibration_error(probs, jnp.array([0, 1]))  # [0.4, 0.0]
     ```
     """
-    check_n_bins(n_bins)
-    predictions = prepare_predictions(probs, from_logits=from_logits)
-    labels = prepare_labels(labels, predictions)
+    predictions, labels = _validate(probs, labels, from_logits, n_bins)
+    return _per_member_calibration_error(
+        predictions, labels, n_bins, adaptive, from_logits
+    )
+
+
+@compiled("n_bins", "adaptive", "from_logits")
+def _per_member_calibration_error(
+    predictions: Array, labels: Array, n_bins: int, adaptive: bool, from_logits: bool
+) -> Array:
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
     return jax.vmap(lambda p: _calibration_error(p, labels, n_bins, adaptive))(
         member_probs
@@ -366,12 +400,24 @@ def fit_temperature(
         raise TypeError(f"`iterations` must be a Python int, got {iterations!r}")
     predictions = prepare_predictions(logits, from_logits=True)
     labels = prepare_labels(labels, predictions)
+    bounds = (float(bounds[0]), float(bounds[1]))
+    return _fit_temperature(predictions, labels, bounds, iterations)
+
+
+@compiled("bounds", "iterations")
+def _fit_temperature(
+    predictions: Array,
+    labels: Array,
+    bounds: tuple[float, float],
+    iterations: int,
+) -> Array:
     dtype = predictions.dtype
 
     def objective(log_temperature):
         scaled = predictions / jnp.exp(log_temperature)
-        _, log_probs = member_log_probs(scaled, from_logits=True)
-        return -jnp.mean(label_log_probs(ensemble_log_probs(log_probs), labels))
+        probs, log_probs = member_log_probs(scaled, from_logits=True)
+        log_mean = ensemble_log_probs(probs, log_probs, from_logits=True)
+        return -jnp.mean(label_log_probs(log_mean, labels))
 
     inverse_golden = (np.sqrt(5.0) - 1.0) / 2.0
     low = jnp.asarray(np.log(bounds[0]), dtype)

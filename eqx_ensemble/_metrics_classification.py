@@ -1,6 +1,7 @@
 """Classification metrics on stacked per-member predictions: accuracy, NLL, Brier,
 uncertainty decomposition (entropy, mutual information), vote-based disagreement."""
 
+import functools
 from typing import Literal
 
 import jax
@@ -41,11 +42,23 @@ def member_log_probs(predictions: Array, *, from_logits: bool) -> tuple[Array, A
     # Probabilities within tolerance of [0, 1] may stray by rounding: clip so the
     # logarithm never sees a negative number.
     probs = jnp.clip(predictions, 0.0, 1.0)
-    return probs, jnp.log(probs)
+    return probs, safe_log(probs)
 
 
-def ensemble_log_probs(log_probs: Array) -> Array:
-    """`log(mean_i p_i)` over the member axis, in log-space (no underflow)."""
+def safe_log(probs: Array) -> Array:
+    """`log(probs)`, `-inf` at 0, with finite gradients at 0 (the double-`where`)."""
+    positive = probs > 0
+    return jnp.where(positive, jnp.log(jnp.where(positive, probs, 1.0)), -jnp.inf)
+
+
+def ensemble_log_probs(probs: Array, log_probs: Array, *, from_logits: bool) -> Array:
+    """`log((1/M) sum_i p_i)` over the member axis.
+
+    From logits it is computed in log-space (`logsumexp`), exact where the
+    probabilities underflow.
+    """
+    if not from_logits:
+        return safe_log(jnp.mean(probs, axis=0))
     members = log_probs.shape[0]
     return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(members).astype(
         log_probs.dtype
@@ -53,12 +66,11 @@ def ensemble_log_probs(log_probs: Array) -> Array:
 
 
 def log_floor(dtype) -> float:
-    """The smallest log-probability a loss uses: `log` of the smallest normal float.
-
-    A probability of exactly 0 on the true class then costs a large but finite loss
-    (about 87.3 nats in float32) rather than `inf`.
-    """
-    return float(np.log(float(jnp.finfo(dtype).tiny)))
+    """The log-probability a loss uses for a probability of exactly 0: the `log` of
+    the smallest positive (subnormal) float, about -103.3 in float32, so the loss is
+    large but finite rather than `inf`, and no smaller than for any positive
+    probability."""
+    return float(np.log(float(jnp.finfo(dtype).smallest_subnormal)))
 
 
 def entropy(probs: Array, log_probs: Array) -> Array:
@@ -72,7 +84,13 @@ def label_log_probs(log_probs: Array, labels: Array) -> Array:
     """`log_probs[..., labels]`: the log-probability of the true class, floored."""
     index = jnp.broadcast_to(labels[..., None], log_probs.shape[:-1] + (1,))
     picked = jnp.take_along_axis(log_probs, index, axis=-1)[..., 0]
-    return jnp.maximum(picked, log_floor(log_probs.dtype))
+    return jnp.where(picked == -jnp.inf, log_floor(log_probs.dtype), picked)
+
+
+def compiled(*static_argnames: str):
+    """`jax.jit` with static options: validation runs eagerly in the public function,
+    the computation compiles once per shape (and inlines under an outer `jit`)."""
+    return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
 def reduce(values: Array, reduction: Reduction) -> Array:
@@ -114,7 +132,11 @@ def accuracy(
     ```
     """
     predictions = prepare_predictions(probs, from_logits=from_logits)
-    labels = prepare_labels(labels, predictions)
+    return _accuracy(predictions, prepare_labels(labels, predictions), from_logits)
+
+
+@compiled("from_logits")
+def _accuracy(predictions: Array, labels: Array, from_logits: bool) -> Array:
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
     predicted = jnp.argmax(jnp.mean(member_probs, axis=0), axis=-1)
     return jnp.mean((predicted == labels).astype(predictions.dtype))
@@ -142,7 +164,11 @@ def per_member_accuracy(
     ```
     """
     predictions = prepare_predictions(probs, from_logits=from_logits)
-    labels = prepare_labels(labels, predictions)
+    return _per_member_accuracy(predictions, prepare_labels(labels, predictions))
+
+
+@jax.jit
+def _per_member_accuracy(predictions: Array, labels: Array) -> Array:
     predicted = jnp.argmax(predictions, axis=-1)
     return jnp.mean((predicted == labels[None]).astype(predictions.dtype), axis=1)
 
@@ -159,9 +185,9 @@ def nll(
 
     With `from_logits=True` the mean is taken in log-space (`logsumexp` over
     members of `log_softmax`), exact even where probabilities underflow. A
-    probability of exactly 0 on the true class gives a large finite loss (the
-    log-probability is floored at `log` of the dtype's smallest normal number,
-    about -87.3 in float32) instead of `inf`.
+    probability of exactly 0 on the true class gives a large finite loss instead
+    of `inf`: it counts as the smallest positive float (a loss of about 103.3
+    nats in float32), never less than the loss of any positive probability.
 
     **Arguments:**
 
@@ -188,9 +214,16 @@ def nll(
     check_reduction(reduction)
     predictions = prepare_predictions(probs, from_logits=from_logits)
     labels = prepare_labels(labels, predictions)
-    _, log_probs = member_log_probs(predictions, from_logits=from_logits)
-    losses = -label_log_probs(ensemble_log_probs(log_probs), labels)
-    return reduce(losses, reduction)
+    return _nll(predictions, labels, from_logits, reduction)
+
+
+@compiled("from_logits", "reduction")
+def _nll(
+    predictions: Array, labels: Array, from_logits: bool, reduction: Reduction
+) -> Array:
+    member_probs, log_probs = member_log_probs(predictions, from_logits=from_logits)
+    log_mean = ensemble_log_probs(member_probs, log_probs, from_logits=from_logits)
+    return reduce(-label_log_probs(log_mean, labels), reduction)
 
 
 def per_member_nll(
@@ -216,6 +249,11 @@ def per_member_nll(
     """
     predictions = prepare_predictions(probs, from_logits=from_logits)
     labels = prepare_labels(labels, predictions)
+    return _per_member_nll(predictions, labels, from_logits)
+
+
+@compiled("from_logits")
+def _per_member_nll(predictions: Array, labels: Array, from_logits: bool) -> Array:
     _, log_probs = member_log_probs(predictions, from_logits=from_logits)
     return -jnp.mean(label_log_probs(log_probs, labels[None]), axis=1)
 
@@ -262,6 +300,13 @@ def brier_score(
     check_reduction(reduction)
     predictions = prepare_predictions(probs, from_logits=from_logits)
     labels = prepare_labels(labels, predictions)
+    return _brier_score(predictions, labels, from_logits, reduction)
+
+
+@compiled("from_logits", "reduction")
+def _brier_score(
+    predictions: Array, labels: Array, from_logits: bool, reduction: Reduction
+) -> Array:
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
     return reduce(_brier(jnp.mean(member_probs, axis=0), labels), reduction)
 
@@ -289,6 +334,13 @@ def per_member_brier_score(
     """
     predictions = prepare_predictions(probs, from_logits=from_logits)
     labels = prepare_labels(labels, predictions)
+    return _per_member_brier_score(predictions, labels, from_logits)
+
+
+@compiled("from_logits")
+def _per_member_brier_score(
+    predictions: Array, labels: Array, from_logits: bool
+) -> Array:
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
     return jnp.mean(_brier(member_probs, labels[None]), axis=1)
 
@@ -319,8 +371,14 @@ def predictive_entropy(
     ```
     """
     predictions = prepare_predictions(probs, from_logits=from_logits)
+    return _predictive_entropy(predictions, from_logits)
+
+
+@compiled("from_logits")
+def _predictive_entropy(predictions: Array, from_logits: bool) -> Array:
     member_probs, log_probs = member_log_probs(predictions, from_logits=from_logits)
-    return entropy(jnp.mean(member_probs, axis=0), ensemble_log_probs(log_probs))
+    log_mean = ensemble_log_probs(member_probs, log_probs, from_logits=from_logits)
+    return entropy(jnp.mean(member_probs, axis=0), log_mean)
 
 
 def expected_entropy(
@@ -343,6 +401,11 @@ def expected_entropy(
     ```
     """
     predictions = prepare_predictions(probs, from_logits=from_logits)
+    return _expected_entropy(predictions, from_logits)
+
+
+@compiled("from_logits")
+def _expected_entropy(predictions: Array, from_logits: bool) -> Array:
     member_probs, log_probs = member_log_probs(predictions, from_logits=from_logits)
     return jnp.mean(entropy(member_probs, log_probs), axis=0)
 
@@ -372,8 +435,14 @@ def mutual_information(
     ```
     """
     predictions = prepare_predictions(probs, from_logits=from_logits)
+    return _mutual_information(predictions, from_logits)
+
+
+@compiled("from_logits")
+def _mutual_information(predictions: Array, from_logits: bool) -> Array:
     member_probs, log_probs = member_log_probs(predictions, from_logits=from_logits)
-    total = entropy(jnp.mean(member_probs, axis=0), ensemble_log_probs(log_probs))
+    log_mean = ensemble_log_probs(member_probs, log_probs, from_logits=from_logits)
+    total = entropy(jnp.mean(member_probs, axis=0), log_mean)
     aleatoric = jnp.mean(entropy(member_probs, log_probs), axis=0)
     return jnp.maximum(total - aleatoric, 0.0)
 
@@ -407,9 +476,14 @@ def variation_ratio(
     ee.metrics.variation_ratio(probs)                          # [1 - 2/4] = [0.5]
     ```
     """
-    predictions = prepare_predictions(probs, from_logits=from_logits)
+    return _variation_ratio(prepare_predictions(probs, from_logits=from_logits))
+
+
+@jax.jit
+def _variation_ratio(predictions: Array) -> Array:
     members = predictions.shape[0]
-    return 1.0 - jnp.max(_vote_counts(predictions), axis=-1) / members
+    # Differences of whole numbers first: exactly 0 when all members agree.
+    return (members - jnp.max(_vote_counts(predictions), axis=-1)) / members
 
 
 def disagreement(
@@ -434,13 +508,18 @@ def disagreement(
     ee.metrics.disagreement(probs)                        # 2 of 3 pairs: [0.667]
     ```
     """
-    predictions = prepare_predictions(probs, from_logits=from_logits)
+    return _disagreement(prepare_predictions(probs, from_logits=from_logits))
+
+
+@jax.jit
+def _disagreement(predictions: Array) -> Array:
     members = predictions.shape[0]
     if members == 1:
         return jnp.zeros(predictions.shape[1], predictions.dtype)
     counts = _vote_counts(predictions)
     agreeing_pairs = jnp.sum(counts * (counts - 1.0), axis=-1)
-    return 1.0 - agreeing_pairs / (members * (members - 1))
+    pairs = members * (members - 1)
+    return (pairs - agreeing_pairs) / pairs
 
 
 def pairwise_disagreement(
@@ -462,7 +541,11 @@ def pairwise_disagreement(
     ee.metrics.pairwise_disagreement(probs)   # [[0, .5, 1], [.5, 0, .5], [1, .5, 0]]
     ```
     """
-    predictions = prepare_predictions(probs, from_logits=from_logits)
+    return _pairwise_disagreement(prepare_predictions(probs, from_logits=from_logits))
+
+
+@jax.jit
+def _pairwise_disagreement(predictions: Array) -> Array:
     votes = jnp.argmax(predictions, axis=-1)
     one_hot = jax.nn.one_hot(votes, predictions.shape[-1], dtype=predictions.dtype)
     agreement = jnp.einsum("ibc,jbc->ij", one_hot, one_hot) / predictions.shape[1]

@@ -1,5 +1,6 @@
 """Out-of-distribution detection: AUROC of an uncertainty score."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
@@ -57,6 +58,11 @@ def ood_auroc(
     out_scores = as_float_array(out_scores, "out_scores")
     _check_scores(in_scores, "in_scores")
     _check_scores(out_scores, "out_scores")
+    return _ood_auroc(in_scores, out_scores)
+
+
+@jax.jit
+def _ood_auroc(in_scores: Array, out_scores: Array) -> Array:
     dtype = jnp.result_type(in_scores.dtype, out_scores.dtype)
     sorted_in = jnp.sort(in_scores.astype(dtype))
     out_scores = out_scores.astype(dtype)

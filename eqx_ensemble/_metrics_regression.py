@@ -15,7 +15,7 @@ from ._metrics_checks import (
     check_reduction,
     check_regression,
 )
-from ._metrics_classification import Reduction, reduce
+from ._metrics_classification import Reduction, compiled, reduce
 from .combine import gaussian_mixture
 
 
@@ -67,7 +67,12 @@ def predictive_mean(
     ee.metrics.predictive_mean(jnp.array([[0.0, 1.0], [2.0, 3.0]]))  # [1.0, 2.0]
     ```
     """
-    return jnp.mean(_means(means), axis=0)
+    return _mean_over_members(_means(means))
+
+
+@jax.jit
+def _mean_over_members(x: Array) -> Array:
+    return jnp.mean(x, axis=0)
 
 
 def predictive_variance(
@@ -96,6 +101,11 @@ def predictive_variance(
     ```
     """
     means, variances = _means_variances(means, variances)
+    return _predictive_variance(means, variances)
+
+
+@jax.jit
+def _predictive_variance(means: Array, variances: Array) -> Array:
     return gaussian_mixture(means, variances)[1]
 
 
@@ -120,7 +130,7 @@ def aleatoric_variance(
     """
     variances = as_float_array(variances, "variances")
     check_regression(variances, variances, means_name="variances")
-    return jnp.mean(variances, axis=0)
+    return _mean_over_members(variances)
 
 
 def epistemic_variance(
@@ -145,7 +155,11 @@ def epistemic_variance(
     ee.metrics.epistemic_variance(jnp.array([[0.0], [2.0]]))   # [1.0]
     ```
     """
-    means = _means(means)
+    return _epistemic_variance(_means(means))
+
+
+@jax.jit
+def _epistemic_variance(means: Array) -> Array:
     return jnp.mean(jnp.square(means - jnp.mean(means, axis=0)[None]), axis=0)
 
 
@@ -199,6 +213,17 @@ def gaussian_nll(
             f"`predictive` must be 'gaussian' or 'mixture', got {predictive!r}"
         )
     means, variances, targets = _means_variances_targets(means, variances, targets)
+    return _gaussian_nll(means, variances, targets, predictive, reduction)
+
+
+@compiled("predictive", "reduction")
+def _gaussian_nll(
+    means: Array,
+    variances: Array,
+    targets: Array,
+    predictive: str,
+    reduction: Reduction,
+) -> Array:
     if predictive == "gaussian":
         mean, variance = gaussian_mixture(means, variances)
         losses = -_gaussian_log_density(targets, mean, variance)
@@ -232,6 +257,11 @@ def per_member_gaussian_nll(
     ```
     """
     means, variances, targets = _means_variances_targets(means, variances, targets)
+    return _per_member_gaussian_nll(means, variances, targets)
+
+
+@jax.jit
+def _per_member_gaussian_nll(means: Array, variances: Array, targets: Array) -> Array:
     return -jnp.mean(_gaussian_log_density(targets[None], means, variances), axis=1)
 
 
@@ -263,7 +293,11 @@ def rmse(
     ```
     """
     means = _means(means)
-    targets = _check_targets(means, targets)
+    return _rmse(means, _check_targets(means, targets))
+
+
+@jax.jit
+def _rmse(means: Array, targets: Array) -> Array:
     return jnp.sqrt(jnp.mean(jnp.square(jnp.mean(means, axis=0) - targets)))
 
 
@@ -286,7 +320,11 @@ def per_member_rmse(
     ```
     """
     means = _means(means)
-    targets = _check_targets(means, targets)
+    return _per_member_rmse(means, _check_targets(means, targets))
+
+
+@jax.jit
+def _per_member_rmse(means: Array, targets: Array) -> Array:
     return jnp.sqrt(jnp.mean(jnp.square(means - targets[None]), axis=1))
 
 
@@ -326,8 +364,15 @@ def interval_coverage(
     """
     check_level(level)
     means, variances, targets = _means_variances_targets(means, variances, targets)
+    return _interval_coverage(means, variances, targets, jnp.asarray(level))
+
+
+@jax.jit
+def _interval_coverage(
+    means: Array, variances: Array, targets: Array, level: Array
+) -> Array:
     mean, variance = gaussian_mixture(means, variances)
-    level = jnp.asarray(level, mean.dtype)
+    level = level.astype(mean.dtype)
     half_width = ndtri((1 + level) / 2) * jnp.sqrt(variance)
     inside = jnp.abs(targets - mean) <= half_width
     return jnp.mean(inside.astype(mean.dtype))
