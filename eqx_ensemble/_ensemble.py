@@ -208,8 +208,10 @@ def split_member_keys(
     return jax.random.split(key, size)
 
 
+# A model may itself be a tuple, so the two overloads overlap by nature; the
+# `(model, State)` one is listed first so that it wins for stateful models.
 @overload
-def ensemble(
+def ensemble(  # pyright: ignore[reportOverlappingOverload]
     make: Callable[[PRNGKeyArray], tuple[Member, eqx.nn.State]],
     *,
     size: int,

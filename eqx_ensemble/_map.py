@@ -63,7 +63,16 @@ def _mapped_mask(spec: Any, arg: Any, position: int) -> Any:
         ) from None
 
 
-def _check_per_member_args(args: tuple, masks: tuple, size: int) -> None:
+def _check_per_member_args(args: tuple, in_axes: tuple, size: int) -> tuple:
+    """Check that every per-member array leaf has leading size `size`.
+
+    `in_axes` holds one spec per argument (None, 0, or a PyTree prefix of those).
+    Returns, per argument, its `_mapped_mask`.
+    """
+    masks = tuple(
+        _mapped_mask(spec, arg, position)
+        for position, (spec, arg) in enumerate(zip(in_axes, args, strict=True))
+    )
     for position, (arg, mask) in enumerate(zip(args, masks, strict=True)):
         for (path, leaf), mapped in zip(
             jtu.tree_flatten_with_path(arg)[0], jtu.tree_leaves(mask), strict=True
@@ -78,6 +87,7 @@ def _check_per_member_args(args: tuple, masks: tuple, size: int) -> None:
                     f"{where} is per-member (in_axes 0) so its leading axis must be "
                     f"the ensemble size {size}, but it has shape {tuple(leaf.shape)}"
                 )
+    return masks
 
 
 def map(
@@ -128,11 +138,7 @@ def map(
         )
     size = len(ens)
     axes = _check_in_axes(in_axes, len(args))
-    masks = tuple(
-        _mapped_mask(spec, arg, position)
-        for position, (spec, arg) in enumerate(zip(axes, args))
-    )
-    _check_per_member_args(args, masks, size)
+    masks = _check_per_member_args(args, axes, size)
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"`chunk_size` must be an int, got {chunk_size!r}")

@@ -332,7 +332,9 @@ def test_stack_error_empty_and_wrong_type(getkey):
     # beartype (the jaxtyping hook) may reject the call before the library does.
     with pytest.raises(TypeError, match="of models, got Ensemble|Type-check error"):
         ee.stack(ens)
-    with pytest.raises(TypeError, match="takes an `ee.Ensemble`, got list"):
+    with pytest.raises(
+        TypeError, match="takes an `ee.Ensemble`, got list|Type-check error"
+    ):
         ee.unstack([ens[0]])
 
 

@@ -1,0 +1,132 @@
+"""`ee.tree_weighted_sum` and `ee.average` against hand computations and NumPy."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_ensemble as ee
+
+
+def _array_leaves(tree):
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def test_tree_weighted_sum_arrays_and_scalars():
+    a = {"w": jnp.array([1.0, 2.0]), "b": 1.0, "n": 2, "act": jax.nn.relu, "name": "x"}
+    b = {"w": jnp.array([3.0, -4.0]), "b": 3.0, "n": 5, "act": jax.nn.relu, "name": "x"}
+    c = {"w": jnp.array([0.5, 0.0]), "b": -1.0, "n": 1, "act": jax.nn.relu, "name": "x"}
+    weights = [0.2, 0.5, 0.3]
+    out = ee.tree_weighted_sum([a, b, c], weights)
+    # By hand.
+    np.testing.assert_allclose(
+        out["w"],
+        [0.2 * 1 + 0.5 * 3 + 0.3 * 0.5, 0.2 * 2 - 0.5 * 4 + 0.3 * 0],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(out["b"], 0.2 * 1 + 0.5 * 3 - 0.3 * 1, rtol=1e-6)
+    np.testing.assert_allclose(out["n"], 0.2 * 2 + 0.5 * 5 + 0.3 * 1, rtol=1e-6)
+    assert out["act"] is jax.nn.relu and out["name"] == "x"
+    # Weights are used as given (a sum, not a mean).
+    doubled = ee.tree_weighted_sum([a, b, c], jnp.asarray(weights) * 2)
+    np.testing.assert_allclose(doubled["w"], 2 * out["w"], rtol=1e-6)
+
+
+def test_tree_weighted_sum_modules(getkey):
+    models = [eqx.nn.MLP(3, 2, 4, 1, key=getkey()) for _ in range(4)]
+    weights = np.array([0.1, 0.2, 0.3, 0.4], dtype=np.float32)
+    out = ee.tree_weighted_sum(models, jnp.asarray(weights))
+    assert isinstance(out, eqx.nn.MLP) and out.width_size == 4
+    for path_leaves in zip(*[_array_leaves(m) for m in [out, *models]]):
+        got, *members = path_leaves
+        expected = sum(w * np.asarray(leaf) for w, leaf in zip(weights, members))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_tree_weighted_sum_integer_leaves_become_float():
+    out = ee.tree_weighted_sum(
+        [jnp.array([1, 2], dtype=jnp.int32), jnp.array([3, 5], dtype=jnp.int32)],
+        [0.5, 0.25],
+    )
+    assert jnp.issubdtype(out.dtype, jnp.floating)
+    np.testing.assert_allclose(out, [0.5 * 1 + 0.25 * 3, 0.5 * 2 + 0.25 * 5])
+
+
+def test_tree_weighted_sum_errors():
+    a = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match="empty list"):
+        ee.tree_weighted_sum([], [])
+    with pytest.raises(ValueError, match=r"got 2 trees and weights of shape \(3,\)"):
+        ee.tree_weighted_sum([a, a], [1.0, 1.0, 1.0])
+    with pytest.raises(
+        ValueError, match=r"tree 0 and tree 1 differ.*\['w'\].*\(2,\).*\(3,\)"
+    ):
+        ee.tree_weighted_sum([a, {"w": jnp.ones(3)}], [0.5, 0.5])
+    with pytest.raises(ValueError, match=r"`\['f'\]` differs.*relu.*tanh"):
+        ee.tree_weighted_sum([{"f": jax.nn.relu}, {"f": jax.nn.tanh}], [0.5, 0.5])
+
+
+@pytest.fixture
+def ens(getkey):
+    return ee.ensemble(lambda k: eqx.nn.MLP(3, 2, 4, 2, key=k), size=5, key=getkey())
+
+
+def _stacked_leaves(ens):
+    return [np.asarray(leaf) for leaf in _array_leaves(ens.members)]
+
+
+def test_average_uniform(ens):
+    soup = ee.average(ens)
+    assert isinstance(soup, eqx.nn.MLP)
+    assert soup.width_size == 4 and soup.activation is ens.members.activation
+    for got, stacked in zip(_array_leaves(soup), _stacked_leaves(ens), strict=True):
+        np.testing.assert_allclose(got, stacked.mean(axis=0), rtol=1e-5, atol=1e-6)
+    # The soup is a working model.
+    assert soup(jnp.ones(3)).shape == (2,)
+
+
+def test_average_weighted(ens):
+    weights = np.array([0.0, 1.0, 2.0, 0.5, 0.5], dtype=np.float32)
+    soup = ee.average(ens, jnp.asarray(weights))
+    for got, stacked in zip(_array_leaves(soup), _stacked_leaves(ens), strict=True):
+        np.testing.assert_allclose(
+            got, np.average(stacked, axis=0, weights=weights), rtol=1e-5, atol=1e-6
+        )
+    # A one-hot weight gives that member back.
+    picked = ee.average(ens, jnp.eye(5)[3])
+    assert bool(eqx.tree_equal(picked, ens[3], rtol=1e-6, atol=1e-7))
+
+
+def test_average_traced_weights(ens):
+    weights = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])
+    soup = eqx.filter_jit(ee.average)(ens, weights)
+    assert bool(eqx.tree_equal(soup, ee.average(ens, weights), rtol=1e-6, atol=1e-7))
+
+
+def test_average_integer_leaves():
+    members = {
+        "w": jnp.arange(6.0).reshape(3, 2),
+        "steps": jnp.array([7, 7, 7], dtype=jnp.int32),
+        "mask": jnp.array([[True, False]] * 3),
+    }
+    soup = ee.average(ee.Ensemble(members))
+    np.testing.assert_allclose(soup["w"], [2.0, 3.0])
+    assert soup["steps"].dtype == jnp.int32 and int(soup["steps"]) == 7
+    np.testing.assert_array_equal(soup["mask"], [True, False])
+    differing = dict(members, steps=jnp.array([7, 8, 7], dtype=jnp.int32))
+    with pytest.raises(ValueError, match=r"integer/boolean leaf .*int32, shape \(3,\)"):
+        ee.average(ee.Ensemble(differing))
+
+
+def test_average_weight_errors(ens):
+    with pytest.raises(
+        ValueError, match=r"ensemble has 5 members, weights have shape \(4,\)"
+    ):
+        ee.average(ens, jnp.ones(4))
+    with pytest.raises(ValueError, match="non-negative with a positive sum"):
+        ee.average(ens, jnp.array([1.0, -1.0, 1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="non-negative with a positive sum"):
+        ee.average(ens, jnp.zeros(5))
+    with pytest.raises(TypeError, match="takes an `ee.Ensemble`|Type-check error"):
+        ee.average(ee.unstack(ens))
