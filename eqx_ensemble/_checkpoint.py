@@ -25,12 +25,11 @@ from ._checkpoint_file import (
     FORMAT_NAME,
     FORMAT_VERSION,
     CheckpointFile,
-    aligned,
     write_file,
 )
+from ._checkpoint_leaves import decode_leaf, encode_leaves
 from ._checkpoint_tree import (
     ARRAY_KINDS,
-    PYTHON_KINDS,
     classify,
     describe,
     describe_nodes,
@@ -39,7 +38,10 @@ from ._checkpoint_tree import (
     node_difference,
     path_difference,
 )
-from ._tree import is_traced, keystr
+from ._tree import keystr
+
+# The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
+__all__ = ["load", "load_manifest", "save"]
 
 Tree = TypeVar("Tree")
 
@@ -116,7 +118,7 @@ def save_tree(
     writing process once the file is in place (used to prune old checkpoints)."""
     metadata = _checked_metadata(metadata)
     leaves, treedef = jtu.tree_flatten_with_path(tree)
-    records, chunks = _encode_leaves(leaves)
+    records, chunks = encode_leaves(leaves)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -167,74 +169,6 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
             f"`metadata` must be JSON-serialisable (dicts, lists, strings, numbers, "
             f"booleans, None): {error}"
         ) from None
-
-
-def _encode_leaves(leaves: list[tuple[Any, Any]]) -> tuple[list[dict], list[Any]]:
-    records: list[dict[str, Any]] = []
-    chunks: list[Any] = []
-    offset = 0
-    for path, leaf in leaves:
-        where = keystr(path)
-        if is_traced(leaf):
-            raise TypeError(
-                f"Cannot save leaf `{where}`: it is traced (inside `jit`, `vmap`, "
-                "`grad`...). Call `ee.save` outside transformed code."
-            )
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            raise TypeError(
-                f"Cannot save leaf `{where}`: it is a `jax.ShapeDtypeStruct`, which "
-                "has no values (structs are for `like` in `ee.load`)."
-            )
-        record = {"path": where, **classify(leaf)}
-        kind = record["kind"]
-        if kind in ARRAY_KINDS:
-            host = _host_bytes(leaf, where, record)
-            padding = aligned(offset) - offset
-            if padding:
-                chunks.append(bytes(padding))
-                offset += padding
-            record["offset"], record["nbytes"] = offset, host.nbytes
-            chunks.append(host)
-            offset += host.nbytes
-        elif kind == "float":
-            record["value"] = float(leaf).hex()
-        elif kind == "complex":
-            record["value"] = [complex(leaf).real.hex(), complex(leaf).imag.hex()]
-        elif kind in PYTHON_KINDS:
-            record["value"] = int(leaf)
-        records.append(record)
-    return records, chunks
-
-
-def _host_bytes(leaf: Any, where: str, record: dict[str, Any]) -> np.ndarray:
-    """The leaf's value as a flat little-endian uint8 host array."""
-    if record["kind"] == "key":
-        record["impl"] = str(jax.random.key_impl(leaf))
-        leaf = jax.random.key_data(leaf)
-        record["data_dtype"] = np.dtype(leaf.dtype).name
-        record["data_shape"] = list(leaf.shape)
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        host = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    else:
-        host = np.asarray(leaf)
-    if not _restorable(host.dtype):
-        raise TypeError(
-            f"Cannot save leaf `{where}`: arrays of dtype {host.dtype} are not "
-            "supported (use numeric, boolean or ML dtypes such as bfloat16)."
-        )
-    if host.dtype.byteorder == ">":
-        host = host.astype(host.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(host).reshape(-1).view(np.uint8)
-
-
-def _restorable(dtype: np.dtype) -> bool:
-    """Whether `jnp.dtype(dtype.name)` gives the dtype back (numeric, ML dtypes)."""
-    try:
-        return not dtype.hasobject and jnp.dtype(dtype.name) == dtype.newbyteorder("=")
-    except TypeError:
-        return False
 
 
 def _write_on_process_zero(write: Callable[[], None], path: Path) -> None:
@@ -306,7 +240,7 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
         records = _verified_records(file, like, like_leaves)
         data = file.read_data()
     leaves = [
-        _decode(record, like_leaf, data)
+        decode_leaf(record, like_leaf, data)
         for record, (_, like_leaf) in zip(records, like_leaves, strict=True)
     ]
     return jtu.tree_unflatten(like_treedef, leaves)
@@ -375,77 +309,6 @@ def _layout_error(records: list[dict[str, Any]], data_bytes: int) -> str | None:
                 f"{dtype.name}{tuple(shape)}"
             )
     return None
-
-
-def _decode(record: dict[str, Any], like_leaf: Any, data: bytearray) -> Any:
-    kind = record["kind"]
-    if kind == "static":
-        return like_leaf
-    if kind == "float":
-        return type(like_leaf)(float.fromhex(record["value"]))
-    if kind == "complex":
-        real, imag = record["value"]
-        return type(like_leaf)(complex(float.fromhex(real), float.fromhex(imag)))
-    if kind in PYTHON_KINDS:
-        return type(like_leaf)(record["value"])
-    if kind == "key":
-        host = _host_view(data, record, record["data_dtype"], record["data_shape"])
-        return _place_key(host, record["impl"], like_leaf)
-    host = _host_view(data, record, record["dtype"], record["shape"])
-    return _place_array(host, like_leaf)
-
-
-def _host_view(
-    data: bytearray, record: dict[str, Any], dtype_name: str, shape: list[int]
-) -> np.ndarray:
-    dtype = jnp.dtype(dtype_name)
-    count = int(np.prod(shape, dtype=np.int64))
-    if count == 0:
-        return np.zeros(shape, dtype)
-    return np.frombuffer(
-        data, dtype=dtype, count=count, offset=record["offset"]
-    ).reshape(shape)
-
-
-def _placement(like_leaf: Any) -> tuple[Any, bool]:
-    """The sharding to put a loaded array on (`None`: default device, uncommitted)
-    and whether it should be weakly typed."""
-    if isinstance(like_leaf, jax.Array):
-        sharding = like_leaf.sharding if like_leaf.committed else None
-        return sharding, getattr(like_leaf, "weak_type", False)
-    if isinstance(like_leaf, jax.ShapeDtypeStruct):
-        return like_leaf.sharding, like_leaf.weak_type
-    return None, False
-
-
-def _place_array(host: np.ndarray, like_leaf: Any) -> Any:
-    if isinstance(like_leaf, np.ndarray):
-        return host.copy()
-    if isinstance(like_leaf, np.generic):
-        return host.reshape(())[()]
-    sharding, weak = _placement(like_leaf)
-    value: Any = host
-    if weak:
-        # `.at[].set` keeps the weak type of the (weakly typed) array it updates.
-        base = jnp.full(host.shape, host.dtype.type(0).item())
-        if base.dtype == host.dtype:
-            value = base.at[...].set(host)
-    if sharding is None:
-        return jnp.asarray(value)
-    if sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-
-def _place_key(host: np.ndarray, impl: str, like_leaf: Any) -> Any:
-    sharding, _ = _placement(like_leaf)
-    if sharding is None or sharding.is_fully_addressable:
-        keys = jax.random.wrap_key_data(host, impl=impl)
-        return keys if sharding is None else jax.device_put(keys, sharding)
-    # Across processes: build the global key data on the same (leading-axes)
-    # sharding, then wrap it.
-    data = jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
-    return jax.random.wrap_key_data(data, impl=impl)
 
 
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:

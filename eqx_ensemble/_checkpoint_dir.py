@@ -13,6 +13,9 @@ from jaxtyping import PyTree
 from ._checkpoint import save_tree
 from ._checkpoint_file import TEMP_SUFFIX, fsync_directory
 
+# The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
+__all__ = ["latest_checkpoint", "list_checkpoints", "save_checkpoint"]
+
 _CHECKPOINT_NAME = re.compile(r"^step_(\d+)\.ckpt$")
 # Left behind by a writer killed mid-save (see `_checkpoint_file.write_file`).
 _TEMPORARY_NAME = re.compile(

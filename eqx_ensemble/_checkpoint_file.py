@@ -29,6 +29,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+# The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
+__all__ = ["CheckpointError"]
+
 MAGIC = b"\x89EQXENS\n"
 FORMAT_NAME = "eqx_ensemble.checkpoint"
 FORMAT_VERSION = 1
