@@ -38,7 +38,7 @@ from ._checkpoint_tree import (
     node_difference,
     path_difference,
 )
-from ._tree import keystr
+from ._tree import is_traced, keystr
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
 __all__ = ["load", "load_manifest", "save"]
@@ -236,6 +236,12 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
     """
     path = Path(path)
     like_leaves, like_treedef = jtu.tree_flatten_with_path(like)
+    for leaf_path, leaf in like_leaves:
+        if is_traced(leaf):
+            raise TypeError(
+                f"`like`'s leaf `{keystr(leaf_path)}` is traced (inside `jit`, "
+                "`vmap`...): call `ee.load` outside transformed code."
+            )
     with CheckpointFile(path) as file:
         records = _verified_records(file, like, like_leaves)
         data = file.read_data()

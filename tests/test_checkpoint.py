@@ -334,6 +334,10 @@ def test_bad_save_inputs(tmp_path):
 
     with pytest.raises(TypeError, match=r"leaf `\['x'\]`: it is traced"):
         save_inside_jit(jnp.zeros(2))
+    ee.save(tmp_path / "a.ckpt", {"x": jnp.zeros(2)})
+    with pytest.raises(TypeError, match=r"`like`'s leaf `\['x'\]` is traced"):
+        jax.jit(lambda x: ee.load(tmp_path / "a.ckpt", {"x": x}))(jnp.zeros(2))
+    os.remove(tmp_path / "a.ckpt")
     assert os.listdir(tmp_path) == []
     with pytest.raises(FileNotFoundError, match="no checkpoint file"):
         ee.load(tmp_path / "missing.ckpt", jnp.zeros(2))
