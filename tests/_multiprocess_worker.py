@@ -1,0 +1,97 @@
+"""One process of the multi-process test (run by tests/test_multiprocess.py).
+
+`python _multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR AXIS_TYPE LAYOUT`
+
+LAYOUT `members`: the member axis spans the processes (each process holds half
+of the members and every row); `data`: the data axis spans the processes (each
+process holds half of the rows and feeds only those).
+
+Every process runs the same user code: initialise JAX's distributed runtime (gloo
+CPU collectives, 2 CPU devices per process), build a mesh over all devices, feed
+only its own rows of the data, train a sharded ensemble with `ee.fit`, and save it
+with `ee.save`. Process 0 also writes the gathered parameters and history.
+"""
+
+import os
+import sys
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = " ".join(
+    flag
+    for flag in os.environ.get("XLA_FLAGS", "").split()
+    if "xla_force_host_platform_device_count" not in flag
+)
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _multiprocess_problem import (  # noqa: E402
+    NUM_EXAMPLES,
+    make_problem,
+    train,
+)
+
+
+def main() -> None:
+    process_id, num_processes, port = map(int, sys.argv[1:4])
+    out_dir, axis_type, layout = sys.argv[4:7]
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    import equinox as eqx
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import eqx_ensemble as ee
+
+    assert jax.process_count() == num_processes
+    assert jax.local_device_count() == 2
+    devices = np.array(jax.devices()).reshape(num_processes, 2)
+    if layout == "data":
+        devices = devices.T
+    mesh = ee.make_mesh(
+        members=devices.shape[0],
+        data=devices.shape[1],
+        devices=list(devices.ravel()),
+        axis_types=getattr(jax.sharding.AxisType, axis_type),
+    )
+    ens, data = make_problem()
+    ens = ee.shard(ens, mesh)  # optional (fit places it), exercised here
+    # Each process feeds only its rows of the data.
+    rows = ee.process_rows(mesh, NUM_EXAMPLES)
+    local = jax.tree.map(lambda x: np.asarray(x)[rows], data)
+    data = ee.shard(local, mesh, axes="data", process_local=True)
+    result = train(ens, data, mesh)
+
+    # The results stay sharded like the inputs: members split over "members".
+    expected = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("members"))
+    placed = [
+        leaf.sharding.is_equivalent_to(expected, leaf.ndim)
+        for leaf in jax.tree.leaves((result.ensemble, result.opt_state))
+        if isinstance(leaf, jax.Array)
+    ]
+    ee.save(os.path.join(out_dir, "ensemble.eqx"), result.ensemble)
+    members = multihost_utils.process_allgather(
+        eqx.filter(result.ensemble.members, eqx.is_array), tiled=True
+    )
+    if process_id == 0:
+        leaves = jax.tree.leaves(members)
+        np.savez(
+            os.path.join(out_dir, "result.npz"),
+            losses=result.history.losses,
+            placed=np.array(placed),
+            rows=np.array([rows.start, rows.stop]),
+            **{f"leaf{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)},
+        )
+    multihost_utils.sync_global_devices("done")
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Multi-process training: 2 local processes, 2 CPU devices each, gloo collectives.
+
+Each process runs tests/_multiprocess_worker.py: the same user code as on one
+device, with `jax.distributed.initialize`, a mesh over the 4 global devices, each
+process feeding only its own rows of the data. Their trained ensemble, history and
+`ee.save` file must equal the single-process run's.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from _multiprocess_problem import NUM_EXAMPLES, make_problem, train
+from conftest import assert_tree_allclose
+
+import eqx_ensemble as ee
+
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "_multiprocess_worker.py"
+NUM_PROCESSES = 2
+TIMEOUT_S = 240  # generous: the machine may be shared; a healthy run takes ~10 s
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_workers(out_dir: Path, axis_type: str, layout: str) -> None:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    processes = []
+    logs = []
+    try:
+        for process_id in range(NUM_PROCESSES):
+            log = open(out_dir / f"worker{process_id}.log", "wb")  # noqa: SIM115
+            logs.append(log)
+            processes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        str(process_id),
+                        str(NUM_PROCESSES),
+                        str(port),
+                        str(out_dir),
+                        axis_type,
+                        layout,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=out_dir,
+                )
+            )
+        for process in processes:
+            # One shared deadline: a hung worker cannot stall the suite.
+            process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"workers timed out after {TIMEOUT_S} s:\n{_logs(out_dir)}")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        for log in logs:
+            log.close()
+    codes = [process.returncode for process in processes]
+    assert codes == [0] * NUM_PROCESSES, f"exit codes {codes}:\n{_logs(out_dir)}"
+
+
+def _logs(out_dir: Path) -> str:
+    return "\n".join(
+        f"--- {path.name} ---\n{path.read_text(errors='replace')[-4000:]}"
+        for path in sorted(out_dir.glob("worker*.log"))
+    )
+
+
+def _check_against_single_process(out_dir: Path, layout: str) -> None:
+    ens, data = make_problem()
+    reference = train(ens, data, None)
+    result = np.load(out_dir / "result.npz")
+    expected = jax.tree.leaves(eqx.filter(reference.ensemble.members, eqx.is_array))
+    for index, leaf in enumerate(expected):
+        np.testing.assert_allclose(
+            result[f"leaf{index}"], np.asarray(leaf), rtol=1e-5, atol=1e-6
+        )
+    np.testing.assert_allclose(
+        result["losses"], reference.history.losses, rtol=1e-5, atol=1e-6
+    )
+    assert result["placed"].size > 0 and result["placed"].all()
+    # Process 0 fed only its own rows when the data axis spans the processes.
+    rows = NUM_EXAMPLES // NUM_PROCESSES if layout == "data" else NUM_EXAMPLES
+    assert result["rows"].tolist() == [0, rows]
+    # The checkpoint written by the processes equals the single-process one.
+    loaded = ee.load(out_dir / "ensemble.eqx", reference.ensemble)
+    assert_tree_allclose(loaded, reference.ensemble)
+    single = out_dir / "single.eqx"
+    ee.save(single, reference.ensemble)
+    manifest, single_manifest = (
+        ee.load_manifest(out_dir / "ensemble.eqx"),
+        ee.load_manifest(single),
+    )
+    for key in ("treedef", "nodes", "leaves", "ensembles", "ensemble_size"):
+        assert _without_hashes(manifest[key]) == _without_hashes(single_manifest[key])
+
+
+def _without_hashes(value):
+    if isinstance(value, dict):
+        return {
+            key: _without_hashes(item)
+            for key, item in value.items()
+            if "sha" not in key and "hash" not in key
+        }
+    if isinstance(value, list):
+        return [_without_hashes(item) for item in value]
+    return value
+
+
+def test_two_processes_data_axis_across_processes_explicit(tmp_path):
+    _run_workers(tmp_path, "Explicit", "data")
+    _check_against_single_process(tmp_path, "data")
+
+
+@pytest.mark.slow
+def test_two_processes_member_axis_across_processes_auto(tmp_path):
+    _run_workers(tmp_path, "Auto", "members")
+    _check_against_single_process(tmp_path, "members")
