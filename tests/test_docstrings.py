@@ -23,8 +23,10 @@ def _public_objects():
     seen = set()
     modules = [ee] + [
         value
-        for value in vars(ee).values()
-        if inspect.ismodule(value) and value.__name__.startswith("eqx_ensemble.")
+        for name, value in vars(ee).items()
+        if inspect.ismodule(value)
+        and not name.startswith("_")
+        and value.__name__.startswith("eqx_ensemble.")
     ]
     for module in modules:
         names = getattr(module, "__all__", None) or [
