@@ -8,6 +8,7 @@ even under tracing.
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
@@ -54,43 +55,62 @@ def check_classification_predictions(
         )
     if is_traced(predictions):
         return
-    values = np.asarray(predictions)
-    finite = np.isfinite(values)
+    # Reductions run where the array lives; only a few scalars come to the host.
     if from_logits:
-        if np.isnan(values).any():
-            where = tuple(int(i) for i in np.argwhere(np.isnan(values))[0])
+        if bool(jnp.any(jnp.isnan(predictions))):
+            nan = np.isnan(np.asarray(predictions))
+            where = tuple(int(i) for i in np.argwhere(nan)[0])
             raise ValueError(
                 f"`{name}` (logits of shape {shape}) contains NaN, first at index "
                 f"{where} (member, example, class)"
             )
         return
-    if not finite.all():
-        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+    summary = jax.device_get(_probability_summary(predictions))
+    finite, low, high, low_sum, high_sum, worst, worst_sum, worst_error = summary
+    if not finite:
+        not_finite = ~np.isfinite(np.asarray(predictions))
+        where = tuple(int(i) for i in np.argwhere(not_finite)[0])
         raise ValueError(
             f"`{name}` (probabilities of shape {shape}) contains NaN or infinite "
             f"values, first at index {where} (member, example, class)"
         )
-    tolerance = probability_tolerance(values.dtype)
-    low, high = float(values.min()), float(values.max())
+    tolerance = probability_tolerance(predictions.dtype)
+    low, high = float(low), float(high)
     if low < -tolerance or high > 1 + tolerance:
         raise ValueError(
             f"`{name}` must hold probabilities in [0, 1], but values of `{name}` "
             f"(shape {shape}) lie in [{low:.6g}, {high:.6g}]. If these are logits, "
             "pass `from_logits=True`."
         )
-    sums = values.sum(axis=-1, dtype=np.float64)
-    error = np.abs(sums - 1.0)
-    member, example = np.unravel_index(int(np.argmax(error)), error.shape)
-    if error[member, example] > tolerance:
+    if float(worst_error) > tolerance:
+        member, example = np.unravel_index(int(worst), (members, batch))
         raise ValueError(
             f"`{name}` must sum to one along the class (last) axis within "
             f"{tolerance:.3g}: `{name}` has shape {shape} (members, batch, classes) "
-            f"and its sums over classes lie in [{sums.min():.6g}, {sums.max():.6g}]; "
-            f"the worst is member {member}, example {example}, which sums to "
-            f"{sums[member, example]:.6g}. If these are logits, pass "
-            "`from_logits=True`; otherwise normalise them, e.g. with "
+            f"and its sums over classes lie in [{float(low_sum):.6g}, "
+            f"{float(high_sum):.6g}]; the worst is member {member}, example "
+            f"{example}, which sums to {float(worst_sum):.6g}. If these are "
+            "logits, pass `from_logits=True`; otherwise normalise them, e.g. with "
             "`jax.nn.softmax`."
         )
+
+
+@jax.jit
+def _probability_summary(probs: Array) -> tuple[Array, ...]:
+    """Finiteness, range, and the row sum furthest from one (flat index, value)."""
+    sums = jnp.sum(probs.astype(jnp.promote_types(probs.dtype, jnp.float32)), axis=-1)
+    error = jnp.abs(sums - 1.0).ravel()
+    worst = jnp.argmax(error)
+    return (
+        jnp.all(jnp.isfinite(probs)),
+        jnp.min(probs),
+        jnp.max(probs),
+        jnp.min(sums),
+        jnp.max(sums),
+        worst,
+        sums.ravel()[worst],
+        error[worst],
+    )
 
 
 def check_labels(
@@ -111,9 +131,9 @@ def check_labels(
         )
     if is_traced(labels):
         return
-    values = np.asarray(labels)
-    low, high = int(values.min()), int(values.max())
+    low, high = (int(bound) for bound in jax.device_get((labels.min(), labels.max())))
     if low < 0 or high >= classes:
+        values = np.asarray(labels)
         bad = int(np.argmax((values < 0) | (values >= classes)))
         raise ValueError(
             f"`labels` must lie in [0, {classes}) (the predictions have {classes} "
@@ -158,18 +178,17 @@ def check_regression(
                 f"`variances` must have the same shape as `means`, (members, batch) = "
                 f"{shape}, got shape {tuple(variances.shape)}"
             )
-        if not is_traced(variances):
+        if not is_traced(variances) and float(jnp.min(variances)) < 0:
             values = np.asarray(variances)
             negative = values < 0
-            if negative.any():
-                member, example = (int(i) for i in np.argwhere(negative)[0])
-                raise ValueError(
-                    f"`variances` must be non-negative, but {int(negative.sum())} of "
-                    f"its {values.size} entries (shape {shape}) are negative, the "
-                    f"smallest {float(values.min()):.6g}; the first is at member "
-                    f"{member}, example {example}. Pass variances, not log-variances "
-                    "(e.g. `jax.nn.softplus(raw) + 1e-6`)."
-                )
+            member, example = (int(i) for i in np.argwhere(negative)[0])
+            raise ValueError(
+                f"`variances` must be non-negative, but {int(negative.sum())} of "
+                f"its {values.size} entries (shape {shape}) are negative, the "
+                f"smallest {float(values.min()):.6g}; the first is at member "
+                f"{member}, example {example}. Pass variances, not log-variances "
+                "(e.g. `jax.nn.softplus(raw) + 1e-6`)."
+            )
     if targets is not None:
         if targets.ndim != 1 or targets.shape[0] != shape[1]:
             raise ValueError(
