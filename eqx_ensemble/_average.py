@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import ArrayLike, Float, PyTree
+from jaxtyping import ArrayLike, PyTree, Real
 
 from ._ensemble import Ensemble
 from ._stack import _check_same_structure
@@ -23,7 +23,8 @@ def _is_summable(leaf: Any) -> bool:
 
 
 def tree_weighted_sum(
-    trees: Sequence[PyTree[Any]], weights: Float[ArrayLike, " n"] | Sequence[float]
+    trees: Sequence[PyTree[Any]],
+    weights: Real[ArrayLike, " n"] | Sequence[float | int],
 ) -> PyTree[Any]:
     """`sum_i weights[i] * trees[i]`, leaf by leaf, for same-structure PyTrees.
 
@@ -74,7 +75,10 @@ def tree_weighted_sum(
     return jax.tree.map(combine, *trees)
 
 
-def average(ens: Ensemble[T], weights: Float[ArrayLike, " members"] | None = None) -> T:
+def average(
+    ens: Ensemble[T],
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
+) -> T:
     """One model whose weights are the (weighted) mean of the members' weights.
 
     This is a "model soup" (Wortsman et al. 2022): useful when the members share an

@@ -10,10 +10,12 @@ ee.combine.mean_probs(probs)                  # (batch, classes)
 ```
 """
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int, Real
 
 from ._tree import is_traced
 
@@ -28,7 +30,9 @@ __all__ = [
 
 
 def _normalised_weights(
-    weights: Float[ArrayLike, " members"] | None, members: int, dtype
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None,
+    members: int,
+    dtype,
 ) -> Float[Array, " members"]:
     if weights is None:
         return jnp.full((members,), 1.0 / members, dtype=dtype)
@@ -49,14 +53,16 @@ def _normalised_weights(
     return weights / weights.sum()
 
 
-def _weighted_mean(x: Array, weights: Float[ArrayLike, " members"] | None) -> Array:
+def _weighted_mean(
+    x: Array, weights: Real[ArrayLike, " members"] | Sequence[float | int] | None
+) -> Array:
     w = _normalised_weights(weights, x.shape[0], x.dtype)
     return jnp.tensordot(w, x, axes=1)
 
 
 def mean_probs(
     probs: Float[Array, " members *batch classes"],
-    weights: Float[ArrayLike, " members"] | None = None,
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> Float[Array, " *batch classes"]:
     """The (weighted) mean of the members' predicted probabilities.
 
@@ -77,7 +83,7 @@ def mean_probs(
 
 def mean_probs_from_logits(
     logits: Float[Array, " members *batch classes"],
-    weights: Float[ArrayLike, " members"] | None = None,
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> Float[Array, " *batch classes"]:
     """The mean of the members' softmax probabilities, from their logits.
 
@@ -93,7 +99,7 @@ def mean_probs_from_logits(
 
 def log_mean_probs_from_logits(
     logits: Float[Array, " members *batch classes"],
-    weights: Float[ArrayLike, " members"] | None = None,
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> Float[Array, " *batch classes"]:
     """`log(mean_i softmax(logits_i))` computed in log-space (no underflow).
 
@@ -116,7 +122,7 @@ def log_mean_probs_from_logits(
 
 def mean_logits(
     logits: Float[Array, " members *batch classes"],
-    weights: Float[ArrayLike, " members"] | None = None,
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> Float[Array, " *batch classes"]:
     """Logit averaging: the (weighted) mean of the members' logits.
 
@@ -136,7 +142,7 @@ def mean_logits(
 def majority_vote(
     predictions: Int[Array, " members *batch"],
     num_classes: int,
-    weights: Float[ArrayLike, " members"] | None = None,
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> Int[Array, " *batch"]:
     """The class predicted by the most members (weighted votes if `weights`).
 
@@ -180,7 +186,7 @@ def majority_vote(
 def gaussian_mixture(
     means: Float[Array, " members *batch"],
     variances: Float[Array, " members *batch"],
-    weights: Float[ArrayLike, " members"] | None = None,
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> tuple[Float[Array, " *batch"], Float[Array, " *batch"]]:
     """Mean and variance of the mixture of the members' Gaussian predictions.
 

@@ -130,3 +130,17 @@ def test_average_weight_errors(ens):
         ee.average(ens, jnp.zeros(5))
     with pytest.raises(TypeError, match="takes an `ee.Ensemble`|Type-check error"):
         ee.average(ee.unstack(ens))
+
+
+def test_weights_as_lists_and_integers(ens):
+    # Regression: a Python list (or integer counts) of weights failed the type check.
+    counts = [1, 0, 2, 0, 1]
+    expected = ee.average(ens, jnp.asarray(counts, dtype=jnp.float32))
+    for weights in (counts, [float(c) for c in counts], jnp.asarray(counts)):
+        got = ee.average(ens, weights)
+        assert bool(eqx.tree_equal(got, expected, rtol=1e-6, atol=1e-7))
+    a, b = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 5.0])}
+    for weights in ([2, -1], jnp.array([2, -1]), [2.0, -1.0]):
+        np.testing.assert_allclose(
+            ee.tree_weighted_sum([a, b], weights)["w"], [2 - 3, 4 - 5]
+        )

@@ -322,3 +322,19 @@ def test_weight_count_message():
 def test_bad_weight_values(bad):
     with pytest.raises(ValueError, match="finite and non-negative with a positive sum"):
         ee.combine.mean_probs(jnp.ones((3, 2, 2)) / 2, jnp.asarray(bad))
+
+
+def test_weights_as_lists_and_integers(logits):
+    # Regression: a Python list (or integer counts) of weights failed the type check.
+    probs = jax.nn.softmax(logits, axis=-1)
+    counts = [1, 2, 0, 3, 1]
+    expected = np.average(np.asarray(probs), axis=0, weights=counts)
+    for weights in (counts, [float(c) for c in counts], jnp.asarray(counts)):
+        np.testing.assert_allclose(
+            ee.combine.mean_probs(probs, weights), expected, rtol=1e-5
+        )
+    votes = jnp.argmax(logits, axis=-1)
+    np.testing.assert_array_equal(
+        ee.combine.majority_vote(votes, CLASSES, counts),
+        _vote_reference(votes, CLASSES, counts),
+    )

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 import eqx_ensemble as ee
 
 ACTIVATIONS = [jax.nn.relu, jax.nn.tanh, jax.nn.gelu, jax.nn.sigmoid, jnp.sin]
-ROUND_TRIP = settings(max_examples=20, deadline=None)
+ROUND_TRIP = settings(max_examples=15, deadline=None)
 
 
 def _equal(a, b) -> bool:
