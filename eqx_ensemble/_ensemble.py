@@ -44,7 +44,11 @@ class Ensemble(eqx.Module, Generic[Member]):
     members: Member
 
     def __check_init__(self):
-        leading_size(self.members)
+        if leading_size(self.members) < 1:
+            raise ValueError(
+                "An ensemble needs at least one member, but the member axis of "
+                "`members` has size 0"
+            )
 
     def __len__(self) -> int:
         return leading_size(self.members)

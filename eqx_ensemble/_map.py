@@ -113,7 +113,10 @@ def map(
     - `chunk_size`: if given, members are evaluated `chunk_size` at a time (a
       `jax.lax.scan` over chunks, any remainder in one more call), which bounds peak
       memory by the chunk instead of the whole ensemble. The result is the same.
-    - `key`: optional PRNG key split into one key per member.
+      `fn` is traced once (twice when `chunk_size` does not divide `len(ens)`),
+      whatever the ensemble size.
+    - `key`: optional PRNG key split into one key per member:
+      member `i` gets `jax.random.split(key, len(ens))[i]`.
 
     **Returns:**
 

@@ -109,6 +109,8 @@ def test_ensemble_needs_a_member_axis():
         ee.Ensemble({"a": jnp.ones((3, 1)), "b": jnp.ones(2)})
     with pytest.raises(ValueError, match="scalar"):
         ee.Ensemble(jnp.ones(()))
+    with pytest.raises(ValueError, match="at least one member.*has size 0"):
+        ee.Ensemble({"w": jnp.ones((0, 3))})
 
 
 # --------------------------------------------------------------------------------

@@ -233,10 +233,11 @@ def test_traced_once_for_256_members(getkey):
 
     # Chunked: one trace for the scanned chunks and one for the remainder, never one
     # per member or per chunk.
-    traces = 0
-    chunked = ee.map(fn, ens, x, chunk_size=100)
-    assert traces <= 2
-    assert_tree_allclose(chunked, out)
+    for chunk_size, expected_traces in ((64, 1), (100, 2)):
+        traces = 0
+        chunked = ee.map(fn, ens, x, chunk_size=chunk_size)
+        assert traces == expected_traces
+        assert_tree_allclose(chunked, out)
 
 
 # --------------------------------------------------------------------------------
