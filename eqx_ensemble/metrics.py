@@ -44,26 +44,18 @@ ee.metrics.per_member_accuracy(logits, labels, from_logits=True)  # shape (5,)
 from ._metrics_calibration import (
     CalibrationBins as CalibrationBins,
     adaptive_calibration_error as adaptive_calibration_error,
-    apply_temperature as apply_temperature,
     calibration_bins as calibration_bins,
     expected_calibration_error as expected_calibration_error,
-    fit_temperature as fit_temperature,
     max_calibration_error as max_calibration_error,
     per_member_calibration_error as per_member_calibration_error,
 )
 from ._metrics_classification import (
     accuracy as accuracy,
     brier_score as brier_score,
-    disagreement as disagreement,
-    expected_entropy as expected_entropy,
-    mutual_information as mutual_information,
     nll as nll,
-    pairwise_disagreement as pairwise_disagreement,
     per_member_accuracy as per_member_accuracy,
     per_member_brier_score as per_member_brier_score,
     per_member_nll as per_member_nll,
-    predictive_entropy as predictive_entropy,
-    variation_ratio as variation_ratio,
 )
 from ._metrics_ood import ood_auroc as ood_auroc
 from ._metrics_regression import (
@@ -76,6 +68,18 @@ from ._metrics_regression import (
     predictive_mean as predictive_mean,
     predictive_variance as predictive_variance,
     rmse as rmse,
+)
+from ._metrics_temperature import (
+    apply_temperature as apply_temperature,
+    fit_temperature as fit_temperature,
+)
+from ._metrics_uncertainty import (
+    disagreement as disagreement,
+    expected_entropy as expected_entropy,
+    mutual_information as mutual_information,
+    pairwise_disagreement as pairwise_disagreement,
+    predictive_entropy as predictive_entropy,
+    variation_ratio as variation_ratio,
 )
 
 __all__ = [
