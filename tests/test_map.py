@@ -307,3 +307,17 @@ def test_check_per_member_args_helper():
         _check_per_member_args(
             ({"x": jnp.ones((SIZE, 3)), "y": jnp.ones(4)},), (0,), SIZE
         )
+
+
+def test_gradient_through_chunked_map(ens, getkey):
+    xs = jax.random.normal(getkey(), (7, 3))
+
+    def total(ens, chunk_size):
+        losses = ee.map(
+            lambda m, x: jnp.sum(_batched(m, x) ** 2), ens, xs, chunk_size=chunk_size
+        )
+        return losses.sum()
+
+    unchunked = eqx.filter_grad(total)(ens, None)
+    for chunk_size in (2, 3):
+        assert_tree_allclose(eqx.filter_grad(total)(ens, chunk_size), unchunked)
