@@ -50,7 +50,7 @@ def make_mesh(
     members: int | None = None,
     data: int | None = None,
     *,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[Any] | None = None,
     axis_types: AxisType = AxisType.Auto,
 ) -> Mesh:
     """A device mesh with a `"members"` axis, a `"data"` axis, or both.
@@ -212,8 +212,9 @@ def _check_leaf(path: Any, leaf: Any, mesh: Mesh, axes: Sequence[str], what: str
     shape = tuple(np.shape(leaf))
     if len(shape) < len(axes):
         raise ValueError(
-            f"{where} has shape {shape}, but it needs {len(axes)} leading axes "
-            f"({', '.join(axes)}) to shard over"
+            f"{where} has shape {shape}, but splitting it over the mesh needs "
+            f"{len(axes)} leading array axes ({', '.join(axes)}); replicate it "
+            "instead with `axes=()`"
         )
     for position, name in enumerate(axes):
         devices = _axis_size(mesh, name)
@@ -366,7 +367,9 @@ def process_rows(mesh: Mesh, num_examples: int) -> slice:
         raise _divisibility_error(DATA, num_examples, devices, "The data")
     sharding = NamedSharding(mesh, _spec(mesh, (DATA,)))
     indices = sharding.addressable_devices_indices_map((num_examples,)).values()
-    blocks = sorted({index[0].indices(num_examples)[:2] for index in indices})
+    blocks = sorted(
+        {index[0].indices(num_examples)[:2] for index in indices if index is not None}
+    )
     start, stop = blocks[0][0], blocks[-1][1]
     covered = sum(b - a for a, b in blocks)
     if covered != stop - start:
@@ -475,11 +478,41 @@ def check_fit_mesh(mesh: Any, size: int, batch_size: int) -> Mesh:
     return mesh
 
 
+def check_step_mesh(
+    mesh: Any, size: int, batch: PyTree[Any], per_member_batch: bool
+) -> None:
+    """`make_step`'s checks (at trace time, before any work): the member count and
+    the batch's example axis must split evenly over the mesh."""
+    mesh = _check_mesh(mesh)
+    members = _axis_size(mesh, MEMBERS)
+    if size % members:
+        raise _divisibility_error(MEMBERS, size, members, "The ensemble")
+    axis = 1 if per_member_batch else 0
+    devices = _axis_size(mesh, DATA)
+    for path, leaf in jtu.tree_flatten_with_path(batch)[0]:
+        if eqx.is_array(leaf) and leaf.ndim > axis and leaf.shape[axis] % devices:
+            raise _divisibility_error(
+                DATA, leaf.shape[axis], devices, f"`batch` leaf `{keystr(path)}`"
+            )
+
+
 def mesh_context(mesh: Any) -> Any:
     """`jax.set_mesh(mesh)`, or nothing when `mesh` is not a mesh. Explicit meshes
     need it for eager operations on their arrays (e.g. initialising an optimizer
     state); under it, user code may also name the mesh axes."""
     return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext()
+
+
+def call_within_mesh(fn: Callable[_P, _R], mesh: Mesh) -> Callable[_P, _R]:
+    """`fn` called under `jax.set_mesh(mesh)` (inputs need not be placed yet)."""
+    _check_mesh(mesh)
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def within_mesh(fn: Callable[_P, _R]) -> Callable[_P, _R]:
