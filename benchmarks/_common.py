@@ -1,0 +1,150 @@
+"""Shared helpers for the benchmark scripts: timing, machine facts, reporting.
+
+Nothing here imports JAX or torch at module level, so a script can set
+`XLA_FLAGS` before JAX starts.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+SUMMARY_PREFIX = "SUMMARY-JSON: "
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--quick", action="store_true", help="a fast smoke run (small sizes, few reps)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repetitions per variant (the median is reported)",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        help="also write the results as JSON to this path",
+    )
+    return p
+
+
+def load_average() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:  # pragma: no cover
+        return (float("nan"),) * 3
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover
+        pass
+    return platform.processor() or "unknown"
+
+
+def total_ram_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:  # pragma: no cover
+        pass
+    return float("nan")
+
+
+def machine_info() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    def version(name: str) -> str:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(total_ram_gib(), 1),
+        "python": platform.python_version(),
+        "jax": version("jax"),
+        "jaxlib": version("jaxlib"),
+        "equinox": version("equinox"),
+        "optax": version("optax"),
+        "torch": version("torch"),
+        "loadavg": [round(x, 2) for x in load_average()],
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def print_header(title: str) -> dict[str, Any]:
+    info = machine_info()
+    print(f"== {title}")
+    print(
+        f"   machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB; "
+        f"jax {info['jax']}, jaxlib {info['jaxlib']}, equinox {info['equinox']}, "
+        f"torch {info['torch']}; load average {info['loadavg']}"
+    )
+    return info
+
+
+def time_calls(
+    fn: Callable[[], Any], *, repeats: int, warmup: int = 1, number: int = 1
+) -> list[float]:
+    """Wall-clock seconds of `number` calls of `fn`, `repeats` times (after
+    `warmup` untimed calls). `fn` must block until its work is done."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - start) / number)
+    return times
+
+
+def interleaved(
+    fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Time several variants round-robin (A B C A B C ...) so that a change in the
+    machine's load hits all of them alike. Returns seconds per call."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def spread(xs: Sequence[float]) -> str:
+    """`median (min..max)` in milliseconds."""
+    return f"{median(xs) * 1e3:9.3f} ms  ({min(xs) * 1e3:.3f}..{max(xs) * 1e3:.3f})"
+
+
+def emit_summary(name: str, results: dict[str, Any], path: str | None) -> None:
+    """Print one machine-readable line (parsed by run_all.py) and optionally save."""
+    payload = {"benchmark": name, **results}
+    print(SUMMARY_PREFIX + json.dumps(payload, default=float))
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2, default=float)

@@ -1,0 +1,355 @@
+"""Compute-bound regime: 64 MLPs 32-128-128-10, batch 256, Adam.
+
+Compares, in one process and run (variants timed round-robin so a change in the
+machine's load hits them alike):
+
+- `ee.fit` (a second call, once compiled; all steps fused into one dispatch),
+- `ee.make_step` (one step per call),
+- a hand-written `eqx.filter_vmap` step, jitted with donation, one step per call,
+- the same hand-written step fused with `jax.lax.scan` (as `fit` fuses steps),
+- `torch.func` (`stack_module_state` + `functional_call` + `vmap(grad)`) with a
+  torch Adam on the stacked parameters,
+- a PyTorch loop over the 64 modules with one (foreach) Adam over all of them,
+
+and reports step time, achieved GFLOP/s (matmul FLOPs of forward + backward) and
+the fraction of the machine's plain float32 matmul throughput (a single large
+matmul in JAX and in torch, measured in the same run).
+
+Run: `python benchmarks/bench_compute.py` (`--quick` for a smoke run).
+"""
+
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+
+def matmul_flops_per_step(members: int, batch: int, sizes: list[int]) -> float:
+    """Matmul FLOPs of one training step: forward, weight gradients, and input
+    gradients of every layer but the first."""
+    pairs = list(zip(sizes[:-1], sizes[1:]))
+    forward = sum(2 * batch * i * o for i, o in pairs)
+    weight_grads = forward
+    input_grads = sum(2 * batch * i * o for i, o in pairs[1:])
+    return float(members * (forward + weight_grads + input_grads))
+
+
+def main() -> None:
+    p = _common.parser(__doc__.splitlines()[0])
+    p.add_argument("--members", type=int, default=64)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument(
+        "--steps", type=int, default=None, help="steps per timed block (default 50)"
+    )
+    p.add_argument("--no-torch", action="store_true", help="skip the torch variants")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's default, one per core)",
+    )
+    args = p.parse_args()
+    members, batch = args.members, args.batch
+    steps = args.steps or (5 if args.quick else 50)
+    repeats = args.repeats or (2 if args.quick else 5)
+    sizes = [32, 128, 128, 10]
+    n_data = 4096
+    lr = 1e-3
+
+    info = _common.print_header(
+        f"compute-bound: {members} MLPs {'-'.join(map(str, sizes))}, batch {batch}, "
+        f"Adam; {steps} steps per timed block, {repeats} blocks per variant"
+    )
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import eqx_ensemble as ee
+
+    flops = matmul_flops_per_step(members, batch, sizes)
+    key = jax.random.key(0)
+    kx, ky, kens = jax.random.split(key, 3)
+    x_all = jax.random.normal(kx, (n_data, sizes[0]), dtype=jnp.float32)
+    y_all = jax.random.randint(ky, (n_data,), 0, sizes[-1])
+    x_batch, y_batch = x_all[:batch], y_all[:batch]
+    optimizer = optax.adam(lr)
+
+    def make_model(k):
+        return eqx.nn.MLP(
+            sizes[0], sizes[-1], sizes[1], len(sizes) - 2, activation=jax.nn.relu, key=k
+        )
+
+    def loss_fn(model, data, key):
+        x, y = data
+        logits = jax.vmap(model)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def fresh_ensemble():
+        return ee.ensemble(make_model, size=members, key=kens)
+
+    variants = {}
+    errors: dict[str, str] = {}
+
+    # -- plain matmul: the machine's reference throughput ------------------------
+    n = 1024 if args.quick else 2048
+    a = jax.random.normal(key, (n, n), dtype=jnp.float32)
+    mm = jax.jit(lambda a, b: a @ b)
+    mm_times = _common.time_calls(
+        lambda: mm(a, a).block_until_ready(), repeats=5 if args.quick else 20, warmup=2
+    )
+    matmul_gflops = {"jax": 2 * n**3 / _common.median(mm_times) / 1e9}
+
+    # -- the library: fit ---------------------------------------------------------
+    fit_state = {"ens": fresh_ensemble()}
+
+    def run_fit():
+        result = ee.fit(
+            fit_state["ens"],
+            loss_fn,
+            optimizer,
+            (x_all, y_all),
+            steps=steps,
+            batch_size=batch,
+            key=jax.random.key(1),
+            steps_per_dispatch=steps,
+            progress=False,
+        )
+        jax.block_until_ready(result.ensemble)
+        fit_state["ens"] = result.ensemble
+
+    variants["ee.fit (scan-fused)"] = run_fit
+
+    # -- the library: make_step ---------------------------------------------------
+    step = ee.make_step(loss_fn, optimizer)
+    step_state = {"ens": fresh_ensemble()}
+    step_state["opt"] = ee.init_optimizer(optimizer, step_state["ens"])
+    step_key = jax.random.key(2)
+
+    def run_make_step():
+        ens, opt_state = step_state["ens"], step_state["opt"]
+        for _ in range(steps):
+            ens, opt_state, losses, _, _ = step(
+                ens, opt_state, (x_batch, y_batch), step_key
+            )
+        jax.block_until_ready(losses)
+        step_state["ens"], step_state["opt"] = ens, opt_state
+
+    variants["ee.make_step (1 step/call)"] = run_make_step
+
+    # -- hand-written eqx.filter_vmap step ----------------------------------------
+    def hand_update(models, opt_state, x, y):
+        def one(model, state):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, (x, y), None)
+            updates, state = optimizer.update(grads, state, model)
+            return eqx.apply_updates(model, updates), state, loss
+
+        return eqx.filter_vmap(one)(models, opt_state)
+
+    @eqx.filter_jit(donate="all-except-first")
+    def hand_step(data, models, opt_state):
+        return hand_update(models, opt_state, *data)
+
+    @eqx.filter_jit(donate="all-except-first")
+    def hand_scan(data, models, opt_state):
+        xs, ys = data
+        params, static = eqx.partition(models, eqx.is_array)
+
+        def body(carry, batch_):
+            p, s = carry
+            m, s, loss = hand_update(eqx.combine(p, static), s, *batch_)
+            return (eqx.filter(m, eqx.is_array), s), loss
+
+        (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), (xs, ys))
+        return eqx.combine(params, static), opt_state, losses
+
+    def hand_init():
+        models = fresh_ensemble().members
+        return {
+            "m": models,
+            "s": eqx.filter_vmap(optimizer.init)(
+                eqx.filter(models, eqx.is_inexact_array)
+            ),
+        }
+
+    hand_state = hand_init()
+
+    def run_hand_step():
+        models, opt_state = hand_state["m"], hand_state["s"]
+        for _ in range(steps):
+            models, opt_state, losses = hand_step((x_batch, y_batch), models, opt_state)
+        jax.block_until_ready(losses)
+        hand_state["m"], hand_state["s"] = models, opt_state
+
+    variants["hand filter_vmap (1 step/call)"] = run_hand_step
+
+    scan_state = hand_init()
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, n_data, size=(steps, batch))
+    xs, ys = x_all[idx], y_all[idx]
+
+    def run_hand_scan():
+        models, opt_state, losses = hand_scan(
+            (xs, ys), scan_state["m"], scan_state["s"]
+        )
+        jax.block_until_ready(losses)
+        scan_state["m"], scan_state["s"] = models, opt_state
+
+    variants["hand filter_vmap (scan-fused)"] = run_hand_scan
+
+    # -- torch ----------------------------------------------------------------------
+    if not args.no_torch:
+        try:
+            import torch
+            import torch.nn.functional as F
+            from torch.func import (
+                functional_call,
+                grad_and_value,
+                stack_module_state,
+                vmap,
+            )
+
+            if args.torch_threads is not None:
+                torch.set_num_threads(args.torch_threads)
+            torch.manual_seed(0)
+            tx = torch.from_numpy(np.array(x_batch))
+            ty = torch.from_numpy(np.array(y_batch)).long()
+            ta = torch.randn(n, n)
+            t_times = _common.time_calls(
+                lambda: torch.mm(ta, ta), repeats=5 if args.quick else 20, warmup=2
+            )
+            matmul_gflops["torch"] = 2 * n**3 / _common.median(t_times) / 1e9
+
+            def torch_model():
+                layers = []
+                for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+                    layers.append(torch.nn.Linear(fan_in, fan_out))
+                    if i < len(sizes) - 2:
+                        layers.append(torch.nn.ReLU())
+                return torch.nn.Sequential(*layers)
+
+            # torch.func: stacked parameters, vmap over members.
+            modules = [torch_model() for _ in range(members)]
+            params, buffers = stack_module_state(modules)
+            base = copy.deepcopy(modules[0]).to("meta")
+
+            def t_loss(p, b, x, y):
+                return F.cross_entropy(functional_call(base, (p, b), (x,)), y)
+
+            t_grad = vmap(grad_and_value(t_loss), in_dims=(0, 0, None, None))
+            t_opt = torch.optim.Adam(list(params.values()), lr=lr)
+
+            def run_torch_func():
+                for _ in range(steps):
+                    grads, _losses = t_grad(params, buffers, tx, ty)
+                    for name, param in params.items():
+                        param.grad = grads[name]
+                    t_opt.step()
+
+            variants["torch.func vmap + Adam"] = run_torch_func
+
+            # A plain PyTorch loop over the members.
+            loop_modules = [torch_model() for _ in range(members)]
+            loop_opt = torch.optim.Adam(
+                [q for m in loop_modules for q in m.parameters()], lr=lr
+            )
+
+            def run_torch_loop():
+                for _ in range(steps):
+                    loop_opt.zero_grad(set_to_none=True)
+                    for module in loop_modules:
+                        F.cross_entropy(module(tx), ty).backward()
+                    loop_opt.step()
+
+            variants["PyTorch loop over members"] = run_torch_loop
+        except ImportError as error:
+            errors["torch"] = (
+                f"torch not installed ({error}); `pip install -e .[bench]`"
+            )
+
+    # -- run ------------------------------------------------------------------------
+    runnable = {}
+    for name, fn in variants.items():
+        try:
+            fn()  # compile / warm up; also checks that it runs at all
+            runnable[name] = fn
+        except Exception as error:  # noqa: BLE001 - report and carry on
+            errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    block_times = _common.interleaved(runnable, repeats=repeats, warmup=1)
+    per_step = {name: [t / steps for t in ts] for name, ts in block_times.items()}
+
+    best_matmul = max(matmul_gflops.values())
+    print(
+        "   plain float32 matmul "
+        + ", ".join(f"{k}: {v:.1f} GFLOP/s" for k, v in matmul_gflops.items())
+        + f" ({n}x{n})"
+    )
+    print(f"   model matmul FLOPs per step: {flops / 1e9:.3f} GFLOP")
+    print(
+        f"   {'variant':34s} {'step time median (min..max)':>36s} {'GFLOP/s':>8s} "
+        f"{'of matmul':>9s}"
+    )
+    rows = {}
+    for name, ts in per_step.items():
+        med = _common.median(ts)
+        gflops = flops / med / 1e9
+        rows[name] = {"step_ms": med * 1e3, "gflops": gflops}
+        print(
+            f"   {name:34s} {_common.spread(ts):>36s} {gflops:8.1f} "
+            f"{gflops / best_matmul:9.0%}"
+        )
+    for name, error in errors.items():
+        print(f"   {name:34s} FAILED: {error}")
+
+    def ratio(a: str, b: str) -> float | None:
+        if a in rows and b in rows:
+            return rows[b]["step_ms"] / rows[a]["step_ms"]
+        return None
+
+    comparisons = [
+        ("ee.fit (scan-fused)", "torch.func vmap + Adam", 1.25),
+        ("ee.fit (scan-fused)", "hand filter_vmap (scan-fused)", 1.25),
+        ("ee.fit (scan-fused)", "hand filter_vmap (1 step/call)", 1.25),
+        ("ee.fit (scan-fused)", "PyTorch loop over members", None),
+        ("ee.make_step (1 step/call)", "hand filter_vmap (1 step/call)", None),
+        ("ee.make_step (1 step/call)", "torch.func vmap + Adam", None),
+    ]
+    ratios = {}
+    print("   ratios (speed-up of the first over the second; > 1 = library faster):")
+    for a_name, b_name, target in comparisons:
+        r = ratio(a_name, b_name)
+        if r is None:
+            continue
+        ratios[f"{a_name} vs {b_name}"] = r
+        verdict = (
+            ""
+            if target is None
+            else (f"  target >= {target}: {'MET' if r >= target else 'NOT MET'}")
+        )
+        print(f"     {a_name} vs {b_name}: {r:.2f}x{verdict}")
+    _common.emit_summary(
+        "compute",
+        {
+            "machine": info,
+            "members": members,
+            "batch": batch,
+            "steps_per_block": steps,
+            "repeats": repeats,
+            "matmul_gflops": matmul_gflops,
+            "flops_per_step": flops,
+            "rows": rows,
+            "ratios": ratios,
+            "errors": errors,
+            "loadavg_end": list(_common.load_average()),
+        },
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
