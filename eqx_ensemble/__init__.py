@@ -26,7 +26,11 @@ from ._fit import (
 )
 from ._map import map as map
 from ._optim import init_optimizer as init_optimizer, set_hyperparams as set_hyperparams
-from ._sharding import make_mesh as make_mesh, process_rows as process_rows, shard as shard
+from ._sharding import (
+    make_mesh as make_mesh,
+    process_rows as process_rows,
+    shard as shard,
+)
 from ._stack import concatenate as concatenate, stack as stack, unstack as unstack
 from ._step import StepOutput as StepOutput, make_step as make_step
 

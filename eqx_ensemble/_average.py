@@ -120,7 +120,7 @@ def average(
             )
         if not is_traced(weights):
             host = np.asarray(weights)
-            if (host < 0).any() or host.sum() <= 0:
+            if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
                 raise ValueError(
                     f"`weights` must be non-negative with a positive sum, got {host}"
                 )

@@ -45,7 +45,10 @@ def num_examples(data: PyTree[Any], what: str = "data") -> int:
             f"The arrays of `{what}` disagree on the number of examples (leading "
             f"axis): {listing}"
         )
-    return int(leaves[0][1].shape[0])
+    n = int(leaves[0][1].shape[0])
+    if n == 0:
+        raise ValueError(f"`{what}` has 0 examples (leading axis of size 0)")
+    return n
 
 
 def epoch_indices(
