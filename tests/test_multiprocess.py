@@ -34,7 +34,19 @@ def _free_port() -> int:
 
 
 def _run_workers(out_dir: Path, axis_type: str, layout: str) -> None:
-    port = _free_port()
+    for attempt in range(3):
+        codes = _start_and_wait(out_dir, axis_type, layout, _free_port())
+        if codes == [0] * NUM_PROCESSES:
+            return
+        # The free port can be taken between choosing and binding it: retry.
+        if "already in use" not in _logs(out_dir) or attempt == 2:
+            break
+    pytest.fail(f"exit codes {codes}:\n{_logs(out_dir)}")
+
+
+def _start_and_wait(
+    out_dir: Path, axis_type: str, layout: str, port: int
+) -> list[int | None]:
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     processes = []
     logs = []
@@ -72,8 +84,7 @@ def _run_workers(out_dir: Path, axis_type: str, layout: str) -> None:
             process.wait()
         for log in logs:
             log.close()
-    codes = [process.returncode for process in processes]
-    assert codes == [0] * NUM_PROCESSES, f"exit codes {codes}:\n{_logs(out_dir)}"
+    return [process.returncode for process in processes]
 
 
 def _logs(out_dir: Path) -> str:
