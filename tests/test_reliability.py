@@ -845,6 +845,10 @@ def _vector_eval(model, data):
     return jax.vmap(model)(data)
 
 
+def _one_element_eval(model, data):
+    return jnp.mean(jax.vmap(model)(data), axis=0)
+
+
 def _fit_int(model, batch, key):
     return jnp.sum(batch[0] > 0)
 
@@ -911,17 +915,11 @@ FIT_ERRORS = [
         ValueError,
         r"0 examples",
     ),
-    pytest.param(
+    (
         "data-empty-bootstrap",
         dict(data=(FIT_X[:0], FIT_Y[:0]), sampling="bootstrap"),
         ValueError,
-        r"`data` .*0 examples",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG _fit.py::fit: with sampling='bootstrap' nothing rejects data "
-            "of 0 examples (the batch_size > n check is skipped); tracing fails "
-            "with 'Slice size at index 0 in gather op is out of range'",
-        ),
+        r"0 examples",
     ),
     (
         "non-scalar-loss",
@@ -1001,7 +999,7 @@ FIT_ERRORS = [
         ValueError,
         r"`checkpoint_every` must be at least 1, got 0",
     ),
-    pytest.param(
+    (
         "model-state-of-other-size",
         dict(
             ens=Lazy(lambda o: ee.Ensemble(_batchnorm_states(3)[0])),
@@ -1010,26 +1008,33 @@ FIT_ERRORS = [
         ),
         ValueError,
         r"`state`.* leading axis must be the ensemble size 3",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG _fit.py::fit (and _step.py::make_step): a model `state` "
-            "whose leading axis is not the ensemble size is not checked; JAX's "
-            "'vmap got inconsistent sizes' comes out instead",
-        ),
     ),
-    pytest.param(
+    (
         "eval-fn-non-scalar",
         dict(eval_fn=_vector_eval, eval_data=FIT_X, eval_every=1),
         ValueError,
-        r"`eval_fn` must return a scalar",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG _fit.py::_run_chunk.evaluate: a non-scalar eval_fn score "
-            "fails with 'cannot reshape array of shape (3, 8, 1) into shape 3' "
-            "(and a (1,)-shaped score is silently accepted)",
-        ),
+        r"`eval_fn` must return a scalar score .* got shape \(8, 1\)",
+    ),
+    (
+        "eval-fn-one-element",
+        dict(eval_fn=_one_element_eval, eval_data=FIT_X, eval_every=1),
+        ValueError,
+        r"`eval_fn` must return a scalar score .* got shape \(1,\)",
     ),
 ]
+
+
+# Resuming the finished run (saved without `eval_fn`) with an `eval_fn` is refused
+# first, by the verified load of its checkpoint (a different run: see the guide).
+_NO_BEST_IN_CHECKPOINT = (
+    ee.CheckpointError,
+    r"node `\['train_state'\]\.best_ensemble` is of type NoneType in the "
+    r"checkpoint but of type Ensemble in `like`",
+)
+RESUMED_ERRORS = {
+    "eval-fn-non-scalar": _NO_BEST_IN_CHECKPOINT,
+    "eval-fn-one-element": _NO_BEST_IN_CHECKPOINT,
+}
 
 
 def _fit_call(bad, checkpoint_dir, callback, steps=4, **overrides):
@@ -1093,6 +1098,7 @@ def test_fit_bad_input_raises_before_any_work(
     if resume:
         # Continuing a finished run to 8 steps: its checkpoints must survive intact.
         shutil.copytree(finished_run, folder)
+        error, pattern = RESUMED_ERRORS.get(name, (error, pattern))
     before = folder_snapshot(folder)
     calls = []
     with pytest.raises(error, match=pattern) as raised:
@@ -1178,18 +1184,7 @@ def _build(architecture, a, b, size, dtype, optimizer):
     return {"ens": ens, "opt": opt_state, "key": jax.random.key(1), "step": 7}
 
 
-@settings(max_examples=12, deadline=None)
-@given(
-    architecture=st.sampled_from(sorted(ARCHITECTURES)),
-    a=st.integers(1, 5),
-    b=st.integers(1, 5),
-    size=st.integers(1, 5),
-    dtype=st.sampled_from(sorted(DTYPES)),
-    optimizer=st.sampled_from(sorted(SAVE_OPTIMIZERS)),
-    like_from_eval_shape=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_random_ensembles_round_trip_across_modules(
+def _round_trip_across_modules(
     architecture, a, b, size, dtype, optimizer, like_from_eval_shape, seed
 ):
     build = functools.partial(
@@ -1239,7 +1234,32 @@ def test_random_ensembles_round_trip_across_modules(
         )
 
 
-# ---- fit + checkpoint + resume == uninterrupted (hypothesis) ----------------------
+SAVE_LOAD_EXAMPLES = given(
+    architecture=st.sampled_from(sorted(ARCHITECTURES)),
+    a=st.integers(1, 5),
+    b=st.integers(1, 5),
+    size=st.integers(1, 5),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    optimizer=st.sampled_from(sorted(SAVE_OPTIMIZERS)),
+    like_from_eval_shape=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+
+
+@settings(max_examples=8, deadline=None)
+@SAVE_LOAD_EXAMPLES
+def test_random_ensembles_round_trip_across_modules(**example):
+    _round_trip_across_modules(**example)
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None)
+@SAVE_LOAD_EXAMPLES
+def test_random_ensembles_round_trip_across_modules_many(**example):
+    _round_trip_across_modules(**example)
+
+
+# ---- fit + checkpoint + resume == uninterrupted ----------------------------------
 
 RESUME_OPTIMIZERS = {
     "adam": optax.adam(1e-2),
@@ -1259,10 +1279,22 @@ def _noisy_loss(model, batch, key):
     return jnp.mean((jax.vmap(model)(xb * keep) - yb) ** 2)
 
 
-def _resume_fit(ens, optimizer, size, **kwargs):
+def _distance_score(model, data):
+    # Not monotone in training time, so the best evaluation is not just the last.
+    xe, ye = data
+    return jnp.abs(jnp.mean((jax.vmap(model)(xe) - ye) ** 2) - 0.5)
+
+
+def _resume_fit(ens, optimizer, size, eval_every, **kwargs):
     hyperparams = None
     if optimizer == "inject-adam":
         hyperparams = {"learning_rate": jnp.linspace(1e-3, 3e-2, size)}
+    if eval_every is not None:
+        kwargs.update(
+            eval_fn=_distance_score,
+            eval_data=(RESUME_X, RESUME_Y),
+            eval_every=eval_every,
+        )
     return ee.fit(
         ens,
         _noisy_loss,
@@ -1275,31 +1307,23 @@ def _resume_fit(ens, optimizer, size, **kwargs):
     )
 
 
-@settings(max_examples=3, deadline=None)
-@given(
-    size=st.integers(1, 4),
-    width=st.integers(1, 6),
-    sampling=st.sampled_from(["shared", "independent", "bootstrap"]),
-    optimizer=st.sampled_from(sorted(RESUME_OPTIMIZERS)),
-    steps=st.integers(3, 12),
-    batch_size=st.integers(1, 12),
-    plan=st.data(),
-)
-def test_random_fit_interrupted_and_resumed_equals_uninterrupted(
-    size, width, sampling, optimizer, steps, batch_size, plan
-):
-    every = plan.draw(st.integers(1, steps - 1), label="checkpoint_every")
-    stop = plan.draw(st.integers(1, steps - 1), label="interrupt at")
-    per_dispatch = plan.draw(st.integers(1, steps), label="steps_per_dispatch")
-    ens = ee.ensemble(
-        lambda key: eqx.nn.MLP(2, 1, width, 1, key=key),
-        size=size,
-        key=jax.random.key(3),
-    )
-    common = dict(steps=steps, batch_size=batch_size, sampling=sampling)
-    common["steps_per_dispatch"] = per_dispatch
-    straight = _resume_fit(ens, optimizer, size, **common)
+def assert_same_result(got, want):
+    """Two `FitResult`s equal bit for bit: parameters, states, history, best."""
+    assert got.step == want.step
+    assert got.diverged == want.diverged
+    assert_bitwise_equal(got.ensemble, want.ensemble)
+    assert_bitwise_equal(got.opt_state, want.opt_state)
+    assert_bitwise_equal(got.state, want.state)
+    np.testing.assert_array_equal(got.history.losses, want.history.losses)
+    np.testing.assert_array_equal(got.history.eval_steps, want.history.eval_steps)
+    np.testing.assert_array_equal(got.history.eval_scores, want.history.eval_scores)
+    assert_bitwise_equal(got.best_ensemble, want.best_ensemble)
+    np.testing.assert_array_equal(got.best_step, want.best_step)
 
+
+def interrupted_then_resumed(fit, folder, stop, every, steps):
+    """Run `fit` with checkpoints until a callback raises at step >= `stop`, check
+    that every checkpoint period reached was saved, then resume in a new call."""
     seen = []
 
     def interrupt(result):
@@ -1307,37 +1331,193 @@ def test_random_fit_interrupted_and_resumed_equals_uninterrupted(
         if result.step >= stop:
             raise Interrupt
 
-    with tempfile.TemporaryDirectory() as directory:
-        folder = Path(directory) / "run"
-        try:
-            _resume_fit(
-                ens,
-                optimizer,
-                size,
-                checkpoint_dir=folder,
-                checkpoint_every=every,
-                keep_checkpoints=None,
-                callback=interrupt,
-                **common,
-            )
-        except Interrupt:
-            pass
-        # Every checkpoint period reached before the interrupt was saved.
-        reached = seen[-1]
-        expected = list(range(every, reached + 1, every))
-        if reached == steps and steps % every:
-            expected.append(steps)
-        assert [s for s, _ in ee.list_checkpoints(folder)] == expected
-        resumed = _resume_fit(
-            ens,
-            optimizer,
-            size,
+    try:
+        fit(
             checkpoint_dir=folder,
             checkpoint_every=every,
-            **common,
+            keep_checkpoints=None,
+            callback=interrupt,
         )
-    assert resumed.step == steps
-    assert resumed.diverged == straight.diverged
-    assert_bitwise_equal(resumed.ensemble, straight.ensemble)
-    assert_bitwise_equal(resumed.opt_state, straight.opt_state)
-    np.testing.assert_array_equal(resumed.history.losses, straight.history.losses)
+    except Interrupt:
+        pass
+    reached = seen[-1]
+    expected = list(range(every, reached + 1, every))
+    if reached == steps and steps % every:  # finished: a last one at the end
+        expected.append(steps)
+    assert [step for step, _ in ee.list_checkpoints(folder)] == expected
+    return fit(checkpoint_dir=folder, checkpoint_every=every)
+
+
+FIT_RESUME_EXAMPLES = given(
+    size=st.integers(1, 4),
+    width=st.integers(1, 6),
+    sampling=st.sampled_from(["shared", "independent", "bootstrap"]),
+    optimizer=st.sampled_from(sorted(RESUME_OPTIMIZERS)),
+    steps=st.integers(3, 12),
+    batch_size=st.integers(1, 12),
+    evaluate=st.booleans(),
+    plan=st.data(),
+)
+
+
+def _fit_resume_equals_uninterrupted(
+    size, width, sampling, optimizer, steps, batch_size, evaluate, plan
+):
+    every = plan.draw(st.integers(1, steps - 1), label="checkpoint_every")
+    stop = plan.draw(st.integers(1, steps - 1), label="interrupt at")
+    per_dispatch = plan.draw(st.integers(1, steps), label="steps_per_dispatch")
+    eval_every = plan.draw(st.integers(1, 3), label="eval_every") if evaluate else None
+    ens = ee.ensemble(
+        lambda key: eqx.nn.MLP(2, 1, width, 1, key=key),
+        size=size,
+        key=jax.random.key(3),
+    )
+    fit = functools.partial(
+        _resume_fit,
+        ens,
+        optimizer,
+        size,
+        eval_every,
+        steps=steps,
+        batch_size=batch_size,
+        sampling=sampling,
+        steps_per_dispatch=per_dispatch,
+    )
+    straight = fit()
+    with tempfile.TemporaryDirectory() as directory:
+        resumed = interrupted_then_resumed(
+            fit, Path(directory) / "run", stop, every, steps
+        )
+    assert_same_result(resumed, straight)
+
+
+@settings(max_examples=3, deadline=None)
+@FIT_RESUME_EXAMPLES
+def test_random_fit_interrupted_and_resumed_equals_uninterrupted(**example):
+    _fit_resume_equals_uninterrupted(**example)
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None)
+@FIT_RESUME_EXAMPLES
+def test_random_fit_interrupted_and_resumed_equals_uninterrupted_many(**example):
+    _fit_resume_equals_uninterrupted(**example)
+
+
+class _DropoutBatchNormMLP(eqx.Module):
+    hidden: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    dropout: eqx.nn.Dropout
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        hidden_key, out_key = jax.random.split(key)
+        self.hidden = eqx.nn.Linear(2, 8, use_bias=False, key=hidden_key)
+        self.norm = eqx.nn.BatchNorm(8, axis_name="batch", mode="ema")
+        self.dropout = eqx.nn.Dropout(0.2)
+        self.out = eqx.nn.Linear(8, 1, key=out_key)
+
+    def __call__(self, x, state, key, inference=False):
+        hidden, state = self.norm(self.hidden(x), state, inference=inference)
+        hidden = self.dropout(jax.nn.relu(hidden), key=key, inference=inference)
+        return self.out(hidden), state
+
+
+def _stateful_loss(model, state, batch, key):
+    xb, yb = batch
+    keys = jax.random.split(key, xb.shape[0])
+    pred, state = jax.vmap(
+        model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None)
+    )(xb, state, keys)
+    return jnp.mean((pred - yb) ** 2), state
+
+
+def _stateful_score(model, state, data):
+    # Lower is better: minus the error, so every member's best is an early
+    # evaluation, made before the interrupt, that must survive the resume.
+    xe, ye = data
+    pred, _ = jax.vmap(
+        lambda x: model(x, state, None, inference=True), axis_name="batch"
+    )(xe)
+    return -jnp.mean((pred - ye) ** 2)
+
+
+def test_batchnorm_dropout_and_best_members_resume_exactly(tmp_path):
+    # Model state (BatchNorm statistics), per-member dropout keys, the best members
+    # of an evaluation and its history all continue exactly after an interrupt.
+    make = eqx.nn.make_with_state(_DropoutBatchNormMLP)
+    models, states = eqx.filter_vmap(make)(jax.random.split(jax.random.key(4), 3))
+    fit = functools.partial(
+        ee.fit,
+        ee.Ensemble(models),
+        _stateful_loss,
+        RESUME_OPTIMIZERS["adam"],
+        (RESUME_X, RESUME_Y),
+        steps=12,
+        batch_size=4,
+        key=jax.random.key(5),
+        sampling="independent",
+        state=states,
+        eval_fn=_stateful_score,
+        eval_data=(RESUME_X, RESUME_Y),
+        eval_every=2,
+        steps_per_dispatch=3,
+        progress=False,
+    )
+    straight = fit()
+    # The member state really is carried: it changed during training.
+    assert not eqx.tree_equal(straight.state, states)
+    assert (straight.best_step < 6).all(), straight.best_step
+    resumed = interrupted_then_resumed(fit, tmp_path / "run", stop=7, every=3, steps=12)
+    assert_same_result(resumed, straight)
+
+
+@pytest.mark.slow
+def test_resume_on_another_device_count_and_mesh(tmp_path):
+    # A run checkpointed on a 2 x 2 mesh resumes on one device, and a one-device
+    # run resumes on a 4-device member mesh; both equal the one-device run (up to
+    # the reassociation of sums split over the data axis) and land where asked.
+    ens = ee.ensemble(make_mlp, size=SIZE, key=jax.random.key(0))
+    fit = functools.partial(
+        ee.fit,
+        ens,
+        bounded_loss,
+        ADAM,
+        (X, Y),
+        steps=12,
+        batch_size=BATCH,
+        key=FIT_KEY,
+        sampling="bootstrap",
+        steps_per_dispatch=PER_DISPATCH,
+        progress=False,
+    )
+    single = fit()
+    grid = ee.make_mesh(members=2, data=2)
+    members_only = ee.make_mesh(members=4)
+    cases = [(grid, None), (None, members_only)]
+    for index, (first, second) in enumerate(cases):
+        folder = tmp_path / f"run{index}"
+        with pytest.raises(Interrupt):
+            fit(
+                mesh=first,
+                checkpoint_dir=folder,
+                checkpoint_every=4,
+                callback=lambda result: _raise_if(result.step >= 8),
+            )
+        resumed = fit(mesh=second, checkpoint_dir=folder, checkpoint_every=4)
+        assert resumed.step == 12 and resumed.diverged == {}
+        for got, want in zip(
+            jax.tree.leaves(eqx.filter(resumed.ensemble, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(single.ensemble, eqx.is_array)),
+            strict=True,
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            if second is None:
+                assert len(got.sharding.device_set) == 1
+            else:
+                assert got.sharding.mesh.shape == second.shape
+
+
+def _raise_if(condition):
+    if condition:
+        raise Interrupt
