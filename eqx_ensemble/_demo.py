@@ -170,8 +170,10 @@ def _plot(path: Path, x, y, x_wide, means, variances) -> Path | None:
     ax.plot(xs, xs**3, "k--", lw=1, label="y = x³")
     ax.set_ylim(-150, 150)
     ax.legend(loc="upper left")
+    # At the default size the full title is wider than the figure: shrink it.
     ax.set_title(
-        "Deep ensemble on y = x³ + ε: mean ± 3σ (Lakshminarayanan et al. 2017)"
+        "Deep ensemble on y = x³ + ε: mean ± 3σ (Lakshminarayanan et al. 2017)",
+        fontsize=9,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
