@@ -216,6 +216,28 @@ def test_one_diverging_member_is_isolated_reported_and_frozen(optimizer, samplin
     assert np.isfinite(losses[:step]).all() and np.isnan(losses[step:]).all()
 
 
+def test_a_nan_member_does_not_touch_the_others_outputs():
+    # Forward passes are independent too: member WILD with NaN weights gives NaN
+    # outputs, every other row is bit-identical to the healthy ensemble's, with or
+    # without chunking (a chunk holding the NaN member holds healthy ones too).
+    ens = wild_ensemble()
+    poisoned = jax.tree.map(
+        lambda x: x.at[WILD].set(jnp.nan) if eqx.is_inexact_array(x) else x, ens
+    )
+    xs = X[:5]
+
+    def predict(model, xs):
+        return jax.vmap(model)(xs)
+
+    for chunk_size in (None, 3):
+        clean = np.asarray(ee.map(predict, ens, xs, chunk_size=chunk_size))
+        out = np.asarray(ee.map(predict, poisoned, xs, chunk_size=chunk_size))
+        assert np.isnan(out[WILD]).all() and np.isfinite(clean).all()
+        np.testing.assert_array_equal(
+            np.delete(out, WILD, 0), np.delete(clean, WILD, 0)
+        )
+
+
 class Interrupt(Exception):
     pass
 
@@ -582,6 +604,18 @@ ERRORS = [
         ),
         ValueError,
         r"ensemble size 3, but it has shape \(4, 4, 2\)",
+    ),
+    (
+        "make-step-model-state-size",
+        lambda o: ee.make_step(_fit_stateful, o.adam)(
+            ee.Ensemble(_batchnorm_states(3)[0]),
+            ee.init_optimizer(o.adam, ee.Ensemble(_batchnorm_states(3)[0])),
+            (jnp.ones((4, 2)),),
+            o.key,
+            _batchnorm_states(2)[1],
+        ),
+        ValueError,
+        r"`state`.* leading axis must be the ensemble size 3",
     ),
     (
         "make-step-key-batch",
@@ -1321,9 +1355,10 @@ def assert_same_result(got, want):
     np.testing.assert_array_equal(got.best_step, want.best_step)
 
 
-def interrupted_then_resumed(fit, folder, stop, every, steps):
+def interrupted_then_resumed(fit, folder, stop, every, steps, **resume_kwargs):
     """Run `fit` with checkpoints until a callback raises at step >= `stop`, check
-    that every checkpoint period reached was saved, then resume in a new call."""
+    that every checkpoint period reached was saved, then resume in a new call
+    (with `resume_kwargs` changed: what may differ between sessions)."""
     seen = []
 
     def interrupt(result):
@@ -1345,7 +1380,7 @@ def interrupted_then_resumed(fit, folder, stop, every, steps):
     if reached == steps and steps % every:  # finished: a last one at the end
         expected.append(steps)
     assert [step for step, _ in ee.list_checkpoints(folder)] == expected
-    return fit(checkpoint_dir=folder, checkpoint_every=every)
+    return fit(**{"checkpoint_dir": folder, "checkpoint_every": every, **resume_kwargs})
 
 
 FIT_RESUME_EXAMPLES = given(
@@ -1367,6 +1402,11 @@ def _fit_resume_equals_uninterrupted(
     stop = plan.draw(st.integers(1, steps - 1), label="interrupt at")
     per_dispatch = plan.draw(st.integers(1, steps), label="steps_per_dispatch")
     eval_every = plan.draw(st.integers(1, 3), label="eval_every") if evaluate else None
+    # Dispatch and checkpoint periods may change between sessions (not the run).
+    resume_every = plan.draw(st.integers(1, steps), label="resumed checkpoint_every")
+    resume_per_dispatch = plan.draw(
+        st.sampled_from([per_dispatch, steps]), label="resumed steps_per_dispatch"
+    )
     ens = ee.ensemble(
         lambda key: eqx.nn.MLP(2, 1, width, 1, key=key),
         size=size,
@@ -1386,7 +1426,13 @@ def _fit_resume_equals_uninterrupted(
     straight = fit()
     with tempfile.TemporaryDirectory() as directory:
         resumed = interrupted_then_resumed(
-            fit, Path(directory) / "run", stop, every, steps
+            fit,
+            Path(directory) / "run",
+            stop,
+            every,
+            steps,
+            checkpoint_every=resume_every,
+            steps_per_dispatch=resume_per_dispatch,
         )
     assert_same_result(resumed, straight)
 
