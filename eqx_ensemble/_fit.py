@@ -20,23 +20,28 @@ from ._data import (
     SAMPLINGS,
     batch_indices,
     bootstrap_resamples,
+    check_leading,
     num_examples,
 )
 from ._ensemble import Ensemble, check_key
 from ._optim import check_opt_state, init_optimizer, set_hyperparams
 from ._sharding import (
     check_fit_mesh,
+    constrain,
     gather_batch,
-    mesh_context,
     on_mesh,
     place_state,
     replicate,
+    within_mesh,
 )
 from ._step import vmapped_update
 
 
 class TrainState(eqx.Module):
-    """Everything a run carries from step to step (and what a checkpoint holds)."""
+    """Everything a run carries from step to step (and what a checkpoint holds).
+
+    Internal to [`fit`][eqx_ensemble.fit]; users get a `FitResult`.
+    """
 
     ensemble: Ensemble
     opt_state: PyTree[Any]
@@ -55,6 +60,18 @@ class History:
     - `losses`: `(steps, members)` training loss of every member at every step.
     - `eval_steps`: `(evaluations,)` the step count after which each evaluation ran.
     - `eval_scores`: `(evaluations, members)` each member's `eval_fn` score.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    history = ee.fit(ens, loss, optax.sgd(0.1), x, steps=5, batch_size=4,
+                     key=jax.random.key(1), progress=False).history
+    history.losses.shape        # (5, 2): one loss per step per member
+    ```
     """
 
     losses: np.ndarray
@@ -75,6 +92,19 @@ class FitResult:
     - `best_ensemble`: with `eval_fn`, each member at its best evaluation score
       (lowest), else `None`; `best_step` holds the step of each member's best.
     - `step`: the number of steps done.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=3,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=20, batch_size=4,
+                    key=jax.random.key(1), progress=False)
+    trained, history, diverged = result.ensemble, result.history, result.diverged
+    assert result.step == 20 and diverged == {}
+    ```
     """
 
     ensemble: Ensemble
@@ -88,7 +118,24 @@ class FitResult:
 
 
 class EnsembleDivergedError(FloatingPointError):
-    """Every member of the ensemble diverged (non-finite loss or gradient)."""
+    """Raised by [`fit`][eqx_ensemble.fit] when every member has diverged
+    (non-finite loss or gradient). While some members are healthy, `fit` keeps
+    training them and reports the others in `FitResult.diverged` instead.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean(jnp.log(-jnp.abs(jax.vmap(m)(b))))  # NaN
+    try:
+        ee.fit(ens, loss, optax.sgd(0.1), x, steps=5, batch_size=4,
+               key=jax.random.key(1), progress=False)
+    except ee.EnsembleDivergedError as error:
+        print(error)
+    ```
+    """
 
 
 class _Config(NamedTuple):
@@ -121,18 +168,29 @@ def _run_chunk(inputs: tuple, train_state: TrainState):
     config, data, eval_data, data_key, train_key, resamples, end = inputs
     dynamic, static = eqx.partition(train_state, eqx.is_array)
     update = vmapped_update(
-        config.loss_fn, config.optimizer, per_member_batch=config.sampling != "shared"
+        config.loss_fn,
+        config.optimizer,
+        per_member_batch=config.sampling != "shared",
+        mesh=config.mesh,
     )
     nan_row = jnp.full((config.size,), jnp.nan, dtype=jnp.float32)
 
     def evaluate(ts: TrainState) -> Array:
+        def scalar(score):
+            if jnp.shape(score) != ():
+                raise ValueError(
+                    "`eval_fn` must return a scalar score for ONE model (the library "
+                    f"vmaps over members), got shape {jnp.shape(score)}"
+                )
+            return score
+
         if config.stateful:
             scores = eqx.filter_vmap(
-                lambda m, s: config.eval_fn(m, s, eval_data)  # type: ignore[misc]
+                lambda m, s: scalar(config.eval_fn(m, s, eval_data))  # type: ignore[misc]
             )(ts.ensemble.members, ts.model_state)
         else:
             scores = eqx.filter_vmap(
-                lambda m: config.eval_fn(m, eval_data)  # type: ignore[misc]
+                lambda m: scalar(config.eval_fn(m, eval_data))  # type: ignore[misc]
             )(ts.ensemble.members)
         scores = jnp.asarray(scores, dtype=jnp.float32).reshape(config.size)
         return replicate(scores, config.mesh)
@@ -180,7 +238,11 @@ def _run_chunk(inputs: tuple, train_state: TrainState):
             better = scores < ts.best_score
             ts = dataclasses.replace(
                 ts,
-                best_ensemble=_member_select(better, ts.ensemble, ts.best_ensemble),
+                best_ensemble=_member_select(
+                    constrain(better, config.mesh, ("members",)),
+                    ts.ensemble,
+                    ts.best_ensemble,
+                ),
                 best_score=jnp.where(better, scores, ts.best_score),
                 best_step=jnp.where(better, step + 1, ts.best_step),
             )
@@ -212,6 +274,7 @@ def _check_positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
+@within_mesh
 def fit(
     ens: Ensemble,
     loss_fn: Callable[..., Any],
@@ -359,6 +422,8 @@ def fit(
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
     stateful = state is not None
+    if stateful:
+        check_leading(state, size, "`state`")
 
     data_key, bootstrap_key, train_key = jax.random.split(key, 3)
     resamples = (
@@ -433,10 +498,9 @@ def fit(
                 resamples,
                 jnp.array(end, dtype=jnp.int32),
             )
-            with mesh_context(mesh):
-                train_state, chunk_losses, chunk_scores = _run_chunk(
-                    on_mesh(inputs, mesh), train_state
-                )
+            train_state, chunk_losses, chunk_scores = _run_chunk(
+                on_mesh(inputs, mesh), train_state
+            )
             active = end - done
             chunk_losses = np.asarray(chunk_losses)[:active]
             losses_seen.append(chunk_losses)

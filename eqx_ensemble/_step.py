@@ -7,16 +7,38 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
+from ._data import check_leading
 from ._ensemble import Ensemble, check_key
 from ._map import _check_per_member_args
 from ._optim import check_opt_state, trainable
+from ._sharding import (
+    call_within_mesh,
+    check_step_mesh,
+    replicate,
+    sharded_update,
+)
 
 
 class StepOutput(NamedTuple):
-    """What a step returns: unpack it as
-    `ens, opt_state, losses, aux, state = step(...)`."""
+    """What a [`make_step`][eqx_ensemble.make_step] step returns.
+
+    Fields: `ensemble`, `opt_state`, `losses` (one per member), `aux` (stacked
+    `aux` of `loss_fn`, or `None`) and `state` (the new model state, or `None`).
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    opt = optax.sgd(0.1)
+    step = ee.make_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b) ** 2), opt)
+    out = step(ens, ee.init_optimizer(opt, ens), jnp.ones((4, 1)), jax.random.key(1))
+    ens, opt_state, losses, aux, state = out      # or out.ensemble, out.losses...
+    ```
+    """
 
     ensemble: Ensemble
     opt_state: PyTree[Any]
@@ -126,8 +148,10 @@ def vmapped_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     per_member_batch: bool,
+    mesh: Mesh | None = None,
 ) -> Callable[..., Any]:
-    """`member_update` under `eqx.filter_vmap` over the member axis."""
+    """`member_update` under `eqx.filter_vmap` over the member axis (on `mesh`:
+    members split over its `"members"` axis, the batch over `"data"`)."""
 
     def update(member, opt_state, batch, key, state, frozen):
         return member_update(
@@ -135,7 +159,7 @@ def vmapped_update(
         )
 
     batch_axes = eqx.if_array(0) if per_member_batch else None
-    return eqx.filter_vmap(
+    vmapped = eqx.filter_vmap(
         update,
         in_axes=(
             eqx.if_array(0),
@@ -146,6 +170,7 @@ def vmapped_update(
             eqx.if_array(0),
         ),
     )
+    return sharded_update(vmapped, mesh, per_member_batch)
 
 
 def make_step(
@@ -153,6 +178,7 @@ def make_step(
     optimizer: optax.GradientTransformation,
     *,
     per_member_batch: bool = False,
+    mesh: Mesh | None = None,
 ) -> Callable[..., StepOutput]:
     """A compiled training step that updates every member at once.
 
@@ -171,6 +197,11 @@ def make_step(
       [`init_optimizer`][eqx_ensemble.init_optimizer].
     - `per_member_batch`: `False`: every member gets the same `batch`; `True`: every
       array leaf of `batch` has a leading member axis and member `i` gets slice `i`.
+    - `mesh`: a mesh from [`ee.make_mesh`][eqx_ensemble.make_mesh]: inside the step
+      the members (of the ensemble and both states) are split over its `"members"`
+      axis and the batch's example axis over `"data"`; the returned ensemble and
+      states keep that placement (`losses` are replicated). Place the inputs with
+      [`ee.shard`][eqx_ensemble.shard] to avoid a transfer per call.
 
     **Returns:**
 
@@ -214,13 +245,18 @@ def make_step(
         check_key(key)
         size = len(ens)
         check_opt_state(optimizer, ens.members, opt_state)
+        if state is not None:
+            check_leading(state, size, "`state`")
         if per_member_batch:
             _check_per_member_args((batch,), (0,), size)
+        if mesh is not None:
+            check_step_mesh(mesh, size, batch, per_member_batch)
         member_keys = jax.random.split(key, size)
         frozen = jnp.zeros((size,), dtype=bool)
         members, new_opt_state, losses, aux, new_state, _ = vmapped_update(
-            loss_fn, optimizer, per_member_batch
+            loss_fn, optimizer, per_member_batch, mesh
         )(ens.members, opt_state, batch, member_keys, state, frozen)
+        losses = replicate(losses, mesh)
         return StepOutput(Ensemble(members), new_opt_state, losses, aux, new_state)
 
-    return step
+    return step if mesh is None else call_within_mesh(step, mesh)
