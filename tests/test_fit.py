@@ -6,6 +6,7 @@ the key and batch scheme documented in `fit`'s docstring with `jax.random` direc
 """
 
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -459,6 +460,62 @@ def test_evaluation_and_best_members(mlp_ens):
     assert len(set(result.best_step.tolist())) > 1
 
 
+def batchnorm_eval(model, state, eval_data):
+    xe, ye = eval_data
+    model = eqx.nn.inference_mode(model)
+    pred, _ = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        xe, state
+    )
+    return jnp.mean((pred - ye) ** 2)
+
+
+def test_evaluation_of_stateful_members():
+    ens, state = ee.ensemble(
+        eqx.nn.make_with_state(BatchNormMLP), size=SIZE, key=jax.random.key(2)
+    )
+    common = dict(state=state, steps=10, steps_per_dispatch=5)
+    result = fit(
+        ens,
+        batchnorm_loss,
+        ADAM,
+        eval_fn=batchnorm_eval,
+        eval_data=EVAL_DATA,
+        eval_every=5,
+        **common,
+    )
+    halfway = fit(ens, batchnorm_loss, ADAM, **{**common, "steps": 5})
+    for row, trained in enumerate([halfway, result]):
+        for i in range(SIZE):
+            expected = batchnorm_eval(
+                trained.ensemble[i], member_state(trained.state, i), EVAL_DATA
+            )
+            np.testing.assert_allclose(
+                result.history.eval_scores[row, i], expected, rtol=1e-5
+            )
+
+
+def test_progress_bar_shows_member_losses(mlp_ens, capsys):
+    fit(mlp_ens, mse_loss, ADAM, steps=10, steps_per_dispatch=5, progress=True)
+    err = capsys.readouterr().err
+    assert "10/10" in err and re.search(r"loss mean=\S+ min=\S+ max=\S+", err)
+
+
+def test_numpy_data_and_aux_outputs(mlp_ens):
+    def loss_with_aux(model, batch, key):
+        return mse_loss(model, batch, key), {"norm": jnp.sum(batch[0] ** 2)}
+
+    reference = fit(mlp_ens, mse_loss, ADAM, steps=10, steps_per_dispatch=5)
+    as_numpy = fit(
+        mlp_ens,
+        loss_with_aux,
+        ADAM,
+        data=(np.asarray(X), np.asarray(Y)),
+        steps=10,
+        steps_per_dispatch=5,
+    )
+    assert eqx.tree_equal(as_numpy.ensemble, reference.ensemble)
+
+
 def test_callback_sees_each_dispatch_and_results_stay_valid(mlp_ens):
     seen = []
     result = fit(
@@ -581,6 +638,22 @@ def test_unknown_sampling(mlp_ens):
 def test_eval_fn_without_eval_every(mlp_ens):
     with pytest.raises(ValueError, match="`eval_every`"):
         fit(mlp_ens, mse_loss, ADAM, eval_fn=eval_mse, eval_data=EVAL_DATA)
+
+
+def test_non_scalar_eval_score(mlp_ens):
+    def per_example_eval(model, eval_data):
+        xe, ye = eval_data
+        return (jax.vmap(model)(xe) - ye) ** 2
+
+    with pytest.raises(ValueError, match=r"scalar score.*shape \(32, 1\)"):
+        fit(
+            mlp_ens,
+            mse_loss,
+            ADAM,
+            eval_fn=per_example_eval,
+            eval_data=EVAL_DATA,
+            eval_every=5,
+        )
 
 
 def test_not_an_ensemble(mlp_ens):
