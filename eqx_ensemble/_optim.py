@@ -1,6 +1,6 @@
 """`init_optimizer`: one optax state per member, per-member hyperparameters."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -38,7 +38,7 @@ def _hyperparam_nodes(opt_state: PyTree[Any]) -> list[tuple[str, Any]]:
 
 def set_hyperparams(
     opt_state: PyTree[Any],
-    hyperparams: Mapping[str, Float[ArrayLike, " members"] | float],
+    hyperparams: Mapping[str, Float[ArrayLike, " members"] | Sequence[float] | float],
     size: int,
 ) -> PyTree[Any]:
     """Set per-member hyperparameters inside a stacked `inject_hyperparams` state.
@@ -117,7 +117,8 @@ def init_optimizer(
     optimizer: optax.GradientTransformation,
     ens: Ensemble,
     *,
-    hyperparams: Mapping[str, Float[ArrayLike, " members"] | float] | None = None,
+    hyperparams: Mapping[str, Float[ArrayLike, " members"] | Sequence[float] | float]
+    | None = None,
 ) -> PyTree[Any]:
     """Initialise one optax state per member, stacked like the ensemble.
 
