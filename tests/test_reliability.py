@@ -8,7 +8,8 @@ module checks the promises that span modules:
   `clip_by_global_norm` + Adam); the others are bit-identical to the run where it
   does not diverge, `FitResult.diverged` names that member and that step, and the
   member is frozen at its last finite parameters: those of the same run stopped
-  just before it diverged. The record survives an interrupt and a resume.
+  just before it diverged. The record survives an interrupt and a resume. A NaN
+  member's forward pass (`ee.map`, chunked or not) leaves the other rows intact.
 - Clear errors (invariant 5): every documented bad input of every module in one
   table of (callable, exception type, message pattern); the patterns require the
   message to name what is wrong and where (argument, leaf path, shapes, sizes).
@@ -18,8 +19,11 @@ module checks the promises that span modules:
   random ensembles (MLP / Linear / Conv, 1 to 5 members, float32 / bfloat16) and
   the states of random optax optimizers through `ee.save` / `ee.load`, then through
   `unstack`, `stack`, indexing and `ee.average` (checked against NumPy slices and
-  means); and short random `fit` runs interrupted at a random step and resumed from
-  their checkpoint folder equal the uninterrupted run bit for bit.
+  means); and short random `fit` runs (random size, width, sampling, optimizer,
+  evaluation, checkpoint and dispatch periods) interrupted at a random step and
+  resumed from their checkpoint folder equal the uninterrupted run bit for bit,
+  BatchNorm state, dropout keys and best members included. Slow variants run many
+  more examples, and a run moved between meshes / device counts on resume.
 """
 
 import functools
