@@ -24,7 +24,12 @@ from ._data import (
     num_examples,
 )
 from ._ensemble import Ensemble, check_key
-from ._optim import check_opt_state, init_optimizer, set_hyperparams
+from ._optim import (
+    check_hyperparams_kept,
+    check_opt_state,
+    init_optimizer,
+    set_hyperparams,
+)
 from ._sharding import (
     check_fit_mesh,
     constrain,
@@ -421,6 +426,7 @@ def fit(
         check_opt_state(optimizer, ens.members, opt_state)
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
+        check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
     stateful = state is not None
     if stateful:
         check_leading(state, size, "`state`")

@@ -97,10 +97,15 @@ def set_hyperparams(
                 f"Hyperparameter {name!r} must have one value per member: the "
                 f"ensemble has {size} members, got shape {tuple(array.shape)}"
             )
-        if not isinstance(value, jax.Array) or not jax.numpy.issubdtype(
-            array.dtype, current.dtype
+        # Match the state's dtype exactly, weak type included (`jnp.full(3, 0.1)` is
+        # weakly typed; optax would make it strong at the first update, changing the
+        # state's type from one step to the next).
+        if (
+            not isinstance(value, jax.Array)
+            or not jax.numpy.issubdtype(array.dtype, current.dtype)
+            or jax.typeof(array).weak_type != jax.typeof(current).weak_type
         ):
-            array = array.astype(current.dtype)
+            array = jax.lax.convert_element_type(array, current.dtype)
         new_hyperparams = {**node.hyperparams, name: array}
         opt_state = jtu.tree_map(
             lambda x, node=node, new=new_hyperparams: (
@@ -154,7 +159,59 @@ def init_optimizer(
     opt_state = eqx.filter_vmap(optimizer.init)(trainable(ens.members))
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
+        check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
     return opt_state
+
+
+def check_hyperparams_kept(
+    optimizer: optax.GradientTransformation,
+    members: PyTree[Any],
+    opt_state: PyTree[Any],
+    names: Mapping[str, Any],
+) -> None:
+    """Raise if `optimizer.update` overwrites an injected hyperparameter in `names`.
+
+    `optax.inject_hyperparams` recomputes a hyperparameter given as a schedule from
+    the step count at every update, so per-member values set in the state would be
+    silently replaced after the first step. Found by tracing one member's update
+    (no compilation, no computation): a kept hyperparameter is passed through.
+    """
+    member_params = jax.tree.map(lambda x: x[0], trainable(members))
+    member_state = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, opt_state)
+    dynamic, static = eqx.partition(member_state, eqx.is_array)
+    zeros = jax.tree.map(jnp.zeros_like, member_params)
+
+    def update(dynamic_state):
+        with jax.numpy_dtype_promotion("standard"):
+            _, new_state = optimizer.update(
+                zeros, eqx.combine(dynamic_state, static), member_params
+            )
+        return eqx.filter(new_state, eqx.is_array)
+
+    jaxpr, out_shapes = jax.make_jaxpr(update, return_shape=True)(dynamic)
+    inputs = jtu.tree_flatten_with_path(dynamic)[0]
+    outputs = {
+        keystr(path): var
+        for (path, _), var in zip(
+            jtu.tree_flatten_with_path(out_shapes)[0], jaxpr.jaxpr.outvars
+        )
+    }
+    for (path, _), var in zip(inputs, jaxpr.jaxpr.invars):
+        if (
+            len(path) >= 2
+            and isinstance(path[-2], jtu.GetAttrKey)
+            and path[-2].name == "hyperparams"
+            and isinstance(path[-1], jtu.DictKey)
+            and path[-1].key in names
+            and outputs.get(keystr(path)) is not var
+        ):
+            raise ValueError(
+                f"Hyperparameter {path[-1].key!r} is a schedule in this optimizer: "
+                "`optax.inject_hyperparams` recomputes it from the step count at "
+                "every update, so per-member values would be overwritten after the "
+                "first step. Give `inject_hyperparams` a number for it (e.g. "
+                "`learning_rate=1e-3`) to set it per member."
+            )
 
 
 def check_opt_state(

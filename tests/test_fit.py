@@ -612,6 +612,14 @@ def test_unknown_hyperparameter(mlp_ens):
         fit(mlp_ens, mse_loss, INJECT_ADAM, hyperparams={"lr": jnp.ones(3)})
 
 
+def test_scheduled_hyperparameter(mlp_ens):
+    scheduled = optax.inject_hyperparams(optax.adam)(
+        learning_rate=optax.constant_schedule(1e-2)
+    )
+    with pytest.raises(ValueError, match=r"'learning_rate' is a schedule"):
+        fit(mlp_ens, mse_loss, scheduled, hyperparams={"learning_rate": jnp.zeros(3)})
+
+
 def test_hyperparams_without_inject_hyperparams(mlp_ens):
     with pytest.raises(ValueError, match="optax.inject_hyperparams"):
         fit(mlp_ens, mse_loss, ADAM, hyperparams={"learning_rate": jnp.ones(3)})

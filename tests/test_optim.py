@@ -80,6 +80,19 @@ def test_scalar_and_numpy_hyperparams_are_broadcast_and_cast(ens):
     np.testing.assert_allclose(rates, [0.1, 0.2, 0.3])
 
 
+def test_weakly_typed_hyperparams_take_the_state_type(ens):
+    # `jnp.full(3, 0.1)` is weakly typed; the state must keep optax's own type, or
+    # it would change type at the first update.
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    fresh = ee.init_optimizer(optimizer, ens)
+    state = ee.set_hyperparams(fresh, {"learning_rate": jnp.full(SIZE, 0.5)}, SIZE)
+    rates, original = (
+        state.hyperparams["learning_rate"],
+        fresh.hyperparams["learning_rate"],
+    )
+    assert jax.typeof(rates) == jax.typeof(original)
+
+
 def test_hyperparams_inside_a_chain(ens):
     optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -169,6 +182,19 @@ def test_hyperparameter_injected_twice(ens):
     )
     with pytest.raises(ValueError, match="injected in several places"):
         ee.init_optimizer(optimizer, ens, hyperparams={"learning_rate": jnp.ones(SIZE)})
+
+
+def test_scheduled_hyperparameter_cannot_be_set_per_member(ens):
+    # `inject_hyperparams` recomputes a schedule at every update: per-member values
+    # would be overwritten silently after one step.
+    optimizer = optax.inject_hyperparams(optax.adam)(
+        learning_rate=optax.linear_schedule(1e-2, 1e-3, 100), b1=0.9
+    )
+    with pytest.raises(ValueError, match=r"'learning_rate' is a schedule"):
+        ee.init_optimizer(optimizer, ens, hyperparams={"learning_rate": jnp.ones(SIZE)})
+    # A number-valued hyperparameter next to the schedule is fine.
+    state = ee.init_optimizer(optimizer, ens, hyperparams={"b1": jnp.ones(SIZE) / 2})
+    np.testing.assert_array_equal(state.hyperparams["b1"], [0.5] * SIZE)
 
 
 def test_not_an_ensemble(ens):
