@@ -16,9 +16,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from ._checkpoint import load, load_manifest
 from ._checkpoint_dir import latest_checkpoint, save_checkpoint
 from ._checkpoint_file import CheckpointError
+from ._chunk_plan import chunk_sampler
 from ._data import (
     SAMPLINGS,
-    batch_indices,
     bootstrap_resamples,
     check_leading,
     num_examples,
@@ -200,17 +200,22 @@ def _run_chunk(inputs: tuple, train_state: TrainState):
         scores = jnp.asarray(scores, dtype=jnp.float32).reshape(config.size)
         return replicate(scores, config.mesh)
 
+    # The chunk's epoch permutations, computed once (same indices as
+    # `batch_indices` at every step; see `_chunk_plan`).
+    sample_indices = chunk_sampler(
+        config.sampling,
+        data_key,
+        resamples,
+        train_state.step,
+        n=config.num_examples,
+        batch_size=config.batch_size,
+        size=config.size,
+        chunk=config.chunk,
+    )
+
     def active(ts: TrainState):
         step = ts.step
-        indices = batch_indices(
-            config.sampling,
-            data_key,
-            resamples,
-            step,
-            n=config.num_examples,
-            batch_size=config.batch_size,
-            size=config.size,
-        )
+        indices = sample_indices(step)
         batch = gather_batch(data, indices, config.mesh)
         member_keys = jax.random.split(jax.random.fold_in(train_key, step), config.size)
         frozen = ts.diverged_at >= 0
