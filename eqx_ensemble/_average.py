@@ -122,7 +122,8 @@ def average(
             host = np.asarray(weights)
             if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
                 raise ValueError(
-                    f"`weights` must be non-negative with a positive sum, got {host}"
+                    f"`weights` must be finite and non-negative with a positive sum, "
+                    f"got {host}"
                 )
         normalised = weights / weights.sum()
 

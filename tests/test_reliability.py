@@ -496,19 +496,13 @@ ERRORS = [
         "average-negative-weight",
         lambda o: ee.average(o.ens, weights=jnp.array([1.0, -1.0, 1.0])),
         ValueError,
-        r"`weights` must be non-negative",
+        r"`weights` must be finite and non-negative",
     ),
     pytest.param(
         "average-nan-weight",
         lambda o: ee.average(o.ens, weights=jnp.array([jnp.nan, 1.0, 1.0])),
         ValueError,
         r"`weights` must be finite",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG _average.py::average: NaN/inf weights pass the check "
-            "(`host < 0` and `host.sum() <= 0` are False for NaN) and return an "
-            "all-NaN model; ee.combine already rejects non-finite weights",
-        ),
     ),
     (
         "tree-weighted-sum-count",
