@@ -132,6 +132,26 @@ def interleaved(
     return times
 
 
+def interleaved_with_cpu(
+    fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 1
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Like `interleaved`, also returning the process CPU seconds (all threads) of
+    each call: a measure of the work done that a loaded machine disturbs less
+    than wall time (threads that spin while waiting count as work, though)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return wall, cpu
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

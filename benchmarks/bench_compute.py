@@ -42,7 +42,11 @@ def main() -> None:
     p.add_argument("--members", type=int, default=64)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument(
-        "--steps", type=int, default=None, help="steps per timed block (default 50)"
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per timed block (default 20; the slow PyTorch loop runs a "
+        "quarter of that)",
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch variants")
     p.add_argument(
@@ -53,15 +57,17 @@ def main() -> None:
     )
     args = p.parse_args()
     members, batch = args.members, args.batch
-    steps = args.steps or (5 if args.quick else 50)
+    steps = args.steps or (4 if args.quick else 20)
     repeats = args.repeats or (2 if args.quick else 5)
     sizes = [32, 128, 128, 10]
+    loop_steps = max(1, steps // 4)
     n_data = 4096
     lr = 1e-3
 
     info = _common.print_header(
         f"compute-bound: {members} MLPs {'-'.join(map(str, sizes))}, batch {batch}, "
-        f"Adam; {steps} steps per timed block, {repeats} blocks per variant"
+        f"Adam; {steps} steps per timed block, {repeats} blocks per variant; "
+        f"torch threads: {args.torch_threads or 'default'}"
     )
 
     import equinox as eqx
@@ -260,7 +266,7 @@ def main() -> None:
             )
 
             def run_torch_loop():
-                for _ in range(steps):
+                for _ in range(loop_steps):
                     loop_opt.zero_grad(set_to_none=True)
                     for module in loop_modules:
                         F.cross_entropy(module(tx), ty).backward()
@@ -280,8 +286,19 @@ def main() -> None:
             runnable[name] = fn
         except Exception as error:  # noqa: BLE001 - report and carry on
             errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    block_times = _common.interleaved(runnable, repeats=repeats, warmup=1)
-    per_step = {name: [t / steps for t in ts] for name, ts in block_times.items()}
+    block_times, block_cpu = _common.interleaved_with_cpu(
+        runnable, repeats=repeats, warmup=1
+    )
+
+    def steps_of(name: str) -> int:
+        return loop_steps if name == "PyTorch loop over members" else steps
+
+    per_step = {
+        name: [t / steps_of(name) for t in ts] for name, ts in block_times.items()
+    }
+    cpu_per_step = {
+        name: _common.median(ts) / steps_of(name) for name, ts in block_cpu.items()
+    }
 
     best_matmul = max(matmul_gflops.values())
     print(
@@ -292,16 +309,17 @@ def main() -> None:
     print(f"   model matmul FLOPs per step: {flops / 1e9:.3f} GFLOP")
     print(
         f"   {'variant':34s} {'step time median (min..max)':>36s} {'GFLOP/s':>8s} "
-        f"{'of matmul':>9s}"
+        f"{'of matmul':>9s} {'CPU ms/step':>11s}"
     )
     rows = {}
     for name, ts in per_step.items():
         med = _common.median(ts)
         gflops = flops / med / 1e9
-        rows[name] = {"step_ms": med * 1e3, "gflops": gflops}
+        cpu_ms = cpu_per_step[name] * 1e3
+        rows[name] = {"step_ms": med * 1e3, "gflops": gflops, "cpu_ms": cpu_ms}
         print(
             f"   {name:34s} {_common.spread(ts):>36s} {gflops:8.1f} "
-            f"{gflops / best_matmul:9.0%}"
+            f"{gflops / best_matmul:9.0%} {cpu_ms:11.1f}"
         )
     for name, error in errors.items():
         print(f"   {name:34s} FAILED: {error}")
