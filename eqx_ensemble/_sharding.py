@@ -151,9 +151,12 @@ def _axis_size(mesh: Mesh, name: str) -> int:
     return int(mesh.shape[name]) if name in mesh.axis_names else 1
 
 
-def _spec(mesh: Mesh, axes: Sequence[str]) -> PartitionSpec:
-    """Leading array axes split over `axes`, dropping the axes `mesh` lacks."""
-    entries = [name if name in mesh.axis_names else None for name in axes]
+def _spec(mesh: Mesh, axes: Sequence[str | None]) -> PartitionSpec:
+    """Leading array axes split over `axes`, dropping the axes `mesh` lacks (`None`:
+    that array axis is not split)."""
+    entries = [
+        name if name is not None and name in mesh.axis_names else None for name in axes
+    ]
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
@@ -384,7 +387,7 @@ def process_rows(mesh: Mesh, num_examples: int) -> slice:
 # Inside compiled code (private: used by `fit` and `make_step`).
 
 
-def constrain(tree: PyTree[Any], mesh: Mesh | None, axes: Sequence[str]) -> Any:
+def constrain(tree: PyTree[Any], mesh: Mesh | None, axes: Sequence[str | None]) -> Any:
     """Pin the sharding of every array leaf of `tree` (inside or outside `jit`)."""
     if mesh is None:
         return tree
@@ -444,18 +447,32 @@ def on_mesh(tree: PyTree[Any], mesh: Mesh | None) -> Any:
 
 
 _MEMBER_FIELDS = ("ensemble", "opt_state", "model_state", "best_ensemble")
+_BOOKKEEPING_FIELDS = ("diverged_at", "best_score", "best_step")
 
 
-def place_state(state: Any, mesh: Mesh | None, *, inside_jit: bool = False) -> Any:
+def place_state(
+    state: Any,
+    mesh: Mesh | None,
+    *,
+    inside_jit: bool = False,
+    in_loop: bool = False,
+) -> Any:
     """A training state (a dataclass such as `fit`'s `TrainState`): the fields
     carrying a member axis split over `"members"`, every other field replicated
-    (small per-member bookkeeping stays readable from every process)."""
+    (small per-member bookkeeping stays readable from every process).
+
+    `in_loop=True` (inside the compiled loop): the per-member bookkeeping is split
+    over `"members"` too, so that a step needs no collective; it is replicated
+    once, when the loop ends."""
     if mesh is None:
         return state
     changes = {}
     for field in dataclasses.fields(state):
         value = getattr(state, field.name)
-        axes = (MEMBERS,) if field.name in _MEMBER_FIELDS else ()
+        per_member = field.name in _MEMBER_FIELDS or (
+            in_loop and field.name in _BOOKKEEPING_FIELDS
+        )
+        axes = (MEMBERS,) if per_member else ()
         if inside_jit:
             changes[field.name] = constrain(value, mesh, axes)
         else:

@@ -1,5 +1,6 @@
 """`make_step`: one compiled optimisation step for every member at once."""
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,6 +21,7 @@ from ._sharding import (
     replicate,
     sharded_update,
 )
+from ._xla import Options, check_compiler_options, filter_jit, step_compiler_options
 
 
 class StepOutput(NamedTuple):
@@ -173,12 +175,24 @@ def vmapped_update(
     return sharded_update(vmapped, mesh, per_member_batch)
 
 
+def _examples(batch: PyTree[Any], per_member_batch: bool) -> int:
+    # Examples per member in a batch (its first array leaf's example axis), for the
+    # compiler options' cost estimate; 1 when the batch has no such leaf.
+    axis = 1 if per_member_batch else 0
+    for leaf in jax.tree.leaves(batch):
+        shape = getattr(leaf, "shape", ())
+        if len(shape) > axis:
+            return int(shape[axis])
+    return 1
+
+
 def make_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     *,
     per_member_batch: bool = False,
     mesh: Mesh | None = None,
+    compiler_options: dict[str, Any] | None = None,
 ) -> Callable[..., StepOutput]:
     """A compiled training step that updates every member at once.
 
@@ -202,6 +216,9 @@ def make_step(
       axis and the batch's example axis over `"data"`; the returned ensemble and
       states keep that placement (`losses` are replicated). Place the inputs with
       [`ee.shard`][eqx_ensemble.shard] to avoid a transfer per call.
+    - `compiler_options`: XLA options for the compiled step, as in
+      [`fit`][eqx_ensemble.fit] (`None`: the library's choice, which on a
+      multi-core CPU runs big steps' batched matmuls on every core).
 
     **Returns:**
 
@@ -231,9 +248,9 @@ def make_step(
     losses.shape     # (3,)
     ```
     """
+    user_options = check_compiler_options(compiler_options)
 
-    @eqx.filter_jit
-    def step(
+    def step_impl(
         ens: Ensemble,
         opt_state: PyTree[Any],
         batch: PyTree[Any],
@@ -258,5 +275,29 @@ def make_step(
         )(ens.members, opt_state, batch, member_keys, state, frozen)
         losses = replicate(losses, mesh)
         return StepOutput(Ensemble(members), new_opt_state, losses, aux, new_state)
+
+    @functools.cache
+    def compiled(options: Options) -> Callable[..., StepOutput]:
+        return filter_jit(step_impl, options)
+
+    def step(
+        ens: Ensemble,
+        opt_state: PyTree[Any],
+        batch: PyTree[Any],
+        key: PRNGKeyArray,
+        state: PyTree[Any] = None,
+    ) -> StepOutput:
+        options = user_options
+        if options is None:
+            options = ()
+            if isinstance(ens, Ensemble):
+                options = step_compiler_options(
+                    None,
+                    ens.members,
+                    _examples(batch, per_member_batch),
+                    len(ens),
+                    mesh,
+                )
+        return compiled(options)(ens, opt_state, batch, key, state)
 
     return step if mesh is None else call_within_mesh(step, mesh)

@@ -1,0 +1,112 @@
+"""XLA compiler options for the compiled training steps (`fit`, `make_step`).
+
+On a CPU, XLA sends a dot whose operands have the canonical layout to YNNPACK,
+which runs a *batched* dot (one matmul per member) on one core; other dots go to
+Eigen, which splits them over the intra-op thread pool. An ensemble's step is made
+of batched dots, so for any step big enough to amortise the thread pool (about
+16 MFLOP of matmuls; measured in docs/benchmarks.md) the library compiles it with
+YNNPACK's fusions turned off: every dot then runs on all cores. Tiny steps (the
+dispatch-bound regime) keep XLA's defaults, where YNNPACK's single-threaded calls
+are faster. Other platforms always keep XLA's defaults.
+"""
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any, cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jaxtyping import PyTree
+
+# Turning off YNNPACK's dot/elementwise fusions on the CPU (XLA >= 0.8).
+EIGEN_DOTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# Below this many matmul FLOPs per step, the thread pool costs more than it gains
+# (2-core measurements: 0.6x at 1 MFLOP, 0.86x at 4, 1.0-1.1x at 20, 1.25x at 2000).
+MIN_STEP_FLOPS = 16e6
+
+Options = tuple[tuple[str, Any], ...]
+
+
+def filter_jit(fn: Callable[..., Any], options: Options, **kwargs: Any) -> Any:
+    """`eqx.filter_jit(fn, **kwargs)` compiled with XLA `options` (passed through
+    to `jax.jit`, which Equinox's typed signature does not list)."""
+    jit = cast(Any, eqx.filter_jit)
+    return jit(fn, compiler_options=dict(options) or None, **kwargs)
+
+
+def check_compiler_options(options: Any) -> Options | None:
+    """Validate a user's `compiler_options` (`None`: let the library choose)."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise TypeError(
+            "`compiler_options` must be a dict of XLA options (e.g. "
+            "`{'xla_cpu_experimental_ynn_fusion_type': ''}`) or None, got "
+            f"{type(options).__name__}"
+        )
+    for name, value in options.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"`compiler_options` keys must be option names (str), got {name!r}"
+            )
+        if not isinstance(value, str | bool | int | float):
+            raise TypeError(
+                f"`compiler_options[{name!r}]` must be a str, bool, int or float, "
+                f"got {type(value).__name__}"
+            )
+    return tuple(sorted(options.items()))
+
+
+@functools.cache
+def _supported(options: Options) -> bool:
+    # The option names are XLA's and may change between jaxlib versions: use them
+    # only where this jaxlib compiles with them.
+    try:
+        jax.jit(jnp.sin, compiler_options=dict(options)).lower(
+            jnp.zeros((2,), jnp.float32)
+        ).compile()
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return False
+    return True
+
+
+def _platform(mesh: Mesh | None) -> str:
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def step_matmul_flops(members: PyTree[Any], examples: int, size: int) -> float:
+    """Estimated matmul FLOPs of one training step of the whole ensemble: forward,
+    input and weight gradients (3 x 2 FLOPs) per example for every weight of every
+    member (leaves with at least two axes besides the member axis: dense weights
+    and kernels; biases and norms are not matmuls)."""
+    weights = 0
+    for leaf in jax.tree.leaves(members):
+        if eqx.is_inexact_array(leaf) and leaf.ndim >= 3:
+            weights += int(np.prod(leaf.shape[1:]))
+    return 6.0 * examples * weights * size
+
+
+def step_compiler_options(
+    user: Options | None,
+    members: PyTree[Any],
+    examples: int,
+    size: int,
+    mesh: Mesh | None,
+) -> Options:
+    """The options a training step is compiled with: the user's if given, else
+    `EIGEN_DOTS` for a big enough step on a multi-core CPU, else XLA's defaults."""
+    if user is not None:
+        return user
+    if _platform(mesh) != "cpu" or (os.cpu_count() or 1) < 2:
+        return ()
+    devices = 1 if mesh is None else mesh.size
+    if step_matmul_flops(members, examples, size) / devices < MIN_STEP_FLOPS:
+        return ()
+    options = tuple(sorted(EIGEN_DOTS.items()))
+    return options if _supported(options) else ()

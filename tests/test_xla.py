@@ -1,0 +1,212 @@
+"""XLA compiler options of the compiled training steps (`fit`, `make_step`).
+
+On a multi-core CPU the library compiles big steps with YNNPACK's fusions off so
+that batched matmuls run on every core (eqx_ensemble/_xla.py). These tests check
+the choice, that the options reach XLA, and that the results do not depend on
+them beyond floating-point rounding.
+"""
+
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_tree_allclose
+
+import eqx_ensemble as ee
+from eqx_ensemble import _xla
+
+EIGEN = dict(_xla.EIGEN_DOTS)
+SGD = optax.sgd(0.05)
+X = jax.random.normal(jax.random.key(0), (64, 16))
+Y = jax.random.randint(jax.random.key(1), (64,), 0, 4)
+
+needs_cores = pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2, reason="the automatic choice needs >= 2 cores"
+)
+
+
+def make_mlp(key):
+    return eqx.nn.MLP(16, 4, 64, 2, activation=jax.nn.relu, key=key)
+
+
+def xent(model, batch, key):
+    x, y = batch
+    logits = jax.vmap(model)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _members(size, in_size, width, out_size, depth=2):
+    return ee.ensemble(
+        lambda k: eqx.nn.MLP(in_size, out_size, width, depth, key=k),
+        size=size,
+        key=jax.random.key(2),
+    ).members
+
+
+def test_flop_estimate_matches_closed_form():
+    members = _members(4, 16, 64, 4)
+    weights = 16 * 64 + 64 * 64 + 64 * 4  # biases are not matmuls
+    assert _xla.step_matmul_flops(members, 32, 4) == 6.0 * 32 * weights * 4
+
+
+@needs_cores
+def test_automatic_choice():
+    small = _members(8, 1, 32, 1)  # the dispatch-bound regime: ~1 MFLOP per step
+    big = _members(64, 32, 128, 10)  # the compute-bound regime: ~2 GFLOP per step
+    assert _xla.step_compiler_options(None, small, 16, 8, None) == ()
+    expected = tuple(sorted(EIGEN.items()))
+    assert _xla.step_compiler_options(None, big, 256, 64, None) == expected
+    # The user's options always win, `{}` included.
+    assert _xla.step_compiler_options((), big, 256, 64, None) == ()
+    user = (("xla_cpu_enable_fast_math", False),)
+    assert _xla.step_compiler_options(user, small, 16, 8, None) == user
+    # On a mesh, each device's share of the work counts.
+    mesh = ee.make_mesh(members=8)
+    threshold_batch = int(_xla.MIN_STEP_FLOPS / _xla.step_matmul_flops(big, 1, 64))
+    batch = 2 * threshold_batch  # above the threshold alone, below it per device
+    assert _xla.step_compiler_options(None, big, batch, 64, None) == expected
+    assert _xla.step_compiler_options(None, big, batch, 64, mesh) == ()
+
+
+def test_options_reach_xla():
+    # YNNPACK fusions appear in the default compilation of a batched matmul and
+    # disappear with the library's options.
+    a = jnp.ones((8, 64, 64))
+
+    def batched(a):
+        return jnp.einsum("mij,mjk->mik", a, a)
+
+    default = _xla.filter_jit(batched, ()).lower(a).compile().compiled.as_text()
+    if "ynn" not in default:
+        pytest.skip("this jaxlib does not use YNNPACK for batched matmuls")
+    eigen = _xla.filter_jit(batched, tuple(EIGEN.items())).lower(a).compile()
+    assert "ynn" not in eigen.compiled.as_text()
+
+
+def _fit(ens, options, steps=20):
+    return ee.fit(
+        ens,
+        xent,
+        SGD,
+        (X, Y),
+        steps=steps,
+        batch_size=32,
+        key=jax.random.key(3),
+        steps_per_dispatch=10,
+        progress=False,
+        compiler_options=options,
+    )
+
+
+def test_fit_results_do_not_depend_on_options():
+    ens = ee.ensemble(make_mlp, size=4, key=jax.random.key(4))
+    default = _fit(ens, {})
+    eigen = _fit(ens, EIGEN)
+    assert_tree_allclose(eigen.ensemble, default.ensemble, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        eigen.history.losses, default.history.losses, rtol=1e-4, atol=1e-6
+    )
+    # Members stay independent under the options: the first two members trained
+    # as an ensemble of their own match.
+    pair = _fit(ens[:2], EIGEN)
+    assert_tree_allclose(pair.ensemble, eigen.ensemble[:2], rtol=1e-4, atol=1e-5)
+
+
+def test_make_step_results_do_not_depend_on_options():
+    ens = ee.ensemble(make_mlp, size=4, key=jax.random.key(5))
+    opt_state = ee.init_optimizer(SGD, ens)
+    outs = []
+    for options in ({}, EIGEN, None):
+        step = ee.make_step(xent, SGD, compiler_options=options)
+        outs.append(step(ens, opt_state, (X, Y), jax.random.key(6)))
+    for out in outs[1:]:
+        assert_tree_allclose(out.ensemble, outs[0].ensemble, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out.losses, outs[0].losses, rtol=1e-5)
+
+
+def test_fit_with_options_does_not_retrace():
+    traces = []
+
+    def counting(model, batch, key):
+        traces.append(None)
+        return xent(model, batch, key)
+
+    for seed in range(2):
+        ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(seed))
+        ee.fit(
+            ens,
+            counting,
+            SGD,
+            (X, Y),
+            steps=4,
+            batch_size=8,
+            key=jax.random.key(seed),
+            steps_per_dispatch=2,
+            progress=False,
+            compiler_options=EIGEN,
+        )
+        if seed == 0:
+            once = len(traces)
+    assert len(traces) == once
+
+
+BAD_OPTIONS = [
+    ("fast", "must be a dict of XLA options"),
+    ({1: True}, "keys must be option names"),
+    (
+        {"xla_cpu_enable_fast_math": [1]},
+        r"\['xla_cpu_enable_fast_math'\]` must be a str",
+    ),
+]
+
+
+@pytest.mark.parametrize("options, match", BAD_OPTIONS)
+def test_bad_options_messages(options, match):
+    with pytest.raises(TypeError, match=match):
+        _xla.check_compiler_options(options)
+
+
+@pytest.mark.parametrize("options, match", BAD_OPTIONS)
+def test_bad_options_are_refused_before_work(options, match):
+    # With runtime type checks on (as in this suite) the annotation may catch the
+    # value first; either way the error names the argument.
+    ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(7))
+    with pytest.raises(TypeError, match="compiler_options"):
+        ee.fit(
+            ens,
+            xent,
+            SGD,
+            (X, Y),
+            steps=2,
+            batch_size=8,
+            key=jax.random.key(8),
+            progress=False,
+            compiler_options=options,
+        )
+    with pytest.raises(TypeError, match="compiler_options"):
+        ee.make_step(xent, SGD, compiler_options=options)
+
+
+def test_unknown_option_is_named_before_any_step(tmp_path):
+    ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(9))
+    calls = []
+    with pytest.raises(Exception, match="xla_cpu_no_such_option"):
+        ee.fit(
+            ens,
+            xent,
+            SGD,
+            (X, Y),
+            steps=2,
+            batch_size=8,
+            key=jax.random.key(10),
+            progress=False,
+            checkpoint_dir=tmp_path,
+            callback=calls.append,
+            compiler_options={"xla_cpu_no_such_option": True},
+        )
+    assert calls == []
+    assert list(tmp_path.iterdir()) == []
