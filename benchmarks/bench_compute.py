@@ -4,9 +4,16 @@ Compares, in one process and run (variants timed round-robin so a change in the
 machine's load hits them alike):
 
 - `ee.fit` (a second call, once compiled; all steps fused into one dispatch),
+  with the library's automatic XLA options and, for comparison, with XLA's
+  defaults (`compiler_options={}`),
+- `ee.fit` with the member axis split over `--cpu-devices` virtual CPU devices
+  (`mesh=ee.make_mesh(members=N)`; default N = the number of cores), the way to
+  put every core on the member axis,
 - `ee.make_step` (one step per call),
 - a hand-written `eqx.filter_vmap` step, jitted with donation, one step per call,
 - the same hand-written step fused with `jax.lax.scan` (as `fit` fuses steps),
+  with XLA's defaults and with the library's XLA options (to show what the
+  options alone account for),
 - `torch.func` (`stack_module_state` + `functional_call` + `vmap(grad)`) with a
   torch Adam on the stacked parameters,
 - a PyTorch loop over the 64 modules with one (foreach) Adam over all of them,
@@ -50,6 +57,13 @@ def main() -> None:
     )
     p.add_argument("--no-torch", action="store_true", help="skip the torch variants")
     p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="virtual CPU devices for the `ee.fit` mesh variant (default: the "
+        "number of cores; 1 skips it)",
+    )
+    p.add_argument(
         "--torch-threads",
         type=int,
         default=None,
@@ -70,8 +84,13 @@ def main() -> None:
         f"torch threads: {args.torch_threads or 'default'}"
     )
 
-    import equinox as eqx
+    cpu_devices = args.cpu_devices or os.cpu_count() or 1
     import jax
+
+    # Must happen before JAX starts its backends. The other variants run on
+    # device 0 alone, as they would without this setting.
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+    import equinox as eqx
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -131,6 +150,49 @@ def main() -> None:
 
     variants["ee.fit (scan-fused)"] = run_fit
 
+    fit_default_state = {"ens": fresh_ensemble()}
+
+    def run_fit_default():
+        result = ee.fit(
+            fit_default_state["ens"],
+            loss_fn,
+            optimizer,
+            (x_all, y_all),
+            steps=steps,
+            batch_size=batch,
+            key=jax.random.key(1),
+            steps_per_dispatch=steps,
+            progress=False,
+            compiler_options={},
+        )
+        jax.block_until_ready(result.ensemble)
+        fit_default_state["ens"] = result.ensemble
+
+    variants["ee.fit (XLA default options)"] = run_fit_default
+
+    if cpu_devices > 1 and members % cpu_devices == 0:
+        mesh = ee.make_mesh(members=cpu_devices)
+        fit_mesh_state = {"ens": ee.shard(fresh_ensemble(), mesh)}
+        mesh_data = ee.shard((x_all, y_all), mesh, axes=())
+
+        def run_fit_mesh():
+            result = ee.fit(
+                fit_mesh_state["ens"],
+                loss_fn,
+                optimizer,
+                mesh_data,
+                steps=steps,
+                batch_size=batch,
+                key=jax.random.key(1),
+                steps_per_dispatch=steps,
+                progress=False,
+                mesh=mesh,
+            )
+            jax.block_until_ready(result.ensemble)
+            fit_mesh_state["ens"] = result.ensemble
+
+        variants[f"ee.fit (mesh, {cpu_devices} CPU devices)"] = run_fit_mesh
+
     # -- the library: make_step ---------------------------------------------------
     step = ee.make_step(loss_fn, optimizer)
     step_state = {"ens": fresh_ensemble()}
@@ -161,7 +223,6 @@ def main() -> None:
     def hand_step(data, models, opt_state):
         return hand_update(models, opt_state, *data)
 
-    @eqx.filter_jit(donate="all-except-first")
     def hand_scan(data, models, opt_state):
         xs, ys = data
         params, static = eqx.partition(models, eqx.is_array)
@@ -173,6 +234,13 @@ def main() -> None:
 
         (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), (xs, ys))
         return eqx.combine(params, static), opt_state, losses
+
+    hand_scan_default = eqx.filter_jit(hand_scan, donate="all-except-first")
+    hand_scan_options = eqx.filter_jit(
+        hand_scan,
+        donate="all-except-first",
+        compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""},
+    )
 
     def hand_init():
         models = fresh_ensemble().members
@@ -194,19 +262,26 @@ def main() -> None:
 
     variants["hand filter_vmap (1 step/call)"] = run_hand_step
 
-    scan_state = hand_init()
     rng = np.random.default_rng(0)
     idx = rng.integers(0, n_data, size=(steps, batch))
     xs, ys = x_all[idx], y_all[idx]
 
-    def run_hand_scan():
-        models, opt_state, losses = hand_scan(
-            (xs, ys), scan_state["m"], scan_state["s"]
-        )
-        jax.block_until_ready(losses)
-        scan_state["m"], scan_state["s"] = models, opt_state
+    def hand_scan_variant(compiled):
+        scan_state = hand_init()
 
-    variants["hand filter_vmap (scan-fused)"] = run_hand_scan
+        def run_hand_scan():
+            models, opt_state, losses = compiled(
+                (xs, ys), scan_state["m"], scan_state["s"]
+            )
+            jax.block_until_ready(losses)
+            scan_state["m"], scan_state["s"] = models, opt_state
+
+        return run_hand_scan
+
+    variants["hand filter_vmap (scan-fused)"] = hand_scan_variant(hand_scan_default)
+    variants["hand scan-fused + library's XLA options"] = hand_scan_variant(
+        hand_scan_options
+    )
 
     # -- torch ----------------------------------------------------------------------
     if not args.no_torch:
@@ -308,7 +383,7 @@ def main() -> None:
     )
     print(f"   model matmul FLOPs per step: {flops / 1e9:.3f} GFLOP")
     print(
-        f"   {'variant':34s} {'step time median (min..max)':>36s} {'GFLOP/s':>8s} "
+        f"   {'variant':40s} {'step time median (min..max)':>36s} {'GFLOP/s':>8s} "
         f"{'of matmul':>9s} {'CPU ms/step':>11s}"
     )
     rows = {}
@@ -318,21 +393,27 @@ def main() -> None:
         cpu_ms = cpu_per_step[name] * 1e3
         rows[name] = {"step_ms": med * 1e3, "gflops": gflops, "cpu_ms": cpu_ms}
         print(
-            f"   {name:34s} {_common.spread(ts):>36s} {gflops:8.1f} "
+            f"   {name:40s} {_common.spread(ts):>36s} {gflops:8.1f} "
             f"{gflops / best_matmul:9.0%} {cpu_ms:11.1f}"
         )
     for name, error in errors.items():
-        print(f"   {name:34s} FAILED: {error}")
+        print(f"   {name:40s} FAILED: {error}")
 
     def ratio(a: str, b: str) -> float | None:
         if a in rows and b in rows:
             return rows[b]["step_ms"] / rows[a]["step_ms"]
         return None
 
+    mesh_name = f"ee.fit (mesh, {cpu_devices} CPU devices)"
     comparisons = [
         ("ee.fit (scan-fused)", "torch.func vmap + Adam", 1.25),
         ("ee.fit (scan-fused)", "hand filter_vmap (scan-fused)", 1.25),
         ("ee.fit (scan-fused)", "hand filter_vmap (1 step/call)", 1.25),
+        (mesh_name, "torch.func vmap + Adam", 1.25),
+        (mesh_name, "hand filter_vmap (scan-fused)", 1.25),
+        (mesh_name, "ee.fit (scan-fused)", None),
+        ("ee.fit (scan-fused)", "ee.fit (XLA default options)", None),
+        ("ee.fit (scan-fused)", "hand scan-fused + library's XLA options", None),
         ("ee.fit (scan-fused)", "PyTorch loop over members", None),
         ("ee.make_step (1 step/call)", "hand filter_vmap (1 step/call)", None),
         ("ee.make_step (1 step/call)", "torch.func vmap + Adam", None),
@@ -356,6 +437,7 @@ def main() -> None:
             "machine": info,
             "members": members,
             "batch": batch,
+            "cpu_devices": cpu_devices,
             "steps_per_block": steps,
             "repeats": repeats,
             "matmul_gflops": matmul_gflops,

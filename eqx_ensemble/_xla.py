@@ -103,9 +103,16 @@ def step_compiler_options(
     `EIGEN_DOTS` for a big enough step on a multi-core CPU, else XLA's defaults."""
     if user is not None:
         return user
-    if _platform(mesh) != "cpu" or (os.cpu_count() or 1) < 2:
+    cores = os.cpu_count() or 1
+    if _platform(mesh) != "cpu" or cores < 2:
         return ()
     devices = 1 if mesh is None else mesh.size
+    if mesh is not None:
+        # Virtual CPU devices already put one core on each device's share of the
+        # members; Eigen's thread pool on top of that only adds contention.
+        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        if local >= cores:
+            return ()
     if step_matmul_flops(members, examples, size) / devices < MIN_STEP_FLOPS:
         return ()
     options = tuple(sorted(EIGEN_DOTS.items()))
