@@ -28,7 +28,7 @@ from ._ensemble import Ensemble, check_key
 from ._optim import (
     check_hyperparams_kept,
     check_opt_state,
-    init_optimizer,
+    init_optimizer_fast,
     set_hyperparams,
 )
 from ._sharding import (
@@ -295,6 +295,22 @@ def _run_chunk(inputs: tuple, train_state: TrainState):
     return eqx.combine(dynamic, static), losses, scores
 
 
+@eqx.filter_jit
+def _compiled_copy(tree: PyTree[Any]) -> PyTree[Any]:
+    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree)
+
+
+def _copy(tree: PyTree[Any]) -> PyTree[Any]:
+    """A copy of every array leaf of `tree`, in one compiled call where the leaves
+    share their devices (one dispatch per leaf otherwise)."""
+    try:
+        return _compiled_copy(tree)
+    except ValueError:  # leaves committed to different devices
+        return jax.tree.map(
+            lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree
+        )
+
+
 def _check_positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
@@ -453,8 +469,9 @@ def fit(
         checkpoint_every = _check_positive_int(checkpoint_every, "checkpoint_every")
     if keep_checkpoints is not None:
         keep_checkpoints = _check_positive_int(keep_checkpoints, "keep_checkpoints")
+    fresh_opt_state = opt_state is None
     if opt_state is None:
-        opt_state = init_optimizer(optimizer, ens)
+        opt_state = init_optimizer_fast(optimizer, ens)
     else:
         check_opt_state(optimizer, ens.members, opt_state)
     if hyperparams:
@@ -482,18 +499,15 @@ def fit(
         mesh=mesh,
     )
     # The loop donates its state to each dispatch: copy so the caller's arrays stay
-    # valid.
-    copy = lambda tree: jax.tree.map(  # noqa: E731
-        lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree
-    )
+    # valid (an optimizer state made here is the loop's own).
     with_eval = eval_fn is not None
     train_state = TrainState(
-        ensemble=copy(ens),
-        opt_state=copy(opt_state),
-        model_state=copy(state),
+        ensemble=_copy(ens),
+        opt_state=opt_state if fresh_opt_state else _copy(opt_state),
+        model_state=_copy(state),
         step=jnp.array(0, dtype=jnp.int32),
         diverged_at=jnp.full((size,), -1, dtype=jnp.int32),
-        best_ensemble=copy(ens) if with_eval else None,
+        best_ensemble=_copy(ens) if with_eval else None,
         best_score=jnp.full((size,), jnp.inf, jnp.float32) if with_eval else None,
         best_step=jnp.zeros((size,), jnp.int32) if with_eval else None,
     )
@@ -582,7 +596,7 @@ def fit(
                 # callback a copy it may keep.
                 callback(
                     _result(
-                        copy(train_state), losses_seen, eval_steps, eval_scores, size
+                        _copy(train_state), losses_seen, eval_steps, eval_scores, size
                     )
                 )
     finally:

@@ -118,6 +118,25 @@ def set_hyperparams(
     return opt_state
 
 
+@eqx.filter_jit
+def _compiled_init(optimizer: Any, params: PyTree[Any]) -> PyTree[Any]:
+    return eqx.filter_vmap(optimizer.init)(params)
+
+
+def init_optimizer_fast(
+    optimizer: optax.GradientTransformation, ens: Ensemble
+) -> PyTree[Any]:
+    """`init_optimizer(optimizer, ens)` as one compiled call (cached per optimizer
+    object) instead of op-by-op dispatch: for `fit`, which places the state on its
+    devices itself. Falls back to the eager path for optimizers that cannot be
+    used as a static argument."""
+    try:
+        hash(optimizer)
+    except TypeError:
+        return init_optimizer(optimizer, ens)
+    return _compiled_init(optimizer, trainable(ens.members))
+
+
 def init_optimizer(
     optimizer: optax.GradientTransformation,
     ens: Ensemble,
