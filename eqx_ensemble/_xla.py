@@ -117,3 +117,19 @@ def step_compiler_options(
         return ()
     options = tuple(sorted(EIGEN_DOTS.items()))
     return options if _supported(options) else ()
+
+
+def default_steps_per_dispatch(
+    members: PyTree[Any], examples: int, size: int, mesh: Mesh | None
+) -> int:
+    """`fit`'s default `steps_per_dispatch`: 1000 for tiny steps, else 100.
+
+    Each dispatch costs about a millisecond outside the steps themselves (the
+    call, the chunk's epoch permutations, reading the losses back); for steps of a
+    few tens of microseconds that is a fifth of the time at 100 steps per
+    dispatch. 1000 tiny steps still take well under a second, so the progress bar
+    and callbacks stay responsive."""
+    devices = 1 if mesh is None else mesh.size
+    if step_matmul_flops(members, examples, size) / devices < MIN_STEP_FLOPS:
+        return 1000
+    return 100

@@ -210,3 +210,26 @@ def test_unknown_option_is_named_before_any_step(tmp_path):
         )
     assert calls == []
     assert list(tmp_path.iterdir()) == []
+
+
+def test_default_steps_per_dispatch():
+    small = _members(8, 1, 32, 1)
+    big = _members(64, 32, 128, 10)
+    assert _xla.default_steps_per_dispatch(small, 16, 8, None) == 1000
+    assert _xla.default_steps_per_dispatch(big, 256, 64, None) == 100
+
+
+def test_fit_default_steps_per_dispatch_is_used():
+    # A tiny model: one dispatch of 1000 steps by default, so the callback (called
+    # after every dispatch) runs once for 1000 steps, and the result is the one
+    # an explicit `steps_per_dispatch` gives.
+    ens = ee.ensemble(
+        lambda k: eqx.nn.Linear(16, 4, key=k), size=2, key=jax.random.key(11)
+    )
+    calls = []
+    kwargs = dict(steps=1000, batch_size=8, key=jax.random.key(12), progress=False)
+    linear_loss = lambda m, b, k: jnp.mean(jax.vmap(m)(b[0]) ** 2)  # noqa: E731
+    default = ee.fit(ens, linear_loss, SGD, (X, Y), callback=calls.append, **kwargs)
+    assert len(calls) == 1
+    explicit = ee.fit(ens, linear_loss, SGD, (X, Y), steps_per_dispatch=300, **kwargs)
+    assert eqx.tree_equal(default.ensemble, explicit.ensemble)
