@@ -280,13 +280,8 @@ def make_step(
     def compiled(options: Options) -> Callable[..., StepOutput]:
         return filter_jit(step_impl, options)
 
-    def step(
-        ens: Ensemble,
-        opt_state: PyTree[Any],
-        batch: PyTree[Any],
-        key: PRNGKeyArray,
-        state: PyTree[Any] = None,
-    ) -> StepOutput:
+    def for_inputs(ens: Any, batch: Any) -> Callable[..., Any]:
+        # The compiled step for these inputs (the options depend on their sizes).
         options = user_options
         if options is None:
             options = ()
@@ -298,6 +293,28 @@ def make_step(
                     len(ens),
                     mesh,
                 )
-        return compiled(options)(ens, opt_state, batch, key, state)
+        return compiled(options)
+
+    def step(
+        ens: Ensemble,
+        opt_state: PyTree[Any],
+        batch: PyTree[Any],
+        key: PRNGKeyArray,
+        state: PyTree[Any] = None,
+    ) -> StepOutput:
+        return for_inputs(ens, batch)(ens, opt_state, batch, key, state)
+
+    def lower(
+        ens: Ensemble,
+        opt_state: PyTree[Any],
+        batch: PyTree[Any],
+        key: PRNGKeyArray,
+        state: PyTree[Any] = None,
+    ) -> Any:
+        """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
+        jitted: Any = for_inputs(ens, batch)
+        return jitted.lower(ens, opt_state, batch, key, state)
+
+    step.lower = lower  # pyright: ignore[reportFunctionMemberAccess]
 
     return step if mesh is None else call_within_mesh(step, mesh)

@@ -233,3 +233,16 @@ def test_fit_default_steps_per_dispatch_is_used():
     assert len(calls) == 1
     explicit = ee.fit(ens, linear_loss, SGD, (X, Y), steps_per_dispatch=300, **kwargs)
     assert eqx.tree_equal(default.ensemble, explicit.ensemble)
+
+
+def test_make_step_lowers_ahead_of_time():
+    # `step.lower(...)` as on an `eqx.filter_jit` function: the compiled step is
+    # the one a call uses.
+    ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(13))
+    opt_state = ee.init_optimizer(SGD, ens)
+    step = ee.make_step(xent, SGD)
+    compiled = step.lower(ens, opt_state, (X, Y), jax.random.key(14)).compile()
+    ahead = compiled(ens, opt_state, (X, Y), jax.random.key(14))
+    called = step(ens, opt_state, (X, Y), jax.random.key(14))
+    assert eqx.tree_equal(ahead.ensemble, called.ensemble)
+    np.testing.assert_array_equal(ahead.losses, called.losses)
