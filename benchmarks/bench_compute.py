@@ -131,67 +131,38 @@ def main() -> None:
     matmul_gflops = {"jax": 2 * n**3 / _common.median(mm_times) / 1e9}
 
     # -- the library: fit ---------------------------------------------------------
-    fit_state = {"ens": fresh_ensemble()}
+    def fit_variant(ens, data, **kwargs):
+        state = {"ens": ens}
 
-    def run_fit():
-        result = ee.fit(
-            fit_state["ens"],
-            loss_fn,
-            optimizer,
-            (x_all, y_all),
-            steps=steps,
-            batch_size=batch,
-            key=jax.random.key(1),
-            steps_per_dispatch=steps,
-            progress=False,
-        )
-        jax.block_until_ready(result.ensemble)
-        fit_state["ens"] = result.ensemble
-
-    variants["ee.fit (scan-fused)"] = run_fit
-
-    fit_default_state = {"ens": fresh_ensemble()}
-
-    def run_fit_default():
-        result = ee.fit(
-            fit_default_state["ens"],
-            loss_fn,
-            optimizer,
-            (x_all, y_all),
-            steps=steps,
-            batch_size=batch,
-            key=jax.random.key(1),
-            steps_per_dispatch=steps,
-            progress=False,
-            compiler_options={},
-        )
-        jax.block_until_ready(result.ensemble)
-        fit_default_state["ens"] = result.ensemble
-
-    variants["ee.fit (XLA default options)"] = run_fit_default
-
-    if cpu_devices > 1 and members % cpu_devices == 0:
-        mesh = ee.make_mesh(members=cpu_devices)
-        fit_mesh_state = {"ens": ee.shard(fresh_ensemble(), mesh)}
-        mesh_data = ee.shard((x_all, y_all), mesh, axes=())
-
-        def run_fit_mesh():
+        def run_fit():
             result = ee.fit(
-                fit_mesh_state["ens"],
+                state["ens"],
                 loss_fn,
                 optimizer,
-                mesh_data,
+                data,
                 steps=steps,
                 batch_size=batch,
                 key=jax.random.key(1),
                 steps_per_dispatch=steps,
                 progress=False,
-                mesh=mesh,
+                **kwargs,
             )
             jax.block_until_ready(result.ensemble)
-            fit_mesh_state["ens"] = result.ensemble
+            state["ens"] = result.ensemble
 
-        variants[f"ee.fit (mesh, {cpu_devices} CPU devices)"] = run_fit_mesh
+        return run_fit
+
+    variants["ee.fit (scan-fused)"] = fit_variant(fresh_ensemble(), (x_all, y_all))
+    variants["ee.fit (XLA default options)"] = fit_variant(
+        fresh_ensemble(), (x_all, y_all), compiler_options={}
+    )
+    if cpu_devices > 1 and members % cpu_devices == 0:
+        mesh = ee.make_mesh(members=cpu_devices)
+        variants[f"ee.fit (mesh, {cpu_devices} CPU devices)"] = fit_variant(
+            ee.shard(fresh_ensemble(), mesh),
+            ee.shard((x_all, y_all), mesh, axes=()),
+            mesh=mesh,
+        )
 
     # -- the library: make_step ---------------------------------------------------
     step = ee.make_step(loss_fn, optimizer)

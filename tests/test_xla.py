@@ -87,18 +87,17 @@ def test_options_reach_xla():
     assert "ynn" not in eigen.compiled.as_text()
 
 
-def _fit(ens, options, steps=20):
+def _fit(ens, options, loss=xent, **kwargs):
+    kwargs = dict(steps=20, batch_size=32, steps_per_dispatch=10) | kwargs
     return ee.fit(
         ens,
-        xent,
+        loss,
         SGD,
         (X, Y),
-        steps=steps,
-        batch_size=32,
         key=jax.random.key(3),
-        steps_per_dispatch=10,
         progress=False,
         compiler_options=options,
+        **kwargs,
     )
 
 
@@ -137,18 +136,7 @@ def test_fit_with_options_does_not_retrace():
 
     for seed in range(2):
         ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(seed))
-        ee.fit(
-            ens,
-            counting,
-            SGD,
-            (X, Y),
-            steps=4,
-            batch_size=8,
-            key=jax.random.key(seed),
-            steps_per_dispatch=2,
-            progress=False,
-            compiler_options=EIGEN,
-        )
+        _fit(ens, EIGEN, counting, steps=4, batch_size=8, steps_per_dispatch=2)
         if seed == 0:
             once = len(traces)
     assert len(traces) == once
@@ -176,17 +164,7 @@ def test_bad_options_are_refused_before_work(options, match):
     # value first; either way the error names the argument.
     ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(7))
     with pytest.raises(TypeError, match="compiler_options"):
-        ee.fit(
-            ens,
-            xent,
-            SGD,
-            (X, Y),
-            steps=2,
-            batch_size=8,
-            key=jax.random.key(8),
-            progress=False,
-            compiler_options=options,
-        )
+        _fit(ens, options, steps=2, batch_size=8)
     with pytest.raises(TypeError, match="compiler_options"):
         ee.make_step(xent, SGD, compiler_options=options)
 
@@ -195,18 +173,13 @@ def test_unknown_option_is_named_before_any_step(tmp_path):
     ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(9))
     calls = []
     with pytest.raises(Exception, match="xla_cpu_no_such_option"):
-        ee.fit(
+        _fit(
             ens,
-            xent,
-            SGD,
-            (X, Y),
+            {"xla_cpu_no_such_option": True},
             steps=2,
             batch_size=8,
-            key=jax.random.key(10),
-            progress=False,
             checkpoint_dir=tmp_path,
             callback=calls.append,
-            compiler_options={"xla_cpu_no_such_option": True},
         )
     assert calls == []
     assert list(tmp_path.iterdir()) == []
