@@ -483,7 +483,6 @@ def fit(
         checkpoint_every = _check_positive_int(checkpoint_every, "checkpoint_every")
     if keep_checkpoints is not None:
         keep_checkpoints = _check_positive_int(keep_checkpoints, "keep_checkpoints")
-    fresh_opt_state = opt_state is None
     if opt_state is None:
         opt_state = init_optimizer_fast(optimizer, ens)
     else:
@@ -513,11 +512,13 @@ def fit(
         mesh=mesh,
     )
     # The loop donates its state to each dispatch: copy so the caller's arrays stay
-    # valid (an optimizer state made here is the loop's own).
+    # valid.
     with_eval = eval_fn is not None
     train_state = TrainState(
         ensemble=_copy(ens),
-        opt_state=opt_state if fresh_opt_state else _copy(opt_state),
+        # Always copied: even a state made here holds the caller's arrays when
+        # `hyperparams` are given (set_hyperparams keeps them as they are).
+        opt_state=_copy(opt_state),
         model_state=_copy(state),
         step=jnp.array(0, dtype=jnp.int32),
         diverged_at=jnp.full((size,), -1, dtype=jnp.int32),

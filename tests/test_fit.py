@@ -540,6 +540,21 @@ def test_inputs_are_not_consumed(mlp_ens):
     assert np.all(np.isfinite(np.asarray(mlp_ens.members.layers[0].weight)))
 
 
+def test_hyperparam_arrays_are_not_consumed(mlp_ens):
+    # The per-member values end up in the optimizer state, which the loop
+    # donates: the caller's array must stay valid.
+    learning_rates = jnp.array([1e-3, 1e-2, 3e-2])
+    fit(
+        mlp_ens,
+        mse_loss,
+        INJECT_ADAM,
+        steps=5,
+        steps_per_dispatch=5,
+        hyperparams={"learning_rate": learning_rates},
+    )
+    np.testing.assert_allclose(np.asarray(learning_rates), [1e-3, 1e-2, 3e-2])
+
+
 def test_fit_does_not_retrace():
     traces = []
 
