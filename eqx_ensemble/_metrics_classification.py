@@ -77,7 +77,8 @@ def entropy(probs: Array, log_probs: Array) -> Array:
     """`-sum_c p_c log p_c` over the last axis, with `0 log 0 = 0` (NaN-free grads)."""
     positive = probs > 0
     safe_log = jnp.where(positive, log_probs, 0.0)
-    return -jnp.sum(jnp.where(positive, probs * safe_log, 0.0), axis=-1)
+    # `0 - s`, not `-s`: a zero entropy is +0.0, not -0.0.
+    return 0.0 - jnp.sum(jnp.where(positive, probs * safe_log, 0.0), axis=-1)
 
 
 def label_log_probs(log_probs: Array, labels: Array) -> Array:

@@ -206,6 +206,16 @@ def test_entropy_of_uniform_is_log_classes(classes):
     )
 
 
+def test_entropy_of_one_hot_is_positive_zero():
+    # Certain members: every entropy is exactly 0.0, with a positive sign (a
+    # printed "-0.0" would read as a bug).
+    probs = jnp.tile(jnp.eye(3)[None, :, :], (4, 1, 1))
+    for value in (M.predictive_entropy(probs), M.expected_entropy(probs)):
+        value = np.asarray(value)
+        np.testing.assert_array_equal(value, 0.0)
+        assert not np.signbit(value).any()
+
+
 def test_entropies_match_numpy():
     probs, _, logits = _probs(5, 6, 50, 4)
     expected_total = _numpy_entropy(probs.astype(np.float64).mean(0))
