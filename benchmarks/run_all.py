@@ -23,6 +23,7 @@ SCRIPTS = {
     "dispatch": "bench_dispatch.py",
     "compile": "bench_compile.py",
     "chunked": "bench_chunked.py",
+    "xla_options": "bench_xla_options.py",
 }
 if os.path.exists(os.path.join(HERE, "bench_sharding.py")):
     SCRIPTS["sharding"] = "bench_sharding.py"  # owned by the sharding work
