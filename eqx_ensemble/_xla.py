@@ -92,6 +92,14 @@ def step_matmul_flops(members: PyTree[Any], examples: int, size: int) -> float:
     return 6.0 * examples * weights * size
 
 
+def is_tiny_step(
+    members: PyTree[Any], examples: int, size: int, mesh: Mesh | None
+) -> bool:
+    """Whether a step has under `MIN_STEP_FLOPS` of matmuls per device."""
+    devices = 1 if mesh is None else mesh.size
+    return step_matmul_flops(members, examples, size) / devices < MIN_STEP_FLOPS
+
+
 def step_compiler_options(
     user: Options | None,
     members: PyTree[Any],
@@ -106,14 +114,13 @@ def step_compiler_options(
     cores = os.cpu_count() or 1
     if _platform(mesh) != "cpu" or cores < 2:
         return ()
-    devices = 1 if mesh is None else mesh.size
     if mesh is not None:
         # Virtual CPU devices already put one core on each device's share of the
         # members; Eigen's thread pool on top of that only adds contention.
         local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
         if local >= cores:
             return ()
-    if step_matmul_flops(members, examples, size) / devices < MIN_STEP_FLOPS:
+    if is_tiny_step(members, examples, size, mesh):
         return ()
     options = tuple(sorted(EIGEN_DOTS.items()))
     return options if _supported(options) else ()
@@ -129,7 +136,4 @@ def default_steps_per_dispatch(
     few tens of microseconds that is a fifth of the time at 100 steps per
     dispatch. 1000 tiny steps still take well under a second, so the progress bar
     and callbacks stay responsive."""
-    devices = 1 if mesh is None else mesh.size
-    if step_matmul_flops(members, examples, size) / devices < MIN_STEP_FLOPS:
-        return 1000
-    return 100
+    return 1000 if is_tiny_step(members, examples, size, mesh) else 100

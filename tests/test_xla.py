@@ -159,7 +159,7 @@ def test_bad_options_messages(options, match):
 
 
 @pytest.mark.parametrize("options, match", BAD_OPTIONS)
-def test_bad_options_are_refused_before_work(options, match):
+def test_bad_options_are_refused(options, match):
     # With runtime type checks on (as in this suite) the annotation may catch the
     # value first; either way the error names the argument.
     ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(7))
