@@ -17,21 +17,32 @@ from ._checkpoint_dir import (
     save_checkpoint as save_checkpoint,
 )
 from ._checkpoint_file import CheckpointError as CheckpointError
+from ._control import Controller as Controller
 from ._ensemble import Ensemble as Ensemble, ensemble as ensemble
-from ._fit import (
-    EnsembleDivergedError as EnsembleDivergedError,
-    FitResult as FitResult,
-    History as History,
-    fit as fit,
-)
+from ._evaluate import Evaluate as Evaluate
+from ._fit import fit as fit
+from ._fit_checkpoints import Checkpoints as Checkpoints
+from ._history import History as History
 from ._map import map as map
 from ._optim import init_optimizer as init_optimizer, set_hyperparams as set_hyperparams
+from ._result import (
+    EnsembleDivergedError as EnsembleDivergedError,
+    FitResult as FitResult,
+)
+from ._sampling import (
+    Bootstrap as Bootstrap,
+    Independent as Independent,
+    Sampling as Sampling,
+    Shared as Shared,
+)
 from ._sharding import (
     make_mesh as make_mesh,
     process_rows as process_rows,
     shard as shard,
 )
 from ._stack import concatenate as concatenate, stack as stack, unstack as unstack
-from ._step import StepOutput as StepOutput, make_step as make_step
+from ._step import Step as Step, StepOutput as StepOutput, make_step as make_step
+from ._track import EMA as EMA, Tracker as Tracker
+from ._train_state import TrainState as TrainState
 
 __version__ = "0.1.0"

@@ -1,16 +1,12 @@
-"""Minibatch sampling inside compiled code: shared, independent or bootstrap."""
+"""Array data for `fit`: checks, epoch permutations, bootstrap resamples, gathers."""
 
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._tree import keystr
-
-Sampling = Literal["shared", "independent", "bootstrap"]
-SAMPLINGS: tuple[str, ...] = ("shared", "independent", "bootstrap")
 
 
 def check_leading(tree: PyTree[Any], size: int, what: str) -> None:
@@ -70,31 +66,6 @@ def bootstrap_resamples(
     replacement with key `split(bootstrap_key, size)[i]`."""
     member_keys = jax.random.split(bootstrap_key, size)
     return jax.vmap(lambda k: jax.random.randint(k, (n,), 0, n))(member_keys)
-
-
-def batch_indices(
-    sampling: str,
-    data_key: PRNGKeyArray,
-    resamples: Int[Array, " members n"] | None,
-    step: Int[Array, ""],
-    *,
-    n: int,
-    batch_size: int,
-    size: int,
-) -> Int[Array, " batch"] | Int[Array, " members batch"]:
-    """The example indices of step `step` (see `fit` for the documented scheme)."""
-    if sampling == "shared":
-        return epoch_indices(data_key, step, n, batch_size)
-    if sampling == "independent":
-        member_keys = jax.random.split(data_key, size)
-        return jax.vmap(lambda k: epoch_indices(k, step, n, batch_size))(member_keys)
-    if sampling == "bootstrap":
-        assert resamples is not None
-        positions = jax.random.randint(
-            jax.random.fold_in(data_key, step), (size, batch_size), 0, n
-        )
-        return jnp.take_along_axis(resamples, positions, axis=1)
-    raise ValueError(f"`sampling` must be one of {SAMPLINGS}, got {sampling!r}")
 
 
 def gather(data: PyTree[Any], indices: Array) -> PyTree[Any]:

@@ -446,10 +446,6 @@ def on_mesh(tree: PyTree[Any], mesh: Mesh | None) -> Any:
     return jax.tree.map(put, tree)
 
 
-_MEMBER_FIELDS = ("ensemble", "opt_state", "model_state", "best_ensemble")
-_BOOKKEEPING_FIELDS = ("diverged_at", "best_score", "best_step")
-
-
 def place_state(
     state: Any,
     mesh: Mesh | None,
@@ -457,27 +453,30 @@ def place_state(
     inside_jit: bool = False,
     in_loop: bool = False,
 ) -> Any:
-    """A training state (a dataclass such as `fit`'s `TrainState`): the fields
-    carrying a member axis split over `"members"`, every other field replicated
-    (small per-member bookkeeping stays readable from every process).
-
-    `in_loop=True` (inside the compiled loop): the per-member bookkeeping is split
-    over `"members"` too, so that a step needs no collective; it is replicated
-    once, when the loop ends."""
+    """A training state (a dataclass such as `fit`'s `TrainState`) on `mesh`. Each
+    field declares its member axis in its metadata (`"member_axis"`):
+    `"stacked"` fields are split over `"members"`; `"bookkeeping"` fields (small
+    per-member arrays) are split over `"members"` inside the compiled loop
+    (`in_loop=True`, so that a step needs no collective) and replicated outside
+    it (readable from every process); other fields are replicated."""
     if mesh is None:
         return state
     changes = {}
     for field in dataclasses.fields(state):
-        value = getattr(state, field.name)
-        per_member = field.name in _MEMBER_FIELDS or (
-            in_loop and field.name in _BOOKKEEPING_FIELDS
-        )
+        kind = field.metadata.get("member_axis")
+        per_member = kind == "stacked" or (in_loop and kind == "bookkeeping")
         axes = (MEMBERS,) if per_member else ()
+        value = getattr(state, field.name)
         if inside_jit:
             changes[field.name] = constrain(value, mesh, axes)
         else:
             changes[field.name] = shard(value, mesh, axes=axes)
     return dataclasses.replace(state, **changes)
+
+
+def check_mesh(mesh: Any) -> Mesh:
+    """A `Mesh` with the library's axis names, or a clear error."""
+    return _check_mesh(mesh)
 
 
 def check_fit_mesh(mesh: Any, size: int, batch_size: int) -> Mesh:
@@ -518,18 +517,6 @@ def mesh_context(mesh: Any) -> Any:
     need it for eager operations on their arrays (e.g. initialising an optimizer
     state); under it, user code may also name the mesh axes."""
     return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext()
-
-
-def call_within_mesh(fn: Callable[_P, _R], mesh: Mesh) -> Callable[_P, _R]:
-    """`fn` called under `jax.set_mesh(mesh)` (inputs need not be placed yet)."""
-    _check_mesh(mesh)
-
-    @functools.wraps(fn)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with jax.set_mesh(mesh):
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def within_mesh(fn: Callable[_P, _R]) -> Callable[_P, _R]:

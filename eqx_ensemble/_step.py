@@ -1,6 +1,7 @@
 """`make_step`: one compiled optimisation step for every member at once."""
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,8 +17,9 @@ from ._ensemble import Ensemble, check_key
 from ._map import _check_per_member_args
 from ._optim import check_opt_state, trainable
 from ._sharding import (
-    call_within_mesh,
+    check_mesh,
     check_step_mesh,
+    mesh_context,
     replicate,
     sharded_update,
 )
@@ -102,6 +104,34 @@ def _select(keep_new: Bool[Array, ""], new: Any, old: Any) -> Any:
     return jax.tree.map(pick, new, old)
 
 
+def loss_context(batch: PyTree[Any]) -> str:
+    """The note added to an error raised inside `loss_fn`."""
+    shapes = jax.tree.map(lambda x: tuple(x.shape), eqx.filter(batch, eqx.is_array))
+    return (
+        "(raised inside `loss_fn`, traced for ONE member: the library vmaps over "
+        "members, so `model` is a single model and `batch` holds the whole "
+        f"minibatch, with shapes {shapes}. A model takes ONE example: map it over "
+        "the batch with `jax.vmap(model)(x)`.)"
+    )
+
+
+def call_loss(
+    loss_fn: Callable[..., Any], model: Any, state: Any, batch: Any, key: Any
+) -> tuple[Array, Any, Any]:
+    """`loss_fn` on one member, split into `(loss, aux, new_state)`; an error raised
+    inside it gets a note saying what the library passed."""
+    stateful = state is not None
+    try:
+        if stateful:
+            out = loss_fn(model, state, batch, key)
+        else:
+            out = loss_fn(model, batch, key)
+    except Exception as error:
+        error.add_note(loss_context(batch))
+        raise
+    return _split_loss_output(out, stateful)
+
+
 def member_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -114,17 +144,17 @@ def member_update(
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """One step for ONE member (vmapped over members by the callers).
 
-    A member whose loss or gradients are not finite, or that is `frozen`, keeps its
-    parameters, optimizer state and model state; `diverged` reports the former.
+    A member whose loss, gradients or updated parameters are not finite, or that
+    is `frozen`, keeps its parameters, optimizer state and model state;
+    `diverged` reports the former.
     """
     stateful = state is not None
+    # `loss_fn` may consume the state it is given (`state.set` returns a new state
+    # and invalidates the old one, as in plain Equinox): keep a copy to fall back on.
+    kept_state = jax.tree.map(lambda x: x, state) if stateful else None
 
     def loss_of(model):
-        if stateful:
-            out = loss_fn(model, state, batch, key)
-        else:
-            out = loss_fn(model, batch, key)
-        loss, aux, new_state = _split_loss_output(out, stateful)
+        loss, aux, new_state = call_loss(loss_fn, model, state, batch, key)
         return loss, (aux, new_state)
 
     (loss, (aux, new_state)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(
@@ -136,12 +166,19 @@ def member_update(
     with jax.numpy_dtype_promotion("standard"):
         updates, new_opt_state = optimizer.update(grads, opt_state, trainable(member))
     new_member = eqx.apply_updates(member, updates)
-    finite = jnp.isfinite(loss) & _all_finite(grads)
+    # The update is checked too: a finite gradient times a huge (or non-finite)
+    # per-member learning rate still gives non-finite parameters.
+    finite = (
+        jnp.isfinite(loss)
+        & _all_finite(grads)
+        & _all_finite(trainable(new_member))
+        & _all_finite(new_opt_state)
+    )
     keep_new = finite & jnp.logical_not(frozen)
     new_member = _select(keep_new, new_member, member)
     new_opt_state = _select(keep_new, new_opt_state, opt_state)
     if stateful:
-        new_state = _select(keep_new, new_state, state)
+        new_state = _select(keep_new, new_state, kept_state)
     diverged = jnp.logical_not(finite) & jnp.logical_not(frozen)
     return new_member, new_opt_state, loss, aux, new_state, diverged
 
@@ -186,6 +223,157 @@ def _examples(batch: PyTree[Any], per_member_batch: bool) -> int:
     return 1
 
 
+def check_loss_signature(loss_fn: Callable[..., Any], stateful: bool) -> None:
+    """Raise before any work if `loss_fn` cannot be called the way the library
+    calls it: `(model, batch, key)`, or `(model, state, batch, key)` with a model
+    state."""
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables: the call itself will tell
+
+    def takes(count: int) -> bool:
+        try:
+            signature.bind(*range(count))
+        except TypeError:
+            return False
+        return True
+
+    if stateful and not takes(4):
+        raise TypeError(
+            "A model state was given (`state=`), so `loss_fn` is called as "
+            "`loss_fn(model, state, batch, key)` and must return `(loss, new_state)` "
+            f"or `(loss, new_state, aux)`; but its signature is {signature}. Add the "
+            "`state` argument, or drop `state=` for a model without state."
+        )
+    if not stateful and not takes(3):
+        hint = (
+            " It looks like a loss for a model with state: pass the stacked model "
+            "state with `state=` (from `ee.ensemble` of `eqx.nn.make_with_state`)."
+            if takes(4)
+            else ""
+        )
+        raise TypeError(
+            "`loss_fn` is called as `loss_fn(model, batch, key)` and must return a "
+            f"scalar loss or `(loss, aux)`; but its signature is {signature}.{hint}"
+        )
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """An `optax.GradientTransformation`, or a clear error naming what was given."""
+    if not (
+        callable(getattr(optimizer, "init", None))
+        and callable(getattr(optimizer, "update", None))
+    ):
+        raise TypeError(
+            "`optimizer` must be an `optax.GradientTransformation` (e.g. "
+            f"`optax.adam(1e-3)`), got {optimizer!r}"
+        )
+
+
+class Step(eqx.Module):
+    """A compiled training step for every member at once; made by
+    [`make_step`][eqx_ensemble.make_step] (see there for the arguments).
+
+    `step(ens, opt_state, batch, key, state=None)` returns a
+    [`StepOutput`][eqx_ensemble.StepOutput]; `step.lower(...)` (same arguments)
+    lowers it ahead of time. Steps built with equal arguments share their
+    compilations.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    opt = optax.sgd(0.1)
+    step = ee.make_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b) ** 2), opt)
+    args = (ens, ee.init_optimizer(opt, ens), jnp.ones((4, 1)), jax.random.key(1))
+    out = step(*args)
+    compiled = step.lower(*args).compile()
+    ```
+    """
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    per_member_batch: bool = False
+    mesh: Mesh | None = None
+    compiler_options: Options | None = None
+
+    def __call__(
+        self,
+        ens: Ensemble,
+        opt_state: PyTree[Any],
+        batch: PyTree[Any],
+        key: PRNGKeyArray,
+        state: PyTree[Any] = None,
+    ) -> StepOutput:
+        with mesh_context(self.mesh):
+            compiled = _compiled_step(self._options(ens, batch))
+            return compiled(self, ens, opt_state, batch, key, state)
+
+    def lower(
+        self,
+        ens: Ensemble,
+        opt_state: PyTree[Any],
+        batch: PyTree[Any],
+        key: PRNGKeyArray,
+        state: PyTree[Any] = None,
+    ) -> Any:
+        """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
+        with mesh_context(self.mesh):
+            compiled: Any = _compiled_step(self._options(ens, batch))
+            return compiled.lower(self, ens, opt_state, batch, key, state)
+
+    def _options(self, ens: Any, batch: Any) -> Options:
+        # The options depend on the inputs' sizes (see `_xla`).
+        if self.compiler_options is not None:
+            return self.compiler_options
+        if not isinstance(ens, Ensemble):
+            return ()
+        examples = _examples(batch, self.per_member_batch)
+        return step_compiler_options(None, ens.members, examples, len(ens), self.mesh)
+
+
+def _step_impl(
+    step: Step,
+    ens: Ensemble,
+    opt_state: PyTree[Any],
+    batch: PyTree[Any],
+    key: PRNGKeyArray,
+    state: PyTree[Any],
+) -> StepOutput:
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
+    check_key(key)
+    size = len(ens)
+    check_loss_signature(step.loss_fn, state is not None)
+    check_opt_state(step.optimizer, ens.members, opt_state)
+    if state is not None:
+        check_leading(state, size, "`state`")
+    if step.per_member_batch:
+        _check_per_member_args((batch,), (0,), size)
+    if step.mesh is not None:
+        check_step_mesh(step.mesh, size, batch, step.per_member_batch)
+    member_keys = jax.random.split(key, size)
+    frozen = jnp.zeros((size,), dtype=bool)
+    update = vmapped_update(
+        step.loss_fn, step.optimizer, step.per_member_batch, step.mesh
+    )
+    members, new_opt_state, losses, aux, new_state, _ = update(
+        ens.members, opt_state, batch, member_keys, state, frozen
+    )
+    losses = replicate(losses, step.mesh)
+    return StepOutput(Ensemble(members), new_opt_state, losses, aux, new_state)
+
+
+@functools.cache
+def _compiled_step(options: Options) -> Callable[..., StepOutput]:
+    # One `filter_jit` wrapper per set of XLA options, each with its own cache.
+    return filter_jit(_step_impl, options)
+
+
 def make_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -193,7 +381,7 @@ def make_step(
     per_member_batch: bool = False,
     mesh: Mesh | None = None,
     compiler_options: dict[str, Any] | None = None,
-) -> Callable[..., StepOutput]:
+) -> Step:
     """A compiled training step that updates every member at once.
 
     The step applies `eqx.filter_value_and_grad(loss_fn)` and the optax update to
@@ -222,12 +410,15 @@ def make_step(
 
     **Returns:**
 
-    `step(ens, opt_state, batch, key, state=None) -> StepOutput`, a
-    `(ensemble, opt_state, losses, aux, state)` named tuple with per-member
+    A [`Step`][eqx_ensemble.Step] module: `step(ens, opt_state, batch, key,
+    state=None) -> StepOutput`, a `(ensemble, opt_state, losses, aux, state)`
+    named tuple with per-member
     `losses` of shape `(len(ens),)`. Member `i` is called with key
     `jax.random.split(key, len(ens))[i]`. A member whose loss or gradient is not
-    finite keeps its previous parameters and optimizer state (its loss is
-    reported as non-finite), so it cannot corrupt anything.
+    finite, or whose update would make its parameters non-finite, keeps its
+    previous parameters and optimizer state (its loss is reported as
+    non-finite), so it cannot corrupt anything. `step.lower(...)` lowers the
+    step ahead of time, as `eqx.filter_jit(...).lower`.
 
     **Example:**
 
@@ -248,73 +439,17 @@ def make_step(
     losses.shape     # (3,)
     ```
     """
-    user_options = check_compiler_options(compiler_options)
-
-    def step_impl(
-        ens: Ensemble,
-        opt_state: PyTree[Any],
-        batch: PyTree[Any],
-        key: PRNGKeyArray,
-        state: PyTree[Any] = None,
-    ) -> StepOutput:
-        if not isinstance(ens, Ensemble):
-            raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
-        check_key(key)
-        size = len(ens)
-        check_opt_state(optimizer, ens.members, opt_state)
-        if state is not None:
-            check_leading(state, size, "`state`")
-        if per_member_batch:
-            _check_per_member_args((batch,), (0,), size)
-        if mesh is not None:
-            check_step_mesh(mesh, size, batch, per_member_batch)
-        member_keys = jax.random.split(key, size)
-        frozen = jnp.zeros((size,), dtype=bool)
-        members, new_opt_state, losses, aux, new_state, _ = vmapped_update(
-            loss_fn, optimizer, per_member_batch, mesh
-        )(ens.members, opt_state, batch, member_keys, state, frozen)
-        losses = replicate(losses, mesh)
-        return StepOutput(Ensemble(members), new_opt_state, losses, aux, new_state)
-
-    @functools.cache
-    def compiled(options: Options) -> Callable[..., StepOutput]:
-        return filter_jit(step_impl, options)
-
-    def for_inputs(ens: Any, batch: Any) -> Callable[..., Any]:
-        # The compiled step for these inputs (the options depend on their sizes).
-        options = user_options
-        if options is None:
-            options = ()
-            if isinstance(ens, Ensemble):
-                options = step_compiler_options(
-                    None,
-                    ens.members,
-                    _examples(batch, per_member_batch),
-                    len(ens),
-                    mesh,
-                )
-        return compiled(options)
-
-    def step(
-        ens: Ensemble,
-        opt_state: PyTree[Any],
-        batch: PyTree[Any],
-        key: PRNGKeyArray,
-        state: PyTree[Any] = None,
-    ) -> StepOutput:
-        return for_inputs(ens, batch)(ens, opt_state, batch, key, state)
-
-    def lower(
-        ens: Ensemble,
-        opt_state: PyTree[Any],
-        batch: PyTree[Any],
-        key: PRNGKeyArray,
-        state: PyTree[Any] = None,
-    ) -> Any:
-        """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
-        jitted: Any = for_inputs(ens, batch)
-        return jitted.lower(ens, opt_state, batch, key, state)
-
-    step.lower = lower  # pyright: ignore[reportFunctionMemberAccess]
-
-    return step if mesh is None else call_within_mesh(step, mesh)
+    check_optimizer(optimizer)
+    if not isinstance(per_member_batch, bool):
+        raise TypeError(
+            f"`per_member_batch` must be a bool, got {type(per_member_batch).__name__}"
+        )
+    if mesh is not None:
+        mesh = check_mesh(mesh)
+    return Step(
+        loss_fn,
+        optimizer,
+        per_member_batch=per_member_batch,
+        mesh=mesh,
+        compiler_options=check_compiler_options(compiler_options),
+    )

@@ -1,0 +1,226 @@
+"""The compiled part of `fit`: one dispatch runs a chunk of steps with `lax.scan`.
+
+The data path, in order: the sampling's indices (array data) or the stacked group
+of streamed batches -> the step's batch (one per member, or one shared batch that
+stays unbatched inside the member `vmap`) -> the member-vmapped
+`filter_value_and_grad` + optax update -> trackers -> evaluation -> the per-step
+losses and scores returned to the host. The chunk has a fixed length (one
+compilation per configuration); steps past `end` are skipped with `lax.cond`.
+Sharding is pinned once where the state enters and leaves the loop and once per
+step on the carry; nothing inside the step names a mesh axis but the update.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+
+from ._ensemble import Ensemble
+from ._evaluate import Evaluate
+from ._sampling import Sampling
+from ._sharding import DATA, MEMBERS, constrain, gather_batch, place_state, replicate
+from ._step import vmapped_update
+from ._track import Tracker
+from ._train_state import TrainState, member_select
+from ._xla import Options, filter_jit
+
+
+class Chunk(eqx.Module):
+    """Everything one dispatch reads (the train state is passed, and donated,
+    separately). Non-array fields are static: changing them recompiles."""
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    sampling: Sampling
+    evaluate: Evaluate | None
+    track: tuple[Tracker, ...]
+    data: PyTree[Any]  # array data, or None for a stream
+    prepared: Array | None  # the sampling's per-run arrays
+    batches: PyTree[Any]  # a stream's stacked group, or None
+    data_key: PRNGKeyArray
+    train_key: PRNGKeyArray
+    eval_key: PRNGKeyArray
+    end: Int[Array, ""]
+    size: int
+    batch_size: int
+    num_examples: int
+    length: int
+    mesh: Mesh | None
+
+
+def initial_state(
+    ens: Ensemble,
+    opt_state: PyTree[Any],
+    model_state: PyTree[Any],
+    *,
+    track: tuple[Tracker, ...],
+    with_eval: bool,
+    controllers: tuple[Any, ...] = (),
+) -> TrainState:
+    """The state before the first step (its arrays may alias the inputs: copy it
+    before donating it)."""
+    size = len(ens)
+    train_state = TrainState(
+        ensemble=ens,
+        opt_state=opt_state,
+        model_state=model_state,
+        tracked=tuple(tracker.init(ens.members) for tracker in track),
+        controlled=(),
+        step=jnp.array(0, dtype=jnp.int32),
+        diverged_at=jnp.full((size,), -1, dtype=jnp.int32),
+        best_ensemble=ens if with_eval else None,
+        best_score=jnp.full((size,), jnp.inf, jnp.float32) if with_eval else None,
+        best_step=jnp.zeros((size,), jnp.int32) if with_eval else None,
+    )
+    controlled = tuple(controller.init(train_state) for controller in controllers)
+    return dataclasses.replace(train_state, controlled=controlled)
+
+
+@functools.cache
+def chunk_runner(options: Options) -> Callable[..., Any]:
+    """`run_chunk` compiled with XLA `options` (one cached wrapper per set of
+    options, so each keeps its own compilation cache); the state is donated."""
+    return filter_jit(run_chunk, options, donate="all-except-first")
+
+
+def _batch_axes(chunk: Chunk) -> tuple[str, ...]:
+    return (MEMBERS, DATA) if chunk.sampling.per_member else (DATA,)
+
+
+def _train_step(chunk: Chunk, ts: TrainState, batch: PyTree[Any]) -> tuple:
+    """One step of every member, then trackers, evaluation and best members."""
+    update = vmapped_update(
+        chunk.loss_fn, chunk.optimizer, chunk.sampling.per_member, chunk.mesh
+    )
+    step = ts.step
+    member_keys = jax.random.split(
+        jax.random.fold_in(chunk.train_key, step), chunk.size
+    )
+    members, opt_state, losses, _, model_state, diverged = update(
+        ts.ensemble.members,
+        ts.opt_state,
+        batch,
+        member_keys,
+        ts.model_state,
+        ts.diverged_at >= 0,
+    )
+    done = step + 1
+    ts = dataclasses.replace(
+        ts,
+        ensemble=Ensemble(members),
+        opt_state=opt_state,
+        model_state=model_state,
+        tracked=tuple(
+            tracker.update(state, members, done)
+            for tracker, state in zip(chunk.track, ts.tracked, strict=True)
+        ),
+        step=done,
+        diverged_at=jnp.where(diverged, step, ts.diverged_at),
+    )
+    nan_row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
+    scores = nan_row
+    if chunk.evaluate is not None:
+        scores, ts = _evaluate(chunk, chunk.evaluate, ts, nan_row)
+    losses = constrain(jnp.asarray(losses, jnp.float32), chunk.mesh, (MEMBERS,))
+    return ts, losses, constrain(scores, chunk.mesh, (MEMBERS,))
+
+
+def _evaluate(
+    chunk: Chunk, evaluate: Evaluate, ts: TrainState, nan_row: Float[Array, " m"]
+) -> tuple[Float[Array, " members"], TrainState]:
+    dynamic, static = eqx.partition(ts, eqx.is_array)
+
+    def run(dynamic_ts):
+        current = eqx.combine(dynamic_ts, static)
+        scores = evaluate.scores(
+            current.ensemble.members,
+            current.model_state,
+            chunk.eval_key,
+            current.step,
+            chunk.size,
+        )
+        return constrain(scores, chunk.mesh, (MEMBERS,))
+
+    scores = jax.lax.cond(evaluate.due(ts.step), run, lambda _: nan_row, dynamic)
+    assert ts.best_score is not None and ts.best_step is not None
+    better = constrain(scores < ts.best_score, chunk.mesh, (MEMBERS,))
+    ts = dataclasses.replace(
+        ts,
+        best_ensemble=member_select(better, ts.ensemble, ts.best_ensemble),
+        best_score=jnp.where(better, scores, ts.best_score),
+        best_step=jnp.where(better, ts.step, ts.best_step),
+    )
+    return scores, ts
+
+
+def run_chunk(
+    chunk: Chunk, train_state: TrainState
+) -> tuple[TrainState, Float[Array, "steps members"], Float[Array, "steps members"]]:
+    """`chunk.length` steps (those before `chunk.end`) from `train_state`."""
+    mesh = chunk.mesh
+    dynamic, static = eqx.partition(train_state, eqx.is_array)
+    nan_row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
+    streamed = chunk.batches is not None
+    indices_of = None
+    if not streamed:
+        indices_of = chunk.sampling.chunk_indices(
+            chunk.data_key,
+            chunk.prepared,
+            train_state.step,
+            n=chunk.num_examples,
+            batch_size=chunk.batch_size,
+            size=chunk.size,
+            chunk=chunk.length,
+        )
+
+    def active(carry, streamed_batch):
+        ts = eqx.combine(carry, static)
+        if streamed:
+            batch = constrain(streamed_batch, mesh, _batch_axes(chunk))
+        else:
+            assert indices_of is not None
+            batch = gather_batch(chunk.data, indices_of(ts.step), mesh)
+        ts, losses, scores = _train_step(chunk, ts, batch)
+        ts = place_state(ts, mesh, inside_jit=True, in_loop=True)
+        return eqx.filter(ts, eqx.is_array), (losses, scores)
+
+    def inactive(carry, streamed_batch):
+        del streamed_batch
+        return carry, (nan_row, nan_row)
+
+    def body(carry, streamed_batch):
+        return jax.lax.cond(
+            carry.step < chunk.end, active, inactive, carry, streamed_batch
+        )
+
+    dynamic = place_state(dynamic, mesh, inside_jit=True, in_loop=True)
+    dynamic, (losses, scores) = jax.lax.scan(
+        body, dynamic, chunk.batches, length=chunk.length
+    )
+    dynamic = place_state(dynamic, mesh, inside_jit=True)
+    losses, scores = replicate((losses, scores), mesh)
+    return eqx.combine(dynamic, static), losses, scores
+
+
+@eqx.filter_jit
+def _compiled_copy(tree: PyTree[Any]) -> PyTree[Any]:
+    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree)
+
+
+def copy(tree: PyTree[Any]) -> PyTree[Any]:
+    """A copy of every array leaf of `tree` (distinct buffers even where leaves
+    alias each other), in one compiled call where the leaves share their devices
+    (one dispatch per leaf otherwise)."""
+    try:
+        return _compiled_copy(tree)
+    except ValueError:  # leaves committed to different devices
+        return jax.tree.map(
+            lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree
+        )

@@ -1,0 +1,107 @@
+"""Trackers: weight-trajectory methods updated inside `fit`'s compiled loop.
+
+The protocol (what `fit(..., track=[...])` calls):
+
+- `init(members) -> state`: called once, before the first step, with the stacked
+  members; `state` is a PyTree whose array leaves carry the member axis (it is
+  checkpointed, resumed and sharded like the ensemble).
+- `update(state, members, done) -> state`: called inside the compiled loop after
+  every step with the updated stacked members and the number of steps done
+  (a traced int32 scalar). It must be a pure JAX function and must not couple
+  members (each member's state from that member's weights).
+- `result(state, ensemble) -> Any`: turns the final state into what
+  `FitResult.tracked` holds for this tracker (e.g. an `Ensemble`).
+- `check(steps)`: optional, raises before any work if the tracker cannot do its
+  job in a run of `steps` steps (e.g. it would start after the last step).
+"""
+
+import abc
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Int, PyTree
+
+from ._ensemble import Ensemble
+from ._optim import trainable
+
+
+class Tracker(eqx.Module):
+    """A weight-trajectory method run inside [`fit`][eqx_ensemble.fit]'s compiled
+    loop (abstract). See [`ee.EMA`][eqx_ensemble.EMA] for a complete example and
+    the training guide for the protocol: `init`, `update`, `result`, `check`."""
+
+    @abc.abstractmethod
+    def init(self, members: PyTree[Any]) -> PyTree[Any]:
+        """The initial state, from the stacked members before the first step."""
+
+    @abc.abstractmethod
+    def update(
+        self, state: PyTree[Any], members: PyTree[Any], done: Int[Array, ""]
+    ) -> PyTree[Any]:
+        """The state after a step (`members`: the updated stacked members;
+        `done`: the steps done so far)."""
+
+    def result(self, state: PyTree[Any], ensemble: Ensemble) -> Any:
+        """What `FitResult.tracked` holds for this tracker (default: the state)."""
+        del ensemble
+        return state
+
+    def check(self, steps: int) -> None:
+        """Raise before any work if this tracker cannot run for `steps` steps."""
+        del steps
+
+
+class EMA(Tracker):
+    """An exponential moving average of every member's weights.
+
+    After each step, `average = decay * average + (1 - decay) * weights`, per
+    member, starting from the weights before the first step (as PyTorch's
+    `AveragedModel` with an EMA). `FitResult.tracked` holds the averages as an
+    `Ensemble` (non-trainable leaves, such as BatchNorm's state-index or integer
+    buffers, are taken from the trained ensemble).
+
+    **Arguments:**
+
+    - `decay`: in `[0, 1)`; e.g. `0.999`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=20, batch_size=4,
+                    key=jax.random.key(1), track=[ee.EMA(0.9)], progress=False)
+    averaged = result.tracked[0]            # an ee.Ensemble of the averages
+    ```
+    """
+
+    decay: float
+
+    def __check_init__(self):
+        if isinstance(self.decay, bool) or not isinstance(self.decay, int | float):
+            raise TypeError(
+                f"`EMA.decay` must be a float, got {type(self.decay).__name__}"
+            )
+        if not (math.isfinite(self.decay) and 0 <= self.decay < 1):
+            raise ValueError(f"`EMA.decay` must be in [0, 1), got {self.decay}")
+
+    def init(self, members):
+        return jax.tree.map(lambda x: x.copy(), trainable(members))
+
+    def update(self, state, members, done):
+        del done
+        return jax.tree.map(
+            lambda average, weight: (
+                self.decay * average + (1 - self.decay) * weight
+            ).astype(average.dtype),
+            state,
+            trainable(members),
+        )
+
+    def result(self, state, ensemble):
+        rest = eqx.filter(ensemble.members, eqx.is_inexact_array, inverse=True)
+        return Ensemble(eqx.combine(state, rest))
