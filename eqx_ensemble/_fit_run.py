@@ -35,7 +35,7 @@ from ._step import check_loss_signature, check_optimizer
 from ._stream import BatchGroups, check_data, example_count, is_array_data
 from ._track import Tracker
 from ._train_state import TrainState
-from ._tree import first_difference
+from ._tree import first_difference, keystr
 from ._xla import (
     check_compiler_options,
     default_steps_per_dispatch,
@@ -250,17 +250,21 @@ def prepare(
 def _check_resumed_hyperparams(
     train_state: TrainState, hyperparams: dict[str, Any], size: int
 ) -> None:
-    given = set_hyperparams(train_state.opt_state, hyperparams, size)
-    difference = first_difference(
-        jax.tree.map(np.asarray, eqx.filter(train_state.opt_state, eqx.is_array)),
-        jax.tree.map(np.asarray, eqx.filter(given, eqx.is_array)),
-    )
-    if difference is not None:
-        raise CheckpointError(
-            "`hyperparams` differ from those of the checkpointed run being resumed "
-            f"(saved first): {difference}. A resumed run continues with its saved "
-            "optimizer state; use another folder to train with new hyperparameters"
-        )
+    saved = train_state.opt_state
+    given = set_hyperparams(saved, hyperparams, size)
+    for (path, old), new in zip(
+        jax.tree_util.tree_flatten_with_path(saved)[0],
+        jax.tree.leaves(given),
+        strict=True,
+    ):
+        if eqx.is_array(old) and not np.array_equal(np.asarray(old), np.asarray(new)):
+            raise CheckpointError(
+                "`hyperparams` differ from those of the checkpointed run being "
+                f"resumed: `{keystr(path)}` is {np.asarray(old).tolist()} there and "
+                f"{np.asarray(new).tolist()} now. A resumed run continues with its "
+                "saved optimizer state; use another folder to train with new "
+                "hyperparameters"
+            )
 
 
 @dataclasses.dataclass

@@ -23,8 +23,15 @@ from ._tree import keystr
 def is_array_data(data: Any) -> bool:
     """Whether `data` is a PyTree of arrays (sampled inside compiled code), as
     opposed to a source of batches."""
-    leaves = jax.tree.leaves(data)
+    leaves = jax.tree.leaves(data, is_leaf=_is_source)
     return bool(leaves) and all(isinstance(x, np.ndarray | jax.Array) for x in leaves)
+
+
+def _is_source(x: Any) -> bool:
+    # Iterables that are not PyTree containers (generators, loaders) are leaves.
+    return isinstance(x, Iterable) and not isinstance(
+        x, tuple | list | dict | np.ndarray | jax.Array
+    )
 
 
 def check_data(data: Any) -> None:
@@ -36,7 +43,7 @@ def check_data(data: Any) -> None:
         raise TypeError("`data` is a string; pass arrays or an iterable of batches")
     if callable(data) or isinstance(data, Iterable):
         return
-    leaves = jax.tree.leaves(data)
+    leaves = jax.tree.leaves(data, is_leaf=_is_source)
     kinds = sorted({type(x).__name__ for x in leaves}) or ["nothing"]
     raise TypeError(
         f"`data` must be a PyTree of arrays (sampled inside compiled code), an "

@@ -1,0 +1,793 @@
+"""The open loop: streamed data, trackers, controllers, checkpoints as components,
+and the reliability fixes of the loop (issue 12 and 13).
+
+References are independent of `fit`: a `make_step` loop over the same batches and
+the documented keys, EMAs computed by hand from the per-step weights, and runs
+without interruption for resume.
+"""
+
+import dataclasses
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_tree_allclose
+
+import eqx_ensemble as ee
+
+SIZE = 3
+N = 48
+BATCH = 8
+X = np.asarray(jax.random.normal(jax.random.key(10), (N, 2)), dtype=np.float32)
+Y = np.sin(2 * X[:, :1]) + X[:, 1:] ** 2
+KEY = jax.random.key(5)
+ADAM = optax.adam(1e-2)
+SGD = optax.sgd(0.05)
+
+
+def make_mlp(key):
+    return eqx.nn.MLP(2, 1, 8, 1, key=key)
+
+
+def mse_loss(model, batch, key):
+    xb, yb = batch
+    return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+
+class BatchNormMLP(eqx.Module):
+    hidden: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        hidden_key, out_key = jax.random.split(key)
+        self.hidden = eqx.nn.Linear(2, 8, use_bias=False, key=hidden_key)
+        self.norm = eqx.nn.BatchNorm(8, axis_name="batch", mode="batch")
+        self.out = eqx.nn.Linear(8, 1, key=out_key)
+
+    def __call__(self, x, state):
+        hidden, state = self.norm(self.hidden(x), state)
+        return self.out(jax.nn.relu(hidden)), state
+
+
+def batchnorm_loss(model, state, batch, key):
+    xb, yb = batch
+    pred, new_state = jax.vmap(
+        model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+    )(xb, state)
+    return jnp.mean((pred - yb) ** 2), new_state
+
+
+@pytest.fixture(scope="module")
+def ens():
+    return ee.ensemble(make_mlp, size=SIZE, key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def bn():
+    return ee.ensemble(
+        lambda k: eqx.nn.make_with_state(BatchNormMLP)(k),
+        size=SIZE,
+        key=jax.random.key(1),
+    )
+
+
+def shared_batches(count, seed=0, per_member=False):
+    rng = np.random.default_rng(seed)
+    shape = (SIZE, BATCH) if per_member else (BATCH,)
+    return [
+        (X[idx], Y[idx]) for idx in (rng.integers(0, N, shape) for _ in range(count))
+    ]
+
+
+def step_keys(key, steps):
+    train_key = jax.random.split(key, 3)[2]
+    return [jax.random.fold_in(train_key, s) for s in range(steps)]
+
+
+def reference_loop(ens, loss_fn, optimizer, batches, *, per_member=False, state=None):
+    """A `make_step` loop over `batches` with `fit`'s documented keys."""
+    step = ee.make_step(loss_fn, optimizer, per_member_batch=per_member)
+    opt_state = ee.init_optimizer(optimizer, ens)
+    trajectory, losses = [], []
+    for batch, key in zip(batches, step_keys(KEY, len(batches)), strict=True):
+        ens, opt_state, step_losses, _, state = step(ens, opt_state, batch, key, state)
+        trajectory.append(ens)
+        losses.append(np.asarray(step_losses))
+    return ens, state, opt_state, np.stack(losses), trajectory
+
+
+# -------------------------------------------------------------------------------
+# Streams
+# -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("per_member", [False, True])
+def test_stream_equals_make_step_loop(ens, per_member):
+    batches = shared_batches(23, per_member=per_member)
+    sampling = ee.Independent() if per_member else ee.Shared()
+    result = ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        iter(batches),
+        steps=23,
+        key=KEY,
+        sampling=sampling,
+        steps_per_dispatch=5,
+        progress=False,
+    )
+    expected, _, _, losses, _ = reference_loop(
+        ens, mse_loss, ADAM, batches, per_member=per_member
+    )
+    assert_tree_allclose(result.ensemble, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.history.losses, losses, rtol=1e-5, atol=1e-7)
+    assert result.num_examples is None
+
+
+def test_stream_with_batchnorm_state_and_evaluation(bn):
+    ens, state = bn
+    batches = shared_batches(12, seed=1)
+    eval_data = (X[:16], Y[:16])
+    result = ee.fit(
+        ens,
+        batchnorm_loss,
+        ADAM,
+        (b for b in batches),
+        steps=12,
+        key=KEY,
+        state=state,
+        steps_per_dispatch=5,
+        evaluate=ee.Evaluate(batchnorm_loss, eval_data, every=4, inference=False),
+        progress=False,
+    )
+    expected, expected_state, _, losses, trajectory = reference_loop(
+        ens, batchnorm_loss, ADAM, batches, state=state
+    )
+    assert_tree_allclose(result.ensemble, expected, rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(result.state, expected_state, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.history.losses, losses, rtol=1e-5, atol=1e-7)
+    # Scores recomputed by hand from the reference trajectory (the model state
+    # used is the one after the evaluated step).
+    _, _, _, _, states = _trajectory_states(ens, batches, state)
+    assert result.history.eval_steps.tolist() == [4, 8, 12]
+    for row, done in enumerate([4, 8, 12]):
+        members = trajectory[done - 1]
+        for i in range(SIZE):
+            score, _ = batchnorm_loss(
+                members[i],
+                jax.tree.map(lambda s: s[i], states[done - 1]),
+                eval_data,
+                None,
+            )
+            np.testing.assert_allclose(
+                result.history.eval_scores[row, i], score, rtol=1e-5, atol=1e-6
+            )
+
+
+def _trajectory_states(ens, batches, state):
+    step = ee.make_step(batchnorm_loss, ADAM)
+    opt_state = ee.init_optimizer(ADAM, ens)
+    states = []
+    for batch, key in zip(batches, step_keys(KEY, len(batches)), strict=True):
+        ens, opt_state, _, _, state = step(ens, opt_state, batch, key, state)
+        states.append(state)
+    return ens, state, opt_state, None, states
+
+
+def test_stream_from_memmap_larger_than_a_dispatch(ens, tmp_path):
+    rows = 8 * BATCH * 5
+    path = tmp_path / "x.dat"
+    table = np.lib.format.open_memmap(
+        path, mode="w+", dtype=np.float32, shape=(rows, 3)
+    )
+    table[:, :2] = np.resize(X, (rows, 2))
+    table[:, 2:] = np.resize(Y, (rows, 1))
+    table.flush()
+    del table
+
+    def batches(step):  # a factory: the batches from `step` on
+        table = np.load(path, mmap_mode="r")
+        for start in range(step * BATCH, rows, BATCH):
+            chunk = np.asarray(table[start : start + BATCH])
+            yield chunk[:, :2], chunk[:, 2:]
+
+    steps = rows // BATCH
+    result = ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        batches,
+        steps=steps,
+        key=KEY,
+        steps_per_dispatch=7,
+        progress=False,
+    )
+    expected, _, _, losses, _ = reference_loop(ens, mse_loss, ADAM, list(batches(0)))
+    assert_tree_allclose(result.ensemble, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.history.losses, losses, rtol=1e-5, atol=1e-7)
+
+
+def test_stream_resume_with_factory_equals_uninterrupted(ens, tmp_path):
+    batches = shared_batches(20, seed=3)
+
+    def factory(step):
+        return iter(batches[step:])
+
+    common = dict(key=KEY, steps_per_dispatch=3, progress=False)
+    reference = ee.fit(ens, mse_loss, ADAM, factory, steps=20, **common)
+    run = ee.Checkpoints(tmp_path, every=4)
+    ee.fit(ens, mse_loss, ADAM, factory, steps=8, checkpoints=run, **common)
+    resumed = ee.fit(ens, mse_loss, ADAM, factory, steps=20, checkpoints=run, **common)
+    assert eqx.tree_equal(resumed.ensemble, reference.ensemble)
+    np.testing.assert_array_equal(resumed.history.losses, reference.history.losses)
+    with pytest.raises(ValueError, match="Resuming at step 20 from a stream"):
+        ee.fit(ens, mse_loss, ADAM, iter(batches), steps=24, checkpoints=run, **common)
+
+
+def test_stream_errors(ens):
+    good = shared_batches(4)
+    bad_shape = good[:2] + [(X[:5], Y[:5])] + good[2:]
+    with pytest.raises(ValueError, match=r"leaf `\[0\]` at step 2 has float32\[5, 2\]"):
+        ee.fit(ens, mse_loss, ADAM, iter(bad_shape), steps=4, key=KEY, progress=False)
+    with pytest.raises(ValueError, match="ended after step 4") as info:
+        ee.fit(ens, mse_loss, ADAM, iter(good), steps=10, key=KEY, progress=False)
+    assert info.value.result.step == 4  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="a stream cannot be resampled"):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            iter(good),
+            steps=4,
+            key=KEY,
+            sampling="bootstrap",
+            progress=False,
+        )
+    with pytest.raises(ValueError, match="leading member axis of size 3"):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            iter(good),
+            steps=4,
+            key=KEY,
+            sampling=ee.Independent(),
+            progress=False,
+        )
+    with pytest.raises(
+        ValueError, match="`batch_size=4` but the stream's batches hold 8"
+    ):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            iter(good),
+            steps=4,
+            key=KEY,
+            batch_size=4,
+            progress=False,
+        )
+
+
+@pytest.mark.parametrize("data", [5, object(), "x.npy"])
+def test_data_that_is_neither_arrays_nor_a_stream(ens, data):
+    with pytest.raises(TypeError, match="`data` "):
+        ee.fit(ens, mse_loss, ADAM, data, steps=2, batch_size=4, key=KEY)
+
+
+# -------------------------------------------------------------------------------
+# Loss signatures and errors inside the loss
+# -------------------------------------------------------------------------------
+
+
+def test_stateful_loss_without_state_is_named(ens):
+    with pytest.raises(TypeError, match="pass the stacked model state with `state=`"):
+        ee.fit(ens, batchnorm_loss, ADAM, (X, Y), steps=2, batch_size=4, key=KEY)
+
+
+def test_plain_loss_with_state_is_named(bn):
+    ens, state = bn
+    with pytest.raises(
+        TypeError, match=r"called as `loss_fn\(model, state, batch, key"
+    ):
+        ee.fit(ens, mse_loss, ADAM, (X, Y), steps=2, batch_size=4, key=KEY, state=state)
+
+
+def test_loss_without_vmap_gets_a_note(ens):
+    def loss_without_vmap(model, batch, key):
+        xb, yb = batch
+        return jnp.mean((model(xb) - yb) ** 2)
+
+    with pytest.raises(Exception, match="A model takes ONE example"):
+        ee.fit(
+            ens,
+            loss_without_vmap,
+            ADAM,
+            (X, Y),
+            steps=2,
+            batch_size=4,
+            key=KEY,
+            progress=False,
+        )
+
+
+def test_state_set_inside_the_loss(bn):
+    # `state.set` consumes the old state, as in plain Equinox.
+    ens, state = bn
+
+    def loss_with_set(model, state, batch, key):
+        loss, new_state = batchnorm_loss(model, state, batch, key)
+        index = model.norm.batch_counter
+        new_state = new_state.set(index, new_state.get(index))
+        return loss, new_state
+
+    result = ee.fit(
+        ens,
+        loss_with_set,
+        ADAM,
+        (X, Y),
+        steps=3,
+        batch_size=8,
+        key=KEY,
+        state=state,
+        progress=False,
+    )
+    reference = ee.fit(
+        ens,
+        batchnorm_loss,
+        ADAM,
+        (X, Y),
+        steps=3,
+        batch_size=8,
+        key=KEY,
+        state=state,
+        progress=False,
+    )
+    assert_tree_allclose(result.ensemble, reference.ensemble)
+    step = ee.make_step(loss_with_set, ADAM)
+    out = step(ens, ee.init_optimizer(ADAM, ens), (X, Y), KEY, state)
+    assert np.isfinite(np.asarray(out.losses)).all()
+
+
+# -------------------------------------------------------------------------------
+# Divergence: the update is guarded too
+# -------------------------------------------------------------------------------
+
+
+def test_huge_learning_rate_member_keeps_last_finite_parameters(ens):
+    # The loss and gradient stay finite; only the update overflows.
+    lr = 3e38
+    batches = shared_batches(5, seed=7)
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
+    result = ee.fit(
+        ens,
+        mse_loss,
+        optimizer,
+        iter(batches),
+        steps=5,
+        key=KEY,
+        hyperparams={"learning_rate": jnp.array([0.01, lr, 0.01])},
+        progress=False,
+    )
+    # Reference: member 1 alone, plain SGD, stopped at its first non-finite step.
+    model, diverged_at = ens[1], None
+    for step, batch in enumerate(batches):
+        loss, grads = eqx.filter_value_and_grad(mse_loss)(model, batch, None)
+        new = eqx.apply_updates(model, jax.tree.map(lambda g: -lr * g, grads))
+        new_leaves = jax.tree.leaves(eqx.filter(new, eqx.is_inexact_array))
+        if not (np.isfinite(loss) and all(np.isfinite(x).all() for x in new_leaves)):
+            diverged_at = step
+            break
+        model = new
+    assert diverged_at is not None
+    assert result.diverged == {1: diverged_at}
+    assert_tree_allclose(result.ensemble[1], model, rtol=1e-6, atol=0)
+    leaves = jax.tree.leaves(eqx.filter(result.ensemble, eqx.is_inexact_array))
+    assert all(bool(jnp.isfinite(leaf).all()) for leaf in leaves)
+
+
+def test_batch_size_beyond_xla_limits_is_refused_before_xla(ens):
+    with pytest.raises(ValueError, match="indices XLA can address|GiB"):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=2,
+            batch_size=2**31,
+            key=KEY,
+            sampling="bootstrap",
+        )
+    with pytest.raises(ValueError, match="indices XLA can address"):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=2,
+            batch_size=2**30,
+            key=KEY,
+            sampling="bootstrap",
+        )
+
+
+# -------------------------------------------------------------------------------
+# Trackers
+# -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
+def test_ema_equals_hand_computed_average(ens, sampling):
+    decay = 0.8
+    weights = []
+
+    def keep(result):
+        weights.append(eqx.filter(result.ensemble, eqx.is_inexact_array))
+
+    result = ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        (X, Y),
+        steps=9,
+        batch_size=BATCH,
+        key=KEY,
+        sampling=sampling,
+        steps_per_dispatch=1,
+        callback=keep,
+        track=[ee.EMA(decay)],
+        progress=False,
+    )
+    average = eqx.filter(ens, eqx.is_inexact_array)
+    for w in weights:
+        average = jax.tree.map(lambda a, b: decay * a + (1 - decay) * b, average, w)
+    assert isinstance(result.tracked[0], ee.Ensemble)
+    assert_tree_allclose(
+        eqx.filter(result.tracked[0], eqx.is_inexact_array),
+        average,
+        rtol=1e-6,
+        atol=1e-7,
+    )
+
+
+def test_ema_on_a_stream_equals_make_step_trajectory(ens):
+    batches = shared_batches(7, seed=4)
+    result = ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        iter(batches),
+        steps=7,
+        key=KEY,
+        track=[ee.EMA(0.5)],
+        progress=False,
+    )
+    _, _, _, _, trajectory = reference_loop(ens, mse_loss, ADAM, batches)
+    average = eqx.filter(ens, eqx.is_inexact_array)
+    for members in trajectory:
+        average = jax.tree.map(
+            lambda a, b: 0.5 * a + 0.5 * b,
+            average,
+            eqx.filter(members, eqx.is_inexact_array),
+        )
+    assert_tree_allclose(eqx.filter(result.tracked[0], eqx.is_inexact_array), average)
+
+
+def test_resume_with_tracker_and_evaluation_is_bit_exact(ens, tmp_path):
+    common = dict(
+        batch_size=BATCH,
+        key=KEY,
+        sampling="bootstrap",
+        steps_per_dispatch=3,
+        track=[ee.EMA(0.9)],
+        evaluate=ee.Evaluate(mse_loss, (X, Y), every=2),
+        progress=False,
+    )
+    reference = ee.fit(ens, mse_loss, ADAM, (X, Y), steps=14, **common)
+    run = ee.Checkpoints(tmp_path, every=5)
+    ee.fit(ens, mse_loss, ADAM, (X, Y), steps=10, checkpoints=run, **common)
+    resumed = ee.fit(ens, mse_loss, ADAM, (X, Y), steps=14, checkpoints=run, **common)
+    assert eqx.tree_equal(resumed.train_state, reference.train_state)
+    assert eqx.tree_equal(resumed.tracked[0], reference.tracked[0])
+    np.testing.assert_array_equal(
+        resumed.history.eval_scores, reference.history.eval_scores
+    )
+    latest = run.latest(ens, ADAM, evaluate=common["evaluate"], track=common["track"])
+    assert latest is not None and latest.step == 14
+    assert eqx.tree_equal(latest.ensemble, reference.ensemble)
+    assert isinstance(latest.sampling, ee.Bootstrap)
+
+
+@pytest.mark.parametrize(
+    "decay, error",
+    [
+        (1.0, ValueError),
+        (-0.1, ValueError),
+        (float("nan"), ValueError),
+        ("0.9", TypeError),
+    ],
+)
+def test_ema_bad_decay(decay, error):
+    # (under the test suite's runtime type checking, a wrong type is caught by
+    # beartype, which names the parameter, before the library's own check)
+    with pytest.raises(error, match="EMA.decay|parameter 'decay'"):
+        ee.EMA(decay)
+
+
+# -------------------------------------------------------------------------------
+# Controllers
+# -------------------------------------------------------------------------------
+
+
+class CopyBest(ee.Controller):
+    """Copies member 0 into member 1 (weights and optimizer state)."""
+
+    every: int
+    calls: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, train_state, state, history):
+        self.calls.append((int(train_state.step), history.losses.shape[0]))
+
+        def copy(tree):
+            return jax.tree.map(
+                lambda x: x.at[1].set(x[0]) if eqx.is_array(x) and x.ndim else x, tree
+            )
+
+        train_state = dataclasses.replace(
+            train_state,
+            ensemble=copy(train_state.ensemble),
+            opt_state=copy(train_state.opt_state),
+        )
+        return train_state, state
+
+
+def test_controller_runs_between_dispatches_and_changes_the_run(ens):
+    controller = CopyBest(every=4)
+    result = ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        (X, Y),
+        steps=10,
+        batch_size=BATCH,
+        key=KEY,
+        controllers=[controller],
+        steps_per_dispatch=100,
+        progress=False,
+    )
+    assert controller.calls == [(4, 4), (8, 8)]
+    # After the copy at step 8, members 0 and 1 train on the same shared batches
+    # with different keys (unused by the loss): they stay equal.
+    assert_tree_allclose(result.ensemble[0], result.ensemble[1])
+
+
+def test_controller_that_changes_shapes_is_refused(ens):
+    class Shrink(ee.Controller):
+        every: int = 2
+
+        def __call__(self, train_state, state, history):
+            halves = jax.tree.map(
+                lambda x: x[:, :1] if eqx.is_array(x) and x.ndim > 1 else x,
+                train_state.ensemble,
+            )
+            return dataclasses.replace(train_state, ensemble=halves), state
+
+    with pytest.raises(TypeError, match=r"controllers\[0\]` changed the structure"):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=4,
+            batch_size=BATCH,
+            key=KEY,
+            controllers=[Shrink()],
+            progress=False,
+        )
+
+
+def test_bad_components_are_named(ens):
+    common = dict(steps=2, batch_size=4, key=KEY)
+    with pytest.raises(TypeError, match=r"`track\[0\]` must be an|parameter 'track'"):
+        ee.fit(ens, mse_loss, ADAM, (X, Y), track=["ema"], **common)
+    with pytest.raises(
+        TypeError, match="`evaluate` must be an `ee.Evaluate|parameter 'evaluate'"
+    ):
+        ee.fit(ens, mse_loss, ADAM, (X, Y), evaluate=mse_loss, **common)
+    with pytest.raises(
+        TypeError,
+        match="`checkpoints` must be an `ee.Checkpoints|parameter 'checkpoints'",
+    ):
+        ee.fit(ens, mse_loss, ADAM, (X, Y), checkpoints="run", **common)
+    with pytest.raises(
+        TypeError, match="`optimizer` must be an `optax.Gradient|parameter 'optimizer'"
+    ):
+        ee.fit(ens, mse_loss, "adam", (X, Y), **common)
+    # The library's own checks (the suite's runtime type checker answers first
+    # inside `fit`, naming the parameter).
+    from eqx_ensemble._fit_run import _check_components
+    from eqx_ensemble._sampling import as_sampling
+
+    with pytest.raises(TypeError, match=r"instance, e.g. `ee.Bootstrap\(\)`"):
+        as_sampling(ee.Bootstrap)
+    with pytest.raises(ValueError, match="'bagging'"):
+        as_sampling("bagging")
+    with pytest.raises(TypeError, match=r"`track\[0\]` must be an `ee.Tracker`"):
+        _check_components(None, None, ["ema"], ())
+    with pytest.raises(TypeError, match="`evaluate` must be an `ee.Evaluate"):
+        _check_components(mse_loss, None, (), ())
+    with pytest.raises(TypeError, match="`checkpoints` must be an `ee.Checkpoints"):
+        _check_components(None, "run", (), ())
+    with pytest.raises(TypeError, match="Checkpoints.directory|parameter .directory."):
+        ee.Checkpoints(3)
+    with pytest.raises(ValueError, match="on_corrupt"):
+        ee.Checkpoints("run", on_corrupt="ignore")
+
+
+# -------------------------------------------------------------------------------
+# Checkpoints: nothing lost, resume contract
+# -------------------------------------------------------------------------------
+
+
+def test_unwritable_checkpoint_folder_fails_before_training(ens, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    calls = []
+    with pytest.raises(Exception, match="file"):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=4,
+            batch_size=4,
+            key=KEY,
+            checkpoints=ee.Checkpoints(blocker / "run"),
+            callback=calls.append,
+            progress=False,
+        )
+    assert calls == []
+
+
+def test_failed_checkpoint_write_keeps_the_result(ens, tmp_path, monkeypatch):
+    from eqx_ensemble import _fit_checkpoints
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_fit_checkpoints, "save_checkpoint", full_disk)
+    with pytest.raises(ee.CheckpointError, match="error.result") as info:
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=6,
+            batch_size=4,
+            key=KEY,
+            checkpoints=ee.Checkpoints(tmp_path, every=3),
+            progress=False,
+        )
+    result = info.value.result  # type: ignore[attr-defined]
+    assert result.step == 3 and result.history.losses.shape == (3, SIZE)
+
+
+def test_resume_contract(ens, tmp_path):
+    run = ee.Checkpoints(tmp_path, every=4)
+    optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    lrs = {"learning_rate": jnp.array([1e-2, 2e-2, 3e-2])}
+    common = dict(batch_size=4, key=KEY, progress=False, checkpoints=run)
+    ee.fit(ens, mse_loss, optimizer, (X, Y), steps=8, hyperparams=lrs, **common)
+    with pytest.raises(ee.CheckpointError, match="step 8, past the `steps=5`"):
+        ee.fit(ens, mse_loss, optimizer, (X, Y), steps=5, **common)
+    with pytest.raises(ee.CheckpointError, match="`hyperparams` differ"):
+        ee.fit(
+            ens,
+            mse_loss,
+            optimizer,
+            (X, Y),
+            steps=12,
+            hyperparams={"learning_rate": jnp.array([1.0, 1.0, 1.0])},
+            **common,
+        )
+    with pytest.raises(ee.CheckpointError, match="`eval_every`"):
+        ee.fit(
+            ens,
+            mse_loss,
+            optimizer,
+            (X, Y),
+            steps=12,
+            hyperparams=lrs,
+            evaluate=ee.Evaluate(mse_loss, (X, Y), every=2),
+            **common,
+        )
+    resumed = ee.fit(
+        ens, mse_loss, optimizer, (X, Y), steps=12, hyperparams=lrs, **common
+    )
+    assert resumed.step == 12
+
+
+def test_corrupt_newest_checkpoint_falls_back_when_asked(ens, tmp_path):
+    common = dict(batch_size=4, key=KEY, progress=False)
+    reference = ee.fit(ens, mse_loss, ADAM, (X, Y), steps=12, **common)
+    ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        (X, Y),
+        steps=8,
+        checkpoints=ee.Checkpoints(tmp_path, every=4),
+        **common,
+    )
+    newest = ee.latest_checkpoint(tmp_path)
+    assert newest is not None
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ee.CheckpointError):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=12,
+            checkpoints=ee.Checkpoints(tmp_path, every=4),
+            **common,
+        )
+    resumed = ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        (X, Y),
+        steps=12,
+        checkpoints=ee.Checkpoints(tmp_path, every=4, on_corrupt="previous"),
+        **common,
+    )
+    assert eqx.tree_equal(resumed.ensemble, reference.ensemble)
+
+
+def test_checkpoint_renamed_to_another_step_is_noticed(ens, tmp_path):
+    common = dict(batch_size=4, key=KEY, progress=False)
+    ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        (X, Y),
+        steps=4,
+        checkpoints=ee.Checkpoints(tmp_path),
+        **common,
+    )
+    newest = ee.latest_checkpoint(tmp_path)
+    assert newest is not None
+    os.rename(newest, newest.with_name(newest.name.replace("4", "6")))
+    with pytest.raises(ee.CheckpointError, match="manifest says step 4"):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=8,
+            checkpoints=ee.Checkpoints(tmp_path),
+            **common,
+        )
+
+
+# -------------------------------------------------------------------------------
+# make_step is a Module
+# -------------------------------------------------------------------------------
+
+
+def test_make_step_is_a_module_with_lower(ens):
+    step = ee.make_step(mse_loss, ADAM)
+    assert isinstance(step, ee.Step) and isinstance(step, eqx.Module)
+    opt_state = ee.init_optimizer(ADAM, ens)
+    args = (ens, opt_state, (X[:8], Y[:8]), KEY)
+    compiled = step.lower(*args).compile()
+    out = step(*args)
+    again = compiled(step, *args, None)
+    assert_tree_allclose(out.ensemble, again.ensemble)
+    assert ee.make_step(mse_loss, ADAM) == step
