@@ -22,7 +22,7 @@ from ._evaluate import Evaluate
 from ._fit_checkpoints import Checkpoints
 from ._fit_run import prepare
 from ._result import EnsembleDivergedError, FitResult
-from ._sampling import Sampling
+from ._sampling import Sampling, Shared
 from ._sharding import within_mesh
 from ._track import Tracker
 
@@ -37,7 +37,7 @@ def fit(
     steps: int,
     key: PRNGKeyArray,
     batch_size: int | None = None,
-    sampling: Sampling | str = "shared",
+    sampling: Sampling | str = Shared(),
     opt_state: PyTree[Any] = None,
     state: PyTree[Any] = None,
     hyperparams: dict[str, Any] | None = None,

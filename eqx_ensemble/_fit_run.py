@@ -22,6 +22,7 @@ from ._evaluate import Evaluate, check_positive_int, eval_key
 from ._fit_checkpoints import Checkpoints
 from ._history import Recorder
 from ._loop import Chunk, chunk_runner, copy, initial_state
+from ._loss import check_loss_signature, check_optimizer
 from ._optim import (
     check_hyperparams_kept,
     check_opt_state,
@@ -31,7 +32,6 @@ from ._optim import (
 from ._result import FitResult, key_record, make_result
 from ._sampling import MAX_INDICES, Bootstrap, as_sampling
 from ._sharding import check_fit_mesh, on_mesh, place_state
-from ._step import check_loss_signature, check_optimizer
 from ._stream import BatchGroups, check_data, example_count, is_array_data
 from ._track import Tracker
 from ._train_state import TrainState
