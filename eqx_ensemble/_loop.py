@@ -90,6 +90,12 @@ def chunk_runner(options: Options) -> Callable[..., Any]:
     return filter_jit(run_chunk, options, donate="all-except-first")
 
 
+def _nan_row(chunk: Chunk) -> Float[Array, " members"]:
+    # What a step reports when it has nothing to report (split like the members).
+    row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
+    return constrain(row, chunk.mesh, (MEMBERS,))
+
+
 def _batch_axes(chunk: Chunk) -> tuple[str, ...]:
     return (MEMBERS, DATA) if chunk.sampling.per_member else (DATA,)
 
@@ -124,7 +130,7 @@ def _train_step(chunk: Chunk, ts: TrainState, batch: PyTree[Any]) -> tuple:
         step=done,
         diverged_at=jnp.where(diverged, step, ts.diverged_at),
     )
-    nan_row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
+    nan_row = _nan_row(chunk)
     scores = nan_row
     if chunk.evaluate is not None:
         scores, ts = _evaluate(chunk, chunk.evaluate, ts, nan_row)
@@ -166,7 +172,7 @@ def run_chunk(
     """`chunk.length` steps (those before `chunk.end`) from `train_state`."""
     mesh = chunk.mesh
     dynamic, static = eqx.partition(train_state, eqx.is_array)
-    nan_row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
+    nan_row = _nan_row(chunk)
     streamed = chunk.batches is not None
     indices_of = None
     if not streamed:

@@ -791,3 +791,27 @@ def test_make_step_is_a_module_with_lower(ens):
     again = compiled(step, *args, None)
     assert_tree_allclose(out.ensemble, again.ensemble)
     assert ee.make_step(mse_loss, ADAM) == step
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("per_member", [False, True])
+def test_stream_on_a_mesh_equals_one_device(axis_type, per_member):
+    from jax.sharding import AxisType
+
+    four = ee.ensemble(make_mlp, size=4, key=jax.random.key(2))
+    rng = np.random.default_rng(9)
+    shape = (4, BATCH) if per_member else (BATCH,)
+    batches = [(X[i], Y[i]) for i in (rng.integers(0, N, shape) for _ in range(6))]
+    sampling = ee.Independent() if per_member else ee.Shared()
+    common = dict(steps=6, key=KEY, sampling=sampling, steps_per_dispatch=4)
+    reference = ee.fit(four, mse_loss, ADAM, iter(batches), progress=False, **common)
+    mesh = ee.make_mesh(members=2, data=2, axis_types=getattr(AxisType, axis_type))
+    sharded = ee.fit(
+        four, mse_loss, ADAM, iter(batches), progress=False, mesh=mesh, **common
+    )
+    assert_tree_allclose(sharded.ensemble, reference.ensemble, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        sharded.history.losses, reference.history.losses, rtol=1e-5, atol=1e-7
+    )
+    weight = sharded.ensemble.members.layers[0].weight
+    assert weight.sharding.spec[0] == "members"
