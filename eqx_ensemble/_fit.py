@@ -41,6 +41,7 @@ def fit(
     opt_state: PyTree[Any] = None,
     state: PyTree[Any] = None,
     hyperparams: dict[str, Any] | None = None,
+    hyper: PyTree[Any] = None,
     evaluate: Evaluate | None = None,
     checkpoints: Checkpoints | None = None,
     track: Sequence[Tracker] = (),
@@ -88,6 +89,11 @@ def fit(
     - `state`: the stacked model state for models with `eqx.nn.State`.
     - `hyperparams`: per-member hyperparameters for an optimizer built with
       `optax.inject_hyperparams`, name -> array of shape `(len(ens),)`.
+    - `hyper`: per-member hyperparameters of the loss and model (weight decay,
+      dropout rate, label smoothing, ...): a PyTree of arrays with a leading
+      member axis, passed to `loss_fn` as the keyword `hyper` (member `i` sees
+      its slice). Traced, so new values do not recompile; controllers may change
+      them (they live in `TrainState.hyper`).
     - `evaluate`: an [`ee.Evaluate`][eqx_ensemble.Evaluate]: scores every member
       inside the loop and keeps each member's best in `best_ensemble`.
     - `checkpoints`: an [`ee.Checkpoints`][eqx_ensemble.Checkpoints]: saves the
@@ -152,6 +158,7 @@ def fit(
         opt_state=opt_state,
         state=state,
         hyperparams=hyperparams,
+        hyper=hyper,
         evaluate=evaluate,
         checkpoints=checkpoints,
         track=track,

@@ -22,7 +22,7 @@ from ._evaluate import Evaluate, check_positive_int, eval_key
 from ._fit_checkpoints import Checkpoints
 from ._history import Recorder
 from ._loop import Chunk, chunk_runner, copy, initial_state
-from ._loss import check_loss_signature, check_optimizer
+from ._loss import check_hyper, check_loss_signature, check_optimizer
 from ._optim import (
     check_hyperparams_kept,
     check_opt_state,
@@ -105,6 +105,7 @@ def prepare(
     opt_state: PyTree[Any],
     state: PyTree[Any],
     hyperparams: dict[str, Any] | None,
+    hyper: PyTree[Any],
     evaluate: Evaluate | None,
     checkpoints: Checkpoints | None,
     track: Sequence[Tracker],
@@ -127,7 +128,9 @@ def prepare(
         tracker.check(steps)
     if state is not None:
         check_leading(state, size, "`state`")
-    check_loss_signature(loss_fn, state is not None)
+    check_loss_signature(loss_fn, state is not None, hyper is not None)
+    if hyper is not None:
+        check_hyper(hyper, size)
     check_data(data)
     user_options = check_compiler_options(compiler_options)
     streamed = not is_array_data(data)
@@ -170,6 +173,7 @@ def prepare(
             ens,
             opt_state,
             state,
+            hyper=hyper,
             track=track,
             with_eval=evaluate is not None,
             controllers=controllers,
@@ -183,6 +187,12 @@ def prepare(
             train_state, history = resumed
             if hyperparams:
                 _check_resumed_hyperparams(train_state, hyperparams, size)
+            if hyper is not None and not _tree_values_equal(train_state.hyper, hyper):
+                raise CheckpointError(
+                    "`hyper` differs from the hyperparameters of the checkpointed run "
+                    "being resumed (which may have been changed by a controller); "
+                    "resume with the same `hyper`, or use another folder"
+                )
     done = int(train_state.step)
 
     stream = None
@@ -244,6 +254,14 @@ def prepare(
         track=track,
         run_record=run_record,
         info={"sampling": sampling, "key": key, "num_examples": n},
+    )
+
+
+def _tree_values_equal(a: PyTree[Any], b: PyTree[Any]) -> bool:
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(leaves_a) == len(leaves_b) and all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(leaves_a, leaves_b, strict=True)
     )
 
 

@@ -60,6 +60,7 @@ def initial_state(
     opt_state: PyTree[Any],
     model_state: PyTree[Any],
     *,
+    hyper: PyTree[Any] = None,
     track: tuple[Tracker, ...],
     with_eval: bool,
     controllers: tuple[Any, ...] = (),
@@ -71,6 +72,7 @@ def initial_state(
         ensemble=ens,
         opt_state=opt_state,
         model_state=model_state,
+        hyper=hyper,
         tracked=tuple(tracker.init(ens.members) for tracker in track),
         controlled=(),
         step=jnp.array(0, dtype=jnp.int32),
@@ -116,6 +118,7 @@ def _train_step(chunk: Chunk, ts: TrainState, batch: PyTree[Any]) -> tuple:
         member_keys,
         ts.model_state,
         ts.diverged_at >= 0,
+        ts.hyper,
     )
     done = step + 1
     ts = dataclasses.replace(

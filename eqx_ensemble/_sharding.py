@@ -534,20 +534,20 @@ def sharded_update(
     vmapped: Callable[..., Any], mesh: Mesh | None, per_member_batch: bool
 ) -> Callable[..., Any]:
     """Wrap the member-vmapped update `(members, opt_state, batch, keys, state,
-    frozen) -> (members, opt_state, losses, aux, state, diverged)` so that, on a
-    mesh, every member-mapped input and output is split over `"members"` and the
-    batch over `"data"` (Explicit meshes need every mapped input of a `vmap`
+    frozen, hyper) -> (members, opt_state, losses, aux, state, diverged)` so that,
+    on a mesh, every member-mapped input and output is split over `"members"` and
+    the batch over `"data"` (Explicit meshes need every mapped input of a `vmap`
     sharded alike; Auto meshes get the placement pinned instead of guessed)."""
     if mesh is None:
         return vmapped
     batch_axes = (MEMBERS, DATA) if per_member_batch else (DATA,)
 
-    def update(members, opt_state, batch, keys, state, frozen):
-        members, opt_state, keys, state, frozen = constrain(
-            (members, opt_state, keys, state, frozen), mesh, (MEMBERS,)
+    def update(members, opt_state, batch, keys, state, frozen, hyper):
+        members, opt_state, keys, state, frozen, hyper = constrain(
+            (members, opt_state, keys, state, frozen, hyper), mesh, (MEMBERS,)
         )
         batch = constrain(batch, mesh, batch_axes)
-        outputs = vmapped(members, opt_state, batch, keys, state, frozen)
+        outputs = vmapped(members, opt_state, batch, keys, state, frozen, hyper)
         return constrain(outputs, mesh, (MEMBERS,))
 
     return update

@@ -13,7 +13,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from ._data import check_leading
 from ._ensemble import Ensemble, check_key
-from ._loss import call_loss, check_loss_signature, check_optimizer
+from ._loss import call_loss, check_hyper, check_loss_signature, check_optimizer
 from ._map import _check_per_member_args
 from ._optim import check_opt_state, trainable
 from ._sharding import (
@@ -80,6 +80,7 @@ def member_update(
     key: Any,
     state: Any,
     frozen: Any,
+    hyper: Any = None,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """One step for ONE member (vmapped over members by the callers).
 
@@ -93,7 +94,7 @@ def member_update(
     kept_state = jax.tree.map(lambda x: x, state) if stateful else None
 
     def loss_of(model):
-        loss, aux, new_state = call_loss(loss_fn, model, state, batch, key)
+        loss, aux, new_state = call_loss(loss_fn, model, state, batch, key, hyper)
         return loss, (aux, new_state)
 
     (loss, (aux, new_state)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(
@@ -131,21 +132,25 @@ def vmapped_update(
     """`member_update` under `eqx.filter_vmap` over the member axis (on `mesh`:
     members split over its `"members"` axis, the batch over `"data"`)."""
 
-    def update(member, opt_state, batch, key, state, frozen):
+    def update(member, opt_state, batch, key, state, frozen, hyper):
         return member_update(
-            loss_fn, optimizer, member, opt_state, batch, key, state, frozen
+            loss_fn, optimizer, member, opt_state, batch, key, state, frozen, hyper
         )
 
+    # A shared batch is not mapped: it stays one array inside the member `vmap`,
+    # so the member axis folds into the weights (one wide matmul per layer).
     batch_axes = eqx.if_array(0) if per_member_batch else None
+    member_axis = eqx.if_array(0)
     vmapped = eqx.filter_vmap(
         update,
         in_axes=(
-            eqx.if_array(0),
-            eqx.if_array(0),
+            member_axis,
+            member_axis,
             batch_axes,
-            eqx.if_array(0),
-            eqx.if_array(0),
-            eqx.if_array(0),
+            member_axis,
+            member_axis,
+            member_axis,
+            member_axis,
         ),
     )
     return sharded_update(vmapped, mesh, per_member_batch)
@@ -166,7 +171,7 @@ class Step(eqx.Module):
     """A compiled training step for every member at once; made by
     [`make_step`][eqx_ensemble.make_step] (see there for the arguments).
 
-    `step(ens, opt_state, batch, key, state=None)` returns a
+    `step(ens, opt_state, batch, key, state=None, *, hyper=None)` returns a
     [`StepOutput`][eqx_ensemble.StepOutput]; `step.lower(...)` (same arguments)
     lowers it ahead of time. Steps built with equal arguments share their
     compilations.
@@ -197,10 +202,12 @@ class Step(eqx.Module):
         batch: PyTree[Any],
         key: PRNGKeyArray,
         state: PyTree[Any] = None,
+        *,
+        hyper: PyTree[Any] = None,
     ) -> StepOutput:
         with mesh_context(self.mesh):
             compiled = _compiled_step(self._options(ens, batch))
-            return compiled(self, ens, opt_state, batch, key, state)
+            return compiled(self, ens, opt_state, batch, key, state, hyper)
 
     def lower(
         self,
@@ -209,11 +216,13 @@ class Step(eqx.Module):
         batch: PyTree[Any],
         key: PRNGKeyArray,
         state: PyTree[Any] = None,
+        *,
+        hyper: PyTree[Any] = None,
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
         with mesh_context(self.mesh):
             compiled: Any = _compiled_step(self._options(ens, batch))
-            return compiled.lower(self, ens, opt_state, batch, key, state)
+            return compiled.lower(self, ens, opt_state, batch, key, state, hyper)
 
     def _options(self, ens: Any, batch: Any) -> Options:
         # The options depend on the inputs' sizes (see `_xla`).
@@ -232,12 +241,15 @@ def _step_impl(
     batch: PyTree[Any],
     key: PRNGKeyArray,
     state: PyTree[Any],
+    hyper: PyTree[Any],
 ) -> StepOutput:
     if not isinstance(ens, Ensemble):
         raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
     check_key(key)
     size = len(ens)
-    check_loss_signature(step.loss_fn, state is not None)
+    check_loss_signature(step.loss_fn, state is not None, hyper is not None)
+    if hyper is not None:
+        check_hyper(hyper, size)
     check_opt_state(step.optimizer, ens.members, opt_state)
     if state is not None:
         check_leading(state, size, "`state`")
@@ -251,7 +263,7 @@ def _step_impl(
         step.loss_fn, step.optimizer, step.per_member_batch, step.mesh
     )
     members, new_opt_state, losses, aux, new_state, _ = update(
-        ens.members, opt_state, batch, member_keys, state, frozen
+        ens.members, opt_state, batch, member_keys, state, frozen, hyper
     )
     losses = replicate(losses, step.mesh)
     return StepOutput(Ensemble(members), new_opt_state, losses, aux, new_state)
@@ -308,6 +320,11 @@ def make_step(
     previous parameters and optimizer state (its loss is reported as
     non-finite), so it cannot corrupt anything. `step.lower(...)` lowers the
     step ahead of time, as `eqx.filter_jit(...).lower`.
+
+    Per-member hyperparameters of the loss or model (weight decay, dropout rate,
+    label smoothing...): `step(..., hyper=h)` with `h` a PyTree of arrays with a
+    leading member axis calls `loss_fn(..., hyper=h_i)`, member `i` seeing its
+    own slice. They are traced values, so new values do not recompile.
 
     **Example:**
 

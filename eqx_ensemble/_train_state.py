@@ -23,6 +23,8 @@ class TrainState(eqx.Module):
 
     - `ensemble`, `opt_state`, `model_state`: the stacked model, optimizer state
       and model state (`None` without one).
+    - `hyper`: the per-member hyperparameters given to `fit(..., hyper=)` (a
+      PyTree with a leading member axis) or `None`; controllers may change them.
     - `tracked`: one state per tracker of `track=` (each with a member axis).
     - `controlled`: one state per controller of `controllers=`.
     - `step`: the number of steps done.
@@ -53,6 +55,7 @@ class TrainState(eqx.Module):
     ensemble: Ensemble = _field("stacked")
     opt_state: PyTree[Any] = _field("stacked")
     model_state: PyTree[Any] = _field("stacked")
+    hyper: PyTree[Any] = _field("stacked")
     tracked: tuple[PyTree[Any], ...] = _field("stacked")
     controlled: tuple[PyTree[Any], ...] = _field(None)
     step: Int[Array, ""] = _field(None)

@@ -788,7 +788,7 @@ def test_make_step_is_a_module_with_lower(ens):
     args = (ens, opt_state, (X[:8], Y[:8]), KEY)
     compiled = step.lower(*args).compile()
     out = step(*args)
-    again = compiled(step, *args, None)
+    again = compiled(step, *args, None, None)
     assert_tree_allclose(out.ensemble, again.ensemble)
     assert ee.make_step(mse_loss, ADAM) == step
 
@@ -815,3 +815,89 @@ def test_stream_on_a_mesh_equals_one_device(axis_type, per_member):
     )
     weight = sharded.ensemble.members.layers[0].weight
     assert weight.sharding.spec[0] == "members"
+
+
+# -------------------------------------------------------------------------------
+# Per-member hyperparameters of the loss: `hyper=`
+# -------------------------------------------------------------------------------
+
+TRACES = []
+
+
+def decayed_loss(model, batch, key, *, hyper):
+    TRACES.append(1)
+    weights = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+    penalty = sum(jnp.sum(w**2) for w in weights)
+    return mse_loss(model, batch, key) + hyper["decay"] * penalty
+
+
+@pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
+def test_hyper_members_equal_solo_training(ens, sampling):
+    import functools
+
+    from test_fit import DATA, solo_fit
+
+    decays = jnp.array([0.0, 0.01, 0.1])
+    result = ee.fit(
+        ens,
+        decayed_loss,
+        ADAM,
+        DATA,
+        steps=20,
+        batch_size=BATCH,
+        key=KEY,
+        sampling=sampling,
+        hyper={"decay": decays},
+        progress=False,
+    )
+    for i in range(SIZE):
+        loss_i = functools.partial(decayed_loss, hyper={"decay": decays[i]})
+        solo, _, losses, _ = solo_fit(
+            ens[i],
+            loss_i,
+            ADAM,
+            member=i,
+            size=SIZE,
+            sampling=sampling,
+            steps=20,
+            key=KEY,
+            data=DATA,
+        )
+        assert_tree_allclose(result.ensemble[i], solo, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(result.history.losses[:, i], losses, rtol=1e-5)
+    assert eqx.tree_equal(result.train_state.hyper, {"decay": decays})
+
+
+def test_new_hyper_values_do_not_recompile(ens):
+    common = dict(steps=3, batch_size=BATCH, key=KEY, progress=False)
+    ee.fit(ens, decayed_loss, ADAM, (X, Y), hyper={"decay": jnp.zeros(3)}, **common)
+    before = len(TRACES)
+    ee.fit(ens, decayed_loss, ADAM, (X, Y), hyper={"decay": jnp.ones(3)}, **common)
+    assert len(TRACES) == before
+    step = ee.make_step(decayed_loss, ADAM)
+    opt_state = ee.init_optimizer(ADAM, ens)
+    step(ens, opt_state, (X[:8], Y[:8]), KEY, hyper={"decay": jnp.zeros(3)})
+    before = len(TRACES)
+    step(ens, opt_state, (X[:8], Y[:8]), KEY, hyper={"decay": jnp.ones(3)})
+    assert len(TRACES) == before
+
+
+def test_bad_hyper_is_named(ens):
+    common = dict(steps=2, batch_size=BATCH, key=KEY, progress=False)
+    with pytest.raises(
+        ValueError, match=r"`hyper` leaf `\['decay'\]` has shape \(2,\)"
+    ):
+        ee.fit(ens, decayed_loss, ADAM, (X, Y), hyper={"decay": jnp.zeros(2)}, **common)
+    with pytest.raises(TypeError, match="Add a `hyper` parameter"):
+        ee.fit(ens, mse_loss, ADAM, (X, Y), hyper={"decay": jnp.zeros(3)}, **common)
+    with pytest.raises(ValueError, match="non-finite"):
+        ee.fit(
+            ens,
+            decayed_loss,
+            ADAM,
+            (X, Y),
+            hyper={"decay": jnp.array([0.0, jnp.nan, 0.0])},
+            **common,
+        )
+    with pytest.raises(TypeError, match="is a float"):
+        ee.fit(ens, decayed_loss, ADAM, (X, Y), hyper={"decay": 0.1}, **common)
