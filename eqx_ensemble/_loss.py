@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from ._tree import is_traced
+
 
 def _split_loss_output(out: Any, stateful: bool) -> tuple[Array, Any, Any]:
     if stateful:
@@ -171,7 +173,7 @@ def check_hyper(hyper: PyTree[Any], size: int) -> None:
             or leaf.dtype == bool
         ):
             raise TypeError(f"{where} has dtype {leaf.dtype}; use real numbers")
-        if not isinstance(leaf, jax.core.Tracer) and not bool(
+        if not is_traced(leaf) and not bool(
             jnp.all(jnp.isfinite(jnp.asarray(leaf)))
         ):
             raise ValueError(f"{where} holds non-finite values: {leaf}")
