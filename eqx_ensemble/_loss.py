@@ -173,7 +173,5 @@ def check_hyper(hyper: PyTree[Any], size: int) -> None:
             or leaf.dtype == bool
         ):
             raise TypeError(f"{where} has dtype {leaf.dtype}; use real numbers")
-        if not is_traced(leaf) and not bool(
-            jnp.all(jnp.isfinite(jnp.asarray(leaf)))
-        ):
+        if not is_traced(leaf) and not bool(jnp.all(jnp.isfinite(jnp.asarray(leaf)))):
             raise ValueError(f"{where} holds non-finite values: {leaf}")

@@ -106,7 +106,7 @@ class _WithoutReplacement(Sampling):
                 "`sampling=ee.Bootstrap()` (sampling with replacement)"
             )
 
-    def _data_keys(self, data_key: PRNGKeyArray, size: int) -> PRNGKeyArray:
+    def _data_keys(self, data_key: PRNGKeyArray, size: int) -> Any:
         return jax.random.split(data_key, size) if self.per_member else data_key
 
     def indices(self, data_key, prepared, step, *, n, batch_size, size):

@@ -206,8 +206,8 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
         with mesh_context(self.mesh):
-            compiled = _compiled_step(self._options(ens, batch))
-            return compiled(self, ens, opt_state, batch, key, state, hyper)
+            compiled = _compiled_step(self, self._options(ens, batch))
+            return compiled(ens, opt_state, batch, key, state, hyper)
 
     def lower(
         self,
@@ -221,8 +221,11 @@ class Step(eqx.Module):
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
         with mesh_context(self.mesh):
-            compiled: Any = _compiled_step(self._options(ens, batch))
-            return compiled.lower(self, ens, opt_state, batch, key, state, hyper)
+            compiled: Any = _compiled_step(self, self._options(ens, batch))
+            if isinstance(compiled, functools.partial):  # a step holding arrays
+                generic: Any = compiled.func
+                return generic.lower(self, ens, opt_state, batch, key, state, hyper)
+            return compiled.lower(ens, opt_state, batch, key, state, hyper)
 
     def _options(self, ens: Any, batch: Any) -> Options:
         # The options depend on the inputs' sizes (see `_xla`).
@@ -240,8 +243,8 @@ def _step_impl(
     opt_state: PyTree[Any],
     batch: PyTree[Any],
     key: PRNGKeyArray,
-    state: PyTree[Any],
-    hyper: PyTree[Any],
+    state: PyTree[Any] = None,
+    hyper: PyTree[Any] = None,
 ) -> StepOutput:
     if not isinstance(ens, Ensemble):
         raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
@@ -269,9 +272,26 @@ def _step_impl(
     return StepOutput(Ensemble(members), new_opt_state, losses, aux, new_state)
 
 
+def _compiled_step(step: Step, options: Options) -> Callable[..., StepOutput]:
+    """The compiled step: one `filter_jit` wrapper per step (equal steps are one)
+    and set of XLA options, each with its own cache, taking the arguments of a
+    step call. A step holding arrays (a `loss_fn` that is a Module with weights)
+    cannot be a cache key; it is passed as a traced argument instead."""
+    try:
+        hash(step)
+    except TypeError:
+        generic = _compiled_generic(options)
+        return functools.partial(generic, step)
+    return _compiled_for(step, options)
+
+
 @functools.cache
-def _compiled_step(options: Options) -> Callable[..., StepOutput]:
-    # One `filter_jit` wrapper per set of XLA options, each with its own cache.
+def _compiled_for(step: Step, options: Options) -> Callable[..., StepOutput]:
+    return filter_jit(functools.partial(_step_impl, step), options)
+
+
+@functools.cache
+def _compiled_generic(options: Options) -> Callable[..., StepOutput]:
     return filter_jit(_step_impl, options)
 
 

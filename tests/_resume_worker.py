@@ -45,8 +45,7 @@ def train(checkpoint_dir, kill_at=None, steps=200, sampling="bootstrap"):
         key=jax.random.key(42),
         sampling=sampling,
         steps_per_dispatch=30,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=40,
+        checkpoints=ee.Checkpoints(checkpoint_dir, every=40),
         callback=callback,
         progress=False,
     )

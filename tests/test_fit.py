@@ -430,9 +430,9 @@ def test_evaluation_and_best_members(mlp_ens):
         ADAM,
         steps=steps,
         steps_per_dispatch=per_dispatch,
-        eval_fn=eval_distance,
-        eval_data=EVAL_DATA,
-        eval_every=every,
+        evaluate=ee.Evaluate(
+            lambda m, d, k: eval_distance(m, d), EVAL_DATA, every=every
+        ),
     )
     eval_steps = list(range(every, steps + 1, every))
     np.testing.assert_array_equal(result.history.eval_steps, eval_steps)
@@ -478,9 +478,9 @@ def test_evaluation_of_stateful_members():
         ens,
         batchnorm_loss,
         ADAM,
-        eval_fn=batchnorm_eval,
-        eval_data=EVAL_DATA,
-        eval_every=5,
+        evaluate=ee.Evaluate(
+            lambda m, s, d, k: batchnorm_eval(m, s, d), EVAL_DATA, every=5
+        ),
         **common,
     )
     halfway = fit(ens, batchnorm_loss, ADAM, **{**common, "steps": 5})
@@ -658,13 +658,15 @@ def test_unknown_sampling(mlp_ens):
         fit(mlp_ens, mse_loss, ADAM, sampling="bagging")
 
 
-def test_eval_fn_without_eval_every(mlp_ens):
-    with pytest.raises(ValueError, match="`eval_every`"):
-        fit(mlp_ens, mse_loss, ADAM, eval_fn=eval_mse, eval_data=EVAL_DATA)
+def test_evaluate_without_every():
+    with pytest.raises(TypeError, match="every"):
+        ee.Evaluate(eval_mse, EVAL_DATA)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="`Evaluate.every` must be at least 1"):
+        ee.Evaluate(eval_mse, EVAL_DATA, every=0)
 
 
 def test_non_scalar_eval_score(mlp_ens):
-    def per_example_eval(model, eval_data):
+    def per_example_eval(model, eval_data, key):
         xe, ye = eval_data
         return (jax.vmap(model)(xe) - ye) ** 2
 
@@ -673,9 +675,7 @@ def test_non_scalar_eval_score(mlp_ens):
             mlp_ens,
             mse_loss,
             ADAM,
-            eval_fn=per_example_eval,
-            eval_data=EVAL_DATA,
-            eval_every=5,
+            evaluate=ee.Evaluate(per_example_eval, EVAL_DATA, every=5),
         )
 
 

@@ -788,7 +788,7 @@ def test_make_step_is_a_module_with_lower(ens):
     args = (ens, opt_state, (X[:8], Y[:8]), KEY)
     compiled = step.lower(*args).compile()
     out = step(*args)
-    again = compiled(step, *args, None, None)
+    again = compiled(*args)
     assert_tree_allclose(out.ensemble, again.ensemble)
     assert ee.make_step(mse_loss, ADAM) == step
 

@@ -43,8 +43,7 @@ def test_resume_after_exception_in_callback_is_bit_exact(tmp_path):
             key=jax.random.key(42),
             sampling="bootstrap",
             steps_per_dispatch=30,
-            checkpoint_dir=tmp_path / "run",
-            checkpoint_every=40,
+            checkpoints=ee.Checkpoints(tmp_path / "run", every=40),
             callback=interrupt,
             progress=False,
         )
@@ -90,7 +89,9 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
 
 def test_resume_refuses_a_different_run(tmp_path):
     ens, loss_fn, optimizer, data = problem()
-    common = dict(steps=40, batch_size=16, progress=False, checkpoint_dir=tmp_path)
+    common = dict(
+        steps=40, batch_size=16, progress=False, checkpoints=ee.Checkpoints(tmp_path)
+    )
     ee.fit(ens, loss_fn, optimizer, data, key=jax.random.key(1), **common)
     with pytest.raises(ee.CheckpointError, match="different PRNG key"):
         ee.fit(ens, loss_fn, optimizer, data, key=jax.random.key(2), **common)
@@ -117,9 +118,10 @@ def test_resume_continues_to_more_steps(tmp_path):
         batch_size=16, key=jax.random.key(3), progress=False, steps_per_dispatch=40
     )
     straight = ee.fit(ens, loss_fn, optimizer, data, steps=120, **common)
-    ee.fit(ens, loss_fn, optimizer, data, steps=80, checkpoint_dir=tmp_path, **common)
+    run = ee.Checkpoints(tmp_path)
+    ee.fit(ens, loss_fn, optimizer, data, steps=80, checkpoints=run, **common)
     extended = ee.fit(
-        ens, loss_fn, optimizer, data, steps=120, checkpoint_dir=tmp_path, **common
+        ens, loss_fn, optimizer, data, steps=120, checkpoints=run, **common
     )
     assert extended.step == 120
     for a, b in zip(
@@ -141,35 +143,13 @@ def test_checkpoints_keep_the_last_n(tmp_path):
         key=jax.random.key(0),
         progress=False,
         steps_per_dispatch=10,
-        checkpoint_dir=tmp_path,
-        checkpoint_every=20,
-        keep_checkpoints=2,
+        checkpoints=ee.Checkpoints(tmp_path, every=20, keep=2),
     )
     assert [s for s, _ in ee.list_checkpoints(tmp_path)] == [80, 100]
 
 
 def test_checkpoint_arguments_are_checked(tmp_path):
-    ens, loss_fn, optimizer, data = problem()
-    with pytest.raises(ValueError, match="needs a `checkpoint_dir`"):
-        ee.fit(
-            ens,
-            loss_fn,
-            optimizer,
-            data,
-            steps=10,
-            batch_size=4,
-            key=jax.random.key(0),
-            checkpoint_every=5,
-        )
-    with pytest.raises(ValueError, match="`checkpoint_every` must be at least 1"):
-        ee.fit(
-            ens,
-            loss_fn,
-            optimizer,
-            data,
-            steps=10,
-            batch_size=4,
-            key=jax.random.key(0),
-            checkpoint_dir=tmp_path,
-            checkpoint_every=0,
-        )
+    with pytest.raises(ValueError, match="`Checkpoints.every` must be at least 1"):
+        ee.Checkpoints(tmp_path, every=0)
+    with pytest.raises(ValueError, match="`Checkpoints.keep` must be at least 1"):
+        ee.Checkpoints(tmp_path, keep=0)

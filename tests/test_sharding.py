@@ -263,8 +263,8 @@ def _reference(sampling: str, with_eval: bool):
     return _fit(None, sampling, with_eval, presharded=False)
 
 
-def _eval_fn(model, data):
-    return _loss(model, data, None)
+def _eval_fn(model, data, key):
+    return _loss(model, data, key)
 
 
 def _fit(mesh, sampling, with_eval, presharded, steps=7):
@@ -275,7 +275,7 @@ def _fit(mesh, sampling, with_eval, presharded, steps=7):
         data = ee.shard(data, mesh, axes="data")
     extra = {}
     if with_eval:
-        extra = dict(eval_fn=_eval_fn, eval_data=_data(16), eval_every=2)
+        extra = dict(evaluate=ee.Evaluate(_eval_fn, _data(16), every=2))
     return ee.fit(
         ens,
         _loss,
@@ -416,7 +416,7 @@ def test_fit_resumes_on_a_mesh(tmp_path):
         steps_per_dispatch=3,
         progress=False,
         mesh=mesh,
-        checkpoint_dir=tmp_path,
+        checkpoints=ee.Checkpoints(tmp_path),
     )
     ens = _mlp_ensemble()
     ee.fit(ens, _loss, optax.adam(1e-2), _data(), steps=3, **kwargs)

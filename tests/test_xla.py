@@ -178,7 +178,7 @@ def test_unknown_option_is_named_before_any_step(tmp_path):
             {"xla_cpu_no_such_option": True},
             steps=2,
             batch_size=8,
-            checkpoint_dir=tmp_path,
+            checkpoints=ee.Checkpoints(tmp_path),
             callback=calls.append,
         )
     assert calls == []

@@ -1,0 +1,93 @@
+"""Samplings: the chunk precomputation gives exactly the per-step indices, and the
+per-step indices follow the documented recipe (written here with `jax.random`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_ensemble as ee
+from eqx_ensemble._sampling import as_sampling
+
+
+@pytest.mark.parametrize("name", ["shared", "independent", "bootstrap"])
+@pytest.mark.parametrize(
+    "n, batch_size, chunk, first_step",
+    [
+        (64, 16, 10, 0),
+        (64, 16, 10, 7),
+        (50, 7, 13, 23),
+        (256, 16, 100, 3),
+        (10, 5, 4, 1),
+    ],
+)
+def test_chunk_indices_match_per_step_indices(name, n, batch_size, chunk, first_step):
+    size = 3
+    sampling = as_sampling(name)
+    data_key, bootstrap_key = jax.random.split(jax.random.key(0))
+    prepared = sampling.prepare(bootstrap_key, size, n)
+
+    @jax.jit
+    def planned(first):
+        sample = sampling.chunk_indices(
+            data_key,
+            prepared,
+            first,
+            n=n,
+            batch_size=batch_size,
+            size=size,
+            chunk=chunk,
+        )
+        return jax.lax.map(sample, first + jnp.arange(chunk, dtype=jnp.int32))
+
+    got = np.asarray(planned(jnp.array(first_step, dtype=jnp.int32)))
+    for offset in range(chunk):
+        step = jnp.array(first_step + offset, dtype=jnp.int32)
+        expected = sampling.indices(
+            data_key, prepared, step, n=n, batch_size=batch_size, size=size
+        )
+        np.testing.assert_array_equal(got[offset], np.asarray(expected))
+
+
+@pytest.mark.parametrize("step", [0, 3, 9])
+def test_indices_follow_the_documented_recipe(step):
+    n, batch_size, size = 20, 4, 3
+    data_key, bootstrap_key = jax.random.split(jax.random.key(1))
+    per_epoch = n // batch_size
+    order = jax.random.permutation(jax.random.fold_in(data_key, step // per_epoch), n)
+    start = (step % per_epoch) * batch_size
+    shared = ee.Shared().indices(
+        data_key, None, jnp.int32(step), n=n, batch_size=batch_size, size=size
+    )
+    np.testing.assert_array_equal(shared, order[start : start + batch_size])
+    independent = ee.Independent().indices(
+        data_key, None, jnp.int32(step), n=n, batch_size=batch_size, size=size
+    )
+    for i, member_key in enumerate(jax.random.split(data_key, size)):
+        member_order = jax.random.permutation(
+            jax.random.fold_in(member_key, step // per_epoch), n
+        )
+        np.testing.assert_array_equal(
+            independent[i], member_order[start : start + batch_size]
+        )
+    bootstrap = ee.Bootstrap()
+    resamples = bootstrap.prepare(bootstrap_key, size, n)
+    positions = jax.random.randint(
+        jax.random.fold_in(data_key, step), (size, batch_size), 0, n
+    )
+    drawn = bootstrap.indices(
+        data_key, resamples, jnp.int32(step), n=n, batch_size=batch_size, size=size
+    )
+    for i, resample_key in enumerate(jax.random.split(bootstrap_key, size)):
+        resample = jax.random.randint(resample_key, (n,), 0, n)
+        np.testing.assert_array_equal(drawn[i], resample[positions[i]])
+
+
+def test_in_bag_counts_rebuild_the_resamples():
+    key, size, n = jax.random.key(7), 4, 30
+    bootstrap_key = jax.random.split(key, 3)[1]
+    counts = np.asarray(ee.Bootstrap().in_bag(key, size=size, num_examples=n))
+    for i, resample_key in enumerate(jax.random.split(bootstrap_key, size)):
+        resample = np.asarray(jax.random.randint(resample_key, (n,), 0, n))
+        np.testing.assert_array_equal(counts[i], np.bincount(resample, minlength=n))
+    assert counts.sum(axis=1).tolist() == [n] * size
