@@ -142,6 +142,8 @@ def prepare(
         n = num_examples(data)
         sampling.check(n, batch_size, size)
         _check_batch_memory(data, batch_size, size if sampling.per_member else 1)
+        if mesh is not None:
+            mesh = check_fit_mesh(mesh, size, batch_size)
     elif isinstance(sampling, Bootstrap):
         raise ValueError(
             "`ee.Bootstrap()` resamples array data; a stream cannot be resampled. "
@@ -212,7 +214,7 @@ def prepare(
         batch_size = examples
         data = None
     assert batch_size is not None
-    if mesh is not None:
+    if streamed and mesh is not None:
         mesh = check_fit_mesh(mesh, size, batch_size)
     if steps_per_dispatch is None:
         steps_per_dispatch = default_steps_per_dispatch(

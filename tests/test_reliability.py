@@ -273,16 +273,14 @@ def test_divergence_record_survives_interrupt_and_resume(
             optimizer,
             sampling,
             WILD_LR,
-            checkpoint_dir=folder,
-            checkpoint_every=every,
-            keep_checkpoints=2,
+            checkpoints=ee.Checkpoints(folder, every=every, keep=2),
             callback=interrupt,
         )
     assert [s for s, _ in ee.list_checkpoints(folder)] == [stop - every, stop][
         -min(2, stop // every) :
     ]
     resumed = run(
-        optimizer, sampling, WILD_LR, checkpoint_dir=folder, checkpoint_every=every
+        optimizer, sampling, WILD_LR, checkpoints=ee.Checkpoints(folder, every=every)
     )
     assert resumed.step == STEPS
     assert resumed.diverged == straight.diverged == {WILD: step}
@@ -295,8 +293,7 @@ def test_divergence_record_survives_interrupt_and_resume(
         sampling,
         WILD_LR,
         steps=STEPS + PER_DISPATCH,
-        checkpoint_dir=folder,
-        checkpoint_every=every,
+        checkpoints=ee.Checkpoints(folder, every=every),
     )
     assert extended.diverged == {WILD: step}
     assert_bitwise_equal(extended.ensemble[WILD], straight.ensemble[WILD])
@@ -873,11 +870,11 @@ def _fit_vector(model, batch, key):
     return jax.vmap(model)(batch[0])[:, 0]
 
 
-def _vector_eval(model, data):
+def _vector_eval(model, data, key):
     return jax.vmap(model)(data)
 
 
-def _one_element_eval(model, data):
+def _one_element_eval(model, data, key):
     return jnp.mean(jax.vmap(model)(data), axis=0)
 
 
@@ -1027,12 +1024,6 @@ FIT_ERRORS = [
         r"`fit` expects an `ee\.Ensemble`, got MLP",
     ),
     (
-        "checkpoint-every-0",
-        dict(checkpoint_every=0),
-        ValueError,
-        r"`checkpoint_every` must be at least 1, got 0",
-    ),
-    (
         "model-state-of-other-size",
         dict(
             ens=Lazy(lambda o: ee.Ensemble(_batchnorm_states(3)[0])),
@@ -1044,25 +1035,24 @@ FIT_ERRORS = [
     ),
     (
         "eval-fn-non-scalar",
-        dict(eval_fn=_vector_eval, eval_data=FIT_X, eval_every=1),
+        dict(evaluate=ee.Evaluate(_vector_eval, FIT_X, every=1)),
         ValueError,
-        r"`eval_fn` must return a scalar score .* got shape \(8, 1\)",
+        r"`Evaluate`'s `fn` must return a scalar score .* got shape \(8, 1\)",
     ),
     (
         "eval-fn-one-element",
-        dict(eval_fn=_one_element_eval, eval_data=FIT_X, eval_every=1),
+        dict(evaluate=ee.Evaluate(_one_element_eval, FIT_X, every=1)),
         ValueError,
-        r"`eval_fn` must return a scalar score .* got shape \(1,\)",
+        r"`Evaluate`'s `fn` must return a scalar score .* got shape \(1,\)",
     ),
 ]
 
 
-# Resuming the finished run (saved without `eval_fn`) with an `eval_fn` is refused
-# first, by the verified load of its checkpoint (a different run: see the guide).
+# Resuming the finished run (saved without evaluation) with an evaluation is
+# refused first, by the run contract (a different run: see the guide).
 _NO_BEST_IN_CHECKPOINT = (
     ee.CheckpointError,
-    r"node `\['train_state'\]\.best_ensemble` is of type NoneType in the "
-    r"checkpoint but of type Ensemble in `like`",
+    r"different `eval_every` \(None there, 1 now\)",
 )
 RESUMED_ERRORS = {
     "eval-fn-non-scalar": _NO_BEST_IN_CHECKPOINT,
@@ -1081,8 +1071,7 @@ def _fit_call(bad, checkpoint_dir, callback, steps=4, **overrides):
         batch_size=2,
         key=bad.key,
         steps_per_dispatch=2,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=2,
+        checkpoints=ee.Checkpoints(checkpoint_dir, every=2),
         callback=callback,
         progress=False,
     )
@@ -1159,7 +1148,7 @@ def test_resume_into_another_architecture_names_the_leaf(bad, finished_run, tmp_
             steps=8,
             batch_size=2,
             key=bad.key,
-            checkpoint_dir=folder,
+            checkpoints=ee.Checkpoints(folder),
             progress=False,
         )
     assert folder_snapshot(folder) == before
@@ -1312,7 +1301,7 @@ def _noisy_loss(model, batch, key):
     return jnp.mean((jax.vmap(model)(xb * keep) - yb) ** 2)
 
 
-def _distance_score(model, data):
+def _distance_score(model, data, key):
     # Not monotone in training time, so the best evaluation is not just the last.
     xe, ye = data
     return jnp.abs(jnp.mean((jax.vmap(model)(xe) - ye) ** 2) - 0.5)
@@ -1324,9 +1313,9 @@ def _resume_fit(ens, optimizer, size, eval_every, **kwargs):
         hyperparams = {"learning_rate": jnp.linspace(1e-3, 3e-2, size)}
     if eval_every is not None:
         kwargs.update(
-            eval_fn=_distance_score,
-            eval_data=(RESUME_X, RESUME_Y),
-            eval_every=eval_every,
+            evaluate=ee.Evaluate(
+                _distance_score, (RESUME_X, RESUME_Y), every=eval_every
+            )
         )
     return ee.fit(
         ens,
@@ -1367,9 +1356,7 @@ def interrupted_then_resumed(fit, folder, stop, every, steps, **resume_kwargs):
 
     try:
         fit(
-            checkpoint_dir=folder,
-            checkpoint_every=every,
-            keep_checkpoints=None,
+            checkpoints=ee.Checkpoints(folder, every=every, keep=None),
             callback=interrupt,
         )
     except Interrupt:
@@ -1379,7 +1366,8 @@ def interrupted_then_resumed(fit, folder, stop, every, steps, **resume_kwargs):
     if reached == steps and steps % every:  # finished: a last one at the end
         expected.append(steps)
     assert [step for step, _ in ee.list_checkpoints(folder)] == expected
-    return fit(**{"checkpoint_dir": folder, "checkpoint_every": every, **resume_kwargs})
+    resume_every = resume_kwargs.pop("checkpoint_every", every)
+    return fit(checkpoints=ee.Checkpoints(folder, every=resume_every), **resume_kwargs)
 
 
 FIT_RESUME_EXAMPLES = given(
@@ -1477,7 +1465,7 @@ def _stateful_loss(model, state, batch, key):
     return jnp.mean((pred - yb) ** 2), state
 
 
-def _stateful_score(model, state, data):
+def _stateful_score(model, state, data, key):
     # Lower is better: minus the error, so every member's best is an early
     # evaluation, made before the interrupt, that must survive the resume.
     xe, ye = data
@@ -1503,9 +1491,7 @@ def test_batchnorm_dropout_and_best_members_resume_exactly(tmp_path):
         key=jax.random.key(5),
         sampling="independent",
         state=states,
-        eval_fn=_stateful_score,
-        eval_data=(RESUME_X, RESUME_Y),
-        eval_every=2,
+        evaluate=ee.Evaluate(_stateful_score, (RESUME_X, RESUME_Y), every=2),
         steps_per_dispatch=3,
         progress=False,
     )
@@ -1545,11 +1531,10 @@ def test_resume_on_another_device_count_and_mesh(tmp_path):
         with pytest.raises(Interrupt):
             fit(
                 mesh=first,
-                checkpoint_dir=folder,
-                checkpoint_every=4,
+                checkpoints=ee.Checkpoints(folder, every=4),
                 callback=lambda result: _raise_if(result.step >= 8),
             )
-        resumed = fit(mesh=second, checkpoint_dir=folder, checkpoint_every=4)
+        resumed = fit(mesh=second, checkpoints=ee.Checkpoints(folder, every=4))
         assert resumed.step == 12 and resumed.diverged == {}
         for got, want in zip(
             jax.tree.leaves(eqx.filter(resumed.ensemble, eqx.is_array)),
