@@ -7,7 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
 
 def check_positive_int(value: Any, name: str) -> int:
@@ -81,12 +81,9 @@ class Evaluate(eqx.Module):
         self,
         members: PyTree[Any],
         model_state: PyTree[Any],
-        key: PRNGKeyArray,
-        done: Int[Array, ""],
-        size: int,
+        member_keys: Key[Array, " members"] | UInt32[Array, " members 2"],
     ) -> Float[Array, " members"]:
-        """Every member's score after `done` steps (`key`: `fold_in(fit_key, 3)`)."""
-        member_keys = jax.random.split(jax.random.fold_in(key, done), size)
+        """Every member's score, member `i` called with `member_keys[i]`."""
         stateful = model_state is not None
 
         def one(member, state, member_key):
@@ -109,3 +106,8 @@ class Evaluate(eqx.Module):
 def eval_key(key: PRNGKeyArray) -> PRNGKeyArray:
     """The key evaluations derive from (documented in `Evaluate`)."""
     return jax.random.fold_in(key, 3)
+
+
+def eval_member_keys(key: PRNGKeyArray, done: Int[Array, ""], size: int) -> Any:
+    """The members' keys of the evaluation after `done` steps (`key`: `eval_key`)."""
+    return jax.random.split(jax.random.fold_in(key, done), size)

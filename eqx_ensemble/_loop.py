@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._ensemble import Ensemble
-from ._evaluate import Evaluate
+from ._evaluate import Evaluate, eval_member_keys
 from ._sampling import Sampling
 from ._sharding import DATA, MEMBERS, constrain, gather_batch, place_state, replicate
 from ._step import vmapped_update
@@ -148,12 +148,13 @@ def _evaluate(
 
     def run(dynamic_ts):
         current = eqx.combine(dynamic_ts, static)
+        member_keys = constrain(
+            eval_member_keys(chunk.eval_key, current.step, chunk.size),
+            chunk.mesh,
+            (MEMBERS,),
+        )
         scores = evaluate.scores(
-            current.ensemble.members,
-            current.model_state,
-            chunk.eval_key,
-            current.step,
-            chunk.size,
+            current.ensemble.members, current.model_state, member_keys
         )
         return constrain(scores, chunk.mesh, (MEMBERS,))
 

@@ -39,6 +39,16 @@ class Sampling(eqx.Module):
     carry a member axis (`per_member`), prepares per-run arrays from the run's
     bootstrap key (`prepare`), and gives the example indices of a step
     (`indices`).
+
+    **Example:**
+
+    ```python
+    sampling = ee.Shared()
+    rows = sampling.indices(jax.random.key(0), None, jnp.int32(3), n=10,
+                            batch_size=4, size=2)       # step 3's 4 rows, shared
+    per_member = ee.Independent().indices(jax.random.key(0), None, jnp.int32(3),
+                                          n=10, batch_size=4, size=2)   # (2, 4)
+    ```
     """
 
     per_member: ClassVar[bool]

@@ -30,7 +30,26 @@ from ._optim import trainable
 class Tracker(eqx.Module):
     """A weight-trajectory method run inside [`fit`][eqx_ensemble.fit]'s compiled
     loop (abstract). See [`ee.EMA`][eqx_ensemble.EMA] for a complete example and
-    the training guide for the protocol: `init`, `update`, `result`, `check`."""
+    the training guide for the protocol: `init`, `update`, `result`, `check`.
+
+    **Example:**
+
+    ```python
+    class LastWeights(ee.Tracker):
+        def init(self, members):
+            return eqx.filter(members, eqx.is_inexact_array)
+
+        def update(self, state, members, done):
+            return eqx.filter(members, eqx.is_inexact_array)
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=3, batch_size=4,
+                    key=jax.random.key(1), track=[LastWeights()], progress=False)
+    ```
+    """
 
     @abc.abstractmethod
     def init(self, members: PyTree[Any]) -> PyTree[Any]:
