@@ -9,6 +9,7 @@ documented in `_checkpoint_file.py` and in `ee.save`'s docstring.
 """
 
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,8 @@ from ._checkpoint_file import (
     FORMAT_NAME,
     FORMAT_VERSION,
     CheckpointFile,
+    as_path,
+    remove_stale_temporaries,
     write_file,
 )
 from ._checkpoint_leaves import decode_leaf, encode_leaves
@@ -103,7 +106,7 @@ def save(
     ee.load_manifest("ensemble.ckpt")["metadata"]   # {'epoch': 3}
     ```
     """
-    return save_tree(Path(path), tree, metadata=metadata)
+    return save_tree(as_path(path, "path"), tree, metadata=metadata)
 
 
 def save_tree(
@@ -138,6 +141,7 @@ def save_tree(
 
     def write() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path)
         write_file(path, manifest, chunks)
         if after_write is not None:
             after_write()
@@ -234,7 +238,7 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
     assert eqx.tree_equal(restored, ens)
     ```
     """
-    path = Path(path)
+    path = as_path(path, "path")
     like_leaves, like_treedef = jtu.tree_flatten_with_path(like)
     for leaf_path, leaf in like_leaves:
         if is_traced(leaf):
@@ -263,7 +267,15 @@ def _verified_records(
             or _first_mismatch(records, like_leaves)
             or _layout_error(records, file.data_bytes)
         )
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+        RecursionError,
+    ) as error:
         raise file.error(f"the manifest is malformed ({error!r})") from None
     if message is not None:
         raise file.error(message)
@@ -296,6 +308,10 @@ def _first_mismatch(
                 f"leaf `{keystr(path)}` differs: the checkpoint holds "
                 f"{describe(record)}, `like` holds {describe(expected)}"
             )
+        if record["kind"] == "key":
+            mismatch = _key_mismatch(record, like_leaf)
+            if mismatch is not None:
+                return f"leaf `{keystr(path)}` differs: the checkpoint holds {mismatch}"
     return None
 
 
@@ -306,14 +322,43 @@ def _layout_error(records: list[dict[str, Any]], data_bytes: int) -> str | None:
         key = record["kind"] == "key"
         dtype = jnp.dtype(record["data_dtype"] if key else record["dtype"])
         shape = record["data_shape"] if key else record["shape"]
-        offset, nbytes = int(record["offset"]), int(record["nbytes"])
-        count = int(np.prod(shape, dtype=np.int64))
+        offset, nbytes = record["offset"], record["nbytes"]
+        where = f"the manifest entry of leaf `{record['path']}`"
+        if not (
+            isinstance(shape, list)
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+            and all(d >= 0 for d in shape)
+            and isinstance(offset, int)
+            and isinstance(nbytes, int)
+        ):
+            return f"{where} is malformed: shape {shape!r}, offset {offset!r}"
+        # Exact integers: a forged shape cannot overflow into a plausible size.
+        count = math.prod(shape)
         if nbytes != count * dtype.itemsize or not 0 <= offset <= data_bytes - nbytes:
             return (
-                f"the manifest entry of leaf `{record['path']}` is inconsistent: "
-                f"{nbytes} bytes at offset {offset} of {data_bytes} for "
-                f"{dtype.name}{tuple(shape)}"
+                f"{where} is inconsistent: {nbytes} bytes at offset {offset} of "
+                f"{data_bytes} for {dtype.name}{tuple(shape)}"
             )
+    return None
+
+
+def _key_mismatch(record: dict[str, Any], like_leaf: Any) -> str | None:
+    """A key leaf's implementation and key-data shape against `like`'s."""
+    expected_data = jax.eval_shape(jax.random.key_data, like_leaf)
+    try:
+        impl = str(jax.random.key_impl(like_leaf))
+    except (TypeError, ValueError):
+        impl = str(getattr(like_leaf.dtype, "_impl", record.get("impl")))
+    if record.get("impl") != impl:
+        return f"a key of implementation {record.get('impl')!r}, `like` holds {impl!r}"
+    if (
+        record.get("data_shape") != list(expected_data.shape)
+        or record.get("data_dtype") != np.dtype(expected_data.dtype).name
+    ):
+        return (
+            f"key data {record.get('data_dtype')}{record.get('data_shape')}, `like` "
+            f"holds {np.dtype(expected_data.dtype).name}{list(expected_data.shape)}"
+        )
     return None
 
 
@@ -344,5 +389,5 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     # ({'a': 1}, ["['key']", "['lr']"])
     ```
     """
-    with CheckpointFile(Path(path)) as file:
+    with CheckpointFile(as_path(path, "path")) as file:
         return file.manifest

@@ -4,6 +4,7 @@
 import contextlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,13 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._checkpoint import save_tree
-from ._checkpoint_file import TEMP_SUFFIX, fsync_directory
+from ._checkpoint_file import (
+    TEMP_SUFFIX,
+    CheckpointError,
+    as_path,
+    fsync_directory,
+    write_file,
+)
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
 __all__ = ["latest_checkpoint", "list_checkpoints", "save_checkpoint"]
@@ -51,6 +58,7 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     [step for step, _ in ee.list_checkpoints("run")]   # [10, 20, 30]
     ```
     """
+    directory = as_path(directory, "directory")
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -58,8 +66,9 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     found = []
     for name in names:
         match = _CHECKPOINT_NAME.match(name)
-        if match is not None:
-            found.append((int(match.group(1)), Path(directory) / name))
+        if match is not None and (directory / name).is_file():
+            # (a folder or a named pipe under a checkpoint's name is not one)
+            found.append((int(match.group(1)), directory / name))
     return sorted(found)
 
 
@@ -137,7 +146,7 @@ def save_checkpoint(
     ):
         raise ValueError(f"`keep` must be None or an integer >= 1, got {keep!r}")
     step = int(step)
-    directory = Path(directory)
+    directory = as_path(directory, "directory")
     path = checkpoint_path(directory, step)
 
     def prune() -> None:
@@ -160,3 +169,39 @@ def _prune(directory: Path, *, keep: int | None, written: Path) -> None:
             os.unlink(path)
     if doomed:
         fsync_directory(directory)
+
+
+def check_writable_directory(directory: str | os.PathLike[str]) -> Path:
+    """Create `directory` if needed and check a checkpoint can be written there
+    (by writing and removing a probe file the way checkpoints are written), or
+    raise a `CheckpointError` naming the folder and the reason: called before
+    training, so a bad path costs no work."""
+    path = as_path(directory, "directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".eqx_ensemble_write_probe"
+        write_file(probe, {"format": "probe"}, [b"probe"])
+        os.unlink(probe)
+    except OSError as error:
+        raise CheckpointError(
+            f"Cannot write checkpoints to {path}: {error.strerror or error}. Choose "
+            "a folder that can be created and written (nothing was trained yet)"
+        ) from error
+    return path
+
+
+def newest_intact_checkpoint(
+    directory: str | os.PathLike[str], verify: Callable[[Path], None]
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint of a folder that `verify` accepts (it raises a
+    `CheckpointError` or `OSError` for one it cannot use), and the newer ones
+    skipped, with the reason."""
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            verify(path)
+        except (CheckpointError, OSError) as error:
+            skipped.append((path, str(error)))
+            continue
+        return path, skipped
+    return None, skipped

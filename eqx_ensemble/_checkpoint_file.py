@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -69,6 +70,17 @@ class CheckpointError(ValueError):
     """
 
 
+def as_path(value: Any, name: str) -> Path:
+    """A path argument as a `Path`, or a `TypeError` naming the argument (an int
+    would be taken by `os` functions as an open file descriptor)."""
+    if not isinstance(value, str | os.PathLike) or isinstance(value, bytes):
+        raise TypeError(
+            f"`{name}` must be a path (str or os.PathLike), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return Path(value)
+
+
 def aligned(offset: int) -> int:
     """`offset` rounded up to the data alignment."""
     return -(-offset // ALIGNMENT) * ALIGNMENT
@@ -101,6 +113,10 @@ def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
     # O_EXCL: never clobber; mode 0o666 so the umask applies as for any new file.
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
+        # Overwriting keeps the existing file's permissions (a checkpoint made
+        # private with chmod 600 stays private).
+        with contextlib.suppress(FileNotFoundError):
+            os.fchmod(descriptor, stat.S_IMODE(os.stat(path).st_mode))
         with os.fdopen(descriptor, "wb") as stream:
             stream.write(header)
             stream.write(manifest_bytes)
@@ -114,6 +130,39 @@ def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
             os.unlink(temporary)
         raise
     fsync_directory(directory)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "named pipe (FIFO)"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def temporary_pattern(target: Path) -> str:
+    """The glob of `write_file`'s temporary files for `target`."""
+    return f".{target.name}.*{TEMP_SUFFIX}"
+
+
+def remove_stale_temporaries(target: Path, *, older_than: float = 3600.0) -> None:
+    """Remove temporary files of earlier, interrupted writes to `target`: files of
+    this library's temporary naming for that target, not modified for
+    `older_than` seconds (a live writer keeps writing to its file; one whose write
+    takes longer than an hour between two chunks is not a case we serve)."""
+    import time
+
+    now = time.time()
+    for candidate in target.parent.glob(temporary_pattern(target)):
+        with contextlib.suppress(OSError):
+            status = candidate.lstat()
+            if stat.S_ISREG(status.st_mode) and now - status.st_mtime > older_than:
+                os.unlink(candidate)
 
 
 def fsync_directory(directory: Path) -> None:
@@ -136,9 +185,20 @@ class CheckpointFile:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self._stream = open(path, "rb")  # noqa: SIM115 (closed by __exit__)
+            mode = os.stat(path).st_mode
         except FileNotFoundError:
             raise FileNotFoundError(f"no checkpoint file at {path}") from None
+        if not stat.S_ISREG(mode):
+            raise self.error(
+                f"not a regular file (a {_file_kind(mode)}); a checkpoint is a file "
+                "written by `ee.save`"
+            )
+        # O_NONBLOCK: a special file swapped in after the check must not block.
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            os.close(descriptor)
+            raise self.error("not a regular file")
+        self._stream = os.fdopen(descriptor, "rb")
         try:
             self.manifest = self._read_manifest()
         except BaseException:
@@ -193,8 +253,9 @@ class CheckpointFile:
             data_bytes, data_sha256 = int(data["bytes"]), str(data["sha256"])
             version = manifest["format_version"]
             name = manifest["format"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise self.error(f"the manifest is malformed ({error})") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as error:
+            reason = "nested too deeply" if isinstance(error, RecursionError) else error
+            raise self.error(f"the manifest is malformed ({reason})") from None
         if name != FORMAT_NAME or not isinstance(version, int):
             raise self.error(f"unknown format {name!r} version {version!r}")
         if version > FORMAT_VERSION:

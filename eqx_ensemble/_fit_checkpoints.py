@@ -1,6 +1,7 @@
 """`Checkpoints`: where and when `fit` saves its run, and how it resumes it."""
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,30 +11,12 @@ import optax
 from jaxtyping import PyTree
 
 from ._checkpoint import load, load_manifest
-from ._checkpoint_dir import list_checkpoints, save_checkpoint
-
-try:  # TEMP(lead): until the checkpoint helper lands on main
-    from ._checkpoint_dir import (  # type: ignore[attr-defined]
-        check_writable_directory,
-        newest_intact_checkpoint,
-    )
-except ImportError:
-
-    def check_writable_directory(directory):  # type: ignore[misc]
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        return Path(directory)
-
-    def newest_intact_checkpoint(directory, verify):  # type: ignore[misc]
-        skipped = []
-        for _, path in reversed(list_checkpoints(directory)):
-            try:
-                verify(path)
-                return path, skipped
-            except CheckpointError as error:
-                skipped.append((path, str(error)))
-        return None, skipped
-
-
+from ._checkpoint_dir import (
+    check_writable_directory,
+    list_checkpoints,
+    newest_intact_checkpoint,
+    save_checkpoint,
+)
 from ._checkpoint_file import CheckpointError
 from ._ensemble import Ensemble
 from ._evaluate import Evaluate, check_positive_int
@@ -47,6 +30,10 @@ from ._train_state import TrainState
 
 _KIND = "eqx_ensemble.fit"
 _ON_CORRUPT = ("raise", "previous")
+
+
+class _RunMismatch(CheckpointError):
+    """An intact checkpoint of another run (never a reason to fall back)."""
 
 
 class Checkpoints(eqx.Module):
@@ -152,21 +139,34 @@ class Checkpoints(eqx.Module):
         than `steps` steps."""
         if not list_checkpoints(self.directory):
             return None
-        loaded: dict[Path, tuple[TrainState, History]] = {}
-
-        def verify(path: Path) -> None:
-            loaded[path] = self._read(path, template, run, steps)
-
         if self.on_corrupt == "raise":
             path = list_checkpoints(self.directory)[-1][1]
-            verify(path)
-            return loaded[path]
+            return self._read(path, template, run, steps)
+        loaded: dict[Path, tuple[TrainState, History]] = {}
+        refused: list[_RunMismatch] = []
+
+        def verify(path: Path) -> None:
+            try:
+                loaded[path] = self._read(path, template, run, steps)
+            except _RunMismatch as error:  # intact, but another run: no fallback
+                refused.append(error)
+
         path, skipped = newest_intact_checkpoint(self.directory, verify)
+        if refused:
+            raise refused[0]
         if path is None:
             reasons = "; ".join(f"{p.name}: {why}" for p, why in skipped)
             raise CheckpointError(
                 f"No intact checkpoint in {self.directory} ({reasons}); use another "
                 "folder to start a new run"
+            )
+        if skipped:
+            names = ", ".join(p.name for p, _ in skipped)
+            warnings.warn(
+                f"Resuming from {path.name}: the newer checkpoints {names} in "
+                f"{self.directory} cannot be read ({skipped[0][1]}); they are left "
+                "in place and will be replaced as the run continues",
+                stacklevel=4,
             )
         return loaded[path]
 
@@ -179,7 +179,7 @@ class Checkpoints(eqx.Module):
     ) -> tuple[TrainState, History]:
         metadata = load_manifest(path).get("metadata", {})
         if metadata.get("kind") != _KIND:
-            raise CheckpointError(
+            raise _RunMismatch(
                 f"{path} was not written by `ee.fit`; point `Checkpoints` at a folder "
                 "of fit checkpoints (or an empty one)"
             )
@@ -194,14 +194,14 @@ class Checkpoints(eqx.Module):
         for field, value in run.items():
             if saved_run.get(field) != value:
                 shown = "PRNG key" if field == "key" else f"`{field}`"
-                raise CheckpointError(
+                raise _RunMismatch(
                     f"Cannot resume from {path}: it was written by a run with a "
                     f"different {shown} ({saved_run.get(field)!r} there, {value!r} "
                     "now); exact resume needs the same run. Use another folder for a "
                     "new run."
                 )
         if steps is not None and step > steps:
-            raise CheckpointError(
+            raise _RunMismatch(
                 f"{path} holds a run at step {step}, past the `steps={steps}` asked "
                 f"for; ask for at least {step} steps (or use another folder)"
             )

@@ -738,15 +738,16 @@ def test_corrupt_newest_checkpoint_falls_back_when_asked(ens, tmp_path):
             checkpoints=ee.Checkpoints(tmp_path, every=4),
             **common,
         )
-    resumed = ee.fit(
-        ens,
-        mse_loss,
-        ADAM,
-        (X, Y),
-        steps=12,
-        checkpoints=ee.Checkpoints(tmp_path, every=4, on_corrupt="previous"),
-        **common,
-    )
+    with pytest.warns(UserWarning, match="Resuming from step_0000000004.ckpt"):
+        resumed = ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=12,
+            checkpoints=ee.Checkpoints(tmp_path, every=4, on_corrupt="previous"),
+            **common,
+        )
     assert eqx.tree_equal(resumed.ensemble, reference.ensemble)
 
 
