@@ -344,20 +344,21 @@ def _layout_error(records: list[dict[str, Any]], data_bytes: int) -> str | None:
 
 def _key_mismatch(record: dict[str, Any], like_leaf: Any) -> str | None:
     """A key leaf's implementation and key-data shape against `like`'s."""
-    expected_data = jax.eval_shape(jax.random.key_data, like_leaf)
+    name = record.get("impl")
     try:
-        impl = str(jax.random.key_impl(like_leaf))
-    except (TypeError, ValueError):
-        impl = str(getattr(like_leaf.dtype, "_impl", record.get("impl")))
-    if record.get("impl") != impl:
-        return f"a key of implementation {record.get('impl')!r}, `like` holds {impl!r}"
-    if (
-        record.get("data_shape") != list(expected_data.shape)
-        or record.get("data_dtype") != np.dtype(expected_data.dtype).name
+        saved_dtype = jax.random.key(0, impl=name).dtype
+    except (TypeError, ValueError, KeyError):
+        return f"a key of an unknown implementation {name!r}"
+    if saved_dtype != like_leaf.dtype:
+        return f"a key of implementation {name!r}, `like` holds {like_leaf.dtype}"
+    expected = jax.eval_shape(jax.random.key_data, like_leaf)
+    expected_dtype = np.dtype(expected.dtype).name
+    if record.get("data_shape") != list(expected.shape) or (
+        record.get("data_dtype") != expected_dtype
     ):
         return (
             f"key data {record.get('data_dtype')}{record.get('data_shape')}, `like` "
-            f"holds {np.dtype(expected_data.dtype).name}{list(expected_data.shape)}"
+            f"holds {expected_dtype}{list(expected.shape)}"
         )
     return None
 
