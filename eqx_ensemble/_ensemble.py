@@ -140,6 +140,11 @@ def _is_concrete(x: Any) -> bool:
 def _member_positions(index: Any, size: int) -> Any:
     # `index`: a list/tuple, or a JAX or NumPy integer array or boolean mask (any
     # rank here: a clear IndexError below rejects anything but 1-D).
+    if isinstance(index, list | tuple) and len(index) == 0:
+        raise IndexError(
+            f"the index {index!r} is empty: it selects no members of the ensemble of "
+            f"{size}, and an ensemble needs at least one member"
+        )
     array: Any = index if eqx.is_array(index) else np.asarray(index)
     if array.ndim != 1:
         raise IndexError(

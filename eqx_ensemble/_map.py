@@ -112,7 +112,9 @@ def map(
       a bare `0` makes every argument per-member. Non-array leaves are always shared.
     - `chunk_size`: if given, members are evaluated `chunk_size` at a time (a
       `jax.lax.scan` over chunks, any remainder in one more call), which bounds peak
-      memory by the chunk instead of the whole ensemble. The result is the same.
+      memory by the chunk instead of the whole ensemble. The result is the same
+      up to floating-point rounding (XLA may order a reduction differently for
+      a chunk than for the whole ensemble: differences of a few ulps).
       `fn` is traced once (twice when `chunk_size` does not divide `len(ens)`),
       whatever the ensemble size.
     - `key`: optional PRNG key split into one key per member:
@@ -153,9 +155,13 @@ def map(
     member_keys = None if key is None else split_member_keys(key, size)
 
     def apply(member, member_args, member_key):
-        if member_key is None:
-            return fn(member, *member_args)
-        return fn(member, *member_args, key=member_key)
+        try:
+            if member_key is None:
+                return fn(member, *member_args)
+            return fn(member, *member_args, key=member_key)
+        except Exception as error:
+            error.add_note(_member_context(member_args))
+            raise
 
     arg_axes = tuple(
         None
@@ -169,6 +175,20 @@ def map(
     if chunk_size is None or chunk_size == size:
         return vmapped(ens.members, args, member_keys)
     return _chunked(vmapped, ens.members, args, masks, member_keys, size, chunk_size)
+
+
+def _member_context(member_args: tuple) -> str:
+    """The note added to an error raised inside a member's call."""
+    shapes = [
+        jax.tree.map(lambda x: tuple(x.shape), eqx.filter(arg, eqx.is_array))
+        for arg in member_args
+    ]
+    return (
+        "(raised inside the function applied to ONE member: the ensemble maps over "
+        f"members, not examples; the arguments had shapes {shapes}. A model takes "
+        "ONE example: for a batch, map the model over it, e.g. `jax.vmap(model)(x)` "
+        "or `ee.map(lambda m, x: jax.vmap(m)(x), ens, xs)`.)"
+    )
 
 
 def _chunked(vmapped, members, args, masks, member_keys, size, chunk_size):
@@ -194,10 +214,17 @@ def _chunked(vmapped, members, args, masks, member_keys, size, chunk_size):
             out_static_box.append(out_static)
         return carry, out_dynamic
 
-    head = jax.tree.map(
-        lambda x: x[:main].reshape(num_chunks, chunk_size, *x.shape[1:]), dynamic
-    )
-    _, stacked = jax.lax.scan(body, None, head)
+    def take_chunk(carry, chunk_index):
+        # Slice chunk `chunk_index` out of the members inside the loop: the
+        # ensemble is read where it is, never copied into (chunks, chunk, ...).
+        start = chunk_index * chunk_size
+        dynamic_chunk = jax.tree.map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk_size, axis=0),
+            dynamic,
+        )
+        return body(carry, dynamic_chunk)
+
+    _, stacked = jax.lax.scan(take_chunk, None, jnp.arange(num_chunks, dtype=jnp.int32))
     stacked = jax.tree.map(lambda x: x.reshape(main, *x.shape[2:]), stacked)
     if remainder:
         tail = jax.tree.map(lambda x: x[main:], dynamic)

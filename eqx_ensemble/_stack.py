@@ -72,10 +72,36 @@ def stack(models: Sequence[Member]) -> Ensemble[Member]:
         raise ValueError("`ee.stack` got an empty list; an ensemble needs a member")
     _check_same_structure(models, "models")
     stacked = jax.tree.map(
-        lambda *leaves: jnp.stack(leaves) if eqx.is_array(leaves[0]) else leaves[0],
+        lambda *leaves: _stack_leaf(leaves) if eqx.is_array(leaves[0]) else leaves[0],
         *models,
     )
     return Ensemble(stacked)
+
+
+# Models are stacked in blocks of this many: one compiled stack per block size,
+# whatever the number of models (a single `jnp.stack` of 4096 arrays compiled a
+# program with 4096 parameters: 133 s).
+_BLOCK = 64
+
+
+@jax.jit
+def _stack_block(leaves: tuple[Any, ...]) -> Any:
+    return jnp.stack(leaves)
+
+
+def _stack_leaf(leaves: tuple[Any, ...]) -> Any:
+    if len(leaves) <= _BLOCK:
+        return _stack_block(leaves)
+    blocks = [
+        _stack_block(leaves[start : start + _BLOCK])
+        for start in range(0, len(leaves), _BLOCK)
+    ]
+    return jnp.concatenate(blocks, axis=0)
+
+
+@jax.jit
+def _member_leaves(leaves: list[Any], index: Any) -> list[Any]:
+    return [leaf[index] for leaf in leaves]
 
 
 def unstack(ens: Ensemble[Member]) -> list[Member]:
@@ -100,12 +126,12 @@ def unstack(ens: Ensemble[Member]) -> list[Member]:
     size = len(ens)
     dynamic, static = eqx.partition(ens.members, eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
-    # One split per leaf (not one indexing op per member per leaf). Work on the flat
-    # leaves: the model itself may contain lists, so no `is_leaf=list` trick.
-    split = [jnp.unstack(leaf, axis=0) for leaf in leaves]
+    # One compiled call per member taking every leaf (compiled once per structure,
+    # with the index traced), not one program with an output per member (512
+    # members: 26 s to compile; 4096: 8 minutes).
     return [
         eqx.combine(
-            jax.tree.unflatten(treedef, [pieces[i] for pieces in split]), static
+            jax.tree.unflatten(treedef, _member_leaves(leaves, jnp.int32(i))), static
         )
         for i in range(size)
     ]
