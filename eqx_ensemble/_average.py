@@ -58,6 +58,8 @@ def tree_weighted_sum(
             f"`weights` must have one entry per tree: got {len(trees)} trees and "
             f"weights of shape {tuple(weights.shape)}"
         )
+    if not is_traced(weights) and not np.isfinite(np.asarray(weights)).all():
+        raise ValueError(f"`weights` must be finite, got {np.asarray(weights)}")
     _check_same_structure(list(trees), "trees", numbers_are_data=True)
 
     def combine(*leaves):
@@ -118,14 +120,22 @@ def average(
                 f"`weights` must have one entry per member: the ensemble has {size} "
                 f"members, weights have shape {tuple(weights.shape)}"
             )
+        if jnp.issubdtype(weights.dtype, jnp.complexfloating):
+            raise TypeError(f"`weights` must be real, got dtype {weights.dtype}")
         if not is_traced(weights):
-            host = np.asarray(weights)
+            # Normalised in float64 on the host: integer weights must not overflow
+            # (2**31 - 1 twice summed to -2 in int32) and float16 ones must not
+            # round to infinity (60000 + 60000).
+            host = np.asarray(weights, dtype=np.float64)
             if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
                 raise ValueError(
                     f"`weights` must be finite and non-negative with a positive sum, "
-                    f"got {host}"
+                    f"got {np.asarray(weights)}"
                 )
-        normalised = weights / weights.sum()
+            normalised = jnp.asarray(host / host.sum(), dtype=jnp.float32)
+        else:
+            wide = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+            normalised = wide / wide.sum()
 
     def mean_leaf(leaf):
         if not eqx.is_array(leaf):

@@ -71,6 +71,11 @@ def fit_temperature(
     _check_bounds(bounds)
     if isinstance(iterations, bool) or not isinstance(iterations, int):
         raise TypeError(f"`iterations` must be a Python int, got {iterations!r}")
+    if not 1 <= iterations <= 10_000:
+        raise ValueError(
+            f"`iterations` must be between 1 and 10000, got {iterations} (60 already "
+            "narrows the search to about 1e-12 of its range)"
+        )
     predictions = prepare_predictions(logits, from_logits=True)
     labels = prepare_labels(labels, predictions)
     bounds = (float(bounds[0]), float(bounds[1]))

@@ -12,7 +12,7 @@ import optax
 from jaxtyping import ArrayLike, Float, PyTree
 
 from ._ensemble import Ensemble
-from ._tree import first_difference, keystr
+from ._tree import first_difference, is_traced, keystr
 
 
 def trainable(members: PyTree[Any]) -> PyTree[Any]:
@@ -89,7 +89,18 @@ def set_hyperparams(
             )
         path, node = owners[0]
         current = node.hyperparams[name]
+        state_size = current.shape[0] if current.ndim else None
+        if state_size is not None and state_size != size:
+            raise ValueError(
+                f"`size` is {size} but the optimizer state holds {state_size} "
+                f"members (hyperparameter {name!r} has shape {tuple(current.shape)}); "
+                "pass the ensemble size the state was made for"
+            )
         array = jnp.asarray(value)
+        if jnp.issubdtype(array.dtype, jnp.complexfloating) or array.dtype == bool:
+            raise TypeError(
+                f"Hyperparameter {name!r} must be real numbers, got dtype {array.dtype}"
+            )
         if array.ndim == 0:
             array = jnp.broadcast_to(array, (size,))
         if array.shape != (size,):
@@ -97,6 +108,14 @@ def set_hyperparams(
                 f"Hyperparameter {name!r} must have one value per member: the "
                 f"ensemble has {size} members, got shape {tuple(array.shape)}"
             )
+        if not is_traced(array):
+            finite = np.isfinite(np.asarray(array, dtype=np.float64))
+            if not finite.all():
+                bad = np.flatnonzero(~finite).tolist()
+                raise ValueError(
+                    f"Hyperparameter {name!r} is not finite for members {bad}: "
+                    f"{np.asarray(array).tolist()}"
+                )
         # Match the state's dtype exactly, weak type included (`jnp.full(3, 0.1)` is
         # weakly typed; optax would make it strong at the first update, changing the
         # state's type from one step to the next).
@@ -174,6 +193,14 @@ def init_optimizer(
     """
     if not isinstance(ens, Ensemble):
         raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
+    if not (
+        callable(getattr(optimizer, "init", None))
+        and callable(getattr(optimizer, "update", None))
+    ):
+        raise TypeError(
+            "`optimizer` must be an `optax.GradientTransformation` (e.g. "
+            f"`optax.adam(1e-3)`), got {optimizer!r}"
+        )
     size = len(ens)
     opt_state = eqx.filter_vmap(optimizer.init)(trainable(ens.members))
     if hyperparams:

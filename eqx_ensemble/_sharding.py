@@ -94,6 +94,18 @@ def make_mesh(
     if axis_types == AxisType.Manual:
         raise ValueError("`axis_types` must be AxisType.Auto or AxisType.Explicit")
     available = list(jax.devices()) if devices is None else list(devices)
+    for position, device in enumerate(available):
+        if not isinstance(device, jax.Device):
+            raise TypeError(
+                f"`devices[{position}]` is a {type(device).__name__}, not a "
+                "`jax.Device`; pass devices from `jax.devices()`"
+            )
+    repeated = sorted({str(d) for d in available if available.count(d) > 1})
+    if repeated:
+        raise ValueError(
+            f"`devices` lists {', '.join(repeated)} more than once; a mesh places "
+            "each device once"
+        )
     if members is None and data is None:
         members = len(available)
     shape = tuple(size for size in (members, data) if size is not None)

@@ -42,15 +42,55 @@ def _normalised_weights(
             f"`weights` must have one entry per member: predictions have {members} "
             f"members, weights have shape {tuple(weights.shape)}"
         )
+    if jnp.issubdtype(weights.dtype, jnp.complexfloating):
+        raise TypeError(f"`weights` must be real, got dtype {weights.dtype}")
     if not is_traced(weights):
-        host = np.asarray(weights)
+        # Normalised in float64 on the host: integer weights must not overflow,
+        # float16 ones must not round to infinity.
+        host = np.asarray(weights, dtype=np.float64)
         if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
             raise ValueError(
                 "`weights` must be finite and non-negative with a positive sum, got "
-                f"{host}"
+                f"{np.asarray(weights)}"
             )
-    weights = weights.astype(dtype)
-    return weights / weights.sum()
+        return jnp.asarray(host / host.sum(), dtype=dtype)
+    weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+    return (weights / weights.sum()).astype(dtype)
+
+
+def _check_floating(x: Array, name: str) -> Array:
+    """`x` as an array of floats, or a clear error (integer predictions would be
+    averaged with integer weights: zeros)."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"`{name}` must hold floating-point values, got dtype {x.dtype}; convert "
+            f"with `{name}.astype(jnp.float32)`"
+        )
+    if x.ndim < 1 or x.shape[0] < 1:
+        raise ValueError(
+            f"`{name}` must have a leading member axis, got shape {tuple(x.shape)}"
+        )
+    return x
+
+
+def _check_no_nan_or_inf(x: Array, name: str, *, allow_negative_inf: bool) -> None:
+    if is_traced(x):
+        return
+    host = np.asarray(x)
+    bad = np.isnan(host) | (host == np.inf)
+    if not allow_negative_inf:
+        bad |= host == -np.inf
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"`{name}` holds {host[where]} at index {where}; "
+            + (
+                "logits must be finite or -inf (a masked class)"
+                if allow_negative_inf
+                else "values must be finite"
+            )
+        )
 
 
 def _weighted_mean(
@@ -78,6 +118,8 @@ def mean_probs(
     ee.combine.mean_probs(probs)                        # [[0.7, 0.3]]
     ```
     """
+    probs = _check_floating(probs, "probs")
+    _check_no_nan_or_inf(probs, "probs", allow_negative_inf=False)
     return _weighted_mean(probs, weights)
 
 
@@ -113,6 +155,8 @@ def log_mean_probs_from_logits(
     ee.combine.log_mean_probs_from_logits(logits)      # finite, about [[0, -200.7]]
     ```
     """
+    logits = _check_floating(logits, "logits")
+    _check_no_nan_or_inf(logits, "logits", allow_negative_inf=True)
     members = logits.shape[0]
     log_w = jnp.log(_normalised_weights(weights, members, logits.dtype))
     log_probs = jax.nn.log_softmax(logits, axis=-1)
@@ -136,6 +180,8 @@ def mean_logits(
     ee.combine.mean_logits(logits)                     # [[1.0, 1.0]]
     ```
     """
+    logits = _check_floating(logits, "logits")
+    _check_no_nan_or_inf(logits, "logits", allow_negative_inf=False)
     return _weighted_mean(logits, weights)
 
 
@@ -165,6 +211,12 @@ def majority_vote(
     """
     if num_classes < 1:
         raise ValueError(f"`num_classes` must be at least 1, got {num_classes}")
+    predictions = jnp.asarray(predictions)
+    if not jnp.issubdtype(predictions.dtype, jnp.integer):
+        raise TypeError(
+            "`predictions` must be integer class labels (e.g. `jnp.argmax(logits, "
+            f"-1)`), got dtype {predictions.dtype}"
+        )
     if not is_traced(predictions):
         low, high = int(predictions.min()), int(predictions.max())
         if low < 0 or high >= num_classes:
@@ -178,7 +230,10 @@ def majority_vote(
         counts = one_hot.sum(axis=0)
     else:
         one_hot = jax.nn.one_hot(predictions, num_classes, dtype=jnp.float32)
-        counts = _weighted_mean(one_hot, weights)
+        _normalised_weights(weights, predictions.shape[0], jnp.float32)  # checks
+        # Unnormalised weights: integer vote weights stay exact, so ties are exact.
+        raw = jnp.asarray(weights).astype(jnp.float32)
+        counts = jnp.tensordot(raw, one_hot, axes=1)
     # argmax returns the first maximal index: ties go to the smallest class.
     return jnp.argmax(counts, axis=-1)
 
@@ -204,10 +259,18 @@ def gaussian_mixture(
     ee.combine.gaussian_mixture(mu, var)               # ([1.0], [2.0])
     ```
     """
+    means = _check_floating(means, "means")
+    variances = _check_floating(variances, "variances")
     if means.shape != variances.shape:
         raise ValueError(
             f"`means` and `variances` must have the same shape, got "
             f"{tuple(means.shape)} and {tuple(variances.shape)}"
+        )
+    _check_no_nan_or_inf(means, "means", allow_negative_inf=False)
+    _check_no_nan_or_inf(variances, "variances", allow_negative_inf=False)
+    if not is_traced(variances) and (np.asarray(variances) < 0).any():
+        raise ValueError(
+            f"`variances` must be non-negative, found {float(np.min(variances))}"
         )
     mean = _weighted_mean(means, weights)
     spread = _weighted_mean(jnp.square(means - mean[None]), weights)
