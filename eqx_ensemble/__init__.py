@@ -25,6 +25,7 @@ from ._fit_checkpoints import Checkpoints as Checkpoints
 from ._history import History as History
 from ._map import map as map
 from ._optim import init_optimizer as init_optimizer, set_hyperparams as set_hyperparams
+from ._predict import predict as predict
 from ._result import (
     EnsembleDivergedError as EnsembleDivergedError,
     FitResult as FitResult,

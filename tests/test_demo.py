@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import eqx_ensemble as ee
 from eqx_ensemble import _demo
 
-MEMBERS = 3
+MEMBERS = 5  # the default: what `make demo` shows
 ROW = r"\s+(-?\d+\.\d+)\s+(\d+\.\d+)\s*$"
 
 
@@ -70,6 +71,32 @@ def test_demo_uncertainty_grows_outside_the_training_range(demo_run):
     assert summary["std_outside"] > 1.5 * summary["std_inside"]
 
 
+def test_demo_band_is_tight_inside_the_training_range(demo_run):
+    # The paper's figure: inside [-4, 4] the predictive std is of the order of the
+    # noise (std 3), not several times it (an undertrained or overfitted run).
+    _, summary, text = demo_run
+    assert _demo.NOISE_STD / 2 <= summary["std_inside"] <= 2 * _demo.NOISE_STD
+    assert "noise std 3" in text and "400 fresh noisy points" in text
+    for level in _demo.NOMINAL:
+        assert f"{level:.0%} interval covers" in text
+
+
+@pytest.mark.parametrize(
+    "coverage, nominal, verdict",
+    [
+        (0.95, 0.95, "ok"),
+        (1.0, 0.95, "too wide"),
+        (0.80, 0.95, "too narrow"),
+        (0.93, 0.95, "ok"),
+        (0.50, 0.5, "ok"),
+        (0.60, 0.5, "too wide"),
+    ],
+)
+def test_coverage_verdict_flags_both_sides(coverage, nominal, verdict):
+    # 400 points: 2.5 standard errors are 0.027 at 95% and 0.0625 at 50%.
+    assert _demo.coverage_verdict(coverage, nominal, 400) == verdict
+
+
 def test_demo_writes_plot_and_checkpoint(demo_run):
     out, summary, text = demo_run
     plot = out / "demo.png"
@@ -79,16 +106,16 @@ def test_demo_writes_plot_and_checkpoint(demo_run):
     assert str(plot) in text and str(checkpoint) in text
     # The checkpoint is the trained ensemble: reloaded, it gives back the printed
     # predictive std (the demo's data, hence its target scale, come from the seed).
+    # Only public classes are needed to load it, as the demo prints.
     like = ee.ensemble(
-        lambda k: _demo.GaussianMLP(100, key=k), size=MEMBERS, key=jax.random.key(9)
+        lambda k: eqx.nn.MLP(1, 2, 100, 1, key=k), size=MEMBERS, key=jax.random.key(9)
     )
     trained = ee.load(checkpoint, like)
-    data_key = jax.random.split(jax.random.key(0), 4)[0]
-    _, y = _demo.make_data(data_key)
-    y_scale = float(jnp.std(y))
+    y_scale = ee.load_manifest(checkpoint)["metadata"]["y_scale"]
     x_wide = jnp.linspace(-6.0, 6.0, 241)[:, None]
-    means, variances = ee.map(lambda m, xs: jax.vmap(m)(xs), trained, x_wide)
-    means, variances = means * y_scale, variances * y_scale**2
+    out = np.stack([jax.vmap(model)(x_wide) for model in ee.unstack(trained)])
+    means = out[..., 0] * y_scale
+    variances = (jax.nn.softplus(out[..., 1]) + 1e-6) * y_scale**2
     mixture_std = np.sqrt(
         np.mean(variances + means**2, axis=0) - np.mean(means, axis=0) ** 2
     )
