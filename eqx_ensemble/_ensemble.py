@@ -1,5 +1,6 @@
 """The `Ensemble` module and `ensemble`: weights born stacked."""
 
+import os
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast, overload
 
@@ -187,6 +188,34 @@ def _take(members: Any, positions: Any, size: int) -> Ensemble:
     )
 
 
+def _check_fits_in_memory(make: Callable[..., Any], key: Any, size: int) -> None:
+    # An impossible ensemble must be refused here: XLA aborts the whole process on
+    # a buffer it cannot allocate (2**40 members of a 2-weight model did).
+    if size > 2**31 - 1:
+        raise ValueError(
+            f"`size` {size} is more members than XLA can index (2**31 - 1)"
+        )
+    shapes = eqx.filter_eval_shape(make, key)
+    member_bytes = sum(
+        int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(shapes)
+        if hasattr(leaf, "shape")
+        and hasattr(leaf, "dtype")
+        and not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    )
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if member_bytes * size > memory:
+        raise ValueError(
+            f"{size} members of {member_bytes} bytes each need "
+            f"{member_bytes * size / 2**30:.1f} GiB, more than this machine's "
+            f"{memory / 2**30:.1f} GiB; use fewer members (or shard them over "
+            "devices with `ee.shard` after building a smaller ensemble per device)"
+        )
+
+
 def check_key(key: Any, *, what: str = "key") -> None:
     """Raise a clear error unless `key` is ONE PRNG key (typed, or raw uint32[2])."""
     if not eqx.is_array(key):
@@ -270,6 +299,8 @@ def ensemble(
         raise TypeError(f"`size` must be an int, got {type(size).__name__}")
     if size < 1:
         raise ValueError(f"`size` must be at least 1, got {size}")
+    check_key(key)
+    _check_fits_in_memory(make, key, int(size))
     member_keys = split_member_keys(key, int(size))
     made: Any = eqx.filter_vmap(make)(member_keys)
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], eqx.nn.State):

@@ -160,12 +160,28 @@ def check_regression(
     *,
     means_name: str = "means",
 ) -> None:
-    """`means` (and `variances`) are `(members, batch)`, `targets` is `(batch,)`."""
+    """`means` (and `variances`) are `(members, batch)`, `targets` is `(batch,)`,
+    all finite (when concrete)."""
     shape = tuple(means.shape)
+    for name, values in (
+        (means_name, means),
+        ("variances", variances),
+        ("targets", targets),
+    ):
+        if values is None or is_traced(values):
+            continue
+        host = np.asarray(values)
+        bad = ~np.isfinite(host)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"`{name}` (shape {tuple(host.shape)}) holds {host[where]} at index "
+                f"{where}; regression metrics need finite predictions and targets"
+            )
     if means.ndim != 2:
         raise ValueError(
-            f"`{means_name}` must have shape (members, batch), got shape {shape}; "
-            + _SINGLE_MODEL_HINT
+            f"`{means_name}` must have shape (members, batch) (or (members, batch, "
+            f"1)), got shape {shape}; " + _SINGLE_MODEL_HINT
         )
     if shape[0] < 1 or shape[1] < 1:
         raise ValueError(

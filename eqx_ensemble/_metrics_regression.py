@@ -19,15 +19,31 @@ from ._metrics_classification import Reduction, compiled, reduce
 from .combine import gaussian_mixture
 
 
+def _single_output(array: Array, name: str, rank: int) -> Array:
+    # `(members, batch, 1)` is what `eqx.nn.MLP(out_size=1)` gives: one output,
+    # accepted as `(members, batch)` (targets: `(batch, 1)` as `(batch,)`).
+    if array.ndim == rank + 1 and array.shape[-1] == 1:
+        return array[..., 0]
+    if array.ndim == rank + 1:
+        raise ValueError(
+            f"`{name}` has shape {tuple(array.shape)}: {array.shape[-1]} outputs per "
+            "example. The regression metrics score one output at a time: pass "
+            f"`{name}[..., j]` for output j"
+        )
+    return array
+
+
 def _means(means: ArrayLike) -> Array:
-    array = as_float_array(means, "means")
+    array = _single_output(as_float_array(means, "means"), "means", 2)
     check_regression(array)
     return array
 
 
 def _means_variances(means: ArrayLike, variances: ArrayLike) -> tuple[Array, Array]:
-    means_array = as_float_array(means, "means")
-    variances_array = as_float_array(variances, "variances")
+    means_array = _single_output(as_float_array(means, "means"), "means", 2)
+    variances_array = _single_output(
+        as_float_array(variances, "variances"), "variances", 2
+    )
     check_regression(means_array, variances_array)
     return means_array, variances_array
 
@@ -35,9 +51,8 @@ def _means_variances(means: ArrayLike, variances: ArrayLike) -> tuple[Array, Arr
 def _means_variances_targets(
     means: ArrayLike, variances: ArrayLike, targets: ArrayLike
 ) -> tuple[Array, Array, Array]:
-    means_array = as_float_array(means, "means")
-    variances_array = as_float_array(variances, "variances")
-    targets_array = as_float_array(targets, "targets")
+    means_array, variances_array = _means_variances(means, variances)
+    targets_array = _single_output(as_float_array(targets, "targets"), "targets", 1)
     check_regression(means_array, variances_array, targets_array)
     return means_array, variances_array, targets_array
 
@@ -49,7 +64,7 @@ def _floored(variances: Array) -> Array:
 
 
 def predictive_mean(
-    means: Float[ArrayLike, " members batch"],
+    means: Float[ArrayLike, " members batch *one"],
 ) -> Float[Array, " batch"]:
     """Mean of the ensemble's predictive mixture: the mean of the members' means.
 
@@ -76,8 +91,8 @@ def _mean_over_members(x: Array) -> Array:
 
 
 def predictive_variance(
-    means: Float[ArrayLike, " members batch"],
-    variances: Float[ArrayLike, " members batch"],
+    means: Float[ArrayLike, " members batch *one"],
+    variances: Float[ArrayLike, " members batch *one"],
 ) -> Float[Array, " batch"]:
     """Variance of the ensemble's predictive mixture `(1/M) sum_i N(mu_i, s_i^2)`:
     aleatoric plus epistemic, `mean_i s_i^2 + var_i mu_i` (Lakshminarayanan et al.
@@ -110,7 +125,7 @@ def _predictive_variance(means: Array, variances: Array) -> Array:
 
 
 def aleatoric_variance(
-    variances: Float[ArrayLike, " members batch"],
+    variances: Float[ArrayLike, " members batch *one"],
 ) -> Float[Array, " batch"]:
     """Aleatoric (data) variance: the mean of the members' predicted variances.
 
@@ -134,7 +149,7 @@ def aleatoric_variance(
 
 
 def epistemic_variance(
-    means: Float[ArrayLike, " members batch"],
+    means: Float[ArrayLike, " members batch *one"],
 ) -> Float[Array, " batch"]:
     """Epistemic (model) variance: the variance of the members' means over members
     (population variance, dividing by `members`).
@@ -172,9 +187,9 @@ def _gaussian_log_density(targets: Array, means: Array, variances: Array) -> Arr
 
 
 def gaussian_nll(
-    means: Float[ArrayLike, " members batch"],
-    variances: Float[ArrayLike, " members batch"],
-    targets: Float[ArrayLike, " batch"],
+    means: Float[ArrayLike, " members batch *one"],
+    variances: Float[ArrayLike, " members batch *one"],
+    targets: Float[ArrayLike, " batch *target_axis"],
     *,
     predictive: Literal["gaussian", "mixture"] = "gaussian",
     reduction: Reduction = "mean",
@@ -236,9 +251,9 @@ def _gaussian_nll(
 
 
 def per_member_gaussian_nll(
-    means: Float[ArrayLike, " members batch"],
-    variances: Float[ArrayLike, " members batch"],
-    targets: Float[ArrayLike, " batch"],
+    means: Float[ArrayLike, " members batch *one"],
+    variances: Float[ArrayLike, " members batch *one"],
+    targets: Float[ArrayLike, " batch *target_axis"],
 ) -> Float[Array, " members"]:
     """The mean Gaussian NLL of each member on its own, `N(mu_i, s_i^2)`.
 
@@ -266,13 +281,14 @@ def _per_member_gaussian_nll(means: Array, variances: Array, targets: Array) -> 
 
 
 def _check_targets(means: Array, targets: ArrayLike) -> Array:
-    targets = as_float_array(targets, "targets")
+    targets = _single_output(as_float_array(targets, "targets"), "targets", 1)
     check_regression(means, None, targets)
     return targets
 
 
 def rmse(
-    means: Float[ArrayLike, " members batch"], targets: Float[ArrayLike, " batch"]
+    means: Float[ArrayLike, " members batch *one"],
+    targets: Float[ArrayLike, " batch *target_axis"],
 ) -> Float[Array, ""]:
     """Root-mean-square error of the ensemble's predictive mean.
 
@@ -302,7 +318,8 @@ def _rmse(means: Array, targets: Array) -> Array:
 
 
 def per_member_rmse(
-    means: Float[ArrayLike, " members batch"], targets: Float[ArrayLike, " batch"]
+    means: Float[ArrayLike, " members batch *one"],
+    targets: Float[ArrayLike, " batch *target_axis"],
 ) -> Float[Array, " members"]:
     """The root-mean-square error of each member's mean on its own.
 
@@ -329,9 +346,9 @@ def _per_member_rmse(means: Array, targets: Array) -> Array:
 
 
 def interval_coverage(
-    means: Float[ArrayLike, " members batch"],
-    variances: Float[ArrayLike, " members batch"],
-    targets: Float[ArrayLike, " batch"],
+    means: Float[ArrayLike, " members batch *one"],
+    variances: Float[ArrayLike, " members batch *one"],
+    targets: Float[ArrayLike, " batch *target_axis"],
     level: Float[ArrayLike, ""] | float = 0.95,
 ) -> Float[Array, ""]:
     """Fraction of targets inside the ensemble's central prediction interval at

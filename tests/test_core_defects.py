@@ -114,3 +114,12 @@ def test_forgetting_vmap_in_map_explains_members_take_one_example():
     ens = _ensemble(3)
     with pytest.raises(Exception, match="ONE example"):
         ee.map(lambda m, x: m(x), ens, jnp.ones((8, 3)))
+
+
+@pytest.mark.parametrize("size", [2**31, 2**40])
+def test_impossible_ensemble_size_is_refused_before_xla(size):
+    # Before the fix, 2**40 members aborted the process inside XLA.
+    with pytest.raises(ValueError, match="members"):
+        ee.ensemble(
+            lambda k: eqx.nn.Linear(1, 1, key=k), size=size, key=jax.random.key(0)
+        )

@@ -112,3 +112,27 @@ def test_nan_regression_inputs_are_named():
         ee.combine.gaussian_mixture(
             jnp.array([[0.0, jnp.nan]]), jnp.array([[1.0, 1.0]])
         )
+
+
+def test_regression_metrics_refuse_nan_predictions():
+    means = jnp.zeros((2, 4)).at[1, 2].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"`means` .* holds nan at index \(1, 2\)"):
+        ee.metrics.rmse(means, jnp.zeros(4))
+    with pytest.raises(ValueError, match="`targets`.* holds inf"):
+        ee.metrics.rmse(jnp.zeros((2, 4)), jnp.array([0.0, jnp.inf, 0.0, 0.0]))
+
+
+def test_regression_metrics_take_one_output_axis():
+    # What `eqx.nn.MLP(out_size=1)` returns: (members, batch, 1).
+    means = jax.random.normal(jax.random.key(0), (3, 6, 1))
+    variances = jnp.full((3, 6, 1), 0.5)
+    targets = jax.random.normal(jax.random.key(1), (6,))
+    np.testing.assert_allclose(
+        ee.metrics.rmse(means, targets), ee.metrics.rmse(means[..., 0], targets)
+    )
+    np.testing.assert_allclose(
+        ee.metrics.gaussian_nll(means, variances, targets[:, None]),
+        ee.metrics.gaussian_nll(means[..., 0], variances[..., 0], targets),
+    )
+    with pytest.raises(ValueError, match="2 outputs per example"):
+        ee.metrics.rmse(jnp.zeros((3, 6, 2)), targets)
