@@ -1,0 +1,500 @@
+"""Feed bad inputs to public functions and print what each answers: the evidence
+behind docs/reliability.md. Run: python benchmarks/audit_bad_inputs.py"""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqx_ensemble as ee
+
+warnings.simplefilter("error")
+K = jax.random.key(0)
+ENS = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 4, 1, key=k), size=3, key=K)
+X = jnp.ones((8, 2))
+Y = jnp.ones((8, 1))
+LOSS = lambda m, b, k: jnp.mean((jax.vmap(m)(b[0]) - b[1]) ** 2)
+PROBS = jax.nn.softmax(jax.random.normal(K, (3, 8, 4)), -1)
+LAB = jnp.arange(8) % 4
+MEANS = jax.random.normal(K, (3, 8))
+VARS = jnp.ones((3, 8))
+T = jnp.zeros(8)
+
+
+def run(name, fn):
+    try:
+        out = fn()
+        leaves = [
+            leaf
+            for leaf in jax.tree.leaves(out)
+            if isinstance(leaf, (jax.Array, np.ndarray))
+            and np.issubdtype(np.asarray(leaf).dtype, np.number)
+        ]
+        finite = all(np.isfinite(np.asarray(x)).all() for x in leaves)
+        return f"returned ({'finite' if finite else 'NON-FINITE'})"
+    except Exception as e:
+        msg = str(e).split("\n")[0][:110]
+        return f"{type(e).__name__}: {msg}"
+
+
+cases = {
+    "ensemble": [
+        (
+            "size 0",
+            lambda: ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=0, key=K),
+        ),
+        (
+            "size -1",
+            lambda: ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=-1, key=K),
+        ),
+        (
+            "size 2**40",
+            lambda: ee.ensemble(
+                lambda k: eqx.nn.Linear(1, 1, key=k), size=2**40, key=K
+            ),
+        ),
+        (
+            "key array of 2",
+            lambda: ee.ensemble(
+                lambda k: eqx.nn.Linear(1, 1, key=k), size=2, key=jax.random.split(K)
+            ),
+        ),
+        (
+            "int key",
+            lambda: ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2, key=0),
+        ),
+        (
+            "size 1.5",
+            lambda: ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=1.5, key=K),
+        ),
+    ],
+    "stack": [
+        ("empty list", lambda: ee.stack([])),
+        ("mismatched shapes", lambda: ee.stack([jnp.ones(2), jnp.ones(3)])),
+        ("mixed dtypes", lambda: ee.stack([jnp.ones(2), jnp.ones(2, jnp.int32)])),
+        ("a string", lambda: ee.stack("ab")),
+        ("an ensemble", lambda: ee.stack(ENS)),
+    ],
+    "unstack": [
+        ("a model", lambda: ee.unstack(ENS[0])),
+        ("a list", lambda: ee.unstack([1, 2])),
+    ],
+    "concatenate": [
+        ("empty", lambda: ee.concatenate([])),
+        (
+            "different structures",
+            lambda: ee.concatenate(
+                [ENS, ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2, key=K)]
+            ),
+        ),
+    ],
+    "Ensemble.__getitem__": [
+        ("[]", lambda: ENS[[]]),
+        ("3 (out of range)", lambda: ENS[3]),
+        ("1.0", lambda: ENS[1.0]),
+        ("bool mask wrong length", lambda: ENS[jnp.array([True, False])]),
+        ("2-D index", lambda: ENS[jnp.zeros((2, 2), jnp.int32)]),
+    ],
+    "Ensemble.__call__": [
+        ("a batch instead of one example", lambda: ENS(X)),
+        ("wrong feature size", lambda: ENS(jnp.ones(3))),
+    ],
+    "map": [
+        (
+            "chunk_size 0",
+            lambda: ee.map(lambda m, x: m(x), ENS, jnp.ones(2), chunk_size=0),
+        ),
+        (
+            "chunk_size 4 > size",
+            lambda: ee.map(lambda m, x: m(x), ENS, jnp.ones(2), chunk_size=4),
+        ),
+        (
+            "per-member arg of wrong size",
+            lambda: ee.map(lambda m, x: m(x), ENS, jnp.ones((2, 2)), in_axes=(0,)),
+        ),
+        (
+            "in_axes too long",
+            lambda: ee.map(lambda m, x: m(x), ENS, jnp.ones(2), in_axes=(None, None)),
+        ),
+    ],
+    "predict": [
+        ("scalar x", lambda: ee.predict(ENS, jnp.ones(()))),
+        ("x with wrong features", lambda: ee.predict(ENS, jnp.ones((4, 3)))),
+    ],
+    "average": [
+        ("weights of wrong length", lambda: ee.average(ENS, jnp.ones(2))),
+        ("negative weights", lambda: ee.average(ENS, jnp.array([1.0, -1.0, 1.0]))),
+        ("NaN weights", lambda: ee.average(ENS, jnp.array([1.0, jnp.nan, 1.0]))),
+        (
+            "int32 weights near 2**31",
+            lambda: ee.average(ENS, jnp.full(3, 2**31 - 1, jnp.int32)),
+        ),
+        (
+            "float16 weights 60000",
+            lambda: ee.average(ENS, jnp.full(3, 60000, jnp.float16)),
+        ),
+        ("all-zero weights", lambda: ee.average(ENS, jnp.zeros(3))),
+    ],
+    "tree_weighted_sum": [
+        ("empty", lambda: ee.tree_weighted_sum([], jnp.ones(0))),
+        (
+            "NaN weight",
+            lambda: ee.tree_weighted_sum([{"a": jnp.ones(2)}], jnp.array([jnp.nan])),
+        ),
+    ],
+    "init_optimizer": [
+        ("a string", lambda: ee.init_optimizer("adam", ENS)),
+        ("a model", lambda: ee.init_optimizer(optax.adam(1e-3), ENS[0])),
+    ],
+    "set_hyperparams": [
+        (
+            "size mismatch",
+            lambda: ee.set_hyperparams(
+                ee.init_optimizer(
+                    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), ENS
+                ),
+                {"learning_rate": 0.1},
+                size=4,
+            ),
+        ),
+        (
+            "NaN value",
+            lambda: ee.set_hyperparams(
+                ee.init_optimizer(
+                    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), ENS
+                ),
+                {"learning_rate": jnp.array([0.1, jnp.nan, 0.1])},
+                size=3,
+            ),
+        ),
+        (
+            "unknown name",
+            lambda: ee.set_hyperparams(
+                ee.init_optimizer(
+                    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), ENS
+                ),
+                {"lr": 0.1},
+                size=3,
+            ),
+        ),
+        (
+            "not injected",
+            lambda: ee.set_hyperparams(
+                ee.init_optimizer(optax.sgd(0.1), ENS), {"learning_rate": 0.1}, size=3
+            ),
+        ),
+    ],
+    "make_step": [
+        ("a string optimizer", lambda: ee.make_step(LOSS, "adam")),
+        (
+            "batch as a list",
+            lambda: ee.make_step(LOSS, optax.sgd(0.1))(
+                ENS, ee.init_optimizer(optax.sgd(0.1), ENS), [[1.0, 2.0]], K
+            ),
+        ),
+        (
+            "key array",
+            lambda: ee.make_step(LOSS, optax.sgd(0.1))(
+                ENS, ee.init_optimizer(optax.sgd(0.1), ENS), (X, Y), jax.random.split(K)
+            ),
+        ),
+        (
+            "per-member batch of wrong size",
+            lambda: ee.make_step(LOSS, optax.sgd(0.1), per_member_batch=True)(
+                ENS, ee.init_optimizer(optax.sgd(0.1), ENS), (X, Y), K
+            ),
+        ),
+    ],
+    "fit": [
+        (
+            "batch_size 2**31 bootstrap",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=2**31,
+                key=K,
+                sampling="bootstrap",
+                progress=False,
+            ),
+        ),
+        (
+            "batch_size > data",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=9,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "steps 0",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                (X, Y),
+                steps=0,
+                batch_size=4,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "data of 0 examples",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                (X[:0], Y[:0]),
+                steps=2,
+                batch_size=4,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "data leaves of different lengths",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                (X, Y[:4]),
+                steps=2,
+                batch_size=4,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "data a Python list of floats",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                [1.0, 2.0],
+                steps=2,
+                batch_size=1,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "data an int",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                5,
+                steps=2,
+                batch_size=1,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "stateful loss without state",
+            lambda: ee.fit(
+                ENS,
+                lambda m, s, b, k: (LOSS(m, b, k), s),
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "loss returning a vector",
+            lambda: ee.fit(
+                ENS,
+                lambda m, b, k: jax.vmap(m)(b[0])[:, 0],
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "loss without jax.vmap",
+            lambda: ee.fit(
+                ENS,
+                lambda m, b, k: jnp.mean(m(b[0])),
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "NaN loss (all members)",
+            lambda: ee.fit(
+                ENS,
+                lambda m, b, k: jnp.mean(jax.vmap(m)(b[0])) * jnp.nan,
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                progress=False,
+            ),
+        ),
+        (
+            "inf learning rate",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                hyperparams={"learning_rate": jnp.array([0.1, jnp.inf, 0.1])},
+                progress=False,
+            ),
+        ),
+        (
+            "hyper of wrong size",
+            lambda: ee.fit(
+                ENS,
+                lambda m, b, k, *, hyper: LOSS(m, b, k),
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                hyper={"a": jnp.ones(2)},
+                progress=False,
+            ),
+        ),
+        (
+            "unwritable checkpoint folder",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                checkpoints=ee.Checkpoints("/proc/nope"),
+                progress=False,
+            ),
+        ),
+        (
+            "sampling 'bagging'",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                sampling="bagging",
+                progress=False,
+            ),
+        ),
+        (
+            "mesh not dividing members",
+            lambda: ee.fit(
+                ENS,
+                LOSS,
+                optax.sgd(0.1),
+                (X, Y),
+                steps=2,
+                batch_size=4,
+                key=K,
+                mesh=ee.make_mesh(members=2),
+                progress=False,
+            ),
+        ),
+    ],
+    "make_mesh": [
+        (
+            "repeated device",
+            lambda: ee.make_mesh(members=2, devices=[jax.devices()[0]] * 2),
+        ),
+        ("members 0", lambda: ee.make_mesh(members=0)),
+        ("more devices than exist", lambda: ee.make_mesh(members=1024)),
+    ],
+    "shard": [
+        ("axes 'nope'", lambda: ee.shard(X, ee.make_mesh(members=1), axes="nope"))
+    ],
+    "save/load": [
+        ("load a missing file", lambda: ee.load("/tmp/nope.ckpt", ENS)),
+        ("save to an int path", lambda: ee.save(3, ENS)),
+        ("latest_checkpoint(3)", lambda: ee.latest_checkpoint(3)),
+    ],
+    "combine": [
+        (
+            "mean_probs of ints",
+            lambda: ee.combine.mean_probs(jnp.ones((2, 3, 4), jnp.int32)),
+        ),
+        (
+            "+inf logits",
+            lambda: ee.combine.mean_probs_from_logits(jnp.array([[[0.0, jnp.inf]]])),
+        ),
+        (
+            "majority_vote of floats",
+            lambda: ee.combine.majority_vote(jnp.ones((2, 3)), 2),
+        ),
+        (
+            "majority_vote label out of range",
+            lambda: ee.combine.majority_vote(jnp.full((2, 3), 5), 2),
+        ),
+        (
+            "gaussian_mixture negative variance",
+            lambda: ee.combine.gaussian_mixture(MEANS, -VARS),
+        ),
+        ("weights of wrong length", lambda: ee.combine.mean_probs(PROBS, jnp.ones(2))),
+    ],
+    "metrics": [
+        ("nll probs not summing to 1", lambda: ee.metrics.nll(PROBS * 2, LAB)),
+        ("labels out of range", lambda: ee.metrics.nll(PROBS, LAB + 10)),
+        ("labels of wrong length", lambda: ee.metrics.accuracy(PROBS, LAB[:3])),
+        (
+            "ece n_bins 0",
+            lambda: ee.metrics.expected_calibration_error(PROBS, LAB, n_bins=0),
+        ),
+        ("float labels", lambda: ee.metrics.accuracy(PROBS, LAB.astype(jnp.float32))),
+        (
+            "gaussian_nll negative variance",
+            lambda: ee.metrics.gaussian_nll(MEANS, -VARS, T),
+        ),
+        ("rmse NaN means", lambda: ee.metrics.rmse(MEANS.at[0, 0].set(jnp.nan), T)),
+        (
+            "interval_coverage level 1.5",
+            lambda: ee.metrics.interval_coverage(MEANS, VARS, T, 1.5),
+        ),
+        (
+            "fit_temperature iterations -5",
+            lambda: ee.metrics.fit_temperature(jnp.log(PROBS), LAB, iterations=-5),
+        ),
+        (
+            "ood_auroc one class only",
+            lambda: ee.metrics.ood_auroc(jnp.ones(4), jnp.ones(0)),
+        ),
+        (
+            "regression (members, batch, 1)",
+            lambda: ee.metrics.rmse(MEANS[..., None], T),
+        ),
+    ],
+}
+for fn, rows in cases.items():
+    for label, call in rows:
+        print(f"| `{fn}` | {label} | {run(fn, call)} |")
