@@ -1,14 +1,16 @@
 """`stack`, `unstack`, `concatenate`: list-of-structs <-> struct-of-arrays."""
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ._ensemble import Ensemble
-from ._tree import first_difference
+from ._tree import first_difference, keystr
 
 Member = TypeVar("Member")
 
@@ -71,11 +73,30 @@ def stack(models: Sequence[Member]) -> Ensemble[Member]:
     if len(models) == 0:
         raise ValueError("`ee.stack` got an empty list; an ensemble needs a member")
     _check_same_structure(models, "models")
+    _warn_if_narrowed(models[0])
     stacked = jax.tree.map(
         lambda *leaves: _stack_leaf(leaves) if eqx.is_array(leaves[0]) else leaves[0],
         *models,
     )
     return Ensemble(stacked)
+
+
+def _warn_if_narrowed(model: Any) -> None:
+    """JAX without x64 stores 64-bit NumPy leaves in 32 bits: say so, naming the
+    leaf, instead of narrowing without a word."""
+    if jax.config.jax_enable_x64:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if isinstance(leaf, np.ndarray) and dtype is not None and dtype.itemsize == 8:
+            narrowed = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
+            warnings.warn(
+                f"`ee.stack`: leaf `{keystr(path)}` is {dtype}; JAX (without "
+                f"`jax_enable_x64`) stores it as {narrowed}. Convert it yourself to "
+                "silence this, or enable x64 to keep 64 bits.",
+                stacklevel=3,
+            )
+            return
 
 
 # Models are stacked in blocks of this many: one compiled stack per block size,

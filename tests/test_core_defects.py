@@ -123,3 +123,12 @@ def test_impossible_ensemble_size_is_refused_before_xla(size):
         ee.ensemble(
             lambda k: eqx.nn.Linear(1, 1, key=k), size=size, key=jax.random.key(0)
         )
+
+
+def test_stack_says_when_it_narrows_64_bit_leaves():
+    models = [(np.ones(3, np.float64), np.arange(2, dtype=np.int64)) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"leaf `\[0\]` is float64; .* float32"):
+        ens = ee.stack(models)
+    assert ens.members[0].dtype == jnp.float32
+    # 32-bit leaves: nothing to say.
+    ee.stack([(np.ones(3, np.float32),) for _ in range(2)])
