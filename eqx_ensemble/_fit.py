@@ -51,6 +51,7 @@ def fit(
     mesh: Mesh | None = None,
     steps_per_dispatch: int | None = None,
     compiler_options: dict[str, Any] | None = None,
+    unroll: bool | None = None,
 ) -> FitResult:
     """Train every member of an ensemble: the loop users call.
 
@@ -116,6 +117,11 @@ def fit(
     - `compiler_options`: XLA options for the compiled loop, passed to `jax.jit`
       (`None`: the library's choice, see the benchmarks page; `{}`: XLA's
       defaults).
+    - `unroll`: run each dispatch's steps as straight-line code instead of a
+      `lax.scan` loop. `None` (the default): unrolled on a CPU when the loss
+      uses convolutions (XLA's CPU backend runs a convolution inside a loop in
+      a slow layout: 17x slower on a small CNN), with 10 steps per dispatch;
+      the results are the same either way, to floating-point rounding.
 
     **Returns:**
 
@@ -166,6 +172,7 @@ def fit(
         mesh=mesh,
         steps_per_dispatch=steps_per_dispatch,
         compiler_options=compiler_options,
+        unroll=unroll,
     )
     bar = _progress_bar(run.steps, run.done, progress)
     try:

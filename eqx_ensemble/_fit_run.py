@@ -21,8 +21,8 @@ from ._ensemble import Ensemble, check_key
 from ._evaluate import Evaluate, check_positive_int, eval_key
 from ._fit_checkpoints import Checkpoints
 from ._history import Recorder
-from ._loop import Chunk, chunk_runner, copy, initial_state
-from ._loss import check_hyper, check_loss_signature, check_optimizer
+from ._loop import Chunk, chunk_runner, copy, initial_state, uses_convolution
+from ._loss import call_loss, check_hyper, check_loss_signature, check_optimizer
 from ._optim import (
     check_hyperparams_kept,
     check_opt_state,
@@ -113,6 +113,7 @@ def prepare(
     mesh: Mesh | None,
     steps_per_dispatch: int | None,
     compiler_options: dict[str, Any] | None,
+    unroll: bool | None = None,
 ) -> "Run":
     """Every check `fit` makes, in order, before any work; then the first state
     (or the resumed one) and the compiled loop's inputs."""
@@ -216,9 +217,15 @@ def prepare(
     assert batch_size is not None
     if streamed and mesh is not None:
         mesh = check_fit_mesh(mesh, size, batch_size)
+    if unroll is None:
+        unroll = _should_unroll(
+            ens, loss_fn, data, stream, batch_size, sampling, state, hyper, mesh
+        )
     if steps_per_dispatch is None:
-        steps_per_dispatch = default_steps_per_dispatch(
-            ens.members, batch_size, size, mesh
+        steps_per_dispatch = (
+            UNROLLED_STEPS_PER_DISPATCH
+            if unroll
+            else default_steps_per_dispatch(ens.members, batch_size, size, mesh)
         )
     length = min(steps_per_dispatch, steps)
 
@@ -242,6 +249,7 @@ def prepare(
         num_examples=n or 0,
         length=length,
         mesh=mesh,
+        unrolled=unroll,
     )
     options = step_compiler_options(user_options, ens.members, batch_size, size, mesh)
     return Run(
@@ -265,6 +273,58 @@ def _tree_values_equal(a: PyTree[Any], b: PyTree[Any]) -> bool:
         np.array_equal(np.asarray(x), np.asarray(y))
         for x, y in zip(leaves_a, leaves_b, strict=True)
     )
+
+
+# Unrolled dispatches compile every step they hold: keep them short.
+UNROLLED_STEPS_PER_DISPATCH = 10
+
+
+def _should_unroll(
+    ens: Ensemble,
+    loss_fn: Callable[..., Any],
+    data: Any,
+    stream: BatchGroups | None,
+    batch_size: int,
+    sampling: Any,
+    state: PyTree[Any],
+    hyper: PyTree[Any],
+    mesh: Mesh | None,
+) -> bool:
+    """The library's choice: unrolled steps for a step with convolutions on a CPU
+    (see `_loop._unrolled`), the fused loop otherwise."""
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    if platform != "cpu":
+        return False
+    member = ens[0]
+
+    def example(leaf: Any) -> Any:
+        return jax.ShapeDtypeStruct((batch_size, *np.shape(leaf)[1:]), leaf.dtype)
+
+    if stream is not None:
+        first = stream.peek()
+        batch = jax.tree.map(lambda x: x[0] if sampling.per_member else x, first)
+    else:
+        batch = jax.tree.map(example, data)
+    first_member = lambda tree: (
+        None
+        if tree is None
+        else jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, tree)
+    )
+    try:
+        return uses_convolution(
+            lambda m, b: call_loss(
+                loss_fn,
+                m,
+                first_member(state),
+                b,
+                jax.random.key(0),
+                first_member(hyper),
+            ),
+            member,
+            batch,
+        )
+    except Exception:  # noqa: BLE001 - the first dispatch reports real errors
+        return False
 
 
 def _check_resumed_hyperparams(
@@ -314,6 +374,9 @@ class Run:
         if self.checkpoints is not None and self.checkpoints.every is not None:
             ends.append(self.checkpoints.boundary(done) or self.steps)
         ends += [(done // c.every + 1) * c.every for c in self.controllers]
+        if self.chunk.unrolled and self.chunk.evaluate is not None:
+            every = self.chunk.evaluate.every
+            ends.append((done // every + 1) * every)
         if group is not None:
             ends.append(done + group[1])
         return min(ends)
@@ -323,7 +386,8 @@ class Run:
         if self.stream is None:
             return None
         count = self.dispatch_end(start) - start
-        group, real = self.stream.next_group(count, self.chunk.length)
+        length = count if self.chunk.unrolled else self.chunk.length
+        group, real = self.stream.next_group(count, length)
         if group is not None:
             group = on_mesh(jax.device_put(group), self.chunk.mesh)
         return group, real
@@ -334,6 +398,13 @@ class Run:
             end=jnp.array(end, jnp.int32),
             batches=None if group is None else group[0],
         )
+        if chunk.unrolled:  # exactly the steps of this dispatch, no padding
+            every = None if chunk.evaluate is None else chunk.evaluate.every
+            chunk = dataclasses.replace(
+                chunk,
+                length=end - self.done,
+                evaluate_last=every is not None and end % every == 0,
+            )
         self.train_state, losses, scores = self.runner(chunk, self.train_state)
         return losses, scores
 

@@ -84,12 +84,12 @@ def stack(models: Sequence[Member]) -> Ensemble[Member]:
 def _warn_if_narrowed(model: Any) -> None:
     """JAX without x64 stores 64-bit NumPy leaves in 32 bits: say so, naming the
     leaf, instead of narrowing without a word."""
-    if jax.config.jax_enable_x64:
-        return
     for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
         dtype = getattr(leaf, "dtype", None)
-        if isinstance(leaf, np.ndarray) and dtype is not None and dtype.itemsize == 8:
-            narrowed = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
+        if not isinstance(leaf, np.ndarray) or dtype is None:
+            continue
+        narrowed = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
+        if narrowed != dtype:
             warnings.warn(
                 f"`ee.stack`: leaf `{keystr(path)}` is {dtype}; JAX (without "
                 f"`jax_enable_x64`) stores it as {narrowed}. Convert it yourself to "

@@ -902,3 +902,103 @@ def test_bad_hyper_is_named(ens):
         )
     with pytest.raises(TypeError, match="is a float"):
         ee.fit(ens, decayed_loss, ADAM, (X, Y), hyper={"decay": 0.1}, **common)
+
+
+# -------------------------------------------------------------------------------
+# Unrolled dispatches (convolutions on a CPU)
+# -------------------------------------------------------------------------------
+
+
+class TinyCNN(eqx.Module):
+    conv: eqx.nn.Conv2d
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        conv_key, out_key = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 2, 3, padding=1, key=conv_key)
+        self.out = eqx.nn.Linear(2 * 4 * 4, 1, key=out_key)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.conv(x)).reshape(-1))
+
+
+IMAGES = np.asarray(jax.random.normal(jax.random.key(20), (N, 1, 4, 4)), np.float32)
+
+
+def cnn_loss(model, batch, key):
+    xb, yb = batch
+    return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+
+@pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
+def test_unrolled_dispatches_equal_the_fused_loop(sampling):
+    cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+    common = dict(
+        steps=13,
+        batch_size=BATCH,
+        key=KEY,
+        sampling=sampling,
+        progress=False,
+        evaluate=ee.Evaluate(cnn_loss, (IMAGES[:8], Y[:8]), every=4),
+        track=[ee.EMA(0.9)],
+        steps_per_dispatch=5,
+    )
+    looped = ee.fit(cnn, cnn_loss, ADAM, (IMAGES, Y), unroll=False, **common)
+    unrolled = ee.fit(cnn, cnn_loss, ADAM, (IMAGES, Y), unroll=True, **common)
+    assert_tree_allclose(unrolled.ensemble, looped.ensemble, rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(unrolled.tracked[0], looped.tracked[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        unrolled.history.losses, looped.history.losses, rtol=1e-5, atol=1e-6
+    )
+    assert unrolled.history.eval_steps.tolist() == [4, 8, 12]
+    np.testing.assert_allclose(
+        unrolled.history.eval_scores, looped.history.eval_scores, rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_array_equal(unrolled.best_step, looped.best_step)
+
+
+def test_convolutions_on_cpu_are_unrolled_by_default():
+    from eqx_ensemble._fit_run import prepare
+
+    cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+    common = dict(
+        steps=4,
+        key=KEY,
+        batch_size=BATCH,
+        sampling="shared",
+        opt_state=None,
+        state=None,
+        hyperparams=None,
+        hyper=None,
+        evaluate=None,
+        checkpoints=None,
+        track=(),
+        controllers=(),
+        mesh=None,
+        steps_per_dispatch=None,
+        compiler_options=None,
+    )
+    run = prepare(cnn, cnn_loss, ADAM, (IMAGES, Y), **common)
+    assert run.chunk.unrolled == (jax.default_backend() == "cpu")
+    mlp = ee.ensemble(make_mlp, size=2, key=jax.random.key(3))
+    assert not prepare(mlp, mse_loss, ADAM, (X, Y), **common).chunk.unrolled
+
+
+def test_unrolled_stream_equals_make_step_loop():
+    cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+    rng = np.random.default_rng(0)
+    batches = [(IMAGES[i], Y[i]) for i in (rng.integers(0, N, BATCH) for _ in range(7))]
+    result = ee.fit(
+        cnn,
+        cnn_loss,
+        ADAM,
+        iter(batches),
+        steps=7,
+        key=KEY,
+        steps_per_dispatch=3,
+        unroll=True,
+        progress=False,
+    )
+    expected, _, _, losses, _ = reference_loop(cnn, cnn_loss, ADAM, batches)
+    assert_tree_allclose(result.ensemble, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.history.losses, losses, rtol=1e-5, atol=1e-6)
