@@ -1,0 +1,365 @@
+"""Every model family: `fit` vs a `make_step` loop vs a hand-written step vs torch.
+
+Per training step, in one process, variants timed round-robin, on five families:
+an MLP, a CNN (8x8 images, digits-sized), the same CNN with BatchNorm (model
+state), a small transformer (one attention block over 16 tokens) and a GRU (16
+time steps). For each:
+
+- `ee.fit` with shared and with bootstrap sampling (a second call, once
+  compiled; `steps` steps per call, the library's default dispatch),
+- `ee.make_step`, one step per call (a user's own loop),
+- a hand-written step: `eqx.filter_jit` of `eqx.filter_vmap` over members of
+  `eqx.filter_value_and_grad` + optax, with donation, one step per call,
+- `torch.func` (`stack_module_state` + `functional_call` + `vmap(grad)`, Adam on
+  the stacked parameters) for the MLP and the CNN, when torch is installed.
+
+It prints ms per step, the ratios the round-2 targets name (fit / make_step,
+make_step / torch.func, fit / torch.func) and the achieved GFLOP/s (XLA's cost
+analysis of one step) against a plain float32 matmul measured in the same run.
+
+Run: `python benchmarks/bench_families.py` (`--quick`: a smoke run of a few
+seconds per family; `--families mlp,cnn` to choose).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+
+def _families(jax, jnp, eqx):
+    """name -> (make(key) -> model or (model, state), loss, stateful, x, y)."""
+    n = 1024
+    key = jax.random.key(0)
+    labels = jax.random.randint(key, (n,), 0, 10)
+
+    class CNN(eqx.Module):
+        conv1: eqx.nn.Conv2d
+        conv2: eqx.nn.Conv2d
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2, k3 = jax.random.split(key, 3)
+            self.conv1 = eqx.nn.Conv2d(1, 16, 3, padding=1, key=k1)
+            self.conv2 = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
+            self.out = eqx.nn.Linear(32 * 8 * 8, 10, key=k3)
+
+        def __call__(self, x):
+            x = jax.nn.relu(self.conv1(x))
+            return self.out(jax.nn.relu(self.conv2(x)).reshape(-1))
+
+    class BNCNN(eqx.Module):
+        conv1: eqx.nn.Conv2d
+        norm: eqx.nn.BatchNorm
+        conv2: eqx.nn.Conv2d
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2, k3 = jax.random.split(key, 3)
+            self.conv1 = eqx.nn.Conv2d(1, 16, 3, padding=1, use_bias=False, key=k1)
+            self.norm = eqx.nn.BatchNorm(16, axis_name="batch", mode="batch")
+            self.conv2 = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
+            self.out = eqx.nn.Linear(32 * 8 * 8, 10, key=k3)
+
+        def __call__(self, x, state):
+            x, state = self.norm(self.conv1(x), state)
+            x = jax.nn.relu(self.conv2(jax.nn.relu(x)))
+            return self.out(x.reshape(-1)), state
+
+    class Transformer(eqx.Module):
+        embed: eqx.nn.Linear
+        attention: eqx.nn.MultiheadAttention
+        norm1: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+        norm2: eqx.nn.LayerNorm
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2, k3, k4 = jax.random.split(key, 4)
+            self.embed = eqx.nn.Linear(8, 32, key=k1)
+            self.attention = eqx.nn.MultiheadAttention(2, 32, key=k2)
+            self.norm1 = eqx.nn.LayerNorm(32)
+            self.mlp = eqx.nn.MLP(32, 32, 64, 1, key=k3)
+            self.norm2 = eqx.nn.LayerNorm(32)
+            self.out = eqx.nn.Linear(32, 10, key=k4)
+
+        def __call__(self, x):  # x: (tokens, 8)
+            h = jax.vmap(self.embed)(x)
+            h = jax.vmap(self.norm1)(h + self.attention(h, h, h))
+            h = jax.vmap(self.norm2)(h + jax.vmap(self.mlp)(h))
+            return self.out(h.mean(0))
+
+    class GRU(eqx.Module):
+        cell: eqx.nn.GRUCell
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.cell = eqx.nn.GRUCell(8, 32, key=k1)
+            self.out = eqx.nn.Linear(32, 10, key=k2)
+
+        def __call__(self, x):  # x: (time, 8)
+            def step(h, xt):
+                return self.cell(xt, h), None
+
+            h, _ = jax.lax.scan(step, jnp.zeros(32), x)
+            return self.out(h)
+
+    def xent(logits, y):
+        return -jnp.mean(
+            jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)
+        )
+
+    def plain_loss(model, batch, key):
+        x, y = batch
+        return xent(jax.vmap(model)(x), y)
+
+    def stateful_loss(model, state, batch, key):
+        x, y = batch
+        logits, state = jax.vmap(
+            model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(x, state)
+        return xent(logits, y), state
+
+    images = jax.random.normal(key, (n, 1, 8, 8))
+    sequences = jax.random.normal(key, (n, 16, 8))
+    return {
+        "mlp": (
+            lambda k: eqx.nn.MLP(64, 10, 256, 2, key=k),
+            plain_loss,
+            False,
+            images.reshape(n, 64),
+            labels,
+        ),
+        "cnn": (CNN, plain_loss, False, images, labels),
+        "cnn_bn": (eqx.nn.make_with_state(BNCNN), stateful_loss, True, images, labels),
+        "transformer": (Transformer, plain_loss, False, sequences, labels),
+        "gru": (GRU, plain_loss, False, sequences, labels),
+    }
+
+
+def _torch_func_step(name, members, x, y, lr):
+    """A torch.func step for the MLP or the CNN (None for other families)."""
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    if name == "mlp":
+
+        def make():
+            return nn.Sequential(
+                nn.Linear(64, 256),
+                nn.ReLU(),
+                nn.Linear(256, 256),
+                nn.ReLU(),
+                nn.Linear(256, 10),
+            )
+    elif name == "cnn":
+
+        def make():
+            return nn.Sequential(
+                nn.Conv2d(1, 16, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(16, 32, 3, padding=1),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(32 * 8 * 8, 10),
+            )
+    else:
+        return None
+    models = [make() for _ in range(members)]
+    params, buffers = stack_module_state(models)
+    base = make().to("meta")
+    xt = torch.from_numpy(np.array(x))
+    yt = torch.from_numpy(np.array(y)).long()
+
+    def loss(p, b, xb, yb):
+        logits = functional_call(base, (p, b), (xb,))
+        return nn.functional.cross_entropy(logits, yb)
+
+    grads_of = vmap(grad(loss), in_dims=(0, 0, None, None))
+    optimizer = torch.optim.Adam(list(params.values()), lr=lr)
+
+    def step():
+        grads = grads_of(params, buffers, xt, yt)
+        for name_, value in params.items():
+            value.grad = grads[name_]
+        optimizer.step()
+
+    return step
+
+
+def main() -> None:
+    p = _common.parser(__doc__.splitlines()[0])
+    p.add_argument("--families", default="mlp,cnn,cnn_bn,transformer,gru")
+    p.add_argument("--members", type=int, default=None)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--no-torch", action="store_true")
+    args = p.parse_args()
+    steps = 10 if args.quick else 50
+    repeats = args.repeats or (2 if args.quick else 3)
+    _common.print_header(
+        f"model families: batch {args.batch}, Adam; {steps} steps per timed block, "
+        f"{repeats} blocks per variant"
+    )
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import eqx_ensemble as ee
+
+    optimizer = optax.adam(1e-3)
+    n = 2048 if args.quick else 4096
+    a = jax.random.normal(jax.random.key(1), (n, n))
+    mm = jax.jit(lambda a: a @ a)
+    matmul_gflops = (
+        2
+        * n**3
+        / _common.median(
+            _common.time_calls(lambda: mm(a).block_until_ready(), repeats=5, warmup=2)
+        )
+        / 1e9
+    )
+    print(f"   plain float32 matmul {n}x{n}: {matmul_gflops:.1f} GFLOP/s")
+    results = {"matmul_gflops": matmul_gflops}
+    families = _families(jax, jnp, eqx)
+    for name in args.families.split(","):
+        make, loss_fn, stateful, x_all, y_all = families[name]
+        members = args.members or (8 if name == "mlp" else 5)
+        built = ee.ensemble(make, size=members, key=jax.random.key(2))
+        ens, state = built if stateful else (built, None)
+        data = (x_all, y_all)
+        batch = (x_all[: args.batch], y_all[: args.batch])
+        opt_state = ee.init_optimizer(optimizer, ens)
+        variants = {}
+
+        for sampling in ("shared", "bootstrap"):
+
+            def run_fit(sampling=sampling):
+                result = ee.fit(
+                    ens,
+                    loss_fn,
+                    optimizer,
+                    data,
+                    steps=steps,
+                    batch_size=args.batch,
+                    key=jax.random.key(3),
+                    sampling=sampling,
+                    state=state,
+                    progress=False,
+                )
+                jax.block_until_ready(result.ensemble)
+
+            variants[f"fit {sampling}"] = (run_fit, steps)
+
+        step = ee.make_step(loss_fn, optimizer)
+        loop_state = {"ens": ens, "opt": opt_state, "state": state}
+
+        def run_make_step():
+            for i in range(steps):
+                out = step(
+                    loop_state["ens"],
+                    loop_state["opt"],
+                    batch,
+                    jax.random.key(i),
+                    loop_state["state"],
+                )
+                loop_state["ens"], loop_state["opt"] = out.ensemble, out.opt_state
+                loop_state["state"] = out.state
+            jax.block_until_ready(loop_state["ens"])
+
+        variants["make_step loop"] = (run_make_step, steps)
+
+        @eqx.filter_jit(donate="all-except-first")
+        def hand_step(batch, members, opt, member_state):
+            def one(member, opt, member_state):
+                if stateful:
+                    (loss, new_state), grads = eqx.filter_value_and_grad(
+                        loss_fn, has_aux=True
+                    )(member, member_state, batch, None)
+                else:
+                    loss, grads = eqx.filter_value_and_grad(loss_fn)(
+                        member, batch, None
+                    )
+                    new_state = member_state
+                with jax.numpy_dtype_promotion("standard"):
+                    updates, opt = optimizer.update(
+                        grads, opt, eqx.filter(member, eqx.is_inexact_array)
+                    )
+                return eqx.apply_updates(member, updates), opt, new_state, loss
+
+            return eqx.filter_vmap(one)(members, opt, member_state)
+
+        def copied(tree):
+            return jax.tree.map(lambda v: jnp.copy(v) if eqx.is_array(v) else v, tree)
+
+        hand = {
+            "members": copied(ens.members),
+            "opt": copied(opt_state),
+            "state": copied(state),
+        }
+
+        def run_hand():
+            for _ in range(steps):
+                hand["members"], hand["opt"], hand["state"], _ = hand_step(
+                    batch, hand["members"], hand["opt"], hand["state"]
+                )
+            jax.block_until_ready(hand["members"])
+
+        variants["hand-written step"] = (run_hand, steps)
+        if not args.no_torch:
+            try:
+                torch_step = _torch_func_step(
+                    name, members, np.asarray(batch[0]), np.asarray(batch[1]), 1e-3
+                )
+            except ImportError:
+                torch_step = None
+            if torch_step is not None:
+
+                def run_torch(torch_step=torch_step):
+                    for _ in range(steps):
+                        torch_step()
+
+                variants["torch.func"] = (run_torch, steps)
+
+        times = _common.interleaved(
+            {k: fn for k, (fn, _) in variants.items()}, repeats=repeats
+        )
+        per_step = {k: _common.median(v) / variants[k][1] for k, v in times.items()}
+        lowered = step.lower(ens, opt_state, batch, jax.random.key(0), state)
+        flops = float(lowered.compile().compiled.cost_analysis().get("flops", 0.0))
+        print(f"\n-- {name}: {members} members, {flops / 1e6:.1f} MFLOP per step")
+        for k, seconds in per_step.items():
+            print(
+                f"   {k:<18} {seconds * 1e3:8.2f} ms/step  "
+                f"{flops / seconds / 1e9:7.2f} GFLOP/s "
+                f"({flops / seconds / 1e9 / matmul_gflops:6.1%} of the matmul)"
+            )
+        ratios = {
+            "fit/make_step (speed-up)": per_step["make_step loop"]
+            / per_step["fit shared"],
+            "fit bootstrap/make_step": per_step["make_step loop"]
+            / per_step["fit bootstrap"],
+        }
+        if "torch.func" in per_step:
+            ratios["fit/torch.func"] = per_step["torch.func"] / per_step["fit shared"]
+            ratios["make_step/torch.func"] = (
+                per_step["torch.func"] / per_step["make_step loop"]
+            )
+        for k, v in ratios.items():
+            print(f"   {k:<26} {v:5.2f}x")
+        results[name] = {
+            "ms_per_step": {k: v * 1e3 for k, v in per_step.items()},
+            "ratios": ratios,
+            "mflop_per_step": flops / 1e6,
+        }
+    _common.emit_summary("families", results, args.json)
+
+
+if __name__ == "__main__":
+    main()
