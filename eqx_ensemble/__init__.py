@@ -15,6 +15,7 @@ from ._checkpoint_dir import (
     latest_checkpoint as latest_checkpoint,
     list_checkpoints as list_checkpoints,
     save_checkpoint as save_checkpoint,
+    verify_checkpoint as verify_checkpoint,
 )
 from ._checkpoint_file import CheckpointError as CheckpointError
 from ._control import Controller as Controller

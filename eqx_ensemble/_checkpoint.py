@@ -9,7 +9,6 @@ documented in `_checkpoint_file.py` and in `ee.save`'s docstring.
 """
 
 import json
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,6 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
@@ -30,9 +28,13 @@ from ._checkpoint_file import (
     remove_stale_temporaries,
     write_file,
 )
-from ._checkpoint_leaves import decode_leaf, encode_leaves
+from ._checkpoint_leaves import (
+    decode_leaf,
+    encode_leaves,
+    key_impl_shapes,
+    record_error,
+)
 from ._checkpoint_tree import (
-    ARRAY_KINDS,
     classify,
     describe,
     describe_nodes,
@@ -140,7 +142,15 @@ def save_tree(
         manifest["ensemble_size"] = manifest["ensembles"][0]["size"]
 
     def write() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise OSError(
+                error.errno,
+                f"cannot create the folder {str(path.parent)!r} for the checkpoint "
+                f"({error.strerror or error}); nothing was written",
+                str(path),
+            ) from error
         remove_stale_temporaries(path)
         write_file(path, manifest, chunks)
         if after_write is not None:
@@ -168,6 +178,8 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
         raise TypeError("`metadata` must be a dict with string keys")
     try:
         return json.loads(json.dumps(metadata))
+    except RecursionError:
+        raise TypeError("`metadata` is nested too deeply to store as JSON") from None
     except (TypeError, ValueError) as error:
         raise TypeError(
             f"`metadata` must be JSON-serialisable (dicts, lists, strings, numbers, "
@@ -260,13 +272,11 @@ def _verified_records(
     file: CheckpointFile, like: Any, like_leaves: list[tuple[Any, Any]]
 ) -> list[dict[str, Any]]:
     """The manifest's leaf records, once they are known to match `like`."""
+    records = checked_records(file)
     try:
-        records = list(file.manifest["leaves"])
-        message = (
-            _structure_difference(file.manifest, like, like_leaves)
-            or _first_mismatch(records, like_leaves)
-            or _layout_error(records, file.data_bytes)
-        )
+        message = _structure_difference(
+            file.manifest, like, like_leaves
+        ) or _first_mismatch(records, like_leaves)
     except (
         KeyError,
         TypeError,
@@ -307,6 +317,7 @@ def _first_mismatch(
             return (
                 f"leaf `{keystr(path)}` differs: the checkpoint holds "
                 f"{describe(record)}, `like` holds {describe(expected)}"
+                + _key_hint(record["kind"], expected["kind"])
             )
         if record["kind"] == "key":
             mismatch = _key_mismatch(record, like_leaf)
@@ -315,50 +326,36 @@ def _first_mismatch(
     return None
 
 
-def _layout_error(records: list[dict[str, Any]], data_bytes: int) -> str | None:
+def _key_hint(saved: str, like: str) -> str:
+    if {saved, like} != {"key", "array"}:
+        return ""
+    return (
+        " (typed keys, `jax.random.key`, and raw uint32 keys, `jax.random.PRNGKey`, "
+        "are stored differently: build `like` with the same kind, or convert with "
+        "`jax.random.key_data` / `jax.random.wrap_key_data`)"
+    )
+
+
+def checked_records(file: CheckpointFile) -> list[dict[str, Any]]:
+    """The manifest's leaf records, each checked on its own (no `like` needed)."""
+    records = file.manifest.get("leaves")
+    if not isinstance(records, list):
+        raise file.error("the manifest is malformed (no list of leaves)")
     for record in records:
-        if record["kind"] not in ARRAY_KINDS:
-            continue
-        key = record["kind"] == "key"
-        dtype = jnp.dtype(record["data_dtype"] if key else record["dtype"])
-        shape = record["data_shape"] if key else record["shape"]
-        offset, nbytes = record["offset"], record["nbytes"]
-        where = f"the manifest entry of leaf `{record['path']}`"
-        if not (
-            isinstance(shape, list)
-            and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
-            and all(d >= 0 for d in shape)
-            and isinstance(offset, int)
-            and isinstance(nbytes, int)
-        ):
-            return f"{where} is malformed: shape {shape!r}, offset {offset!r}"
-        # Exact integers: a forged shape cannot overflow into a plausible size.
-        count = math.prod(shape)
-        if nbytes != count * dtype.itemsize or not 0 <= offset <= data_bytes - nbytes:
-            return (
-                f"{where} is inconsistent: {nbytes} bytes at offset {offset} of "
-                f"{data_bytes} for {dtype.name}{tuple(shape)}"
-            )
-    return None
+        problem = record_error(record, file.data_bytes)
+        if problem is not None:
+            raise file.error(problem)
+    return records
 
 
 def _key_mismatch(record: dict[str, Any], like_leaf: Any) -> str | None:
-    """A key leaf's implementation and key-data shape against `like`'s."""
-    name = record.get("impl")
-    try:
-        saved_dtype = jax.random.key(0, impl=name).dtype
-    except (TypeError, ValueError, KeyError):
-        return f"a key of an unknown implementation {name!r}"
-    if saved_dtype != like_leaf.dtype:
-        return f"a key of implementation {name!r}, `like` holds {like_leaf.dtype}"
-    expected = jax.eval_shape(jax.random.key_data, like_leaf)
-    expected_dtype = np.dtype(expected.dtype).name
-    if record.get("data_shape") != list(expected.shape) or (
-        record.get("data_dtype") != expected_dtype
-    ):
+    """A key leaf's implementation against `like`'s (the key data's shape follows
+    from the implementation and was checked with the record)."""
+    found = key_impl_shapes(record["impl"])
+    assert found is not None  # checked by `record_error`
+    if found[0] != like_leaf.dtype:
         return (
-            f"key data {record.get('data_dtype')}{record.get('data_shape')}, `like` "
-            f"holds {expected_dtype}{list(expected.shape)}"
+            f"keys of implementation {record['impl']!r}, `like` holds {like_leaf.dtype}"
         )
     return None
 

@@ -19,12 +19,16 @@ temporary file in the same folder, flushed and fsynced, renamed over the target 
 """
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 import struct
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
@@ -42,6 +46,12 @@ TEMP_SUFFIX = ".tmp"
 _HEADER = struct.Struct("<8sQ32s")
 _MAX_MANIFEST_BYTES = 1 << 34
 _READ_CHUNK = 1 << 24
+# `save_checkpoint`'s file names; the number is the step the manifest records.
+CHECKPOINT_NAME = re.compile(r"^step_([0-9]+)\.ckpt$")
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+# Where file locks are unsupported, a temporary file untouched this long is taken
+# to be abandoned (a live write touches its file at least every chunk).
+STALE_AFTER_SECONDS = 3600.0
 
 
 class CheckpointError(ValueError):
@@ -72,11 +82,18 @@ class CheckpointError(ValueError):
 
 def as_path(value: Any, name: str) -> Path:
     """A path argument as a `Path`, or a `TypeError` naming the argument (an int
-    would be taken by `os` functions as an open file descriptor)."""
+    would be taken by `os` functions as an open file descriptor), or a
+    `ValueError` for an empty string (which `Path` would read as the current
+    folder)."""
     if not isinstance(value, str | os.PathLike) or isinstance(value, bytes):
         raise TypeError(
             f"`{name}` must be a path (str or os.PathLike), got "
             f"{type(value).__name__} {value!r}"
+        )
+    if os.fspath(value) == "":
+        raise ValueError(
+            f"`{name}` is an empty path; pass a file or folder name (use '.' for "
+            "the current folder)"
         )
     return Path(value)
 
@@ -100,7 +117,9 @@ def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
     """Write a checkpoint file atomically.
 
     `chunks` are the data section in order (bytes-like objects, padding included);
-    their length and sha256 are added to `manifest` under `"data"`.
+    their length and sha256 are added to `manifest` under `"data"`. An `OSError`
+    (a full disk, a folder that cannot be written...) is raised again with `path`
+    named in it, after the temporary file is removed: nothing partial is left.
     """
     data_sha256, data_bytes = _sha256(chunks)
     manifest = {**manifest, "data": {"bytes": data_bytes, "sha256": data_sha256}}
@@ -109,15 +128,18 @@ def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
         MAGIC, len(manifest_bytes), hashlib.sha256(manifest_bytes).digest()
     )
     directory = path.parent
-    temporary = directory / f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
-    # O_EXCL: never clobber; mode 0o666 so the umask applies as for any new file.
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "a folder is in the way")
+        temporary, descriptor = _create_temporary(path)
+    except OSError as error:
+        raise _naming(error, path) from error
     try:
         # Overwriting keeps the existing file's permissions (a checkpoint made
-        # private with chmod 600 stays private).
+        # private with chmod 600 stays private); a new file gets the umask's.
         with contextlib.suppress(FileNotFoundError):
-            os.fchmod(descriptor, stat.S_IMODE(os.stat(path).st_mode))
-        with os.fdopen(descriptor, "wb") as stream:
+            os.fchmod(descriptor, stat.S_IMODE(os.stat(path).st_mode) & 0o777)
+        with os.fdopen(descriptor, "wb", closefd=False) as stream:
             stream.write(header)
             stream.write(manifest_bytes)
             for chunk in chunks:
@@ -125,11 +147,76 @@ def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+        if isinstance(error, OSError):
+            raise _naming(error, path) from error
         raise
+    finally:
+        os.close(descriptor)  # releases the lock
+        with _LIVE_LOCK:
+            _LIVE_TEMPORARIES.discard(temporary)
     fsync_directory(directory)
+
+
+def _naming(error: OSError, path: Path) -> OSError:
+    """`error` again (same class and errno), with the checkpoint's path in it."""
+    reason = error.strerror or str(error) or type(error).__name__
+    return OSError(
+        error.errno,
+        f"{reason}; the checkpoint was not written (a previous file at that path, "
+        "if any, is intact)",
+        str(path),
+    )
+
+
+# Temporary files this process is writing now: never cleaned up as stale, also
+# where file locks are not exclusive within a process (POSIX locks over NFS).
+_LIVE_TEMPORARIES: set[Path] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _create_temporary(path: Path) -> tuple[Path, int]:
+    """A new temporary file for `path`, open for writing and locked (`flock`) for
+    as long as it is open: a cleaner removes only temporaries it can lock, which
+    no live writer's are."""
+    while True:
+        temporary = path.parent / f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+        # O_EXCL: never clobber; mode 0o666 so the umask applies as for any new file.
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with _LIVE_LOCK:
+            _LIVE_TEMPORARIES.add(temporary)
+        if _lock(descriptor, blocking=True) is False:
+            return temporary, descriptor  # no locks here: the age bound protects it
+        # A cleaner may have locked and removed the file between its creation and
+        # our lock: then the name no longer leads to our file, and we start over.
+        try:
+            ours = os.stat(temporary).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            ours = False
+        if ours:
+            return temporary, descriptor
+        os.close(descriptor)
+        with _LIVE_LOCK:
+            _LIVE_TEMPORARIES.discard(temporary)
+
+
+def _lock(descriptor: int, *, blocking: bool) -> bool | None:
+    """`flock` the file exclusively: `True` when locked, `None` when another
+    holder has it (non-blocking only), `False` when locks are unsupported here."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return False
+    flags = fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB)
+    try:
+        fcntl.flock(descriptor, flags)
+    except BlockingIOError:
+        return None
+    except OSError:  # e.g. ENOLCK, EOPNOTSUPP on some network file systems
+        return False
+    return True
 
 
 def _file_kind(mode: int) -> str:
@@ -150,19 +237,44 @@ def temporary_pattern(target: Path) -> str:
     return f".{target.name}.*{TEMP_SUFFIX}"
 
 
-def remove_stale_temporaries(target: Path, *, older_than: float = 3600.0) -> None:
-    """Remove temporary files of earlier, interrupted writes to `target`: files of
-    this library's temporary naming for that target, not modified for
-    `older_than` seconds (a live writer keeps writing to its file; one whose write
-    takes longer than an hour between two chunks is not a case we serve)."""
-    import time
+def remove_stale_temporaries(target: Path) -> None:
+    """Remove the temporary files of earlier, interrupted writes to `target`."""
+    remove_abandoned(target.parent.glob(temporary_pattern(target)))
 
+
+def remove_abandoned(
+    temporaries: Iterable[Path], *, older_than: float = STALE_AFTER_SECONDS
+) -> None:
+    """Remove those of `temporaries` (names of `write_file`'s pattern) whose writer
+    is gone, never one a live writer is using.
+
+    A writer holds an exclusive `flock` on its temporary file from its creation
+    until it is renamed into place or removed, and the kernel drops the lock when
+    the writer dies (killed, crashed, powered off). A temporary that this process
+    is not writing and that can be locked is therefore abandoned: it is removed
+    while the lock is held, so no writer can adopt it in between (a writer that
+    lost its fresh file this way notices and starts over). Where locks are not
+    supported, only temporaries not modified for `older_than` seconds go.
+    """
     now = time.time()
-    for candidate in target.parent.glob(temporary_pattern(target)):
+    for candidate in temporaries:
+        with _LIVE_LOCK:
+            if candidate in _LIVE_TEMPORARIES:
+                continue
         with contextlib.suppress(OSError):
             status = candidate.lstat()
-            if stat.S_ISREG(status.st_mode) and now - status.st_mtime > older_than:
-                os.unlink(candidate)
+            if not stat.S_ISREG(status.st_mode):
+                continue
+            flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | _NONBLOCK
+            descriptor = os.open(candidate, flags)
+            try:
+                if os.fstat(descriptor).st_ino != status.st_ino:
+                    continue
+                locked = _lock(descriptor, blocking=False)
+                if locked or (locked is False and now - status.st_mtime > older_than):
+                    os.unlink(candidate)
+            finally:
+                os.close(descriptor)
 
 
 def fsync_directory(directory: Path) -> None:
@@ -194,7 +306,7 @@ class CheckpointFile:
                 "written by `ee.save`"
             )
         # O_NONBLOCK: a special file swapped in after the check must not block.
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        descriptor = os.open(path, os.O_RDONLY | _NONBLOCK)
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):
             os.close(descriptor)
             raise self.error("not a regular file")
@@ -283,20 +395,32 @@ class CheckpointFile:
     def read_data(self) -> bytearray:
         """The data section, after checking its sha256 against the manifest."""
         data = bytearray(self.data_bytes)
-        view = memoryview(data)
+        self._check_data(memoryview(data))
+        return data
+
+    def verify_data(self) -> None:
+        """Check the data's sha256 without holding the data in memory."""
+        self._check_data(None)
+
+    def _check_data(self, into: memoryview | None) -> None:
+        if into is None:
+            into = memoryview(bytearray(min(_READ_CHUNK, self.data_bytes)))
+            chunked = True
+        else:
+            chunked = False
         self._stream.seek(self.data_offset)
         digest = hashlib.sha256()
         position = 0
         while position < self.data_bytes:
             end = min(position + _READ_CHUNK, self.data_bytes)
-            count = self._stream.readinto(view[position:end])
+            view = into[: end - position] if chunked else into[position:end]
+            count = self._stream.readinto(view)
             if not count:
                 raise self.error("the file was truncated while it was being read")
-            digest.update(view[position : position + count])
+            digest.update(view[:count])
             position += count
         if digest.hexdigest() != self.data_sha256:
             raise self.error(
                 "the data is corrupt: its sha256 does not match the manifest's "
                 f"({digest.hexdigest()} vs {self.data_sha256})"
             )
-        return data

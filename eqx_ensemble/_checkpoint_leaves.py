@@ -7,7 +7,9 @@ its sharding if it is a committed `jax.Array` or a `jax.ShapeDtypeStruct` with a
 sharding, uncommitted on the default device otherwise, weakly typed if it is.
 """
 
-from typing import Any
+import functools
+import math
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -158,3 +160,132 @@ def _place_key(host: np.ndarray, impl: str, like_leaf: Any) -> Any:
     # sharding, then wrap it.
     data = jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
     return jax.random.wrap_key_data(data, impl=impl)
+
+
+def record_error(record: Any, data_bytes: int) -> str | None:
+    """What is wrong with one manifest leaf record on its own (no `like` needed),
+    or `None`: a known kind, a restorable dtype, a known PRNG implementation whose
+    key data has the recorded shape, a well-formed Python value, and a size and
+    offset inside the data section. Run before anything is allocated, so a forged
+    shape cannot ask for more memory than the file holds."""
+    if not isinstance(record, dict) or not isinstance(record.get("path"), str):
+        return f"a leaf entry is malformed: {_short(record)}"
+    where = f"the manifest entry of leaf `{record['path']}`"
+    kind = record.get("kind")
+    if not isinstance(kind, str):
+        return f"{where} has a malformed kind {_short(kind)}"
+    if kind == "static":
+        return None
+    if kind in PYTHON_KINDS:
+        if not _valid_value(kind, record.get("value")):
+            return (
+                f"{where} holds a malformed {kind} value {_short(record.get('value'))}"
+            )
+        return None
+    if kind not in ARRAY_KINDS:
+        return f"{where} has an unknown kind {_short(kind)}"
+    key = kind == "key"
+    shape = record.get("data_shape" if key else "shape")
+    dtype_name = record.get("data_dtype" if key else "dtype")
+    dtype = stored_dtype(dtype_name)
+    if dtype is None:
+        return f"{where} has an unsupported dtype {_short(dtype_name)}"
+    if not _is_shape(shape):
+        return f"{where} has a malformed shape {_short(shape)}"
+    if key:
+        problem = _key_record_error(record, shape)
+        if problem is not None:
+            return f"{where} {problem}"
+    offset, nbytes = record.get("offset"), record.get("nbytes")
+    if not (_is_int(offset) and _is_int(nbytes)):
+        return (
+            f"{where} has a malformed offset {_short(offset)} or size {_short(nbytes)}"
+        )
+    # Exact integers: a forged shape cannot overflow into a plausible size.
+    count = math.prod(shape)
+    if nbytes != count * dtype.itemsize or not 0 <= offset <= data_bytes - nbytes:
+        return (
+            f"{where} is inconsistent: {nbytes} bytes at offset {offset} of "
+            f"{data_bytes} for {dtype.name}{tuple(shape)} ({count * dtype.itemsize} "
+            "bytes)"
+        )
+    return None
+
+
+def stored_dtype(name: Any) -> np.dtype | None:
+    """The dtype a manifest names, if it is one `save` can write, else `None`."""
+    if not isinstance(name, str):
+        return None
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        return None
+    # Only the canonical names `save` writes: `">f4"` would read the
+    # (little-endian) bytes in the wrong order.
+    return dtype if _restorable(dtype) and dtype.name == name else None
+
+
+@functools.lru_cache(maxsize=64)
+def key_impl_shapes(impl: str) -> tuple[Any, tuple[int, ...], str] | None:
+    """For a PRNG implementation name: the typed key dtype, the key data's
+    trailing shape and dtype name; `None` if JAX knows no such implementation."""
+    try:
+        key = jax.eval_shape(lambda: jax.random.key(0, impl=impl))
+        data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
+    except (TypeError, ValueError, KeyError):
+        return None
+    return key.dtype, tuple(data.shape), np.dtype(data.dtype).name
+
+
+def _key_record_error(record: dict[str, Any], data_shape: list[int]) -> str | None:
+    impl = record.get("impl")
+    found = key_impl_shapes(impl) if isinstance(impl, str) else None
+    if found is None:
+        return f"names an unknown PRNG implementation {_short(impl)}"
+    _, trailing, data_dtype = found
+    shape = record.get("shape")
+    if (
+        not _is_shape(shape)
+        or list(data_shape) != [*shape, *trailing]
+        or record.get("data_dtype") != data_dtype
+    ):
+        return (
+            f"holds key data {_short(record.get('data_dtype'))}{_short(data_shape)} "
+            f"for keys of shape {_short(shape)}, but {impl!r} keys are "
+            f"{data_dtype}{list(trailing)} each"
+        )
+    return None
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_shape(shape: Any) -> TypeGuard[list[int]]:
+    return isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+
+
+def _valid_value(kind: str, value: Any) -> bool:
+    if kind == "bool":  # stored as 0 or 1
+        return _is_int(value) and value in (0, 1)
+    if kind == "int":
+        return _is_int(value)
+    if kind == "float":
+        return _is_hex_float(value)
+    return (
+        isinstance(value, list) and len(value) == 2 and all(map(_is_hex_float, value))
+    )
+
+
+def _is_hex_float(value: Any) -> bool:
+    try:
+        float.fromhex(value)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return True
+
+
+def _short(value: Any) -> str:
+    """`repr(value)`, cut short (a forged manifest may hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

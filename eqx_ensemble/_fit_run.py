@@ -21,14 +21,15 @@ from ._ensemble import Ensemble, check_key
 from ._evaluate import Evaluate, check_positive_int, eval_key
 from ._fit_checkpoints import Checkpoints
 from ._history import Recorder
-from ._loop import Chunk, chunk_runner, copy, initial_state, uses_convolution
-from ._loss import call_loss, check_hyper, check_loss_signature, check_optimizer
+from ._loop import Chunk, chunk_runner, copy, initial_state
+from ._loss import check_hyper, check_loss_signature, check_optimizer
 from ._optim import (
     check_hyperparams_kept,
     check_opt_state,
     init_optimizer_fast,
     set_hyperparams,
 )
+from ._profile import StepProfile, example_structs, first_member, profile_step
 from ._result import FitResult, key_record, make_result
 from ._sampling import MAX_INDICES, Bootstrap, as_sampling
 from ._sharding import check_fit_mesh, on_mesh, place_state
@@ -217,10 +218,11 @@ def prepare(
     assert batch_size is not None
     if streamed and mesh is not None:
         mesh = check_fit_mesh(mesh, size, batch_size)
+    profile = _profile(
+        ens, loss_fn, data, stream, batch_size, sampling, state, hyper, mesh
+    )
     if unroll is None:
-        unroll = _should_unroll(
-            ens, loss_fn, data, stream, batch_size, sampling, state, hyper, mesh
-        )
+        unroll = profile.convolutions
     if steps_per_dispatch is None:
         steps_per_dispatch = (
             UNROLLED_STEPS_PER_DISPATCH
@@ -251,7 +253,9 @@ def prepare(
         mesh=mesh,
         unrolled=unroll,
     )
-    options = step_compiler_options(user_options, ens.members, batch_size, size, mesh)
+    options = step_compiler_options(
+        user_options, ens.members, batch_size, size, mesh, profile.batched_dots
+    )
     return Run(
         chunk=on_mesh(chunk, mesh),
         runner=chunk_runner(options),
@@ -279,7 +283,7 @@ def _tree_values_equal(a: PyTree[Any], b: PyTree[Any]) -> bool:
 UNROLLED_STEPS_PER_DISPATCH = 10
 
 
-def _should_unroll(
+def _profile(
     ens: Ensemble,
     loss_fn: Callable[..., Any],
     data: Any,
@@ -289,42 +293,19 @@ def _should_unroll(
     state: PyTree[Any],
     hyper: PyTree[Any],
     mesh: Mesh | None,
-) -> bool:
-    """The library's choice: unrolled steps for a step with convolutions on a CPU
-    (see `_loop._unrolled`), the fused loop otherwise."""
+) -> StepProfile:
+    """The step's profile on a CPU (on other platforms nothing depends on it)."""
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     if platform != "cpu":
-        return False
-    member = ens[0]
-
-    def example(leaf: Any) -> Any:
-        return jax.ShapeDtypeStruct((batch_size, *np.shape(leaf)[1:]), leaf.dtype)
-
+        return StepProfile()
     if stream is not None:
         first = stream.peek()
         batch = jax.tree.map(lambda x: x[0] if sampling.per_member else x, first)
     else:
-        batch = jax.tree.map(example, data)
-    first_member = lambda tree: (
-        None
-        if tree is None
-        else jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, tree)
+        batch = example_structs(data, batch_size)
+    return profile_step(
+        loss_fn, ens[0], batch, first_member(state), first_member(hyper)
     )
-    try:
-        return uses_convolution(
-            lambda m, b: call_loss(
-                loss_fn,
-                m,
-                first_member(state),
-                b,
-                jax.random.key(0),
-                first_member(hyper),
-            ),
-            member,
-            batch,
-        )
-    except Exception:  # noqa: BLE001 - the first dispatch reports real errors
-        return False
 
 
 def _check_resumed_hyperparams(

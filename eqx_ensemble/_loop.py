@@ -17,7 +17,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.extend
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
@@ -262,22 +261,6 @@ def _unrolled(
         losses.append(step_losses)
         scores.append(step_scores)
     return eqx.filter(ts, eqx.is_array), jnp.stack(losses), jnp.stack(scores)
-
-
-def uses_convolution(fn: Callable[..., Any], *args: Any) -> bool:
-    """Whether tracing `fn(*args)` meets a convolution (nested calls included)."""
-    jaxpr = eqx.filter_make_jaxpr(fn)(*args)[0]
-
-    def search(inner: Any) -> bool:
-        for equation in inner.eqns:
-            if equation.primitive.name == "conv_general_dilated":
-                return True
-            for sub in jax.extend.core.jaxprs_in_params(equation.params):
-                if search(sub):
-                    return True
-        return False
-
-    return search(jaxpr.jaxpr)
 
 
 @eqx.filter_jit

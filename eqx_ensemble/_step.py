@@ -206,7 +206,8 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
         with mesh_context(self.mesh):
-            compiled = _compiled_step(self, self._options(ens, batch))
+            options = self._options(ens, batch, state, hyper)
+            compiled = _compiled_step(self, options)
             return compiled(ens, opt_state, batch, key, state, hyper)
 
     def lower(
@@ -221,20 +222,42 @@ class Step(eqx.Module):
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
         with mesh_context(self.mesh):
-            compiled: Any = _compiled_step(self, self._options(ens, batch))
+            options = self._options(ens, batch, state, hyper)
+            compiled: Any = _compiled_step(self, options)
             if isinstance(compiled, functools.partial):  # a step holding arrays
                 generic: Any = compiled.func
                 return generic.lower(self, ens, opt_state, batch, key, state, hyper)
             return compiled.lower(ens, opt_state, batch, key, state, hyper)
 
-    def _options(self, ens: Any, batch: Any) -> Options:
-        # The options depend on the inputs' sizes (see `_xla`).
+    def _options(
+        self, ens: Any, batch: Any, state: Any = None, hyper: Any = None
+    ) -> Options:
+        # The options depend on the inputs' sizes and on what the loss computes
+        # (see `_xla`): traced once per input signature, only where it matters.
         if self.compiler_options is not None:
             return self.compiler_options
         if not isinstance(ens, Ensemble):
             return ()
         examples = _examples(batch, self.per_member_batch)
-        return step_compiler_options(None, ens.members, examples, len(ens), self.mesh)
+        options = step_compiler_options(
+            None, ens.members, examples, len(ens), self.mesh
+        )
+        if not options:
+            return options
+        profile = _profile_of(self, (ens, batch, state, hyper))
+        if profile.batched_dots:
+            return ()
+        return options
+
+
+def _profile_of(step: "Step", inputs: Any) -> Any:
+    from ._profile import first_member, profile_step
+
+    ens, batch, state, hyper = inputs
+    member_batch = first_member(batch) if step.per_member_batch else batch
+    return profile_step(
+        step.loss_fn, ens[0], member_batch, first_member(state), first_member(hyper)
+    )
 
 
 def _step_impl(

@@ -106,11 +106,16 @@ def step_compiler_options(
     examples: int,
     size: int,
     mesh: Mesh | None,
+    batched_dots: bool = False,
 ) -> Options:
     """The options a training step is compiled with: the user's if given, else
-    `EIGEN_DOTS` for a big enough step on a multi-core CPU, else XLA's defaults."""
+    `EIGEN_DOTS` for a big enough step on a multi-core CPU whose matmuls have no
+    batch dimension of their own (`batched_dots`: attention heads, which Eigen
+    runs slower than XLA's default path), else XLA's defaults."""
     if user is not None:
         return user
+    if batched_dots:
+        return ()
     cores = os.cpu_count() or 1
     if _platform(mesh) != "cpu" or cores < 2:
         return ()

@@ -1002,3 +1002,35 @@ def test_unrolled_stream_equals_make_step_loop():
     expected, _, _, losses, _ = reference_loop(cnn, cnn_loss, ADAM, batches)
     assert_tree_allclose(result.ensemble, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(result.history.losses, losses, rtol=1e-5, atol=1e-6)
+
+
+def test_step_profile_reads_convolutions_and_batched_matmuls():
+    from eqx_ensemble._profile import profile_step
+
+    cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+    batch = (IMAGES[:4], Y[:4])
+    assert profile_step(cnn_loss, cnn[0], batch).convolutions
+    assert not profile_step(cnn_loss, cnn[0], batch).batched_dots
+
+    attention = eqx.nn.MultiheadAttention(2, 4, key=jax.random.key(0))
+
+    def attention_loss(model, batch, key):
+        x = batch  # (tokens, 4)
+        return jnp.mean(model(x, x, x) ** 2)
+
+    profile = profile_step(attention_loss, attention, jnp.ones((5, 4)))
+    assert profile.batched_dots and not profile.convolutions
+    mlp = ee.ensemble(make_mlp, size=2, key=jax.random.key(3))
+    assert profile_step(mse_loss, mlp[0], (X, Y)) == (False, False)
+
+
+def test_batched_matmuls_keep_xla_defaults():
+    from eqx_ensemble._xla import EIGEN_DOTS, step_compiler_options
+
+    big = ee.ensemble(
+        lambda k: eqx.nn.MLP(256, 256, 256, 2, key=k), size=8, key=jax.random.key(0)
+    )
+    options = step_compiler_options(None, big.members, 256, 8, None)
+    if options:  # a multi-core CPU with the option available
+        assert dict(options) == EIGEN_DOTS
+    assert step_compiler_options(None, big.members, 256, 8, None, True) == ()
