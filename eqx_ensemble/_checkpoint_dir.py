@@ -37,7 +37,7 @@ __all__ = [
 
 # Left behind by a writer killed mid-save (see `_checkpoint_file.write_file`).
 _TEMPORARY_NAME = re.compile(
-    r"^\.step_[0-9]+\.ckpt\.[0-9a-f]+" + re.escape(TEMP_SUFFIX) + "$"
+    r"^\.step_[0-9]+\.ckpt\.[0-9a-f]+(-p[0-9]+)?" + re.escape(TEMP_SUFFIX) + "$"
 )
 
 

@@ -49,8 +49,12 @@ _READ_CHUNK = 1 << 24
 # `save_checkpoint`'s file names; the number is the step the manifest records.
 CHECKPOINT_NAME = re.compile(r"^step_([0-9]+)\.ckpt$")
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-# Where file locks are unsupported, a temporary file untouched this long is taken
-# to be abandoned (a live write touches its file at least every chunk).
+# A temporary file is named `.<target>.<16 hex>-p<writer pid>.tmp` by writers
+# that hold a lock on it (see `remove_abandoned`), `.<target>.<16 hex>.tmp` by
+# eqx_ensemble versions that did not lock. The latter, and every temporary where
+# locks are unsupported, are taken to be abandoned after `STALE_AFTER_SECONDS`
+# untouched (a live write touches its file at least every leaf).
+_LOCKING_WRITER = re.compile(r"-p[0-9]+" + re.escape(TEMP_SUFFIX) + "$")
 STALE_AFTER_SECONDS = 3600.0
 
 
@@ -182,7 +186,8 @@ def _create_temporary(path: Path) -> tuple[Path, int]:
     as long as it is open: a cleaner removes only temporaries it can lock, which
     no live writer's are."""
     while True:
-        temporary = path.parent / f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+        name = f".{path.name}.{secrets.token_hex(8)}-p{os.getpid()}{TEMP_SUFFIX}"
+        temporary = path.parent / name
         # O_EXCL: never clobber; mode 0o666 so the umask applies as for any new file.
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with _LIVE_LOCK:
@@ -242,19 +247,19 @@ def remove_stale_temporaries(target: Path) -> None:
     remove_abandoned(target.parent.glob(temporary_pattern(target)))
 
 
-def remove_abandoned(
-    temporaries: Iterable[Path], *, older_than: float = STALE_AFTER_SECONDS
-) -> None:
+def remove_abandoned(temporaries: Iterable[Path]) -> None:
     """Remove those of `temporaries` (names of `write_file`'s pattern) whose writer
     is gone, never one a live writer is using.
 
     A writer holds an exclusive `flock` on its temporary file from its creation
     until it is renamed into place or removed, and the kernel drops the lock when
-    the writer dies (killed, crashed, powered off). A temporary that this process
-    is not writing and that can be locked is therefore abandoned: it is removed
-    while the lock is held, so no writer can adopt it in between (a writer that
-    lost its fresh file this way notices and starts over). Where locks are not
-    supported, only temporaries not modified for `older_than` seconds go.
+    the writer dies (killed, crashed, powered off). A temporary of a locking
+    writer (its name ends in `-p<pid>.tmp`) that this process is not writing and
+    that can be locked is therefore abandoned: it is removed while the lock is
+    held, so no writer can adopt it in between (a writer that lost its fresh file
+    this way notices and starts over). A temporary of an older, non-locking
+    version, or any temporary where locks are unsupported, goes only once
+    untouched for `STALE_AFTER_SECONDS`.
     """
     now = time.time()
     for candidate in temporaries:
@@ -271,7 +276,10 @@ def remove_abandoned(
                 if os.fstat(descriptor).st_ino != status.st_ino:
                     continue
                 locked = _lock(descriptor, blocking=False)
-                if locked or (locked is False and now - status.st_mtime > older_than):
+                if locked is None:
+                    continue  # a live writer holds it
+                stale = now - status.st_mtime > STALE_AFTER_SECONDS
+                if stale or (locked and _LOCKING_WRITER.search(candidate.name)):
                     os.unlink(candidate)
             finally:
                 os.close(descriptor)

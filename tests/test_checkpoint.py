@@ -854,8 +854,14 @@ def test_checkpoint_folder_keeps_the_last_n(tmp_path):
 def test_stray_temporary_files_are_ignored_then_cleaned(tmp_path):
     directory = tmp_path / "run"
     ee.save_checkpoint(directory, 1, {"w": jnp.ones(3)})
-    stray = directory / ".step_0000000002.ckpt.0123456789abcdef.tmp"
+    # Left by a killed writer (no process holds its lock), and by an old,
+    # non-locking version an hour ago.
+    stray = directory / ".step_0000000002.ckpt.0123456789abcdef-p4242.tmp"
     stray.write_bytes(b"half a checkpoint")
+    legacy = directory / ".step_0000000003.ckpt.0123456789abcdef.tmp"
+    legacy.write_bytes(b"half a checkpoint")
+    two_hours_ago = time.time() - 7200
+    os.utime(legacy, (two_hours_ago, two_hours_ago))
     unrelated = directory / "notes.txt"
     unrelated.write_text("keep me")
     assert ee.latest_checkpoint(directory) == directory / "step_0000000001.ckpt"
