@@ -24,6 +24,7 @@ SCRIPTS = {
     "compile": "bench_compile.py",
     "chunked": "bench_chunked.py",
     "xla_options": "bench_xla_options.py",
+    "families": "bench_families.py",
 }
 if os.path.exists(os.path.join(HERE, "bench_sharding.py")):
     SCRIPTS["sharding"] = "bench_sharding.py"  # owned by the sharding work

@@ -4,7 +4,6 @@
 import contextlib
 import errno
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,13 @@ from jaxtyping import Array, Int, PyTree
 from ._checkpoint import checked_records, save_tree
 from ._checkpoint_file import (
     CHECKPOINT_NAME,
-    TEMP_SUFFIX,
     CheckpointError,
     CheckpointFile,
     as_path,
     fsync_directory,
     remove_abandoned,
     remove_stale_temporaries,
+    temporary_name,
     write_file,
 )
 
@@ -36,9 +35,7 @@ __all__ = [
 ]
 
 # Left behind by a writer killed mid-save (see `_checkpoint_file.write_file`).
-_TEMPORARY_NAME = re.compile(
-    r"^\.step_[0-9]+\.ckpt\.[0-9a-f]+(-p[0-9]+)?" + re.escape(TEMP_SUFFIX) + "$"
-)
+_TEMPORARY_NAME = temporary_name(r"step_[0-9]+\.ckpt")
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -173,7 +170,7 @@ def save_checkpoint(
     tree: PyTree,
     *,
     metadata: dict[str, Any] | None = None,
-    keep: int | None = None,
+    keep: int | np.integer | None = None,
 ) -> Path:
     """Save `tree` as checkpoint number `step` in a folder, keeping the last `keep`.
 
@@ -213,6 +210,7 @@ def save_checkpoint(
         or keep < 1
     ):
         raise ValueError(f"`keep` must be None or an integer >= 1, got {keep!r}")
+    keep = None if keep is None else int(keep)
     directory = as_path(directory, "directory")
     path = checkpoint_path(directory, step)
 

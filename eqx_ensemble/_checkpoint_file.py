@@ -237,14 +237,22 @@ def _file_kind(mode: int) -> str:
     return "special file"
 
 
-def temporary_pattern(target: Path) -> str:
-    """The glob of `write_file`'s temporary files for `target`."""
-    return f".{target.name}.*{TEMP_SUFFIX}"
+def temporary_name(target_regex: str) -> re.Pattern[str]:
+    """The names of `write_file`'s temporary files for targets whose names match
+    `target_regex` (exactly: the temporaries of `a.ckpt.1` are not `a.ckpt`'s)."""
+    return re.compile(
+        rf"^\.{target_regex}\.[0-9a-f]{{16}}(-p[0-9]+)?" + re.escape(TEMP_SUFFIX) + "$"
+    )
 
 
 def remove_stale_temporaries(target: Path) -> None:
     """Remove the temporary files of earlier, interrupted writes to `target`."""
-    remove_abandoned(target.parent.glob(temporary_pattern(target)))
+    pattern = temporary_name(re.escape(target.name))
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return
+    remove_abandoned(target.parent / name for name in names if pattern.match(name))
 
 
 def remove_abandoned(temporaries: Iterable[Path]) -> None:

@@ -12,6 +12,7 @@ import optax
 from jaxtyping import ArrayLike, Float, PyTree
 
 from ._ensemble import Ensemble
+from ._loss import check_optimizer
 from ._tree import first_difference, is_traced, keystr
 
 
@@ -193,14 +194,7 @@ def init_optimizer(
     """
     if not isinstance(ens, Ensemble):
         raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
-    if not (
-        callable(getattr(optimizer, "init", None))
-        and callable(getattr(optimizer, "update", None))
-    ):
-        raise TypeError(
-            "`optimizer` must be an `optax.GradientTransformation` (e.g. "
-            f"`optax.adam(1e-3)`), got {optimizer!r}"
-        )
+    check_optimizer(optimizer)
     size = len(ens)
     opt_state = eqx.filter_vmap(optimizer.init)(trainable(ens.members))
     if hyperparams:

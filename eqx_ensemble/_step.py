@@ -206,8 +206,7 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
         with mesh_context(self.mesh):
-            options = self._options(ens, batch, state, hyper)
-            compiled = _compiled_step(self, options)
+            compiled = _compiled_step(self, self._options(ens, batch, state, hyper))
             return compiled(ens, opt_state, batch, key, state, hyper)
 
     def lower(
@@ -222,8 +221,9 @@ class Step(eqx.Module):
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
         with mesh_context(self.mesh):
-            options = self._options(ens, batch, state, hyper)
-            compiled: Any = _compiled_step(self, options)
+            compiled: Any = _compiled_step(
+                self, self._options(ens, batch, state, hyper)
+            )
             if isinstance(compiled, functools.partial):  # a step holding arrays
                 generic: Any = compiled.func
                 return generic.lower(self, ens, opt_state, batch, key, state, hyper)

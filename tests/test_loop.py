@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_tree_allclose
+from test_fit import BatchNormMLP, batchnorm_loss
 
 import eqx_ensemble as ee
 
@@ -36,30 +37,6 @@ def make_mlp(key):
 def mse_loss(model, batch, key):
     xb, yb = batch
     return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
-
-
-class BatchNormMLP(eqx.Module):
-    hidden: eqx.nn.Linear
-    norm: eqx.nn.BatchNorm
-    out: eqx.nn.Linear
-
-    def __init__(self, key):
-        hidden_key, out_key = jax.random.split(key)
-        self.hidden = eqx.nn.Linear(2, 8, use_bias=False, key=hidden_key)
-        self.norm = eqx.nn.BatchNorm(8, axis_name="batch", mode="batch")
-        self.out = eqx.nn.Linear(8, 1, key=out_key)
-
-    def __call__(self, x, state):
-        hidden, state = self.norm(self.hidden(x), state)
-        return self.out(jax.nn.relu(hidden)), state
-
-
-def batchnorm_loss(model, state, batch, key):
-    xb, yb = batch
-    pred, new_state = jax.vmap(
-        model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
-    )(xb, state)
-    return jnp.mean((pred - yb) ** 2), new_state
 
 
 @pytest.fixture(scope="module")
