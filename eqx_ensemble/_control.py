@@ -37,9 +37,21 @@ class Controller(eqx.Module):
 
         def __call__(self, train_state, state, history):
             opt_state = train_state.opt_state
-            lr = opt_state.hyperparams["learning_rate"]
-            opt_state.hyperparams["learning_rate"] = lr / 2
-            return train_state, state
+            halved = opt_state._replace(hyperparams={
+                **opt_state.hyperparams,
+                "learning_rate": opt_state.hyperparams["learning_rate"] / 2,
+            })
+            return eqx.tree_at(lambda t: t.opt_state, train_state, halved), state
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    result = ee.fit(ens, loss, opt, x, steps=100, batch_size=4,
+                    key=jax.random.key(1), controllers=[HalveLearningRate()],
+                    progress=False)
+    result.opt_state.hyperparams["learning_rate"]     # 0.1 / 4 for each member
     ```
     """
 

@@ -2,6 +2,7 @@
 
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,14 +229,16 @@ class Checkpoints(eqx.Module):
         *,
         opt_state: PyTree[Any] = None,
         state: PyTree[Any] = None,
+        hyper: PyTree[Any] = None,
         evaluate: Evaluate | None = None,
         track: list[Tracker] | tuple[Tracker, ...] = (),
+        controllers: Sequence[Any] = (),
     ) -> FitResult | None:
         """The run's newest checkpoint as a [`FitResult`][eqx_ensemble.FitResult]
         (`None` if the folder holds none). The arguments describe the run as
         given to `fit` (an ensemble of the same structure, the optimizer, and
-        whether it had a model state, an evaluation and trackers), so the saved
-        arrays can be checked against them.
+        the model state, `hyper`, evaluation, trackers and controllers it had),
+        so the saved arrays can be checked against them.
 
         **Example:**
 
@@ -250,7 +253,13 @@ class Checkpoints(eqx.Module):
             opt_state = init_optimizer(optimizer, ens)
         track = tuple(track)
         template = initial_state(
-            ens, opt_state, state, track=track, with_eval=evaluate is not None
+            ens,
+            opt_state,
+            state,
+            hyper=hyper,
+            track=track,
+            with_eval=evaluate is not None,
+            controllers=tuple(controllers),
         )
         checkpoints = list_checkpoints(self.directory)
         if not checkpoints:

@@ -1011,3 +1011,24 @@ def test_batched_matmuls_keep_xla_defaults():
     if options:  # a multi-core CPU with the option available
         assert dict(options) == EIGEN_DOTS
     assert step_compiler_options(None, big.members, 256, 8, None, True) == ()
+
+
+def test_latest_reads_back_a_run_with_hyper(ens, tmp_path):
+    hyper = {"decay": jnp.array([0.0, 0.01, 0.1])}
+    run = ee.Checkpoints(tmp_path)
+    result = ee.fit(
+        ens,
+        decayed_loss,
+        ADAM,
+        (X, Y),
+        steps=3,
+        batch_size=BATCH,
+        key=KEY,
+        hyper=hyper,
+        checkpoints=run,
+        progress=False,
+    )
+    latest = run.latest(ens, ADAM, hyper=hyper)
+    assert latest is not None and latest.step == 3
+    assert eqx.tree_equal(latest.ensemble, result.ensemble)
+    assert eqx.tree_equal(latest.train_state.hyper, hyper)
