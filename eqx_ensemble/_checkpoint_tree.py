@@ -199,7 +199,11 @@ def ensemble_difference(
         saved_size = saved_sizes.get(entry["path"])
         if saved_size is not None and saved_size != entry["size"]:
             return (
-                f"the checkpoint holds an ensemble of {saved_size} members at "
-                f"`{entry['path']}` but `like` has {entry['size']} members there"
+                f"the checkpoint holds an ensemble of {_members(saved_size)} at "
+                f"`{entry['path']}` but `like` has {_members(entry['size'])} there"
             )
     return None
+
+
+def _members(count: Any) -> str:
+    return f"{count} member" if count == 1 else f"{count} members"

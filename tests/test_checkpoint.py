@@ -916,7 +916,7 @@ def test_random_ensembles_round_trip(
         restored = ee.load(path, like)
         assert_bitwise_equal(restored, tree)
         assert ee.load_manifest(path)["ensemble_size"] == size
-        with pytest.raises(ee.CheckpointError, match=f"ensemble of {size} members"):
+        with pytest.raises(ee.CheckpointError, match=f"ensemble of {size} member"):
             ee.load(path, eqx.filter_eval_shape(build, size + 1))
 
 
