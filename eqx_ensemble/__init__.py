@@ -44,7 +44,7 @@ from ._sharding import (
 )
 from ._stack import concatenate as concatenate, stack as stack, unstack as unstack
 from ._step import Step as Step, StepOutput as StepOutput, make_step as make_step
-from ._track import EMA as EMA, Tracker as Tracker
+from ._track import EMA as EMA, SWA as SWA, Tracker as Tracker
 from ._train_state import TrainState as TrainState
 
 __version__ = "0.1.0"

@@ -21,10 +21,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
 from ._ensemble import Ensemble
 from ._optim import trainable
+from ._tree import leading_size
 
 
 class Tracker(eqx.Module):
@@ -124,3 +126,75 @@ class EMA(Tracker):
     def result(self, state, ensemble):
         rest = eqx.filter(ensemble.members, eqx.is_inexact_array, inverse=True)
         return Ensemble(eqx.combine(state, rest))
+
+
+class SWA(Tracker):
+    """Stochastic weight averaging (Izmailov et al. 2018), for every member.
+
+    Each member's weights are averaged, with equal weight, over the steps
+    `start, start + every, start + 2 * every, ...` (counted in steps done, so
+    `start=100` averages from the weights after step 100). `FitResult.tracked`
+    holds the averages as an `Ensemble` (non-trainable leaves from the trained
+    ensemble). With BatchNorm, recompute the running statistics of the averaged
+    weights before using them (a pass over the training data in training mode).
+
+    **Arguments:**
+
+    - `start`: the first step averaged (at least 1).
+    - `every`: the period in steps (at least 1).
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=40, batch_size=4,
+                    key=jax.random.key(1), track=[ee.SWA(start=20, every=5)],
+                    progress=False)
+    averaged = result.tracked[0]   # the mean of the weights after 20, 25, ... 40
+    ```
+    """
+
+    start: int
+    every: int = 1
+
+    def __check_init__(self):
+        for name in ("start", "every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`SWA.{name}` must be an int >= 1, got {value!r}")
+
+    def check(self, steps):
+        if self.start > steps:
+            raise ValueError(
+                f"`SWA(start={self.start})` starts after the last step ({steps}): "
+                "nothing would be averaged"
+            )
+
+    def init(self, members):
+        weights = trainable(members)
+        # One count per member, so the whole state carries the member axis.
+        count = jnp.zeros((leading_size(members),), jnp.int32)
+        return (jax.tree.map(lambda x: x.copy(), weights), count)
+
+    def update(self, state, members, done):
+        average, count = state
+        due = (done >= self.start) & ((done - self.start) % self.every == 0)
+        new_count = count + due.astype(jnp.int32)
+        # A running mean: average + (w - average) / n, only on the steps averaged.
+        weight = jnp.where(
+            due, 1.0 / jnp.maximum(new_count, 1).astype(jnp.float32), 0.0
+        )
+
+        def step(mean, value):
+            w = weight.reshape(weight.shape + (1,) * (mean.ndim - 1))
+            return (mean + w.astype(mean.dtype) * (value - mean)).astype(mean.dtype)
+
+        return jax.tree.map(step, average, trainable(members)), new_count
+
+    def result(self, state, ensemble):
+        average, _ = state
+        rest = eqx.filter(ensemble.members, eqx.is_inexact_array, inverse=True)
+        return Ensemble(eqx.combine(average, rest))

@@ -1032,3 +1032,49 @@ def test_latest_reads_back_a_run_with_hyper(ens, tmp_path):
     assert latest is not None and latest.step == 3
     assert eqx.tree_equal(latest.ensemble, result.ensemble)
     assert eqx.tree_equal(latest.train_state.hyper, hyper)
+
+
+@pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
+def test_swa_equals_the_mean_of_the_weights_at_the_chosen_steps(ens, sampling):
+    weights = {}
+
+    def keep(result):
+        weights[result.step] = eqx.filter(result.ensemble, eqx.is_inexact_array)
+
+    result = ee.fit(
+        ens,
+        mse_loss,
+        ADAM,
+        (X, Y),
+        steps=12,
+        batch_size=BATCH,
+        key=KEY,
+        sampling=sampling,
+        steps_per_dispatch=1,
+        callback=keep,
+        track=[ee.SWA(start=5, every=3)],
+        progress=False,
+    )
+    chosen = [weights[s] for s in (5, 8, 11)]
+    mean = jax.tree.map(lambda *ws: sum(ws) / len(ws), *chosen)
+    assert_tree_allclose(
+        eqx.filter(result.tracked[0], eqx.is_inexact_array),
+        mean,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_swa_that_starts_after_the_last_step_is_refused(ens):
+    with pytest.raises(ValueError, match=r"SWA\(start=20\)` starts after the last"):
+        ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=10,
+            batch_size=BATCH,
+            key=KEY,
+            track=[ee.SWA(start=20)],
+            progress=False,
+        )
