@@ -300,11 +300,15 @@ def _profile(
         return StepProfile()
     if stream is not None:
         first = stream.peek()
-        batch = jax.tree.map(lambda x: x[0] if sampling.per_member else x, first)
+        batch = first_member(first) if sampling.per_member else first
     else:
         batch = example_structs(data, batch_size)
     return profile_step(
-        loss_fn, ens[0], batch, first_member(state), first_member(hyper)
+        loss_fn,
+        first_member(ens.members),
+        batch,
+        first_member(state),
+        first_member(hyper),
     )
 
 

@@ -60,11 +60,16 @@ def profile_step(
     except TypeError:  # an unhashable loss or leaf: profile without the cache
         key = None
 
-    def loss(model: Any, batch: Any) -> Any:
+    # Shapes only: no array is read (the inputs may live on other processes).
+    dynamic, static = eqx.partition(inputs, _is_array_like)
+    structs = jax.tree.map(_struct, dynamic)
+
+    def loss(dynamic: Any) -> Any:
+        model, batch, state, hyper = eqx.combine(dynamic, static)
         return call_loss(loss_fn, model, state, batch, jax.random.key(0), hyper)[0]
 
     try:
-        jaxpr = eqx.filter_make_jaxpr(loss)(member, batch)[0]
+        jaxpr = jax.make_jaxpr(loss)(structs)
         profile = profile_jaxpr(jaxpr.jaxpr)
     except Exception:  # noqa: BLE001 - the first real call reports it
         profile = StepProfile()
@@ -90,11 +95,25 @@ def _signature(tree: Any) -> Any:
     return treedef, signature
 
 
+def _is_array_like(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
 def first_member(tree: PyTree[Any]) -> PyTree[Any]:
-    """Member 0's slice of a stacked tree (`None` stays `None`)."""
+    """The shapes of member 0's slice of a stacked tree, as
+    `jax.ShapeDtypeStruct`s (`None` stays `None`; no array is read)."""
     if tree is None:
         return None
-    return jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, tree)
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype) if _is_array_like(x) else x
+        ),
+        tree,
+    )
 
 
 def example_structs(data: PyTree[Any], batch_size: int, axis: int = 0) -> Any:

@@ -256,7 +256,11 @@ def _profile_of(step: "Step", inputs: Any) -> Any:
     ens, batch, state, hyper = inputs
     member_batch = first_member(batch) if step.per_member_batch else batch
     return profile_step(
-        step.loss_fn, ens[0], member_batch, first_member(state), first_member(hyper)
+        step.loss_fn,
+        first_member(ens.members),
+        member_batch,
+        first_member(state),
+        first_member(hyper),
     )
 
 
