@@ -188,6 +188,12 @@ def _take(members: Any, positions: Any, size: int) -> Ensemble:
     )
 
 
+# Up to this many members, `ensemble` does not trace `make` a second time to
+# check the ensemble fits in memory (`make` is traced once: a promise the tests
+# keep).
+_TRACE_FREE_SIZE = 4096
+
+
 def _check_fits_in_memory(make: Callable[..., Any], key: Any, size: int) -> None:
     # An impossible ensemble must be refused here: XLA aborts the whole process on
     # a buffer it cannot allocate (2**40 members of a 2-weight model did).
@@ -195,6 +201,8 @@ def _check_fits_in_memory(make: Callable[..., Any], key: Any, size: int) -> None
         raise ValueError(
             f"`size` {size} is more members than XLA can index (2**31 - 1)"
         )
+    if size <= _TRACE_FREE_SIZE:
+        return  # small enough not to trace `make` an extra time for the check
     shapes = eqx.filter_eval_shape(make, key)
     member_bytes = sum(
         int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize

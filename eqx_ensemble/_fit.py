@@ -121,7 +121,9 @@ def fit(
       `lax.scan` loop. `None` (the default): unrolled on a CPU when the loss
       uses convolutions (XLA's CPU backend runs a convolution inside a loop in
       a slow layout: 17x slower on a small CNN), with 10 steps per dispatch;
-      the results are the same either way, to floating-point rounding.
+      the results are the same either way, to floating-point rounding. On a
+      mesh the library does not look: pass `unroll=True` for a convolutional
+      model on CPU devices.
 
     **Returns:**
 

@@ -294,9 +294,10 @@ def _profile(
     hyper: PyTree[Any],
     mesh: Mesh | None,
 ) -> StepProfile:
-    """The step's profile on a CPU (on other platforms nothing depends on it)."""
-    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-    if platform != "cpu":
+    """The step's profile on one CPU device (on other platforms nothing depends on
+    it; on a mesh the loss is not traced outside the sharded step: pass
+    `unroll=True` for a convolutional model on a mesh of CPU devices)."""
+    if mesh is not None or jax.default_backend() != "cpu":
         return StepProfile()
     if stream is not None:
         first = stream.peek()
