@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import equinox as eqx
+import jax
 import numpy as np
 import optax
 from jaxtyping import PyTree
@@ -208,11 +209,12 @@ class Checkpoints(eqx.Module):
             )
         size = len(template.ensemble)
         evaluations = int(metadata.get("num_evaluations", 0))
+        # Shapes only: a forged step count must not allocate anything.
         like = {
             "train_state": template,
-            "losses": np.zeros((step, size), np.float32),
-            "eval_steps": np.zeros((evaluations,), np.int64),
-            "eval_scores": np.zeros((evaluations, size), np.float32),
+            "losses": jax.ShapeDtypeStruct((step, size), np.float32),
+            "eval_steps": jax.ShapeDtypeStruct((evaluations,), np.int64),
+            "eval_scores": jax.ShapeDtypeStruct((evaluations, size), np.float32),
         }
         restored = load(path, like)
         history = History(
