@@ -155,9 +155,9 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
     print(f"checkpoint: {checkpoint_path}")
     print(
         "  load it with: ee.load(path, ee.ensemble(lambda k: eqx.nn.MLP(1, 2, "
-        f"{HIDDEN}, 1, key=k), size={members}, key=jax.random.key(0))); outputs are "
-        "(mean, softplus^-1 variance) of y / y_scale, with y_scale in the "
-        "manifest's metadata"
+        f"{HIDDEN}, 1, key=k), size={members}, key=jax.random.key(0))); output 0 is "
+        "the mean and softplus(output 1) + 1e-6 the variance of y / y_scale "
+        "(y_scale is in the manifest's metadata)"
     )
     print(f"done in {time.perf_counter() - start:.1f} s")
     return {
