@@ -8,7 +8,12 @@ ens(jnp.ones(2))   # shape (8, 1): one output per member, one compiled computati
 ```
 """
 
-from . import combine as combine, metrics as metrics, plot as plot
+from . import (
+    combine as combine,
+    conformal as conformal,
+    metrics as metrics,
+    plot as plot,
+)
 from ._average import average as average, tree_weighted_sum as tree_weighted_sum
 from ._checkpoint import load as load, load_manifest as load_manifest, save as save
 from ._checkpoint_dir import (
