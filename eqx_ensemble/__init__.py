@@ -12,6 +12,7 @@ from . import (
     combine as combine,
     conformal as conformal,
     metrics as metrics,
+    nn as nn,
     plot as plot,
 )
 from ._average import average as average, tree_weighted_sum as tree_weighted_sum
@@ -30,7 +31,11 @@ from ._fit import fit as fit
 from ._fit_checkpoints import Checkpoints as Checkpoints
 from ._history import History as History
 from ._map import map as map
-from ._optim import init_optimizer as init_optimizer, set_hyperparams as set_hyperparams
+from ._optim import (
+    SharedOptState as SharedOptState,
+    init_optimizer as init_optimizer,
+    set_hyperparams as set_hyperparams,
+)
 from ._predict import predict as predict
 from ._result import (
     EnsembleDivergedError as EnsembleDivergedError,

@@ -152,4 +152,4 @@ def average(
                 )
         return leaf[0]
 
-    return jax.tree.map(mean_leaf, ens.members)
+    return ens.member(jax.tree.map(mean_leaf, ens.members))

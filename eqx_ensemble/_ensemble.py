@@ -7,10 +7,11 @@ from typing import Any, Generic, TypeVar, cast, overload
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Key, PRNGKeyArray, PyTree, UInt32
 
-from ._tree import is_traced, leading_size
+from ._tree import is_traced, keystr, leading_size
 
 Member = TypeVar("Member")
 
@@ -23,9 +24,23 @@ class Ensemble(eqx.Module, Generic[Member]):
     by all members. Build one with [`ee.ensemble`][eqx_ensemble.ensemble] (weights
     born stacked) or [`ee.stack`][eqx_ensemble.stack] (from a list of models).
 
+    Members may also *share parts* (a frozen backbone under stacked heads, the slow
+    weights of BatchEnsemble, the base model under stacked adapters): those array
+    leaves are held ONCE in `shared`, without a member axis, and `members` has
+    `None` in their place (the two are an `eqx.partition` of the model). Member
+    `i` is `eqx.combine(<member i of members>, shared)`, a plain model. See the
+    shared-parts guide.
+
     **Arguments:**
 
-    - `members`: the stacked model: any PyTree, usually an `eqx.Module`.
+    - `members`: the stacked model: any PyTree, usually an `eqx.Module` (with
+      `None` where a leaf is shared).
+    - `shared`: `None` (nothing shared, the default), or the leaves held once for
+      all members: the same structure as `members`, with `None` at every stacked
+      leaf.
+    - `train_shared`: whether training updates the shared part (one optimizer
+      state, the sum of the members' gradients) or keeps it frozen (no gradient,
+      no optimizer state; the default).
 
     **Example:**
 
@@ -43,6 +58,8 @@ class Ensemble(eqx.Module, Generic[Member]):
     """
 
     members: Member
+    shared: Any = None
+    train_shared: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         if leading_size(self.members) < 1:
@@ -50,6 +67,22 @@ class Ensemble(eqx.Module, Generic[Member]):
                 "An ensemble needs at least one member, but the member axis of "
                 "`members` has size 0"
             )
+        if self.shared is None:
+            if self.train_shared:
+                raise ValueError(
+                    "`train_shared=True` needs a shared part (`shared=`); this "
+                    "ensemble shares nothing"
+                )
+            return
+        _check_shared_layout(self.members, self.shared)
+
+    def member(self, stacked_member: Any) -> Any:
+        """Member weights (the stacked part of ONE member, e.g. inside `ee.map` or
+        a vmap over `ens.members`) completed with the shared part: a plain model.
+        The identity for an ensemble that shares nothing."""
+        if self.shared is None:
+            return stacked_member
+        return eqx.combine(stacked_member, self.shared)
 
     def __len__(self) -> int:
         return leading_size(self.members)
@@ -76,7 +109,7 @@ class Ensemble(eqx.Module, Generic[Member]):
         size = len(self)
         if isinstance(index, slice):
             positions = np.arange(size)[index]
-            return _take(self.members, positions, size)
+            return _take(self, positions, size)
         if isinstance(index, bool | np.bool_) or (
             eqx.is_array(index) and jnp.ndim(index) == 0 and index.dtype == bool
         ):
@@ -102,12 +135,14 @@ class Ensemble(eqx.Module, Generic[Member]):
                 position %= size
             else:
                 position = index
-            return jax.tree.map(
-                lambda leaf: leaf[position] if eqx.is_array(leaf) else leaf,
-                self.members,
+            return self.member(
+                jax.tree.map(
+                    lambda leaf: leaf[position] if eqx.is_array(leaf) else leaf,
+                    self.members,
+                )
             )
         if isinstance(index, list | tuple) or eqx.is_array(index):
-            return _take(self.members, _member_positions(index, size), size)
+            return _take(self, _member_positions(index, size), size)
         raise TypeError(
             "An ensemble is indexed by an int, a slice, or a 1-D array of member "
             f"indices or a boolean mask; got {type(index).__name__}."
@@ -175,17 +210,146 @@ def _member_positions(index: Any, size: int) -> Any:
     return array
 
 
-def _take(members: Any, positions: Any, size: int) -> Ensemble:
+def _take(ens: Ensemble, positions: Any, size: int) -> Ensemble:
     if len(positions) == 0:
         raise IndexError(
             f"the index selects no members of the ensemble of {size}; an ensemble "
             "needs at least one member"
         )
-    return Ensemble(
+    return with_members(
+        ens,
         jax.tree.map(
-            lambda leaf: leaf[positions] if eqx.is_array(leaf) else leaf, members
-        )
+            lambda leaf: leaf[positions] if eqx.is_array(leaf) else leaf, ens.members
+        ),
     )
+
+
+def with_members(ens: Ensemble, members: Any) -> Ensemble:
+    """`ens` with new stacked members, keeping its shared part (if any)."""
+    return Ensemble(members, ens.shared, train_shared=ens.train_shared)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _check_shared_layout(members: Any, shared: Any) -> None:
+    member_def = jtu.tree_structure(members, is_leaf=_is_none)
+    shared_def = jtu.tree_structure(shared, is_leaf=_is_none)
+    if member_def != shared_def:
+        raise ValueError(
+            "`shared` must have the structure of `members` (an `eqx.partition` of "
+            f"one model, `None` where the other holds a leaf); got {shared_def} for "
+            f"`shared` and {member_def} for `members`"
+        )
+    flat_members = jtu.tree_flatten_with_path(members, is_leaf=_is_none)[0]
+    flat_shared = jtu.tree_leaves(shared, is_leaf=_is_none)
+    found_shared = False
+    for (path, member_leaf), shared_leaf in zip(flat_members, flat_shared):
+        if shared_leaf is None:
+            continue
+        if member_leaf is not None:
+            raise ValueError(
+                f"leaf `{keystr(path)}` is in both `members` and `shared`; a leaf "
+                "is either stacked or shared"
+            )
+        if not eqx.is_array(shared_leaf) and not isinstance(
+            shared_leaf, jax.ShapeDtypeStruct
+        ):
+            raise TypeError(
+                f"shared leaf `{keystr(path)}` is a {type(shared_leaf).__name__}; "
+                "only array leaves are shared (non-array leaves are the same for "
+                "every member already)"
+            )
+        found_shared = True
+    if not found_shared:
+        raise ValueError("`shared` holds no array leaf; pass `shared=None` instead")
+
+
+def has_shared(x: Any) -> bool:
+    """Whether `x` is a node with a per-member part and a shared part."""
+    from ._optim import SharedOptState
+
+    return isinstance(x, Ensemble | SharedOptState) and x.shared is not None
+
+
+def member_axis_mask(tree: PyTree[Any]) -> PyTree[bool]:
+    """`tree`'s structure with `False` at every leaf held once for all members (an
+    ensemble's shared part and its optimizer state) and `True` elsewhere."""
+    flags = []
+    for node in jtu.tree_leaves(tree, is_leaf=has_shared):
+        if has_shared(node):
+            flags += [True] * len(jtu.tree_leaves(node.members))
+            flags += [False] * len(jtu.tree_leaves(node.shared))
+        else:
+            flags.append(True)
+    return jtu.tree_unflatten(jtu.tree_structure(tree), flags)
+
+
+def resolve_shared(model: Any, shared: Any) -> PyTree[bool]:
+    """`model`'s structure with `True` at each array leaf `shared` picks.
+
+    `shared` is a function `model -> part` (a node, or a tuple/list of nodes, as in
+    `eqx.tree_at`), or a filter specification as in `eqx.partition` (a PyTree
+    prefix of the model whose leaves are bools or `leaf -> bool` callables)."""
+    if callable(shared) and not isinstance(shared, eqx.Module | bool):
+        # The leaves of the nodes `shared(model)` returns, found by identity (each
+        # array leaf of a model is its own object; `model` may hold
+        # `jax.ShapeDtypeStruct`s).
+        try:
+            nodes = shared(model)
+        except Exception as error:
+            raise ValueError(
+                "`shared` must pick parts of the model, e.g. "
+                "`shared=lambda m: m.backbone` (a node or a tuple of nodes, as in "
+                f"`eqx.tree_at`), but calling it failed: {error!r}"
+            ) from error
+        picked_ids = {id(leaf) for leaf in jtu.tree_leaves(nodes) if _is_arrayish(leaf)}
+        mask = jtu.tree_map(lambda leaf: id(leaf) in picked_ids, model)
+    else:
+        try:
+            picked = eqx.filter(model, shared, replace=_NOT_PICKED)
+        except Exception as error:
+            raise ValueError(
+                "`shared` must be a function of the model returning the shared "
+                "part, or a filter specification (a PyTree prefix of the model of "
+                f"bools or `leaf -> bool` callables); it failed: {error}"
+            ) from error
+        mask = jtu.tree_map(lambda leaf: leaf is not _NOT_PICKED, picked)
+    return jtu.tree_map(
+        lambda flag, leaf: bool(flag) and _is_arrayish(leaf), mask, model
+    )
+
+
+class _NotPicked:
+    def __repr__(self) -> str:
+        return "<not picked>"
+
+
+_NOT_PICKED = _NotPicked()
+
+
+def _is_arrayish(leaf: Any) -> bool:
+    return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def check_shared_mask(mask: PyTree[bool], model: Any) -> None:
+    """Refuse a selection that picks no array leaf or every array leaf."""
+    arrays = [
+        flag
+        for flag, leaf in zip(jtu.tree_leaves(mask), jtu.tree_leaves(model))
+        if _is_arrayish(leaf)
+    ]
+    if not any(arrays):
+        raise ValueError(
+            "`shared` picks no array leaf of the model: nothing would be shared "
+            "(check the selection; pass `shared=None` for a plain ensemble)"
+        )
+    if all(arrays):
+        raise ValueError(
+            "`shared` picks every array leaf of the model: all members would be "
+            "the same model. Leave at least one part per member (e.g. the head)."
+        )
 
 
 # Up to this many members, `ensemble` does not trace `make` a second time to
@@ -262,12 +426,19 @@ def ensemble(  # pyright: ignore[reportOverlappingOverload]
     *,
     size: int,
     key: PRNGKeyArray,
+    shared: Any = None,
+    train_shared: bool = False,
 ) -> tuple[Ensemble[Member], eqx.nn.State]: ...
 
 
 @overload
 def ensemble(
-    make: Callable[[PRNGKeyArray], Member], *, size: int, key: PRNGKeyArray
+    make: Callable[[PRNGKeyArray], Member],
+    *,
+    size: int,
+    key: PRNGKeyArray,
+    shared: Any = None,
+    train_shared: bool = False,
 ) -> Ensemble[Member]: ...
 
 
@@ -276,6 +447,8 @@ def ensemble(
     *,
     size: int,
     key: PRNGKeyArray,
+    shared: Any = None,
+    train_shared: bool = False,
 ) -> Ensemble[Member] | tuple[Ensemble[Member], PyTree[Any]]:
     """Build an ensemble whose weights are born stacked.
 
@@ -289,6 +462,15 @@ def ensemble(
       It may also return `(model, state)` as `eqx.nn.make_with_state` does.
     - `size`: the number of members, at least 1.
     - `key`: ONE PRNG key; member `i` is made with `jax.random.split(key, size)[i]`.
+    - `shared`: optional; the parts held ONCE for all members instead of stacked:
+      a function of the model returning the part (a node or a tuple of nodes, as
+      in `eqx.tree_at`, e.g. `lambda m: m.backbone`) or a filter specification
+      as in `eqx.partition`. The shared part is member 0's (made with
+      `jax.random.split(key, size)[0]`); only the stacked part is built for the
+      other members. See the shared-parts guide.
+    - `train_shared`: `False` (default): the shared part is frozen (no gradient,
+      no optimizer state). `True`: training updates it with ONE optimizer state
+      and the sum of the members' gradients (the one deliberate coupling).
 
     **Returns:**
 
@@ -301,6 +483,12 @@ def ensemble(
     ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 32, 2, key=k), size=5,
                       key=jax.random.key(0))
     ens.members.layers[0].weight.shape   # (5, 32, 1)
+
+    # 8 heads over ONE frozen first layer:
+    heads = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 32, 2, key=k), size=8,
+                        key=jax.random.key(0), shared=lambda m: m.layers[0])
+    heads.shared.layers[0].weight.shape  # (32, 1): held once
+    heads[3]                             # member 3: a plain eqx.nn.MLP
     ```
     """
     if isinstance(size, bool) or not isinstance(size, int | np.integer):
@@ -310,8 +498,46 @@ def ensemble(
     check_key(key)
     _check_fits_in_memory(make, key, int(size))
     member_keys = split_member_keys(key, int(size))
+    if shared is not None:
+        return _ensemble_with_shared(make, member_keys, shared, train_shared)
+    if train_shared:
+        raise ValueError("`train_shared=True` needs a shared part: pass `shared=`")
     made: Any = eqx.filter_vmap(make)(member_keys)
-    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], eqx.nn.State):
+    if _is_with_state(made):
         model, state = made
         return cast(Ensemble[Member], Ensemble(model)), state
     return cast(Ensemble[Member], Ensemble(made))
+
+
+def _is_with_state(made: Any) -> bool:
+    return (
+        isinstance(made, tuple) and len(made) == 2 and isinstance(made[1], eqx.nn.State)
+    )
+
+
+def _ensemble_with_shared(
+    make: Callable[..., Any], member_keys: Any, shared: Any, train_shared: bool
+) -> Any:
+    if not isinstance(train_shared, bool):
+        raise TypeError(f"`train_shared` must be a bool, got {train_shared!r}")
+    shapes = eqx.filter_eval_shape(make, member_keys[0])
+    stateful = _is_with_state(shapes)
+    model_shapes = shapes[0] if stateful else shapes
+    mask = resolve_shared(model_shapes, shared)
+    check_shared_mask(mask, model_shapes)
+
+    def stacked_part(member_key):
+        made = make(member_key)
+        model = made[0] if stateful else made
+        part = eqx.filter(model, mask, inverse=True)
+        return (part, made[1]) if stateful else part
+
+    # Compiled, so that the shared part is not built for every member only to
+    # be dropped (a big backbone would need `size` copies for a moment).
+    stacked = eqx.filter_jit(eqx.filter_vmap(stacked_part))(member_keys)
+    first = make(member_keys[0])
+    shared_part = eqx.filter(first[0] if stateful else first, mask)
+    if stateful:
+        part, state = stacked
+        return Ensemble(part, shared_part, train_shared=train_shared), state
+    return Ensemble(stacked, shared_part, train_shared=train_shared)

@@ -79,7 +79,7 @@ class Evaluate(eqx.Module):
 
     def scores(
         self,
-        members: PyTree[Any],
+        ensemble: Any,
         model_state: PyTree[Any],
         member_keys: Key[Array, " members"] | UInt32[Array, " members 2"],
     ) -> Float[Array, " members"]:
@@ -87,6 +87,7 @@ class Evaluate(eqx.Module):
         stateful = model_state is not None
 
         def one(member, state, member_key):
+            member = ensemble.member(member)  # with the shared part, if any
             model = eqx.nn.inference_mode(member) if self.inference else member
             if stateful:
                 out = self.fn(model, state, self.data, member_key)
@@ -100,7 +101,7 @@ class Evaluate(eqx.Module):
                 )
             return jnp.asarray(score, dtype=jnp.float32)
 
-        return eqx.filter_vmap(one)(members, model_state, member_keys)
+        return eqx.filter_vmap(one)(ensemble.members, model_state, member_keys)
 
 
 def eval_key(key: PRNGKeyArray) -> PRNGKeyArray:

@@ -157,7 +157,7 @@ def prepare(
     if opt_state is None:
         opt_state = init_optimizer_fast(optimizer, ens)
     else:
-        check_opt_state(optimizer, ens.members, opt_state)
+        check_opt_state(optimizer, ens, opt_state)
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
         check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
@@ -306,7 +306,7 @@ def _profile(
         batch = example_structs(data, batch_size)
     return profile_step(
         loss_fn,
-        first_member(ens.members),
+        ens.member(first_member(ens.members)),
         batch,
         first_member(state),
         first_member(hyper),

@@ -119,8 +119,8 @@ def _train_step(
     member_keys = jax.random.split(
         jax.random.fold_in(chunk.train_key, step), chunk.size
     )
-    members, opt_state, losses, _, model_state, diverged = update(
-        ts.ensemble.members,
+    new_ens, opt_state, losses, _, model_state, diverged = update(
+        ts.ensemble,
         ts.opt_state,
         batch,
         member_keys,
@@ -131,11 +131,11 @@ def _train_step(
     done = step + 1
     ts = dataclasses.replace(
         ts,
-        ensemble=Ensemble(members),
+        ensemble=new_ens,
         opt_state=opt_state,
         model_state=model_state,
         tracked=tuple(
-            tracker.update(state, members, done)
+            tracker.update(state, new_ens.members, done)
             for tracker, state in zip(chunk.track, ts.tracked, strict=True)
         ),
         step=done,
@@ -165,9 +165,7 @@ def _evaluate(
             chunk.mesh,
             (MEMBERS,),
         )
-        scores = evaluate.scores(
-            current.ensemble.members, current.model_state, member_keys
-        )
+        scores = evaluate.scores(current.ensemble, current.model_state, member_keys)
         return constrain(scores, chunk.mesh, (MEMBERS,))
 
     if conditional:

@@ -155,6 +155,8 @@ def map(
     member_keys = None if key is None else split_member_keys(key, size)
 
     def apply(member, member_args, member_key):
+        # A shared part (if any) is closed over: one copy for every member.
+        member = ens.member(member)
         try:
             if member_key is None:
                 return fn(member, *member_args)

@@ -21,6 +21,49 @@ def trainable(members: PyTree[Any]) -> PyTree[Any]:
     return eqx.filter(members, eqx.is_inexact_array)
 
 
+class SharedOptState(eqx.Module):
+    """The optimizer state of an ensemble whose shared part is trained
+    (`train_shared=True`): one state per member for the stacked part, and ONE
+    state for the shared part. Made by
+    [`ee.init_optimizer`][eqx_ensemble.init_optimizer].
+
+    **Fields:**
+
+    - `members`: the stacked optimizer state of the members' own parameters.
+    - `shared`: the optimizer state of the shared part (no member axis).
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k), size=4,
+                      key=jax.random.key(0), shared=lambda m: m.layers[0],
+                      train_shared=True)
+    state = ee.init_optimizer(optax.adam(1e-3), ens)
+    state.shared[0].mu.layers[0].weight.shape     # (8, 2): one state
+    state.members[0].mu.layers[1].weight.shape    # (4, 1, 8): per member
+    ```
+    """
+
+    members: PyTree[Any]
+    shared: PyTree[Any]
+
+
+def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
+    members_state = eqx.filter_vmap(optimizer.init)(members)
+    if shared is None:
+        return members_state
+    return SharedOptState(members_state, optimizer.init(shared))
+
+
+def _trained_shared(ens: Ensemble) -> PyTree[Any]:
+    return trainable(ens.shared) if ens.train_shared else None
+
+
+def members_opt_state(opt_state: Any) -> Any:
+    """The per-member part of an optimizer state."""
+    return opt_state.members if isinstance(opt_state, SharedOptState) else opt_state
+
+
 def _hyperparam_nodes(opt_state: PyTree[Any]) -> list[tuple[str, Any]]:
     found = []
 
@@ -67,6 +110,10 @@ def set_hyperparams(
     state.hyperparams["learning_rate"]      # [0.1, 0.01, 0.0]
     ```
     """
+    if isinstance(opt_state, SharedOptState):
+        # The shared part has ONE state: it keeps the optimizer's own values.
+        members = set_hyperparams(opt_state.members, hyperparams, size)
+        return SharedOptState(members, opt_state.shared)
     nodes = _hyperparam_nodes(opt_state)
     if not nodes:
         raise ValueError(
@@ -139,8 +186,10 @@ def set_hyperparams(
 
 
 @eqx.filter_jit
-def _compiled_init(optimizer: Any, params: PyTree[Any]) -> PyTree[Any]:
-    return eqx.filter_vmap(optimizer.init)(params)
+def _compiled_init(
+    optimizer: Any, params: PyTree[Any], shared: PyTree[Any]
+) -> PyTree[Any]:
+    return _init_state(optimizer, params, shared)
 
 
 def init_optimizer_fast(
@@ -154,7 +203,7 @@ def init_optimizer_fast(
         hash(optimizer)
     except TypeError:
         return init_optimizer(optimizer, ens)
-    return _compiled_init(optimizer, trainable(ens.members))
+    return _compiled_init(optimizer, trainable(ens.members), _trained_shared(ens))
 
 
 def init_optimizer(
@@ -180,7 +229,11 @@ def init_optimizer(
 
     **Returns:**
 
-    The stacked optimizer state (leading member axis on every array leaf).
+    The stacked optimizer state (leading member axis on every array leaf). For an
+    ensemble with a trained shared part (`train_shared=True`), a
+    [`SharedOptState`][eqx_ensemble.SharedOptState] holding that and ONE state
+    for the shared part (which keeps the optimizer's own hyperparameters). A
+    frozen shared part has no optimizer state.
 
     **Example:**
 
@@ -196,7 +249,7 @@ def init_optimizer(
         raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
     check_optimizer(optimizer)
     size = len(ens)
-    opt_state = eqx.filter_vmap(optimizer.init)(trainable(ens.members))
+    opt_state = _init_state(optimizer, trainable(ens.members), _trained_shared(ens))
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
         check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
@@ -216,6 +269,7 @@ def check_hyperparams_kept(
     silently replaced after the first step. Found by tracing one member's update
     (no compilation, no computation): a kept hyperparameter is passed through.
     """
+    opt_state = members_opt_state(opt_state)
     member_params = jax.tree.map(lambda x: x[0], trainable(members))
     member_state = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, opt_state)
     dynamic, static = eqx.partition(member_state, eqx.is_array)
@@ -255,12 +309,12 @@ def check_hyperparams_kept(
 
 
 def check_opt_state(
-    optimizer: optax.GradientTransformation, members: PyTree[Any], opt_state: Any
+    optimizer: optax.GradientTransformation, ens: Ensemble, opt_state: Any
 ) -> None:
-    """Raise a clear error if `opt_state` was not made for these members."""
-    size = jax.tree.leaves(eqx.filter(members, eqx.is_array))[0].shape[0]
+    """Raise a clear error if `opt_state` was not made for this ensemble."""
+    size = len(ens)
     expected = eqx.filter_eval_shape(
-        eqx.filter_vmap(optimizer.init), trainable(members)
+        _init_state, optimizer, trainable(ens.members), _trained_shared(ens)
     )
     # `filter_eval_shape` gives `ShapeDtypeStruct`s, which `eqx.is_array_like` does
     # not count as arrays: keep them, or every real state would "differ".

@@ -26,6 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
 from ._data import gather
+from ._ensemble import member_axis_mask
 from ._tree import is_traced, keystr
 
 _P = ParamSpec("_P")
@@ -328,9 +329,13 @@ def shard(
     axes = _check_axes(axes)
     spec = _spec(mesh, axes)
     sharding = NamedSharding(mesh, spec)
+    replicated = NamedSharding(mesh, PartitionSpec())
     leaves = jtu.tree_flatten_with_path(tree)[0]
+    # An ensemble's shared part (and its optimizer state) has no member axis: it
+    # is replicated wherever the members are split.
+    per_member = _per_member_flags(tree, axes)
     what = "the tree" if axes == (MEMBERS,) else "the data"
-    for path, leaf in leaves:
+    for (path, leaf), split in zip(leaves, jtu.tree_leaves(per_member)):
         if eqx.is_array(leaf):
             if is_traced(leaf):
                 raise ValueError(
@@ -338,14 +343,23 @@ def shard(
                     "the library constrains shardings itself (pass `mesh=` to "
                     "`fit`/`make_step`)"
                 )
-            if not process_local:
+            if not process_local and split:
                 _check_leaf(path, leaf, mesh, axes, what)
     return jax.tree.map(
-        lambda leaf: (
-            _place(leaf, sharding, process_local) if eqx.is_array(leaf) else leaf
+        lambda leaf, split: (
+            _place(leaf, sharding if split else replicated, process_local)
+            if eqx.is_array(leaf)
+            else leaf
         ),
         tree,
+        per_member,
     )
+
+
+def _per_member_flags(tree: PyTree[Any], axes: Sequence[str | None]) -> PyTree[Any]:
+    if axes and axes[0] == MEMBERS:
+        return member_axis_mask(tree)
+    return jtu.tree_map(lambda _: True, tree)
 
 
 def process_rows(mesh: Mesh, num_examples: int) -> slice:
@@ -404,16 +418,18 @@ def constrain(tree: PyTree[Any], mesh: Mesh | None, axes: Sequence[str | None]) 
     if mesh is None:
         return tree
     sharding = NamedSharding(mesh, _spec(mesh, axes))
+    replicated = NamedSharding(mesh, PartitionSpec())
     explicit = _is_explicit(mesh)
 
-    def pin(leaf):
+    def pin(leaf, split):
         if not eqx.is_array(leaf):
             return leaf
+        target = sharding if split else replicated
         if explicit:
-            return jax.sharding.reshard(leaf, sharding)
-        return jax.lax.with_sharding_constraint(leaf, sharding)
+            return jax.sharding.reshard(leaf, target)
+        return jax.lax.with_sharding_constraint(leaf, target)
 
-    return jax.tree.map(pin, tree)
+    return jax.tree.map(pin, tree, _per_member_flags(tree, axes))
 
 
 def replicate(tree: PyTree[Any], mesh: Mesh | None) -> Any:

@@ -7,9 +7,15 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 
-from ._ensemble import Ensemble
+from ._ensemble import (
+    Ensemble,
+    check_shared_mask,
+    resolve_shared,
+    with_members,
+)
 from ._tree import first_difference, keystr
 
 Member = TypeVar("Member")
@@ -37,7 +43,9 @@ def _check_same_structure(
             )
 
 
-def stack(models: Sequence[Member]) -> Ensemble[Member]:
+def stack(
+    models: Sequence[Member], *, shared: Any = None, train_shared: bool = False
+) -> Ensemble[Member]:
     """Stack same-structure models into one [`Ensemble`][eqx_ensemble.Ensemble].
 
     Array leaves are stacked along a new leading member axis; non-array leaves
@@ -48,6 +56,12 @@ def stack(models: Sequence[Member]) -> Ensemble[Member]:
     **Arguments:**
 
     - `models`: a non-empty sequence of models with the same structure.
+    - `shared`: optional; the parts held ONCE for all members (a function of the
+      model returning the part, or a filter specification, as in
+      [`ee.ensemble`][eqx_ensemble.ensemble]). They must be identical in every
+      model (checked: the first differing leaf is named).
+    - `train_shared`: whether training updates the shared part (see
+      [`ee.ensemble`][eqx_ensemble.ensemble]).
 
     **Returns:**
 
@@ -74,11 +88,47 @@ def stack(models: Sequence[Member]) -> Ensemble[Member]:
         raise ValueError("`ee.stack` got an empty list; an ensemble needs a member")
     _check_same_structure(models, "models")
     _warn_if_narrowed(models[0])
+    shared_part = None
+    if shared is not None:
+        mask = resolve_shared(models[0], shared)
+        check_shared_mask(mask, models[0])
+        parts = [eqx.filter(model, mask) for model in models]
+        check_same_shared([(f"model {i}", part) for i, part in enumerate(parts)])
+        shared_part = parts[0]
+        models = [eqx.filter(model, mask, inverse=True) for model in models]
+    elif train_shared:
+        raise ValueError("`train_shared=True` needs a shared part: pass `shared=`")
     stacked = jax.tree.map(
         lambda *leaves: _stack_leaf(leaves) if eqx.is_array(leaves[0]) else leaves[0],
         *models,
     )
-    return Ensemble(stacked)
+    return Ensemble(stacked, shared_part, train_shared=train_shared)
+
+
+def check_same_shared(parts: Sequence[tuple[str, Any]]) -> None:
+    """Raise unless every shared part equals the first, naming the first leaf
+    that differs (and by how much)."""
+    first_name, first = parts[0]
+    first_leaves = jtu.tree_flatten_with_path(first)[0]
+    for name, part in parts[1:]:
+        difference = first_difference(first, part)
+        if difference is not None:
+            raise ValueError(
+                f"The shared parts of {first_name} and {name} differ: {difference}"
+            )
+        for (path, a), b in zip(first_leaves, jtu.tree_leaves(part)):
+            if a is b or not eqx.is_array(a):
+                continue
+            host_a, host_b = np.asarray(a), np.asarray(b)
+            if not np.array_equal(host_a, host_b, equal_nan=True):
+                gap = np.max(np.abs(host_a.astype(float) - host_b.astype(float)))
+                raise ValueError(
+                    f"The shared parts of {first_name} and {name} differ at leaf "
+                    f"`{keystr(path)}` (largest absolute difference {gap:.3g}); a "
+                    "shared part is held once, so it must be identical in every "
+                    "model. Stack the differing part instead (leave it out of "
+                    "`shared`)."
+                )
 
 
 def _warn_if_narrowed(model: Any) -> None:
@@ -151,8 +201,11 @@ def unstack(ens: Ensemble[Member]) -> list[Member]:
     # with the index traced), not one program with an output per member (512
     # members: 26 s to compile; 4096: 8 minutes).
     return [
-        eqx.combine(
-            jax.tree.unflatten(treedef, _member_leaves(leaves, jnp.int32(i))), static
+        ens.member(
+            eqx.combine(
+                jax.tree.unflatten(treedef, _member_leaves(leaves, jnp.int32(i))),
+                static,
+            )
         )
         for i in range(size)
     ]
@@ -186,10 +239,20 @@ def concatenate(ensembles: Sequence[Ensemble[Member]]) -> Ensemble[Member]:
     _check_same_structure(
         [ens.members for ens in ensembles], "ensembles", ignore_leading_axis=True
     )
+    trains = {ens.train_shared for ens in ensembles}
+    if len(trains) > 1:
+        raise ValueError(
+            "`ee.concatenate`: some ensembles train their shared part and some "
+            "freeze it (`train_shared` differs); make them agree first"
+        )
+    if ensembles[0].shared is not None:
+        check_same_shared(
+            [(f"ensemble {i}", ens.shared) for i, ens in enumerate(ensembles)]
+        )
     joined = jax.tree.map(
         lambda *leaves: (
             jnp.concatenate(leaves, axis=0) if eqx.is_array(leaves[0]) else leaves[0]
         ),
         *[ens.members for ens in ensembles],
     )
-    return Ensemble(joined)
+    return with_members(ensembles[0], joined)

@@ -12,10 +12,10 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from ._data import check_leading
-from ._ensemble import Ensemble, check_key
+from ._ensemble import Ensemble, check_key, with_members
 from ._loss import call_loss, check_hyper, check_loss_signature, check_optimizer
 from ._map import _check_per_member_args
-from ._optim import check_opt_state, trainable
+from ._optim import SharedOptState, check_opt_state, trainable
 from ._sharding import (
     check_mesh,
     check_step_mesh,
@@ -81,25 +81,46 @@ def member_update(
     state: Any,
     frozen: Any,
     hyper: Any = None,
+    shared: Any = None,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """One step for ONE member (vmapped over members by the callers).
 
     A member whose loss, gradients or updated parameters are not finite, or that
     is `frozen`, keeps its parameters, optimizer state and model state;
-    `diverged` reports the former.
+    `diverged` reports the former. `shared`: a frozen shared part (closed over,
+    not differentiated), completing `member` (the stacked part) into a model.
     """
     stateful = state is not None
     # `loss_fn` may consume the state it is given (`state.set` returns a new state
     # and invalidates the old one, as in plain Equinox): keep a copy to fall back on.
     kept_state = jax.tree.map(lambda x: x, state) if stateful else None
 
-    def loss_of(model):
+    def loss_of(part):
+        model = part if shared is None else eqx.combine(part, shared)
         loss, aux, new_state = call_loss(loss_fn, model, state, batch, key, hyper)
         return loss, (aux, new_state)
 
     (loss, (aux, new_state)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(
         member
     )
+    new_member, new_opt_state, new_state, diverged = apply_member(
+        optimizer, member, opt_state, grads, loss, new_state, kept_state, frozen
+    )
+    return new_member, new_opt_state, loss, aux, new_state, diverged
+
+
+def apply_member(
+    optimizer: optax.GradientTransformation,
+    member: Any,
+    opt_state: Any,
+    grads: Any,
+    loss: Any,
+    new_state: Any,
+    kept_state: Any,
+    frozen: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """ONE member's optimizer update from its gradients, kept only if everything
+    is finite and the member is not `frozen`."""
     # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
     # count in Adam's bias correction); trace it that way even when the user runs
     # with `jax_numpy_dtype_promotion="strict"`.
@@ -117,10 +138,79 @@ def member_update(
     keep_new = finite & jnp.logical_not(frozen)
     new_member = _select(keep_new, new_member, member)
     new_opt_state = _select(keep_new, new_opt_state, opt_state)
-    if stateful:
+    if kept_state is not None:
         new_state = _select(keep_new, new_state, kept_state)
     diverged = jnp.logical_not(finite) & jnp.logical_not(frozen)
-    return new_member, new_opt_state, loss, aux, new_state, diverged
+    return new_member, new_opt_state, new_state, diverged
+
+
+def _coupled_update(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    batch_axes: Any,
+    ens: Ensemble,
+    opt_state: Any,
+    batch: Any,
+    keys: Any,
+    state: Any,
+    frozen: Any,
+    hyper: Any,
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """One step of an ensemble whose shared part is trained: the members' summed
+    loss is differentiated once, which gives every member its own gradient and
+    the shared part the SUM of the members' gradients (a `vmap`'s broadcast
+    transposes to a sum: no per-member copy of the shared gradient is made).
+
+    Diverged (`frozen`) members are left out of the sum. If the shared part's
+    gradient or update is not finite, the shared part skips this step (and the
+    members' own isolation works as without a shared part)."""
+    member_axis = eqx.if_array(0)
+    stateful = state is not None
+    kept_state = jax.tree.map(lambda x: x, state) if stateful else None
+
+    def total_loss(parts):
+        members, shared = parts
+
+        def one(member, member_batch, key, member_state, member_hyper):
+            model = eqx.combine(member, shared)
+            return call_loss(
+                loss_fn, model, member_state, member_batch, key, member_hyper
+            )
+
+        losses, aux, new_state = eqx.filter_vmap(
+            one,
+            in_axes=(member_axis, batch_axes, member_axis, member_axis, member_axis),
+        )(members, batch, keys, state, hyper)
+        return jnp.sum(jnp.where(frozen, 0.0, losses)), (losses, aux, new_state)
+
+    (_, (losses, aux, new_state)), (grads, shared_grads) = eqx.filter_value_and_grad(
+        total_loss, has_aux=True
+    )((ens.members, ens.shared))
+    members, members_opt, new_state, diverged = eqx.filter_vmap(
+        functools.partial(apply_member, optimizer),
+        in_axes=(member_axis,) * 7,
+    )(ens.members, opt_state.members, grads, losses, new_state, kept_state, frozen)
+    shared = ens.shared
+    with jax.numpy_dtype_promotion("standard"):
+        updates, new_shared_opt = optimizer.update(
+            shared_grads, opt_state.shared, trainable(shared)
+        )
+    new_shared = eqx.apply_updates(shared, updates)
+    keep = (
+        _all_finite(shared_grads)
+        & _all_finite(trainable(new_shared))
+        & _all_finite(new_shared_opt)
+    )
+    new_shared = _select(keep, new_shared, shared)
+    new_shared_opt = _select(keep, new_shared_opt, opt_state.shared)
+    return (
+        with_members(eqx.tree_at(lambda e: e.shared, ens, new_shared), members),
+        SharedOptState(members_opt, new_shared_opt),
+        losses,
+        aux,
+        new_state,
+        diverged,
+    )
 
 
 def vmapped_update(
@@ -129,31 +219,60 @@ def vmapped_update(
     per_member_batch: bool,
     mesh: Mesh | None = None,
 ) -> Callable[..., Any]:
-    """`member_update` under `eqx.filter_vmap` over the member axis (on `mesh`:
-    members split over its `"members"` axis, the batch over `"data"`)."""
-
-    def update(member, opt_state, batch, key, state, frozen, hyper):
-        return member_update(
-            loss_fn, optimizer, member, opt_state, batch, key, state, frozen, hyper
-        )
-
+    """`(ens, opt_state, batch, keys, state, frozen, hyper) -> (ens, opt_state,
+    losses, aux, state, diverged)`: `member_update` under `eqx.filter_vmap` over
+    the member axis (on `mesh`: members split over its `"members"` axis, the
+    batch over `"data"`). A frozen shared part is closed over (one copy for every
+    member); a trained one goes through `_coupled_update`."""
     # A shared batch is not mapped: it stays one array inside the member `vmap`,
     # so the member axis folds into the weights (one wide matmul per layer).
     batch_axes = eqx.if_array(0) if per_member_batch else None
     member_axis = eqx.if_array(0)
-    vmapped = eqx.filter_vmap(
-        update,
-        in_axes=(
-            member_axis,
-            member_axis,
-            batch_axes,
-            member_axis,
-            member_axis,
-            member_axis,
-            member_axis,
-        ),
-    )
-    return sharded_update(vmapped, mesh, per_member_batch)
+
+    def update(ens, opt_state, batch, keys, state, frozen, hyper):
+        if ens.train_shared:
+            return _coupled_update(
+                loss_fn,
+                optimizer,
+                batch_axes,
+                ens,
+                opt_state,
+                batch,
+                keys,
+                state,
+                frozen,
+                hyper,
+            )
+
+        def one(member, opt_state, batch, key, state, frozen, hyper):
+            return member_update(
+                loss_fn,
+                optimizer,
+                member,
+                opt_state,
+                batch,
+                key,
+                state,
+                frozen,
+                hyper,
+                ens.shared,
+            )
+
+        members, *rest = eqx.filter_vmap(
+            one,
+            in_axes=(
+                member_axis,
+                member_axis,
+                batch_axes,
+                member_axis,
+                member_axis,
+                member_axis,
+                member_axis,
+            ),
+        )(ens.members, opt_state, batch, keys, state, frozen, hyper)
+        return (with_members(ens, members), *rest)
+
+    return sharded_update(update, mesh, per_member_batch)
 
 
 def _examples(batch: PyTree[Any], per_member_batch: bool) -> int:
@@ -257,7 +376,7 @@ def _profile_of(step: "Step", inputs: Any) -> Any:
     member_batch = first_member(batch) if step.per_member_batch else batch
     return profile_step(
         step.loss_fn,
-        first_member(ens.members),
+        ens.member(first_member(ens.members)),
         member_batch,
         first_member(state),
         first_member(hyper),
@@ -280,7 +399,7 @@ def _step_impl(
     check_loss_signature(step.loss_fn, state is not None, hyper is not None)
     if hyper is not None:
         check_hyper(hyper, size)
-    check_opt_state(step.optimizer, ens.members, opt_state)
+    check_opt_state(step.optimizer, ens, opt_state)
     if state is not None:
         check_leading(state, size, "`state`")
     if step.per_member_batch:
@@ -292,11 +411,11 @@ def _step_impl(
     update = vmapped_update(
         step.loss_fn, step.optimizer, step.per_member_batch, step.mesh
     )
-    members, new_opt_state, losses, aux, new_state, _ = update(
-        ens.members, opt_state, batch, member_keys, state, frozen, hyper
+    new_ens, new_opt_state, losses, aux, new_state, _ = update(
+        ens, opt_state, batch, member_keys, state, frozen, hyper
     )
     losses = replicate(losses, step.mesh)
-    return StepOutput(Ensemble(members), new_opt_state, losses, aux, new_state)
+    return StepOutput(new_ens, new_opt_state, losses, aux, new_state)
 
 
 def _compiled_step(step: Step, options: Options) -> Callable[..., StepOutput]:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PyTree
 
-from ._ensemble import Ensemble
+from ._ensemble import Ensemble, with_members
 from ._optim import trainable
 from ._tree import leading_size
 
@@ -125,7 +125,7 @@ class EMA(Tracker):
 
     def result(self, state, ensemble):
         rest = eqx.filter(ensemble.members, eqx.is_inexact_array, inverse=True)
-        return Ensemble(eqx.combine(state, rest))
+        return with_members(ensemble, eqx.combine(state, rest))
 
 
 class SWA(Tracker):
@@ -197,4 +197,4 @@ class SWA(Tracker):
     def result(self, state, ensemble):
         average, _ = state
         rest = eqx.filter(ensemble.members, eqx.is_inexact_array, inverse=True)
-        return Ensemble(eqx.combine(average, rest))
+        return with_members(ensemble, eqx.combine(average, rest))

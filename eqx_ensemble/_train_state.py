@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PyTree
 
-from ._ensemble import Ensemble
+from ._ensemble import Ensemble, member_axis_mask
 
 
 def _field(member_axis: str | None) -> Any:
@@ -69,10 +69,12 @@ def member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any
     """Per-member choice over stacked leaves: member i takes `new` where
     `better[i]`, else `old`."""
 
-    def pick(n, o):
+    def pick(n, o, per_member):
         if not eqx.is_array(n):
+            return n
+        if not per_member:  # a shared part: one copy, the newest
             return n
         mask = better.reshape(better.shape + (1,) * (n.ndim - 1))
         return jnp.where(mask, n, o)
 
-    return jax.tree.map(pick, new, old)
+    return jax.tree.map(pick, new, old, member_axis_mask(new))
