@@ -137,6 +137,15 @@ def set_hyperparams(
             )
         path, node = owners[0]
         current = node.hyperparams[name]
+        if current.ndim == 0 and jnp.ndim(value) > 0:
+            raise ValueError(
+                f"Hyperparameter {name!r} is held once in this optimizer state (it "
+                "is not stacked over members: e.g. the state of a shared part, "
+                "`SharedOptState.shared`), so it takes ONE value, got shape "
+                f"{tuple(jnp.shape(value))}. A shared part is trained with one "
+                "setting for all members; per-member values apply to the members' "
+                "own state (`SharedOptState.members`, or the whole `SharedOptState`)."
+            )
         state_size = current.shape[0] if current.ndim else None
         if state_size is not None and state_size != size:
             raise ValueError(
@@ -149,9 +158,9 @@ def set_hyperparams(
             raise TypeError(
                 f"Hyperparameter {name!r} must be real numbers, got dtype {array.dtype}"
             )
-        if array.ndim == 0:
+        if array.ndim == 0 and current.ndim:
             array = jnp.broadcast_to(array, (size,))
-        if array.shape != (size,):
+        if array.shape != ((size,) if current.ndim else ()):
             raise ValueError(
                 f"Hyperparameter {name!r} must have one value per member: the "
                 f"ensemble has {size} members, got shape {tuple(array.shape)}"

@@ -528,3 +528,18 @@ def test_layer_helpers_refuse_models_without_their_layers(getkey):
         ee.nn.lora(eqx.nn.Lambda(jnp.tanh), rank=1, key=getkey())
     with pytest.raises(ValueError, match="positive int"):
         ee.nn.LoRALinear(eqx.nn.Linear(2, 2, key=getkey()), rank=0, key=getkey())
+
+
+def test_per_member_hyperparameters_on_the_shared_state_are_refused(getkey):
+    ens = ee.ensemble(make, size=SIZE, key=getkey(), shared=backbone, train_shared=True)
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = ee.init_optimizer(
+        opt, ens, hyperparams={"learning_rate": jnp.array([0.1, 0.2, 0.3, 0.4])}
+    )
+    # The members' states take the per-member values; the shared state keeps one.
+    assert state.members.hyperparams["learning_rate"].shape == (SIZE,)
+    assert float(state.shared.hyperparams["learning_rate"]) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="held once in this optimizer state"):
+        ee.set_hyperparams(state.shared, {"learning_rate": jnp.ones(SIZE)}, size=SIZE)
+    one = ee.set_hyperparams(state.shared, {"learning_rate": 0.5}, size=SIZE)
+    assert float(one.hyperparams["learning_rate"]) == pytest.approx(0.5)
