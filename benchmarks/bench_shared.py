@@ -27,7 +27,6 @@ def main() -> None:
     args = _common.parser(__doc__.splitlines()[0]).parse_args()
     import equinox as eqx
     import jax
-    import jax.numpy as jnp
     import optax
 
     import eqx_ensemble as ee
