@@ -35,9 +35,9 @@ class Ensemble(eqx.Module, Generic[Member]):
 
     - `members`: the stacked model: any PyTree, usually an `eqx.Module` (with
       `None` where a leaf is shared).
-    - `shared`: `None` (nothing shared, the default), or the leaves held once for
-      all members: the same structure as `members`, with `None` at every stacked
-      leaf.
+    - `shared`: `None` (nothing shared, the default), or the array leaves held
+      once for all members: the same structure as `members`, with `None` at
+      every stacked leaf (non-array leaves may appear on both sides).
     - `train_shared`: whether training updates the shared part (one optimizer
       state, the sum of the members' gradients) or keeps it frozen (no gradient,
       no optimizer state; the default).
@@ -248,18 +248,15 @@ def _check_shared_layout(members: Any, shared: Any) -> None:
     for (path, member_leaf), shared_leaf in zip(flat_members, flat_shared):
         if shared_leaf is None:
             continue
+        if not _is_arrayish(shared_leaf):
+            # Non-array leaves (activations, flags such as dropout's `inference`)
+            # may be kept on both sides, so that `eqx.nn.inference_mode(ens)` and
+            # other `tree_at`s see them; `members`' copy is the one used.
+            continue
         if member_leaf is not None:
             raise ValueError(
-                f"leaf `{keystr(path)}` is in both `members` and `shared`; a leaf "
-                "is either stacked or shared"
-            )
-        if not eqx.is_array(shared_leaf) and not isinstance(
-            shared_leaf, jax.ShapeDtypeStruct
-        ):
-            raise TypeError(
-                f"shared leaf `{keystr(path)}` is a {type(shared_leaf).__name__}; "
-                "only array leaves are shared (non-array leaves are the same for "
-                "every member already)"
+                f"leaf `{keystr(path)}` is in both `members` and `shared`; an "
+                "array leaf is either stacked or shared"
             )
         found_shared = True
     if not found_shared:
@@ -331,6 +328,15 @@ _NOT_PICKED = _NotPicked()
 
 def _is_arrayish(leaf: Any) -> bool:
     return eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)
+
+
+def shared_filter(model: Any, mask: PyTree[bool]) -> Any:
+    """The shared part of `model`: the array leaves `mask` picks, and every
+    non-array leaf (kept on both sides, see `_check_shared_layout`)."""
+    keep = jtu.tree_map(
+        lambda flag, leaf: bool(flag) or not _is_arrayish(leaf), mask, model
+    )
+    return eqx.filter(model, keep)
 
 
 def check_shared_mask(mask: PyTree[bool], model: Any) -> None:
@@ -536,7 +542,7 @@ def _ensemble_with_shared(
     # be dropped (a big backbone would need `size` copies for a moment).
     stacked = eqx.filter_jit(eqx.filter_vmap(stacked_part))(member_keys)
     first = make(member_keys[0])
-    shared_part = eqx.filter(first[0] if stateful else first, mask)
+    shared_part = shared_filter(first[0] if stateful else first, mask)
     if stateful:
         part, state = stacked
         return Ensemble(part, shared_part, train_shared=train_shared), state

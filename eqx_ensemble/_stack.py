@@ -14,6 +14,7 @@ from ._ensemble import (
     Ensemble,
     check_shared_mask,
     resolve_shared,
+    shared_filter,
     with_members,
 )
 from ._tree import first_difference, keystr
@@ -92,7 +93,7 @@ def stack(
     if shared is not None:
         mask = resolve_shared(models[0], shared)
         check_shared_mask(mask, models[0])
-        parts = [eqx.filter(model, mask) for model in models]
+        parts = [shared_filter(model, mask) for model in models]
         check_same_shared([(f"model {i}", part) for i, part in enumerate(parts)])
         shared_part = parts[0]
         models = [eqx.filter(model, mask, inverse=True) for model in models]

@@ -543,3 +543,35 @@ def test_per_member_hyperparameters_on_the_shared_state_are_refused(getkey):
         ee.set_hyperparams(state.shared, {"learning_rate": jnp.ones(SIZE)}, size=SIZE)
     one = ee.set_hyperparams(state.shared, {"learning_rate": 0.5}, size=SIZE)
     assert float(one.hyperparams["learning_rate"]) == pytest.approx(0.5)
+
+
+def test_inference_mode_reaches_members_with_a_shared_part(getkey):
+    base = eqx.nn.MultiheadAttention(2, 8, dropout_p=0.5, key=getkey())
+    ens = ee.ensemble(
+        lambda k: ee.nn.lora(base, rank=1, key=k),
+        size=3,
+        key=getkey(),
+        shared=ee.nn.lora_base,
+    )
+    assert not ens[0].dropout.inference
+    assert eqx.nn.inference_mode(ens)[0].dropout.inference
+
+    def make_dropout(key):
+        k1, k2 = jax.random.split(key)
+        return eqx.nn.Sequential(
+            [
+                eqx.nn.Linear(4, 8, key=k1),
+                eqx.nn.Dropout(0.5),
+                eqx.nn.Linear(8, 2, key=k2),
+            ]
+        )
+
+    ens = ee.ensemble(make_dropout, size=3, key=getkey(), shared=lambda m: m.layers[0])
+    x = jax.random.normal(getkey(), (5, 4))
+    # ee.predict switches dropout off: outputs do not depend on the key and equal
+    # the members run by hand in inference mode.
+    a = ee.predict(ens, x, key=getkey())
+    b = ee.predict(ens, x, key=getkey())
+    assert_tree_allclose(a, b)
+    by_hand = jnp.stack([jax.vmap(eqx.nn.inference_mode(ens[i]))(x) for i in range(3)])
+    assert_tree_allclose(a, by_hand)
