@@ -60,6 +60,20 @@ class Ensemble(eqx.Module, Generic[Member]):
     members: Member
     shared: Any = None
     train_shared: bool = eqx.field(static=True, default=False)
+    # The shapes of the shared leaves when the ensemble was built: a shared leaf
+    # that later gains a member axis (e.g. through `eqx.tree_at`) is refused by
+    # name instead of broadcasting silently.
+    shared_shapes: tuple[tuple[str, tuple[int, ...]], ...] | None = eqx.field(
+        static=True, default=None, repr=False
+    )
+
+    def __init__(
+        self, members: Member, shared: Any = None, *, train_shared: bool = False
+    ):
+        self.members = members
+        self.shared = shared
+        self.train_shared = train_shared
+        self.shared_shapes = None if shared is None else _leaf_shapes(shared)
 
     def __check_init__(self):
         if leading_size(self.members) < 1:
@@ -82,6 +96,7 @@ class Ensemble(eqx.Module, Generic[Member]):
         The identity for an ensemble that shares nothing."""
         if self.shared is None:
             return stacked_member
+        check_shared_shapes(self)
         return eqx.combine(stacked_member, self.shared)
 
     def __len__(self) -> int:
@@ -222,6 +237,36 @@ def _take(ens: Ensemble, positions: Any, size: int) -> Ensemble:
             lambda leaf: leaf[positions] if eqx.is_array(leaf) else leaf, ens.members
         ),
     )
+
+
+def _leaf_shapes(shared: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple(
+        (keystr(path), tuple(leaf.shape))
+        for path, leaf in jtu.tree_flatten_with_path(shared)[0]
+        if _is_arrayish(leaf)
+    )
+
+
+def check_shared_shapes(ens: Ensemble) -> None:
+    """Raise if a shared leaf's shape changed since the ensemble was built."""
+    if ens.shared is None or ens.shared_shapes is None:
+        return
+    now = dict(_leaf_shapes(ens.shared))
+    for path, shape in ens.shared_shapes:
+        current = now.get(path)
+        if current is not None and current != shape:
+            axis = (
+                " (it gained a leading member axis)"
+                if current[1:] == shape and current[:1] == (len(ens),)
+                else ""
+            )
+            raise ValueError(
+                f"shared leaf `{path}` has shape {current} but had shape {shape} "
+                f"when the ensemble was built{axis}. A shared leaf is held once for "
+                "all members; to give it one value per member, rebuild the "
+                "ensemble without it in `shared=` (e.g. `ee.stack(ee.unstack(ens), "
+                "shared=...)`)."
+            )
 
 
 def with_members(ens: Ensemble, members: Any) -> Ensemble:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from ._data import check_leading
-from ._ensemble import Ensemble, check_key, with_members
+from ._ensemble import Ensemble, check_key, check_shared_shapes, with_members
 from ._loss import call_loss, check_hyper, check_loss_signature, check_optimizer
 from ._map import _check_per_member_args
 from ._optim import SharedOptState, check_opt_state, trainable
@@ -230,6 +230,7 @@ def vmapped_update(
     member_axis = eqx.if_array(0)
 
     def update(ens, opt_state, batch, keys, state, frozen, hyper):
+        check_shared_shapes(ens)
         if ens.train_shared:
             return _coupled_update(
                 loss_fn,

@@ -575,3 +575,53 @@ def test_inference_mode_reaches_members_with_a_shared_part(getkey):
     assert_tree_allclose(a, b)
     by_hand = jnp.stack([jax.vmap(eqx.nn.inference_mode(ens[i]))(x) for i in range(3)])
     assert_tree_allclose(a, by_hand)
+
+
+def test_a_shared_leaf_given_a_member_axis_is_refused_by_name(getkey, data):
+    ens = ee.ensemble(make, size=SIZE, key=getkey(), shared=backbone)
+    weight = ens.shared.layers[0].weight
+    stacked = jnp.broadcast_to(weight, (SIZE, *weight.shape))
+    broken = eqx.tree_at(lambda e: e.shared.layers[0].weight, ens, stacked)
+    message = r"shared leaf `\.layers\[0\]\.weight` has shape \(4, 8, 3\).*member axis"
+    with pytest.raises(ValueError, match=message):
+        ee.predict(broken, data[0])
+    opt = optax.sgd(0.1)
+    step = ee.make_step(loss_fn, opt)
+    with pytest.raises(ValueError, match=message):
+        step(broken, ee.init_optimizer(opt, broken), data, getkey())
+    with pytest.raises(ValueError, match=message):
+        broken[0]
+
+
+def test_fit_on_a_mesh_and_from_a_stream_with_a_shared_part(getkey, data):
+    ens = ee.ensemble(make, size=8, key=getkey(), shared=backbone, train_shared=True)
+    opt = optax.sgd(0.05)
+    step = ee.make_step(loss_fn, opt)
+    expected, state = ens, ee.init_optimizer(opt, ens)
+    for i in range(4):
+        expected, state, *_ = step(expected, state, data, jax.random.key(i))
+    # A stream of the full batch: the same updates as the hand-written loop.
+    streamed = ee.fit(
+        ens,
+        loss_fn,
+        opt,
+        lambda start: iter([data] * (4 - start)),
+        steps=4,
+        key=getkey(),
+        progress=False,
+    )
+    assert_tree_allclose(streamed.ensemble, expected, rtol=1e-4, atol=1e-5)
+    mesh = ee.make_mesh(members=4, data=2)
+    sharded = ee.fit(
+        ens,
+        loss_fn,
+        opt,
+        data,
+        steps=4,
+        batch_size=32,
+        key=getkey(),
+        mesh=mesh,
+        progress=False,
+    )
+    assert sharded.ensemble.shared.layers[0].weight.sharding.is_fully_replicated
+    assert_tree_allclose(sharded.ensemble, expected, rtol=1e-4, atol=1e-5)
