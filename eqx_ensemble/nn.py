@@ -120,7 +120,8 @@ class BatchEnsembleConv(eqx.Module):
 
     - `num_spatial_dims`, `in_channels`, `out_channels`, `kernel_size`,
       `stride`, `padding`: as `eqx.nn.Conv`.
-    - `key`, `fast_init`: as [`BatchEnsembleLinear`][eqx_ensemble.nn.BatchEnsembleLinear].
+    - `key`, `fast_init`: as
+      [`BatchEnsembleLinear`][eqx_ensemble.nn.BatchEnsembleLinear].
 
     **Example:**
 
@@ -172,8 +173,8 @@ class BatchEnsembleConv(eqx.Module):
             self.bias = None
 
     def __call__(
-        self, x: Float[Array, "in *spatial"], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, "out *spatial_out"]:
+        self, x: Float[Array, "in_channels ..."], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "out_channels ..."]:
         del key
         spatial = (1,) * (x.ndim - 1)
         out = self.conv(x * self.r.reshape(-1, *spatial))
