@@ -137,12 +137,13 @@ def set_hyperparams(
             )
         path, node = owners[0]
         current = node.hyperparams[name]
-        if current.ndim == 0 and jnp.ndim(value) > 0:
+        given_shape = np.shape(value)  # pyright: ignore[reportArgumentType]
+        if current.ndim == 0 and len(given_shape) > 0:
             raise ValueError(
                 f"Hyperparameter {name!r} is held once in this optimizer state (it "
                 "is not stacked over members: e.g. the state of a shared part, "
                 "`SharedOptState.shared`), so it takes ONE value, got shape "
-                f"{tuple(jnp.shape(value))}. A shared part is trained with one "
+                f"{given_shape}. A shared part is trained with one "
                 "setting for all members; per-member values apply to the members' "
                 "own state (`SharedOptState.members`, or the whole `SharedOptState`)."
             )
