@@ -34,6 +34,7 @@ def main() -> None:
     info = _common.print_header("shared parts vs full stacking")
     repeats = args.repeats or (3 if args.quick else 15)
     members = 8 if args.quick else 32
+    heads_members = 8 if args.quick else 64
     width = 128 if args.quick else 512
     batch = 256
     key = jax.random.key(0)
@@ -111,8 +112,8 @@ def main() -> None:
         def __call__(self, x):
             return self.head(jax.nn.relu(self.backbone(x)))
 
-    shared = ee.ensemble(Net, size=members, key=key, shared=lambda m: m.backbone)
-    stacked = ee.ensemble(Net, size=members, key=key)
+    shared = ee.ensemble(Net, size=heads_members, key=key, shared=lambda m: m.backbone)
+    stacked = ee.ensemble(Net, size=heads_members, key=key)
 
     def labels(params):
         train = jax.tree.map(lambda _: "train", params)
@@ -129,7 +130,9 @@ def main() -> None:
     measure("shared frozen backbone", shared, optax.adam(1e-3), results, fns)
     measure("stacked, backbone frozen by hand", stacked, frozen_by_hand, results, fns)
     times = _common.interleaved(fns, repeats=repeats)
-    report(f"{members} heads on one frozen backbone (width {width})", results, times)
+    report(
+        f"{heads_members} heads on one frozen backbone (width {width})", results, times
+    )
     a, b = "shared frozen backbone", "stacked, backbone frozen by hand"
     heads = {
         "results": results,

@@ -57,7 +57,11 @@ from ._metrics_classification import (
     per_member_brier_score as per_member_brier_score,
     per_member_nll as per_member_nll,
 )
-from ._metrics_ood import ood_auroc as ood_auroc
+from ._metrics_ood import (
+    ood_aupr as ood_aupr,
+    ood_auroc as ood_auroc,
+    ood_fpr_at_tpr as ood_fpr_at_tpr,
+)
 from ._metrics_regression import (
     aleatoric_variance as aleatoric_variance,
     epistemic_variance as epistemic_variance,
@@ -68,6 +72,12 @@ from ._metrics_regression import (
     predictive_mean as predictive_mean,
     predictive_variance as predictive_variance,
     rmse as rmse,
+)
+from ._metrics_selective import (
+    accuracy_at_coverage as accuracy_at_coverage,
+    augrc as augrc,
+    aurc as aurc,
+    risk_coverage_curve as risk_coverage_curve,
 )
 from ._metrics_temperature import (
     apply_temperature as apply_temperature,
@@ -119,4 +129,11 @@ __all__ = [
     "interval_coverage",
     # Out-of-distribution detection.
     "ood_auroc",
+    "ood_aupr",
+    "ood_fpr_at_tpr",
+    # Selective prediction.
+    "risk_coverage_curve",
+    "aurc",
+    "augrc",
+    "accuracy_at_coverage",
 ]

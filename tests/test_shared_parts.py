@@ -417,6 +417,29 @@ def test_batch_ensemble_linear_is_the_closed_form(getkey):
     assert_tree_allclose(conv(xs), expected)
 
 
+def test_lora_linear_is_the_closed_form(getkey):
+    base = eqx.nn.Linear(5, 3, key=getkey())
+    layer = ee.nn.LoRALinear(base, rank=2, alpha=4.0, key=getkey())
+    layer = eqx.tree_at(lambda m: m.b, layer, jax.random.normal(getkey(), (3, 2)))
+    x = jax.random.normal(getkey(), (5,))
+    expected = base.weight @ x + base.bias + (4.0 / 2) * (layer.b @ (layer.a @ x))
+    assert_tree_allclose(layer(x), expected)
+    # Member i of an adapter ensemble is base + its own adapter.
+    ens = ee.ensemble(
+        lambda k: ee.nn.lora(base, rank=2, key=k),
+        size=3,
+        key=getkey(),
+        shared=ee.nn.lora_base,
+    )
+    ens = eqx.tree_at(
+        lambda e: e.members.b, ens, jax.random.normal(getkey(), (3, 3, 2))
+    )
+    out = ee.predict(ens, x[None])[:, 0]
+    for i in range(3):
+        a, b = ens.members.a[i], ens.members.b[i]
+        assert_tree_allclose(out[i], base.weight @ x + base.bias + b @ (a @ x))
+
+
 def test_batch_ensemble_holds_the_slow_weight_once_and_never_copies_it(getkey):
     ens = ee.ensemble(
         make_batch_ensemble,
