@@ -178,10 +178,10 @@ def check_regression(
                 f"`{name}` (shape {tuple(host.shape)}) holds {host[where]} at index "
                 f"{where}; regression metrics need finite predictions and targets"
             )
-    if means.ndim != 2:
+    if means.ndim not in (2, 3):
         raise ValueError(
-            f"`{means_name}` must have shape (members, batch) (or (members, batch, "
-            f"1)), got shape {shape}; " + _SINGLE_MODEL_HINT
+            f"`{means_name}` must have shape (members, batch) or (members, batch, "
+            f"outputs), got shape {shape}; " + _SINGLE_MODEL_HINT
         )
     if shape[0] < 1 or shape[1] < 1:
         raise ValueError(
@@ -197,20 +197,26 @@ def check_regression(
         if not is_traced(variances) and float(jnp.min(variances)) < 0:
             values = np.asarray(variances)
             negative = values < 0
-            member, example = (int(i) for i in np.argwhere(negative)[0])
+            first = [int(i) for i in np.argwhere(negative)[0]]
+            where = f"member {first[0]}, example {first[1]}" + (
+                f", output {first[2]}" if len(first) > 2 else ""
+            )
             raise ValueError(
                 f"`variances` must be non-negative, but {int(negative.sum())} of "
                 f"its {values.size} entries (shape {shape}) are negative, the "
-                f"smallest {float(values.min()):.6g}; the first is at member "
-                f"{member}, example {example}. Pass variances, not log-variances "
+                f"smallest {float(values.min()):.6g}; the first is at {where}. "
+                "Pass variances, not log-variances "
                 "(e.g. `jax.nn.softplus(raw) + 1e-6`)."
             )
     if targets is not None:
-        if targets.ndim != 1 or targets.shape[0] != shape[1]:
+        if tuple(targets.shape) != shape[1:]:
+            layout = (
+                "(members, batch)" if len(shape) == 2 else "(members, batch, outputs)"
+            )
+            wanted = "(batch,)" if len(shape) == 2 else "(batch, outputs)"
             raise ValueError(
-                f"`targets` must have shape (batch,) = ({shape[1]},) to match "
-                f"`{means_name}` "
-                f"of shape {shape} (members, batch), got shape "
+                f"`targets` must have shape {wanted} = {shape[1:]} to match "
+                f"`{means_name}` of shape {shape} {layout}, got shape "
                 f"{tuple(targets.shape)}"
             )
 

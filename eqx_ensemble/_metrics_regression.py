@@ -22,15 +22,27 @@ from .combine import gaussian_mixture
 def _single_output(array: Array, name: str, rank: int) -> Array:
     # `(members, batch, 1)` is what `eqx.nn.MLP(out_size=1)` gives: one output,
     # accepted as `(members, batch)` (targets: `(batch, 1)` as `(batch,)`).
+    # `(members, batch, outputs)` is kept: the metrics treat the outputs as
+    # independent (see the module docs of `ee.metrics`).
     if array.ndim == rank + 1 and array.shape[-1] == 1:
         return array[..., 0]
-    if array.ndim == rank + 1:
+    return array
+
+
+def one_output(array: Array, name: str, rank: int) -> Array:
+    """`_single_output`, refusing several outputs (for functions of ONE output)."""
+    if array.ndim == rank + 1 and array.shape[-1] != 1:
         raise ValueError(
             f"`{name}` has shape {tuple(array.shape)}: {array.shape[-1]} outputs per "
-            "example. The regression metrics score one output at a time: pass "
+            "example. This function works on one output at a time: pass "
             f"`{name}[..., j]` for output j"
         )
-    return array
+    return _single_output(array, name, rank)
+
+
+def _per_example(values: Array) -> Array:
+    # Independent outputs: a joint log-density is the sum over outputs.
+    return jnp.sum(values, axis=-1) if values.ndim >= 2 else values
 
 
 def _means(means: ArrayLike) -> Array:
@@ -65,7 +77,7 @@ def _floored(variances: Array) -> Array:
 
 def predictive_mean(
     means: Float[ArrayLike, " members batch *one"],
-) -> Float[Array, " batch"]:
+) -> Float[Array, " batch *outputs"]:
     """Mean of the ensemble's predictive mixture: the mean of the members' means.
 
     **Arguments:**
@@ -93,7 +105,7 @@ def _mean_over_members(x: Array) -> Array:
 def predictive_variance(
     means: Float[ArrayLike, " members batch *one"],
     variances: Float[ArrayLike, " members batch *one"],
-) -> Float[Array, " batch"]:
+) -> Float[Array, " batch *outputs"]:
     """Variance of the ensemble's predictive mixture `(1/M) sum_i N(mu_i, s_i^2)`:
     aleatoric plus epistemic, `mean_i s_i^2 + var_i mu_i` (Lakshminarayanan et al.
     2017).
@@ -126,7 +138,7 @@ def _predictive_variance(means: Array, variances: Array) -> Array:
 
 def aleatoric_variance(
     variances: Float[ArrayLike, " members batch *one"],
-) -> Float[Array, " batch"]:
+) -> Float[Array, " batch *outputs"]:
     """Aleatoric (data) variance: the mean of the members' predicted variances.
 
     **Arguments:**
@@ -150,7 +162,7 @@ def aleatoric_variance(
 
 def epistemic_variance(
     means: Float[ArrayLike, " members batch *one"],
-) -> Float[Array, " batch"]:
+) -> Float[Array, " batch *outputs"]:
     """Epistemic (model) variance: the variance of the members' means over members
     (population variance, dividing by `members`).
 
@@ -241,10 +253,12 @@ def _gaussian_nll(
 ) -> Array:
     if predictive == "gaussian":
         mean, variance = gaussian_mixture(means, variances)
-        losses = -_gaussian_log_density(targets, mean, variance)
+        losses = -_per_example(_gaussian_log_density(targets, mean, variance))
     else:
         members = means.shape[0]
         log_densities = _gaussian_log_density(targets[None], means, variances)
+        if log_densities.ndim == 3:  # a member's outputs are independent
+            log_densities = jnp.sum(log_densities, axis=-1)
         log_members = jnp.log(members).astype(means.dtype)
         losses = log_members - jax.nn.logsumexp(log_densities, axis=0)
     return reduce(losses, reduction)
@@ -277,7 +291,10 @@ def per_member_gaussian_nll(
 
 @jax.jit
 def _per_member_gaussian_nll(means: Array, variances: Array, targets: Array) -> Array:
-    return -jnp.mean(_gaussian_log_density(targets[None], means, variances), axis=1)
+    log_densities = _gaussian_log_density(targets[None], means, variances)
+    if log_densities.ndim == 3:
+        log_densities = jnp.sum(log_densities, axis=-1)
+    return -jnp.mean(log_densities, axis=1)
 
 
 def _check_targets(means: Array, targets: ArrayLike) -> Array:
@@ -342,7 +359,8 @@ def per_member_rmse(
 
 @jax.jit
 def _per_member_rmse(means: Array, targets: Array) -> Array:
-    return jnp.sqrt(jnp.mean(jnp.square(means - targets[None]), axis=1))
+    axes = tuple(range(1, means.ndim))  # examples (and outputs)
+    return jnp.sqrt(jnp.mean(jnp.square(means - targets[None]), axis=axes))
 
 
 def interval_coverage(

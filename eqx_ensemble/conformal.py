@@ -33,7 +33,7 @@ from ._metrics_classification import (
     prepare_labels,
     prepare_predictions,
 )
-from ._metrics_regression import _means_variances_targets, _single_output
+from ._metrics_regression import _means_variances_targets, one_output
 from .combine import gaussian_mixture
 
 __all__ = [
@@ -84,8 +84,8 @@ class SplitRegression(eqx.Module):
 
         **Example:** see [`SplitRegression`][eqx_ensemble.conformal.SplitRegression].
         """
-        means = _single_output(jnp.asarray(means), "means", 2)
-        variances = _single_output(jnp.asarray(variances), "variances", 2)
+        means = one_output(jnp.asarray(means), "means", 2)
+        variances = one_output(jnp.asarray(variances), "variances", 2)
         if means.ndim != 2 or means.shape != variances.shape:
             raise ValueError(
                 "`means` and `variances` must both have shape (members, batch), got "
@@ -135,6 +135,9 @@ def split_regression(
         raise TypeError(f"`alpha` must be a float in (0, 1), got {alpha!r}")
     if not 0 < alpha < 1:
         raise ValueError(f"`alpha` must lie strictly between 0 and 1, got {alpha}")
+    means = one_output(jnp.asarray(means), "means", 2)
+    variances = one_output(jnp.asarray(variances), "variances", 2)
+    targets = one_output(jnp.asarray(targets), "targets", 1)
     means, variances, targets = _means_variances_targets(means, variances, targets)
     n = int(targets.shape[0])
     rank = math.ceil((n + 1) * (1 - alpha))
@@ -419,8 +422,8 @@ class QuantileRegression(eqx.Module):
 
 
 def _bounds(lower: Any, upper: Any) -> tuple[Array, Array]:
-    lower_array = _single_output(jnp.asarray(lower), "lower", 1)
-    upper_array = _single_output(jnp.asarray(upper), "upper", 1)
+    lower_array = one_output(jnp.asarray(lower), "lower", 1)
+    upper_array = one_output(jnp.asarray(upper), "upper", 1)
     if lower_array.ndim != 1 or lower_array.shape != upper_array.shape:
         raise ValueError(
             "`lower` and `upper` must both have shape (batch,), got "
@@ -460,7 +463,7 @@ def cqr(
     """
     alpha = _check_alpha(alpha)
     lower_array, upper_array = _bounds(lower, upper)
-    targets_array = _single_output(jnp.asarray(targets), "targets", 1)
+    targets_array = one_output(jnp.asarray(targets), "targets", 1)
     if targets_array.shape != lower_array.shape:
         raise ValueError(
             f"`targets` must have shape {tuple(lower_array.shape)} like the bounds, "
@@ -525,7 +528,7 @@ class JackknifePlusAfterBootstrap(eqx.Module):
         **Example:** see
         [`JackknifePlusAfterBootstrap`][eqx_ensemble.conformal.JackknifePlusAfterBootstrap].
         """
-        array = _single_output(jnp.asarray(means), "means", 2)
+        array = one_output(jnp.asarray(means), "means", 2)
         if array.ndim != 2:
             raise ValueError(
                 f"`means` must have shape (members, batch), got {tuple(array.shape)}"
@@ -592,8 +595,8 @@ def jackknife_plus_after_bootstrap(
     from ._sampling import Bootstrap
 
     alpha = _check_alpha(alpha)
-    means = _single_output(jnp.asarray(train_means), "train_means", 2)
-    target_array = _single_output(jnp.asarray(targets), "targets", 1)
+    means = one_output(jnp.asarray(train_means), "train_means", 2)
+    target_array = one_output(jnp.asarray(targets), "targets", 1)
     if means.ndim != 2 or target_array.shape != means.shape[1:]:
         raise ValueError(
             "`train_means` must be (members, n) and `targets` (n,), got "

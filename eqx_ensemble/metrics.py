@@ -4,9 +4,15 @@ Conventions, shared by every function:
 
 - **Inputs are stacked per member**, members first, as returned by `ens(x)` or
   `ee.map`: classification predictions have shape `(members, batch, classes)`,
-  regression means and variances `(members, batch)`. For a single model add a
-  member axis with `x[None]`. Labels are integers of shape `(batch,)`, regression
-  targets floats of shape `(batch,)`.
+  regression means and variances `(members, batch)`, or `(members, batch,
+  outputs)` for several outputs (`(members, batch, 1)`, what
+  `eqx.nn.MLP(out_size=1)` gives, counts as one output). For a single model add
+  a member axis with `x[None]`. Labels are integers of shape `(batch,)`,
+  regression targets floats of shape `(batch,)` (or `(batch, outputs)`).
+- **Several regression outputs** are treated as independent: per-example
+  quantities (`predictive_mean`, the variances) keep the output axis; the
+  Gaussian NLLs sum over outputs (the joint NLL of independent outputs);
+  `rmse` and `interval_coverage` average over every (example, output) pair.
 - **Probabilities or logits.** Classification functions take probabilities
   (each row summing to one) by default; pass `from_logits=True` to give logits,
   which is the numerically exact path (log-softmax per member, `logsumexp` over
