@@ -288,3 +288,69 @@ def uncertainty_histogram(
     ax.set_title(f"AUROC = {auroc:.3f}")
     ax.legend()
     return fig, ax
+
+
+def risk_coverage(
+    curves: dict[str, Any],
+    *,
+    ax: Any = None,
+    ylabel: str = "selective risk (error rate)",
+) -> tuple[Any, Any]:
+    """Risk-coverage curves of several models on the same data, with each
+    curve's AURC (`ee.metrics.aurc`) in its legend entry: e.g. the ensemble
+    against its members, or two confidence scores of one model.
+
+    **Arguments:**
+
+    - `curves`: name -> `(confidence, losses)`, each of shape `(batch,)`, as
+      [`ee.metrics.risk_coverage_curve`][eqx_ensemble.metrics.risk_coverage_curve]
+      takes them (higher confidence = answered first; 0/1 errors or any loss).
+    - `ax`: a matplotlib `Axes` to draw on; a new figure if `None`.
+    - `ylabel`: the name of the risk, for the y axis.
+
+    **Returns:**
+
+    `(figure, axes)`; `axes.lines` holds one line per curve, in order.
+
+    **Example:**
+
+    ```python
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 200, 5)))
+    labels = jnp.arange(200) % 5
+    mean = probs.mean(0)
+    curves = {"ensemble": (mean.max(-1), mean.argmax(-1) != labels)}
+    for i in range(4):
+        curves[f"member {i}"] = (probs[i].max(-1), probs[i].argmax(-1) != labels)
+    fig, ax = ee.plot.risk_coverage(curves)
+    fig.savefig("risk_coverage.png")
+    ```
+    """
+    if not isinstance(curves, dict) or not curves:
+        raise ValueError(
+            "`curves` must be a non-empty dict: name -> (confidence, losses)"
+        )
+    computed = {}
+    for name, pair in curves.items():
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise ValueError(
+                f"`curves[{name!r}]` must be a (confidence, losses) pair, got "
+                f"{type(pair).__name__}"
+            )
+        confidence, losses = pair
+        coverage, risk = metrics.risk_coverage_curve(confidence, losses)
+        computed[name] = (np.asarray(coverage), np.asarray(risk), float(np.mean(risk)))
+    fig, ax = _figure_and_axes(ax)
+    for index, (name, (coverage, risk, area)) in enumerate(computed.items()):
+        ax.plot(
+            coverage,
+            risk,
+            color=f"C{index % 10}",
+            linewidth=2 if index == 0 else 1,
+            label=f"{name} (AURC {area:.4f})",
+        )
+    ax.set_xlim(0, 1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("coverage")
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    return fig, ax

@@ -151,3 +151,27 @@ def test_missing_matplotlib_gives_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install eqx_ensemble\[plot\]"):
         ee.plot.reliability_diagram(probs, labels)
+
+
+def test_risk_coverage(tmp_path):
+    rng = np.random.default_rng(0)
+    confidence = rng.random(100).astype(np.float32)
+    errors = rng.random(100) > confidence
+    shuffled = rng.permutation(confidence)
+    fig, ax = ee.plot.risk_coverage(
+        {"good": (confidence, errors), "random": (shuffled, errors)}
+    )
+    fig.savefig(tmp_path / "rc.png")
+    assert len(ax.lines) == 2
+    coverage, risk = ax.lines[0].get_data()
+    expected_coverage, expected_risk = ee.metrics.risk_coverage_curve(
+        confidence, errors
+    )
+    np.testing.assert_allclose(coverage, expected_coverage)
+    np.testing.assert_allclose(risk, expected_risk)
+    aurc = float(ee.metrics.aurc(confidence, errors))
+    assert f"AURC {aurc:.4f}" in ax.lines[0].get_label()
+    with pytest.raises(ValueError, match="non-empty dict"):
+        ee.plot.risk_coverage({})
+    with pytest.raises(ValueError, match="pair"):
+        ee.plot.risk_coverage({"a": confidence})
