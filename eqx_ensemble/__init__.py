@@ -15,6 +15,7 @@ from . import (
     nn as nn,
     plot as plot,
 )
+from ._adversarial import Adversarial as Adversarial, adversarial as adversarial
 from ._average import average as average, tree_weighted_sum as tree_weighted_sum
 from ._checkpoint import load as load, load_manifest as load_manifest, save as save
 from ._checkpoint_dir import (
