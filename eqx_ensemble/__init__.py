@@ -37,6 +37,7 @@ from ._optim import (
     init_optimizer as init_optimizer,
     set_hyperparams as set_hyperparams,
 )
+from ._pbt import PBT as PBT
 from ._predict import predict as predict
 from ._result import (
     EnsembleDivergedError as EnsembleDivergedError,

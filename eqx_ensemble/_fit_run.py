@@ -2,6 +2,7 @@
 dispatches (history, controllers, checkpoints, results)."""
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -24,9 +25,11 @@ from ._history import Recorder
 from ._loop import Chunk, chunk_runner, copy, initial_state
 from ._loss import check_hyper, check_loss_signature, check_optimizer
 from ._optim import (
+    _hyperparam_nodes,
     check_hyperparams_kept,
     check_opt_state,
     init_optimizer_fast,
+    members_opt_state,
     set_hyperparams,
 )
 from ._profile import StepProfile, example_structs, first_member, profile_step
@@ -170,6 +173,15 @@ def prepare(
         "key": key_record(key),
         "eval_every": None if evaluate is None else evaluate.every,
         "track": [repr(tracker) for tracker in track],
+        # The hyperparameters the run STARTED with (controllers such as `ee.PBT`
+        # change them as it goes): a resume must start from the same ones.
+        "hyperparams": _start_record(
+            [
+                (path, node.hyperparams)
+                for path, node in _hyperparam_nodes(members_opt_state(opt_state))
+            ]
+        ),
+        "hyper": _start_record([("", hyper)] if hyper is not None else []),
     }
     # Copied: the loop donates its state, and the caller's arrays stay valid.
     train_state = copy(
@@ -189,14 +201,6 @@ def prepare(
         resumed = checkpoints.resume(train_state, run_record, steps)
         if resumed is not None:
             train_state, history = resumed
-            if hyperparams:
-                _check_resumed_hyperparams(train_state, hyperparams, size)
-            if hyper is not None and not _tree_values_equal(train_state.hyper, hyper):
-                raise CheckpointError(
-                    "`hyper` differs from the hyperparameters of the checkpointed run "
-                    "being resumed (which may have been changed by a controller); "
-                    "resume with the same `hyper`, or use another folder"
-                )
     done = int(train_state.step)
 
     stream = None
@@ -271,14 +275,6 @@ def prepare(
     )
 
 
-def _tree_values_equal(a: PyTree[Any], b: PyTree[Any]) -> bool:
-    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(leaves_a) == len(leaves_b) and all(
-        np.array_equal(np.asarray(x), np.asarray(y))
-        for x, y in zip(leaves_a, leaves_b, strict=True)
-    )
-
-
 # Unrolled dispatches compile every step they hold: keep them short.
 UNROLLED_STEPS_PER_DISPATCH = 10
 
@@ -313,24 +309,23 @@ def _profile(
     )
 
 
-def _check_resumed_hyperparams(
-    train_state: TrainState, hyperparams: dict[str, Any], size: int
-) -> None:
-    saved = train_state.opt_state
-    given = set_hyperparams(saved, hyperparams, size)
-    for (path, old), new in zip(
-        jax.tree_util.tree_flatten_with_path(saved)[0],
-        jax.tree.leaves(given),
-        strict=True,
-    ):
-        if eqx.is_array(old) and not np.array_equal(np.asarray(old), np.asarray(new)):
-            raise CheckpointError(
-                "`hyperparams` differ from those of the checkpointed run being "
-                f"resumed: `{keystr(path)}` is {np.asarray(old).tolist()} there and "
-                f"{np.asarray(new).tolist()} now. A resumed run continues with its "
-                "saved optimizer state; use another folder to train with new "
-                "hyperparameters"
-            )
+def _start_record(trees: list[tuple[str, Any]]) -> dict[str, Any] | None:
+    """JSON-comparable values of hyperparameter PyTrees (`None` if there are
+    none): a list of numbers per leaf, or a digest for a leaf of over 256."""
+    record: dict[str, Any] = {}
+    for prefix, tree in trees:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not eqx.is_array(leaf):
+                continue
+            host = np.asarray(leaf)
+            name = prefix + keystr(path)
+            if host.size <= 256:
+                record[name] = host.ravel().tolist()
+            else:
+                record[name] = hashlib.sha256(
+                    host.tobytes() + str(host.dtype).encode()
+                ).hexdigest()
+    return record or None
 
 
 @dataclasses.dataclass
