@@ -14,6 +14,7 @@ from . import (
     metrics as metrics,
     nn as nn,
     plot as plot,
+    sweep as sweep,
 )
 from ._adversarial import Adversarial as Adversarial, adversarial as adversarial
 from ._average import average as average, tree_weighted_sum as tree_weighted_sum
@@ -49,6 +50,7 @@ from ._sampling import (
     Sampling as Sampling,
     Shared as Shared,
 )
+from ._select import greedy_selection as greedy_selection, greedy_soup as greedy_soup
 from ._sharding import (
     make_mesh as make_mesh,
     process_rows as process_rows,

@@ -194,6 +194,8 @@ class Checkpoints(eqx.Module):
             )
         saved_run = metadata.get("run", {})
         for field, value in run.items():
+            if field == "hyperparams" and value is None:
+                continue  # not given: the saved optimizer state continues
             if saved_run.get(field) != value:
                 shown = "PRNG key" if field == "key" else f"`{field}`"
                 raise _RunMismatch(

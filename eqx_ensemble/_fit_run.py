@@ -25,11 +25,9 @@ from ._history import Recorder
 from ._loop import Chunk, chunk_runner, copy, initial_state
 from ._loss import check_hyper, check_loss_signature, check_optimizer
 from ._optim import (
-    _hyperparam_nodes,
     check_hyperparams_kept,
     check_opt_state,
     init_optimizer_fast,
-    members_opt_state,
     set_hyperparams,
 )
 from ._profile import StepProfile, example_structs, first_member, profile_step
@@ -175,12 +173,9 @@ def prepare(
         "track": [repr(tracker) for tracker in track],
         # The hyperparameters the run STARTED with (controllers such as `ee.PBT`
         # change them as it goes): a resume must start from the same ones.
-        "hyperparams": _start_record(
-            [
-                (path, node.hyperparams)
-                for path, node in _hyperparam_nodes(members_opt_state(opt_state))
-            ]
-        ),
+        # (`None` when not given: a resume may leave them out and continue with
+        # the saved optimizer state.)
+        "hyperparams": _start_record([("", dict(hyperparams))] if hyperparams else []),
         "hyper": _start_record([("", hyper)] if hyper is not None else []),
     }
     # Copied: the loop donates its state, and the caller's arrays stay valid.

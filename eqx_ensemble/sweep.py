@@ -1,0 +1,178 @@
+"""Random search over hyperparameters, trained as ONE ensemble.
+
+A search space is a PyTree (e.g. a dict) whose leaves are distributions
+(`log_uniform`, `uniform`, `choice`) or fixed numbers;
+[`sample`][eqx_ensemble.sweep.sample] draws one setting per member, as arrays
+with a leading member axis: exactly what `ee.fit(..., hyper=...)` (loss and
+model hyperparameters) and `ee.fit(..., hyperparams=...)` (optimizer
+hyperparameters injected with `optax.inject_hyperparams`) take.
+
+```python
+space = {"learning_rate": ee.sweep.log_uniform(1e-4, 1e-1),
+         "weight_decay": ee.sweep.choice([0.0, 1e-4, 1e-3])}
+settings = ee.sweep.sample(jax.random.key(0), space, size=16)
+settings["learning_rate"].shape        # (16,)
+```
+"""
+
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+__all__ = ["Distribution", "choice", "log_uniform", "sample", "uniform"]
+
+
+class Distribution(eqx.Module):
+    """A distribution of one hyperparameter (abstract); see
+    [`log_uniform`][eqx_ensemble.sweep.log_uniform],
+    [`uniform`][eqx_ensemble.sweep.uniform] and
+    [`choice`][eqx_ensemble.sweep.choice].
+
+    **Example:**
+
+    ```python
+    ee.sweep.uniform(0.0, 0.5).draw(jax.random.key(0), 4).shape   # (4,)
+    ```
+    """
+
+    def draw(self, key: PRNGKeyArray, size: int) -> Float[Array, " size"]:
+        """`size` independent draws."""
+        raise NotImplementedError
+
+
+class _Uniform(Distribution):
+    low: float
+    high: float
+    log: bool = False
+
+    def draw(self, key: PRNGKeyArray, size: int) -> Float[Array, " size"]:
+        if self.log:
+            exponent = jax.random.uniform(
+                key, (size,), minval=math.log(self.low), maxval=math.log(self.high)
+            )
+            return jnp.exp(exponent)
+        return jax.random.uniform(key, (size,), minval=self.low, maxval=self.high)
+
+
+class _Choice(Distribution):
+    values: tuple[float, ...]
+
+    def draw(self, key: PRNGKeyArray, size: int) -> Float[Array, " size"]:
+        index = jax.random.randint(key, (size,), 0, len(self.values))
+        return jnp.asarray(self.values, jnp.float32)[index]
+
+
+def _check_bounds(low: Any, high: Any, name: str) -> tuple[float, float]:
+    for bound in (low, high):
+        if isinstance(bound, bool) or not isinstance(bound, int | float):
+            raise TypeError(f"`{name}` bounds must be numbers, got {bound!r}")
+        if not math.isfinite(bound):
+            raise ValueError(f"`{name}` bounds must be finite, got {bound}")
+    if not low < high:
+        raise ValueError(f"`{name}` needs low < high, got low={low}, high={high}")
+    return float(low), float(high)
+
+
+def log_uniform(low: float, high: float) -> Distribution:
+    """Log-uniform on `[low, high)`: `exp(U(log low, log high))`, for scales such
+    as learning rates and weight decays (`0 < low < high`).
+
+    **Example:**
+
+    ```python
+    rates = ee.sweep.log_uniform(1e-4, 1e-1).draw(jax.random.key(0), 8)
+    ```
+    """
+    low, high = _check_bounds(low, high, "log_uniform")
+    if low <= 0:
+        raise ValueError(
+            f"`log_uniform` needs positive bounds (it samples the logarithm), got "
+            f"low={low}; use `uniform` for a range that includes zero"
+        )
+    return _Uniform(low, high, log=True)
+
+
+def uniform(low: float, high: float) -> Distribution:
+    """Uniform on `[low, high)`.
+
+    **Example:**
+
+    ```python
+    rates = ee.sweep.uniform(0.0, 0.5).draw(jax.random.key(0), 8)   # dropout
+    ```
+    """
+    low, high = _check_bounds(low, high, "uniform")
+    return _Uniform(low, high)
+
+
+def choice(values: Any) -> Distribution:
+    """One of `values`, each equally likely.
+
+    **Example:**
+
+    ```python
+    smoothing = ee.sweep.choice([0.0, 0.05, 0.1]).draw(jax.random.key(0), 8)
+    ```
+    """
+    try:
+        items = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`choice` takes a sequence of numbers, got {values!r}"
+        ) from None
+    if not items:
+        raise ValueError("`choice` needs at least one value")
+    if not all(math.isfinite(v) for v in items):
+        raise ValueError(f"`choice` values must be finite, got {items}")
+    return _Choice(items)
+
+
+def sample(
+    key: PRNGKeyArray, space: PyTree[Any], size: int
+) -> PyTree[Float[Array, " size"]]:
+    """One setting per member: every distribution in `space` drawn `size` times
+    (each with its own key, `fold_in(key, position)`), every fixed number
+    repeated.
+
+    **Arguments:**
+
+    - `key`: a PRNG key.
+    - `space`: a PyTree whose leaves are distributions or numbers.
+    - `size`: the number of members.
+
+    **Returns:**
+
+    `space`'s structure with arrays of shape `(size,)`.
+
+    **Example:**
+
+    ```python
+    space = {"learning_rate": ee.sweep.log_uniform(1e-4, 1e-1), "momentum": 0.9}
+    settings = ee.sweep.sample(jax.random.key(0), space, size=8)
+    settings["momentum"]          # 0.9 for every member
+    ```
+    """
+    if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
+        raise ValueError(f"`size` must be a positive int, got {size!r}")
+    is_distribution = lambda x: isinstance(x, Distribution)
+    leaves, treedef = jax.tree.flatten(space, is_leaf=is_distribution)
+    if not leaves:
+        raise ValueError("`space` holds no distribution or number")
+    drawn = []
+    for position, leaf in enumerate(leaves):
+        if is_distribution(leaf):
+            drawn.append(leaf.draw(jax.random.fold_in(key, position), int(size)))
+        elif isinstance(leaf, int | float) and not isinstance(leaf, bool):
+            drawn.append(jnp.full((int(size),), float(leaf), jnp.float32))
+        else:
+            raise TypeError(
+                f"`space` leaf {position} is a {type(leaf).__name__}; use a "
+                "distribution (`ee.sweep.log_uniform`, `uniform`, `choice`) or a "
+                "number"
+            )
+    return jax.tree.unflatten(treedef, drawn)
