@@ -354,3 +354,69 @@ def risk_coverage(
     ax.set_ylabel(ylabel)
     ax.legend()
     return fig, ax
+
+
+def lineage(
+    steps: Int[ArrayLike, " events"],
+    children: Int[ArrayLike, " events"],
+    parents: Int[ArrayLike, " events"],
+    *,
+    size: int,
+    last_step: int | None = None,
+    scores: Float[ArrayLike, " size"] | None = None,
+    ax: Any = None,
+) -> tuple[Any, Any]:
+    """The family tree of a population-based training run
+    ([`ee.PBT`][eqx_ensemble.PBT]): one horizontal line per member slot over
+    the steps, and at each copy an arrow from the parent's slot to the child's.
+
+    **Arguments:**
+
+    - `steps`, `children`, `parents`: what
+      [`PBT.lineage`][eqx_ensemble.PBT.lineage] returns.
+    - `size`: the number of members.
+    - `last_step`: where the lines end (default: the last copy's step).
+    - `scores`: optional final score per member, written at the lines' ends.
+    - `ax`: a matplotlib `Axes`; a new figure if `None`.
+
+    **Returns:**
+
+    `(figure, axes)`; `axes.lines` holds the `size` member lines, then one line
+    per copy.
+
+    **Example:**
+
+    ```python
+    fig, ax = ee.plot.lineage(jnp.array([10, 10, 20]), jnp.array([3, 2, 0]),
+                              jnp.array([0, 1, 1]), size=4, last_step=30)
+    fig.savefig("lineage.png")
+    ```
+    """
+    steps_np, children_np, parents_np = (
+        np.asarray(a, dtype=np.int64) for a in (steps, children, parents)
+    )
+    if not (steps_np.shape == children_np.shape == parents_np.shape) or (
+        steps_np.ndim != 1
+    ):
+        raise ValueError(
+            "`steps`, `children` and `parents` must be 1-D of one length, got "
+            f"{steps_np.shape}, {children_np.shape}, {parents_np.shape}"
+        )
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"`size` must be a positive int, got {size!r}")
+    for name, values in (("children", children_np), ("parents", parents_np)):
+        if values.size and (values.min() < 0 or values.max() >= size):
+            raise ValueError(f"`{name}` must be member indices in [0, {size})")
+    end = int(last_step if last_step is not None else (steps_np.max(initial=1)))
+    fig, ax = _figure_and_axes(ax)
+    for member in range(size):
+        ax.plot([0, end], [member, member], color="lightgray", linewidth=1)
+    for step, child, parent in zip(steps_np, children_np, parents_np, strict=True):
+        ax.plot([step - end * 0.01, step], [parent, child], color="C3", linewidth=1)
+    if scores is not None:
+        for member, value in enumerate(np.asarray(scores, dtype=float)):
+            ax.annotate(f"{value:.3g}", (end, member), fontsize=7, va="center")
+    ax.set_xlabel("step")
+    ax.set_ylabel("member")
+    ax.set_title(f"PBT lineage: {steps_np.size} copies")
+    return fig, ax

@@ -175,3 +175,21 @@ def test_risk_coverage(tmp_path):
         ee.plot.risk_coverage({})
     with pytest.raises(ValueError, match="pair"):
         ee.plot.risk_coverage({"a": confidence})
+
+
+def test_lineage(tmp_path):
+    steps, children, parents = (
+        np.array([10, 10, 20]),
+        np.array([3, 2, 0]),
+        np.array([0, 1, 1]),
+    )
+    fig, ax = ee.plot.lineage(
+        steps, children, parents, size=4, last_step=30, scores=np.arange(4.0)
+    )
+    fig.savefig(tmp_path / "lineage.png")
+    assert len(ax.lines) == 4 + 3
+    x, y = ax.lines[4 + 2].get_data()  # the third copy: member 1 -> member 0
+    assert list(y) == [1, 0] and x[-1] == 20
+    assert ax.get_title() == "PBT lineage: 3 copies"
+    with pytest.raises(ValueError, match=r"member indices in \[0, 4\)"):
+        ee.plot.lineage(steps, children + 2, parents, size=4)
