@@ -28,6 +28,7 @@ def greedy_selection(
     *,
     size: int,
     start: int = 1,
+    replacement: bool = True,
 ) -> Int[Array, " size"]:
     """Ensemble selection with replacement (Caruana, Niculescu-Mizil, Crew &
     Ksikes 2004) over a pool of members, on validation predictions.
@@ -48,6 +49,10 @@ def greedy_selection(
     - `size`: the number of picks (with repeats), at least `start`.
     - `start`: how many of the best single members start the selection (the
       paper's "sorted initialization"; 1 = the best member).
+    - `replacement`: whether a member may be picked again (Caruana et al.'s
+      default). Without replacement the result is `size` distinct members
+      (`size` at most the pool), as a hyper-deep ensemble of `size` members
+      needs when one member dominates the validation score.
 
     **Returns:**
 
@@ -80,6 +85,11 @@ def greedy_selection(
         raise ValueError(
             f"`start={start}` must be at most `size={size}` and the pool size {pool}"
         )
+    if not replacement and size > pool:
+        raise ValueError(
+            f"`size={size}` distinct members cannot be picked from a pool of {pool} "
+            "without replacement"
+        )
 
     def take(indices):
         return jax.tree.map(lambda x: jnp.asarray(x)[np.asarray(indices)], predictions)
@@ -87,11 +97,11 @@ def greedy_selection(
     alone = [_score_of(score, take([i]), what=f"member {i}") for i in range(pool)]
     chosen = list(np.argsort(alone, kind="stable")[:start])
     while len(chosen) < size:
+        candidates = [i for i in range(pool) if replacement or i not in chosen]
         trials = [
-            _score_of(score, take(chosen + [i]), what="a selection")
-            for i in range(pool)
+            _score_of(score, take(chosen + [i]), what="a selection") for i in candidates
         ]
-        chosen.append(int(np.argmin(trials)))
+        chosen.append(candidates[int(np.argmin(trials))])
     return jnp.asarray(chosen, jnp.int32)
 
 

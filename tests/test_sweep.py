@@ -53,8 +53,8 @@ def test_sampler_errors():
         ee.sweep.sample(jax.random.key(0), {"a": 1.0}, size=0)
 
 
-def caruana_by_hand(probs, labels, size):
-    """Greedy forward selection with replacement, NLL of the mean probabilities."""
+def caruana_by_hand(probs, labels, size, replacement=True):
+    """Greedy forward selection, NLL of the mean probabilities."""
 
     def nll(indices):
         mean = probs[indices].mean(0)
@@ -62,7 +62,9 @@ def caruana_by_hand(probs, labels, size):
 
     chosen = [int(np.argmin([nll([i]) for i in range(len(probs))]))]
     while len(chosen) < size:
-        chosen.append(int(np.argmin([nll(chosen + [i]) for i in range(len(probs))])))
+        candidates = [i for i in range(len(probs)) if replacement or i not in chosen]
+        trials = [nll(chosen + [i]) for i in candidates]
+        chosen.append(candidates[int(np.argmin(trials))])
     return chosen
 
 
@@ -80,6 +82,16 @@ def test_greedy_selection_is_caruanas_algorithm(seed):
         size=6,
     )
     assert picks.tolist() == caruana_by_hand(probs.astype(np.float32), labels, 6)
+    distinct = ee.greedy_selection(
+        jnp.asarray(probs, jnp.float32),
+        lambda p: ee.metrics.nll(p, jnp.asarray(labels)),
+        size=6,
+        replacement=False,
+    )
+    assert distinct.tolist() == caruana_by_hand(
+        probs.astype(np.float32), labels, 6, replacement=False
+    )
+    assert len(set(distinct.tolist())) == 6
 
 
 def test_greedy_soup_is_the_papers_loop(getkey):
