@@ -14,6 +14,7 @@ from . import (
     metrics as metrics,
     nn as nn,
     plot as plot,
+    schedules as schedules,
     sweep as sweep,
 )
 from ._adversarial import Adversarial as Adversarial, adversarial as adversarial
@@ -59,6 +60,11 @@ from ._sharding import (
 from ._stack import concatenate as concatenate, stack as stack, unstack as unstack
 from ._step import Step as Step, StepOutput as StepOutput, make_step as make_step
 from ._track import EMA as EMA, SWA as SWA, Tracker as Tracker
+from ._track_more import (
+    SWAG as SWAG,
+    Snapshots as Snapshots,
+    SWAGPosterior as SWAGPosterior,
+)
 from ._train_state import TrainState as TrainState
 
 __version__ = "0.1.0"
