@@ -28,6 +28,7 @@ from ._checkpoint_dir import (
 )
 from ._checkpoint_file import CheckpointError as CheckpointError
 from ._control import Controller as Controller
+from ._coupled import Coupled as Coupled, distillation_loss as distillation_loss
 from ._ensemble import Ensemble as Ensemble, ensemble as ensemble
 from ._evaluate import Evaluate as Evaluate
 from ._fit import fit as fit

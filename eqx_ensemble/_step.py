@@ -11,6 +11,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
+from ._coupled import Coupled, coupled_losses
 from ._data import check_leading
 from ._ensemble import Ensemble, check_key, check_shared_shapes, with_members
 from ._loss import call_loss, check_hyper, check_loss_signature, check_optimizer
@@ -213,6 +214,68 @@ def _coupled_update(
     )
 
 
+def _joint_update(
+    loss_fn: "Coupled",
+    optimizer: optax.GradientTransformation,
+    ens: Ensemble,
+    opt_state: Any,
+    batch: Any,
+    keys: Any,
+    state: Any,
+    frozen: Any,
+    hyper: Any,
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """One step with a loss over all members at once (`ee.Coupled`): the sum of
+    the members' losses is differentiated jointly; each member then takes its
+    own optimizer step, with its own divergence isolation."""
+    if state is not None:
+        raise ValueError(
+            "an `ee.Coupled` loss does not take a model state (`state=`); write the "
+            "coupled objective for a model without state"
+        )
+    member_axis = eqx.if_array(0)
+    train_shared = ens.train_shared
+
+    def total_loss(parts):
+        members, shared = parts
+        current = with_members(
+            ens if shared is None else eqx.tree_at(lambda e: e.shared, ens, shared),
+            members,
+        )
+        losses, total = coupled_losses(loss_fn, current, batch, keys, hyper, frozen)
+        return total, losses
+
+    shared = ens.shared if train_shared else None
+    (_, losses), (grads, shared_grads) = eqx.filter_value_and_grad(
+        total_loss, has_aux=True
+    )((ens.members, shared))
+    members_opt = opt_state.members if train_shared else opt_state
+    members, new_members_opt, _, diverged = eqx.filter_vmap(
+        functools.partial(apply_member, optimizer),
+        in_axes=(member_axis,) * 7,
+    )(ens.members, members_opt, grads, losses, None, None, frozen)
+    new_ens = with_members(ens, members)
+    new_opt = new_members_opt
+    if train_shared:
+        with jax.numpy_dtype_promotion("standard"):
+            updates, new_shared_opt = optimizer.update(
+                shared_grads, opt_state.shared, trainable(ens.shared)
+            )
+        new_shared = eqx.apply_updates(ens.shared, updates)
+        keep = (
+            _all_finite(shared_grads)
+            & _all_finite(trainable(new_shared))
+            & _all_finite(new_shared_opt)
+        )
+        new_shared = _select(keep, new_shared, ens.shared)
+        new_shared_opt = _select(keep, new_shared_opt, opt_state.shared)
+        new_ens = with_members(
+            eqx.tree_at(lambda e: e.shared, ens, new_shared), members
+        )
+        new_opt = SharedOptState(new_members_opt, new_shared_opt)
+    return new_ens, new_opt, losses, None, None, diverged
+
+
 def vmapped_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -231,6 +294,10 @@ def vmapped_update(
 
     def update(ens, opt_state, batch, keys, state, frozen, hyper):
         check_shared_shapes(ens)
+        if isinstance(loss_fn, Coupled):
+            return _joint_update(
+                loss_fn, optimizer, ens, opt_state, batch, keys, state, frozen, hyper
+            )
         if ens.train_shared:
             return _coupled_update(
                 loss_fn,
