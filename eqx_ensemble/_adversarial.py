@@ -19,7 +19,21 @@ class Adversarial(eqx.Module):
     """A loss trained with adversarial examples; made by
     [`ee.adversarial`][eqx_ensemble.adversarial] (see there). Called exactly as
     the loss it wraps: `(model, batch, key)` or `(model, state, batch, key)`,
-    with `hyper=` passed through."""
+    with `hyper=` passed through.
+
+    **Example:**
+
+    ```python
+    def loss(model, batch, key):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2)
+
+    wrapped = ee.adversarial(loss, epsilon=0.1)       # an ee.Adversarial
+    model = eqx.nn.MLP(2, 1, 8, 1, key=jax.random.key(0))
+    x = jnp.ones((4, 2))
+    wrapped(model, (x, jnp.zeros(4)), None)   # loss at x plus loss at x + 0.1 sign(g)
+    ```
+    """
 
     loss_fn: Callable[..., Any]
     epsilon: float

@@ -48,7 +48,20 @@ class SWAGPosterior(eqx.Module):
     - `count`: `(members,)` how many weights each member collected.
     - `rank`: the low-rank part's maximum rank.
 
-    **Example:** see [`ee.SWAG`][eqx_ensemble.SWAG].
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    posterior = ee.fit(ens, loss, optax.sgd(0.1), x, steps=30, batch_size=4,
+                       key=jax.random.key(1), progress=False,
+                       track=[ee.SWAG(start=10, rank=4)]).tracked[0]
+    posterior.count                       # [21, 21]: weights collected per member
+    swa = posterior.mean                  # the SWA means, an Ensemble
+    draws = posterior.sample(jax.random.key(2), samples=10)   # 20 members
+    ```
     """
 
     mean: Ensemble
