@@ -1,0 +1,90 @@
+"""Per-step cost of the in-loop trackers: `fit` with EMA, SWA, SWAG, Snapshots
+against `fit` without a tracker, timed round-robin in one process.
+
+Workload: 16 MLPs 64-256-256-10 (about 85k weights each), batch 128, Adam,
+shared batches. The trackers update every step (SWA/SWAG collect every step
+from the start, the worst case; SWAG with rank 10), so the ratios bound what
+they add to a run.
+
+    python benchmarks/bench_trackers.py [--quick] [--repeats N] [--json out.json]
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+
+def main() -> None:
+    args = _common.parser(__doc__.splitlines()[0]).parse_args()
+    import equinox as eqx
+    import jax
+    import optax
+
+    import eqx_ensemble as ee
+
+    info = _common.print_header("tracker overhead inside fit")
+    members, width, steps = (4, 64, 50) if args.quick else (16, 256, 200)
+    repeats = args.repeats or (3 if args.quick else 7)
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (1024, 64))
+    y = jax.random.randint(jax.random.key(1), (1024,), 0, 10)
+
+    def loss_fn(model, batch, key):
+        xs, ys = batch
+        logits = jax.vmap(model)(xs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ys).mean()
+
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(64, 10, width, 2, key=k), size=members, key=key
+    )
+    variants = {
+        "no tracker": [],
+        "EMA": [ee.EMA(0.99)],
+        "SWA (every step)": [ee.SWA(start=1)],
+        "SWAG (every step, rank 10)": [ee.SWAG(start=1, rank=10)],
+        "Snapshots (10 steps)": [
+            ee.Snapshots(at=tuple(range(steps // 10, steps + 1, steps // 10)))
+        ],
+    }
+
+    def runner(track):
+        def run():
+            result = ee.fit(
+                ens,
+                loss_fn,
+                optax.adam(1e-3),
+                (x, y),
+                steps=steps,
+                batch_size=128,
+                key=key,
+                track=track,
+                progress=False,
+            )
+            jax.block_until_ready(jax.tree.leaves(result.tracked))
+            jax.block_until_ready(jax.tree.leaves(result.ensemble))
+
+        return run
+
+    times = _common.interleaved(
+        {name: runner(track) for name, track in variants.items()}, repeats=repeats
+    )
+    base = _common.median(times["no tracker"])
+    print(f"\n{members} MLPs 64-{width}-{width}-10, batch 128, {steps} steps per fit")
+    results = {}
+    for name, ts in times.items():
+        per_step = _common.median(ts) / steps
+        ratio = _common.median(ts) / base
+        results[name] = {"ms_per_step": per_step * 1e3, "ratio": ratio}
+        print(f"   {name:30s} {per_step * 1e3:7.3f} ms/step   {ratio:5.2f}x")
+    _common.emit_summary(
+        "bench_trackers",
+        {"machine": info, "members": members, "results": results},
+        args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
