@@ -31,7 +31,7 @@ class Adversarial(eqx.Module):
     wrapped = ee.adversarial(loss, epsilon=0.1)       # an ee.Adversarial
     model = eqx.nn.MLP(2, 1, 8, 1, key=jax.random.key(0))
     x = jnp.ones((4, 2))
-    wrapped(model, (x, jnp.zeros(4)), None)   # loss at x plus loss at x + 0.1 sign(g)
+    wrapped(model, (x, jnp.zeros(4)), None)   # mean of the losses at x, x + 0.1 sign(g)
     ```
     """
 
@@ -90,13 +90,13 @@ class Adversarial(eqx.Module):
             clean = self.loss_fn(model, batch, key, **kwargs)
             adv = self.loss_fn(model, adversarial_batch, key, **kwargs)
             if isinstance(clean, tuple):
-                return (clean[0] + _loss_value(adv), *clean[1:])
-            return clean + _loss_value(adv)
+                return ((clean[0] + _loss_value(adv)) / 2, *clean[1:])
+            return (clean + _loss_value(adv)) / 2
         clean = self.loss_fn(model, state, batch, key, **kwargs)
         adv = self.loss_fn(model, clean[1], adversarial_batch, key, **kwargs)
         # The model state threads through both passes (as two forward passes of
         # a PyTorch training step would update BatchNorm's statistics twice).
-        return (clean[0] + adv[0], adv[1], *clean[2:])
+        return ((clean[0] + adv[0]) / 2, adv[1], *clean[2:])
 
 
 def adversarial(
@@ -107,9 +107,11 @@ def adversarial(
 ) -> Adversarial:
     """Wrap a loss with fast-gradient-sign adversarial examples, as in the deep
     ensembles paper (Lakshminarayanan, Pritzel & Blundell 2017): each member's
-    loss becomes `loss(x) + loss(x + epsilon * sign(grad_x loss(x)))`, with the
-    perturbation computed for THAT member (inside the member `vmap`, so members
-    stay independent).
+    loss becomes `(loss(x) + loss(x + epsilon * sign(grad_x loss(x)))) / 2`, with
+    the perturbation computed for THAT member (inside the member `vmap`, so
+    members stay independent). The paper sums the two terms; the average has the
+    same minimiser and makes `epsilon=0` exactly the plain loss (a factor of 2
+    that Adam-style optimizers ignore anyway).
 
     **Arguments:**
 

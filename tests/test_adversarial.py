@@ -27,7 +27,7 @@ def fgsm_by_hand(model, batch, epsilon):
     x, y = batch
     gx = jax.grad(lambda xs: loss_fn(model, (xs, y), None))(x)
     adv = x + epsilon * jnp.sign(gx)
-    return loss_fn(model, batch, None) + loss_fn(model, (adv, y), None)
+    return (loss_fn(model, batch, None) + loss_fn(model, (adv, y), None)) / 2
 
 
 def test_adversarial_loss_is_fgsm_per_member(setup):
@@ -37,9 +37,10 @@ def test_adversarial_loss_is_fgsm_per_member(setup):
         assert_tree_allclose(
             wrapped(ens[i], batch, None), fgsm_by_hand(ens[i], batch, 0.1)
         )
+    # epsilon = 0 is exactly the plain loss.
     assert_tree_allclose(
         ee.adversarial(loss_fn, epsilon=0.0)(ens[0], batch, None),
-        2 * loss_fn(ens[0], batch, None),
+        loss_fn(ens[0], batch, None),
     )
 
 
