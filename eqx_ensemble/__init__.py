@@ -19,6 +19,7 @@ from . import (
 )
 from ._adversarial import Adversarial as Adversarial, adversarial as adversarial
 from ._average import average as average, tree_weighted_sum as tree_weighted_sum
+from ._batch_stats import recompute_batch_stats as recompute_batch_stats
 from ._checkpoint import load as load, load_manifest as load_manifest, save as save
 from ._checkpoint_dir import (
     latest_checkpoint as latest_checkpoint,
