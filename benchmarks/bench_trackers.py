@@ -4,7 +4,7 @@ against `fit` without a tracker, timed round-robin in one process.
 Workload: 16 MLPs 64-256-256-10 (about 85k weights each), batch 128, Adam,
 shared batches. The trackers update every step (SWA/SWAG collect every step
 from the start, the worst case; SWAG with rank 10), so the ratios bound what
-they add to a run.
+they add to a run; SWAG collecting every 10th step is the usual use.
 
     python benchmarks/bench_trackers.py [--quick] [--repeats N] [--json out.json]
 """
@@ -45,6 +45,7 @@ def main() -> None:
         "EMA": [ee.EMA(0.99)],
         "SWA (every step)": [ee.SWA(start=1)],
         "SWAG (every step, rank 10)": [ee.SWAG(start=1, rank=10)],
+        "SWAG (every 10 steps, rank 10)": [ee.SWAG(start=10, every=10, rank=10)],
         "Snapshots (10 steps)": [
             ee.Snapshots(at=tuple(range(steps // 10, steps + 1, steps // 10)))
         ],

@@ -202,36 +202,43 @@ class SWAG(Tracker):
         }
 
     def update(self, state: PyTree[Any], members: PyTree[Any], done: Any) -> Any:
-        due = _due(done, self.start, self.every)
-        count = state["count"] + due.astype(jnp.int32)
         weights = trainable(members)
-        # Running means, only on the steps collected.
-        step = jnp.where(due, 1.0 / jnp.maximum(count, 1).astype(jnp.float32), 0.0)
 
-        def running(average, value):
-            w = step.reshape(step.shape + (1,) * (average.ndim - 1))
-            return (average + w.astype(average.dtype) * (value - average)).astype(
-                average.dtype
+        def collect(state):
+            count = state["count"] + 1
+            step = 1.0 / count.astype(jnp.float32)
+
+            def running(average, value):
+                w = step.reshape(step.shape + (1,) * (average.ndim - 1))
+                return (average + w.astype(average.dtype) * (value - average)).astype(
+                    average.dtype
+                )
+
+            mean = jax.tree.map(running, state["mean"], weights)
+            square = jax.tree.map(
+                running, state["square"], jax.tree.map(jnp.square, weights)
             )
+            slot = (count - 1) % self.rank  # (members,)
 
-        mean = jax.tree.map(running, state["mean"], weights)
-        square = jax.tree.map(
-            running, state["square"], jax.tree.map(jnp.square, weights)
+            def write(buffer, value, average):
+                # One row per member, written in place (not a pass over the
+                # whole `rank`-deep buffer).
+                return jax.vmap(
+                    lambda b, v, i: jax.lax.dynamic_update_index_in_dim(b, v, i, 0)
+                )(buffer, (value - average).astype(buffer.dtype), slot)
+
+            deviations = jax.tree.map(write, state["deviations"], weights, mean)
+            return {
+                "mean": mean,
+                "square": square,
+                "deviations": deviations,
+                "count": count,
+            }
+
+        # The step count is one scalar for all members: skip the work off-period.
+        return jax.lax.cond(
+            _due(done, self.start, self.every), collect, lambda s: s, state
         )
-        slot = (count - 1) % self.rank  # (members,)
-
-        def write(buffer, value, average):
-            row = (jnp.arange(self.rank)[None] == slot[:, None]) & due
-            row = row.reshape(row.shape + (1,) * (value.ndim - 1))
-            return jnp.where(row, (value - average)[:, None], buffer)
-
-        deviations = jax.tree.map(write, state["deviations"], weights, mean)
-        return {
-            "mean": mean,
-            "square": square,
-            "deviations": deviations,
-            "count": count,
-        }
 
     def result(self, state: PyTree[Any], ensemble: Ensemble) -> SWAGPosterior:
         mean = with_members(ensemble, eqx.combine(state["mean"], _rest(ensemble)))
