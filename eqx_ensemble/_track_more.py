@@ -203,42 +203,40 @@ class SWAG(Tracker):
 
     def update(self, state: PyTree[Any], members: PyTree[Any], done: Any) -> Any:
         weights = trainable(members)
+        due = _due(done, self.start, self.every)
+        count = state["count"] + due.astype(jnp.int32)
+        # Running means, only on the steps collected (a zero weight otherwise).
+        step = jnp.where(due, 1.0 / jnp.maximum(count, 1).astype(jnp.float32), 0.0)
 
-        def collect(state):
-            count = state["count"] + 1
-            step = 1.0 / count.astype(jnp.float32)
-
-            def running(average, value):
-                w = step.reshape(step.shape + (1,) * (average.ndim - 1))
-                return (average + w.astype(average.dtype) * (value - average)).astype(
-                    average.dtype
-                )
-
-            mean = jax.tree.map(running, state["mean"], weights)
-            square = jax.tree.map(
-                running, state["square"], jax.tree.map(jnp.square, weights)
+        def running(average, value):
+            w = step.reshape(step.shape + (1,) * (average.ndim - 1))
+            return (average + w.astype(average.dtype) * (value - average)).astype(
+                average.dtype
             )
-            slot = (count - 1) % self.rank  # (members,)
 
-            def write(buffer, value, average):
-                # One row per member, written in place (not a pass over the
-                # whole `rank`-deep buffer).
-                return jax.vmap(
-                    lambda b, v, i: jax.lax.dynamic_update_index_in_dim(b, v, i, 0)
-                )(buffer, (value - average).astype(buffer.dtype), slot)
-
-            deviations = jax.tree.map(write, state["deviations"], weights, mean)
-            return {
-                "mean": mean,
-                "square": square,
-                "deviations": deviations,
-                "count": count,
-            }
-
-        # The step count is one scalar for all members: skip the work off-period.
-        return jax.lax.cond(
-            _due(done, self.start, self.every), collect, lambda s: s, state
+        mean = jax.tree.map(running, state["mean"], weights)
+        square = jax.tree.map(
+            running, state["square"], jax.tree.map(jnp.square, weights)
         )
+        slot = jnp.maximum(count - 1, 0) % self.rank  # (members,)
+
+        def write(buffer, value, average):
+            # One row per member is read and written in place (no pass over the
+            # whole `rank`-deep buffer, no conditional copying the state).
+            def one(b, v, a, i):
+                old = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
+                new = jnp.where(due, (v - a).astype(b.dtype), old)
+                return jax.lax.dynamic_update_index_in_dim(b, new, i, 0)
+
+            return jax.vmap(one)(buffer, value, average, slot)
+
+        deviations = jax.tree.map(write, state["deviations"], weights, mean)
+        return {
+            "mean": mean,
+            "square": square,
+            "deviations": deviations,
+            "count": count,
+        }
 
     def result(self, state: PyTree[Any], ensemble: Ensemble) -> SWAGPosterior:
         mean = with_members(ensemble, eqx.combine(state["mean"], _rest(ensemble)))
