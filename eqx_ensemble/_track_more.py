@@ -218,17 +218,15 @@ class SWAG(Tracker):
         square = jax.tree.map(
             running, state["square"], jax.tree.map(jnp.square, weights)
         )
-        slot = jnp.maximum(count - 1, 0) % self.rank  # (members,)
+        # Every member collects on the same steps, so one slot serves them all.
+        slot = jnp.maximum(jnp.max(count) - 1, 0) % self.rank
 
         def write(buffer, value, average):
-            # One row per member is read and written in place (no pass over the
-            # whole `rank`-deep buffer, no conditional copying the state).
-            def one(b, v, a, i):
-                old = jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False)
-                new = jnp.where(due, (v - a).astype(b.dtype), old)
-                return jax.lax.dynamic_update_index_in_dim(b, new, i, 0)
-
-            return jax.vmap(one)(buffer, value, average, slot)
+            # One row (per member) read and written in place: no pass over the
+            # whole `rank`-deep buffer, no conditional copying the state.
+            old = jax.lax.dynamic_index_in_dim(buffer, slot, 1, keepdims=False)
+            new = jnp.where(due, (value - average).astype(buffer.dtype), old)
+            return jax.lax.dynamic_update_index_in_dim(buffer, new, slot, 1)
 
         deviations = jax.tree.map(write, state["deviations"], weights, mean)
         return {
