@@ -168,3 +168,27 @@ def emit_summary(name: str, results: dict[str, Any], path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2, default=float)
+
+
+def torch_device(torch: Any) -> str:
+    """Where torch runs: "cuda" when JAX runs on a GPU and torch sees one, else
+    "cpu", so that both libraries are compared on the same kind of device."""
+    import jax
+
+    if jax.default_backend() == "gpu" and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def torch_sync(torch: Any, device: str) -> None:
+    """Wait for torch's queued GPU work (timings of asynchronous kernels)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def jax_device_name() -> str:
+    """The device JAX computes on, in words (e.g. "gpu: NVIDIA H100 80GB HBM3")."""
+    import jax
+
+    device = jax.devices()[0]
+    return f"{jax.default_backend()}: {getattr(device, 'device_kind', device)}"

@@ -269,11 +269,17 @@ def main() -> None:
             if args.torch_threads is not None:
                 torch.set_num_threads(args.torch_threads)
             torch.manual_seed(0)
-            tx = torch.from_numpy(np.array(x_batch))
-            ty = torch.from_numpy(np.array(y_batch)).long()
-            ta = torch.randn(n, n)
+            device = _common.torch_device(torch)
+            tx = torch.from_numpy(np.array(x_batch)).to(device)
+            ty = torch.from_numpy(np.array(y_batch)).long().to(device)
+            ta = torch.randn(n, n, device=device)
+
+            def torch_mm():
+                torch.mm(ta, ta)
+                _common.torch_sync(torch, device)
+
             t_times = _common.time_calls(
-                lambda: torch.mm(ta, ta), repeats=5 if args.quick else 20, warmup=2
+                torch_mm, repeats=5 if args.quick else 20, warmup=2
             )
             matmul_gflops["torch"] = 2 * n**3 / _common.median(t_times) / 1e9
 
@@ -286,7 +292,7 @@ def main() -> None:
                 return torch.nn.Sequential(*layers)
 
             # torch.func: stacked parameters, vmap over members.
-            modules = [torch_model() for _ in range(members)]
+            modules = [torch_model().to(device) for _ in range(members)]
             params, buffers = stack_module_state(modules)
             base = copy.deepcopy(modules[0]).to("meta")
 
@@ -302,11 +308,12 @@ def main() -> None:
                     for name, param in params.items():
                         param.grad = grads[name]
                     t_opt.step()
+                _common.torch_sync(torch, device)
 
             variants["torch.func vmap + Adam"] = run_torch_func
 
             # A plain PyTorch loop over the members.
-            loop_modules = [torch_model() for _ in range(members)]
+            loop_modules = [torch_model().to(device) for _ in range(members)]
             loop_opt = torch.optim.Adam(
                 [q for m in loop_modules for q in m.parameters()], lr=lr
             )
@@ -317,6 +324,7 @@ def main() -> None:
                     for module in loop_modules:
                         F.cross_entropy(module(tx), ty).backward()
                     loop_opt.step()
+                _common.torch_sync(torch, device)
 
             variants["PyTorch loop over members"] = run_torch_loop
         except ImportError as error:

@@ -158,8 +158,9 @@ def main() -> None:
 
             torch.set_num_threads(args.torch_threads)
             torch.manual_seed(0)
-            tx_all = torch.from_numpy(x_np.copy())
-            ty_all = torch.from_numpy(y_np.copy())
+            device = _common.torch_device(torch)
+            tx_all = torch.from_numpy(x_np.copy()).to(device)
+            ty_all = torch.from_numpy(y_np.copy()).to(device)
 
             def torch_model():
                 return torch.nn.Sequential(
@@ -170,20 +171,21 @@ def main() -> None:
                     torch.nn.Linear(width, 1),
                 )
 
-            loop_modules = [torch_model() for _ in range(members)]
+            loop_modules = [torch_model().to(device) for _ in range(members)]
             loop_opts = [torch.optim.Adam(m.parameters(), lr=lr) for m in loop_modules]
 
             def run_torch_loop():
                 for _ in range(steps):
                     for module, opt in zip(loop_modules, loop_opts):
-                        idx = torch.randint(0, n_data, (batch,))
+                        idx = torch.randint(0, n_data, (batch,), device=device)
                         opt.zero_grad(set_to_none=True)
                         F.mse_loss(module(tx_all[idx]), ty_all[idx]).backward()
                         opt.step()
+                _common.torch_sync(torch, device)
 
             variants["PyTorch loop over members"] = run_torch_loop
 
-            modules = [torch_model() for _ in range(members)]
+            modules = [torch_model().to(device) for _ in range(members)]
             params, buffers = stack_module_state(modules)
             base = copy.deepcopy(modules[0]).to("meta")
 
@@ -195,11 +197,12 @@ def main() -> None:
 
             def run_torch_func():
                 for _ in range(steps):
-                    idx = torch.randint(0, n_data, (batch,))
+                    idx = torch.randint(0, n_data, (batch,), device=device)
                     grads, _ = t_grad(params, buffers, tx_all[idx], ty_all[idx])
                     for name, param in params.items():
                         param.grad = grads[name]
                     t_opt.step()
+                _common.torch_sync(torch, device)
 
             variants["torch.func vmap (1 step/call)"] = run_torch_func
         except ImportError as error:

@@ -141,7 +141,8 @@ def _families(jax, jnp, eqx):
 
 
 def _torch_func_step(name, members, x, y, lr):
-    """A torch.func step for the MLP or the CNN (None for other families)."""
+    """A torch.func step for the MLP or the CNN (None for other families), on the
+    GPU when JAX runs on one."""
     import numpy as np
     import torch
     from torch import nn
@@ -170,11 +171,12 @@ def _torch_func_step(name, members, x, y, lr):
             )
     else:
         return None
-    models = [make() for _ in range(members)]
+    device = _common.torch_device(torch)
+    models = [make().to(device) for _ in range(members)]
     params, buffers = stack_module_state(models)
     base = make().to("meta")
-    xt = torch.from_numpy(np.array(x))
-    yt = torch.from_numpy(np.array(y)).long()
+    xt = torch.from_numpy(np.array(x)).to(device)
+    yt = torch.from_numpy(np.array(y)).long().to(device)
 
     def loss(p, b, xb, yb):
         logits = functional_call(base, (p, b), (xb,))
@@ -189,7 +191,12 @@ def _torch_func_step(name, members, x, y, lr):
             value.grad = grads[name_]
         optimizer.step()
 
-    return step
+    def steps(count):
+        for _ in range(count):
+            step()
+        _common.torch_sync(torch, device)
+
+    return steps
 
 
 def main() -> None:
@@ -225,8 +232,11 @@ def main() -> None:
         )
         / 1e9
     )
-    print(f"   plain float32 matmul {n}x{n}: {matmul_gflops:.1f} GFLOP/s")
-    results = {"matmul_gflops": matmul_gflops}
+    print(
+        f"   plain float32 matmul {n}x{n} on {_common.jax_device_name()}: "
+        f"{matmul_gflops:.1f} GFLOP/s"
+    )
+    results = {"matmul_gflops": matmul_gflops, "device": _common.jax_device_name()}
     families = _families(jax, jnp, eqx)
     for name in args.families.split(","):
         make, loss_fn, stateful, x_all, y_all = families[name]
@@ -322,8 +332,7 @@ def main() -> None:
             if torch_step is not None:
 
                 def run_torch(torch_step=torch_step):
-                    for _ in range(steps):
-                        torch_step()
+                    torch_step(steps)
 
                 variants["torch.func"] = (run_torch, steps)
 

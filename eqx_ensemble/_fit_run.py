@@ -373,6 +373,7 @@ class Run:
             self.chunk,
             end=jnp.array(end, jnp.int32),
             batches=None if group is None else group[0],
+            full=end - self.done == self.chunk.length,
         )
         if chunk.unrolled:  # exactly the steps of this dispatch, no padding
             every = None if chunk.evaluate is None else chunk.evaluate.every

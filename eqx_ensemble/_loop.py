@@ -5,7 +5,10 @@ of streamed batches -> the step's batch (one per member, or one shared batch tha
 stays unbatched inside the member `vmap`) -> the member-vmapped
 `filter_value_and_grad` + optax update -> trackers -> evaluation -> the per-step
 losses and scores returned to the host. The chunk has a fixed length (one
-compilation per configuration); steps past `end` are skipped with `lax.cond`.
+compilation per configuration); steps past `end` are skipped with `lax.cond`,
+compiled only into a dispatch that has such steps (a chunk the host knows to be
+`full` runs its steps with no conditional: on a GPU each conditional waits for
+its predicate on the host).
 Sharding is pinned once where the state enters and leaves the loop and once per
 step on the carry; nothing inside the step names a mesh axis but the update.
 """
@@ -57,6 +60,8 @@ class Chunk(eqx.Module):
     # loop, no conditional) and evaluates, if `evaluate_last`, after its last step.
     unrolled: bool = False
     evaluate_last: bool = False
+    # Every one of the `length` steps runs (known on the host): no conditional.
+    full: bool = False
 
 
 def initial_state(
@@ -219,6 +224,8 @@ def run_chunk(
         return carry, (nan_row, nan_row)
 
     def body(carry, streamed_batch):
+        if chunk.full:
+            return active(carry, streamed_batch)
         return jax.lax.cond(
             carry.step < chunk.end, active, inactive, carry, streamed_batch
         )
