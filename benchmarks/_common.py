@@ -32,7 +32,21 @@ def parser(description: str) -> argparse.ArgumentParser:
         default=None,
         help="also write the results as JSON to this path",
     )
+    p.add_argument(
+        "--keep-scratch",
+        action="store_true",
+        help="call ee.keep_scratch_memory() first (glibc keeps freed scratch "
+        "memory; where a script supports it)",
+    )
     return p
+
+
+def keep_scratch(args: argparse.Namespace) -> None:
+    """Apply `ee.keep_scratch_memory()` when `--keep-scratch` was given."""
+    if getattr(args, "keep_scratch", False):
+        import eqx_ensemble as ee
+
+        print(f"   ee.keep_scratch_memory(): {ee.keep_scratch_memory()}")
 
 
 def load_average() -> tuple[float, float, float]:

@@ -97,6 +97,8 @@ def main() -> None:
 
     import eqx_ensemble as ee
 
+    _common.keep_scratch(args)
+
     flops = matmul_flops_per_step(members, batch, sizes)
     key = jax.random.key(0)
     kx, ky, kens = jax.random.split(key, 3)

@@ -220,6 +220,8 @@ def main() -> None:
 
     import eqx_ensemble as ee
 
+    _common.keep_scratch(args)
+
     optimizer = optax.adam(1e-3)
     n = 2048 if args.quick else 4096
     a = jax.random.normal(jax.random.key(1), (n, n))

@@ -1,12 +1,15 @@
 """Per-step cost of the in-loop trackers: `fit` with EMA, SWA, SWAG, Snapshots
 against `fit` without a tracker, timed round-robin in one process.
 
-Workload: 16 MLPs 64-256-256-10 (about 85k weights each), batch 128, Adam,
-shared batches. The trackers update every step (SWA/SWAG collect every step
-from the start, the worst case; SWAG with rank 10), so the ratios bound what
-they add to a run; SWAG collecting every 10th step is the usual use.
+Workload (`--workload compute`, the default): the compute-bound workload of
+DESIGN.md section 4, 64 MLPs 32-128-128-10 (about 22k weights each), batch 256,
+Adam, shared batches; `--workload wide`: 16 MLPs 64-256-256-10 (about 85k
+weights each), batch 128, which has half the arithmetic per weight and so shows
+a tracker's cost larger. The trackers update every step (SWA/SWAG collect every
+step from the start, the worst case; SWAG with rank 10), so the ratios bound
+what they add to a run; SWAG collecting every 10th step is the usual use.
 
-    python benchmarks/bench_trackers.py [--quick] [--repeats N] [--json out.json]
+    python benchmarks/bench_trackers.py [--quick] [--repeats N] [--workload W]
 """
 
 import os
@@ -18,7 +21,9 @@ import _common  # noqa: E402
 
 
 def main() -> None:
-    args = _common.parser(__doc__.splitlines()[0]).parse_args()
+    p = _common.parser(__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("compute", "wide"), default="compute")
+    args = p.parse_args()
     import equinox as eqx
     import jax
     import optax
@@ -26,11 +31,17 @@ def main() -> None:
     import eqx_ensemble as ee
 
     info = _common.print_header("tracker overhead inside fit")
-    members, width, steps = (4, 64, 50) if args.quick else (16, 256, 200)
+    members, inputs, width, batch = {
+        "compute": (64, 32, 128, 256),
+        "wide": (16, 64, 256, 128),
+    }[args.workload]
+    steps = 200
+    if args.quick:
+        members, width, steps = 4, 64, 50
     repeats = args.repeats or (3 if args.quick else 7)
     key = jax.random.key(0)
-    x = jax.random.normal(key, (1024, 64))
-    y = jax.random.randint(jax.random.key(1), (1024,), 0, 10)
+    x = jax.random.normal(key, (4096, inputs))
+    y = jax.random.randint(jax.random.key(1), (4096,), 0, 10)
 
     def loss_fn(model, batch, key):
         xs, ys = batch
@@ -38,7 +49,7 @@ def main() -> None:
         return optax.softmax_cross_entropy_with_integer_labels(logits, ys).mean()
 
     ens = ee.ensemble(
-        lambda k: eqx.nn.MLP(64, 10, width, 2, key=k), size=members, key=key
+        lambda k: eqx.nn.MLP(inputs, 10, width, 2, key=k), size=members, key=key
     )
     variants = {
         "no tracker": [],
@@ -59,7 +70,7 @@ def main() -> None:
                 optax.adam(1e-3),
                 (x, y),
                 steps=steps,
-                batch_size=128,
+                batch_size=batch,
                 key=key,
                 track=track,
                 progress=False,
@@ -73,7 +84,10 @@ def main() -> None:
         {name: runner(track) for name, track in variants.items()}, repeats=repeats
     )
     base = _common.median(times["no tracker"])
-    print(f"\n{members} MLPs 64-{width}-{width}-10, batch 128, {steps} steps per fit")
+    print(
+        f"\n{members} MLPs {inputs}-{width}-{width}-10, batch {batch}, "
+        f"{steps} steps per fit"
+    )
     results = {}
     for name, ts in times.items():
         per_step = _common.median(ts) / steps
@@ -82,7 +96,12 @@ def main() -> None:
         print(f"   {name:30s} {per_step * 1e3:7.3f} ms/step   {ratio:5.2f}x")
     _common.emit_summary(
         "bench_trackers",
-        {"machine": info, "members": members, "results": results},
+        {
+            "machine": info,
+            "workload": args.workload,
+            "members": members,
+            "results": results,
+        },
         args.json,
     )
 

@@ -18,6 +18,7 @@ from . import (
     sweep as sweep,
 )
 from ._adversarial import Adversarial as Adversarial, adversarial as adversarial
+from ._allocator import keep_scratch_memory as keep_scratch_memory
 from ._average import average as average, tree_weighted_sum as tree_weighted_sum
 from ._batch_stats import recompute_batch_stats as recompute_batch_stats
 from ._checkpoint import load as load, load_manifest as load_manifest, save as save

@@ -52,6 +52,7 @@ def fit(
     steps_per_dispatch: int | None = None,
     compiler_options: dict[str, Any] | None = None,
     unroll: bool | None = None,
+    layout: str | None = None,
 ) -> FitResult:
     """Train every member of an ensemble: the loop users call.
 
@@ -124,6 +125,13 @@ def fit(
       the results are the same either way, to floating-point rounding. On a
       mesh the library does not look: pass `unroll=True` for a convolutional
       model on CPU devices.
+    - `layout`: how each step computes the member axis, as in
+      [`make_step`][eqx_ensemble.make_step]: `"vmap"` (vectorised),
+      `"sequential"` (members one after another in the compiled step), or
+      `None` (`"auto"`: sequential on one CPU device for a convolving loss and
+      at most 16 members, where it is several times faster; vectorised
+      otherwise). Coupled losses and a trained shared part are always
+      vectorised. The results are the same either way, to rounding.
 
     **Returns:**
 
@@ -175,6 +183,7 @@ def fit(
         steps_per_dispatch=steps_per_dispatch,
         compiler_options=compiler_options,
         unroll=unroll,
+        layout=layout,
     )
     bar = _progress_bar(run.steps, run.done, progress)
     try:

@@ -22,6 +22,7 @@ from ._ensemble import Ensemble, check_key
 from ._evaluate import Evaluate, check_positive_int, eval_key
 from ._fit_checkpoints import Checkpoints
 from ._history import Recorder
+from ._layout import check_layout, choose_layout
 from ._loop import Chunk, chunk_runner, copy, initial_state
 from ._loss import check_hyper, check_loss_signature, check_optimizer
 from ._optim import (
@@ -116,6 +117,7 @@ def prepare(
     steps_per_dispatch: int | None,
     compiler_options: dict[str, Any] | None,
     unroll: bool | None = None,
+    layout: str | None = None,
 ) -> "Run":
     """Every check `fit` makes, in order, before any work; then the first state
     (or the resumed one) and the compiled loop's inputs."""
@@ -136,6 +138,7 @@ def prepare(
         check_hyper(hyper, size)
     check_data(data)
     user_options = check_compiler_options(compiler_options)
+    layout = check_layout(layout, mesh)
     streamed = not is_array_data(data)
     n = None
     if not streamed:
@@ -222,12 +225,20 @@ def prepare(
     )
     if unroll is None:
         unroll = profile.convolutions
+    member_layout = choose_layout(
+        layout, convolutions=profile.convolutions, size=size, mesh=mesh
+    )
     if steps_per_dispatch is None:
-        steps_per_dispatch = (
-            UNROLLED_STEPS_PER_DISPATCH
-            if unroll
-            else default_steps_per_dispatch(ens.members, batch_size, size, mesh)
-        )
+        if not unroll:
+            steps_per_dispatch = default_steps_per_dispatch(
+                ens.members, batch_size, size, mesh
+            )
+        elif member_layout == "sequential":
+            # Each step holds a copy of every member: bound the copies a
+            # dispatch compiles (5 members: 2 steps, ~10 s to compile on 2 cores).
+            steps_per_dispatch = max(1, UNROLLED_STEPS_PER_DISPATCH // size)
+        else:
+            steps_per_dispatch = UNROLLED_STEPS_PER_DISPATCH
     length = min(steps_per_dispatch, steps)
 
     data_key, bootstrap_key, train_key = jax.random.split(key, 3)
@@ -251,6 +262,7 @@ def prepare(
         length=length,
         mesh=mesh,
         unrolled=unroll,
+        layout=member_layout,
     )
     options = step_compiler_options(
         user_options, ens.members, batch_size, size, mesh, profile.batched_dots

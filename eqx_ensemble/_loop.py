@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from ._ensemble import Ensemble
 from ._evaluate import Evaluate, eval_member_keys
+from ._layout import Layout
 from ._sampling import Sampling
 from ._sharding import DATA, MEMBERS, constrain, gather_batch, place_state, replicate
 from ._step import vmapped_update
@@ -62,6 +63,7 @@ class Chunk(eqx.Module):
     evaluate_last: bool = False
     # Every one of the `length` steps runs (known on the host): no conditional.
     full: bool = False
+    layout: Layout = "vmap"  # the members vectorised, or one after another
 
 
 def initial_state(
@@ -118,7 +120,11 @@ def _train_step(
     step count says so, decided in compiled code; `True`/`False`: decided here)
     and best members."""
     update = vmapped_update(
-        chunk.loss_fn, chunk.optimizer, chunk.sampling.per_member, chunk.mesh
+        chunk.loss_fn,
+        chunk.optimizer,
+        chunk.sampling.per_member,
+        chunk.mesh,
+        chunk.layout,
     )
     step = ts.step
     member_keys = jax.random.split(

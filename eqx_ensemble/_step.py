@@ -14,6 +14,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 from ._coupled import Coupled, coupled_losses
 from ._data import check_leading
 from ._ensemble import Ensemble, check_key, check_shared_shapes, with_members
+from ._layout import Layout, check_layout, choose_layout, member_map
 from ._loss import call_loss, check_hyper, check_loss_signature, check_optimizer
 from ._map import _check_per_member_args
 from ._optim import SharedOptState, check_opt_state, trainable
@@ -281,11 +282,13 @@ def vmapped_update(
     optimizer: optax.GradientTransformation,
     per_member_batch: bool,
     mesh: Mesh | None = None,
+    layout: Layout = "vmap",
 ) -> Callable[..., Any]:
     """`(ens, opt_state, batch, keys, state, frozen, hyper) -> (ens, opt_state,
     losses, aux, state, diverged)`: `member_update` under `eqx.filter_vmap` over
     the member axis (on `mesh`: members split over its `"members"` axis, the
-    batch over `"data"`). A frozen shared part is closed over (one copy for every
+    batch over `"data"`), or member by member with `layout="sequential"` (see
+    `_layout`). A frozen shared part is closed over (one copy for every
     member); a trained one goes through `_coupled_update`."""
     # A shared batch is not mapped: it stays one array inside the member `vmap`,
     # so the member axis folds into the weights (one wide matmul per layer).
@@ -326,9 +329,9 @@ def vmapped_update(
                 ens.shared,
             )
 
-        members, *rest = eqx.filter_vmap(
+        members, *rest = member_map(
             one,
-            in_axes=(
+            (
                 member_axis,
                 member_axis,
                 batch_axes,
@@ -337,6 +340,8 @@ def vmapped_update(
                 member_axis,
                 member_axis,
             ),
+            layout,
+            len(ens),
         )(ens.members, opt_state, batch, keys, state, frozen, hyper)
         return (with_members(ens, members), *rest)
 
@@ -381,6 +386,7 @@ class Step(eqx.Module):
     per_member_batch: bool = False
     mesh: Mesh | None = None
     compiler_options: Options | None = None
+    layout: str = "auto"
 
     def __call__(
         self,
@@ -392,8 +398,11 @@ class Step(eqx.Module):
         *,
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
+        inputs = (ens, batch, state, hyper)
         with mesh_context(self.mesh):
-            compiled = _compiled_step(self, self._options(ens, batch, state, hyper))
+            compiled = _compiled_step(
+                self, self._options(*inputs), self._layout(*inputs)
+            )
             return compiled(ens, opt_state, batch, key, state, hyper)
 
     def lower(
@@ -407,9 +416,10 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
+        inputs = (ens, batch, state, hyper)
         with mesh_context(self.mesh):
             compiled: Any = _compiled_step(
-                self, self._options(ens, batch, state, hyper)
+                self, self._options(*inputs), self._layout(*inputs)
             )
             if isinstance(compiled, functools.partial):  # a step holding arrays
                 generic: Any = compiled.func
@@ -436,6 +446,20 @@ class Step(eqx.Module):
             return ()
         return options
 
+    def _layout(
+        self, ens: Any, batch: Any, state: Any = None, hyper: Any = None
+    ) -> Layout:
+        # The member layout (see `_layout`): read from the loss's profile only
+        # where the rule could pick "sequential" (one CPU device).
+        if self.layout != "auto" or not isinstance(ens, Ensemble):
+            return "sequential" if self.layout == "sequential" else "vmap"
+        if self.mesh is not None or jax.default_backend() != "cpu":
+            return "vmap"
+        profile = _profile_of(self, (ens, batch, state, hyper))
+        return choose_layout(
+            "auto", convolutions=profile.convolutions, size=len(ens), mesh=None
+        )
+
 
 def _profile_of(step: "Step", inputs: Any) -> Any:
     from ._profile import first_member, profile_step
@@ -453,6 +477,7 @@ def _profile_of(step: "Step", inputs: Any) -> Any:
 
 def _step_impl(
     step: Step,
+    layout: Layout,
     ens: Ensemble,
     opt_state: PyTree[Any],
     batch: PyTree[Any],
@@ -477,7 +502,7 @@ def _step_impl(
     member_keys = jax.random.split(key, size)
     frozen = jnp.zeros((size,), dtype=bool)
     update = vmapped_update(
-        step.loss_fn, step.optimizer, step.per_member_batch, step.mesh
+        step.loss_fn, step.optimizer, step.per_member_batch, step.mesh, layout
     )
     new_ens, new_opt_state, losses, aux, new_state, _ = update(
         ens, opt_state, batch, member_keys, state, frozen, hyper
@@ -486,7 +511,9 @@ def _step_impl(
     return StepOutput(new_ens, new_opt_state, losses, aux, new_state)
 
 
-def _compiled_step(step: Step, options: Options) -> Callable[..., StepOutput]:
+def _compiled_step(
+    step: Step, options: Options, layout: Layout
+) -> Callable[..., StepOutput]:
     """The compiled step: one `filter_jit` wrapper per step (equal steps are one)
     and set of XLA options, each with its own cache, taking the arguments of a
     step call. A step holding arrays (a `loss_fn` that is a Module with weights)
@@ -494,19 +521,24 @@ def _compiled_step(step: Step, options: Options) -> Callable[..., StepOutput]:
     try:
         hash(step)
     except TypeError:
-        generic = _compiled_generic(options)
+        generic = _compiled_generic(options, layout)
         return functools.partial(generic, step)
-    return _compiled_for(step, options)
+    return _compiled_for(step, options, layout)
 
 
 @functools.cache
-def _compiled_for(step: Step, options: Options) -> Callable[..., StepOutput]:
-    return filter_jit(functools.partial(_step_impl, step), options)
+def _compiled_for(
+    step: Step, options: Options, layout: Layout
+) -> Callable[..., StepOutput]:
+    return filter_jit(functools.partial(_step_impl, step, layout), options)
 
 
 @functools.cache
-def _compiled_generic(options: Options) -> Callable[..., StepOutput]:
-    return filter_jit(_step_impl, options)
+def _compiled_generic(options: Options, layout: Layout) -> Callable[..., StepOutput]:
+    def generic(step: Step, *args: Any) -> StepOutput:
+        return _step_impl(step, layout, *args)
+
+    return filter_jit(generic, options)
 
 
 def make_step(
@@ -516,6 +548,7 @@ def make_step(
     per_member_batch: bool = False,
     mesh: Mesh | None = None,
     compiler_options: dict[str, Any] | None = None,
+    layout: str | None = None,
 ) -> Step:
     """A compiled training step that updates every member at once.
 
@@ -542,6 +575,14 @@ def make_step(
     - `compiler_options`: XLA options for the compiled step, as in
       [`fit`][eqx_ensemble.fit] (`None`: the library's choice, which on a
       multi-core CPU runs big steps' batched matmuls on every core).
+    - `layout`: how the member axis is computed. `"vmap"`: one vectorised
+      computation; `"sequential"`: the members one after another inside the
+      same compiled step (straight-line code; compile time grows with the
+      member count). `None` (`"auto"`): `"sequential"` on one CPU device for a
+      loss that convolves and at most 16 members (XLA's CPU backend runs a
+      member-batched convolution as a grouped convolution, several times
+      slower than the members' own convolutions), else `"vmap"`. The results
+      are the same either way, to floating-point rounding.
 
     **Returns:**
 
@@ -592,4 +633,5 @@ def make_step(
         per_member_batch=per_member_batch,
         mesh=mesh,
         compiler_options=check_compiler_options(compiler_options),
+        layout=check_layout(layout, mesh),
     )

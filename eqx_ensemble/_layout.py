@@ -1,0 +1,103 @@
+"""How the member axis is laid out in a training step: vectorised or sequential.
+
+`"vmap"` (the default everywhere) runs every member in one vectorised
+computation: a member-batched matmul or convolution per layer. On XLA's CPU
+backend a member-batched convolution becomes a grouped convolution
+(`feature_group_count = members`), which runs several times slower than the
+members' plain convolutions one after another (a 5-member CNN on 8x8 images,
+value and gradient: 88 ms vectorised, 44 ms as an im2col matmul, 11 ms one
+member after another; `benchmarks/bench_families.py`). `"sequential"` runs the
+members one after another inside the same compiled step (straight-line code:
+no loop, whose convolutions XLA's CPU backend lays out slowly either). Each
+member then computes exactly what it computes alone; the results equal the
+vectorised step's to floating-point rounding.
+
+The cost of `"sequential"` is the one thing `"vmap"` never has: the compiled
+step holds one copy of the member's computation per member, so trace and
+compile time grow with the ensemble. The automatic rule therefore picks it only
+on a CPU, without a mesh, for a loss that convolves, and for at most
+`SEQUENTIAL_MAX_MEMBERS` members.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+Layout = Literal["vmap", "sequential"]
+
+# Past this many members the compile time of straight-line members outweighs
+# their speed (and the design's promise of size-independent compile time holds).
+SEQUENTIAL_MAX_MEMBERS = 16
+
+_CHOICES = ("auto", "vmap", "sequential")
+
+
+def check_layout(layout: Any, mesh: Mesh | None) -> str:
+    """`layout` as given (`None` means `"auto"`), refused with the choices when
+    it is not one of them, and `"sequential"` refused on a mesh."""
+    if layout is None:
+        return "auto"
+    if not isinstance(layout, str) or layout not in _CHOICES:
+        raise ValueError(
+            f"`layout` must be one of {_CHOICES} (or None for 'auto'), got {layout!r}"
+        )
+    if layout == "sequential" and mesh is not None:
+        raise ValueError(
+            "`layout='sequential'` runs the members one after another on one "
+            "device; on a mesh the members are split over devices and run "
+            "vectorised: leave `layout` out (or pass 'vmap')"
+        )
+    return layout
+
+
+def choose_layout(
+    layout: str, *, convolutions: bool, size: int, mesh: Mesh | None
+) -> Layout:
+    """The layout a step runs with: the user's choice, else `"sequential"` for a
+    convolving loss on one CPU device with at most `SEQUENTIAL_MAX_MEMBERS`
+    members, else `"vmap"`."""
+    if layout == "vmap" or layout == "sequential":
+        return layout
+    if (
+        convolutions
+        and mesh is None
+        and jax.default_backend() == "cpu"
+        and size <= SEQUENTIAL_MAX_MEMBERS
+    ):
+        return "sequential"
+    return "vmap"
+
+
+def member_map(
+    fn: Callable[..., Any], in_axes: tuple[Any, ...], layout: Layout, size: int
+) -> Callable[..., Any]:
+    """`eqx.filter_vmap(fn, in_axes=in_axes)` (each entry `eqx.if_array(0)` or
+    `None`), or the same mapping run member by member and stacked."""
+    if layout == "vmap":
+        return eqx.filter_vmap(fn, in_axes=in_axes)
+
+    def sequential(*args: Any) -> Any:
+        outputs = []
+        for i in range(size):
+            member_args = [
+                arg if axis is None else _slice(arg, i)
+                for arg, axis in zip(args, in_axes, strict=True)
+            ]
+            outputs.append(fn(*member_args))
+        return jax.tree.map(_stack, *outputs)
+
+    return sequential
+
+
+def _slice(tree: Any, i: int) -> Any:
+    return jax.tree.map(lambda x: x[i] if eqx.is_array(x) else x, tree)
+
+
+def _stack(*leaves: Any) -> Any:
+    if eqx.is_array(leaves[0]):
+        return jnp.stack(leaves)
+    return leaves[0]
