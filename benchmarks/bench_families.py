@@ -201,11 +201,20 @@ def _torch_func_step(name, members, x, y, lr):
 
 def main() -> None:
     p = _common.parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--passive-torch",
+        action="store_true",
+        help="OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep instead of "
+        "spinning after each torch call (which takes a core from the JAX variant "
+        "timed next), at a cost to torch's own speed",
+    )
     p.add_argument("--families", default="mlp,cnn,cnn_bn,transformer,gru")
     p.add_argument("--members", type=int, default=None)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--no-torch", action="store_true")
     args = p.parse_args()
+    if args.passive_torch:  # before torch loads its OpenMP runtime
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     steps = 10 if args.quick else 50
     repeats = args.repeats or (2 if args.quick else 3)
     _common.print_header(

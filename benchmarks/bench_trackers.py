@@ -62,12 +62,16 @@ def main() -> None:
         ],
     }
 
+    # One optimizer object for every call: `fit` compiles once per optimizer
+    # (a new `optax.adam(...)` per call would time a compilation every call).
+    optimizer = optax.adam(1e-3)
+
     def runner(track):
         def run():
             result = ee.fit(
                 ens,
                 loss_fn,
-                optax.adam(1e-3),
+                optimizer,
                 (x, y),
                 steps=steps,
                 batch_size=batch,

@@ -4,8 +4,8 @@ XLA's CPU runtime allocates each call's temporary buffers with `malloc` and
 frees them when the call returns. glibc serves blocks this large with fresh
 pages (`mmap`, or the top of the heap) and hands them back to the system at
 `free` (`munmap`, or trimming the heap), so every call of a compiled step page
-faults its scratch memory in again: on 64 MLPs 32-128-128-10 at batch 256 a
-`make_step` call spends about a quarter of its time there. Keeping the freed
+faults its scratch memory in again (on one 2-core machine, a quarter of a
+`make_step` call's time on 64 MLPs 32-128-128-10 at batch 256). Keeping the freed
 memory in the process removes that cost. The setting is process-wide and
 changes how every library in the process allocates, so the library never makes
 it by itself: this function is the documented way to opt in.
@@ -51,13 +51,16 @@ def keep_scratch_memory() -> dict[str, int] | None:
     equivalent of starting Python with
     `MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2147483647`.
 
-    What it buys (2-core CPU, `benchmarks/bench_compute.py --keep-scratch`):
-    loops that call a compiled step once per step (`make_step`, a hand-written
-    `filter_jit` step, `torch.func`) are 1.1 to 1.4x faster; `fit`, which runs
-    its steps inside one compiled loop per dispatch, hardly changes. The price
-    is memory: the process keeps its peak heap (what it freed stays reserved).
-    On a GPU the scratch memory is the device's and this changes nothing that
-    matters.
+    What it buys depends on the machine (`benchmarks/bench_compute.py
+    --keep-scratch`, 64 MLPs 32-128-128-10, batch 256): on a 2-core AMD EPYC
+    the same setting (as environment variables) made `make_step` called once
+    per step 1.34x faster (44.5 -> 33.2 ms) and a hand-written step 1.44x; on a
+    2-core Intel Xeon it made no measurable difference (36.5 vs 40.6 ms, within
+    the run's spread). `fit`, which runs its steps inside one compiled loop per
+    dispatch, hardly changes on either. The price is memory: the process keeps
+    its peak heap (what it freed stays reserved). On a GPU the scratch memory
+    is the device's and this changes nothing that matters. Measure on your
+    machine before relying on it.
 
     Call it once, early (before the first compiled call is best, any time
     works). Calling it again does nothing.

@@ -203,38 +203,43 @@ class SWAG(Tracker):
 
     def update(self, state: PyTree[Any], members: PyTree[Any], done: Any) -> Any:
         weights = trainable(members)
-        due = _due(done, self.start, self.every)
-        count = state["count"] + due.astype(jnp.int32)
-        # Running means, only on the steps collected (a zero weight otherwise).
-        step = jnp.where(due, 1.0 / jnp.maximum(count, 1).astype(jnp.float32), 0.0)
 
-        def running(average, value):
-            w = step.reshape(step.shape + (1,) * (average.ndim - 1))
-            return (average + w.astype(average.dtype) * (value - average)).astype(
-                average.dtype
+        def collect(state):
+            count = state["count"] + 1
+            step = 1.0 / count.astype(jnp.float32)
+
+            def running(average, value):
+                w = step.reshape(step.shape + (1,) * (average.ndim - 1))
+                return (average + w.astype(average.dtype) * (value - average)).astype(
+                    average.dtype
+                )
+
+            mean = jax.tree.map(running, state["mean"], weights)
+            square = jax.tree.map(
+                running, state["square"], jax.tree.map(jnp.square, weights)
             )
+            # Every member collects on the same steps: one slot (a scalar) for
+            # all, so each buffer gets one row written in place.
+            slot = (jnp.max(count) - 1) % self.rank
 
-        mean = jax.tree.map(running, state["mean"], weights)
-        square = jax.tree.map(
-            running, state["square"], jax.tree.map(jnp.square, weights)
+            def write(buffer, value, average):
+                return jax.lax.dynamic_update_index_in_dim(
+                    buffer, (value - average).astype(buffer.dtype), slot, 1
+                )
+
+            deviations = jax.tree.map(write, state["deviations"], weights, mean)
+            return {
+                "mean": mean,
+                "square": square,
+                "deviations": deviations,
+                "count": count,
+            }
+
+        # The step count is one scalar for all members: off-period steps skip
+        # the work (the identity branch leaves the buffers where they are).
+        return jax.lax.cond(
+            _due(done, self.start, self.every), collect, lambda s: s, state
         )
-        # Every member collects on the same steps, so one slot serves them all.
-        slot = jnp.maximum(jnp.max(count) - 1, 0) % self.rank
-
-        def write(buffer, value, average):
-            # One row (per member) read and written in place: no pass over the
-            # whole `rank`-deep buffer, no conditional copying the state.
-            old = jax.lax.dynamic_index_in_dim(buffer, slot, 1, keepdims=False)
-            new = jnp.where(due, (value - average).astype(buffer.dtype), old)
-            return jax.lax.dynamic_update_index_in_dim(buffer, new, slot, 1)
-
-        deviations = jax.tree.map(write, state["deviations"], weights, mean)
-        return {
-            "mean": mean,
-            "square": square,
-            "deviations": deviations,
-            "count": count,
-        }
 
     def result(self, state: PyTree[Any], ensemble: Ensemble) -> SWAGPosterior:
         mean = with_members(ensemble, eqx.combine(state["mean"], _rest(ensemble)))
