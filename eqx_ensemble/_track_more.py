@@ -313,12 +313,21 @@ class Snapshots(Tracker):
 
     def update(self, state: PyTree[Any], members: PyTree[Any], done: Any) -> Any:
         hits = jnp.asarray(self.at, jnp.int32) == done  # (len(at),)
+        weights = trainable(members)
 
-        def write(buffer, value):
-            row = hits.reshape((1, -1) + (1,) * (value.ndim - 1))
-            return jnp.where(row, value[:, None], buffer)
+        def take(state):
+            # One row per member written in place (not a pass over the buffer).
+            slot = jnp.argmax(hits)
+            return jax.tree.map(
+                lambda buffer, value: jax.lax.dynamic_update_index_in_dim(
+                    buffer, value.astype(buffer.dtype), slot, 1
+                ),
+                state,
+                weights,
+            )
 
-        return jax.tree.map(write, state, trainable(members))
+        # The step count is one scalar for all members: other steps skip the work.
+        return jax.lax.cond(jnp.any(hits), take, lambda s: s, state)
 
     def result(self, state: PyTree[Any], ensemble: Ensemble) -> Ensemble:
         count = len(self.at)
