@@ -121,8 +121,10 @@ def fit(
     - `unroll`: run each dispatch's steps as straight-line code instead of a
       `lax.scan` loop. `None` (the default): unrolled on a CPU when the loss
       uses convolutions (XLA's CPU backend runs a convolution inside a loop in
-      a slow layout: 17x slower on a small CNN), with 10 steps per dispatch;
-      the results are the same either way, to floating-point rounding. On a
+      a slow layout: 17x slower on a small CNN), with 10 steps per dispatch
+      (`max(1, 10 // members)` with the sequential `layout`, whose steps hold
+      a copy of every member); the results are the same either way, to
+      floating-point rounding. On a
       mesh the library does not look: pass `unroll=True` for a convolutional
       model on CPU devices.
     - `layout`: how each step computes the member axis, as in
