@@ -53,38 +53,30 @@ def _run(name: str, extra: list[str], json_dir: str) -> dict | None:
         return json.load(f)
 
 
+def _block(label: str, ms_per_step: dict[str, float], ratios: dict) -> list[str]:
+    """One workload's rows: each variant's time, then each ratio."""
+    lines = [f"| {label} | {name} | {ms:.4g} | |" for name, ms in ms_per_step.items()]
+    lines += [f"| {label} | | | {name}: {r:.2f}x |" for name, r in ratios.items()]
+    return lines
+
+
 def _table(results: dict[str, dict | None]) -> str:
     lines = ["| workload | variant | ms/step | ratio |", "| --- | --- | ---: | --- |"]
-    compute = results.get("compute")
-    if compute:
-        for variant, row in compute["rows"].items():
-            lines.append(f"| compute-bound | {variant} | {row['step_ms']:.3f} | |")
-        for name, ratio in compute["ratios"].items():
-            lines.append(f"| compute-bound | | | {name}: {ratio:.2f}x |")
-    dispatch = results.get("dispatch")
-    if dispatch:
-        for variant, row in dispatch.get("rows", {}).items():
-            us = row.get("us_per_step", row.get("step_us"))
-            if us is not None:
-                lines.append(f"| dispatch-bound | {variant} | {us / 1e3:.4f} | |")
-        for name, ratio in dispatch.get("ratios", {}).items():
-            lines.append(f"| dispatch-bound | | | {name}: {ratio:.2f}x |")
-    families = results.get("families")
-    if families:
-        for family, row in families.items():
-            if not isinstance(row, dict) or "ms_per_step" not in row:
-                continue
-            for variant, ms in row["ms_per_step"].items():
-                lines.append(f"| {family} | {variant} | {ms:.3f} | |")
-            for name, ratio in row["ratios"].items():
-                lines.append(f"| {family} | | | {name}: {ratio:.2f}x |")
-    trackers = results.get("trackers")
-    if trackers:
-        for variant, row in trackers["results"].items():
-            lines.append(
-                f"| trackers | {variant} | {row['ms_per_step']:.3f} | "
-                f"{row['ratio']:.2f}x of no tracker |"
-            )
+    if compute := results.get("compute"):
+        times = {k: row["step_ms"] for k, row in compute["rows"].items()}
+        lines += _block("compute-bound", times, compute["ratios"])
+    if dispatch := results.get("dispatch"):
+        times = {k: row["us_per_step"] / 1e3 for k, row in dispatch["rows"].items()}
+        lines += _block("dispatch-bound", times, dispatch["ratios"])
+    for family, row in (results.get("families") or {}).items():
+        if isinstance(row, dict) and "ms_per_step" in row:
+            lines += _block(family, row["ms_per_step"], row["ratios"])
+    if trackers := results.get("trackers"):
+        times = {k: row["ms_per_step"] for k, row in trackers["results"].items()}
+        ratios = {
+            f"{k} vs no tracker": row["ratio"] for k, row in trackers["results"].items()
+        }
+        lines += _block("trackers", times, ratios)
     return "\n".join(lines)
 
 

@@ -25,6 +25,8 @@ SCRIPTS = {
     "chunked": "bench_chunked.py",
     "xla_options": "bench_xla_options.py",
     "families": "bench_families.py",
+    "loop": "bench_loop.py",
+    "trackers": "bench_trackers.py",
 }
 if os.path.exists(os.path.join(HERE, "bench_sharding.py")):
     SCRIPTS["sharding"] = "bench_sharding.py"  # owned by the sharding work
