@@ -9,8 +9,8 @@ tables come from the scripts themselves).
 
 What differs from a CPU run: the library's CPU-only choices are not made on a
 GPU (the YNNPACK/Eigen compiler options of `_xla.py`, the unrolled dispatches
-for convolutions of `_profile.py`, the convolution layout rewrite of
-`_conv_layout.py`); the virtual-CPU-device mesh row of `bench_compute.py` is
+for convolutions of `_profile.py`, the sequential member layout of
+`_layout.py`); the virtual-CPU-device mesh row of `bench_compute.py` is
 skipped (`--cpu-devices 1`); torch runs on the same GPU.
 
     python benchmarks/bench_gpu.py [--quick] [--repeats N] [--json-dir DIR]
