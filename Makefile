@@ -26,11 +26,11 @@ demo: $(VENV)/.installed
 	$(PY) -m eqx_ensemble demo
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0
 	$(BIN)/mkdocs build --strict -q
 
 test-all: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -n 2 --dist loadfile -m ""
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 -m ""
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

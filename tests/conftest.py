@@ -8,6 +8,7 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc  # noqa: E402
 import itertools  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -17,6 +18,32 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Every program XLA compiles for the CPU keeps its machine code in memory maps of
+# its own (a few hundred per test here), held until JAX's caches drop the
+# executable. A worker that runs ~570 tests reaches the kernel's limit on maps
+# per process (`vm.max_map_count`, 65530 by default); the next compilation's
+# mmap fails and XLA crashes with a segmentation fault (it did, in CI, at 99%).
+# So: when a worker holds more than MAX_MAPS maps after a test, drop JAX's caches.
+MAX_MAPS = 20_000
+_MAPS = f"/proc/{os.getpid()}/maps"
+
+
+def _map_count() -> int | None:
+    try:
+        with open(_MAPS, "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+    yield
+    count = _map_count()
+    if count is not None and count > MAX_MAPS:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ heap and stays there after `free` (glibc's own `mallinfo2` counters).
 """
 
 import platform
+import os
 import subprocess
 import sys
 import textwrap
@@ -40,8 +41,11 @@ PROBE = textwrap.dedent(
 
 
 def _probe(mode):
+    # glibc's own environment variables would make the "before" the same as after.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
         [sys.executable, "-c", PROBE, mode],
+        env=env,
         capture_output=True,
         text=True,
         check=True,
