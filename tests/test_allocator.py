@@ -5,8 +5,8 @@ block is `mmap`ped and handed back at `free`; with it the block comes from the
 heap and stays there after `free` (glibc's own `mallinfo2` counters).
 """
 
-import platform
 import os
+import platform
 import subprocess
 import sys
 import textwrap
