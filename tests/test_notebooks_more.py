@@ -6,10 +6,20 @@ from pathlib import Path
 import pytest
 from test_notebooks import NOTEBOOKS, SECOND_FILE, run_notebook
 
+# The two longest notebooks (about 75 and 55 s on 2 cores) run with `-m slow`
+# (`make test-all`) only: their guides, docs/guides/shared-parts.md and
+# docs/guides/sweeps.md, run the same API in the default run, and the default run
+# still checks that every committed notebook carries its outputs.
+SLOW = {"shared_parts.ipynb", "sweeps.ipynb"}
+
 
 @pytest.mark.parametrize(
     "path",
-    [path for path in NOTEBOOKS if path.name in SECOND_FILE],
+    [
+        pytest.param(path, marks=[pytest.mark.slow] if path.name in SLOW else [])
+        for path in NOTEBOOKS
+        if path.name in SECOND_FILE
+    ],
     ids=lambda path: path.name,
 )
 def test_notebook_runs(path: Path, tmp_path: Path):
