@@ -282,6 +282,18 @@ def prepare(
     )
 
 
+def _skips_conditional(chunk: Chunk) -> bool:
+    """Whether a dispatch known to be full may run a program compiled without the
+    per-step conditional. Not on a CPU: there the conditional costs nothing
+    measurable, and one program for full and partial dispatches keeps a resumed
+    run bitwise equal to an uninterrupted one (two programs may round one step
+    differently, by an ulp). On a GPU a conditional waits for its predicate on the
+    host (+20% of a small step on an H100)."""
+    if chunk.mesh is not None:
+        return chunk.mesh.devices.flat[0].platform != "cpu"
+    return jax.default_backend() != "cpu"
+
+
 # Unrolled dispatches compile every step they hold: keep them short.
 UNROLLED_STEPS_PER_DISPATCH = 10
 
@@ -385,7 +397,8 @@ class Run:
             self.chunk,
             end=jnp.array(end, jnp.int32),
             batches=None if group is None else group[0],
-            full=end - self.done == self.chunk.length,
+            full=_skips_conditional(self.chunk)
+            and end - self.done == self.chunk.length,
         )
         if chunk.unrolled:  # exactly the steps of this dispatch, no padding
             every = None if chunk.evaluate is None else chunk.evaluate.every

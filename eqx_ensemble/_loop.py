@@ -6,9 +6,10 @@ stays unbatched inside the member `vmap`) -> the member-vmapped
 `filter_value_and_grad` + optax update -> trackers -> evaluation -> the per-step
 losses and scores returned to the host. The chunk has a fixed length (one
 compilation per configuration); steps past `end` are skipped with `lax.cond`,
-compiled only into a dispatch that has such steps (a chunk the host knows to be
-`full` runs its steps with no conditional: on a GPU each conditional waits for
-its predicate on the host).
+compiled into every dispatch on a CPU (one program for full and partial
+dispatches keeps resumed runs bitwise equal to uninterrupted ones); elsewhere a
+chunk the host knows to be `full` runs its steps with no conditional (on a GPU
+each conditional waits for its predicate on the host).
 Sharding is pinned once where the state enters and leaves the loop and once per
 step on the carry; nothing inside the step names a mesh axis but the update.
 """

@@ -1424,6 +1424,25 @@ def _fit_resume_equals_uninterrupted(
     assert_same_result(resumed, straight)
 
 
+def test_full_and_partial_dispatches_resume_bitwise(tmp_path):
+    # Found by the random test below in CI: the uninterrupted run dispatches two
+    # full chunks of 2 steps, the interrupted and resumed one 1-step dispatches
+    # (checkpoints every step) inside chunks of 2 and 4. Compiling full chunks
+    # without the per-step conditional made them a different program, one ulp off.
+    ens = ee.ensemble(
+        lambda key: eqx.nn.MLP(2, 1, 2, 1, key=key), size=2, key=jax.random.key(3)
+    )
+    fit = functools.partial(
+        _resume_fit, ens, "adam", 2, None, steps=4, batch_size=9,
+        sampling="shared", steps_per_dispatch=2,
+    )  # fmt: skip
+    straight = fit()
+    resumed = interrupted_then_resumed(
+        fit, tmp_path / "run", 1, 1, 4, checkpoint_every=1, steps_per_dispatch=4
+    )
+    assert_same_result(resumed, straight)
+
+
 @settings(max_examples=2, deadline=None)
 @FIT_RESUME_EXAMPLES
 def test_random_fit_interrupted_and_resumed_equals_uninterrupted(**example):
