@@ -1443,6 +1443,27 @@ def test_full_and_partial_dispatches_resume_bitwise(tmp_path):
     assert_same_result(resumed, straight)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: unrolled dispatches compile one program per dispatch "
+    "length and may round a step differently (an ulp), so resume is exact only to "
+    "rounding with unroll=True (automatic for convolutional losses on a CPU)",
+)
+def test_unrolled_dispatches_resume_bitwise(tmp_path):
+    ens = ee.ensemble(
+        lambda key: eqx.nn.MLP(2, 1, 2, 1, key=key), size=2, key=jax.random.key(3)
+    )
+    fit = functools.partial(
+        _resume_fit, ens, "clip-sgd-momentum", 2, None, steps=6, batch_size=9,
+        sampling="shared", steps_per_dispatch=4, unroll=True,
+    )  # fmt: skip
+    straight = fit()
+    resumed = interrupted_then_resumed(
+        fit, tmp_path / "run", 1, 1, 6, checkpoint_every=1, steps_per_dispatch=2
+    )
+    assert_same_result(resumed, straight)
+
+
 @settings(max_examples=2, deadline=None)
 @FIT_RESUME_EXAMPLES
 def test_random_fit_interrupted_and_resumed_equals_uninterrupted(**example):
