@@ -42,6 +42,7 @@ from ._tree import first_difference, keystr
 from ._xla import (
     check_compiler_options,
     default_steps_per_dispatch,
+    platform_of,
     step_compiler_options,
 )
 
@@ -289,9 +290,7 @@ def _skips_conditional(chunk: Chunk) -> bool:
     run bitwise equal to an uninterrupted one (two programs may round one step
     differently, by an ulp). On a GPU a conditional waits for its predicate on the
     host (+20% of a small step on an H100)."""
-    if chunk.mesh is not None:
-        return chunk.mesh.devices.flat[0].platform != "cpu"
-    return jax.default_backend() != "cpu"
+    return platform_of(chunk.mesh) != "cpu"
 
 
 # Unrolled dispatches compile every step they hold: keep them short.

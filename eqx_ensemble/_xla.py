@@ -74,7 +74,8 @@ def _supported(options: Options) -> bool:
     return True
 
 
-def _platform(mesh: Mesh | None) -> str:
+def platform_of(mesh: Mesh | None) -> str:
+    """The platform a step runs on: the mesh's devices', else JAX's default."""
     if mesh is not None:
         return mesh.devices.flat[0].platform
     return jax.default_backend()
@@ -117,7 +118,7 @@ def step_compiler_options(
     if batched_dots:
         return ()
     cores = os.cpu_count() or 1
-    if _platform(mesh) != "cpu" or cores < 2:
+    if platform_of(mesh) != "cpu" or cores < 2:
         return ()
     if mesh is not None:
         # Virtual CPU devices already put one core on each device's share of the
