@@ -11,7 +11,12 @@ time steps). For each:
 - a hand-written step: `eqx.filter_jit` of `eqx.filter_vmap` over members of
   `eqx.filter_value_and_grad` + optax, with donation, one step per call,
 - `torch.func` (`stack_module_state` + `functional_call` + `vmap(grad)`, Adam on
-  the stacked parameters) for the MLP and the CNN, when torch is installed.
+  the stacked parameters) for the MLP and the CNN, when torch is installed. By
+  default torch is timed in a process of its own, after the JAX variants of the
+  family (`--torch process`): torch's OpenMP threads spin after each call and
+  would take a core from the JAX variant timed next, and telling them to sleep
+  (`--torch passive`) slows torch itself. `--torch same` times it round-robin
+  with the JAX variants in this process (the pre-round-3 measurement).
 
 It prints ms per step, the ratios the round-2 targets name (fit / make_step,
 make_step / torch.func, fit / torch.func) and the achieved GFLOP/s (XLA's cost
@@ -140,9 +145,12 @@ def _families(jax, jnp, eqx):
     }
 
 
-def _torch_func_step(name, members, x, y, lr):
-    """A torch.func step for the MLP or the CNN (None for other families), on the
-    GPU when JAX runs on one."""
+TORCH_FAMILIES = ("mlp", "cnn")
+
+
+def _torch_func_step(name, members, x, y, lr, device):
+    """A torch.func step for the MLP or the CNN (None for other families) on
+    `device` ("cpu" or "cuda")."""
     import numpy as np
     import torch
     from torch import nn
@@ -171,7 +179,6 @@ def _torch_func_step(name, members, x, y, lr):
             )
     else:
         return None
-    device = _common.torch_device(torch)
     models = [make().to(device) for _ in range(members)]
     params, buffers = stack_module_state(models)
     base = make().to("meta")
@@ -199,27 +206,48 @@ def _torch_func_step(name, members, x, y, lr):
     return steps
 
 
+def torch_worker(family, members, batch, steps, repeats, device, passive):
+    """Seconds per block of `steps` torch.func steps, `repeats` blocks after one
+    warm-up block (run by `_common.run_worker` in a process of its own; imports
+    torch and NumPy only)."""
+    if passive:  # before torch loads its OpenMP runtime
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shape = (batch, 64) if family == "mlp" else (batch, 1, 8, 8)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    y = rng.integers(0, 10, size=batch)
+    run = _torch_func_step(family, members, x, y, 1e-3, device)
+    return _common.interleaved({"torch.func": lambda: run(steps)}, repeats=repeats)[
+        "torch.func"
+    ]
+
+
 def main() -> None:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument(
-        "--passive-torch",
-        action="store_true",
-        help="OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep instead of "
-        "spinning after each torch call (which takes a core from the JAX variant "
-        "timed next), at a cost to torch's own speed",
+        "--torch",
+        choices=("process", "same", "passive", "none"),
+        default="process",
+        help="how torch.func is timed: in a process of its own after each family's "
+        "JAX variants (default); round-robin in this process ('same': its spinning "
+        "OpenMP threads then slow the JAX variant timed next); in its own process "
+        "with OMP_WAIT_POLICY=PASSIVE ('passive': threads sleep, torch slower); "
+        "or not at all",
     )
     p.add_argument("--families", default="mlp,cnn,cnn_bn,transformer,gru")
     p.add_argument("--members", type=int, default=None)
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-torch", action="store_true", help="same as --torch none")
     args = p.parse_args()
-    if args.passive_torch:  # before torch loads its OpenMP runtime
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    if args.no_torch:
+        args.torch = "none"
     steps = 10 if args.quick else 50
     repeats = args.repeats or (2 if args.quick else 3)
     _common.print_header(
         f"model families: batch {args.batch}, Adam; {steps} steps per timed block, "
-        f"{repeats} blocks per variant"
+        f"{repeats} blocks per variant; torch: {args.torch}"
     )
     import equinox as eqx
     import jax
@@ -333,10 +361,17 @@ def main() -> None:
             jax.block_until_ready(hand["members"])
 
         variants["hand-written step"] = (run_hand, steps)
-        if not args.no_torch:
+        if args.torch == "same" and name in TORCH_FAMILIES:
             try:
+                import torch
+
                 torch_step = _torch_func_step(
-                    name, members, np.asarray(batch[0]), np.asarray(batch[1]), 1e-3
+                    name,
+                    members,
+                    np.asarray(batch[0]),
+                    np.asarray(batch[1]),
+                    1e-3,
+                    _common.torch_device(torch),
                 )
             except ImportError:
                 torch_step = None
@@ -350,6 +385,22 @@ def main() -> None:
         times = _common.interleaved(
             {k: fn for k, (fn, _) in variants.items()}, repeats=repeats
         )
+        if args.torch in ("process", "passive") and name in TORCH_FAMILIES:
+            try:
+                times["torch.func"] = _common.run_worker(
+                    __file__,
+                    "torch_worker",
+                    family=name,
+                    members=members,
+                    batch=args.batch,
+                    steps=steps,
+                    repeats=repeats,
+                    device="cuda" if jax.default_backend() == "gpu" else "cpu",
+                    passive=args.torch == "passive",
+                )
+                variants["torch.func"] = (None, steps)
+            except RuntimeError as error:  # e.g. torch not installed
+                print(f"   torch.func skipped: {str(error).splitlines()[-1]}")
         per_step = {k: _common.median(v) / variants[k][1] for k, v in times.items()}
         lowered = step.lower(ens, opt_state, batch, jax.random.key(0), state)
         flops = float(lowered.compile().compiled.cost_analysis().get("flops", 0.0))
