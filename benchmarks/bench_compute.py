@@ -16,7 +16,10 @@ machine's load hits them alike):
   options alone account for),
 - `torch.func` (`stack_module_state` + `functional_call` + `vmap(grad)`) with a
   torch Adam on the stacked parameters,
-- a PyTorch loop over the 64 modules with one (foreach) Adam over all of them,
+- a PyTorch loop over the 64 modules with one (foreach) Adam over all of them
+  (both torch variants timed round-robin in a process of their own, after the
+  JAX variants, by default: `--torch same` times them in this process, where
+  torch's spinning OpenMP threads slow the JAX variant timed next),
 
 and reports step time, achieved GFLOP/s (matmul FLOPs of forward + backward) and
 the fraction of the machine's plain float32 matmul throughput (a single large
@@ -44,6 +47,88 @@ def matmul_flops_per_step(members: int, batch: int, sizes: list[int]) -> float:
     return float(members * (forward + weight_grads + input_grads))
 
 
+def _torch_variants(
+    members, batch, sizes, steps, loop_steps, threads, device, lr, n, quick
+):
+    """The torch variants (torch.func and a loop over members) as timed
+    callables, and torch's plain matmul GFLOP/s; imports torch and NumPy only."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad_and_value, stack_module_state, vmap
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    tx = torch.from_numpy(rng.standard_normal((batch, sizes[0]), dtype=np.float32))
+    ty = torch.from_numpy(rng.integers(0, sizes[-1], size=batch)).long()
+    tx, ty = tx.to(device), ty.to(device)
+    ta = torch.randn(n, n, device=device)
+
+    def torch_mm():
+        torch.mm(ta, ta)
+        _common.torch_sync(torch, device)
+
+    t_times = _common.time_calls(torch_mm, repeats=5 if quick else 20, warmup=2)
+    matmul_gflops = 2 * n**3 / _common.median(t_times) / 1e9
+
+    def torch_model():
+        layers = []
+        for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(torch.nn.Linear(fan_in, fan_out))
+            if i < len(sizes) - 2:
+                layers.append(torch.nn.ReLU())
+        return torch.nn.Sequential(*layers)
+
+    # torch.func: stacked parameters, vmap over members.
+    modules = [torch_model().to(device) for _ in range(members)]
+    params, buffers = stack_module_state(modules)
+    base = copy.deepcopy(modules[0]).to("meta")
+
+    def t_loss(p, b, x, y):
+        return F.cross_entropy(functional_call(base, (p, b), (x,)), y)
+
+    t_grad = vmap(grad_and_value(t_loss), in_dims=(0, 0, None, None))
+    t_opt = torch.optim.Adam(list(params.values()), lr=lr)
+
+    def run_torch_func():
+        for _ in range(steps):
+            grads, _losses = t_grad(params, buffers, tx, ty)
+            for name, param in params.items():
+                param.grad = grads[name]
+            t_opt.step()
+        _common.torch_sync(torch, device)
+
+    # A plain PyTorch loop over the members.
+    loop_modules = [torch_model().to(device) for _ in range(members)]
+    loop_opt = torch.optim.Adam(
+        [q for m in loop_modules for q in m.parameters()], lr=lr
+    )
+
+    def run_torch_loop():
+        for _ in range(loop_steps):
+            loop_opt.zero_grad(set_to_none=True)
+            for module in loop_modules:
+                F.cross_entropy(module(tx), ty).backward()
+            loop_opt.step()
+        _common.torch_sync(torch, device)
+
+    variants = {
+        "torch.func vmap + Adam": run_torch_func,
+        "PyTorch loop over members": run_torch_loop,
+    }
+    return variants, matmul_gflops
+
+
+def torch_worker(repeats, **spec):
+    """Wall and CPU seconds per timed block of each torch variant, round-robin,
+    and torch's matmul GFLOP/s (run by `_common.run_worker` in its own process)."""
+    variants, matmul_gflops = _torch_variants(**spec)
+    wall, cpu = _common.interleaved_with_cpu(variants, repeats=repeats, warmup=1)
+    return {"wall": wall, "cpu": cpu, "matmul_gflops": matmul_gflops}
+
+
 def main() -> None:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--members", type=int, default=64)
@@ -55,7 +140,16 @@ def main() -> None:
         help="steps per timed block (default 20; the slow PyTorch loop runs a "
         "quarter of that)",
     )
-    p.add_argument("--no-torch", action="store_true", help="skip the torch variants")
+    p.add_argument(
+        "--torch",
+        choices=("process", "same", "none"),
+        default="process",
+        help="how the torch variants are timed: in a process of their own after "
+        "the JAX variants (default: torch's OpenMP threads spin after each call "
+        "and would take a core from the JAX variant timed next), round-robin in "
+        "this process ('same'), or not at all",
+    )
+    p.add_argument("--no-torch", action="store_true", help="same as --torch none")
     p.add_argument(
         "--cpu-devices",
         type=int,
@@ -70,6 +164,8 @@ def main() -> None:
         help="torch intra-op threads (default: torch's default, one per core)",
     )
     args = p.parse_args()
+    if args.no_torch:
+        args.torch = "none"
     members, batch = args.members, args.batch
     steps = args.steps or (4 if args.quick else 20)
     repeats = args.repeats or (2 if args.quick else 5)
@@ -81,7 +177,7 @@ def main() -> None:
     info = _common.print_header(
         f"compute-bound: {members} MLPs {'-'.join(map(str, sizes))}, batch {batch}, "
         f"Adam; {steps} steps per timed block, {repeats} blocks per variant; "
-        f"torch threads: {args.torch_threads or 'default'}"
+        f"torch threads: {args.torch_threads or 'default'}, torch: {args.torch}"
     )
 
     cpu_devices = args.cpu_devices or os.cpu_count() or 1
@@ -257,82 +353,24 @@ def main() -> None:
     )
 
     # -- torch ----------------------------------------------------------------------
-    if not args.no_torch:
+    torch_spec = {
+        "members": members,
+        "batch": batch,
+        "sizes": sizes,
+        "steps": steps,
+        "loop_steps": loop_steps,
+        "threads": args.torch_threads,
+        "device": "cuda" if jax.default_backend() == "gpu" else "cpu",
+        "lr": lr,
+        "n": n,
+        "quick": args.quick,
+    }
+    if args.torch == "same":
         try:
-            import torch
-            import torch.nn.functional as F
-            from torch.func import (
-                functional_call,
-                grad_and_value,
-                stack_module_state,
-                vmap,
-            )
-
-            if args.torch_threads is not None:
-                torch.set_num_threads(args.torch_threads)
-            torch.manual_seed(0)
-            device = _common.torch_device(torch)
-            tx = torch.from_numpy(np.array(x_batch)).to(device)
-            ty = torch.from_numpy(np.array(y_batch)).long().to(device)
-            ta = torch.randn(n, n, device=device)
-
-            def torch_mm():
-                torch.mm(ta, ta)
-                _common.torch_sync(torch, device)
-
-            t_times = _common.time_calls(
-                torch_mm, repeats=5 if args.quick else 20, warmup=2
-            )
-            matmul_gflops["torch"] = 2 * n**3 / _common.median(t_times) / 1e9
-
-            def torch_model():
-                layers = []
-                for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-                    layers.append(torch.nn.Linear(fan_in, fan_out))
-                    if i < len(sizes) - 2:
-                        layers.append(torch.nn.ReLU())
-                return torch.nn.Sequential(*layers)
-
-            # torch.func: stacked parameters, vmap over members.
-            modules = [torch_model().to(device) for _ in range(members)]
-            params, buffers = stack_module_state(modules)
-            base = copy.deepcopy(modules[0]).to("meta")
-
-            def t_loss(p, b, x, y):
-                return F.cross_entropy(functional_call(base, (p, b), (x,)), y)
-
-            t_grad = vmap(grad_and_value(t_loss), in_dims=(0, 0, None, None))
-            t_opt = torch.optim.Adam(list(params.values()), lr=lr)
-
-            def run_torch_func():
-                for _ in range(steps):
-                    grads, _losses = t_grad(params, buffers, tx, ty)
-                    for name, param in params.items():
-                        param.grad = grads[name]
-                    t_opt.step()
-                _common.torch_sync(torch, device)
-
-            variants["torch.func vmap + Adam"] = run_torch_func
-
-            # A plain PyTorch loop over the members.
-            loop_modules = [torch_model().to(device) for _ in range(members)]
-            loop_opt = torch.optim.Adam(
-                [q for m in loop_modules for q in m.parameters()], lr=lr
-            )
-
-            def run_torch_loop():
-                for _ in range(loop_steps):
-                    loop_opt.zero_grad(set_to_none=True)
-                    for module in loop_modules:
-                        F.cross_entropy(module(tx), ty).backward()
-                    loop_opt.step()
-                _common.torch_sync(torch, device)
-
-            variants["PyTorch loop over members"] = run_torch_loop
+            built, matmul_gflops["torch"] = _torch_variants(**torch_spec)
+            variants.update(built)
         except ImportError as error:
-            errors["torch"] = (
-                f"torch not installed ({error}); `pip install -e .[bench]`"
-            )
+            errors["torch"] = f"torch not installed ({error}): pip install -e .[bench]"
 
     # -- run ------------------------------------------------------------------------
     runnable = {}
@@ -345,6 +383,16 @@ def main() -> None:
     block_times, block_cpu = _common.interleaved_with_cpu(
         runnable, repeats=repeats, warmup=1
     )
+    if args.torch == "process":
+        try:
+            worker = _common.run_worker(
+                __file__, "torch_worker", repeats=repeats, **torch_spec
+            )
+            block_times.update(worker["wall"])
+            block_cpu.update(worker["cpu"])
+            matmul_gflops["torch"] = worker["matmul_gflops"]
+        except RuntimeError as error:  # e.g. torch not installed
+            errors["torch"] = str(error).splitlines()[-1]
 
     def steps_of(name: str) -> int:
         return loop_steps if name == "PyTorch loop over members" else steps

@@ -5,7 +5,8 @@ the minibatch inside the loop, guards every member against non-finite losses,
 gradients and updates, records per-member losses, and (in a dispatch with fewer
 steps than its compiled length) skips steps with a conditional. This script
 times, on the default backend (CPU or GPU), the compute-bound workload (64 MLPs
-32-128-128-10, batch 256, Adam):
+32-128-128-10, batch 256, Adam; `--workload dispatch`: the dispatch-bound one, 8
+MLPs 1-32-32-1, batch 16, 1000 steps):
 
 - a bare hand-written scan over pre-gathered batches,
 - the same with a per-step `lax.cond` on the step count (what every dispatch of
@@ -30,6 +31,13 @@ import _common  # noqa: E402
 def main() -> None:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument(
+        "--workload",
+        choices=("compute", "dispatch"),
+        default="compute",
+        help="compute: 64 MLPs 32-128-128-10, batch 256 (default); dispatch: "
+        "bench_dispatch.py's 8 MLPs 1-32-32-1, batch 16, 1000 steps",
+    )
     args = p.parse_args()
     import equinox as eqx
     import jax
@@ -39,31 +47,39 @@ def main() -> None:
     import eqx_ensemble as ee
 
     info = _common.print_header(f"fit's bookkeeping on {_common.jax_device_name()}")
-    members, batch, sizes = (
-        (8, 64, [32, 64, 64, 10])
-        if args.quick
-        else (
-            64,
-            256,
-            [32, 128, 128, 10],
-        )
-    )
-    steps = args.steps or (20 if args.quick else 200)
+    if args.workload == "dispatch":  # bench_dispatch.py's: tiny steps
+        members, batch, sizes = 8, 16, [1, 32, 32, 1]
+        default_steps, n_data = 1000, 256
+    elif args.quick:
+        members, batch, sizes = 8, 64, [32, 64, 64, 10]
+        default_steps, n_data = 20, 4096
+    else:
+        members, batch, sizes = 64, 256, [32, 128, 128, 10]
+        default_steps, n_data = 200, 4096
+    steps = args.steps or default_steps
     repeats = args.repeats or (3 if args.quick else 7)
-    n_data = 4096
     key = jax.random.key(0)
     kx, ky, kens = jax.random.split(key, 3)
     x_all = jax.random.normal(kx, (n_data, sizes[0]))
-    y_all = jax.random.randint(ky, (n_data,), 0, sizes[-1])
     optimizer = optax.adam(1e-3)
 
     def make_model(k):
         return eqx.nn.MLP(sizes[0], sizes[-1], sizes[1], len(sizes) - 2, key=k)
 
-    def loss_fn(model, data, key):
-        x, y = data
-        logits = jax.vmap(model)(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    if args.workload == "dispatch":
+        y_all = jnp.sin(2 * x_all)
+
+        def loss_fn(model, data, key):
+            x, y = data
+            return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    else:
+        y_all = jax.random.randint(ky, (n_data,), 0, sizes[-1])
+
+        def loss_fn(model, data, key):
+            x, y = data
+            logits = jax.vmap(model)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     def fresh():
         ens = ee.ensemble(make_model, size=members, key=kens)

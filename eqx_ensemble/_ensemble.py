@@ -176,12 +176,16 @@ class Ensemble(eqx.Module, Generic[Member]):
 
         The members' outputs stacked along a new leading axis of size `len(ens)`.
         """
-        from ._map import map as ensemble_map
+        from ._map import map_members
 
         def call_member(member, *member_args, **member_kwargs):
             return member(*member_args, **kwargs, **member_kwargs)
 
-        return ensemble_map(call_member, self, *args, key=key)
+        # `call_member` is new each call: the automatic layout's profile is
+        # cached under the class (keyed by the members' and inputs' shapes).
+        return map_members(
+            call_member, self, args, None, None, key, None, profile_owner=Ensemble
+        )
 
 
 def _is_concrete(x: Any) -> bool:

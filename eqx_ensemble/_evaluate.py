@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
+from ._layout import Layout, member_map
+
 
 def check_positive_int(value: Any, name: str) -> int:
     """`value` as an int >= 1, or a clear error naming `name`."""
@@ -82,8 +84,11 @@ class Evaluate(eqx.Module):
         ensemble: Any,
         model_state: PyTree[Any],
         member_keys: Key[Array, " members"] | UInt32[Array, " members 2"],
+        layout: Layout = "vmap",
     ) -> Float[Array, " members"]:
-        """Every member's score, member `i` called with `member_keys[i]`."""
+        """Every member's score, member `i` called with `member_keys[i]`; the
+        members vectorised or one after another (`layout`: the training step's,
+        see `_layout`)."""
         stateful = model_state is not None
 
         def one(member, state, member_key):
@@ -101,7 +106,10 @@ class Evaluate(eqx.Module):
                 )
             return jnp.asarray(score, dtype=jnp.float32)
 
-        return eqx.filter_vmap(one)(ensemble.members, model_state, member_keys)
+        in_axes = (eqx.if_array(0),) * 3
+        return member_map(one, in_axes, layout, len(member_keys))(
+            ensemble.members, model_state, member_keys
+        )
 
 
 def eval_key(key: PRNGKeyArray) -> PRNGKeyArray:

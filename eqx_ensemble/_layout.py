@@ -26,6 +26,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
+from jaxtyping import PyTree
 
 Layout = Literal["vmap", "sequential"]
 
@@ -72,11 +73,29 @@ def choose_layout(
     return "vmap"
 
 
+def on_one_cpu_device(tree: PyTree[Any]) -> bool:
+    """Whether the arrays of `tree` sit on one CPU device (for traced arrays,
+    whose placement is not known here: whether the process has just one)."""
+    if jax.default_backend() != "cpu":
+        return False
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf)]
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+        return jax.device_count() == 1
+    # NumPy arrays go to the default device: only JAX arrays can be spread.
+    return all(
+        len(leaf.sharding.device_set) == 1
+        for leaf in leaves
+        if isinstance(leaf, jax.Array)
+    )
+
+
 def member_map(
     fn: Callable[..., Any], in_axes: tuple[Any, ...], layout: Layout, size: int
 ) -> Callable[..., Any]:
-    """`eqx.filter_vmap(fn, in_axes=in_axes)` (each entry `eqx.if_array(0)` or
-    `None`), or the same mapping run member by member and stacked."""
+    """`eqx.filter_vmap(fn, in_axes=in_axes)`, or the same mapping run member by
+    member and stacked. Each entry of `in_axes` is `None` (shared), a filter such
+    as `eqx.if_array(0)` (every array leaf per member), or a PyTree prefix of
+    `0`/`None` over its argument."""
     if layout == "vmap":
         return eqx.filter_vmap(fn, in_axes=in_axes)
 
@@ -84,13 +103,26 @@ def member_map(
         outputs = []
         for i in range(size):
             member_args = [
-                arg if axis is None else _slice(arg, i)
-                for arg, axis in zip(args, in_axes, strict=True)
+                _member_slice(axes, arg, i)
+                for arg, axes in zip(args, in_axes, strict=True)
             ]
             outputs.append(fn(*member_args))
         return jax.tree.map(_stack, *outputs)
 
     return sequential
+
+
+def _member_slice(axes: Any, arg: Any, i: int) -> Any:
+    if axes is None:
+        return arg
+    if callable(axes):  # a filter such as `eqx.if_array(0)`
+        return _slice(arg, i)
+    return jax.tree.map(
+        lambda axis, subtree: subtree if axis is None else _slice(subtree, i),
+        axes,
+        arg,
+        is_leaf=lambda x: x is None,
+    )
 
 
 def _slice(tree: Any, i: int) -> Any:

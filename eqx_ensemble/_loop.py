@@ -177,7 +177,9 @@ def _evaluate(
             chunk.mesh,
             (MEMBERS,),
         )
-        scores = evaluate.scores(current.ensemble, current.model_state, member_keys)
+        scores = evaluate.scores(
+            current.ensemble, current.model_state, member_keys, chunk.layout
+        )
         return constrain(scores, chunk.mesh, (MEMBERS,))
 
     if conditional:

@@ -10,6 +10,16 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._ensemble import Ensemble, split_member_keys
+from ._layout import (
+    SEQUENTIAL_MAX_MEMBERS,
+    Layout,
+    _member_slice,
+    check_layout,
+    choose_layout,
+    member_map,
+    on_one_cpu_device,
+)
+from ._profile import profile_call, signature
 from ._tree import keystr
 
 
@@ -97,6 +107,7 @@ def map(
     in_axes: int | Sequence[Any] | None = None,
     chunk_size: int | None = None,
     key: PRNGKeyArray | None = None,
+    layout: str | None = None,
 ) -> PyTree[Any]:
     """Apply `fn(member, *args)` to every member in one vectorised computation.
 
@@ -119,6 +130,17 @@ def map(
       whatever the ensemble size.
     - `key`: optional PRNG key split into one key per member:
       member `i` gets `jax.random.split(key, len(ens))[i]`.
+    - `layout`: how the member axis is computed, as in
+      [`make_step`][eqx_ensemble.make_step]. `"vmap"`: one vectorised
+      computation. `"sequential"`: `fn` on one member after another, the results
+      stacked (inside `jax.jit`: straight-line code, one copy of `fn` per
+      member). `None` (`"auto"`): `"sequential"` when `fn` convolves, the
+      arrays sit on one CPU device, there are at most 16 members and no
+      `chunk_size` is given (XLA's CPU backend runs a member-batched convolution
+      as a grouped convolution, several times slower than the members' own:
+      see the training guide), else `"vmap"`. Deciding traces `fn` once per
+      function and input shapes. The results are the same either way, to
+      floating-point rounding.
 
     **Returns:**
 
@@ -136,6 +158,22 @@ def map(
     chunked = ee.map(lambda m, x: jax.vmap(m)(x), ens, x, chunk_size=2)
     ```
     """
+    return map_members(fn, ens, args, in_axes, chunk_size, key, layout)
+
+
+def map_members(
+    fn: Callable[..., Any],
+    ens: Ensemble,
+    args: tuple[Any, ...],
+    in_axes: Any,
+    chunk_size: int | None,
+    key: PRNGKeyArray | None,
+    layout: str | None,
+    profile_owner: Any = None,
+) -> PyTree[Any]:
+    """`map`, with `profile_owner`: what the automatic layout's profile of `fn` is
+    cached under (default `fn`; a caller whose `fn` is a fresh closure passes
+    something long-lived)."""
     if not isinstance(ens, Ensemble):
         raise TypeError(
             f"`ee.map` expects an `ee.Ensemble` as its second argument, got "
@@ -153,6 +191,12 @@ def map(
                 f"{chunk_size}"
             )
     member_keys = None if key is None else split_member_keys(key, size)
+    layout = check_layout(layout, None)
+    if layout == "sequential" and chunk_size is not None and chunk_size != size:
+        raise ValueError(
+            "`layout='sequential'` already computes one member at a time; "
+            "`chunk_size` chunks the vectorised layout: pass one or the other"
+        )
 
     def apply(member, member_args, member_key):
         # A shared part (if any) is closed over: one copy for every member.
@@ -171,12 +215,56 @@ def map(
         else jtu.tree_map(lambda mapped: 0 if mapped else None, mask)
         for spec, mask in zip(axes, masks)
     )
-    vmapped = eqx.filter_vmap(
-        apply, in_axes=(eqx.if_array(0), arg_axes, eqx.if_array(0))
-    )
+    in_axes_ = (eqx.if_array(0), arg_axes, eqx.if_array(0))
+    if layout == "auto":
+        layout = _auto_layout(
+            apply,
+            in_axes_,
+            (ens.members, args, member_keys),
+            size,
+            chunk_size,
+            profile_owner or fn,
+            ens.shared,
+        )
+    vmapped = member_map(apply, in_axes_, layout, size)
     if chunk_size is None or chunk_size == size:
         return vmapped(ens.members, args, member_keys)
     return _chunked(vmapped, ens.members, args, masks, member_keys, size, chunk_size)
+
+
+def _auto_layout(
+    apply: Callable[..., Any],
+    in_axes: tuple[Any, ...],
+    inputs: tuple[Any, ...],
+    size: int,
+    chunk_size: int | None,
+    owner: Any,
+    shared: Any,
+) -> Layout:
+    """`"sequential"` for a convolving `apply` on one CPU device (see
+    `_layout.choose_layout`), else `"vmap"`; traces `apply` on member 0's shapes
+    only where the answer could be `"sequential"`."""
+    if (
+        chunk_size is not None
+        or size > SEQUENTIAL_MAX_MEMBERS
+        or not on_one_cpu_device(inputs)
+    ):
+        return "vmap"
+    member = tuple(
+        jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _member_slice(axes, t, 0)
+        )
+        for axes, t in zip(in_axes, eqx.filter(inputs, eqx.is_array), strict=True)
+    )
+    member = eqx.combine(member, eqx.filter(inputs, eqx.is_array, inverse=True))
+    try:  # a shared part is closed over: its shapes are part of the profile's key
+        extra = signature(shared)
+    except TypeError:
+        owner, extra = None, ()
+    profile = profile_call(apply, member, owner=owner, extra=extra)
+    return choose_layout(
+        "auto", convolutions=profile.convolutions, size=size, mesh=None
+    )
 
 
 def _member_context(member_args: tuple) -> str:

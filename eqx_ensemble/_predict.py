@@ -8,7 +8,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ._data import check_leading, num_examples
 from ._ensemble import Ensemble
-from ._map import map as ensemble_map
+from ._map import map_members
 
 
 def predict(
@@ -18,6 +18,7 @@ def predict(
     state: PyTree[Any] = None,
     key: PRNGKeyArray | None = None,
     chunk_size: int | None = None,
+    layout: str | None = None,
 ) -> PyTree[Any]:
     """Every member's predictions on a batch, in inference mode.
 
@@ -39,6 +40,9 @@ def predict(
       example, passed as `key=`.
     - `chunk_size`: run the members this many at a time (bounds peak memory; see
       [`ee.map`][eqx_ensemble.map]).
+    - `layout`: the members vectorised (`"vmap"`) or one after another
+      (`"sequential"`), as in [`ee.map`][eqx_ensemble.map]; `None` chooses
+      (`"sequential"` for a convolutional model on one CPU device).
 
     **Returns:**
 
@@ -63,11 +67,8 @@ def predict(
     if stateful:
         check_leading(state, len(ens), "`state`")
 
-    def one_member(member, member_state, member_key=None, *, key=None):
-        member_key = member_key if key is None else key
-        example_keys = (
-            None if member_key is None else jax.random.split(member_key, examples)
-        )
+    def one_member(member, x, member_state, *, key=None):
+        example_keys = None if key is None else jax.random.split(key, examples)
 
         def one_example(xi, example_key):
             kwargs = {} if example_key is None else {"key": example_key}
@@ -77,17 +78,15 @@ def predict(
 
         return jax.vmap(one_example)(x, example_keys)
 
-    if stateful:
-        return ensemble_map(
-            one_member, inference, state, in_axes=(0,), chunk_size=chunk_size, key=key
-        )
-    if key is None:
-        return ensemble_map(
-            lambda member: one_member(member, None), inference, chunk_size=chunk_size
-        )
-    return ensemble_map(
-        lambda member, *, key: one_member(member, None, key),
+    # The layout's profile is cached under `predict` (its `one_member` is a new
+    # closure each call), keyed by the shapes of the ensemble, `x` and `state`.
+    return map_members(
+        one_member,
         inference,
-        chunk_size=chunk_size,
-        key=key,
+        (x, state),
+        (None, 0 if stateful else None),
+        chunk_size,
+        key,
+        layout,
+        profile_owner=predict,
     )

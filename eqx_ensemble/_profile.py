@@ -1,6 +1,8 @@
-"""What a training step is made of, read from the jaxpr of ONE member's loss:
-the facts the library's CPU choices rest on (see `_xla` and `_loop`)."""
+"""What a training step (or any per-member function) is made of, read from the
+jaxpr of ONE member's call: the facts the library's CPU choices rest on (see
+`_xla`, `_layout` and `_loop`)."""
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -52,47 +54,73 @@ def profile_step(
     """The profile of `loss_fn` on one member and one batch (shapes only; an
     error while tracing gives the empty profile: the step itself reports it)."""
 
-    inputs = (member, batch, state, hyper)
-    try:
-        key = (loss_fn, _signature(inputs))
-        if key in _CACHE:
-            return _CACHE[key]
-    except TypeError:  # an unhashable loss or leaf: profile without the cache
-        key = None
+    def loss(model: Any, batch: Any, state: Any, hyper: Any) -> Any:
+        return call_loss(loss_fn, model, state, batch, jax.random.key(0), hyper)[0]
+
+    return profile_call(loss, (member, batch, state, hyper), owner=loss_fn)
+
+
+def profile_call(
+    fn: Callable[..., Any],
+    inputs: tuple[Any, ...],
+    *,
+    owner: Any = None,
+    extra: Any = (),
+) -> StepProfile:
+    """The profile of `fn(*inputs)` (shapes only: an input leaf may be a
+    `jax.ShapeDtypeStruct`; an error while tracing gives the empty profile, the
+    real call reports it).
+
+    Traced once per `owner` (held weakly: a user's function and what it closes
+    over are not kept alive by the cache; `None`: traced every time), hashable
+    `extra` and input signature."""
+    table, key = None, None
+    if owner is not None:
+        try:
+            table = _CACHE.setdefault(owner, {})
+            key = (extra, signature(inputs))
+            if key in table:
+                return table[key]
+        except TypeError:  # not weakly referable, or an unhashable leaf
+            table = None
 
     # Shapes only: no array is read (the inputs may live on other processes).
     dynamic, static = eqx.partition(inputs, _is_array_like)
     structs = jax.tree.map(_struct, dynamic)
 
-    def loss(dynamic: Any) -> Any:
-        model, batch, state, hyper = eqx.combine(dynamic, static)
-        return call_loss(loss_fn, model, state, batch, jax.random.key(0), hyper)[0]
+    def traced(dynamic: Any) -> Any:
+        return fn(*eqx.combine(dynamic, static))
 
     try:
-        jaxpr = jax.make_jaxpr(loss)(structs)
+        jaxpr = jax.make_jaxpr(traced)(structs)
         profile = profile_jaxpr(jaxpr.jaxpr)
     except Exception:  # noqa: BLE001 - the first real call reports it
         profile = StepProfile()
-    if key is not None:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        _CACHE[key] = profile
+    if table is not None:
+        if len(table) > 64:
+            table.clear()
+        table[key] = profile
     return profile
 
 
-# One trace per loss and input signature: a profile is read once, not per call
-# (the tests count traces).
-_CACHE: dict[Any, StepProfile] = {}
+# One trace per owner (a loss, a mapped function) and input signature: a profile
+# is read once, not per call (the tests count traces). Weak keys: the entry goes
+# with its owner.
+_CACHE: "weakref.WeakKeyDictionary[Any, dict[Any, StepProfile]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _signature(tree: Any) -> Any:
+def signature(tree: Any) -> Any:
+    """A hashable record of `tree`'s structure, shapes and dtypes (TypeError
+    when a non-array leaf is unhashable)."""
     leaves, treedef = jax.tree.flatten(tree)
-    signature = tuple(
+    record = tuple(
         (tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
         for leaf in leaves
     )
-    hash(signature)
-    return treedef, signature
+    hash(record)
+    return treedef, record
 
 
 def _is_array_like(x: Any) -> bool:

@@ -193,3 +193,176 @@ def test_bad_layout_is_refused(data):
             layout="sequential",
             progress=False,
         )
+
+
+# -- `ee.map`, `ee.predict` and in-loop evaluation --------------------------------
+
+
+def _convolutions(jaxpr_text):
+    """The `feature_group_count`s of the convolutions in a jaxpr's text."""
+    return re.findall(
+        r"conv_general_dilated\[[^\]]*?feature_group_count=(\d+)", jaxpr_text
+    )
+
+
+def test_map_sequential_equals_vmap_and_members_alone(data):
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    x = data[0][:6]
+    scale = jnp.arange(1.0, SIZE + 1.0)  # per member
+    key = jax.random.key(5)
+
+    def fn(member, x, extra, *, key):
+        noise = jax.random.normal(key, (3,))
+        return jax.vmap(member)(x) * extra["scale"] + noise[None], extra["offset"]
+
+    extra = {"scale": scale, "offset": jnp.ones(2)}
+    in_axes = ({"scale": 0, "offset": None},)
+    outs = {
+        layout: ee.map(
+            lambda m, extra, *, key: fn(m, x, extra, key=key),
+            ens,
+            extra,
+            in_axes=in_axes,
+            key=key,
+            layout=layout,
+        )
+        for layout in ("vmap", "sequential")
+    }
+    assert_tree_allclose(outs["sequential"], outs["vmap"], rtol=1e-5, atol=1e-6)
+    member_keys = jax.random.split(key, SIZE)
+    for i in range(SIZE):
+        alone = fn(
+            ens[i], x, {"scale": scale[i], "offset": jnp.ones(2)}, key=member_keys[i]
+        )
+        got = jax.tree.map(lambda leaf, i=i: leaf[i], outs["sequential"])
+        assert_tree_allclose(got, alone, rtol=1e-5, atol=1e-6)
+
+
+@cpu_only
+def test_predict_auto_layout_runs_convolving_members_one_by_one(data):
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    x = data[0][:6]
+    # The arrays are concrete (closed over), on one CPU device: the rule applies.
+    auto = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
+    vmap = str(jax.make_jaxpr(lambda: ee.predict(ens, x, layout="vmap"))())
+    assert str(SIZE) in _convolutions(vmap)  # the grouped convolution
+    assert _convolutions(auto) == ["1"] * (2 * SIZE)  # each member's own two
+    assert_tree_allclose(
+        ee.predict(ens, x), ee.predict(ens, x, layout="vmap"), rtol=1e-5, atol=1e-6
+    )
+    for i in range(SIZE):
+        assert_tree_allclose(
+            ee.predict(ens, x)[i], jax.vmap(ens[i])(x), rtol=1e-5, atol=1e-6
+        )
+
+
+@cpu_only
+def test_predict_sequential_with_state_equals_vmap(data):
+    ens, state = ee.ensemble(
+        lambda k: eqx.nn.make_with_state(CNN)(k, norm=True),
+        size=SIZE,
+        key=jax.random.key(0),
+    )
+    x = data[0][:6]
+    assert_tree_allclose(
+        ee.predict(ens, x, state=state, layout="sequential"),
+        ee.predict(ens, x, state=state, layout="vmap"),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+@cpu_only
+def test_map_auto_rule(data):
+    cnn = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    mlp = ee.ensemble(
+        lambda k: eqx.nn.MLP(16, 3, 8, 1, key=k), size=SIZE, key=jax.random.key(0)
+    )
+    x = data[0][:4]
+
+    def forward(m):
+        return jax.vmap(m)(x)
+
+    def groups(ens, **kwargs):
+        return _convolutions(
+            str(jax.make_jaxpr(lambda: ee.map(forward, ens, **kwargs))())
+        )
+
+    assert groups(cnn) == ["1"] * (2 * SIZE)
+    # Chunks ask for the vectorised layout; so does a big ensemble.
+    assert "2" in groups(cnn, chunk_size=2)  # two members vectorised per chunk
+    big = ee.ensemble(CNN, size=SEQUENTIAL_MAX_MEMBERS + 1, key=jax.random.key(0))
+    assert str(SEQUENTIAL_MAX_MEMBERS + 1) in groups(big)
+    # Nothing convolves: vectorised (one batched matmul per layer, no copies).
+    flat = x.reshape(4, 16)
+    jaxpr = str(jax.make_jaxpr(lambda: ee.map(lambda m: jax.vmap(m)(flat), mlp))())
+    assert jaxpr.count("dot_general") == 2
+
+
+@cpu_only
+def test_map_profile_is_traced_once_and_not_kept_alive(data):
+    import gc
+    import weakref
+
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    x = data[0][:4]
+    traces = []
+
+    def forward(m):
+        traces.append(1)
+        return jax.vmap(m)(x)
+
+    ee.map(forward, ens)
+    first = len(traces)  # the profile's trace, then the members' calls
+    ee.map(forward, ens)
+    assert len(traces) == 2 * first - 1  # the profile is read from the cache
+    ref = weakref.ref(forward)
+    del forward
+    gc.collect()
+    assert ref() is None  # the cache holds its owner weakly
+
+
+def test_evaluate_sequential_equals_vmap_without_grouped_convolutions(data):
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    evaluate = ee.Evaluate(loss_fn, (data[0][:8], data[1][:8]), every=1)
+    keys = jax.random.split(jax.random.key(0), SIZE)
+    scores = {
+        layout: evaluate.scores(ens, None, keys, layout)
+        for layout in ("vmap", "sequential")
+    }
+    assert_tree_allclose(scores["sequential"], scores["vmap"], rtol=1e-5, atol=1e-6)
+    jaxpr = str(
+        jax.make_jaxpr(lambda: evaluate.scores(ens, None, keys, "sequential"))()
+    )
+    assert _convolutions(jaxpr) == ["1"] * (2 * SIZE)
+    # In `fit`, evaluation follows the step's layout.
+    results = {
+        layout: ee.fit(
+            ens,
+            loss_fn,
+            optax.sgd(0.1),
+            data,
+            steps=2,
+            batch_size=8,
+            key=jax.random.key(3),
+            steps_per_dispatch=1,
+            evaluate=evaluate,
+            progress=False,
+            layout=layout,
+        )
+        for layout in ("vmap", "sequential")
+    }
+    assert_tree_allclose(
+        results["sequential"].history.eval_scores,
+        results["vmap"].history.eval_scores,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_map_bad_layout_is_refused(data):
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"`layout` must be one of .*'rows'"):
+        ee.map(lambda m: m(data[0][0]), ens, layout="rows")
+    with pytest.raises(ValueError, match="one member at a time.*chunk_size"):
+        ee.map(lambda m: m(data[0][0]), ens, layout="sequential", chunk_size=1)
