@@ -15,7 +15,8 @@ from ._layout import (
     Layout,
     _member_slice,
     check_layout,
-    choose_layout,
+    choose_map_layout,
+    is_traced,
     member_map,
     on_one_cpu_device,
 )
@@ -136,11 +137,13 @@ def map(
       stacked (inside `jax.jit`: straight-line code, one copy of `fn` per
       member). `None` (`"auto"`): `"sequential"` when `fn` convolves, the
       arrays sit on one CPU device, there are at most 16 members and no
-      `chunk_size` is given (XLA's CPU backend runs a member-batched convolution
-      as a grouped convolution, several times slower than the members' own:
-      see the training guide), else `"vmap"`. Deciding traces `fn` once per
-      function and input shapes. The results are the same either way, to
-      floating-point rounding.
+      `chunk_size` is given, and, called eagerly (outside `jit`), the
+      convolutions take at least 100 MFLOP per member (each operation is then
+      dispatched once per member); else `"vmap"`. XLA's CPU backend runs a
+      member-batched convolution as a grouped convolution, several times
+      slower than the members' own (see the training guide). Deciding traces
+      `fn` once per function and input shapes. The results are the same
+      either way, to floating-point rounding.
 
     **Returns:**
 
@@ -241,9 +244,8 @@ def _auto_layout(
     owner: Any,
     shared: Any,
 ) -> Layout:
-    """`"sequential"` for a convolving `apply` on one CPU device (see
-    `_layout.choose_layout`), else `"vmap"`; traces `apply` on member 0's shapes
-    only where the answer could be `"sequential"`."""
+    """`_layout.choose_map_layout` for `apply` on `inputs`; traces `apply` on
+    member 0's shapes only where the answer could be `"sequential"`."""
     if (
         chunk_size is not None
         or size > SEQUENTIAL_MAX_MEMBERS
@@ -262,8 +264,8 @@ def _auto_layout(
     except TypeError:
         owner, extra = None, ()
     profile = profile_call(apply, member, owner=owner, extra=extra)
-    return choose_layout(
-        "auto", convolutions=profile.convolutions, size=size, mesh=None
+    return choose_map_layout(
+        profile.convolution_flops, traced=is_traced(inputs), size=size
     )
 
 

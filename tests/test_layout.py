@@ -16,9 +16,16 @@ import pytest
 from conftest import assert_tree_allclose
 
 import eqx_ensemble as ee
-from eqx_ensemble._layout import SEQUENTIAL_MAX_MEMBERS, choose_layout
+from eqx_ensemble import _layout
+from eqx_ensemble._layout import (
+    SEQUENTIAL_MAX_MEMBERS,
+    choose_layout,
+    choose_map_layout,
+)
+from eqx_ensemble._profile import profile_call
 
 SIZE = 3
+SIZE_GROUP = str(SIZE)  # a grouped convolution's `feature_group_count`
 
 
 class CNN(eqx.Module):
@@ -239,14 +246,29 @@ def test_map_sequential_equals_vmap_and_members_alone(data):
 
 
 @cpu_only
-def test_predict_auto_layout_runs_convolving_members_one_by_one(data):
+def test_predict_auto_layout_runs_convolving_members_one_by_one(data, monkeypatch):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     x = data[0][:6]
-    # The arrays are concrete (closed over), on one CPU device: the rule applies.
-    auto = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
-    vmap = str(jax.make_jaxpr(lambda: ee.predict(ens, x, layout="vmap"))())
-    assert str(SIZE) in _convolutions(vmap)  # the grouped convolution
-    assert _convolutions(auto) == ["1"] * (2 * SIZE)  # each member's own two
+
+    def traced(**kwargs):
+        jaxpr, _, _ = eqx.filter_make_jaxpr(
+            lambda ens, x: ee.predict(ens, x, **kwargs)
+        )(ens, x)
+        return _convolutions(str(jaxpr))
+
+    # The tests run 8 virtual devices, where traced arrays may be spread over
+    # several: the rule applies to a process with one device.
+    assert SIZE_GROUP in traced()
+    monkeypatch.setattr(jax, "device_count", lambda *_: 1)
+    assert traced() == ["1"] * (2 * SIZE)  # each member's own two convolutions
+    assert SIZE_GROUP in traced(layout="vmap")  # the grouped convolution
+    # Eagerly, only from EAGER_SEQUENTIAL_MIN_FLOPS of convolutions per member
+    # (these tiny members convolve ~10 kFLOP).
+    eager = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
+    assert SIZE_GROUP in _convolutions(eager)
+    monkeypatch.setattr(_layout, "EAGER_SEQUENTIAL_MIN_FLOPS", 0.0)
+    eager = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
+    assert _convolutions(eager) == ["1"] * (2 * SIZE)
     assert_tree_allclose(
         ee.predict(ens, x), ee.predict(ens, x, layout="vmap"), rtol=1e-5, atol=1e-6
     )
@@ -254,6 +276,30 @@ def test_predict_auto_layout_runs_convolving_members_one_by_one(data):
         assert_tree_allclose(
             ee.predict(ens, x)[i], jax.vmap(ens[i])(x), rtol=1e-5, atol=1e-6
         )
+
+
+def test_convolution_flops_and_map_rule():
+    kernel = jnp.ones((32, 16, 3, 3))
+    x = jnp.ones((128, 16, 8, 8))
+    profile = profile_call(
+        lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME"), (x, kernel)
+    )
+    # Closed form: 2 x outputs (128 x 32 x 8 x 8) x window (16 x 3 x 3).
+    assert profile.convolution_flops == 2 * 128 * 32 * 64 * 16 * 9
+    grouped = profile_call(
+        lambda x, w: jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", feature_group_count=4
+        ),
+        (x, jnp.ones((32, 4, 3, 3))),
+    )
+    assert grouped.convolution_flops == 2 * 128 * 32 * 64 * 4 * 9
+    big = _layout.EAGER_SEQUENTIAL_MIN_FLOPS
+    assert choose_map_layout(0.0, traced=True, size=4) == "vmap"
+    assert choose_map_layout(1.0, traced=True, size=4) == "sequential"
+    assert choose_map_layout(big / 2, traced=False, size=4) == "vmap"
+    assert choose_map_layout(big, traced=False, size=4) == "sequential"
+    too_many = SEQUENTIAL_MAX_MEMBERS + 1
+    assert choose_map_layout(big, traced=True, size=too_many) == "vmap"
 
 
 @cpu_only
@@ -273,7 +319,8 @@ def test_predict_sequential_with_state_equals_vmap(data):
 
 
 @cpu_only
-def test_map_auto_rule(data):
+def test_map_auto_rule(data, monkeypatch):
+    monkeypatch.setattr(_layout, "EAGER_SEQUENTIAL_MIN_FLOPS", 0.0)
     cnn = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     mlp = ee.ensemble(
         lambda k: eqx.nn.MLP(16, 3, 8, 1, key=k), size=SIZE, key=jax.random.key(0)

@@ -998,7 +998,7 @@ def test_step_profile_reads_convolutions_and_batched_matmuls():
     profile = profile_step(attention_loss, attention, jnp.ones((5, 4)))
     assert profile.batched_dots and not profile.convolutions
     mlp = ee.ensemble(make_mlp, size=2, key=jax.random.key(3))
-    assert profile_step(mse_loss, mlp[0], (X, Y)) == (False, False)
+    assert profile_step(mse_loss, mlp[0], (X, Y)) == (False, False, 0.0)
 
 
 def test_batched_matmuls_keep_xla_defaults():
