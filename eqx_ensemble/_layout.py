@@ -139,20 +139,43 @@ def member_map(
 
 
 def _member_slice(axes: Any, arg: Any, i: int) -> Any:
+    return _per_member(axes, arg, lambda x: x[i])
+
+
+def member_structs(axes: Any, arg: Any) -> Any:
+    """One member's slice of `arg` as shapes only (`jax.ShapeDtypeStruct`s;
+    shared arrays keep their shapes; nothing is computed)."""
+    arg = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
+        arg,
+    )
+    return _per_member(
+        axes, arg, lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), _is_struct
+    )
+
+
+def _per_member(
+    axes: Any, arg: Any, take: Callable[[Any], Any], is_leaf: Any = eqx.is_array
+) -> Any:
+    """`take` applied to every leaf of `arg` mapped by `axes` (see `member_map`)."""
+
+    def mapped(tree: Any) -> Any:
+        return jax.tree.map(lambda x: take(x) if is_leaf(x) else x, tree)
+
     if axes is None:
         return arg
     if callable(axes):  # a filter such as `eqx.if_array(0)`
-        return _slice(arg, i)
+        return mapped(arg)
     return jax.tree.map(
-        lambda axis, subtree: subtree if axis is None else _slice(subtree, i),
+        lambda axis, subtree: subtree if axis is None else mapped(subtree),
         axes,
         arg,
         is_leaf=lambda x: x is None,
     )
 
 
-def _slice(tree: Any, i: int) -> Any:
-    return jax.tree.map(lambda x: x[i] if eqx.is_array(x) else x, tree)
+def _is_struct(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _stack(*leaves: Any) -> Any:

@@ -13,11 +13,11 @@ from ._ensemble import Ensemble, split_member_keys
 from ._layout import (
     SEQUENTIAL_MAX_MEMBERS,
     Layout,
-    _member_slice,
     check_layout,
     choose_map_layout,
     is_traced,
     member_map,
+    member_structs,
     on_one_cpu_device,
 )
 from ._profile import profile_call, signature
@@ -253,12 +253,8 @@ def _auto_layout(
     ):
         return "vmap"
     member = tuple(
-        jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _member_slice(axes, t, 0)
-        )
-        for axes, t in zip(in_axes, eqx.filter(inputs, eqx.is_array), strict=True)
+        member_structs(axes, arg) for axes, arg in zip(in_axes, inputs, strict=True)
     )
-    member = eqx.combine(member, eqx.filter(inputs, eqx.is_array, inverse=True))
     try:  # a shared part is closed over: its shapes are part of the profile's key
         extra = signature(shared)
     except TypeError:
