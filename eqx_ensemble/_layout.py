@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
+from ._tree import is_traced
+
 Layout = Literal["vmap", "sequential"]
 
 # Past this many members the compile time of straight-line members outweighs
@@ -94,9 +96,9 @@ def choose_map_layout(convolution_flops: float, *, traced: bool, size: int) -> L
     return "sequential"
 
 
-def is_traced(tree: PyTree[Any]) -> bool:
+def any_traced(tree: PyTree[Any]) -> bool:
     """Whether any leaf of `tree` is a tracer (inside `jit`, `grad`, ...)."""
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+    return any(is_traced(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def on_one_cpu_device(tree: PyTree[Any]) -> bool:
@@ -105,7 +107,7 @@ def on_one_cpu_device(tree: PyTree[Any]) -> bool:
     if jax.default_backend() != "cpu":
         return False
     leaves = [leaf for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf)]
-    if is_traced(leaves):
+    if any_traced(leaves):
         return jax.device_count() == 1
     # NumPy arrays go to the default device: only JAX arrays can be spread.
     return all(

@@ -13,9 +13,9 @@ from ._ensemble import Ensemble, split_member_keys
 from ._layout import (
     SEQUENTIAL_MAX_MEMBERS,
     Layout,
+    any_traced,
     check_layout,
     choose_map_layout,
-    is_traced,
     member_map,
     member_structs,
     on_one_cpu_device,
@@ -194,8 +194,8 @@ def map_members(
                 f"{chunk_size}"
             )
     member_keys = None if key is None else split_member_keys(key, size)
-    layout = check_layout(layout, None)
-    if layout == "sequential" and chunk_size is not None and chunk_size != size:
+    choice = check_layout(layout, None)
+    if choice == "sequential" and chunk_size is not None and chunk_size != size:
         raise ValueError(
             "`layout='sequential'` already computes one member at a time; "
             "`chunk_size` chunks the vectorised layout: pass one or the other"
@@ -218,18 +218,21 @@ def map_members(
         else jtu.tree_map(lambda mapped: 0 if mapped else None, mask)
         for spec, mask in zip(axes, masks)
     )
-    in_axes_ = (eqx.if_array(0), arg_axes, eqx.if_array(0))
-    if layout == "auto":
-        layout = _auto_layout(
+    member_axes = (eqx.if_array(0), arg_axes, eqx.if_array(0))
+    member_layout: Layout
+    if choice == "vmap" or choice == "sequential":
+        member_layout = choice
+    else:
+        member_layout = _auto_layout(
             apply,
-            in_axes_,
+            member_axes,
             (ens.members, args, member_keys),
             size,
             chunk_size,
             profile_owner or fn,
             ens.shared,
         )
-    vmapped = member_map(apply, in_axes_, layout, size)
+    vmapped = member_map(apply, member_axes, member_layout, size)
     if chunk_size is None or chunk_size == size:
         return vmapped(ens.members, args, member_keys)
     return _chunked(vmapped, ens.members, args, masks, member_keys, size, chunk_size)
@@ -261,7 +264,7 @@ def _auto_layout(
         owner, extra = None, ()
     profile = profile_call(apply, member, owner=owner, extra=extra)
     return choose_map_layout(
-        profile.convolution_flops, traced=is_traced(inputs), size=size
+        profile.convolution_flops, traced=any_traced(inputs), size=size
     )
 
 
