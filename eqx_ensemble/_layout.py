@@ -39,10 +39,10 @@ SEQUENTIAL_MAX_MEMBERS = 16
 # Called eagerly (outside `jit`), a member-by-member map dispatches each of its
 # operations once per member (about 2 ms per member for a small CNN's forward
 # pass on 2 cores), which pays off only once a member's convolutions outweigh
-# that (`ee.predict` on 5 CNNs, `benchmarks/bench_layout.py`: 78 MFLOP of
-# convolutions per member 0.7-1.1x, 157 MFLOP 1.5-2.0x, 629 MFLOP 4.2-4.7x the
-# vectorised call). Inside `jit` the member-by-member map wins from the
-# smallest batch (2.3-2.5x at 78 MFLOP).
+# that (`ee.predict` on 5 CNNs, `benchmarks/bench_layout.py`, two runs: 78 MFLOP
+# of convolutions per member 0.7-1.1x, 157 MFLOP 1.5-2.3x, 629 MFLOP 3.9-5.0x
+# the vectorised call). Inside `jit` the member-by-member map wins from the
+# smallest batch (2.3-3.4x at 78 MFLOP).
 EAGER_SEQUENTIAL_MIN_FLOPS = 1e8
 
 _CHOICES = ("auto", "vmap", "sequential")

@@ -15,7 +15,6 @@ step on the carry; nothing inside the step names a mesh axis but the update.
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,7 @@ from ._sharding import DATA, MEMBERS, constrain, gather_batch, place_state, repl
 from ._step import vmapped_update
 from ._track import Tracker
 from ._train_state import TrainState, member_select
-from ._xla import Options, filter_jit
+from ._xla import CompiledFunctions, Options, filter_jit
 
 
 class Chunk(eqx.Module):
@@ -97,11 +96,14 @@ def initial_state(
     return dataclasses.replace(train_state, controlled=controlled)
 
 
-@functools.cache
-def chunk_runner(options: Options) -> Callable[..., Any]:
-    """`run_chunk` compiled with XLA `options` (one cached wrapper per set of
-    options, so each keeps its own compilation cache); the state is donated."""
+def _make_chunk_runner(options: Options) -> Callable[..., Any]:
     return filter_jit(run_chunk, options, donate="all-except-first")
+
+
+# `run_chunk` compiled with XLA `options` (one wrapper per set of options, each
+# with its own compilation cache, bounded: see `_xla.CompiledFunctions`); the
+# state is donated.
+chunk_runner = CompiledFunctions(_make_chunk_runner)
 
 
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:

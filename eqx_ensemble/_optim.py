@@ -14,6 +14,7 @@ from jaxtyping import ArrayLike, Float, PyTree
 from ._ensemble import Ensemble
 from ._loss import check_optimizer
 from ._tree import first_difference, is_traced, keystr
+from ._xla import bound_programs
 
 
 def trainable(members: PyTree[Any]) -> PyTree[Any]:
@@ -213,7 +214,9 @@ def init_optimizer_fast(
         hash(optimizer)
     except TypeError:
         return init_optimizer(optimizer, ens)
-    return _compiled_init(optimizer, trainable(ens.members), _trained_shared(ens))
+    # One program per optimizer object: bounded (see `_xla.MAX_PROGRAMS`).
+    compiled = bound_programs(_compiled_init)
+    return compiled(optimizer, trainable(ens.members), _trained_shared(ens))
 
 
 def init_optimizer(

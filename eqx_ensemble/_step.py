@@ -25,7 +25,13 @@ from ._sharding import (
     replicate,
     sharded_update,
 )
-from ._xla import Options, check_compiler_options, filter_jit, step_compiler_options
+from ._xla import (
+    CompiledFunctions,
+    Options,
+    check_compiler_options,
+    filter_jit,
+    step_compiler_options,
+)
 
 
 class StepOutput(NamedTuple):
@@ -526,19 +532,27 @@ def _compiled_step(
     return _compiled_for(step, options, layout)
 
 
-@functools.cache
-def _compiled_for(
+def _make_compiled_for(
     step: Step, options: Options, layout: Layout
 ) -> Callable[..., StepOutput]:
     return filter_jit(functools.partial(_step_impl, step, layout), options)
 
 
-@functools.cache
-def _compiled_generic(options: Options, layout: Layout) -> Callable[..., StepOutput]:
+# One compiled step per step, options and layout; the least recently used are
+# dropped with their programs (`_xla.CompiledFunctions`).
+_compiled_for = CompiledFunctions(_make_compiled_for)
+
+
+def _make_compiled_generic(
+    options: Options, layout: Layout
+) -> Callable[..., StepOutput]:
     def generic(step: Step, *args: Any) -> StepOutput:
         return _step_impl(step, layout, *args)
 
     return filter_jit(generic, options)
+
+
+_compiled_generic = CompiledFunctions(_make_compiled_generic)
 
 
 def make_step(

@@ -10,9 +10,10 @@ dispatch-bound regime) keep XLA's defaults, where YNNPACK's single-threaded call
 are faster. Other platforms always keep XLA's defaults.
 """
 
+import collections
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, cast
 
 import equinox as eqx
@@ -36,6 +37,58 @@ def filter_jit(fn: Callable[..., Any], options: Options, **kwargs: Any) -> Any:
     to `jax.jit`, which Equinox's typed signature does not list)."""
     jit = cast(Any, eqx.filter_jit)
     return jit(fn, compiler_options=dict(options) or None, **kwargs)
+
+
+# Every program XLA compiles for a CPU keeps its machine code in memory maps of
+# its own (about 280 for a small `fit` loop, measured on Linux), and a jitted
+# function keeps every program it compiled for as long as it lives. A loop that
+# calls `fit` or `make_step` with a new optimizer each time would keep one more
+# program per call and, after a few hundred, pass Linux's limit on maps per
+# process (`vm.max_map_count`, 65530 by default): the next compilation then
+# crashes the interpreter. So each of the library's compiled functions keeps at
+# most `MAX_PROGRAMS` programs; past that it drops them all and compiles again.
+MAX_PROGRAMS = 32
+
+
+def drop_programs(jitted: Any) -> None:
+    """Drop every program compiled for `jitted` (an `eqx.filter_jit` wrapper);
+    its next call compiles again."""
+    cached = getattr(jitted, "_cached", None)
+    clear = getattr(cached, "clear_cache", None)
+    if clear is not None:
+        clear()
+
+
+def bound_programs(jitted: Any) -> Any:
+    """`jitted` (an `eqx.filter_jit` wrapper), after dropping its programs if it
+    holds more than `MAX_PROGRAMS`."""
+    size = getattr(getattr(jitted, "_cached", None), "_cache_size", None)
+    if size is not None and size() > MAX_PROGRAMS:
+        drop_programs(jitted)
+    return jitted
+
+
+class CompiledFunctions:
+    """At most `MAX_PROGRAMS` compiled functions made by `make(*key)`, the least
+    recently used dropped first (with their programs), each bounded by
+    `bound_programs`: a `functools.cache` that does not keep every program."""
+
+    def __init__(self, make: Callable[..., Any]):
+        self._make = make
+        self._made: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+
+    def __call__(self, *key: Hashable) -> Any:
+        jitted = self._made.pop(key, None)
+        if jitted is None:
+            jitted = self._make(*key)
+        self._made[key] = jitted
+        while len(self._made) > MAX_PROGRAMS:
+            _, oldest = self._made.popitem(last=False)
+            drop_programs(oldest)
+        return bound_programs(jitted)
+
+    def __len__(self) -> int:
+        return len(self._made)
 
 
 def check_compiler_options(options: Any) -> Options | None:

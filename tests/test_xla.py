@@ -219,3 +219,78 @@ def test_make_step_lowers_ahead_of_time():
     called = step(ens, opt_state, (X, Y), jax.random.key(14))
     assert eqx.tree_equal(ahead.ensemble, called.ensemble)
     np.testing.assert_array_equal(ahead.losses, called.losses)
+
+
+# -- bounded compiled programs ----------------------------------------------------
+
+
+def test_compiled_functions_drop_the_least_recently_used_with_their_programs(
+    monkeypatch,
+):
+    monkeypatch.setattr(_xla, "MAX_PROGRAMS", 2)
+    made = []
+
+    def make(scale):
+        jitted = eqx.filter_jit(lambda x: x * scale)
+        made.append(jitted)
+        return jitted
+
+    compiled = _xla.CompiledFunctions(make)
+    x = jnp.ones(3)
+    for scale in (1.0, 2.0):
+        np.testing.assert_allclose(compiled(scale)(x), scale * x)
+    compiled(1.0)  # now the most recently used
+    np.testing.assert_allclose(compiled(3.0)(x), 3.0 * x)  # evicts 2.0
+    assert len(compiled) == 2 and len(made) == 3
+    assert made[1]._cached._cache_size() == 0  # 2.0's program was dropped
+    assert made[0]._cached._cache_size() == 1  # 1.0's was kept
+    np.testing.assert_allclose(compiled(2.0)(x), 2.0 * x)  # made again
+    assert len(made) == 4
+    # One function compiled for many shapes is bounded too.
+    one = compiled(1.0)
+    for n in range(1, 5):
+        compiled(1.0)(jnp.ones(n))
+    assert one._cached._cache_size() <= 3
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/maps"), reason="memory maps are read on Linux"
+)
+def test_fit_and_make_step_with_new_optimizers_keep_memory_maps_bounded(monkeypatch):
+    # Each compiled CPU program holds ~280 memory maps; a loop with a new optimizer
+    # per call used to keep every program (and crash past ~230 calls).
+    from eqx_ensemble import _loop, _step
+
+    monkeypatch.setattr(_xla, "MAX_PROGRAMS", 3)
+    ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(0))
+
+    def maps():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    def one_round(i):
+        adam = optax.adam(1e-3 * (i + 1))
+        ee.fit(
+            ens,
+            xent,
+            adam,
+            (X, Y),
+            steps=2,
+            batch_size=8,
+            key=jax.random.key(i),
+            progress=False,
+            compiler_options={},
+        )
+        sgd = optax.sgd(1e-3 * (i + 1))
+        step = ee.make_step(xent, sgd, compiler_options={})
+        step(ens, ee.init_optimizer(sgd, ens), (X[:8], Y[:8]), jax.random.key(i))
+
+    for i in range(3):  # fill the bounded caches
+        one_round(i)
+    before = maps()
+    for i in range(3, 13):
+        one_round(i)
+        assert _loop.chunk_runner(())._cached._cache_size() <= 3 + 1
+        assert len(_step._compiled_for) <= 3
+    # Unbounded, ten rounds keep ~10 x 500 more maps.
+    assert maps() - before < 1500
