@@ -35,18 +35,18 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--keep-scratch",
         action="store_true",
-        help="call ee.keep_scratch_memory() first (glibc keeps freed scratch "
+        help="call allocator.keep_scratch_memory() first (glibc keeps freed scratch "
         "memory; where a script supports it)",
     )
     return p
 
 
 def keep_scratch(args: argparse.Namespace) -> None:
-    """Apply `ee.keep_scratch_memory()` when `--keep-scratch` was given."""
+    """Apply `allocator.keep_scratch_memory()` when `--keep-scratch` was given."""
     if getattr(args, "keep_scratch", False):
-        import eqx_ensemble as ee
+        from allocator import keep_scratch_memory
 
-        print(f"   ee.keep_scratch_memory(): {ee.keep_scratch_memory()}")
+        print(f"   keep_scratch_memory(): {keep_scratch_memory()}")
 
 
 def load_average() -> tuple[float, float, float]:

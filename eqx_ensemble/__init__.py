@@ -17,57 +17,64 @@ from . import (
     schedules as schedules,
     sweep as sweep,
 )
-from ._adversarial import Adversarial as Adversarial, adversarial as adversarial
-from ._allocator import keep_scratch_memory as keep_scratch_memory
-from ._average import average as average, tree_weighted_sum as tree_weighted_sum
-from ._batch_stats import recompute_batch_stats as recompute_batch_stats
-from ._checkpoint import load as load, load_manifest as load_manifest, save as save
-from ._checkpoint_dir import (
+from ._checkpoints.component import Checkpoints as Checkpoints
+from ._checkpoints.directory import (
     latest_checkpoint as latest_checkpoint,
     list_checkpoints as list_checkpoints,
     save_checkpoint as save_checkpoint,
     verify_checkpoint as verify_checkpoint,
 )
-from ._checkpoint_file import CheckpointError as CheckpointError
-from ._control import Controller as Controller
-from ._coupled import Coupled as Coupled, distillation_loss as distillation_loss
-from ._ensemble import Ensemble as Ensemble, ensemble as ensemble
-from ._evaluate import Evaluate as Evaluate
-from ._fit import fit as fit
-from ._fit_checkpoints import Checkpoints as Checkpoints
-from ._history import History as History
-from ._map import map as map
-from ._optim import (
+from ._checkpoints.file import CheckpointError as CheckpointError
+from ._checkpoints.io import load as load, load_manifest as load_manifest, save as save
+from ._controllers.base import Controller as Controller
+from ._controllers.pbt import PBT as PBT
+from ._core.ensemble import Ensemble as Ensemble, ensemble as ensemble
+from ._core.map import map as map
+from ._core.predict import predict as predict
+from ._core.sharding import (
+    make_mesh as make_mesh,
+    process_rows as process_rows,
+    shard as shard,
+)
+from ._core.stack import concatenate as concatenate, stack as stack, unstack as unstack
+from ._methods.adversarial import Adversarial as Adversarial, adversarial as adversarial
+from ._methods.average import average as average, tree_weighted_sum as tree_weighted_sum
+from ._methods.batch_stats import recompute_batch_stats as recompute_batch_stats
+from ._methods.select import (
+    greedy_selection as greedy_selection,
+    greedy_soup as greedy_soup,
+)
+from ._trackers.averages import EMA as EMA, SWA as SWA
+from ._trackers.base import Tracker as Tracker
+from ._trackers.snapshots import Snapshots as Snapshots
+from ._trackers.swag import SWAG as SWAG, SWAGPosterior as SWAGPosterior
+from ._training.coupled import (
+    Coupled as Coupled,
+    distillation_loss as distillation_loss,
+)
+from ._training.evaluate import Evaluate as Evaluate
+from ._training.fit import fit as fit
+from ._training.history import History as History
+from ._training.optim import (
     SharedOptState as SharedOptState,
     init_optimizer as init_optimizer,
     set_hyperparams as set_hyperparams,
 )
-from ._pbt import PBT as PBT
-from ._predict import predict as predict
-from ._result import (
+from ._training.result import (
     EnsembleDivergedError as EnsembleDivergedError,
     FitResult as FitResult,
 )
-from ._sampling import (
+from ._training.sampling import (
     Bootstrap as Bootstrap,
     Independent as Independent,
     Sampling as Sampling,
     Shared as Shared,
 )
-from ._select import greedy_selection as greedy_selection, greedy_soup as greedy_soup
-from ._sharding import (
-    make_mesh as make_mesh,
-    process_rows as process_rows,
-    shard as shard,
+from ._training.step import (
+    Step as Step,
+    StepOutput as StepOutput,
+    make_step as make_step,
 )
-from ._stack import concatenate as concatenate, stack as stack, unstack as unstack
-from ._step import Step as Step, StepOutput as StepOutput, make_step as make_step
-from ._track import EMA as EMA, SWA as SWA, Tracker as Tracker
-from ._track_more import (
-    SWAG as SWAG,
-    Snapshots as Snapshots,
-    SWAGPosterior as SWAGPosterior,
-)
-from ._train_state import TrainState as TrainState
+from ._training.train_state import TrainState as TrainState
 
 __version__ = "0.1.0"

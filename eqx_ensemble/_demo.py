@@ -21,8 +21,8 @@ import optax
 from jaxtyping import Array, PRNGKeyArray
 
 from . import metrics
-from ._ensemble import Ensemble, ensemble
-from ._fit import fit
+from ._core.ensemble import Ensemble, ensemble
+from ._training.fit import fit
 
 NOISE_STD = 3.0
 TRAIN_RANGE = 4.0
@@ -177,13 +177,13 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
 
 @eqx.filter_jit
 def _predict(ens: Ensemble, xs: Array) -> Array:
-    from ._predict import predict
+    from ._core.predict import predict
 
     return predict(ens, xs)
 
 
 def _save(path: Path, tree: Any, y_scale: float) -> Path:
-    from ._checkpoint import save
+    from ._checkpoints.io import save
 
     return save(
         path,

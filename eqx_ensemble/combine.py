@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Real
 
-from ._tree import is_traced
+from ._internal.tree import is_traced
 
 __all__ = [
     "mean_probs",

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
-from ._metrics_classification import (
+from ._metrics.classification import (
     member_log_probs,
     prepare_labels,
     prepare_predictions,
 )
-from ._metrics_regression import _means_variances_targets, one_output
+from ._metrics.regression import means_variances_targets, one_output
 from .combine import gaussian_mixture
 
 __all__ = [
@@ -138,7 +138,7 @@ def split_regression(
     means = one_output(jnp.asarray(means), "means", 2)
     variances = one_output(jnp.asarray(variances), "variances", 2)
     targets = one_output(jnp.asarray(targets), "targets", 1)
-    means, variances, targets = _means_variances_targets(means, variances, targets)
+    means, variances, targets = means_variances_targets(means, variances, targets)
     n = int(targets.shape[0])
     rank = math.ceil((n + 1) * (1 - alpha))
     if rank > n:
@@ -592,7 +592,7 @@ def jackknife_plus_after_bootstrap(
     **Example:** see
     [`JackknifePlusAfterBootstrap`][eqx_ensemble.conformal.JackknifePlusAfterBootstrap].
     """
-    from ._sampling import Bootstrap
+    from ._training.sampling import Bootstrap
 
     alpha = _check_alpha(alpha)
     means = one_output(jnp.asarray(train_means), "train_means", 2)

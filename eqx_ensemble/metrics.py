@@ -47,7 +47,7 @@ ee.metrics.per_member_accuracy(logits, labels, from_logits=True)  # shape (5,)
 ```
 """
 
-from ._metrics_calibration import (
+from ._metrics.calibration import (
     CalibrationBins as CalibrationBins,
     adaptive_calibration_error as adaptive_calibration_error,
     calibration_bins as calibration_bins,
@@ -55,7 +55,7 @@ from ._metrics_calibration import (
     max_calibration_error as max_calibration_error,
     per_member_calibration_error as per_member_calibration_error,
 )
-from ._metrics_classification import (
+from ._metrics.classification import (
     accuracy as accuracy,
     brier_score as brier_score,
     nll as nll,
@@ -63,12 +63,12 @@ from ._metrics_classification import (
     per_member_brier_score as per_member_brier_score,
     per_member_nll as per_member_nll,
 )
-from ._metrics_ood import (
+from ._metrics.ood import (
     ood_aupr as ood_aupr,
     ood_auroc as ood_auroc,
     ood_fpr_at_tpr as ood_fpr_at_tpr,
 )
-from ._metrics_regression import (
+from ._metrics.regression import (
     aleatoric_variance as aleatoric_variance,
     epistemic_variance as epistemic_variance,
     gaussian_nll as gaussian_nll,
@@ -79,17 +79,17 @@ from ._metrics_regression import (
     predictive_variance as predictive_variance,
     rmse as rmse,
 )
-from ._metrics_selective import (
+from ._metrics.selective import (
     accuracy_at_coverage as accuracy_at_coverage,
     augrc as augrc,
     aurc as aurc,
     risk_coverage_curve as risk_coverage_curve,
 )
-from ._metrics_temperature import (
+from ._metrics.temperature import (
     apply_temperature as apply_temperature,
     fit_temperature as fit_temperature,
 )
-from ._metrics_uncertainty import (
+from ._metrics.uncertainty import (
     disagreement as disagreement,
     expected_entropy as expected_entropy,
     mutual_information as mutual_information,

@@ -21,7 +21,7 @@ import numpy as np
 from jaxtyping import ArrayLike, Float, Int
 
 from . import metrics
-from ._metrics_checks import as_float_array, check_regression
+from ._metrics.checks import as_float_array, check_regression
 from .combine import gaussian_mixture
 
 __all__ = ["reliability_diagram", "predictive_band", "uncertainty_histogram"]

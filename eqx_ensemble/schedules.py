@@ -8,7 +8,7 @@ snapshots = ee.Snapshots(at=ee.schedules.cycle_ends(100, 5))
 ```
 """
 
-from ._track_more import (
+from ._trackers.cycles import (
     cosine_cycles as cosine_cycles,
     cycle_ends as cycle_ends,
     fge_snapshots as fge_snapshots,

@@ -1,4 +1,5 @@
-"""`ee.keep_scratch_memory`: glibc keeps a step's freed scratch blocks.
+"""`benchmarks/allocator.keep_scratch_memory` (a benchmark helper, not the
+library's: the setting is process-wide): glibc keeps a step's freed scratch blocks.
 
 Checked in a fresh process (the setting is process-wide): without it a 16 MiB
 block is `mmap`ped and handed back at `free`; with it the block comes from the
@@ -13,10 +14,13 @@ import textwrap
 
 import pytest
 
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks")
+
 PROBE = textwrap.dedent(
     """
     import ctypes, sys
-    import eqx_ensemble as ee
+    sys.path.insert(0, {benchmarks!r})
+    import allocator
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -29,7 +33,7 @@ PROBE = textwrap.dedent(
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     if sys.argv[1] == "keep":
-        print("settings", ee.keep_scratch_memory())
+        print("settings", allocator.keep_scratch_memory())
     mapped = libc.mallinfo2().hblks
     block = libc.malloc(16 * 2**20)
     print("mapped", libc.mallinfo2().hblks - mapped)
@@ -37,7 +41,7 @@ PROBE = textwrap.dedent(
     libc.free(block)
     print("kept", libc.mallinfo2().arena >= heap)
     """
-)
+).format(benchmarks=BENCHMARKS)
 
 
 def _probe(mode):
@@ -75,8 +79,9 @@ def test_blocks_stay_on_the_heap():
 def test_second_call_returns_the_same():
     # In a fresh process too: the setting outlives the call.
     code = (
-        "import eqx_ensemble as ee; first = ee.keep_scratch_memory(); "
-        "print(ee.keep_scratch_memory() == first)"
+        f"import sys; sys.path.insert(0, {BENCHMARKS!r}); import allocator; "
+        "first = allocator.keep_scratch_memory(); "
+        "print(allocator.keep_scratch_memory() == first)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import eqx_ensemble as ee
-from eqx_ensemble._checkpoint_file import _HEADER, MAGIC, TEMP_SUFFIX
+from eqx_ensemble._checkpoints.file import _HEADER, MAGIC, TEMP_SUFFIX
 
 
 def _tree():
@@ -95,7 +95,7 @@ def test_non_path_arguments_are_refused(tmp_path, bad):
 
 
 def test_the_library_refuses_non_paths_itself(tmp_path):
-    from eqx_ensemble._checkpoint_file import as_path
+    from eqx_ensemble._checkpoints.file import as_path
 
     with pytest.raises(TypeError, match="`directory` must be a path .* got int 3"):
         as_path(3, "directory")
@@ -171,7 +171,7 @@ def test_key_leaf_is_checked_against_like(tmp_path):
 
 
 def test_writable_check_and_fallback_helpers(tmp_path):
-    from eqx_ensemble._checkpoint_dir import (
+    from eqx_ensemble._checkpoints.directory import (
         check_writable_directory,
         newest_intact_checkpoint,
     )

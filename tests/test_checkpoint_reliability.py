@@ -27,12 +27,12 @@ import pytest
 
 import eqx_ensemble as ee
 from eqx_ensemble import _checkpoint_file
-from eqx_ensemble._checkpoint_dir import (
+from eqx_ensemble._checkpoints.directory import (
     _step_number,
     check_writable_directory,
     newest_intact_checkpoint,
 )
-from eqx_ensemble._checkpoint_file import _HEADER, MAGIC
+from eqx_ensemble._checkpoints.file import _HEADER, MAGIC
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 
@@ -583,7 +583,7 @@ def test_check_writable_directory_reports_an_unwritable_folder(tmp_path, monkeyp
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr("eqx_ensemble._checkpoint_dir.write_file", refuse)
+    monkeypatch.setattr("eqx_ensemble._checkpoints.directory.write_file", refuse)
     with pytest.raises(ee.CheckpointError, match="Permission denied") as caught:
         check_writable_directory(tmp_path / "run")
     assert str(tmp_path / "run") in str(caught.value)

@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_tree_allclose
 
 import eqx_ensemble as ee
-from eqx_ensemble._ensemble import check_key, split_member_keys
+from eqx_ensemble._internal.keys import check_key, split_member_keys
 
 SIZE = 6
 

@@ -17,12 +17,12 @@ from conftest import assert_tree_allclose
 
 import eqx_ensemble as ee
 from eqx_ensemble import _layout
-from eqx_ensemble._layout import (
+from eqx_ensemble._execution.layout import (
     SEQUENTIAL_MAX_MEMBERS,
     choose_layout,
     choose_map_layout,
 )
-from eqx_ensemble._profile import profile_call
+from eqx_ensemble._execution.profile import profile_call
 
 SIZE = 3
 SIZE_GROUP = str(SIZE)  # a grouped convolution's `feature_group_count`

@@ -587,8 +587,8 @@ def test_bad_components_are_named(ens):
         ee.fit(ens, mse_loss, "adam", (X, Y), **common)
     # The library's own checks (the suite's runtime type checker answers first
     # inside `fit`, naming the parameter).
-    from eqx_ensemble._fit_run import _check_components
-    from eqx_ensemble._sampling import as_sampling
+    from eqx_ensemble._training.run import _check_components
+    from eqx_ensemble._training.sampling import as_sampling
 
     with pytest.raises(TypeError, match=r"instance, e.g. `ee.Bootstrap\(\)`"):
         as_sampling(ee.Bootstrap)
@@ -935,7 +935,7 @@ def test_unrolled_dispatches_equal_the_fused_loop(sampling):
 
 
 def test_convolutions_on_cpu_are_unrolled_by_default():
-    from eqx_ensemble._fit_run import prepare
+    from eqx_ensemble._training.run import prepare
 
     cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
     common = dict(
@@ -982,7 +982,7 @@ def test_unrolled_stream_equals_make_step_loop():
 
 
 def test_step_profile_reads_convolutions_and_batched_matmuls():
-    from eqx_ensemble._profile import profile_step
+    from eqx_ensemble._execution.profile import profile_step
 
     cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
     batch = (IMAGES[:4], Y[:4])
@@ -1002,7 +1002,7 @@ def test_step_profile_reads_convolutions_and_batched_matmuls():
 
 
 def test_batched_matmuls_keep_xla_defaults():
-    from eqx_ensemble._xla import EIGEN_DOTS, step_compiler_options
+    from eqx_ensemble._execution.compile import EIGEN_DOTS, step_compiler_options
 
     big = ee.ensemble(
         lambda k: eqx.nn.MLP(256, 256, 256, 2, key=k), size=8, key=jax.random.key(0)

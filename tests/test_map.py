@@ -298,7 +298,9 @@ def test_map_key_wrong_shape(ens):
 
 def test_check_per_member_args_helper():
     # Used by the training step with `(batch,), (0,)`: keep that calling convention.
-    from eqx_ensemble._map import _check_per_member_args
+    from eqx_ensemble._core.mapping import (
+        check_per_member_args as _check_per_member_args,
+    )
 
     batch = {"x": jnp.ones((SIZE, 3)), "y": jnp.ones((SIZE,)), "weight": None}
     masks = _check_per_member_args((batch,), (0,), SIZE)

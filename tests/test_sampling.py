@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import eqx_ensemble as ee
-from eqx_ensemble._sampling import as_sampling
+from eqx_ensemble._training.sampling import as_sampling
 
 
 @pytest.mark.parametrize("name", ["shared", "independent", "bootstrap"])

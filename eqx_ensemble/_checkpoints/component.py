@@ -1,0 +1,289 @@
+"""`Checkpoints`: where and when `fit` saves its run, and how it resumes it."""
+
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+from jaxtyping import PyTree
+
+from .._core.ensemble import Ensemble
+from .._internal.checks import check_positive_int
+from .._trackers.base import Tracker
+from .._training.evaluate import Evaluate
+from .._training.history import History
+from .._training.loop import initial_state
+from .._training.optim import init_optimizer
+from .._training.result import FitResult, make_result
+from .._training.sampling import as_sampling
+from .._training.train_state import TrainState
+from .directory import (
+    check_writable_directory,
+    list_checkpoints,
+    newest_intact_checkpoint,
+    save_checkpoint,
+)
+from .file import CheckpointError
+from .io import load, load_manifest
+
+_KIND = "eqx_ensemble.fit"
+_ON_CORRUPT = ("raise", "previous")
+
+
+class _RunMismatch(CheckpointError):
+    """An intact checkpoint of another run (never a reason to fall back)."""
+
+
+class Checkpoints(eqx.Module):
+    """Save a [`fit`][eqx_ensemble.fit] run to a folder, and resume it from there.
+
+    Every `every` steps, and at the end, the whole run (ensemble, optimizer and
+    model states, step, divergence record, best members, trackers, controllers'
+    states and the history) is written atomically with
+    [`ee.save_checkpoint`][eqx_ensemble.save_checkpoint], keeping the newest
+    `keep`. If the folder already holds a checkpoint of this run, `fit`
+    **resumes** from the newest one and continues exactly as the uninterrupted
+    run would (array data: bit for bit; same random stream). The folder is
+    created and checked to be writable before the first step, so a bad path
+    costs no training.
+
+    **Arguments:**
+
+    - `directory`: the folder.
+    - `every`: the period in steps (`None`: at the end only).
+    - `keep`: how many checkpoints to keep (`None`: all).
+    - `on_corrupt`: what resuming does when the newest checkpoint cannot be
+      read: `"raise"` (default) or `"previous"`: fall back to the newest intact
+      one (the skipped files are left in place and named in a message).
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    opt = optax.sgd(0.1)
+    run = ee.Checkpoints("fit_run", every=5)
+    ee.fit(ens, loss, opt, x, steps=10, batch_size=4, key=jax.random.key(1),
+           checkpoints=run, progress=False)
+    latest = run.latest(ens, opt)          # the run at step 10, as a FitResult
+    assert latest.step == 10
+    ```
+    """
+
+    directory: str | os.PathLike[str] = eqx.field(static=True)
+    every: int | None = eqx.field(static=True, default=None)
+    keep: int | None = eqx.field(static=True, default=3)
+    on_corrupt: str = eqx.field(static=True, default="raise")
+
+    def __check_init__(self):
+        if not isinstance(self.directory, str | os.PathLike):
+            raise TypeError(
+                "`Checkpoints.directory` must be a path (str or os.PathLike), got "
+                f"{type(self.directory).__name__}"
+            )
+        if self.every is not None:
+            check_positive_int(self.every, "Checkpoints.every")
+        if self.keep is not None:
+            check_positive_int(self.keep, "Checkpoints.keep")
+        if self.on_corrupt not in _ON_CORRUPT:
+            raise ValueError(
+                f"`Checkpoints.on_corrupt` must be one of {_ON_CORRUPT}, got "
+                f"{self.on_corrupt!r}"
+            )
+
+    def prepare(self) -> None:
+        """Create the folder and check it is writable (before any training)."""
+        check_writable_directory(self.directory)
+
+    def boundary(self, done: int) -> int | None:
+        """The next step after `done` at which a checkpoint is due."""
+        if self.every is None:
+            return None
+        return (done // self.every + 1) * self.every
+
+    def due(self, done: int, steps: int) -> bool:
+        return done == steps or (self.every is not None and done % self.every == 0)
+
+    def save(
+        self, train_state: TrainState, history: History, run: dict[str, Any]
+    ) -> Path:
+        """Write the run at its current step."""
+        step = int(train_state.step)
+        return save_checkpoint(
+            self.directory,
+            step,
+            {
+                "train_state": train_state,
+                "losses": history.losses,
+                "eval_steps": history.eval_steps,
+                "eval_scores": history.eval_scores,
+            },
+            metadata={
+                "kind": _KIND,
+                "step": step,
+                "num_evaluations": int(history.eval_steps.shape[0]),
+                "run": run,
+            },
+            keep=self.keep,
+        )
+
+    def resume(
+        self, template: TrainState, run: dict[str, Any], steps: int | None
+    ) -> tuple[TrainState, History] | None:
+        """The newest checkpoint of this run (`None` if the folder has none).
+        Raises a `CheckpointError` if it belongs to another run, or holds more
+        than `steps` steps."""
+        if not list_checkpoints(self.directory):
+            return None
+        if self.on_corrupt == "raise":
+            path = list_checkpoints(self.directory)[-1][1]
+            return self._read(path, template, run, steps)
+        loaded: dict[Path, tuple[TrainState, History]] = {}
+        refused: list[_RunMismatch] = []
+
+        def verify(path: Path) -> None:
+            try:
+                loaded[path] = self._read(path, template, run, steps)
+            except _RunMismatch as error:  # intact, but another run: no fallback
+                refused.append(error)
+
+        path, skipped = newest_intact_checkpoint(self.directory, verify)
+        if refused:
+            raise refused[0]
+        if path is None:
+            reasons = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+            raise CheckpointError(
+                f"No intact checkpoint in {self.directory} ({reasons}); use another "
+                "folder to start a new run"
+            )
+        if skipped:
+            names = ", ".join(p.name for p, _ in skipped)
+            warnings.warn(
+                f"Resuming from {path.name}: the newer checkpoints {names} in "
+                f"{self.directory} cannot be read ({skipped[0][1]}); they are left "
+                "in place and will be replaced as the run continues",
+                stacklevel=4,
+            )
+        return loaded[path]
+
+    def _read(
+        self,
+        path: Path,
+        template: TrainState,
+        run: dict[str, Any],
+        steps: int | None,
+    ) -> tuple[TrainState, History]:
+        metadata = load_manifest(path).get("metadata", {})
+        if metadata.get("kind") != _KIND:
+            raise _RunMismatch(
+                f"{path} was not written by `ee.fit`; point `Checkpoints` at a folder "
+                "of fit checkpoints (or an empty one)"
+            )
+        step = metadata.get("step")
+        named = {p: s for s, p in list_checkpoints(self.directory)}.get(path)
+        if not isinstance(step, int) or (named is not None and named != step):
+            raise CheckpointError(
+                f"{path}: its manifest says step {step!r} but its name says step "
+                f"{named}; the file was renamed or altered"
+            )
+        saved_run = metadata.get("run", {})
+        for field, value in run.items():
+            if field == "hyperparams" and value is None:
+                continue  # not given: the saved optimizer state continues
+            if saved_run.get(field) != value:
+                shown = "PRNG key" if field == "key" else f"`{field}`"
+                raise _RunMismatch(
+                    f"Cannot resume from {path}: it was written by a run with a "
+                    f"different {shown} ({saved_run.get(field)!r} there, {value!r} "
+                    "now); exact resume needs the same run. Use another folder for a "
+                    "new run."
+                )
+        if steps is not None and step > steps:
+            raise _RunMismatch(
+                f"{path} holds a run at step {step}, past the `steps={steps}` asked "
+                f"for; ask for at least {step} steps (or use another folder)"
+            )
+        size = len(template.ensemble)
+        evaluations = int(metadata.get("num_evaluations", 0))
+        # Shapes only: a forged step count must not allocate anything.
+        like = {
+            "train_state": template,
+            "losses": jax.ShapeDtypeStruct((step, size), np.float32),
+            "eval_steps": jax.ShapeDtypeStruct((evaluations,), np.int64),
+            "eval_scores": jax.ShapeDtypeStruct((evaluations, size), np.float32),
+        }
+        restored = load(path, like)
+        history = History(
+            losses=np.asarray(restored["losses"]),
+            eval_steps=np.asarray(restored["eval_steps"]),
+            eval_scores=np.asarray(restored["eval_scores"]),
+        )
+        return restored["train_state"], history
+
+    def latest(
+        self,
+        ens: Ensemble,
+        optimizer: optax.GradientTransformation,
+        *,
+        opt_state: PyTree[Any] = None,
+        state: PyTree[Any] = None,
+        hyper: PyTree[Any] = None,
+        evaluate: Evaluate | None = None,
+        track: list[Tracker] | tuple[Tracker, ...] = (),
+        controllers: Sequence[Any] = (),
+    ) -> FitResult | None:
+        """The run's newest checkpoint as a [`FitResult`][eqx_ensemble.FitResult]
+        (`None` if the folder holds none). The arguments describe the run as
+        given to `fit` (an ensemble of the same structure, the optimizer, and
+        the model state, `hyper`, evaluation, trackers and controllers it had),
+        so the saved arrays can be checked against them.
+
+        **Example:**
+
+        ```python
+        ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                          key=jax.random.key(0))
+        result = ee.Checkpoints("empty_folder").latest(ens, optax.sgd(0.1))
+        assert result is None
+        ```
+        """
+        if opt_state is None:
+            opt_state = init_optimizer(optimizer, ens)
+        track = tuple(track)
+        template = initial_state(
+            ens,
+            opt_state,
+            state,
+            hyper=hyper,
+            track=track,
+            with_eval=evaluate is not None,
+            controllers=tuple(controllers),
+        )
+        checkpoints = list_checkpoints(self.directory)
+        if not checkpoints:
+            return None
+        saved_run = load_manifest(checkpoints[-1][1]).get("metadata", {}).get("run")
+        if not isinstance(saved_run, dict):
+            raise CheckpointError(f"{checkpoints[-1][1]} was not written by `ee.fit`")
+        resumed = self.resume(template, {"size": len(ens)}, None)
+        assert resumed is not None
+        train_state, history = resumed
+        run = {
+            "sampling": _sampling_of(saved_run.get("sampling")),
+            "num_examples": saved_run.get("num_examples"),
+        }
+        return make_result(train_state, history, track, run)
+
+
+def _sampling_of(name: Any) -> Any:
+    try:
+        return as_sampling(name)
+    except ValueError:
+        return None

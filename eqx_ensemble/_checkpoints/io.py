@@ -1,0 +1,391 @@
+"""`save` / `load`: verified, atomic checkpoints of any PyTree (ensembles included).
+
+Why a container of our own rather than `eqx.tree_serialise_leaves`: that format is
+a bare stream of `np.save` records with no manifest, so it cannot say which leaf
+of a mismatched file differs, cannot detect a flipped byte, and cannot restore typed
+PRNG keys or shardings. Ours keeps its spirit (leaves stored in flattening order,
+non-array leaves taken from `like`) and adds a verified manifest; the layout is
+documented in `_checkpoint_file.py` and in `ee.save`'s docstring.
+"""
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from .._internal.tree import is_traced, keystr
+from .file import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CheckpointFile,
+    as_path,
+    remove_stale_temporaries,
+    write_file,
+)
+from .leaves import (
+    decode_leaf,
+    encode_leaves,
+    key_impl_shapes,
+    record_error,
+)
+from .structure import (
+    classify,
+    describe,
+    describe_nodes,
+    ensemble_difference,
+    find_ensembles,
+    node_difference,
+    path_difference,
+)
+
+# The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
+__all__ = ["load", "load_manifest", "save"]
+
+Tree = TypeVar("Tree")
+
+
+def save(
+    path: str | os.PathLike[str],
+    tree: PyTree,
+    *,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Save a PyTree (an ensemble, an optimizer state, a PRNG key...) to one file.
+
+    The write is atomic: the file is written to a temporary file in the same folder,
+    flushed and fsynced, then renamed over `path`; a crash at any point leaves the
+    previous file at `path` intact. Missing parent folders are created.
+
+    Stored: every array leaf (`jax.Array`, `np.ndarray`, NumPy scalar; bfloat16 and
+    other ML dtypes included), typed PRNG key arrays (their key data and
+    implementation name), and Python `bool`/`int`/`float`/`complex` leaves (exactly).
+    Other leaves (functions, strings...) and static fields are not stored: `load`
+    takes them from `like`, as `eqx.tree_deserialise_leaves` does.
+
+    **File format** (version 1): 8 magic bytes `\\x89EQXENS\\n`, the manifest length
+    (uint64 little-endian), the manifest's sha256, the manifest (UTF-8 JSON), then
+    the data: each array's raw little-endian C-order bytes at a 64-byte-aligned
+    offset. The manifest holds the format name and version, the library, JAX and
+    Equinox versions, the tree's `treedef` text, its node types and static fields,
+    per leaf its path, kind, shape, dtype, offset and size (or its Python value),
+    the size of every `ee.Ensemble` in the tree (`ensemble_size` for the first),
+    the data's length and sha256, and your `metadata`.
+
+    **Multi-host** (`jax.process_count() > 1`): every process must call `save` with
+    its part of the same global tree; arrays that are not fully addressable are
+    gathered with `jax.experimental.multihost_utils.process_allgather`, process 0
+    writes the file (on a file system every process can read), and all processes
+    return once it is written. In one process nothing is gathered or synchronised.
+
+    **Arguments:**
+
+    - `path`: the file to write (conventionally `*.ckpt`).
+    - `tree`: any PyTree; its arrays must be concrete (not traced).
+    - `metadata`: an optional JSON-serialisable dict (string keys) stored in the
+      manifest; read it back with [`ee.load_manifest`][eqx_ensemble.load_manifest].
+
+    **Returns:**
+
+    The path written, as a `pathlib.Path`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 8, 2, key=k), size=4,
+                      key=jax.random.key(0))
+    ee.save("ensemble.ckpt", ens, metadata={"epoch": 3})
+    like = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 8, 2, key=k), size=4,
+                       key=jax.random.key(1))
+    restored = ee.load("ensemble.ckpt", like)
+    assert eqx.tree_equal(restored, ens)
+    ee.load_manifest("ensemble.ckpt")["metadata"]   # {'epoch': 3}
+    ```
+    """
+    return save_tree(as_path(path, "path"), tree, metadata=metadata)
+
+
+def save_tree(
+    path: Path,
+    tree: Any,
+    *,
+    metadata: dict[str, Any] | None,
+    step: int | None = None,
+    after_write: Callable[[], None] | None = None,
+) -> Path:
+    """`save`, also recording a training `step` and running `after_write` on the
+    writing process once the file is in place (used to prune old checkpoints)."""
+    metadata = _checked_metadata(metadata)
+    leaves, treedef = jtu.tree_flatten_with_path(tree)
+    records, chunks = encode_leaves(leaves)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": _library_version(),
+        "jax_version": jax.__version__,
+        "equinox_version": eqx.__version__,
+        "step": step,
+        "ensemble_size": None,
+        "ensembles": find_ensembles(tree),
+        "treedef": str(treedef),
+        "nodes": describe_nodes(tree),
+        "leaves": records,
+        "metadata": metadata,
+    }
+    if manifest["ensembles"]:
+        manifest["ensemble_size"] = manifest["ensembles"][0]["size"]
+
+    def write() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise OSError(
+                error.errno,
+                f"cannot create the folder {str(path.parent)!r} for the checkpoint "
+                f"({error.strerror or error}); nothing was written",
+                str(path),
+            ) from error
+        remove_stale_temporaries(path)
+        write_file(path, manifest, chunks)
+        if after_write is not None:
+            after_write()
+
+    if jax.process_count() == 1:
+        write()
+    else:
+        _write_on_process_zero(write, path)
+    return path
+
+
+def _library_version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(name, str) for name in metadata
+    ):
+        raise TypeError("`metadata` must be a dict with string keys")
+    try:
+        return json.loads(json.dumps(metadata))
+    except RecursionError:
+        raise TypeError("`metadata` is nested too deeply to store as JSON") from None
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"`metadata` must be JSON-serialisable (dicts, lists, strings, numbers, "
+            f"booleans, None): {error}"
+        ) from None
+
+
+def _write_on_process_zero(write: Callable[[], None], path: Path) -> None:
+    from jax.experimental import multihost_utils
+
+    failure: BaseException | None = None
+    if jax.process_index() == 0:
+        try:
+            write()
+        except Exception as error:
+            failure = error
+    # Also a barrier: no process returns before the file is in place.
+    succeeded = multihost_utils.broadcast_one_to_all(np.asarray(failure is None))
+    if failure is not None:
+        raise failure
+    if not bool(succeeded):
+        raise OSError(f"process 0 failed to write the checkpoint {path}")
+
+
+def load(path: str | os.PathLike[str], like: Tree) -> Tree:
+    """Load a checkpoint written by [`ee.save`][eqx_ensemble.save] into `like`'s shape.
+
+    The file is verified before anything is returned: its header, the manifest's
+    sha256, its length (truncation, trailing bytes) and the data's sha256; and the
+    stored tree is compared with `like`: ensemble sizes, node types and static
+    fields, leaf paths, and each leaf's kind, shape and dtype. Non-array leaves
+    (functions...) and static fields come from `like`; Python numbers are restored
+    from the file as the Python type found in `like`.
+
+    Placement follows `like`: a loaded array is put on the sharding of `like`'s
+    leaf (`jax.device_put(x, like_leaf.sharding)`), so a checkpoint saved from a run
+    sharded over 8 devices loads onto 1 device or another mesh, and the other way
+    round. `like` may come from `eqx.filter_eval_shape` (leaves are
+    `jax.ShapeDtypeStruct`s): arrays then go on the struct's sharding if it has one,
+    otherwise on the default device. NumPy leaves in `like` load as NumPy arrays.
+
+    **Arguments:**
+
+    - `path`: a file written by `ee.save` (or `ee.save_checkpoint`).
+    - `like`: a PyTree with the same structure as the saved one: a model of the same
+      architecture, or `eqx.filter_eval_shape` of its constructor.
+
+    **Returns:**
+
+    A PyTree with `like`'s structure and the checkpoint's values.
+
+    **Raises:**
+
+    [`ee.CheckpointError`][eqx_ensemble.CheckpointError] (a `ValueError`) when the
+    file is not a checkpoint, is truncated or corrupt, or differs from `like`; the
+    message says what differs (leaf path, both shapes/dtypes, both ensemble sizes).
+    `FileNotFoundError` when there is no file at `path`.
+
+    **Example:**
+
+    ```python
+    make = lambda k: eqx.nn.MLP(3, 2, 16, 2, key=k)
+    ens = ee.ensemble(make, size=8, key=jax.random.key(0))
+    ee.save("ens.ckpt", ens)
+    # No need to initialise real weights to get a `like`:
+    like = eqx.filter_eval_shape(ee.ensemble, make, size=8, key=jax.random.key(0))
+    restored = ee.load("ens.ckpt", like)
+    assert eqx.tree_equal(restored, ens)
+    ```
+    """
+    path = as_path(path, "path")
+    like_leaves, like_treedef = jtu.tree_flatten_with_path(like)
+    for leaf_path, leaf in like_leaves:
+        if is_traced(leaf):
+            raise TypeError(
+                f"`like`'s leaf `{keystr(leaf_path)}` is traced (inside `jit`, "
+                "`vmap`...): call `ee.load` outside transformed code."
+            )
+    with CheckpointFile(path) as file:
+        records = _verified_records(file, like, like_leaves)
+        data = file.read_data()
+    leaves = [
+        decode_leaf(record, like_leaf, data)
+        for record, (_, like_leaf) in zip(records, like_leaves, strict=True)
+    ]
+    return jtu.tree_unflatten(like_treedef, leaves)
+
+
+def _verified_records(
+    file: CheckpointFile, like: Any, like_leaves: list[tuple[Any, Any]]
+) -> list[dict[str, Any]]:
+    """The manifest's leaf records, once they are known to match `like`."""
+    records = checked_records(file)
+    try:
+        message = _structure_difference(
+            file.manifest, like, like_leaves
+        ) or _first_mismatch(records, like_leaves)
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        IndexError,
+        AttributeError,
+        OverflowError,
+        RecursionError,
+    ) as error:
+        raise file.error(f"the manifest is malformed ({error!r})") from None
+    if message is not None:
+        raise file.error(message)
+    return records
+
+
+def _structure_difference(
+    manifest: dict[str, Any], like: Any, like_leaves: list[tuple[Any, Any]]
+) -> str | None:
+    return (
+        ensemble_difference(manifest["ensembles"], find_ensembles(like))
+        or node_difference(manifest["nodes"], describe_nodes(like))
+        or path_difference(
+            [record["path"] for record in manifest["leaves"]],
+            [keystr(path) for path, _ in like_leaves],
+        )
+    )
+
+
+def _first_mismatch(
+    records: list[dict[str, Any]], like_leaves: list[tuple[Any, Any]]
+) -> str | None:
+    for record, (path, like_leaf) in zip(records, like_leaves, strict=True):
+        expected = classify(like_leaf)
+        found = {key: record.get(key) for key in expected}
+        if record["kind"] == "static" and expected["kind"] == "static":
+            continue
+        if found != expected:
+            return (
+                f"leaf `{keystr(path)}` differs: the checkpoint holds "
+                f"{describe(record)}, `like` holds {describe(expected)}"
+                + _key_hint(record["kind"], expected["kind"])
+            )
+        if record["kind"] == "key":
+            mismatch = _key_mismatch(record, like_leaf)
+            if mismatch is not None:
+                return f"leaf `{keystr(path)}` differs: the checkpoint holds {mismatch}"
+    return None
+
+
+def _key_hint(saved: str, like: str) -> str:
+    if {saved, like} != {"key", "array"}:
+        return ""
+    return (
+        " (typed keys, `jax.random.key`, and raw uint32 keys, `jax.random.PRNGKey`, "
+        "are stored differently: build `like` with the same kind, or convert with "
+        "`jax.random.key_data` / `jax.random.wrap_key_data`)"
+    )
+
+
+def checked_records(file: CheckpointFile) -> list[dict[str, Any]]:
+    """The manifest's leaf records, each checked on its own (no `like` needed)."""
+    records = file.manifest.get("leaves")
+    if not isinstance(records, list):
+        raise file.error("the manifest is malformed (no list of leaves)")
+    for record in records:
+        problem = record_error(record, file.data_bytes)
+        if problem is not None:
+            raise file.error(problem)
+    return records
+
+
+def _key_mismatch(record: dict[str, Any], like_leaf: Any) -> str | None:
+    """A key leaf's implementation against `like`'s (the key data's shape follows
+    from the implementation and was checked with the record)."""
+    found = key_impl_shapes(record["impl"])
+    assert found is not None  # checked by `record_error`
+    if found[0] != like_leaf.dtype:
+        return (
+            f"keys of implementation {record['impl']!r}, `like` holds {like_leaf.dtype}"
+        )
+    return None
+
+
+def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and verify a checkpoint's manifest without loading its arrays.
+
+    Checks the header, the manifest's sha256 and the file's length (not the data's
+    sha256: [`ee.load`][eqx_ensemble.load] does that).
+
+    **Arguments:**
+
+    - `path`: a file written by [`ee.save`][eqx_ensemble.save].
+
+    **Returns:**
+
+    The manifest as a dict: `"metadata"` (what was passed to `save`), `"step"`
+    (set by [`ee.save_checkpoint`][eqx_ensemble.save_checkpoint], else `None`),
+    `"ensemble_size"`, `"leaves"` (path, kind, shape, dtype of each leaf),
+    `"format_version"`, `"library_version"`, `"jax_version"`, `"data"` (length and
+    sha256)...
+
+    **Example:**
+
+    ```python
+    ee.save("keys.ckpt", {"key": jax.random.key(0), "lr": 0.1}, metadata={"a": 1})
+    manifest = ee.load_manifest("keys.ckpt")
+    manifest["metadata"], [leaf["path"] for leaf in manifest["leaves"]]
+    # ({'a': 1}, ["['key']", "['lr']"])
+    ```
+    """
+    with CheckpointFile(as_path(path, "path")) as file:
+        return file.manifest

@@ -1,0 +1,70 @@
+"""Controllers: change a `fit` run between dispatches.
+
+The protocol (what `fit(..., controllers=[...])` calls):
+
+- `every`: the controller runs after every `every` steps (dispatches end there).
+- `init(train_state) -> state`: once, before the first step (checkpointed and
+  resumed with the run; a PyTree of arrays, or `None`).
+- `__call__(train_state, state, history) -> (train_state, state)`: on the host,
+  between dispatches, with the run's [`TrainState`][eqx_ensemble.TrainState] and
+  its [`History`][eqx_ensemble.History] so far. It may return a changed train
+  state (e.g. copy the weights and optimizer state of better members into worse
+  ones: population-based training) as long as the structure, shapes and dtypes
+  stay the same. It runs again on the same step after a resume only if that step
+  was not checkpointed after it ran (checkpoints are written after controllers).
+"""
+
+import abc
+from typing import Any
+
+import equinox as eqx
+from jaxtyping import PyTree
+
+from .._training.history import History
+from .._training.train_state import TrainState
+
+
+class Controller(eqx.Module):
+    """Changes a [`fit`][eqx_ensemble.fit] run between dispatches (abstract): see
+    the module docs above and the training guide. Subclasses set `every` and
+    implement `__call__`.
+
+    **Example:**
+
+    ```python
+    class HalveLearningRate(ee.Controller):
+        every: int = 50
+
+        def __call__(self, train_state, state, history):
+            opt_state = train_state.opt_state
+            halved = opt_state._replace(hyperparams={
+                **opt_state.hyperparams,
+                "learning_rate": opt_state.hyperparams["learning_rate"] / 2,
+            })
+            return eqx.tree_at(lambda t: t.opt_state, train_state, halved), state
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    result = ee.fit(ens, loss, opt, x, steps=100, batch_size=4,
+                    key=jax.random.key(1), controllers=[HalveLearningRate()],
+                    progress=False)
+    result.opt_state.hyperparams["learning_rate"]     # 0.1 / 4 for each member
+    ```
+    """
+
+    every: eqx.AbstractVar[int]
+
+    def init(self, train_state: TrainState) -> PyTree[Any]:
+        """The controller's own state (default `None`)."""
+        del train_state
+        return None
+
+    @abc.abstractmethod
+    def __call__(
+        self, train_state: TrainState, state: PyTree[Any], history: History
+    ) -> tuple[TrainState, PyTree[Any]]:
+        """Run between dispatches; return the (possibly changed) train state and
+        the controller's state."""

@@ -1,0 +1,92 @@
+"""`predict`: every member on a batch, in inference mode, with its own state."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+from jaxtyping import PRNGKeyArray, PyTree
+
+from .data import check_leading, num_examples
+from .ensemble import Ensemble
+from .mapping import map_members
+
+
+def predict(
+    ens: Ensemble,
+    x: PyTree[Any],
+    *,
+    state: PyTree[Any] = None,
+    key: PRNGKeyArray | None = None,
+    chunk_size: int | None = None,
+    layout: str | None = None,
+) -> PyTree[Any]:
+    """Every member's predictions on a batch, in inference mode.
+
+    The one-liner behind `ee.map(lambda m, xs: jax.vmap(m)(xs), ens, xs)`: each
+    member (switched to `eqx.nn.inference_mode`: dropout off, BatchNorm on its
+    running statistics) is mapped over the examples of `x`.
+
+    **Arguments:**
+
+    - `ens`: the ensemble.
+    - `x`: a batch: an array, or a PyTree of arrays sharing a leading example axis
+      (each member is called on one example at a time, with the PyTree's
+      structure, e.g. `model(x_i)` or `model((a_i, b_i))`).
+    - `state`: the stacked model state (`eqx.nn.State`, e.g. BatchNorm running
+      statistics, one per member, as `fit` returns it). Member `i` is called as
+      `model(x_i, state_i)` and its first output is kept (inference does not
+      change the state).
+    - `key`: for stochastic models: split into one key per member, then one per
+      example, passed as `key=`.
+    - `chunk_size`: run the members this many at a time (bounds peak memory; see
+      [`ee.map`][eqx_ensemble.map]).
+    - `layout`: the members vectorised (`"vmap"`) or one after another
+      (`"sequential"`), as in [`ee.map`][eqx_ensemble.map]; `None` chooses
+      (`"sequential"` for a convolutional model on one CPU device).
+
+    **Returns:**
+
+    The outputs with leading axes `(members, examples, ...)`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k), size=4,
+                      key=jax.random.key(0))
+    x = jnp.ones((10, 2))
+    ee.predict(ens, x).shape          # (4, 10, 1)
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(
+            f"`ee.predict` takes an `ee.Ensemble`, got {type(ens).__name__}"
+        )
+    examples = num_examples(x, "x")
+    inference = eqx.nn.inference_mode(ens)
+    stateful = state is not None
+    if stateful:
+        check_leading(state, len(ens), "`state`")
+
+    def one_member(member, x, member_state, *, key=None):
+        example_keys = None if key is None else jax.random.split(key, examples)
+
+        def one_example(xi, example_key):
+            kwargs = {} if example_key is None else {"key": example_key}
+            if stateful:
+                return member(xi, member_state, **kwargs)[0]
+            return member(xi, **kwargs)
+
+        return jax.vmap(one_example)(x, example_keys)
+
+    # The layout's profile is cached under `predict` (its `one_member` is a new
+    # closure each call), keyed by the shapes of the ensemble, `x` and `state`.
+    return map_members(
+        one_member,
+        inference,
+        (x, state),
+        (None, 0 if stateful else None),
+        chunk_size,
+        key,
+        layout,
+        profile_owner=predict,
+    )

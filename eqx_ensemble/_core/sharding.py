@@ -1,0 +1,581 @@
+"""Meshes and placement: the member axis and the data axis across devices and hosts.
+
+Two mesh axes, with fixed names: `"members"` splits the leading member axis of an
+ensemble (its optimizer and model states too); `"data"` splits the example axis of
+data and batches. Everything else is replicated. A mesh may have either axis or both.
+
+The same helpers work for `AxisType.Auto` meshes (the compiler propagates shardings;
+we pin them with `with_sharding_constraint`) and `AxisType.Explicit` meshes (shardings
+are part of the types; we move them with `jax.sharding.reshard` and give gathers an
+`out_sharding`). `eqx.filter_shard` is not used: it fails on Explicit meshes.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, PyTree
+
+from .._internal.tree import is_traced, keystr
+from .data import gather
+from .ensemble import member_axis_mask
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+MEMBERS = "members"
+DATA = "data"
+_AXIS_NAMES = (MEMBERS, DATA)
+
+
+def _check_axis_size(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"`{name}` must be an int or None, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be at least 1, got {value}")
+    return int(value)
+
+
+def make_mesh(
+    members: int | None = None,
+    data: int | None = None,
+    *,
+    devices: Sequence[Any] | None = None,
+    axis_types: AxisType = AxisType.Auto,
+) -> Mesh:
+    """A device mesh with a `"members"` axis, a `"data"` axis, or both.
+
+    **Arguments:**
+
+    - `members`: devices along the member axis: the ensemble's members are split
+      into this many equal groups. `None`: no member axis.
+    - `data`: devices along the data axis: every batch's examples are split into
+      this many equal parts. `None`: no data axis.
+      With neither given, every device goes on the member axis.
+    - `devices`: the devices to use, `members * data` of them (default: the first
+      `members * data` of `jax.devices()`, which in a multi-process run must be all
+      of them).
+    - `axis_types`: `jax.sharding.AxisType.Auto` (the default: the compiler
+      propagates shardings through your loss; the library pins the member and
+      data axes) or `AxisType.Explicit` (shardings are part of the array types, as
+      with the default of `jax.make_mesh`). Both give the same results.
+
+    **Returns:**
+
+    A `jax.sharding.Mesh` with axes `("members",)`, `("data",)` or
+    `("members", "data")`, for [`shard`][eqx_ensemble.shard] and `fit(..., mesh=)`.
+
+    **Example:**
+
+    ```python
+    mesh = ee.make_mesh(members=4, data=2)       # 8 devices: a 4 x 2 grid
+    mesh.shape                                   # {'members': 4, 'data': 2}
+    members_only = ee.make_mesh(members=2)       # the first 2 devices
+    explicit = ee.make_mesh(data=2, axis_types=jax.sharding.AxisType.Explicit)
+    ```
+    """
+    members = _check_axis_size(members, "members")
+    data = _check_axis_size(data, "data")
+    if not isinstance(axis_types, AxisType):
+        raise TypeError(
+            "`axis_types` must be a `jax.sharding.AxisType` (Auto or Explicit), "
+            f"got {axis_types!r}"
+        )
+    if axis_types == AxisType.Manual:
+        raise ValueError("`axis_types` must be AxisType.Auto or AxisType.Explicit")
+    available = list(jax.devices()) if devices is None else list(devices)
+    for position, device in enumerate(available):
+        if not isinstance(device, jax.Device):
+            raise TypeError(
+                f"`devices[{position}]` is a {type(device).__name__}, not a "
+                "`jax.Device`; pass devices from `jax.devices()`"
+            )
+    repeated = sorted({str(d) for d in available if available.count(d) > 1})
+    if repeated:
+        raise ValueError(
+            f"`devices` lists {', '.join(repeated)} more than once; a mesh places "
+            "each device once"
+        )
+    if members is None and data is None:
+        members = len(available)
+    shape = tuple(size for size in (members, data) if size is not None)
+    names = tuple(
+        name for name, size in zip(_AXIS_NAMES, (members, data)) if size is not None
+    )
+    needed = math.prod(shape)
+    if devices is None and needed < len(available):
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"The mesh {dict(zip(names, shape))} has {needed} devices, but a "
+                f"multi-process run must use all {len(available)} devices "
+                f"({jax.process_count()} processes); choose axis sizes whose "
+                f"product is {len(available)}"
+            )
+        available = available[:needed]
+    if needed != len(available):
+        raise ValueError(
+            f"The mesh {dict(zip(names, shape))} needs {needed} devices, but "
+            f"{len(available)} {'are' if len(available) != 1 else 'is'} available"
+            + ("" if devices is None else " in `devices`")
+        )
+    return jax.make_mesh(
+        shape, names, axis_types=(axis_types,) * len(shape), devices=available
+    )
+
+
+def _check_mesh(mesh: Any) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"`mesh` must be a `jax.sharding.Mesh` (see `ee.make_mesh`), got "
+            f"{type(mesh).__name__}"
+        )
+    ours = [name for name in mesh.axis_names if name in _AXIS_NAMES]
+    if not ours:
+        raise ValueError(
+            f"The mesh has axes {tuple(mesh.axis_names)} but eqx_ensemble places "
+            f"arrays on axes named {_AXIS_NAMES!r}; build it with `ee.make_mesh` or "
+            "name your axes 'members' and/or 'data'"
+        )
+    kinds = {name: _axis_type(mesh, name) for name in ours}
+    if AxisType.Manual in kinds.values() or len(set(kinds.values())) > 1:
+        raise ValueError(
+            f"The mesh axes {ours} must all be AxisType.Auto or all "
+            f"AxisType.Explicit, got {kinds}"
+        )
+    return mesh
+
+
+def _axis_type(mesh: Mesh, name: str) -> AxisType:
+    return dict(zip(mesh.axis_names, mesh.axis_types))[name]
+
+
+def _axis_size(mesh: Mesh, name: str) -> int:
+    return int(mesh.shape[name]) if name in mesh.axis_names else 1
+
+
+def _spec(mesh: Mesh, axes: Sequence[str | None]) -> PartitionSpec:
+    """Leading array axes split over `axes`, dropping the axes `mesh` lacks (`None`:
+    that array axis is not split)."""
+    entries = [
+        name if name is not None and name in mesh.axis_names else None for name in axes
+    ]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def _is_explicit(mesh: Mesh) -> bool:
+    return any(
+        _axis_type(mesh, name) == AxisType.Explicit
+        for name in _AXIS_NAMES
+        if name in mesh.axis_names
+    )
+
+
+def _check_axes(axes: Any) -> tuple[str, ...]:
+    if isinstance(axes, str):
+        axes = (axes,)
+    axes = tuple(axes)
+    if any(name not in _AXIS_NAMES for name in axes) or len(set(axes)) != len(axes):
+        raise ValueError(
+            f"`axes` must name the leading array axes, each one of {_AXIS_NAMES!r} "
+            f"(at most once), e.g. 'members', 'data' or ('members', 'data'); got "
+            f"{axes!r}"
+        )
+    return axes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _divisibility_error(name: str, length: int, devices: int, where: str) -> ValueError:
+    if name == MEMBERS:
+        above = (length // devices + 1) * devices
+        below = (length // devices) * devices
+        sizes = ", ".join(str(size) for size in (below, above) if size > 0)
+        divisors = ", ".join(map(str, _divisors(length)))
+        return ValueError(
+            f"{where} has {length} members, which do not split evenly over the "
+            f"{devices} devices of the mesh axis 'members' ({length} is not a "
+            f"multiple of {devices}). Use an ensemble size that is a multiple of "
+            f"{devices} (e.g. {sizes}), or a 'members' axis whose size divides "
+            f"{length} ({divisors}), e.g. `ee.make_mesh(members=..., data=...)` with "
+            "the other devices on the data axis"
+        )
+    return ValueError(
+        f"{where} has {length} examples along its leading axis, which do not split "
+        f"evenly over the {devices} devices of the mesh axis 'data' ({length} is "
+        f"not a multiple of {devices}). Use a multiple of {devices} examples "
+        f"(e.g. drop the last {length % devices} or pad), a 'data' axis whose size "
+        f"divides {length}, or keep this array replicated"
+    )
+
+
+def _check_leaf(path: Any, leaf: Any, mesh: Mesh, axes: Sequence[str], what: str):
+    where = f"{what} leaf `{keystr(path)}`" if path else what
+    shape = tuple(np.shape(leaf))
+    if len(shape) < len(axes):
+        raise ValueError(
+            f"{where} has shape {shape}, but splitting it over the mesh needs "
+            f"{len(axes)} leading array axes ({', '.join(axes)}); replicate it "
+            "instead with `axes=()`"
+        )
+    for position, name in enumerate(axes):
+        devices = _axis_size(mesh, name)
+        if shape[position] % devices:
+            raise _divisibility_error(name, shape[position], devices, where)
+
+
+def _is_key(leaf: Any) -> bool:
+    return jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _same_placement(leaf: Any, sharding: NamedSharding) -> bool:
+    return (
+        isinstance(leaf, jax.Array)
+        and not is_traced(leaf)
+        and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    )
+
+
+def _place(leaf: Any, sharding: NamedSharding, process_local: bool) -> Array:
+    """Place one array leaf (outside `jit`) with `sharding`."""
+    if _is_key(leaf):
+        impl = jax.random.key_impl(leaf)
+        data = _place(jax.random.key_data(leaf), sharding, process_local)
+        return jax.random.wrap_key_data(data, impl=impl)
+    if process_local:
+        return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
+    if _same_placement(leaf, sharding):
+        return leaf
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        # Already global (several processes): move it with a compiled identity.
+        return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
+    if sharding.is_fully_addressable:
+        return jax.device_put(leaf, sharding)
+    # Several processes: every process holds the same whole value; each one
+    # contributes the shards its own devices hold.
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard(
+    tree: PyTree[Any],
+    mesh: Mesh,
+    *,
+    axes: str | Sequence[str] = MEMBERS,
+    process_local: bool = False,
+) -> PyTree[Any]:
+    """Place every array leaf of `tree` on `mesh`: leading axes split, rest replicated.
+
+    - An ensemble, its optimizer state and its model state: `shard(tree, mesh)`
+      splits the leading member axis over the mesh axis `"members"`.
+    - Data: `shard((x, y), mesh, axes="data")` splits the example axis over `"data"`.
+    - Per-member batches `(members, batch, ...)`: `axes=("members", "data")`.
+    - `axes=()` replicates every leaf on every device of the mesh.
+
+    An axis the mesh does not have leaves that array axis unsplit (so the same code
+    works with member-only, data-only and 2-D meshes). Non-array leaves are
+    returned untouched. Works outside `jit`; already placed leaves are not copied.
+
+    **Arguments:**
+
+    - `tree`: any PyTree (an `ee.Ensemble`, an optax state, `(x, y)` data...).
+    - `mesh`: a mesh from [`make_mesh`][eqx_ensemble.make_mesh] (or any
+      `jax.sharding.Mesh` with axes named `"members"` and/or `"data"`).
+    - `axes`: which mesh axes the leading array axes are split over, in order.
+    - `process_local`: in a multi-process run, `tree` holds only THIS process's
+      part of the global arrays (e.g. its rows of the data, see
+      [`process_rows`][eqx_ensemble.process_rows]); the global arrays are assembled
+      with `jax.make_array_from_process_local_data`. Default: every process passes
+      the same whole value.
+
+    **Returns:**
+
+    The same tree with every array leaf a `jax.Array` with sharding
+    `NamedSharding(mesh, PartitionSpec(*axes))`.
+
+    **Raises:**
+
+    `ValueError` before any transfer if a split axis is not divisible by its number
+    of devices (e.g. 6 members on a 4-device `"members"` axis); the message names
+    the leaf, both numbers and sizes that work. Sharding never pads.
+
+    **Example:**
+
+    ```python
+    mesh = ee.make_mesh(members=4, data=2)
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(3, 1, 8, 1, key=k), size=8,
+                      key=jax.random.key(0))
+    ens = ee.shard(ens, mesh)                 # 2 members per 'members' device
+    ens.members.layers[0].weight.sharding.spec   # PartitionSpec('members',)
+    x = ee.shard(jnp.ones((32, 3)), mesh, axes="data")
+    x.sharding.spec                           # PartitionSpec('data',)
+    ```
+    """
+    mesh = _check_mesh(mesh)
+    axes = _check_axes(axes)
+    spec = _spec(mesh, axes)
+    sharding = NamedSharding(mesh, spec)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    leaves = jtu.tree_flatten_with_path(tree)[0]
+    # An ensemble's shared part (and its optimizer state) has no member axis: it
+    # is replicated wherever the members are split.
+    per_member = _per_member_flags(tree, axes)
+    what = "the tree" if axes == (MEMBERS,) else "the data"
+    for (path, leaf), split in zip(leaves, jtu.tree_leaves(per_member)):
+        if eqx.is_array(leaf):
+            if is_traced(leaf):
+                raise ValueError(
+                    "`ee.shard` places arrays outside `jit`; inside compiled code "
+                    "the library constrains shardings itself (pass `mesh=` to "
+                    "`fit`/`make_step`)"
+                )
+            if not process_local and split:
+                _check_leaf(path, leaf, mesh, axes, what)
+    return jax.tree.map(
+        lambda leaf, split: (
+            _place(leaf, sharding if split else replicated, process_local)
+            if eqx.is_array(leaf)
+            else leaf
+        ),
+        tree,
+        per_member,
+    )
+
+
+def _per_member_flags(tree: PyTree[Any], axes: Sequence[str | None]) -> PyTree[Any]:
+    if axes and axes[0] == MEMBERS:
+        return member_axis_mask(tree)
+    return jtu.tree_map(lambda _: True, tree)
+
+
+def process_rows(mesh: Mesh, num_examples: int) -> slice:
+    """The rows of the data THIS process must feed in a multi-process run.
+
+    With a `"data"` mesh axis, `shard(data, mesh, axes="data")` splits the example
+    axis over devices, and each process holds the rows on its own devices. To load
+    only those rows, slice your data (or your reader) with this and pass the part
+    to `shard(part, mesh, axes="data", process_local=True)`. Without a data axis,
+    or with one that lies within each process, every process needs every row.
+
+    **Arguments:**
+
+    - `mesh`: the mesh.
+    - `num_examples`: the number of examples of the whole (global) data set; a
+      multiple of the `"data"` axis size.
+
+    **Returns:**
+
+    A `slice(start, stop)` of the global example axis.
+
+    **Example:**
+
+    ```python
+    mesh = ee.make_mesh(members=2, data=4)
+    ee.process_rows(mesh, 100)    # slice(0, 100): one process holds every row
+    ```
+    """
+    mesh = _check_mesh(mesh)
+    if isinstance(num_examples, bool) or not isinstance(num_examples, int):
+        raise TypeError(f"`num_examples` must be an int, got {num_examples!r}")
+    devices = _axis_size(mesh, DATA)
+    if num_examples < 1 or num_examples % devices:
+        raise _divisibility_error(DATA, num_examples, devices, "The data")
+    sharding = NamedSharding(mesh, _spec(mesh, (DATA,)))
+    indices = sharding.addressable_devices_indices_map((num_examples,)).values()
+    blocks = sorted(
+        {index[0].indices(num_examples)[:2] for index in indices if index is not None}
+    )
+    start, stop = blocks[0][0], blocks[-1][1]
+    covered = sum(b - a for a, b in blocks)
+    if covered != stop - start:
+        raise ValueError(
+            f"This process's devices hold non-contiguous rows {blocks} of the data; "
+            "order the mesh's devices so each process's data devices are adjacent"
+        )
+    return slice(start, stop)
+
+
+# ---------------------------------------------------------------------------
+# Inside compiled code (private: used by `fit` and `make_step`).
+
+
+def constrain(tree: PyTree[Any], mesh: Mesh | None, axes: Sequence[str | None]) -> Any:
+    """Pin the sharding of every array leaf of `tree` (inside or outside `jit`)."""
+    if mesh is None:
+        return tree
+    sharding = NamedSharding(mesh, _spec(mesh, axes))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    explicit = _is_explicit(mesh)
+
+    def pin(leaf, split):
+        if not eqx.is_array(leaf):
+            return leaf
+        target = sharding if split else replicated
+        if explicit:
+            return jax.sharding.reshard(leaf, target)
+        return jax.lax.with_sharding_constraint(leaf, target)
+
+    return jax.tree.map(pin, tree, _per_member_flags(tree, axes))
+
+
+def replicate(tree: PyTree[Any], mesh: Mesh | None) -> Any:
+    """Every array leaf replicated over the mesh (inside `jit`)."""
+    return constrain(tree, mesh, ())
+
+
+def gather_batch(data: PyTree[Any], indices: Array, mesh: Mesh | None) -> Any:
+    """`gather(data, indices)` with the batch split over the mesh: the example axis
+    over `"data"`, and a leading member axis of per-member indices over
+    `"members"`. Each device gathers only its own part of the batch."""
+    if mesh is None:
+        return gather(data, indices)
+    axes = (MEMBERS, DATA) if indices.ndim == 2 else (DATA,)
+    indices = constrain(indices, mesh, axes)
+    if _is_explicit(mesh):
+        sharding = NamedSharding(mesh, _spec(mesh, axes))
+        return jax.tree.map(
+            lambda x: (
+                x.at[indices].get(out_sharding=sharding) if eqx.is_array(x) else x
+            ),
+            data,
+        )
+    return constrain(gather(data, indices), mesh, axes)
+
+
+def on_mesh(tree: PyTree[Any], mesh: Mesh | None) -> Any:
+    """Leaves already placed on `mesh` stay as they are; the others are replicated
+    on it (outside `jit`)."""
+    if mesh is None:
+        return tree
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def put(leaf):
+        if not eqx.is_array(leaf):
+            return leaf
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+            return leaf
+        return _place(leaf, replicated, False)
+
+    return jax.tree.map(put, tree)
+
+
+def place_state(
+    state: Any,
+    mesh: Mesh | None,
+    *,
+    inside_jit: bool = False,
+    in_loop: bool = False,
+) -> Any:
+    """A training state (a dataclass such as `fit`'s `TrainState`) on `mesh`. Each
+    field declares its member axis in its metadata (`"member_axis"`):
+    `"stacked"` fields are split over `"members"`; `"bookkeeping"` fields (small
+    per-member arrays) are split over `"members"` inside the compiled loop
+    (`in_loop=True`, so that a step needs no collective) and replicated outside
+    it (readable from every process); other fields are replicated."""
+    if mesh is None:
+        return state
+    changes = {}
+    for field in dataclasses.fields(state):
+        kind = field.metadata.get("member_axis")
+        per_member = kind == "stacked" or (in_loop and kind == "bookkeeping")
+        axes = (MEMBERS,) if per_member else ()
+        value = getattr(state, field.name)
+        if inside_jit:
+            changes[field.name] = constrain(value, mesh, axes)
+        else:
+            changes[field.name] = shard(value, mesh, axes=axes)
+    return dataclasses.replace(state, **changes)
+
+
+def check_mesh(mesh: Any) -> Mesh:
+    """A `Mesh` with the library's axis names, or a clear error."""
+    return _check_mesh(mesh)
+
+
+def check_fit_mesh(mesh: Any, size: int, batch_size: int) -> Mesh:
+    """`fit`'s checks, before any work: the mesh, the member count, the batch."""
+    mesh = _check_mesh(mesh)
+    members = _axis_size(mesh, MEMBERS)
+    if size % members:
+        raise _divisibility_error(MEMBERS, size, members, "The ensemble")
+    devices = _axis_size(mesh, DATA)
+    if batch_size % devices:
+        raise ValueError(
+            f"`batch_size` ({batch_size}) does not split evenly over the {devices} "
+            f"devices of the mesh axis 'data'; use a multiple of {devices}"
+        )
+    return mesh
+
+
+def check_step_mesh(
+    mesh: Any, size: int, batch: PyTree[Any], per_member_batch: bool
+) -> None:
+    """`make_step`'s checks (at trace time, before any work): the member count and
+    the batch's example axis must split evenly over the mesh."""
+    mesh = _check_mesh(mesh)
+    members = _axis_size(mesh, MEMBERS)
+    if size % members:
+        raise _divisibility_error(MEMBERS, size, members, "The ensemble")
+    axis = 1 if per_member_batch else 0
+    devices = _axis_size(mesh, DATA)
+    for path, leaf in jtu.tree_flatten_with_path(batch)[0]:
+        if eqx.is_array(leaf) and leaf.ndim > axis and leaf.shape[axis] % devices:
+            raise _divisibility_error(
+                DATA, leaf.shape[axis], devices, f"`batch` leaf `{keystr(path)}`"
+            )
+
+
+def mesh_context(mesh: Any) -> Any:
+    """`jax.set_mesh(mesh)`, or nothing when `mesh` is not a mesh. Explicit meshes
+    need it for eager operations on their arrays (e.g. initialising an optimizer
+    state); under it, user code may also name the mesh axes."""
+    return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext()
+
+
+def within_mesh(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run `fn` under `mesh_context` of its `mesh=` keyword argument."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with mesh_context(kwargs.get("mesh")):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def sharded_update(
+    vmapped: Callable[..., Any], mesh: Mesh | None, per_member_batch: bool
+) -> Callable[..., Any]:
+    """Wrap the member-vmapped update `(members, opt_state, batch, keys, state,
+    frozen, hyper) -> (members, opt_state, losses, aux, state, diverged)` so that,
+    on a mesh, every member-mapped input and output is split over `"members"` and
+    the batch over `"data"` (Explicit meshes need every mapped input of a `vmap`
+    sharded alike; Auto meshes get the placement pinned instead of guessed)."""
+    if mesh is None:
+        return vmapped
+    batch_axes = (MEMBERS, DATA) if per_member_batch else (DATA,)
+
+    def update(members, opt_state, batch, keys, state, frozen, hyper):
+        members, opt_state, keys, state, frozen, hyper = constrain(
+            (members, opt_state, keys, state, frozen, hyper), mesh, (MEMBERS,)
+        )
+        batch = constrain(batch, mesh, batch_axes)
+        outputs = vmapped(members, opt_state, batch, keys, state, frozen, hyper)
+        return constrain(outputs, mesh, (MEMBERS,))
+
+    return update

@@ -1,0 +1,259 @@
+"""`stack`, `unstack`, `concatenate`: list-of-structs <-> struct-of-arrays."""
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from .._internal.tree import first_difference, keystr
+from .ensemble import (
+    Ensemble,
+    check_shared_mask,
+    resolve_shared,
+    shared_filter,
+    with_members,
+)
+
+Member = TypeVar("Member")
+
+
+def check_same_structure(
+    trees: Sequence[Any],
+    what: str,
+    *,
+    ignore_leading_axis: bool = False,
+    numbers_are_data: bool = False,
+) -> None:
+    for position, tree in enumerate(trees[1:], start=1):
+        difference = first_difference(
+            trees[0],
+            tree,
+            ignore_leading_axis=ignore_leading_axis,
+            numbers_are_data=numbers_are_data,
+        )
+        if difference is not None:
+            raise ValueError(
+                f"Cannot combine {what}: {what[:-1]} 0 and {what[:-1]} {position} "
+                f"differ. First difference: {difference} (values given for "
+                f"{what[:-1]} 0 first)."
+            )
+
+
+def stack(
+    models: Sequence[Member], *, shared: Any = None, train_shared: bool = False
+) -> Ensemble[Member]:
+    """Stack same-structure models into one [`Ensemble`][eqx_ensemble.Ensemble].
+
+    Array leaves are stacked along a new leading member axis; non-array leaves
+    (activation functions, Python numbers, static fields) must be equal across models
+    and are kept once. Works for `eqx.Module`s and for plain PyTrees such as a list of
+    `(weight, bias)` tuples.
+
+    **Arguments:**
+
+    - `models`: a non-empty sequence of models with the same structure.
+    - `shared`: optional; the parts held ONCE for all members (a function of the
+      model returning the part, or a filter specification, as in
+      [`ee.ensemble`][eqx_ensemble.ensemble]). They must be identical in every
+      model (checked: the first differing leaf is named).
+    - `train_shared`: whether training updates the shared part (see
+      [`ee.ensemble`][eqx_ensemble.ensemble]).
+
+    **Returns:**
+
+    An `Ensemble` with `len(models)` members.
+
+    **Raises:**
+
+    `ValueError` naming the first differing leaf path and both shapes/dtypes, or the
+    differing static field and both values, when the models' structures differ.
+
+    **Example:**
+
+    ```python
+    params = [(jnp.ones((3, 2)), jnp.zeros(2)) for _ in range(4)]
+    ens = ee.stack(params)
+    ens.members[0][0].shape    # (4, 3, 2)
+    ```
+    """
+    if isinstance(models, Ensemble) or not isinstance(models, Sequence):
+        raise TypeError(
+            f"`ee.stack` takes a list (or tuple) of models, got {type(models).__name__}"
+        )
+    if len(models) == 0:
+        raise ValueError("`ee.stack` got an empty list; an ensemble needs a member")
+    check_same_structure(models, "models")
+    _warn_if_narrowed(models[0])
+    shared_part = None
+    if shared is not None:
+        mask = resolve_shared(models[0], shared)
+        check_shared_mask(mask, models[0])
+        parts = [shared_filter(model, mask) for model in models]
+        check_same_shared([(f"model {i}", part) for i, part in enumerate(parts)])
+        shared_part = parts[0]
+        models = [eqx.filter(model, mask, inverse=True) for model in models]
+    elif train_shared:
+        raise ValueError("`train_shared=True` needs a shared part: pass `shared=`")
+    stacked = jax.tree.map(
+        lambda *leaves: _stack_leaf(leaves) if eqx.is_array(leaves[0]) else leaves[0],
+        *models,
+    )
+    return Ensemble(stacked, shared_part, train_shared=train_shared)
+
+
+def check_same_shared(parts: Sequence[tuple[str, Any]]) -> None:
+    """Raise unless every shared part equals the first, naming the first leaf
+    that differs (and by how much)."""
+    first_name, first = parts[0]
+    first_leaves = jtu.tree_flatten_with_path(first)[0]
+    for name, part in parts[1:]:
+        difference = first_difference(first, part)
+        if difference is not None:
+            raise ValueError(
+                f"The shared parts of {first_name} and {name} differ: {difference}"
+            )
+        for (path, a), b in zip(first_leaves, jtu.tree_leaves(part)):
+            if a is b or not eqx.is_array(a):
+                continue
+            host_a, host_b = np.asarray(a), np.asarray(b)
+            if not np.array_equal(host_a, host_b, equal_nan=True):
+                gap = np.max(np.abs(host_a.astype(float) - host_b.astype(float)))
+                raise ValueError(
+                    f"The shared parts of {first_name} and {name} differ at leaf "
+                    f"`{keystr(path)}` (largest absolute difference {gap:.3g}); a "
+                    "shared part is held once, so it must be identical in every "
+                    "model. Stack the differing part instead (leave it out of "
+                    "`shared`)."
+                )
+
+
+def _warn_if_narrowed(model: Any) -> None:
+    """JAX without x64 stores 64-bit NumPy leaves in 32 bits: say so, naming the
+    leaf, instead of narrowing without a word."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        dtype = getattr(leaf, "dtype", None)
+        if not isinstance(leaf, np.ndarray) or dtype is None:
+            continue
+        narrowed = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
+        if narrowed != dtype:
+            warnings.warn(
+                f"`ee.stack`: leaf `{keystr(path)}` is {dtype}; JAX (without "
+                f"`jax_enable_x64`) stores it as {narrowed}. Convert it yourself to "
+                "silence this, or enable x64 to keep 64 bits.",
+                stacklevel=3,
+            )
+            return
+
+
+# Models are stacked in blocks of this many: one compiled stack per block size,
+# whatever the number of models (a single `jnp.stack` of 4096 arrays compiled a
+# program with 4096 parameters: 133 s).
+_BLOCK = 64
+
+
+@jax.jit
+def _stack_block(leaves: tuple[Any, ...]) -> Any:
+    return jnp.stack(leaves)
+
+
+def _stack_leaf(leaves: tuple[Any, ...]) -> Any:
+    if len(leaves) <= _BLOCK:
+        return _stack_block(leaves)
+    blocks = [
+        _stack_block(leaves[start : start + _BLOCK])
+        for start in range(0, len(leaves), _BLOCK)
+    ]
+    return jnp.concatenate(blocks, axis=0)
+
+
+@jax.jit
+def _member_leaves(leaves: list[Any], index: Any) -> list[Any]:
+    return [leaf[index] for leaf in leaves]
+
+
+def unstack(ens: Ensemble[Member]) -> list[Member]:
+    """Split an ensemble into a list of plain models, one per member.
+
+    The inverse of [`stack`][eqx_ensemble.stack]: `unstack(stack(ms))` equals `ms`
+    leaf for leaf and `stack(unstack(ens))` equals `ens`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(3, 2, key=k), size=3,
+                      key=jax.random.key(0))
+    models = ee.unstack(ens)           # three eqx.nn.Linear
+    models[1].weight.shape             # (2, 3)
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(
+            f"`ee.unstack` takes an `ee.Ensemble`, got {type(ens).__name__}"
+        )
+    size = len(ens)
+    dynamic, static = eqx.partition(ens.members, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(dynamic)
+    # One compiled call per member taking every leaf (compiled once per structure,
+    # with the index traced), not one program with an output per member (512
+    # members: 26 s to compile; 4096: 8 minutes).
+    return [
+        ens.member(
+            eqx.combine(
+                jax.tree.unflatten(treedef, _member_leaves(leaves, jnp.int32(i))),
+                static,
+            )
+        )
+        for i in range(size)
+    ]
+
+
+def concatenate(ensembles: Sequence[Ensemble[Member]]) -> Ensemble[Member]:
+    """Join ensembles of the same structure along the member axis.
+
+    **Example:**
+
+    ```python
+    make = lambda k: eqx.nn.Linear(3, 2, key=k)
+    a = ee.ensemble(make, size=2, key=jax.random.key(0))
+    b = ee.ensemble(make, size=3, key=jax.random.key(1))
+    len(ee.concatenate([a, b]))        # 5
+    ```
+    """
+    if isinstance(ensembles, Ensemble) or not isinstance(ensembles, Sequence):
+        raise TypeError(
+            "`ee.concatenate` takes a list of ensembles, got "
+            f"{type(ensembles).__name__}"
+        )
+    if len(ensembles) == 0:
+        raise ValueError("`ee.concatenate` got an empty list of ensembles")
+    for position, ens in enumerate(ensembles):
+        if not isinstance(ens, Ensemble):
+            raise TypeError(
+                f"`ee.concatenate`: item {position} is a {type(ens).__name__}, not an "
+                "`ee.Ensemble`; use `ee.stack` for plain models"
+            )
+    check_same_structure(
+        [ens.members for ens in ensembles], "ensembles", ignore_leading_axis=True
+    )
+    trains = {ens.train_shared for ens in ensembles}
+    if len(trains) > 1:
+        raise ValueError(
+            "`ee.concatenate`: some ensembles train their shared part and some "
+            "freeze it (`train_shared` differs); make them agree first"
+        )
+    if ensembles[0].shared is not None:
+        check_same_shared(
+            [(f"ensemble {i}", ens.shared) for i, ens in enumerate(ensembles)]
+        )
+    joined = jax.tree.map(
+        lambda *leaves: (
+            jnp.concatenate(leaves, axis=0) if eqx.is_array(leaves[0]) else leaves[0]
+        ),
+        *[ens.members for ens in ensembles],
+    )
+    return with_members(ensembles[0], joined)

@@ -1,0 +1,186 @@
+"""How the member axis is laid out in a training step: vectorised or sequential.
+
+`"vmap"` (the default everywhere) runs every member in one vectorised
+computation: a member-batched matmul or convolution per layer. On XLA's CPU
+backend a member-batched convolution becomes a grouped convolution
+(`feature_group_count = members`), which runs several times slower than the
+members' plain convolutions one after another (a 5-member CNN on 8x8 images,
+value and gradient: 88 ms vectorised, 44 ms as an im2col matmul, 11 ms one
+member after another; `benchmarks/bench_families.py`). `"sequential"` runs the
+members one after another inside the same compiled step (straight-line code:
+no loop, whose convolutions XLA's CPU backend lays out slowly either). Each
+member then computes exactly what it computes alone; the results equal the
+vectorised step's to floating-point rounding.
+
+The cost of `"sequential"` is the one thing `"vmap"` never has: the compiled
+step holds one copy of the member's computation per member, so trace and
+compile time grow with the ensemble. The automatic rule therefore picks it only
+on a CPU, without a mesh, for a loss that convolves, and for at most
+`SEQUENTIAL_MAX_MEMBERS` members.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jaxtyping import PyTree
+
+from .._internal.tree import is_traced
+
+Layout = Literal["vmap", "sequential"]
+
+# Past this many members the compile time of straight-line members outweighs
+# their speed (and the design's promise of size-independent compile time holds).
+SEQUENTIAL_MAX_MEMBERS = 16
+
+# Called eagerly (outside `jit`), a member-by-member map dispatches each of its
+# operations once per member (about 2 ms per member for a small CNN's forward
+# pass on 2 cores), which pays off only once a member's convolutions outweigh
+# that (`ee.predict` on 5 CNNs, `benchmarks/bench_layout.py`, two runs: 78 MFLOP
+# of convolutions per member 0.7-1.1x, 157 MFLOP 1.5-2.3x, 629 MFLOP 3.9-5.0x
+# the vectorised call). Inside `jit` the member-by-member map wins from the
+# smallest batch (2.3-3.4x at 78 MFLOP).
+EAGER_SEQUENTIAL_MIN_FLOPS = 1e8
+
+_CHOICES = ("auto", "vmap", "sequential")
+
+
+def check_layout(layout: Any, mesh: Mesh | None) -> str:
+    """`layout` as given (`None` means `"auto"`), refused with the choices when
+    it is not one of them, and `"sequential"` refused on a mesh."""
+    if layout is None:
+        return "auto"
+    if not isinstance(layout, str) or layout not in _CHOICES:
+        raise ValueError(
+            f"`layout` must be one of {_CHOICES} (or None for 'auto'), got {layout!r}"
+        )
+    if layout == "sequential" and mesh is not None:
+        raise ValueError(
+            "`layout='sequential'` runs the members one after another on one "
+            "device; on a mesh the members are split over devices and run "
+            "vectorised: leave `layout` out (or pass 'vmap')"
+        )
+    return layout
+
+
+def choose_layout(
+    layout: str, *, convolutions: bool, size: int, mesh: Mesh | None
+) -> Layout:
+    """The layout a step runs with: the user's choice, else `"sequential"` for a
+    convolving loss on one CPU device with at most `SEQUENTIAL_MAX_MEMBERS`
+    members, else `"vmap"`."""
+    if layout == "vmap" or layout == "sequential":
+        return layout
+    if (
+        convolutions
+        and mesh is None
+        and jax.default_backend() == "cpu"
+        and size <= SEQUENTIAL_MAX_MEMBERS
+    ):
+        return "sequential"
+    return "vmap"
+
+
+def choose_map_layout(convolution_flops: float, *, traced: bool, size: int) -> Layout:
+    """The automatic layout of a map (`ee.map`, `ee.predict`, `ens(x)`) whose
+    arrays sit on one CPU device and whose function convolves
+    `convolution_flops` per member: `"sequential"` inside a trace, or eagerly
+    from `EAGER_SEQUENTIAL_MIN_FLOPS`, for at most `SEQUENTIAL_MAX_MEMBERS`."""
+    if convolution_flops <= 0 or size > SEQUENTIAL_MAX_MEMBERS:
+        return "vmap"
+    if not traced and convolution_flops < EAGER_SEQUENTIAL_MIN_FLOPS:
+        return "vmap"
+    return "sequential"
+
+
+def any_traced(tree: PyTree[Any]) -> bool:
+    """Whether any leaf of `tree` is a tracer (inside `jit`, `grad`, ...)."""
+    return any(is_traced(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def on_one_cpu_device(tree: PyTree[Any]) -> bool:
+    """Whether the arrays of `tree` sit on one CPU device (for traced arrays,
+    whose placement is not known here: whether the process has just one)."""
+    if jax.default_backend() != "cpu":
+        return False
+    leaves = [leaf for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf)]
+    if any_traced(leaves):
+        return jax.device_count() == 1
+    # NumPy arrays go to the default device: only JAX arrays can be spread.
+    return all(
+        len(leaf.sharding.device_set) == 1
+        for leaf in leaves
+        if isinstance(leaf, jax.Array)
+    )
+
+
+def member_map(
+    fn: Callable[..., Any], in_axes: tuple[Any, ...], layout: Layout, size: int
+) -> Callable[..., Any]:
+    """`eqx.filter_vmap(fn, in_axes=in_axes)`, or the same mapping run member by
+    member and stacked. Each entry of `in_axes` is `None` (shared), a filter such
+    as `eqx.if_array(0)` (every array leaf per member), or a PyTree prefix of
+    `0`/`None` over its argument."""
+    if layout == "vmap":
+        return eqx.filter_vmap(fn, in_axes=in_axes)
+
+    def sequential(*args: Any) -> Any:
+        outputs = []
+        for i in range(size):
+            member_args = [
+                _member_slice(axes, arg, i)
+                for arg, axes in zip(args, in_axes, strict=True)
+            ]
+            outputs.append(fn(*member_args))
+        return jax.tree.map(_stack, *outputs)
+
+    return sequential
+
+
+def _member_slice(axes: Any, arg: Any, i: int) -> Any:
+    return _per_member(axes, arg, lambda x: x[i])
+
+
+def member_structs(axes: Any, arg: Any) -> Any:
+    """One member's slice of `arg` as shapes only (`jax.ShapeDtypeStruct`s;
+    shared arrays keep their shapes; nothing is computed)."""
+    arg = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
+        arg,
+    )
+    return _per_member(
+        axes, arg, lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), _is_struct
+    )
+
+
+def _per_member(
+    axes: Any, arg: Any, take: Callable[[Any], Any], is_leaf: Any = eqx.is_array
+) -> Any:
+    """`take` applied to every leaf of `arg` mapped by `axes` (see `member_map`)."""
+
+    def mapped(tree: Any) -> Any:
+        return jax.tree.map(lambda x: take(x) if is_leaf(x) else x, tree)
+
+    if axes is None:
+        return arg
+    if callable(axes):  # a filter such as `eqx.if_array(0)`
+        return mapped(arg)
+    return jax.tree.map(
+        lambda axis, subtree: subtree if axis is None else mapped(subtree),
+        axes,
+        arg,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _is_struct(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _stack(*leaves: Any) -> Any:
+    if eqx.is_array(leaves[0]):
+        return jnp.stack(leaves)
+    return leaves[0]

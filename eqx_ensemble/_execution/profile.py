@@ -1,0 +1,171 @@
+"""What a training step (or any per-member function) is made of, read from the
+jaxpr of ONE member's call: the facts the library's CPU choices rest on (see
+`_xla`, `_layout` and `_loop`)."""
+
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.extend
+import numpy as np
+from jaxtyping import PyTree
+
+from .._training.loss import call_loss
+
+
+class StepProfile(NamedTuple):
+    """`convolutions`: the loss convolves (XLA's CPU backend then needs the steps
+    outside any loop); `batched_dots`: a matmul with a batch dimension of its own
+    (attention heads), which Eigen's dot kernels run slower than XLA's default
+    path (a small transformer: 33 vs 17 ms per step); `convolution_flops`: the
+    FLOPs of the convolutions as written (each counted once, even inside a
+    loop; a differentiated loss includes its backward convolutions)."""
+
+    convolutions: bool = False
+    batched_dots: bool = False
+    convolution_flops: float = 0.0
+
+
+def profile_jaxpr(jaxpr: Any) -> StepProfile:
+    convolutions = batched_dots = False
+    convolution_flops = 0.0
+
+    def search(inner: Any) -> None:
+        nonlocal convolutions, batched_dots, convolution_flops
+        for equation in inner.eqns:
+            name = equation.primitive.name
+            if name == "conv_general_dilated":
+                convolutions = True
+                convolution_flops += _convolution_flops(equation)
+            elif name == "dot_general":
+                (_, _), (batch_lhs, _) = equation.params["dimension_numbers"]
+                batched_dots = batched_dots or len(batch_lhs) > 0
+            for sub in jax.extend.core.jaxprs_in_params(equation.params):
+                search(sub)
+
+    search(jaxpr)
+    return StepProfile(convolutions, batched_dots, convolution_flops)
+
+
+def _convolution_flops(equation: Any) -> float:
+    # 2 x (output elements) x (one output element's multiply-adds: the kernel's
+    # elements per output feature, i.e. input features per group x window).
+    out_shape = equation.outvars[0].aval.shape
+    kernel_shape = equation.invars[1].aval.shape
+    out_features = kernel_shape[equation.params["dimension_numbers"].rhs_spec[0]]
+    window = float(np.prod(kernel_shape)) / max(int(out_features), 1)
+    return 2.0 * float(np.prod(out_shape)) * window
+
+
+def profile_step(
+    loss_fn: Callable[..., Any],
+    member: Any,
+    batch: PyTree[Any],
+    state: PyTree[Any] = None,
+    hyper: PyTree[Any] = None,
+) -> StepProfile:
+    """The profile of `loss_fn` on one member and one batch (shapes only; an
+    error while tracing gives the empty profile: the step itself reports it)."""
+
+    def loss(model: Any, batch: Any, state: Any, hyper: Any) -> Any:
+        return call_loss(loss_fn, model, state, batch, jax.random.key(0), hyper)[0]
+
+    return profile_call(loss, (member, batch, state, hyper), owner=loss_fn)
+
+
+def profile_call(
+    fn: Callable[..., Any],
+    inputs: tuple[Any, ...],
+    *,
+    owner: Any = None,
+    extra: Any = (),
+) -> StepProfile:
+    """The profile of `fn(*inputs)` (shapes only: an input leaf may be a
+    `jax.ShapeDtypeStruct`; an error while tracing gives the empty profile, the
+    real call reports it).
+
+    Traced once per `owner` (held weakly: a user's function and what it closes
+    over are not kept alive by the cache; `None`: traced every time), hashable
+    `extra` and input signature."""
+    table, key = None, None
+    if owner is not None:
+        try:
+            table = _CACHE.setdefault(owner, {})
+            key = (extra, signature(inputs))
+            if key in table:
+                return table[key]
+        except TypeError:  # not weakly referable, or an unhashable leaf
+            table = None
+
+    # Shapes only: no array is read (the inputs may live on other processes).
+    dynamic, static = eqx.partition(inputs, _is_array_like)
+    structs = jax.tree.map(_struct, dynamic)
+
+    def traced(dynamic: Any) -> Any:
+        return fn(*eqx.combine(dynamic, static))
+
+    try:
+        jaxpr = jax.make_jaxpr(traced)(structs)
+        profile = profile_jaxpr(jaxpr.jaxpr)
+    except Exception:  # noqa: BLE001 - the first real call reports it
+        profile = StepProfile()
+    if table is not None:
+        if len(table) > 64:
+            table.clear()
+        table[key] = profile
+    return profile
+
+
+# One trace per owner (a loss, a mapped function) and input signature: a profile
+# is read once, not per call (the tests count traces). Weak keys: the entry goes
+# with its owner.
+_CACHE: "weakref.WeakKeyDictionary[Any, dict[Any, StepProfile]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def signature(tree: Any) -> Any:
+    """A hashable record of `tree`'s structure, shapes and dtypes (TypeError
+    when a non-array leaf is unhashable)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    record = tuple(
+        (tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
+        for leaf in leaves
+    )
+    hash(record)
+    return treedef, record
+
+
+def _is_array_like(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def first_member(tree: PyTree[Any]) -> PyTree[Any]:
+    """The shapes of member 0's slice of a stacked tree, as
+    `jax.ShapeDtypeStruct`s (`None` stays `None`; no array is read)."""
+    if tree is None:
+        return None
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype) if _is_array_like(x) else x
+        ),
+        tree,
+    )
+
+
+def example_structs(data: PyTree[Any], batch_size: int, axis: int = 0) -> Any:
+    """Shapes of a batch of `batch_size` examples of `data` (leading example axis
+    at `axis`), as `jax.ShapeDtypeStruct`s."""
+
+    def struct(leaf: Any) -> Any:
+        shape = list(np.shape(leaf))
+        shape[axis] = batch_size
+        return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype)
+
+    return jax.tree.map(struct, data)

@@ -1,0 +1,58 @@
+"""Argument checks shared by every family: one home, one wording.
+
+Each check names the argument it refuses (as the user wrote it: `steps`,
+`Evaluate.every`, `controllers[0].every`), says what was expected and what was
+given, and returns the value normalised (a NumPy integer becomes an `int`).
+"""
+
+from typing import Any
+
+import numpy as np
+
+# The largest step count or period the library accepts: steps are counted in
+# int32 inside compiled code.
+MAX_INT32 = 2**31 - 1
+
+
+def check_int(
+    value: Any,
+    name: str,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    error: type[Exception] = TypeError,
+) -> int:
+    """`value` as an `int` in `[low, high]`, or an error naming `name`.
+
+    A value that is not an integer (a bool, a float, a string) raises `error`
+    (`TypeError` by default); one out of range raises `ValueError`, except where
+    `error` is `ValueError` for both (the wording is the same)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        if error is TypeError:
+            raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+        raise error(_range_message(name, low, high, value))
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(_range_message(name, low, high, value))
+    return int(value)
+
+
+def _range_message(name: str, low: int | None, high: int | None, value: Any) -> str:
+    if high is None:
+        return f"`{name}` must be an int >= {low}, got {value!r}"
+    if low is None:
+        return f"`{name}` must be an int <= {high}, got {value!r}"
+    return f"`{name}` must be an int between {low} and {high}, got {value!r}"
+
+
+def check_positive_int(value: Any, name: str, *, high: int = MAX_INT32) -> int:
+    """`value` as an int >= 1 (and at most `high`: steps are counted in int32
+    inside compiled code), or a clear error naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be at least 1, got {value}")
+    if value > high:
+        raise ValueError(
+            f"`{name}` must be at most {high} (steps are counted in int32), got {value}"
+        )
+    return int(value)

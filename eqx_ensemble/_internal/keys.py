@@ -1,0 +1,38 @@
+"""Key derivation: one home for how keys are checked and split over members."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Key, PRNGKeyArray, UInt32
+
+
+def check_key(key: Any, *, what: str = "key") -> None:
+    """Raise a clear error unless `key` is ONE PRNG key (typed, or raw uint32[2])."""
+    if not eqx.is_array(key):
+        raise TypeError(
+            f"`{what}` must be a JAX PRNG key such as `jax.random.key(0)`, got "
+            f"{type(key).__name__}"
+        )
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(
+                f"`{what}` must be a single PRNG key of shape (), got a key array of "
+                f"shape {tuple(key.shape)}; pass one key and the library splits it"
+            )
+        return
+    if key.dtype != jnp.uint32 or key.shape != (2,):
+        raise ValueError(
+            f"`{what}` must be a single PRNG key (`jax.random.key(seed)`, or a raw "
+            f"uint32 key of shape (2,)), got an array of shape {tuple(key.shape)} and "
+            f"dtype {key.dtype}; pass one key and the library splits it"
+        )
+
+
+def split_member_keys(
+    key: PRNGKeyArray, size: int
+) -> Key[Array, " members"] | UInt32[Array, " members 2"]:
+    """The per-member keys used throughout the library: `split(key, size)`."""
+    check_key(key)
+    return jax.random.split(key, size)

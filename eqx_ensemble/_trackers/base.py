@@ -1,0 +1,97 @@
+"""Trackers: weight-trajectory methods updated inside `fit`'s compiled loop.
+
+The protocol (what `fit(..., track=[...])` calls):
+
+- `init(members) -> state`: called once, before the first step, with the stacked
+  members; `state` is a PyTree whose array leaves carry the member axis (it is
+  checkpointed, resumed and sharded like the ensemble).
+- `update(state, members, done) -> state`: called inside the compiled loop after
+  every step with the updated stacked members and the number of steps done
+  (a traced int32 scalar). It must be a pure JAX function and must not couple
+  members (each member's state from that member's weights).
+- `result(state, ensemble) -> Any`: turns the final state into what
+  `FitResult.tracked` holds for this tracker (e.g. an `Ensemble`).
+- `check(steps)`: optional, raises before any work if the tracker cannot do its
+  job in a run of `steps` steps (e.g. it would start after the last step).
+"""
+
+import abc
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int, PyTree
+
+from .._core.ensemble import Ensemble
+from .._internal.checks import check_int
+
+
+class Tracker(eqx.Module):
+    """A weight-trajectory method run inside [`fit`][eqx_ensemble.fit]'s compiled
+    loop (abstract). See [`ee.EMA`][eqx_ensemble.EMA] for a complete example and
+    the training guide for the protocol: `init`, `update`, `result`, `check`.
+
+    **Example:**
+
+    ```python
+    class LastWeights(ee.Tracker):
+        def init(self, members):
+            return eqx.filter(members, eqx.is_inexact_array)
+
+        def update(self, state, members, done):
+            return eqx.filter(members, eqx.is_inexact_array)
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=3, batch_size=4,
+                    key=jax.random.key(1), track=[LastWeights()], progress=False)
+    ```
+    """
+
+    @abc.abstractmethod
+    def init(self, members: PyTree[Any]) -> PyTree[Any]:
+        """The initial state, from the stacked members before the first step."""
+
+    @abc.abstractmethod
+    def update(
+        self, state: PyTree[Any], members: PyTree[Any], done: Int[Array, ""]
+    ) -> PyTree[Any]:
+        """The state after a step (`members`: the updated stacked members;
+        `done`: the steps done so far)."""
+
+    def result(self, state: PyTree[Any], ensemble: Ensemble) -> Any:
+        """What `FitResult.tracked` holds for this tracker (default: the state)."""
+        del ensemble
+        return state
+
+    def check(self, steps: int) -> None:
+        """Raise before any work if this tracker cannot run for `steps` steps."""
+        del steps
+
+
+def due(done: Any, start: int, every: int) -> Any:
+    """Whether a tracker that starts at step `start` and acts every `every`
+    steps acts after `done` steps (traced)."""
+    return (done >= start) & ((done - start) % every == 0)
+
+
+def untrained_leaves(ensemble: Ensemble) -> Any:
+    """The members' leaves an optimizer does not see (integer buffers, static
+    fields), to complete averaged or sampled weights into models."""
+    return eqx.filter(ensemble.members, eqx.is_inexact_array, inverse=True)
+
+
+def repeat_members(rest: Any, repeats: int) -> Any:
+    """Each member's leaves of `rest` repeated `repeats` times (member-major), for
+    a tracker whose result holds several models per member."""
+    return jax.tree.map(
+        lambda x: jnp.repeat(x, repeats, axis=0) if eqx.is_array(x) else x, rest
+    )
+
+
+def check_tracker_int(owner: str, name: str, value: Any, low: int) -> None:
+    """`owner.name` as an int >= `low`, or a `ValueError` naming it."""
+    check_int(value, f"{owner}.{name}", low=low, error=ValueError)

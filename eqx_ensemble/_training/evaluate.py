@@ -1,0 +1,113 @@
+"""`Evaluate`: score every member on held-out data inside the compiled loop."""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
+
+from .._execution.layout import Layout, member_map
+from .._internal.checks import check_positive_int
+
+
+class Evaluate(eqx.Module):
+    """Evaluate every member every `every` steps, inside the compiled loop.
+
+    `fn` has the loss's signature: `fn(model, data, key)`, or with a model state
+    `fn(model, state, data, key)`, and returns a scalar score (lower is better) or
+    a tuple whose first element is the score (so the training loss itself can be
+    passed). The whole of `data` is given as the batch. Each member's best
+    parameters (lowest score) are kept in `FitResult.best_ensemble`, and the
+    scores in `FitResult.history`.
+
+    **Arguments:**
+
+    - `fn`: the score of ONE model (the library vmaps over members).
+    - `data`: the evaluation data (any PyTree; usually arrays), shared by members.
+    - `every`: evaluate after every `every` steps.
+    - `inference`: call `fn` on `eqx.nn.inference_mode(model)` (dropout off,
+      BatchNorm using its running statistics). Default `True`.
+
+    Member `i`'s key after step `s` is
+    `jax.random.split(jax.random.fold_in(jax.random.fold_in(key, 3), s), size)[i]`
+    for the `key` given to `fit`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=10, batch_size=4,
+                    key=jax.random.key(1), progress=False,
+                    evaluate=ee.Evaluate(loss, x[:4], every=5))
+    result.history.eval_scores.shape     # (2, 2): 2 evaluations x 2 members
+    result.best_step                     # per member, the step of its best score
+    ```
+    """
+
+    fn: Callable[..., Any]
+    data: PyTree[Any]
+    every: int = eqx.field(static=True)
+    inference: bool = eqx.field(static=True, default=True)
+
+    def __check_init__(self):
+        if not callable(self.fn):
+            raise TypeError(
+                f"`Evaluate`'s `fn` must be callable, got {type(self.fn).__name__}"
+            )
+        check_positive_int(self.every, "Evaluate.every")
+        if not isinstance(self.inference, bool):
+            raise TypeError(
+                "`Evaluate.inference` must be a bool, got "
+                f"{type(self.inference).__name__}"
+            )
+
+    def due(self, done: Int[Array, ""]) -> Bool[Array, ""]:
+        """Whether an evaluation runs after `done` steps."""
+        return done % self.every == 0
+
+    def scores(
+        self,
+        ensemble: Any,
+        model_state: PyTree[Any],
+        member_keys: Key[Array, " members"] | UInt32[Array, " members 2"],
+        layout: Layout = "vmap",
+    ) -> Float[Array, " members"]:
+        """Every member's score, member `i` called with `member_keys[i]`; the
+        members vectorised or one after another (`layout`: the training step's,
+        see `_layout`)."""
+        stateful = model_state is not None
+
+        def one(member, state, member_key):
+            member = ensemble.member(member)  # with the shared part, if any
+            model = eqx.nn.inference_mode(member) if self.inference else member
+            if stateful:
+                out = self.fn(model, state, self.data, member_key)
+            else:
+                out = self.fn(model, self.data, member_key)
+            score = out[0] if isinstance(out, tuple) else out
+            if jnp.shape(score) != ():
+                raise ValueError(
+                    "`Evaluate`'s `fn` must return a scalar score for ONE model (the "
+                    f"library vmaps over members), got shape {jnp.shape(score)}"
+                )
+            return jnp.asarray(score, dtype=jnp.float32)
+
+        in_axes = (eqx.if_array(0),) * 3
+        return member_map(one, in_axes, layout, len(member_keys))(
+            ensemble.members, model_state, member_keys
+        )
+
+
+def eval_key(key: PRNGKeyArray) -> PRNGKeyArray:
+    """The key evaluations derive from (documented in `Evaluate`)."""
+    return jax.random.fold_in(key, 3)
+
+
+def eval_member_keys(key: PRNGKeyArray, done: Int[Array, ""], size: int) -> Any:
+    """The members' keys of the evaluation after `done` steps (`key`: `eval_key`)."""
+    return jax.random.split(jax.random.fold_in(key, done), size)

@@ -1,0 +1,303 @@
+"""The compiled part of `fit`: one dispatch runs a chunk of steps with `lax.scan`.
+
+The data path, in order: the sampling's indices (array data) or the stacked group
+of streamed batches -> the step's batch (one per member, or one shared batch that
+stays unbatched inside the member `vmap`) -> the member-vmapped
+`filter_value_and_grad` + optax update -> trackers -> evaluation -> the per-step
+losses and scores returned to the host. The chunk has a fixed length (one
+compilation per configuration); steps past `end` are skipped with `lax.cond`,
+compiled into every dispatch on a CPU (one program for full and partial
+dispatches keeps resumed runs bitwise equal to uninterrupted ones); elsewhere a
+chunk the host knows to be `full` runs its steps with no conditional (on a GPU
+each conditional waits for its predicate on the host).
+Sharding is pinned once where the state enters and leaves the loop and once per
+step on the carry; nothing inside the step names a mesh axis but the update.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+
+from .._core.ensemble import Ensemble
+from .._core.sharding import (
+    DATA,
+    MEMBERS,
+    constrain,
+    gather_batch,
+    place_state,
+    replicate,
+)
+from .._execution.compile import CompiledFunctions, Options, filter_jit
+from .._execution.layout import Layout
+from .._trackers.base import Tracker
+from .evaluate import Evaluate, eval_member_keys
+from .sampling import Sampling
+from .step import vmapped_update
+from .train_state import TrainState, member_select
+
+
+class Chunk(eqx.Module):
+    """Everything one dispatch reads (the train state is passed, and donated,
+    separately). Non-array fields are static: changing them recompiles."""
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    sampling: Sampling
+    evaluate: Evaluate | None
+    track: tuple[Tracker, ...]
+    data: PyTree[Any]  # array data, or None for a stream
+    prepared: Array | None  # the sampling's per-run arrays
+    batches: PyTree[Any]  # a stream's stacked group, or None
+    data_key: PRNGKeyArray
+    train_key: PRNGKeyArray
+    eval_key: PRNGKeyArray
+    end: Int[Array, ""]
+    size: int
+    batch_size: int
+    num_examples: int
+    length: int
+    mesh: Mesh | None
+    # Unrolled: the chunk is straight-line code of exactly `length` steps (no
+    # loop, no conditional) and evaluates, if `evaluate_last`, after its last step.
+    unrolled: bool = False
+    evaluate_last: bool = False
+    # Every one of the `length` steps runs (known on the host): no conditional.
+    full: bool = False
+    layout: Layout = "vmap"  # the members vectorised, or one after another
+
+
+def initial_state(
+    ens: Ensemble,
+    opt_state: PyTree[Any],
+    model_state: PyTree[Any],
+    *,
+    hyper: PyTree[Any] = None,
+    track: tuple[Tracker, ...],
+    with_eval: bool,
+    controllers: tuple[Any, ...] = (),
+) -> TrainState:
+    """The state before the first step (its arrays may alias the inputs: copy it
+    before donating it)."""
+    size = len(ens)
+    train_state = TrainState(
+        ensemble=ens,
+        opt_state=opt_state,
+        model_state=model_state,
+        hyper=hyper,
+        tracked=tuple(tracker.init(ens.members) for tracker in track),
+        controlled=(),
+        step=jnp.array(0, dtype=jnp.int32),
+        diverged_at=jnp.full((size,), -1, dtype=jnp.int32),
+        best_ensemble=ens if with_eval else None,
+        best_score=jnp.full((size,), jnp.inf, jnp.float32) if with_eval else None,
+        best_step=jnp.zeros((size,), jnp.int32) if with_eval else None,
+    )
+    controlled = tuple(controller.init(train_state) for controller in controllers)
+    return dataclasses.replace(train_state, controlled=controlled)
+
+
+def _make_chunk_runner(options: Options) -> Callable[..., Any]:
+    return filter_jit(run_chunk, options, donate="all-except-first")
+
+
+# `run_chunk` compiled with XLA `options` (one wrapper per set of options, each
+# with its own compilation cache, bounded: see `_xla.CompiledFunctions`); the
+# state is donated.
+chunk_runner = CompiledFunctions(_make_chunk_runner)
+
+
+def _nan_row(chunk: Chunk) -> Float[Array, " members"]:
+    # What a step reports when it has nothing to report (split like the members).
+    row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
+    return constrain(row, chunk.mesh, (MEMBERS,))
+
+
+def _batch_axes(chunk: Chunk) -> tuple[str, ...]:
+    return (MEMBERS, DATA) if chunk.sampling.per_member else (DATA,)
+
+
+def _train_step(
+    chunk: Chunk, ts: TrainState, batch: PyTree[Any], evaluate: Any = "due"
+) -> tuple:
+    """One step of every member, then trackers, evaluation (`"due"`: when the
+    step count says so, decided in compiled code; `True`/`False`: decided here)
+    and best members."""
+    update = vmapped_update(
+        chunk.loss_fn,
+        chunk.optimizer,
+        chunk.sampling.per_member,
+        chunk.mesh,
+        chunk.layout,
+    )
+    step = ts.step
+    member_keys = jax.random.split(
+        jax.random.fold_in(chunk.train_key, step), chunk.size
+    )
+    new_ens, opt_state, losses, _, model_state, diverged = update(
+        ts.ensemble,
+        ts.opt_state,
+        batch,
+        member_keys,
+        ts.model_state,
+        ts.diverged_at >= 0,
+        ts.hyper,
+    )
+    done = step + 1
+    ts = dataclasses.replace(
+        ts,
+        ensemble=new_ens,
+        opt_state=opt_state,
+        model_state=model_state,
+        tracked=tuple(
+            tracker.update(state, new_ens.members, done)
+            for tracker, state in zip(chunk.track, ts.tracked, strict=True)
+        ),
+        step=done,
+        diverged_at=jnp.where(diverged, step, ts.diverged_at),
+    )
+    nan_row = _nan_row(chunk)
+    scores = nan_row
+    if chunk.evaluate is not None and evaluate is not False:
+        scores, ts = _evaluate(chunk, chunk.evaluate, ts, nan_row, evaluate == "due")
+    losses = constrain(jnp.asarray(losses, jnp.float32), chunk.mesh, (MEMBERS,))
+    return ts, losses, constrain(scores, chunk.mesh, (MEMBERS,))
+
+
+def _evaluate(
+    chunk: Chunk,
+    evaluate: Evaluate,
+    ts: TrainState,
+    nan_row: Float[Array, " m"],
+    conditional: bool,
+) -> tuple[Float[Array, " members"], TrainState]:
+    dynamic, static = eqx.partition(ts, eqx.is_array)
+
+    def run(dynamic_ts):
+        current = eqx.combine(dynamic_ts, static)
+        member_keys = constrain(
+            eval_member_keys(chunk.eval_key, current.step, chunk.size),
+            chunk.mesh,
+            (MEMBERS,),
+        )
+        scores = evaluate.scores(
+            current.ensemble, current.model_state, member_keys, chunk.layout
+        )
+        return constrain(scores, chunk.mesh, (MEMBERS,))
+
+    if conditional:
+        scores = jax.lax.cond(evaluate.due(ts.step), run, lambda _: nan_row, dynamic)
+    else:
+        scores = run(dynamic)
+    assert ts.best_score is not None and ts.best_step is not None
+    better = constrain(scores < ts.best_score, chunk.mesh, (MEMBERS,))
+    ts = dataclasses.replace(
+        ts,
+        best_ensemble=member_select(better, ts.ensemble, ts.best_ensemble),
+        best_score=jnp.where(better, scores, ts.best_score),
+        best_step=jnp.where(better, ts.step, ts.best_step),
+    )
+    return scores, ts
+
+
+def run_chunk(
+    chunk: Chunk, train_state: TrainState
+) -> tuple[TrainState, Float[Array, "steps members"], Float[Array, "steps members"]]:
+    """`chunk.length` steps (those before `chunk.end`) from `train_state`."""
+    mesh = chunk.mesh
+    dynamic, static = eqx.partition(train_state, eqx.is_array)
+    nan_row = _nan_row(chunk)
+    streamed = chunk.batches is not None
+    indices_of = None
+    if not streamed:
+        indices_of = chunk.sampling.chunk_indices(
+            chunk.data_key,
+            chunk.prepared,
+            train_state.step,
+            n=chunk.num_examples,
+            batch_size=chunk.batch_size,
+            size=chunk.size,
+            chunk=chunk.length,
+        )
+
+    def active(carry, streamed_batch):
+        ts = eqx.combine(carry, static)
+        if streamed:
+            batch = constrain(streamed_batch, mesh, _batch_axes(chunk))
+        else:
+            assert indices_of is not None
+            batch = gather_batch(chunk.data, indices_of(ts.step), mesh)
+        ts, losses, scores = _train_step(chunk, ts, batch)
+        ts = place_state(ts, mesh, inside_jit=True, in_loop=True)
+        return eqx.filter(ts, eqx.is_array), (losses, scores)
+
+    def inactive(carry, streamed_batch):
+        del streamed_batch
+        return carry, (nan_row, nan_row)
+
+    def body(carry, streamed_batch):
+        if chunk.full:
+            return active(carry, streamed_batch)
+        return jax.lax.cond(
+            carry.step < chunk.end, active, inactive, carry, streamed_batch
+        )
+
+    dynamic = place_state(dynamic, mesh, inside_jit=True, in_loop=True)
+    if chunk.unrolled:
+        dynamic, losses, scores = _unrolled(chunk, dynamic, static, indices_of)
+    else:
+        dynamic, (losses, scores) = jax.lax.scan(
+            body, dynamic, chunk.batches, length=chunk.length
+        )
+    dynamic = place_state(dynamic, mesh, inside_jit=True)
+    losses, scores = replicate((losses, scores), mesh)
+    return eqx.combine(dynamic, static), losses, scores
+
+
+def _unrolled(
+    chunk: Chunk, dynamic: Any, static: Any, indices_of: Any
+) -> tuple[Any, Array, Array]:
+    """The chunk as straight-line code: XLA's CPU backend runs a convolution
+    inside a loop or a conditional with its channels-first layout, about 17x
+    slower than the channels-last one it picks outside them (a 5-member CNN on
+    8x8 digits: 283 vs 15 ms per step), so models with convolutions run their
+    steps unrolled, with no conditional."""
+    ts = eqx.combine(dynamic, static)
+    losses, scores = [], []
+    for position in range(chunk.length):
+        if chunk.batches is not None:
+            batch = jax.tree.map(lambda x, p=position: x[p], chunk.batches)
+            batch = constrain(batch, chunk.mesh, _batch_axes(chunk))
+        else:
+            batch = gather_batch(chunk.data, indices_of(ts.step), chunk.mesh)
+        last = position == chunk.length - 1
+        ts, step_losses, step_scores = _train_step(
+            chunk, ts, batch, evaluate=last and chunk.evaluate_last
+        )
+        ts = place_state(ts, chunk.mesh, inside_jit=True, in_loop=True)
+        losses.append(step_losses)
+        scores.append(step_scores)
+    return eqx.filter(ts, eqx.is_array), jnp.stack(losses), jnp.stack(scores)
+
+
+@eqx.filter_jit
+def _compiled_copy(tree: PyTree[Any]) -> PyTree[Any]:
+    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, tree)
+
+
+def copy(tree: PyTree[Any]) -> PyTree[Any]:
+    """A copy of every array leaf of `tree` (distinct buffers even where leaves
+    alias each other), in one compiled call where the leaves share their devices
+    (one dispatch per leaf otherwise)."""
+    try:
+        return _compiled_copy(tree)
+    except ValueError:  # leaves committed to different devices
+        return jax.tree.map(
+            lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree
+        )

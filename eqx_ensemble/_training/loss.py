@@ -1,0 +1,177 @@
+"""The loss a user writes, as the library calls it: the signature check before
+any work, the call for one member, and the split of what it returns."""
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PyTree
+
+from .._internal.tree import is_traced
+
+
+def _split_loss_output(out: Any, stateful: bool) -> tuple[Array, Any, Any]:
+    if stateful:
+        if not isinstance(out, tuple) or len(out) not in (2, 3):
+            raise TypeError(
+                "With a model state, `loss_fn(model, state, batch, key)` must return "
+                "`(loss, new_state)` or `(loss, new_state, aux)`; got "
+                f"{type(out).__name__}"
+            )
+        loss, new_state = out[0], out[1]
+        aux = out[2] if len(out) == 3 else None
+    else:
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise TypeError(
+                    "`loss_fn(model, batch, key)` must return a scalar loss or "
+                    f"`(loss, aux)`; got a tuple of length {len(out)}"
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        new_state = None
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise ValueError(
+            "`loss_fn` must return a scalar loss for ONE model (the library vmaps "
+            f"over members), but it returned a loss of shape {tuple(loss.shape)}; "
+            "reduce it, e.g. with `.mean()`"
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"`loss_fn` must return a floating loss, got {loss.dtype}")
+    return loss, aux, new_state
+
+
+def loss_context(batch: PyTree[Any]) -> str:
+    """The note added to an error raised inside `loss_fn`."""
+    shapes = jax.tree.map(lambda x: tuple(x.shape), eqx.filter(batch, eqx.is_array))
+    return (
+        "(raised inside `loss_fn`, traced for ONE member: the library vmaps over "
+        "members, so `model` is a single model and `batch` holds the whole "
+        f"minibatch, with shapes {shapes}. A model takes ONE example: map it over "
+        "the batch with `jax.vmap(model)(x)`.)"
+    )
+
+
+def call_loss(
+    loss_fn: Callable[..., Any],
+    model: Any,
+    state: Any,
+    batch: Any,
+    key: Any,
+    hyper: Any = None,
+) -> tuple[Array, Any, Any]:
+    """`loss_fn` on one member, split into `(loss, aux, new_state)`; an error raised
+    inside it gets a note saying what the library passed."""
+    stateful = state is not None
+    kwargs = {} if hyper is None else {"hyper": hyper}
+    try:
+        if stateful:
+            out = loss_fn(model, state, batch, key, **kwargs)
+        else:
+            out = loss_fn(model, batch, key, **kwargs)
+    except Exception as error:
+        error.add_note(loss_context(batch))
+        raise
+    return _split_loss_output(out, stateful)
+
+
+def check_loss_signature(
+    loss_fn: Callable[..., Any], stateful: bool, with_hyper: bool = False
+) -> None:
+    """Raise before any work if `loss_fn` cannot be called the way the library
+    calls it: `(model, batch, key)`, or `(model, state, batch, key)` with a model
+    state, plus the keyword `hyper=` when per-member hyperparameters are given."""
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}")
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables: the call itself will tell
+
+    def takes(count: int, hyper: bool = False) -> bool:
+        try:
+            signature.bind(*range(count), **({"hyper": None} if hyper else {}))
+        except TypeError:
+            return False
+        return True
+
+    def arity(count: int) -> bool:  # the positional arguments, whatever `hyper`
+        return takes(count) or takes(count, hyper=True)
+
+    count = 4 if stateful else 3
+    if stateful and not arity(4):
+        raise TypeError(
+            "A model state was given (`state=`), so `loss_fn` is called as "
+            "`loss_fn(model, state, batch, key)` and must return `(loss, new_state)` "
+            f"or `(loss, new_state, aux)`; but its signature is {signature}. Add the "
+            "`state` argument, or drop `state=` for a model without state."
+        )
+    if not stateful and not arity(3):
+        hint = (
+            " It looks like a loss for a model with state: pass the stacked model "
+            "state with `state=` (from `ee.ensemble` of `eqx.nn.make_with_state`)."
+            if arity(4)
+            else ""
+        )
+        raise TypeError(
+            "`loss_fn` is called as `loss_fn(model, batch, key)` and must return a "
+            f"scalar loss or `(loss, aux)`; but its signature is {signature}.{hint}"
+        )
+    if with_hyper and not takes(count, hyper=True):
+        raise TypeError(
+            "`hyper=` was given, so `loss_fn` is called with the keyword argument "
+            "`hyper` (this member's slice of the hyperparameters); but its signature "
+            f"is {signature}. Add a `hyper` parameter, e.g. "
+            "`def loss_fn(model, batch, key, *, hyper): ...`"
+        )
+    if not with_hyper and not takes(count):
+        raise TypeError(
+            f"`loss_fn` requires a `hyper` argument (its signature is {signature}), "
+            "but no `hyper=` was given: pass the per-member hyperparameters with "
+            "`hyper=`"
+        )
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """An `optax.GradientTransformation`, or a clear error naming what was given."""
+    if not (
+        callable(getattr(optimizer, "init", None))
+        and callable(getattr(optimizer, "update", None))
+    ):
+        raise TypeError(
+            "`optimizer` must be an `optax.GradientTransformation` (e.g. "
+            f"`optax.adam(1e-3)`), got {optimizer!r}"
+        )
+
+
+def check_hyper(hyper: PyTree[Any], size: int) -> None:
+    """Per-member hyperparameters: arrays of real numbers with a leading member
+    axis of size `size`, finite, or a clear error naming the leaf."""
+    leaves = jax.tree_util.tree_flatten_with_path(hyper)[0]
+    if not leaves:
+        raise ValueError("`hyper` holds no arrays; pass a PyTree of arrays or None")
+    for path, leaf in leaves:
+        where = f"`hyper` leaf `{jax.tree_util.keystr(path)}`"
+        if not eqx.is_array(leaf) and not hasattr(leaf, "dtype"):
+            raise TypeError(
+                f"{where} is a {type(leaf).__name__}; each hyperparameter must be an "
+                f"array with one value per member, e.g. `jnp.full({size}, value)`"
+            )
+        if leaf.ndim == 0 or leaf.shape[0] != size:
+            raise ValueError(
+                f"{where} has shape {tuple(leaf.shape)}, but its leading axis must be "
+                f"the ensemble size {size} (one value per member)"
+            )
+        if not (
+            jnp.issubdtype(leaf.dtype, jnp.floating)
+            or jnp.issubdtype(leaf.dtype, jnp.integer)
+            or leaf.dtype == bool
+        ):
+            raise TypeError(f"{where} has dtype {leaf.dtype}; use real numbers")
+        if not is_traced(leaf) and not bool(jnp.all(jnp.isfinite(jnp.asarray(leaf)))):
+            raise ValueError(f"{where} holds non-finite values: {leaf}")

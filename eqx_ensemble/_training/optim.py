@@ -1,0 +1,359 @@
+"""`init_optimizer`: one optax state per member, per-member hyperparameters."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+import optax
+from jaxtyping import ArrayLike, Float, PyTree
+
+from .._core.ensemble import Ensemble, SharedOptState
+from .._execution.compile import bound_programs
+from .._internal.tree import first_difference, is_traced, keystr, trainable
+from .loss import check_optimizer
+
+
+def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
+    members_state = eqx.filter_vmap(optimizer.init)(members)
+    if shared is None:
+        return members_state
+    return SharedOptState(members_state, optimizer.init(shared))
+
+
+def _trained_shared(ens: Ensemble) -> PyTree[Any]:
+    return trainable(ens.shared) if ens.train_shared else None
+
+
+def members_opt_state(opt_state: Any) -> Any:
+    """The per-member part of an optimizer state."""
+    return opt_state.members if isinstance(opt_state, SharedOptState) else opt_state
+
+
+def is_hyperparam_node(x: Any) -> bool:
+    """Whether `x` is the state of an `optax.inject_hyperparams` transformation
+    (a named tuple with a `hyperparams` dict)."""
+    return (
+        isinstance(x, tuple)
+        and hasattr(x, "hyperparams")
+        and isinstance(getattr(x, "hyperparams"), dict)
+    )
+
+
+def hyperparam_nodes(opt_state: PyTree[Any]) -> list[tuple[str, Any]]:
+    """Every `inject_hyperparams` state inside `opt_state`, with its path."""
+    return [
+        (keystr(path), node)
+        for path, node in jtu.tree_flatten_with_path(
+            opt_state, is_leaf=is_hyperparam_node
+        )[0]
+        if is_hyperparam_node(node)
+    ]
+
+
+def map_hyperparam_nodes(fn: Any, opt_state: PyTree[Any]) -> PyTree[Any]:
+    """`opt_state` with every `inject_hyperparams` state replaced by `fn(node)`."""
+    return jtu.tree_map(
+        lambda node: fn(node) if is_hyperparam_node(node) else node,
+        opt_state,
+        is_leaf=is_hyperparam_node,
+    )
+
+
+def set_hyperparams(
+    opt_state: PyTree[Any],
+    hyperparams: Mapping[str, Float[ArrayLike, " members"] | Sequence[float] | float],
+    size: int,
+) -> PyTree[Any]:
+    """Set per-member hyperparameters inside a stacked `inject_hyperparams` state.
+
+    **Arguments:**
+
+    - `opt_state`: a stacked optimizer state from
+      [`init_optimizer`][eqx_ensemble.init_optimizer].
+    - `hyperparams`: name -> one value per member (or one value for all).
+    - `size`: the ensemble size.
+
+    **Returns:**
+
+    The state with the hyperparameters replaced.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(2, 1, key=k), size=3,
+                      key=jax.random.key(0))
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = ee.init_optimizer(opt, ens)
+    state = ee.set_hyperparams(state, {"learning_rate": jnp.array([0.1, 0.01, 0.0])},
+                               size=3)
+    state.hyperparams["learning_rate"]      # [0.1, 0.01, 0.0]
+    ```
+    """
+    if isinstance(opt_state, SharedOptState):
+        # The shared part has ONE state: it keeps the optimizer's own values.
+        members = set_hyperparams(opt_state.members, hyperparams, size)
+        return SharedOptState(members, opt_state.shared)
+    nodes = hyperparam_nodes(opt_state)
+    if not nodes:
+        raise ValueError(
+            "Per-member hyperparameters need an optimizer built with "
+            "`optax.inject_hyperparams`, e.g. "
+            "`optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)`; this "
+            "optimizer state has no injected hyperparameters."
+        )
+    for name, value in hyperparams.items():
+        owners = [(path, node) for path, node in nodes if name in node.hyperparams]
+        if not owners:
+            available = sorted({n for _, node in nodes for n in node.hyperparams})
+            raise ValueError(
+                f"Unknown hyperparameter {name!r}; the injected hyperparameters are "
+                f"{available}"
+            )
+        if len(owners) > 1:
+            raise ValueError(
+                f"Hyperparameter {name!r} is injected in several places "
+                f"({[path for path, _ in owners]}); set them on the optimizer itself"
+            )
+        path, node = owners[0]
+        current = node.hyperparams[name]
+        given_shape = np.shape(value)  # pyright: ignore[reportArgumentType]
+        if current.ndim == 0 and len(given_shape) > 0:
+            raise ValueError(
+                f"Hyperparameter {name!r} is held once in this optimizer state (it "
+                "is not stacked over members: e.g. the state of a shared part, "
+                "`SharedOptState.shared`), so it takes ONE value, got shape "
+                f"{given_shape}. A shared part is trained with one "
+                "setting for all members; per-member values apply to the members' "
+                "own state (`SharedOptState.members`, or the whole `SharedOptState`)."
+            )
+        state_size = current.shape[0] if current.ndim else None
+        if state_size is not None and state_size != size:
+            raise ValueError(
+                f"`size` is {size} but the optimizer state holds {state_size} "
+                f"members (hyperparameter {name!r} has shape {tuple(current.shape)}); "
+                "pass the ensemble size the state was made for"
+            )
+        array = jnp.asarray(value)
+        if jnp.issubdtype(array.dtype, jnp.complexfloating) or array.dtype == bool:
+            raise TypeError(
+                f"Hyperparameter {name!r} must be real numbers, got dtype {array.dtype}"
+            )
+        if array.ndim == 0 and current.ndim:
+            array = jnp.broadcast_to(array, (size,))
+        if array.shape != ((size,) if current.ndim else ()):
+            raise ValueError(
+                f"Hyperparameter {name!r} must have one value per member: the "
+                f"ensemble has {size} members, got shape {tuple(array.shape)}"
+            )
+        if not is_traced(array):
+            finite = np.isfinite(np.asarray(array, dtype=np.float64))
+            if not finite.all():
+                bad = np.flatnonzero(~finite).tolist()
+                raise ValueError(
+                    f"Hyperparameter {name!r} is not finite for members {bad}: "
+                    f"{np.asarray(array).tolist()}"
+                )
+        # Match the state's dtype exactly, weak type included (`jnp.full(3, 0.1)` is
+        # weakly typed; optax would make it strong at the first update, changing the
+        # state's type from one step to the next).
+        if (
+            not isinstance(value, jax.Array)
+            or not jax.numpy.issubdtype(array.dtype, current.dtype)
+            or jax.typeof(array).weak_type != jax.typeof(current).weak_type
+        ):
+            array = jax.lax.convert_element_type(array, current.dtype)
+        new_hyperparams = {**node.hyperparams, name: array}
+        opt_state = jtu.tree_map(
+            lambda x, node=node, new=new_hyperparams: (
+                x._replace(hyperparams=new) if x is node else x
+            ),
+            opt_state,
+            is_leaf=lambda x: x is node,
+        )
+        nodes = hyperparam_nodes(opt_state)
+    return opt_state
+
+
+@eqx.filter_jit
+def _compiled_init(
+    optimizer: Any, params: PyTree[Any], shared: PyTree[Any]
+) -> PyTree[Any]:
+    return _init_state(optimizer, params, shared)
+
+
+def init_optimizer_fast(
+    optimizer: optax.GradientTransformation, ens: Ensemble
+) -> PyTree[Any]:
+    """`init_optimizer(optimizer, ens)` as one compiled call (cached per optimizer
+    object) instead of op-by-op dispatch: for `fit`, which places the state on its
+    devices itself. Falls back to the eager path for optimizers that cannot be
+    used as a static argument."""
+    try:
+        hash(optimizer)
+    except TypeError:
+        return init_optimizer(optimizer, ens)
+    # One program per optimizer object: bounded (see `_xla.MAX_PROGRAMS`).
+    compiled = bound_programs(_compiled_init)
+    return compiled(optimizer, trainable(ens.members), _trained_shared(ens))
+
+
+def init_optimizer(
+    optimizer: optax.GradientTransformation,
+    ens: Ensemble,
+    *,
+    hyperparams: Mapping[str, Float[ArrayLike, " members"] | Sequence[float] | float]
+    | None = None,
+) -> PyTree[Any]:
+    """Initialise one optax state per member, stacked like the ensemble.
+
+    The state is `filter_vmap(optimizer.init)` over the members' floating-point
+    leaves, so every transformation keeps its per-member meaning (Adam moments,
+    `clip_by_global_norm`'s norm, schedules' step counts are all per member).
+
+    **Arguments:**
+
+    - `optimizer`: any `optax.GradientTransformation`.
+    - `ens`: the ensemble.
+    - `hyperparams`: optional per-member hyperparameters, name -> array of shape
+      `(len(ens),)`, for an optimizer built with `optax.inject_hyperparams`; e.g. a
+      learning-rate sweep trained as one ensemble.
+
+    **Returns:**
+
+    The stacked optimizer state (leading member axis on every array leaf). For an
+    ensemble with a trained shared part (`train_shared=True`), a
+    [`SharedOptState`][eqx_ensemble.SharedOptState] holding that and ONE state
+    for the shared part (which keeps the optimizer's own hyperparameters). A
+    frozen shared part has no optimizer state.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 16, 1, key=k), size=4,
+                      key=jax.random.key(0))
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    state = ee.init_optimizer(opt, ens,
+                              hyperparams={"learning_rate": jnp.logspace(-4, -1, 4)})
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
+    check_optimizer(optimizer)
+    size = len(ens)
+    opt_state = _init_state(optimizer, trainable(ens.members), _trained_shared(ens))
+    if hyperparams:
+        opt_state = set_hyperparams(opt_state, hyperparams, size)
+        check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
+    return opt_state
+
+
+def check_hyperparams_kept(
+    optimizer: optax.GradientTransformation,
+    members: PyTree[Any],
+    opt_state: PyTree[Any],
+    names: Mapping[str, Any],
+) -> None:
+    """Raise if `optimizer.update` overwrites an injected hyperparameter in `names`.
+
+    `optax.inject_hyperparams` recomputes a hyperparameter given as a schedule from
+    the step count at every update, so per-member values set in the state would be
+    silently replaced after the first step. Found by tracing one member's update
+    (no compilation, no computation): a kept hyperparameter is passed through.
+    """
+    opt_state = members_opt_state(opt_state)
+    member_params = jax.tree.map(lambda x: x[0], trainable(members))
+    member_state = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, opt_state)
+    dynamic, static = eqx.partition(member_state, eqx.is_array)
+    zeros = jax.tree.map(jnp.zeros_like, member_params)
+
+    def update(dynamic_state):
+        with jax.numpy_dtype_promotion("standard"):
+            _, new_state = optimizer.update(
+                zeros, eqx.combine(dynamic_state, static), member_params
+            )
+        return eqx.filter(new_state, eqx.is_array)
+
+    jaxpr, out_shapes = jax.make_jaxpr(update, return_shape=True)(dynamic)
+    inputs = jtu.tree_flatten_with_path(dynamic)[0]
+    outputs = {
+        keystr(path): var
+        for (path, _), var in zip(
+            jtu.tree_flatten_with_path(out_shapes)[0], jaxpr.jaxpr.outvars
+        )
+    }
+    for (path, _), var in zip(inputs, jaxpr.jaxpr.invars):
+        if (
+            len(path) >= 2
+            and isinstance(path[-2], jtu.GetAttrKey)
+            and path[-2].name == "hyperparams"
+            and isinstance(path[-1], jtu.DictKey)
+            and path[-1].key in names
+            and outputs.get(keystr(path)) is not var
+        ):
+            raise ValueError(
+                f"Hyperparameter {path[-1].key!r} is a schedule in this optimizer: "
+                "`optax.inject_hyperparams` recomputes it from the step count at "
+                "every update, so per-member values would be overwritten after the "
+                "first step. Give `inject_hyperparams` a number for it (e.g. "
+                "`learning_rate=1e-3`) to set it per member."
+            )
+
+
+def check_opt_state(
+    optimizer: optax.GradientTransformation, ens: Ensemble, opt_state: Any
+) -> None:
+    """Raise a clear error if `opt_state` was not made for this ensemble."""
+    size = len(ens)
+    expected = eqx.filter_eval_shape(
+        _init_state, optimizer, trainable(ens.members), _trained_shared(ens)
+    )
+    # `filter_eval_shape` gives `ShapeDtypeStruct`s, which `eqx.is_array_like` does
+    # not count as arrays: keep them, or every real state would "differ".
+    expected_arrays = eqx.filter(expected, _is_array_or_struct)
+    given_arrays = eqx.filter(opt_state, _is_array_or_struct)
+    difference = first_difference(
+        jax.tree.map(_as_struct, expected_arrays),
+        jax.tree.map(_as_struct, given_arrays),
+    )
+    if difference is not None:
+        raise ValueError(
+            "The optimizer state does not match the ensemble and optimizer (make it "
+            f"with `ee.init_optimizer(optimizer, ens)` for this {size}-member "
+            f"ensemble). First difference (expected first): {difference}"
+        )
+
+
+def _is_array_or_struct(x: Any) -> bool:
+    return eqx.is_array_like(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+class _Spec:
+    """Shape and dtype of an array leaf, compared without weak types or shardings."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
+        self.shape, self.dtype = tuple(shape), jnp.dtype(dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Spec)
+            and self.shape == other.shape
+            and self.dtype == other.dtype
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+def _as_struct(x: Any) -> Any:
+    if isinstance(x, bool | int | float | complex):
+        return x
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return _Spec(x.shape, x.dtype)
+    return _Spec(np.shape(x), jnp.result_type(x))

@@ -1,0 +1,129 @@
+"""`FitResult` and `EnsembleDivergedError`: what `fit` returns or raises."""
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jaxtyping import PRNGKeyArray, PyTree
+
+from .._core.ensemble import Ensemble
+from .history import History
+from .sampling import Sampling
+from .train_state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """What [`fit`][eqx_ensemble.fit] returns.
+
+    - `ensemble`: the trained ensemble (after the last step).
+    - `opt_state`: the stacked optimizer state.
+    - `state`: the stacked model state (`eqx.nn.State`) or `None`.
+    - `history`: a [`History`][eqx_ensemble.History] of per-member losses and scores.
+    - `diverged`: `{member: step}` for members whose loss, gradient or update
+      became non-finite; from that step on they were frozen (the others trained
+      on) and they keep their last finite parameters.
+    - `best_ensemble`: with `evaluate=`, each member at its best evaluation score
+      (lowest), else `None`; `best_step` holds the step of each member's best.
+    - `step`: the number of steps done.
+    - `tracked`: one result per tracker of `track=` (e.g. an `Ensemble` of
+      averaged weights for [`ee.EMA`][eqx_ensemble.EMA]), in order.
+    - `train_state`: the full [`TrainState`][eqx_ensemble.TrainState] (what a
+      checkpoint holds).
+    - `sampling`, `key`, `num_examples`: how the run drew its batches (for array
+      data; `num_examples` is `None` for a stream), e.g. to rebuild a bootstrap
+      run's out-of-bag examples with
+      [`Bootstrap.in_bag`][eqx_ensemble.Bootstrap.in_bag].
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=3,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=20, batch_size=4,
+                    key=jax.random.key(1), progress=False)
+    trained, history, diverged = result.ensemble, result.history, result.diverged
+    assert result.step == 20 and diverged == {}
+    ```
+    """
+
+    ensemble: Ensemble
+    opt_state: PyTree[Any]
+    state: PyTree[Any]
+    history: History
+    diverged: dict[int, int]
+    best_ensemble: Ensemble | None
+    best_step: np.ndarray | None
+    step: int
+    tracked: tuple[Any, ...] = ()
+    train_state: TrainState | None = None
+    sampling: Sampling | None = None
+    key: PRNGKeyArray | None = None
+    num_examples: int | None = None
+
+
+def make_result(
+    train_state: TrainState,
+    history: History,
+    track: tuple[Any, ...],
+    run: dict[str, Any],
+) -> FitResult:
+    """A `FitResult` from a run's state (`run`: sampling, key, num_examples)."""
+    diverged_at = np.asarray(train_state.diverged_at)
+    best_step = train_state.best_step
+    return FitResult(
+        ensemble=train_state.ensemble,
+        opt_state=train_state.opt_state,
+        state=train_state.model_state,
+        history=history,
+        diverged={
+            int(member): int(step)
+            for member, step in enumerate(diverged_at)
+            if step >= 0
+        },
+        best_ensemble=train_state.best_ensemble,
+        best_step=None if best_step is None else np.asarray(best_step),
+        step=int(train_state.step),
+        tracked=tuple(
+            tracker.result(state, train_state.ensemble)
+            for tracker, state in zip(track, train_state.tracked, strict=True)
+        ),
+        train_state=train_state,
+        sampling=run.get("sampling"),
+        key=run.get("key"),
+        num_examples=run.get("num_examples"),
+    )
+
+
+class EnsembleDivergedError(FloatingPointError):
+    """Raised by [`fit`][eqx_ensemble.fit] when every member has diverged
+    (non-finite loss, gradient or update). While some members are healthy, `fit`
+    keeps training them and reports the others in `FitResult.diverged` instead.
+    The run so far is attached as `error.result`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean(jnp.log(-jnp.abs(jax.vmap(m)(b))))  # NaN
+    try:
+        ee.fit(ens, loss, optax.sgd(0.1), x, steps=5, batch_size=4,
+               key=jax.random.key(1), progress=False)
+    except ee.EnsembleDivergedError as error:
+        print(error, error.result.diverged)
+    ```
+    """
+
+    result: FitResult | None = None
+
+
+def key_record(key: PRNGKeyArray) -> list[int]:
+    """A key as a JSON-serialisable list (raw key data)."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(key)).ravel().tolist()
+    return np.asarray(key).ravel().tolist()

@@ -1,0 +1,308 @@
+"""How `fit` draws each member's minibatch: `Shared`, `Independent`, `Bootstrap`.
+
+Each sampling is a small Module that owns its checks, its per-run set-up and its
+per-step indices; `fit` asks it, and never decodes a name. The strings
+`"shared"`, `"independent"` and `"bootstrap"` are accepted wherever a sampling is
+(`as_sampling` turns them into these objects); no other module names them.
+
+For array data the indices are drawn inside compiled code. A chunk of steps
+computes the epoch permutations it touches once, up front, with the same keys as
+the per-step rule (`indices`), so every step slices its batch out of them: on
+small models recomputing the permutation (a sort of `n` indices) at every step
+was a quarter of the step time.
+"""
+
+import abc
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int, PRNGKeyArray
+
+from .._core.data import bootstrap_resamples, epoch_indices
+
+# Above this many precomputed indices (int32) per chunk, compute the permutation
+# at every step rather than holding all of them at once.
+_MAX_PRECOMPUTED = 2**26
+# Index arrays and batch axes are int32 in XLA: nothing may reach 2**31 elements.
+MAX_INDICES = 2**31 - 1
+
+
+class Sampling(eqx.Module):
+    """How each member's minibatch is drawn from array data (abstract).
+
+    The built-in samplings are [`ee.Shared`][eqx_ensemble.Shared],
+    [`ee.Independent`][eqx_ensemble.Independent] and
+    [`ee.Bootstrap`][eqx_ensemble.Bootstrap]. A sampling says whether batches
+    carry a member axis (`per_member`), prepares per-run arrays from the run's
+    bootstrap key (`prepare`), and gives the example indices of a step
+    (`indices`).
+
+    **Example:**
+
+    ```python
+    sampling = ee.Shared()
+    rows = sampling.indices(jax.random.key(0), None, jnp.int32(3), n=10,
+                            batch_size=4, size=2)       # step 3's 4 rows, shared
+    per_member = ee.Independent().indices(jax.random.key(0), None, jnp.int32(3),
+                                          n=10, batch_size=4, size=2)   # (2, 4)
+    ```
+    """
+
+    per_member: ClassVar[bool]
+    name: ClassVar[str]
+
+    def check(self, num_examples: int, batch_size: int, size: int) -> None:
+        """Raise before any work if `batch_size` cannot be drawn from the data."""
+        if batch_size * (size if self.per_member else 1) > MAX_INDICES:
+            raise ValueError(
+                f"`batch_size` ({batch_size}) x {size if self.per_member else 1} "
+                f"member(s) is more than the {MAX_INDICES} indices XLA can address "
+                "in one step; use a smaller batch"
+            )
+
+    def prepare(
+        self, bootstrap_key: PRNGKeyArray, size: int, num_examples: int
+    ) -> Array | None:
+        """Per-run arrays the indices need (made once per `fit` call)."""
+        del bootstrap_key, size, num_examples
+        return None
+
+    @abc.abstractmethod
+    def indices(
+        self,
+        data_key: PRNGKeyArray,
+        prepared: Array | None,
+        step: Int[Array, ""],
+        *,
+        n: int,
+        batch_size: int,
+        size: int,
+    ) -> Int[Array, "..."]:
+        """The example indices of step `step`: `(batch_size,)`, or with a member
+        axis `(size, batch_size)` when `per_member`."""
+
+    def chunk_indices(
+        self,
+        data_key: PRNGKeyArray,
+        prepared: Array | None,
+        first_step: Int[Array, ""],
+        *,
+        n: int,
+        batch_size: int,
+        size: int,
+        chunk: int,
+    ) -> Callable[[Int[Array, ""]], Array]:
+        """`indices` for the steps `[first_step, first_step + chunk)`, with any
+        work shared by those steps done once."""
+        del first_step, chunk
+        return lambda step: self.indices(
+            data_key, prepared, step, n=n, batch_size=batch_size, size=size
+        )
+
+
+class _WithoutReplacement(Sampling):
+    """Epochs of `E = n // batch_size` steps; step `s` takes slice `s % E` of the
+    permutation of epoch `s // E` (the remainder of each epoch is dropped)."""
+
+    def check(self, num_examples: int, batch_size: int, size: int) -> None:
+        super().check(num_examples, batch_size, size)
+        if batch_size > num_examples:
+            raise ValueError(
+                f"`batch_size` ({batch_size}) is larger than the data "
+                f"({num_examples} examples); use a smaller batch or "
+                "`sampling=ee.Bootstrap()` (sampling with replacement)"
+            )
+
+    def _data_keys(self, data_key: PRNGKeyArray, size: int) -> Any:
+        return jax.random.split(data_key, size) if self.per_member else data_key
+
+    def indices(self, data_key, prepared, step, *, n, batch_size, size):
+        del prepared
+        keys = self._data_keys(data_key, size)
+        if self.per_member:
+            return jax.vmap(lambda k: epoch_indices(k, step, n, batch_size))(keys)
+        return epoch_indices(keys, step, n, batch_size)
+
+    def chunk_indices(
+        self, data_key, prepared, first_step, *, n, batch_size, size, chunk
+    ):
+        steps_per_epoch = n // batch_size
+        num_epochs = -(-chunk // steps_per_epoch) + 1  # most epochs a chunk touches
+        streams = size if self.per_member else 1
+        if num_epochs >= chunk or num_epochs * streams * n > _MAX_PRECOMPUTED:
+            return super().chunk_indices(
+                data_key,
+                prepared,
+                first_step,
+                n=n,
+                batch_size=batch_size,
+                size=size,
+                chunk=chunk,
+            )
+        first_epoch = first_step // steps_per_epoch
+        epochs = first_epoch + jnp.arange(num_epochs, dtype=first_epoch.dtype)
+
+        def permutations(key):  # exactly `epoch_indices`' permutations
+            return jax.vmap(
+                lambda epoch: jax.random.permutation(jax.random.fold_in(key, epoch), n)
+            )(epochs)
+
+        def take(perms, step):
+            epoch = step // steps_per_epoch - first_epoch
+            position = step % steps_per_epoch
+            perm = jax.lax.dynamic_index_in_dim(perms, epoch, axis=0, keepdims=False)
+            return jax.lax.dynamic_slice(perm, (position * batch_size,), (batch_size,))
+
+        keys = self._data_keys(data_key, size)
+        if not self.per_member:
+            perms = permutations(keys)
+            return lambda step: take(perms, step)
+        member_perms = jax.vmap(permutations)(keys)
+        return lambda step: jax.vmap(lambda perms: take(perms, step))(member_perms)
+
+
+class Shared(_WithoutReplacement):
+    """Every member trains on the same minibatch at each step (the default).
+
+    The batch stays unbatched inside the member `vmap`, so the member axis folds
+    into the weights: one wide matmul or convolution per layer for the whole
+    ensemble. Step `s` takes slice `s % E` of
+    `jax.random.permutation(jax.random.fold_in(data_key, s // E), n)` with
+    `E = n // batch_size`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=4, batch_size=4,
+                    key=jax.random.key(1), sampling=ee.Shared(), progress=False)
+    ```
+    """
+
+    per_member: ClassVar[bool] = False
+    name: ClassVar[str] = "shared"
+
+
+class Independent(_WithoutReplacement):
+    """Each member shuffles the data on its own (its own epochs, same data).
+
+    Member `i` follows the rule of [`ee.Shared`][eqx_ensemble.Shared] with data
+    key `jax.random.split(data_key, size)[i]`. For a streamed data source,
+    `Independent()` means each batch carries a leading member axis (member `i`
+    trains on slice `i`).
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=4, batch_size=4,
+                    key=jax.random.key(1), sampling=ee.Independent(),
+                    progress=False)
+    ```
+    """
+
+    per_member: ClassVar[bool] = True
+    name: ClassVar[str] = "independent"
+
+
+class Bootstrap(Sampling):
+    """Bagging: each member trains on its own bootstrap resample of the data.
+
+    Member `i`'s resample is
+    `jax.random.randint(jax.random.split(bootstrap_key, size)[i], (n,), 0, n)`
+    (`n` draws with replacement; [`in_bag`][eqx_ensemble.Bootstrap.in_bag] rebuilds
+    it from the run's key), and step `s` draws positions
+    `jax.random.randint(jax.random.fold_in(data_key, s), (size, batch_size), 0, n)`
+    into it. The examples a member never drew are its out-of-bag examples.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=3,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+    key = jax.random.key(1)
+    result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=4, batch_size=4,
+                    key=key, sampling=ee.Bootstrap(), progress=False)
+    counts = ee.Bootstrap().in_bag(key, size=3, num_examples=8)   # (3, 8)
+    ```
+    """
+
+    per_member: ClassVar[bool] = True
+    name: ClassVar[str] = "bootstrap"
+
+    def prepare(self, bootstrap_key, size, num_examples):
+        if size * num_examples > MAX_INDICES:
+            raise ValueError(
+                f"Bootstrap resamples of {num_examples} examples for {size} members "
+                f"are more than the {MAX_INDICES} indices XLA can address; use "
+                "fewer members or a streamed data source"
+            )
+        return bootstrap_resamples(bootstrap_key, size, num_examples)
+
+    def indices(self, data_key, prepared, step, *, n, batch_size, size):
+        assert prepared is not None
+        positions = jax.random.randint(
+            jax.random.fold_in(data_key, step), (size, batch_size), 0, n
+        )
+        return jnp.take_along_axis(prepared, positions, axis=1)
+
+    def in_bag(
+        self, key: PRNGKeyArray, *, size: int, num_examples: int
+    ) -> Int[Array, "members n"]:
+        """How many times each member's resample holds each example, rebuilt from
+        the `key` that [`fit`][eqx_ensemble.fit] was called with (nothing is
+        stored). Zero marks an out-of-bag example.
+
+        **Arguments:**
+
+        - `key`: the key of the `fit` call.
+        - `size`: the number of members.
+        - `num_examples`: the number of training examples.
+
+        **Returns:**
+
+        Integer counts of shape `(size, num_examples)`.
+
+        **Example:**
+
+        ```python
+        counts = ee.Bootstrap().in_bag(jax.random.key(1), size=4, num_examples=10)
+        out_of_bag = counts == 0      # (4, 10)
+        ```
+        """
+        bootstrap_key = jax.random.split(key, 3)[1]
+        resamples = self.prepare(bootstrap_key, size, num_examples)
+        return jax.vmap(lambda r: jnp.bincount(r, length=num_examples))(resamples)
+
+
+_BY_NAME: dict[str, type[Sampling]] = {
+    cls.name: cls for cls in (Shared, Independent, Bootstrap)
+}
+
+
+def as_sampling(sampling: Any) -> Sampling:
+    """A `Sampling` from an instance or one of the accepted names."""
+    if isinstance(sampling, Sampling):
+        return sampling
+    if isinstance(sampling, type) and issubclass(sampling, Sampling):
+        raise TypeError(
+            f"`sampling` must be an instance, e.g. `ee.{sampling.__name__}()`, "
+            f"not the class {sampling.__name__}"
+        )
+    if isinstance(sampling, str) and sampling in _BY_NAME:
+        return _BY_NAME[sampling]()
+    raise ValueError(
+        "`sampling` must be one of ee.Shared(), ee.Independent(), ee.Bootstrap() "
+        f"(or the names {tuple(_BY_NAME)}), got {sampling!r}"
+    )

@@ -1,0 +1,652 @@
+"""`make_step`: one compiled optimisation step for every member at once."""
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
+
+from .._core.data import check_leading
+from .._core.ensemble import Ensemble, check_shared_shapes, with_members
+from .._core.mapping import check_per_member_args
+from .._core.sharding import (
+    check_mesh,
+    check_step_mesh,
+    mesh_context,
+    replicate,
+    sharded_update,
+)
+from .._execution.compile import (
+    CompiledFunctions,
+    Options,
+    check_compiler_options,
+    filter_jit,
+    step_compiler_options,
+)
+from .._execution.layout import Layout, check_layout, choose_layout, member_map
+from .._internal.keys import check_key
+from .coupled import Coupled, coupled_losses
+from .loss import call_loss, check_hyper, check_loss_signature, check_optimizer
+from .optim import SharedOptState, check_opt_state, trainable
+
+
+class StepOutput(NamedTuple):
+    """What a [`make_step`][eqx_ensemble.make_step] step returns.
+
+    Fields: `ensemble`, `opt_state`, `losses` (one per member), `aux` (stacked
+    `aux` of `loss_fn`, or `None`) and `state` (the new model state, or `None`).
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    opt = optax.sgd(0.1)
+    step = ee.make_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b) ** 2), opt)
+    out = step(ens, ee.init_optimizer(opt, ens), jnp.ones((4, 1)), jax.random.key(1))
+    ens, opt_state, losses, aux, state = out      # or out.ensemble, out.losses...
+    ```
+    """
+
+    ensemble: Ensemble
+    opt_state: PyTree[Any]
+    losses: Float[Array, " members"]
+    aux: PyTree[Any]
+    state: PyTree[Any]
+
+
+def _all_finite(tree: PyTree[Any]) -> Bool[Array, ""]:
+    leaves = [
+        jnp.all(jnp.isfinite(leaf))
+        for leaf in jax.tree.leaves(tree)
+        if eqx.is_inexact_array(leaf)
+    ]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack(leaves))
+
+
+def _select(keep_new: Bool[Array, ""], new: Any, old: Any) -> Any:
+    def pick(n, o):
+        if not eqx.is_array(n) or jnp.issubdtype(n.dtype, jax.dtypes.prng_key):
+            return n
+        return jnp.where(keep_new, n, o)
+
+    return jax.tree.map(pick, new, old)
+
+
+def member_update(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    member: Any,
+    opt_state: Any,
+    batch: Any,
+    key: Any,
+    state: Any,
+    frozen: Any,
+    hyper: Any = None,
+    shared: Any = None,
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """One step for ONE member (vmapped over members by the callers).
+
+    A member whose loss, gradients or updated parameters are not finite, or that
+    is `frozen`, keeps its parameters, optimizer state and model state;
+    `diverged` reports the former. `shared`: a frozen shared part (closed over,
+    not differentiated), completing `member` (the stacked part) into a model.
+    """
+    stateful = state is not None
+    # `loss_fn` may consume the state it is given (`state.set` returns a new state
+    # and invalidates the old one, as in plain Equinox): keep a copy to fall back on.
+    kept_state = jax.tree.map(lambda x: x, state) if stateful else None
+
+    def loss_of(part):
+        model = part if shared is None else eqx.combine(part, shared)
+        loss, aux, new_state = call_loss(loss_fn, model, state, batch, key, hyper)
+        return loss, (aux, new_state)
+
+    (loss, (aux, new_state)), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(
+        member
+    )
+    new_member, new_opt_state, new_state, diverged = apply_member(
+        optimizer, member, opt_state, grads, loss, new_state, kept_state, frozen
+    )
+    return new_member, new_opt_state, loss, aux, new_state, diverged
+
+
+def apply_member(
+    optimizer: optax.GradientTransformation,
+    member: Any,
+    opt_state: Any,
+    grads: Any,
+    loss: Any,
+    new_state: Any,
+    kept_state: Any,
+    frozen: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """ONE member's optimizer update from its gradients, kept only if everything
+    is finite and the member is not `frozen`."""
+    # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
+    # count in Adam's bias correction); trace it that way even when the user runs
+    # with `jax_numpy_dtype_promotion="strict"`.
+    with jax.numpy_dtype_promotion("standard"):
+        updates, new_opt_state = optimizer.update(grads, opt_state, trainable(member))
+    new_member = eqx.apply_updates(member, updates)
+    # The update is checked too: a finite gradient times a huge (or non-finite)
+    # per-member learning rate still gives non-finite parameters.
+    finite = (
+        jnp.isfinite(loss)
+        & _all_finite(grads)
+        & _all_finite(trainable(new_member))
+        & _all_finite(new_opt_state)
+    )
+    keep_new = finite & jnp.logical_not(frozen)
+    new_member = _select(keep_new, new_member, member)
+    new_opt_state = _select(keep_new, new_opt_state, opt_state)
+    if kept_state is not None:
+        new_state = _select(keep_new, new_state, kept_state)
+    diverged = jnp.logical_not(finite) & jnp.logical_not(frozen)
+    return new_member, new_opt_state, new_state, diverged
+
+
+def _coupled_update(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    batch_axes: Any,
+    ens: Ensemble,
+    opt_state: Any,
+    batch: Any,
+    keys: Any,
+    state: Any,
+    frozen: Any,
+    hyper: Any,
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """One step of an ensemble whose shared part is trained: the members' summed
+    loss is differentiated once, which gives every member its own gradient and
+    the shared part the SUM of the members' gradients (a `vmap`'s broadcast
+    transposes to a sum: no per-member copy of the shared gradient is made).
+
+    Diverged (`frozen`) members are left out of the sum. If the shared part's
+    gradient or update is not finite, the shared part skips this step (and the
+    members' own isolation works as without a shared part)."""
+    member_axis = eqx.if_array(0)
+    stateful = state is not None
+    kept_state = jax.tree.map(lambda x: x, state) if stateful else None
+
+    def total_loss(parts):
+        members, shared = parts
+
+        def one(member, member_batch, key, member_state, member_hyper):
+            model = eqx.combine(member, shared)
+            return call_loss(
+                loss_fn, model, member_state, member_batch, key, member_hyper
+            )
+
+        losses, aux, new_state = eqx.filter_vmap(
+            one,
+            in_axes=(member_axis, batch_axes, member_axis, member_axis, member_axis),
+        )(members, batch, keys, state, hyper)
+        return jnp.sum(jnp.where(frozen, 0.0, losses)), (losses, aux, new_state)
+
+    (_, (losses, aux, new_state)), (grads, shared_grads) = eqx.filter_value_and_grad(
+        total_loss, has_aux=True
+    )((ens.members, ens.shared))
+    members, members_opt, new_state, diverged = eqx.filter_vmap(
+        functools.partial(apply_member, optimizer),
+        in_axes=(member_axis,) * 7,
+    )(ens.members, opt_state.members, grads, losses, new_state, kept_state, frozen)
+    shared = ens.shared
+    with jax.numpy_dtype_promotion("standard"):
+        updates, new_shared_opt = optimizer.update(
+            shared_grads, opt_state.shared, trainable(shared)
+        )
+    new_shared = eqx.apply_updates(shared, updates)
+    keep = (
+        _all_finite(shared_grads)
+        & _all_finite(trainable(new_shared))
+        & _all_finite(new_shared_opt)
+    )
+    new_shared = _select(keep, new_shared, shared)
+    new_shared_opt = _select(keep, new_shared_opt, opt_state.shared)
+    return (
+        with_members(eqx.tree_at(lambda e: e.shared, ens, new_shared), members),
+        SharedOptState(members_opt, new_shared_opt),
+        losses,
+        aux,
+        new_state,
+        diverged,
+    )
+
+
+def _joint_update(
+    loss_fn: "Coupled",
+    optimizer: optax.GradientTransformation,
+    ens: Ensemble,
+    opt_state: Any,
+    batch: Any,
+    keys: Any,
+    state: Any,
+    frozen: Any,
+    hyper: Any,
+) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """One step with a loss over all members at once (`ee.Coupled`): the sum of
+    the members' losses is differentiated jointly; each member then takes its
+    own optimizer step, with its own divergence isolation."""
+    if state is not None:
+        raise ValueError(
+            "an `ee.Coupled` loss does not take a model state (`state=`); write the "
+            "coupled objective for a model without state"
+        )
+    member_axis = eqx.if_array(0)
+    train_shared = ens.train_shared
+
+    def total_loss(parts):
+        members, shared = parts
+        current = with_members(
+            ens if shared is None else eqx.tree_at(lambda e: e.shared, ens, shared),
+            members,
+        )
+        losses, total = coupled_losses(loss_fn, current, batch, keys, hyper, frozen)
+        return total, losses
+
+    shared = ens.shared if train_shared else None
+    (_, losses), (grads, shared_grads) = eqx.filter_value_and_grad(
+        total_loss, has_aux=True
+    )((ens.members, shared))
+    members_opt = opt_state.members if train_shared else opt_state
+    members, new_members_opt, _, diverged = eqx.filter_vmap(
+        functools.partial(apply_member, optimizer),
+        in_axes=(member_axis,) * 7,
+    )(ens.members, members_opt, grads, losses, None, None, frozen)
+    new_ens = with_members(ens, members)
+    new_opt = new_members_opt
+    if train_shared:
+        with jax.numpy_dtype_promotion("standard"):
+            updates, new_shared_opt = optimizer.update(
+                shared_grads, opt_state.shared, trainable(ens.shared)
+            )
+        new_shared = eqx.apply_updates(ens.shared, updates)
+        keep = (
+            _all_finite(shared_grads)
+            & _all_finite(trainable(new_shared))
+            & _all_finite(new_shared_opt)
+        )
+        new_shared = _select(keep, new_shared, ens.shared)
+        new_shared_opt = _select(keep, new_shared_opt, opt_state.shared)
+        new_ens = with_members(
+            eqx.tree_at(lambda e: e.shared, ens, new_shared), members
+        )
+        new_opt = SharedOptState(new_members_opt, new_shared_opt)
+    return new_ens, new_opt, losses, None, None, diverged
+
+
+def vmapped_update(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    per_member_batch: bool,
+    mesh: Mesh | None = None,
+    layout: Layout = "vmap",
+) -> Callable[..., Any]:
+    """`(ens, opt_state, batch, keys, state, frozen, hyper) -> (ens, opt_state,
+    losses, aux, state, diverged)`: `member_update` under `eqx.filter_vmap` over
+    the member axis (on `mesh`: members split over its `"members"` axis, the
+    batch over `"data"`), or member by member with `layout="sequential"` (see
+    `_layout`). A frozen shared part is closed over (one copy for every
+    member); a trained one goes through `_coupled_update`."""
+    # A shared batch is not mapped: it stays one array inside the member `vmap`,
+    # so the member axis folds into the weights (one wide matmul per layer).
+    batch_axes = eqx.if_array(0) if per_member_batch else None
+    member_axis = eqx.if_array(0)
+
+    def update(ens, opt_state, batch, keys, state, frozen, hyper):
+        check_shared_shapes(ens)
+        if isinstance(loss_fn, Coupled):
+            return _joint_update(
+                loss_fn, optimizer, ens, opt_state, batch, keys, state, frozen, hyper
+            )
+        if ens.train_shared:
+            return _coupled_update(
+                loss_fn,
+                optimizer,
+                batch_axes,
+                ens,
+                opt_state,
+                batch,
+                keys,
+                state,
+                frozen,
+                hyper,
+            )
+
+        def one(member, opt_state, batch, key, state, frozen, hyper):
+            return member_update(
+                loss_fn,
+                optimizer,
+                member,
+                opt_state,
+                batch,
+                key,
+                state,
+                frozen,
+                hyper,
+                ens.shared,
+            )
+
+        members, *rest = member_map(
+            one,
+            (
+                member_axis,
+                member_axis,
+                batch_axes,
+                member_axis,
+                member_axis,
+                member_axis,
+                member_axis,
+            ),
+            layout,
+            len(ens),
+        )(ens.members, opt_state, batch, keys, state, frozen, hyper)
+        return (with_members(ens, members), *rest)
+
+    return sharded_update(update, mesh, per_member_batch)
+
+
+def _examples(batch: PyTree[Any], per_member_batch: bool) -> int:
+    # Examples per member in a batch (its first array leaf's example axis), for the
+    # compiler options' cost estimate; 1 when the batch has no such leaf.
+    axis = 1 if per_member_batch else 0
+    for leaf in jax.tree.leaves(batch):
+        shape = getattr(leaf, "shape", ())
+        if len(shape) > axis:
+            return int(shape[axis])
+    return 1
+
+
+class Step(eqx.Module):
+    """A compiled training step for every member at once; made by
+    [`make_step`][eqx_ensemble.make_step] (see there for the arguments).
+
+    `step(ens, opt_state, batch, key, state=None, *, hyper=None)` returns a
+    [`StepOutput`][eqx_ensemble.StepOutput]; `step.lower(...)` (same arguments)
+    lowers it ahead of time. Steps built with equal arguments share their
+    compilations.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    opt = optax.sgd(0.1)
+    step = ee.make_step(lambda m, b, k: jnp.mean(jax.vmap(m)(b) ** 2), opt)
+    args = (ens, ee.init_optimizer(opt, ens), jnp.ones((4, 1)), jax.random.key(1))
+    out = step(*args)
+    compiled = step.lower(*args).compile()
+    ```
+    """
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    per_member_batch: bool = False
+    mesh: Mesh | None = None
+    compiler_options: Options | None = None
+    layout: str = "auto"
+
+    def __call__(
+        self,
+        ens: Ensemble,
+        opt_state: PyTree[Any],
+        batch: PyTree[Any],
+        key: PRNGKeyArray,
+        state: PyTree[Any] = None,
+        *,
+        hyper: PyTree[Any] = None,
+    ) -> StepOutput:
+        inputs = (ens, batch, state, hyper)
+        with mesh_context(self.mesh):
+            compiled = _compiled_step(
+                self, self._options(*inputs), self._layout(*inputs)
+            )
+            return compiled(ens, opt_state, batch, key, state, hyper)
+
+    def lower(
+        self,
+        ens: Ensemble,
+        opt_state: PyTree[Any],
+        batch: PyTree[Any],
+        key: PRNGKeyArray,
+        state: PyTree[Any] = None,
+        *,
+        hyper: PyTree[Any] = None,
+    ) -> Any:
+        """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
+        inputs = (ens, batch, state, hyper)
+        with mesh_context(self.mesh):
+            compiled: Any = _compiled_step(
+                self, self._options(*inputs), self._layout(*inputs)
+            )
+            if isinstance(compiled, functools.partial):  # a step holding arrays
+                generic: Any = compiled.func
+                return generic.lower(self, ens, opt_state, batch, key, state, hyper)
+            return compiled.lower(ens, opt_state, batch, key, state, hyper)
+
+    def _options(
+        self, ens: Any, batch: Any, state: Any = None, hyper: Any = None
+    ) -> Options:
+        # The options depend on the inputs' sizes and on what the loss computes
+        # (see `_xla`): traced once per input signature, only where it matters.
+        if self.compiler_options is not None:
+            return self.compiler_options
+        if not isinstance(ens, Ensemble):
+            return ()
+        examples = _examples(batch, self.per_member_batch)
+        options = step_compiler_options(
+            None, ens.members, examples, len(ens), self.mesh
+        )
+        if not options:
+            return options
+        profile = _profile_of(self, (ens, batch, state, hyper))
+        if profile.batched_dots:
+            return ()
+        return options
+
+    def _layout(
+        self, ens: Any, batch: Any, state: Any = None, hyper: Any = None
+    ) -> Layout:
+        # The member layout (see `_layout`): read from the loss's profile only
+        # where the rule could pick "sequential" (one CPU device).
+        if self.layout != "auto" or not isinstance(ens, Ensemble):
+            return "sequential" if self.layout == "sequential" else "vmap"
+        if self.mesh is not None or jax.default_backend() != "cpu":
+            return "vmap"
+        profile = _profile_of(self, (ens, batch, state, hyper))
+        return choose_layout(
+            "auto", convolutions=profile.convolutions, size=len(ens), mesh=None
+        )
+
+
+def _profile_of(step: "Step", inputs: Any) -> Any:
+    from .._execution.profile import first_member, profile_step
+
+    ens, batch, state, hyper = inputs
+    member_batch = first_member(batch) if step.per_member_batch else batch
+    return profile_step(
+        step.loss_fn,
+        ens.member(first_member(ens.members)),
+        member_batch,
+        first_member(state),
+        first_member(hyper),
+    )
+
+
+def _step_impl(
+    step: Step,
+    layout: Layout,
+    ens: Ensemble,
+    opt_state: PyTree[Any],
+    batch: PyTree[Any],
+    key: PRNGKeyArray,
+    state: PyTree[Any] = None,
+    hyper: PyTree[Any] = None,
+) -> StepOutput:
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
+    check_key(key)
+    size = len(ens)
+    check_loss_signature(step.loss_fn, state is not None, hyper is not None)
+    if hyper is not None:
+        check_hyper(hyper, size)
+    check_opt_state(step.optimizer, ens, opt_state)
+    if state is not None:
+        check_leading(state, size, "`state`")
+    if step.per_member_batch:
+        check_per_member_args((batch,), (0,), size)
+    if step.mesh is not None:
+        check_step_mesh(step.mesh, size, batch, step.per_member_batch)
+    member_keys = jax.random.split(key, size)
+    frozen = jnp.zeros((size,), dtype=bool)
+    update = vmapped_update(
+        step.loss_fn, step.optimizer, step.per_member_batch, step.mesh, layout
+    )
+    new_ens, new_opt_state, losses, aux, new_state, _ = update(
+        ens, opt_state, batch, member_keys, state, frozen, hyper
+    )
+    losses = replicate(losses, step.mesh)
+    return StepOutput(new_ens, new_opt_state, losses, aux, new_state)
+
+
+def _compiled_step(
+    step: Step, options: Options, layout: Layout
+) -> Callable[..., StepOutput]:
+    """The compiled step: one `filter_jit` wrapper per step (equal steps are one)
+    and set of XLA options, each with its own cache, taking the arguments of a
+    step call. A step holding arrays (a `loss_fn` that is a Module with weights)
+    cannot be a cache key; it is passed as a traced argument instead."""
+    try:
+        hash(step)
+    except TypeError:
+        generic = _compiled_generic(options, layout)
+        return functools.partial(generic, step)
+    return _compiled_for(step, options, layout)
+
+
+def _make_compiled_for(
+    step: Step, options: Options, layout: Layout
+) -> Callable[..., StepOutput]:
+    return filter_jit(functools.partial(_step_impl, step, layout), options)
+
+
+# One compiled step per step, options and layout; the least recently used are
+# dropped with their programs (`_xla.CompiledFunctions`).
+_compiled_for = CompiledFunctions(_make_compiled_for)
+
+
+def _make_compiled_generic(
+    options: Options, layout: Layout
+) -> Callable[..., StepOutput]:
+    def generic(step: Step, *args: Any) -> StepOutput:
+        return _step_impl(step, layout, *args)
+
+    return filter_jit(generic, options)
+
+
+_compiled_generic = CompiledFunctions(_make_compiled_generic)
+
+
+def make_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    per_member_batch: bool = False,
+    mesh: Mesh | None = None,
+    compiler_options: dict[str, Any] | None = None,
+    layout: str | None = None,
+) -> Step:
+    """A compiled training step that updates every member at once.
+
+    The step applies `eqx.filter_value_and_grad(loss_fn)` and the optax update to
+    each member under `eqx.filter_vmap`: one trace, one compile, one dispatch for the
+    whole ensemble. Every optax transformation keeps its per-member meaning
+    (`optax.clip_by_global_norm` clips each member by its own norm).
+
+    **Arguments:**
+
+    - `loss_fn`: the loss of ONE model: `loss_fn(model, batch, key) -> loss` or
+      `-> (loss, aux)`. For models with `eqx.nn.State` (e.g. BatchNorm):
+      `loss_fn(model, state, batch, key) -> (loss, new_state)` or
+      `(loss, new_state, aux)`. The loss must be a scalar.
+    - `optimizer`: an `optax.GradientTransformation`; its state comes from
+      [`init_optimizer`][eqx_ensemble.init_optimizer].
+    - `per_member_batch`: `False`: every member gets the same `batch`; `True`: every
+      array leaf of `batch` has a leading member axis and member `i` gets slice `i`.
+    - `mesh`: a mesh from [`ee.make_mesh`][eqx_ensemble.make_mesh]: inside the step
+      the members (of the ensemble and both states) are split over its `"members"`
+      axis and the batch's example axis over `"data"`; the returned ensemble and
+      states keep that placement (`losses` are replicated). Place the inputs with
+      [`ee.shard`][eqx_ensemble.shard] to avoid a transfer per call.
+    - `compiler_options`: XLA options for the compiled step, as in
+      [`fit`][eqx_ensemble.fit] (`None`: the library's choice, which on a
+      multi-core CPU runs big steps' batched matmuls on every core).
+    - `layout`: how the member axis is computed. `"vmap"`: one vectorised
+      computation; `"sequential"`: the members one after another inside the
+      same compiled step (straight-line code; compile time grows with the
+      member count). `None` (`"auto"`): `"sequential"` on one CPU device for a
+      loss that convolves and at most 16 members (XLA's CPU backend runs a
+      member-batched convolution as a grouped convolution, several times
+      slower than the members' own convolutions), else `"vmap"`. The results
+      are the same either way, to floating-point rounding.
+
+    **Returns:**
+
+    A [`Step`][eqx_ensemble.Step] module: `step(ens, opt_state, batch, key,
+    state=None) -> StepOutput`, a `(ensemble, opt_state, losses, aux, state)`
+    named tuple with per-member
+    `losses` of shape `(len(ens),)`. Member `i` is called with key
+    `jax.random.split(key, len(ens))[i]`. A member whose loss or gradient is not
+    finite, or whose update would make its parameters non-finite, keeps its
+    previous parameters and optimizer state (its loss is reported as
+    non-finite), so it cannot corrupt anything. `step.lower(...)` lowers the
+    step ahead of time, as `eqx.filter_jit(...).lower`.
+
+    Per-member hyperparameters of the loss or model (weight decay, dropout rate,
+    label smoothing...): `step(..., hyper=h)` with `h` a PyTree of arrays with a
+    leading member axis calls `loss_fn(..., hyper=h_i)`, member `i` seeing its
+    own slice. They are traced values, so new values do not recompile.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 16, 1, key=k), size=3,
+                      key=jax.random.key(0))
+    opt = optax.adam(1e-2)
+    opt_state = ee.init_optimizer(opt, ens)
+
+    def loss_fn(model, batch, key):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    step = ee.make_step(loss_fn, opt)
+    x = jnp.linspace(-1, 1, 32)[:, None]
+    ens, opt_state, losses, aux, _ = step(ens, opt_state, (x, x**2),
+                                          jax.random.key(1))
+    losses.shape     # (3,)
+    ```
+    """
+    check_optimizer(optimizer)
+    if not isinstance(per_member_batch, bool):
+        raise TypeError(
+            f"`per_member_batch` must be a bool, got {type(per_member_batch).__name__}"
+        )
+    if mesh is not None:
+        mesh = check_mesh(mesh)
+    return Step(
+        loss_fn,
+        optimizer,
+        per_member_batch=per_member_batch,
+        mesh=mesh,
+        compiler_options=check_compiler_options(compiler_options),
+        layout=check_layout(layout, mesh),
+    )

@@ -1,0 +1,177 @@
+"""Streamed data for `fit`: any iterable of batches, grouped per dispatch.
+
+`fit` takes batches from an iterator (a generator, a reader over a NumPy memmap,
+another library's data loader) `steps_per_dispatch` at a time, stacks each group
+on the host and hands it to the compiled loop, which scans over it. The next
+group is read and transferred while the current dispatch runs (JAX dispatches
+asynchronously, so `fit` prepares group `k + 1` before it waits for the results
+of group `k`).
+"""
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from .._internal.tree import keystr
+
+
+def is_array_data(data: Any) -> bool:
+    """Whether `data` is a PyTree of arrays (sampled inside compiled code), as
+    opposed to a source of batches."""
+    leaves = jax.tree.leaves(data, is_leaf=_is_source)
+    return bool(leaves) and all(isinstance(x, np.ndarray | jax.Array) for x in leaves)
+
+
+def _is_source(x: Any) -> bool:
+    # Iterables that are not PyTree containers (generators, loaders) are leaves.
+    return isinstance(x, Iterable) and not isinstance(
+        x, tuple | list | dict | np.ndarray | jax.Array
+    )
+
+
+def check_data(data: Any) -> None:
+    """Array data, an iterable of batches or a factory `step -> iterator`, or a
+    clear error before any work."""
+    if is_array_data(data):
+        return
+    if isinstance(data, str | bytes):
+        raise TypeError("`data` is a string; pass arrays or an iterable of batches")
+    if callable(data) or isinstance(data, Iterable):
+        return
+    leaves = jax.tree.leaves(data, is_leaf=_is_source)
+    kinds = sorted({type(x).__name__ for x in leaves}) or ["nothing"]
+    raise TypeError(
+        f"`data` must be a PyTree of arrays (sampled inside compiled code), an "
+        "iterable of batches (a generator, a data loader: the streaming path), or "
+        f"a function `step -> iterator of batches`; got {type(data).__name__} "
+        f"holding {', '.join(kinds)}. Convert Python lists to arrays with "
+        "`np.asarray`."
+    )
+
+
+class BatchGroups:
+    """Reads batches from a stream and returns them in stacked groups."""
+
+    def __init__(
+        self,
+        data: Iterable[PyTree[Any]] | Callable[[int], Iterable[PyTree[Any]]],
+        *,
+        start: int,
+        size: int,
+        per_member: bool,
+    ):
+        if callable(data) and not isinstance(data, Iterable):
+            self.iterator: Iterator[Any] = iter(data(start))
+        else:
+            if start > 0:
+                raise ValueError(
+                    f"Resuming at step {start} from a stream needs the batches from "
+                    f"step {start} on, which a plain iterable cannot promise: pass "
+                    "`data` as a function `step -> iterator` that starts at `step` "
+                    "(the resumed step), e.g. `lambda step: loader(skip=step)`"
+                )
+            self.iterator = iter(data)
+        self.size = size
+        self.per_member = per_member
+        self.position = start
+        self.first: tuple[Any, list[tuple[str, tuple[int, ...], Any]]] | None = None
+        self.pending: list[list[np.ndarray]] = []
+
+    def _read(self) -> list[np.ndarray] | None:
+        if self.pending:
+            return self.pending.pop(0)
+        try:
+            batch = next(self.iterator)
+        except StopIteration:
+            return None
+        leaves = self._check(batch)
+        self.position += 1
+        return leaves
+
+    def peek(self) -> PyTree[Any]:
+        """The next batch (read now, still returned by the next group): `fit`
+        looks at it to size its dispatches before any work."""
+        leaves = self._read()
+        if leaves is None:
+            raise ValueError("The data stream yielded no batch at all")
+        self.pending.append(leaves)
+        assert self.first is not None
+        return jtu.tree_unflatten(self.first[0], leaves)
+
+    def _check(self, batch: Any) -> Any:
+        leaves, treedef = jtu.tree_flatten_with_path(batch)
+        arrays = [(keystr(path), np.asarray(leaf)) for path, leaf in leaves]
+        if self.first is None:
+            if not arrays:
+                raise ValueError(
+                    f"The batch for step {self.position} holds no arrays; each "
+                    "batch must be a PyTree of arrays, e.g. `(x, y)`"
+                )
+            axis = 0
+            for path, leaf in arrays:
+                if leaf.dtype == object:
+                    raise TypeError(
+                        f"Batch leaf `{path}` at step {self.position} is not an "
+                        "array of numbers"
+                    )
+                if leaf.ndim <= axis or (
+                    self.per_member and leaf.shape[0] != self.size
+                ):
+                    raise ValueError(
+                        f"Batch leaf `{path}` at step {self.position} has shape "
+                        f"{leaf.shape}, but a per-member stream needs a leading "
+                        f"member axis of size {self.size}"
+                        if self.per_member
+                        else f"Batch leaf `{path}` at step {self.position} is a "
+                        "scalar; each array needs a leading example axis"
+                    )
+            self.first = (treedef, [(p, x.shape, x.dtype) for p, x in arrays])
+            return [x for _, x in arrays]
+        first_treedef, specs = self.first
+        if treedef != first_treedef:
+            raise ValueError(
+                f"The batch for step {self.position} has a different structure "
+                f"from the first batch:\n{treedef}\nvs\n{first_treedef}"
+            )
+        for (path, leaf), (_, shape, dtype) in zip(arrays, specs, strict=True):
+            if leaf.shape != shape or leaf.dtype != dtype:
+                raise ValueError(
+                    f"Batch leaf `{path}` at step {self.position} has "
+                    f"{leaf.dtype}{list(leaf.shape)}, but the first batch had "
+                    f"{dtype}{list(shape)}: every batch of a stream must have the "
+                    "same shapes (drop or pad a short last batch)"
+                )
+        return [x for _, x in arrays]
+
+    def next_group(self, count: int, length: int) -> tuple[PyTree[Any], int]:
+        """Up to `count` next batches stacked along a new leading axis, padded to
+        `length` by repeating the last one (padded steps are not run). Returns the
+        group and the number of real batches, fewer than `count` (0: `None`) when
+        the stream ends."""
+        leaves: list[list[np.ndarray]] = []
+        for _ in range(count):
+            batch = self._read()
+            if batch is None:
+                break
+            leaves.append(batch)
+        if not leaves:
+            return None, 0
+        real = len(leaves)
+        leaves += [leaves[-1]] * (length - real)
+        assert self.first is not None
+        stacked = [np.stack(column) for column in zip(*leaves, strict=True)]
+        return jtu.tree_unflatten(self.first[0], stacked), real
+
+
+def example_count(group: PyTree[Any], per_member: bool) -> int:
+    """Examples per member in one batch of a stacked group."""
+    axis = 2 if per_member else 1
+    for leaf in jax.tree.leaves(group):
+        if eqx.is_array_like(leaf) and np.ndim(leaf) > axis:
+            return int(np.shape(leaf)[axis])
+    return 1

@@ -1,0 +1,80 @@
+"""`TrainState`: everything a `fit` run carries from step to step."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PyTree
+
+from .._core.ensemble import Ensemble, member_axis_mask
+
+
+def _field(member_axis: str | None) -> Any:
+    # The placement a field needs on a mesh (read by `_sharding.place_state`):
+    # "stacked" fields carry the member axis, "bookkeeping" fields are small
+    # per-member arrays, others are replicated.
+    return eqx.field(metadata={"member_axis": member_axis})
+
+
+class TrainState(eqx.Module):
+    """Everything a [`fit`][eqx_ensemble.fit] run carries from step to step, and
+    what its checkpoints hold. Controllers receive and return it.
+
+    - `ensemble`, `opt_state`, `model_state`: the stacked model, optimizer state
+      and model state (`None` without one).
+    - `hyper`: the per-member hyperparameters given to `fit(..., hyper=)` (a
+      PyTree with a leading member axis) or `None`; controllers may change them.
+    - `tracked`: one state per tracker of `track=` (each with a member axis).
+    - `controlled`: one state per controller of `controllers=`.
+    - `step`: the number of steps done.
+    - `diverged_at`: per member, the step at which it diverged, or -1.
+    - `best_ensemble`, `best_score`, `best_step`: with an `evaluate=`, each
+      member at its best (lowest) score so far, that score and its step.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
+
+    class Report(ee.Controller):
+        every: int = 2
+
+        def __call__(self, train_state, control_state, history):
+            print(int(train_state.step), history.losses.shape)
+            return train_state, control_state
+
+    ee.fit(ens, loss, optax.sgd(0.1), x, steps=4, batch_size=4,
+           key=jax.random.key(1), controllers=[Report()], progress=False)
+    ```
+    """
+
+    ensemble: Ensemble = _field("stacked")
+    opt_state: PyTree[Any] = _field("stacked")
+    model_state: PyTree[Any] = _field("stacked")
+    hyper: PyTree[Any] = _field("stacked")
+    tracked: tuple[PyTree[Any], ...] = _field("stacked")
+    controlled: tuple[PyTree[Any], ...] = _field(None)
+    step: Int[Array, ""] = _field(None)
+    diverged_at: Int[Array, " members"] = _field("bookkeeping")
+    best_ensemble: Ensemble | None = _field("stacked")
+    best_score: Float[Array, " members"] | None = _field("bookkeeping")
+    best_step: Int[Array, " members"] | None = _field("bookkeeping")
+
+
+def member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any]:
+    """Per-member choice over stacked leaves: member i takes `new` where
+    `better[i]`, else `old`."""
+
+    def pick(n, o, per_member):
+        if not eqx.is_array(n):
+            return n
+        if not per_member:  # a shared part: one copy, the newest
+            return n
+        mask = better.reshape(better.shape + (1,) * (n.ndim - 1))
+        return jnp.where(mask, n, o)
+
+    return jax.tree.map(pick, new, old, member_axis_mask(new))

@@ -1,0 +1,173 @@
+"""The package's structure: no import cycle between its modules (counting
+imports inside functions), no reach into another family's private names, the
+public namespace flat and importable without side effects."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import eqx_ensemble as ee
+
+PACKAGE = pathlib.Path(ee.__file__).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
+    """The package modules an import statement loads (`from . import x` loads
+    `pkg.x` when it is a module)."""
+    if node.level == 0:
+        base = node.module or ""
+    else:
+        anchor = module.split(".")
+        if not is_package:
+            anchor = anchor[:-1]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([node.module] if node.module else []))
+    if not base.startswith("eqx_ensemble"):
+        return []
+    targets = [base]
+    for alias in node.names:
+        targets.append(f"{base}.{alias.name}")
+    return targets
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, at any depth of its code."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                targets = _resolve(name, is_package, node)
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in files and t != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (as a path that returns to its start), or `None`.
+    Imports of a package's `__init__` (the public namespace) are not followed:
+    every module's import of its own package is implied by Python."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt == "eqx_ensemble":
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_cycle_finder_finds_a_cycle():
+    # The check itself can fail: a made-up graph with a cycle through three.
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _family(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else "<top>"
+
+
+def test_no_private_reach_across_families():
+    """A module may import another family's module, but only names without a
+    leading underscore from it (a family's private helpers stay its own)."""
+    offences = []
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            targets = _resolve(name, is_package, node)
+            if not targets or _family(targets[0]) == _family(name):
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    offences.append(f"{name} imports {targets[0]}.{alias.name}")
+    assert not offences, offences
+
+
+def test_subpackages_have_no_code_in_init():
+    # Importing one module of a family must not import the whole family.
+    for init in PACKAGE.glob("_*/__init__.py"):
+        code = [
+            node
+            for node in ast.parse(init.read_text()).body
+            if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+        ]
+        assert not code, f"{init} holds code"
+
+
+def test_no_library_private_attributes():
+    """Nothing reads another library's private attributes (`obj._name` on an
+    object of Equinox, JAX or Optax): the package's own privates only."""
+    own = {
+        node.name
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.ClassDef)
+    }
+    offences = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in {"_cached"}:
+                offences.append(f"{path.name}: reads {node.value!r}")
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr in {"_cached", "_cache_size", "_fun", "_signature"}
+                and node.attr not in own
+            ):
+                offences.append(f"{path.name}: .{node.attr}")
+    assert not offences, offences
+
+
+@pytest.mark.parametrize("family", ["_core", "_training", "_metrics", "_checkpoints"])
+def test_each_family_imports_alone(family):
+    # Every module of a family imports on its own in a fresh interpreter (no
+    # module relies on another having been imported first).
+    for path in sorted((PACKAGE / family).glob("*.py")):
+        module = _module_name(path)
+        subprocess.run(
+            [sys.executable, "-c", f"import {module}"], check=True, timeout=120
+        )
