@@ -1,0 +1,239 @@
+"""Golden runs: the same fixed set of `fit` runs on two versions of the library,
+compared leaf for leaf, bit for bit.
+
+A restructuring (issue 25: the package's layout, `ee.Execution`, one data
+source, one owner for a run) must not change a single bit of what a run
+computes on a CPU. This script runs the fixed set below on a git revision (the
+previous `main`, in a temporary worktree, with this environment's packages) and
+on the working tree, in two fresh processes, and compares every array:
+
+- MLP, shared batches; bootstrap batches; a stream (a step-indexed factory)
+- EMA + SWAG trackers
+- PBT with evaluation
+- checkpoints, then a resume from the checkpoint of step 30 to step 60
+- a CNN on 8x8 images (the CPU's automatic layout and unrolling)
+- an ensemble with a shared, frozen part, and one with a trained shared part
+
+Only the arguments both versions accept are used (no execution knobs: each
+version's defaults). Usage:
+
+    python benchmarks/golden.py --against main~1      # compare with a revision
+    python benchmarks/golden.py --write out.npz       # one side only
+"""
+
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import eqx_ensemble as ee
+
+    out: dict[str, np.ndarray] = {}
+
+    def keep(name: str, tree) -> None:
+        leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]
+        for path, leaf in leaves:
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                leaf = jax.random.key_data(leaf)
+            out[name + jax.tree_util.keystr(path)] = np.asarray(leaf)
+
+    def result(name: str, res) -> None:
+        keep(name + "/ensemble", res.ensemble)
+        keep(name + "/opt_state", res.opt_state)
+        out[name + "/losses"] = np.asarray(res.history.losses)
+        out[name + "/eval_steps"] = np.asarray(res.history.eval_steps)
+        out[name + "/eval_scores"] = np.asarray(res.history.eval_scores)
+        out[name + "/diverged"] = np.asarray(sorted(res.diverged.items()))
+        if res.tracked:
+            keep(name + "/tracked", res.tracked)
+        if res.best_ensemble is not None:
+            keep(name + "/best", res.best_ensemble)
+
+    x = jnp.linspace(-2, 2, 128)[:, None]
+    y = x**3 + 0.1 * jnp.sin(7 * x)
+
+    def mlp(key):
+        return eqx.nn.MLP(1, 1, 32, 2, key=key)
+
+    def loss(model, batch, key):
+        xb, yb = batch
+        return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+    ens = ee.ensemble(mlp, size=4, key=jax.random.key(0))
+    opt = optax.adam(1e-2)
+    common = dict(steps=60, batch_size=16, key=jax.random.key(1), progress=False)
+
+    result("shared", ee.fit(ens, loss, opt, (x, y), **common))
+    result("bootstrap", ee.fit(ens, loss, opt, (x, y), sampling="bootstrap", **common))
+
+    def stream(step):
+        rng = np.random.default_rng(0)
+        batches = [rng.integers(0, 128, 16) for _ in range(60)]
+        for indices in batches[step:]:
+            yield np.asarray(x)[indices], np.asarray(y)[indices]
+
+    result(
+        "stream",
+        ee.fit(ens, loss, opt, stream, steps=60, key=jax.random.key(1), progress=False),
+    )
+    result(
+        "trackers",
+        ee.fit(
+            ens,
+            loss,
+            opt,
+            (x, y),
+            track=[ee.EMA(decay=0.9), ee.SWAG(start=20, every=5, rank=3)],
+            **common,
+        ),
+    )
+    hopt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    result(
+        "pbt",
+        ee.fit(
+            ens,
+            loss,
+            hopt,
+            (x, y),
+            hyperparams={"learning_rate": jnp.array([1e-3, 3e-3, 1e-2, 3e-2])},
+            evaluate=ee.Evaluate(loss, (x, y), every=10),
+            controllers=[ee.PBT(every=20, fraction=0.25, hyperparams=("learning_rate",))],
+            **common,
+        ),
+    )
+
+    directory = workdir / "checkpoints"
+    first = ee.fit(
+        ens,
+        loss,
+        opt,
+        (x, y),
+        checkpoints=ee.Checkpoints(directory, every=10),
+        **dict(common, steps=30),
+    )
+    result("checkpointed", first)
+    resumed = ee.fit(
+        ens, loss, opt, (x, y), checkpoints=ee.Checkpoints(directory, every=10), **common
+    )
+    result("resumed", resumed)
+
+    images = jax.random.normal(jax.random.key(2), (64, 1, 8, 8))
+    labels = jax.random.randint(jax.random.key(3), (64,), 0, 4)
+
+    class CNN(eqx.Module):
+        conv: eqx.nn.Conv2d
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.conv = eqx.nn.Conv2d(1, 4, 3, padding=1, key=k1)
+            self.head = eqx.nn.Linear(4 * 8 * 8, 4, key=k2)
+
+        def __call__(self, image):
+            return self.head(jax.nn.relu(self.conv(image)).ravel())
+
+    def cnn_loss(model, batch, key):
+        xb, yb = batch
+        logits = jax.vmap(model)(xb)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+
+    cnns = ee.ensemble(CNN, size=3, key=jax.random.key(4))
+    result(
+        "cnn",
+        ee.fit(cnns, cnn_loss, optax.adam(1e-3), (images, labels), **dict(common, steps=20)),
+    )
+
+    for name, train_shared in (("shared_frozen", False), ("shared_trained", True)):
+        heads = ee.ensemble(
+            mlp,
+            size=4,
+            key=jax.random.key(5),
+            shared=lambda m: m.layers[0],
+            train_shared=train_shared,
+        )
+        result(name, ee.fit(heads, loss, opt, (x, y), **common))
+    return out
+
+
+def write(path: str) -> None:
+    with tempfile.TemporaryDirectory() as workdir:
+        arrays = _runs(pathlib.Path(workdir))
+    np.savez(path, **arrays)
+    print(f"wrote {len(arrays)} arrays to {path}")
+
+
+def compare(old_path: str, new_path: str) -> bool:
+    old, new = np.load(old_path), np.load(new_path)
+    missing = sorted(set(old.files) ^ set(new.files))
+    different = [
+        name
+        for name in sorted(set(old.files) & set(new.files))
+        if old[name].dtype != new[name].dtype
+        or old[name].shape != new[name].shape
+        or old[name].tobytes() != new[name].tobytes()
+    ]
+    runs = sorted({name.split("/")[0] for name in old.files})
+    print(f"{len(old.files)} arrays in {len(runs)} runs: {', '.join(runs)}")
+    for name in missing:
+        print(f"  only on one side: {name}")
+    for name in different:
+        delta = np.max(np.abs(old[name].astype(float) - new[name].astype(float)))
+        print(f"  DIFFERENT: {name} (max abs difference {delta:.3g})")
+    same = not missing and not different
+    print("every array bit-identical" if same else "NOT identical")
+    return same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", help="a git revision to compare with")
+    parser.add_argument("--write", help="write this version's arrays to a .npz")
+    args = parser.parse_args()
+    if args.write:
+        write(args.write)
+        return
+    revision = args.against or "HEAD"
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = pathlib.Path(scratch) / "tree"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), revision],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        try:
+            sides = {}
+            for side, source in (("old", tree), ("new", ROOT)):
+                sides[side] = str(pathlib.Path(scratch) / f"{side}.npz")
+                env = dict(os.environ, PYTHONPATH=str(source))
+                subprocess.run(
+                    [sys.executable, __file__, "--write", sides[side]],
+                    env=env,
+                    check=True,
+                    cwd=scratch,
+                )
+        finally:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT
+            )
+            shutil.rmtree(tree, ignore_errors=True)
+        print(f"old: {revision}; new: the working tree")
+        sys.exit(0 if compare(sides["old"], sides["new"]) else 1)
+
+
+if __name__ == "__main__":
+    main()
