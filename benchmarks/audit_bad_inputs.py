@@ -220,7 +220,7 @@ cases = {
                 batch_size=2**31,
                 key=K,
                 sampling="bootstrap",
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -233,7 +233,7 @@ cases = {
                 steps=2,
                 batch_size=9,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -246,7 +246,7 @@ cases = {
                 steps=0,
                 batch_size=4,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -259,7 +259,7 @@ cases = {
                 steps=2,
                 batch_size=4,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -272,7 +272,7 @@ cases = {
                 steps=2,
                 batch_size=4,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -285,20 +285,13 @@ cases = {
                 steps=2,
                 batch_size=1,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
             "data an int",
             lambda: ee.fit(
-                ENS,
-                LOSS,
-                optax.sgd(0.1),
-                5,
-                steps=2,
-                batch_size=1,
-                key=K,
-                progress=False,
+                ENS, LOSS, optax.sgd(0.1), 5, steps=2, batch_size=1, key=K, callbacks=()
             ),
         ),
         (
@@ -311,7 +304,7 @@ cases = {
                 steps=2,
                 batch_size=4,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -324,7 +317,7 @@ cases = {
                 steps=2,
                 batch_size=4,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -337,7 +330,7 @@ cases = {
                 steps=2,
                 batch_size=4,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -350,7 +343,7 @@ cases = {
                 steps=2,
                 batch_size=4,
                 key=K,
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -363,8 +356,12 @@ cases = {
                 steps=2,
                 batch_size=4,
                 key=K,
-                hyperparams={"learning_rate": jnp.array([0.1, jnp.inf, 0.1])},
-                progress=False,
+                opt_state=ee.init_optimizer(
+                    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+                    ENS,
+                    hyperparams={"learning_rate": jnp.array([0.1, jnp.inf, 0.1])},
+                ),
+                callbacks=(),
             ),
         ),
         (
@@ -378,7 +375,7 @@ cases = {
                 batch_size=4,
                 key=K,
                 hyper={"a": jnp.ones(2)},
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -392,7 +389,7 @@ cases = {
                 batch_size=4,
                 key=K,
                 checkpoints=ee.Checkpoints("/proc/nope"),
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -406,7 +403,7 @@ cases = {
                 batch_size=4,
                 key=K,
                 sampling="bagging",
-                progress=False,
+                callbacks=(),
             ),
         ),
         (
@@ -419,8 +416,8 @@ cases = {
                 steps=2,
                 batch_size=4,
                 key=K,
-                mesh=ee.make_mesh(members=2),
-                progress=False,
+                callbacks=(),
+                execution=ee.Execution(mesh=ee.make_mesh(members=2)),
             ),
         ),
     ],

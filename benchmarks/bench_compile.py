@@ -85,8 +85,8 @@ def worker(size: int, fit_steps: int) -> None:
         steps=fit_steps,
         batch_size=256,
         key=jax.random.key(1),
-        steps_per_dispatch=fit_steps,
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=fit_steps),
     )
     t0 = time.perf_counter()
     jax.block_until_ready(ee.fit(ens, loss_fn, optimizer, (x, y), **kwargs).ensemble)

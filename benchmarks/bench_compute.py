@@ -241,9 +241,9 @@ def main() -> None:
                 steps=steps,
                 batch_size=batch,
                 key=jax.random.key(1),
-                steps_per_dispatch=steps,
-                progress=False,
                 **kwargs,
+                callbacks=(),
+                execution=ee.Execution(steps_per_dispatch=steps),
             )
             jax.block_until_ready(result.ensemble)
             state["ens"] = result.ensemble
@@ -252,7 +252,7 @@ def main() -> None:
 
     variants["ee.fit (scan-fused)"] = fit_variant(fresh_ensemble(), (x_all, y_all))
     variants["ee.fit (XLA default options)"] = fit_variant(
-        fresh_ensemble(), (x_all, y_all), compiler_options={}
+        fresh_ensemble(), (x_all, y_all), execution=ee.Execution(compiler_options={})
     )
     if cpu_devices > 1 and members % cpu_devices == 0:
         mesh = ee.make_mesh(members=cpu_devices)
@@ -308,7 +308,9 @@ def main() -> None:
     hand_scan_options = eqx.filter_jit(
         hand_scan,
         donate="all-except-first",
-        compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""},
+        execution=ee.Execution(
+            compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""}
+        ),
     )
 
     def hand_init():

@@ -100,8 +100,8 @@ def main() -> None:
                 steps=steps,
                 batch_size=batch,
                 key=jax.random.key(1),
-                progress=False,
                 **extra,
+                callbacks=(),
             )
             jax.block_until_ready(result.ensemble)
             state["ens"] = result.ensemble

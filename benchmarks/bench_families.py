@@ -300,7 +300,7 @@ def main() -> None:
                     key=jax.random.key(3),
                     sampling=sampling,
                     state=state,
-                    progress=False,
+                    callbacks=(),
                 )
                 jax.block_until_ready(result.ensemble)
 

@@ -49,12 +49,14 @@ def main() -> None:
                 label = layout or "auto"
 
                 def eager(layout=layout):
-                    out = ee.predict(ens, x, state=state, layout=layout)
+                    out = ee.predict(
+                        ens, x, state=state, execution=ee.Execution(layout=layout)
+                    )
                     jax.block_until_ready(out)
 
                 jitted_fn = eqx.filter_jit(
                     lambda ens, x, state, layout=layout: ee.predict(
-                        ens, x, state=state, layout=layout
+                        ens, x, state=state, execution=ee.Execution(layout=layout)
                     )
                 )
 

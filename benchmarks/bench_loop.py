@@ -163,8 +163,8 @@ def main() -> None:
                 steps=steps,
                 batch_size=batch,
                 key=key,
-                steps_per_dispatch=steps // dispatches,
-                progress=False,
+                callbacks=(),
+                execution=ee.Execution(steps_per_dispatch=steps // dispatches),
             )
             jax.block_until_ready(result.ensemble)
 

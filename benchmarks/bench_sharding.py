@@ -75,9 +75,8 @@ def worker(devices: int, members: int, batch: int, steps: int, repeats: int) -> 
                 steps=steps,
                 batch_size=batch,
                 key=jax.random.key(1),
-                steps_per_dispatch=steps,
-                progress=False,
-                mesh=mesh,
+                callbacks=(),
+                execution=ee.Execution(steps_per_dispatch=steps, mesh=mesh),
             )
             jax.block_until_ready(result.ensemble)
 

@@ -74,7 +74,7 @@ def main() -> None:
                 steps=20,
                 batch_size=batch,
                 key=key,
-                progress=False,
+                callbacks=(),
             )
             jax.block_until_ready(jax.tree.leaves(result.ensemble))
 

@@ -77,7 +77,7 @@ def main() -> None:
                 batch_size=batch,
                 key=key,
                 track=track,
-                progress=False,
+                callbacks=(),
             )
             jax.block_until_ready(jax.tree.leaves(result.tracked))
             jax.block_until_ready(jax.tree.leaves(result.ensemble))

@@ -111,7 +111,9 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
             (x, y),
             hyperparams={"learning_rate": jnp.array([1e-3, 3e-3, 1e-2, 3e-2])},
             evaluate=ee.Evaluate(loss, (x, y), every=10),
-            controllers=[ee.PBT(every=20, fraction=0.25, hyperparams=("learning_rate",))],
+            controllers=[
+                ee.PBT(every=20, fraction=0.25, hyperparams=("learning_rate",))
+            ],
             **common,
         ),
     )
@@ -127,7 +129,12 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
     )
     result("checkpointed", first)
     resumed = ee.fit(
-        ens, loss, opt, (x, y), checkpoints=ee.Checkpoints(directory, every=10), **common
+        ens,
+        loss,
+        opt,
+        (x, y),
+        checkpoints=ee.Checkpoints(directory, every=10),
+        **common,
     )
     result("resumed", resumed)
 
@@ -154,7 +161,9 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
     cnns = ee.ensemble(CNN, size=3, key=jax.random.key(4))
     result(
         "cnn",
-        ee.fit(cnns, cnn_loss, optax.adam(1e-3), (images, labels), **dict(common, steps=20)),
+        ee.fit(
+            cnns, cnn_loss, optax.adam(1e-3), (images, labels), **dict(common, steps=20)
+        ),
     )
 
     for name, train_shared in (("shared_frozen", False), ("shared_trained", True)):

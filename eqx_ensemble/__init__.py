@@ -37,6 +37,7 @@ from ._core.sharding import (
     shard as shard,
 )
 from ._core.stack import concatenate as concatenate, stack as stack, unstack as unstack
+from ._execution.execution import Execution as Execution
 from ._methods.adversarial import Adversarial as Adversarial, adversarial as adversarial
 from ._methods.average import average as average, tree_weighted_sum as tree_weighted_sum
 from ._methods.batch_stats import recompute_batch_stats as recompute_batch_stats
@@ -59,6 +60,10 @@ from ._training.optim import (
     SharedOptState as SharedOptState,
     init_optimizer as init_optimizer,
     set_hyperparams as set_hyperparams,
+)
+from ._training.progress import (
+    ProgressBar as ProgressBar,
+    ProgressMeter as ProgressMeter,
 )
 from ._training.result import (
     EnsembleDivergedError as EnsembleDivergedError,

@@ -22,6 +22,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from . import metrics
 from ._core.ensemble import Ensemble, ensemble
+from ._execution.execution import Execution
 from ._training.fit import fit
 
 NOISE_STD = 3.0
@@ -87,8 +88,8 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
         steps=steps,
         batch_size=x.shape[0],
         key=fit_key,
-        steps_per_dispatch=500,
-        progress=progress,
+        callbacks=None if progress else (),
+        execution=Execution(steps_per_dispatch=500),
     )
     trained = result.ensemble
 

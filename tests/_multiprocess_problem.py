@@ -36,7 +36,6 @@ def train(ens, data, mesh):
         batch_size=16,
         key=jax.random.key(1),
         sampling="independent",
-        steps_per_dispatch=5,
-        progress=False,
-        mesh=mesh,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=5, mesh=mesh),
     )

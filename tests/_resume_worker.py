@@ -44,10 +44,9 @@ def train(checkpoint_dir, kill_at=None, steps=200, sampling="bootstrap"):
         batch_size=16,
         key=jax.random.key(42),
         sampling=sampling,
-        steps_per_dispatch=30,
         checkpoints=ee.Checkpoints(checkpoint_dir, every=40),
-        callback=callback,
-        progress=False,
+        callbacks=[callback],
+        execution=ee.Execution(steps_per_dispatch=30),
     )
 
 

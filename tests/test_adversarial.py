@@ -89,7 +89,7 @@ def test_inputs_selector_and_stateful_losses(getkey):
         batch_size=16,
         key=getkey(),
         state=state,
-        progress=False,
+        callbacks=(),
     )
     assert jnp.isfinite(result.history.losses).all()
 

@@ -70,8 +70,8 @@ def test_recomputed_for_swa_weights_after_fit(getkey):
         batch_size=16,
         key=getkey(),
         state=state,
-        progress=False,
         track=[ee.SWA(start=10)],
+        callbacks=(),
     )
     fresh = ee.recompute_batch_stats(result.tracked[0], result.state, x, batch_size=16)
     assert jax.tree.structure(fresh) == jax.tree.structure(result.state)

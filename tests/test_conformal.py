@@ -341,7 +341,7 @@ def test_jackknife_from_a_bootstrap_run_rebuilds_its_resamples(getkey):
         batch_size=8,
         key=getkey(),
         sampling=ee.Bootstrap(),
-        progress=False,
+        callbacks=(),
     )
     train_means = ee.predict(run.ensemble, x)
     from_run = ee.conformal.jackknife_plus_after_bootstrap(
@@ -361,7 +361,7 @@ def test_jackknife_from_a_bootstrap_run_rebuilds_its_resamples(getkey):
         steps=2,
         batch_size=8,
         key=getkey(),
-        progress=False,
+        callbacks=(),
     )
     with pytest.raises(ValueError, match="not bootstrapped|bootstrapped run"):
         ee.conformal.jackknife_plus_after_bootstrap(

@@ -128,7 +128,7 @@ def test_distillation_loss_is_the_tempered_kl(getkey):
         steps=150,
         batch_size=10,
         key=getkey(),
-        progress=False,
+        callbacks=(),
     )
     assert float(loss(result.ensemble[0], x, None)) < 0.2 * float(before)
     with pytest.raises(ValueError, match="positive and finite"):

@@ -227,7 +227,7 @@ def fit(ens, loss_fn, optimizer, **kwargs):
         "steps": STEPS,
         "batch_size": BATCH,
         "key": FIT_KEY,
-        "progress": False,
+        "callbacks": (),
         **kwargs,
     }
     return ee.fit(ens, loss_fn, optimizer, kwargs.pop("data", DATA), **kwargs)
@@ -265,9 +265,16 @@ def test_fit_equals_solo_training(mlp_ens, sampling):
 
 def test_sampling_modes_differ(mlp_ens):
     # Guards the equivalence test against a scheme that ignores `sampling`.
-    shared = fit(mlp_ens, mse_loss, ADAM, steps=5, steps_per_dispatch=5)
+    shared = fit(
+        mlp_ens, mse_loss, ADAM, steps=5, execution=ee.Execution(steps_per_dispatch=5)
+    )
     boot = fit(
-        mlp_ens, mse_loss, ADAM, steps=5, steps_per_dispatch=5, sampling="bootstrap"
+        mlp_ens,
+        mse_loss,
+        ADAM,
+        steps=5,
+        sampling="bootstrap",
+        execution=ee.Execution(steps_per_dispatch=5),
     )
     assert not np.allclose(shared.history.losses, boot.history.losses)
 
@@ -344,7 +351,9 @@ def test_per_member_learning_rates():
         ens,
         mse_loss,
         INJECT_ADAM,
-        hyperparams={"learning_rate": jnp.array(learning_rates)},
+        opt_state=ee.init_optimizer(
+            INJECT_ADAM, ens, hyperparams={"learning_rate": jnp.array(learning_rates)}
+        ),
     )
     np.testing.assert_array_equal(
         result.opt_state.hyperparams["learning_rate"],
@@ -370,9 +379,21 @@ def test_per_member_learning_rates():
 def test_diverging_member_is_reported_and_isolated(mlp_ens):
     # Member 1 alone gets a learning rate that blows up its outputs to inf.
     wild = jnp.array([1e-2, 1e20, 1e-2])
-    result = fit(mlp_ens, mse_loss, INJECT_ADAM, hyperparams={"learning_rate": wild})
+    result = fit(
+        mlp_ens,
+        mse_loss,
+        INJECT_ADAM,
+        opt_state=ee.init_optimizer(
+            INJECT_ADAM, mlp_ens, hyperparams={"learning_rate": wild}
+        ),
+    )
     tame = fit(
-        mlp_ens, mse_loss, INJECT_ADAM, hyperparams={"learning_rate": jnp.full(3, 1e-2)}
+        mlp_ens,
+        mse_loss,
+        INJECT_ADAM,
+        opt_state=ee.init_optimizer(
+            INJECT_ADAM, mlp_ens, hyperparams={"learning_rate": jnp.full(3, 1e-2)}
+        ),
     )
     # The step at which member 1's loss first becomes non-finite, trained alone.
     _, _, solo_losses, _ = solo_fit(
@@ -400,7 +421,9 @@ def test_all_members_diverging_raises(mlp_ens):
             mlp_ens,
             mse_loss,
             INJECT_ADAM,
-            hyperparams={"learning_rate": jnp.full(3, 1e20)},
+            opt_state=ee.init_optimizer(
+                INJECT_ADAM, mlp_ens, hyperparams={"learning_rate": jnp.full(3, 1e20)}
+            ),
         )
 
 
@@ -412,7 +435,8 @@ def test_all_members_diverging_raises(mlp_ens):
 def test_steps_per_dispatch_does_not_change_the_result(mlp_ens):
     # 1 step per dispatch, 7 (the last dispatch only partly active) and all 50.
     results = [
-        fit(mlp_ens, mse_loss, ADAM, steps_per_dispatch=k) for k in (1, 7, STEPS)
+        fit(mlp_ens, mse_loss, ADAM, execution=ee.Execution(steps_per_dispatch=k))
+        for k in (1, 7, STEPS)
     ]
     for other in results[1:]:
         # Bit for bit: the scanned body is the same compiled computation whatever
@@ -429,17 +453,23 @@ def test_evaluation_and_best_members(mlp_ens):
         mse_loss,
         ADAM,
         steps=steps,
-        steps_per_dispatch=per_dispatch,
         evaluate=ee.Evaluate(
             lambda m, d, k: eval_distance(m, d), EVAL_DATA, every=every
         ),
+        execution=ee.Execution(steps_per_dispatch=per_dispatch),
     )
     eval_steps = list(range(every, steps + 1, every))
     np.testing.assert_array_equal(result.history.eval_steps, eval_steps)
     assert result.history.eval_scores.shape == (len(eval_steps), SIZE)
     # Recompute every score on the members trained (without evaluation) to that step.
     at_step = {
-        t: fit(mlp_ens, mse_loss, ADAM, steps=t, steps_per_dispatch=per_dispatch)
+        t: fit(
+            mlp_ens,
+            mse_loss,
+            ADAM,
+            steps=t,
+            execution=ee.Execution(steps_per_dispatch=per_dispatch),
+        )
         for t in eval_steps
     }
     for row, t in enumerate(eval_steps):
@@ -449,7 +479,13 @@ def test_evaluation_and_best_members(mlp_ens):
                 result.history.eval_scores[row, i], expected, rtol=1e-5, atol=1e-6
             )
     # Evaluating does not perturb training.
-    final = fit(mlp_ens, mse_loss, ADAM, steps=steps, steps_per_dispatch=per_dispatch)
+    final = fit(
+        mlp_ens,
+        mse_loss,
+        ADAM,
+        steps=steps,
+        execution=ee.Execution(steps_per_dispatch=per_dispatch),
+    )
     assert_tree_allclose(result.ensemble, final.ensemble, rtol=0, atol=0)
     assert result.best_ensemble is not None and result.best_step is not None
     for i in range(SIZE):
@@ -473,7 +509,7 @@ def test_evaluation_of_stateful_members():
     ens, state = ee.ensemble(
         eqx.nn.make_with_state(BatchNormMLP), size=SIZE, key=jax.random.key(2)
     )
-    common = dict(state=state, steps=10, steps_per_dispatch=5)
+    common = dict(state=state, steps=10, execution=ee.Execution(steps_per_dispatch=5))
     result = fit(
         ens,
         batchnorm_loss,
@@ -495,7 +531,14 @@ def test_evaluation_of_stateful_members():
 
 
 def test_progress_bar_shows_member_losses(mlp_ens, capsys):
-    fit(mlp_ens, mse_loss, ADAM, steps=10, steps_per_dispatch=5, progress=True)
+    fit(
+        mlp_ens,
+        mse_loss,
+        ADAM,
+        steps=10,
+        callbacks=[ee.ProgressBar()],
+        execution=ee.Execution(steps_per_dispatch=5),
+    )
     err = capsys.readouterr().err
     assert "10/10" in err and re.search(r"loss mean=\S+ min=\S+ max=\S+", err)
 
@@ -504,14 +547,16 @@ def test_numpy_data_and_aux_outputs(mlp_ens):
     def loss_with_aux(model, batch, key):
         return mse_loss(model, batch, key), {"norm": jnp.sum(batch[0] ** 2)}
 
-    reference = fit(mlp_ens, mse_loss, ADAM, steps=10, steps_per_dispatch=5)
+    reference = fit(
+        mlp_ens, mse_loss, ADAM, steps=10, execution=ee.Execution(steps_per_dispatch=5)
+    )
     as_numpy = fit(
         mlp_ens,
         loss_with_aux,
         ADAM,
         data=(np.asarray(X), np.asarray(Y)),
         steps=10,
-        steps_per_dispatch=5,
+        execution=ee.Execution(steps_per_dispatch=5),
     )
     assert eqx.tree_equal(as_numpy.ensemble, reference.ensemble)
 
@@ -519,7 +564,12 @@ def test_numpy_data_and_aux_outputs(mlp_ens):
 def test_callback_sees_each_dispatch_and_results_stay_valid(mlp_ens):
     seen = []
     result = fit(
-        mlp_ens, mse_loss, ADAM, steps=20, steps_per_dispatch=5, callback=seen.append
+        mlp_ens,
+        mse_loss,
+        ADAM,
+        steps=20,
+        callbacks=[seen.append],
+        execution=ee.Execution(steps_per_dispatch=5),
     )
     assert [r.step for r in seen] == [5, 10, 15, 20]
     # The loop donates its buffers to the next dispatch: what a callback was given
@@ -528,15 +578,31 @@ def test_callback_sees_each_dispatch_and_results_stay_valid(mlp_ens):
         jax.block_until_ready(jax.tree.leaves(eqx.filter(r.ensemble, eqx.is_array)))
         assert r.history.losses.shape == (r.step, SIZE)
     assert eqx.tree_equal(seen[-1].ensemble, result.ensemble)
-    direct = fit(mlp_ens, mse_loss, ADAM, steps=10, steps_per_dispatch=5)
+    direct = fit(
+        mlp_ens, mse_loss, ADAM, steps=10, execution=ee.Execution(steps_per_dispatch=5)
+    )
     assert eqx.tree_equal(seen[1].ensemble, direct.ensemble)
 
 
 def test_inputs_are_not_consumed(mlp_ens):
     opt_state = ee.init_optimizer(ADAM, mlp_ens)
-    fit(mlp_ens, mse_loss, ADAM, steps=5, steps_per_dispatch=5, opt_state=opt_state)
+    fit(
+        mlp_ens,
+        mse_loss,
+        ADAM,
+        steps=5,
+        opt_state=opt_state,
+        execution=ee.Execution(steps_per_dispatch=5),
+    )
     # The caller's ensemble and optimizer state are still usable.
-    fit(mlp_ens, mse_loss, ADAM, steps=5, steps_per_dispatch=5, opt_state=opt_state)
+    fit(
+        mlp_ens,
+        mse_loss,
+        ADAM,
+        steps=5,
+        opt_state=opt_state,
+        execution=ee.Execution(steps_per_dispatch=5),
+    )
     assert np.all(np.isfinite(np.asarray(mlp_ens.members.layers[0].weight)))
 
 
@@ -549,8 +615,10 @@ def test_hyperparam_arrays_are_not_consumed(mlp_ens):
         mse_loss,
         INJECT_ADAM,
         steps=5,
-        steps_per_dispatch=5,
-        hyperparams={"learning_rate": learning_rates},
+        opt_state=ee.init_optimizer(
+            INJECT_ADAM, mlp_ens, hyperparams={"learning_rate": learning_rates}
+        ),
+        execution=ee.Execution(steps_per_dispatch=5),
     )
     np.testing.assert_allclose(np.asarray(learning_rates), [1e-3, 1e-2, 3e-2])
 
@@ -570,8 +638,8 @@ def test_fit_does_not_retrace():
             counting_loss,
             optimizer,
             steps=12,
-            steps_per_dispatch=5,
             key=jax.random.key(seed),
+            execution=ee.Execution(steps_per_dispatch=5),
         )
         if seed == 0:
             traced_once = len(traces)
@@ -618,13 +686,22 @@ def test_hyperparams_of_wrong_length(mlp_ens):
             mlp_ens,
             mse_loss,
             INJECT_ADAM,
-            hyperparams={"learning_rate": jnp.ones(4)},
+            opt_state=ee.init_optimizer(
+                INJECT_ADAM, mlp_ens, hyperparams={"learning_rate": jnp.ones(4)}
+            ),
         )
 
 
 def test_unknown_hyperparameter(mlp_ens):
     with pytest.raises(ValueError, match=r"Unknown hyperparameter 'lr'.*learning_rate"):
-        fit(mlp_ens, mse_loss, INJECT_ADAM, hyperparams={"lr": jnp.ones(3)})
+        fit(
+            mlp_ens,
+            mse_loss,
+            INJECT_ADAM,
+            opt_state=ee.init_optimizer(
+                INJECT_ADAM, mlp_ens, hyperparams={"lr": jnp.ones(3)}
+            ),
+        )
 
 
 def test_scheduled_hyperparameter(mlp_ens):
@@ -632,12 +709,26 @@ def test_scheduled_hyperparameter(mlp_ens):
         learning_rate=optax.constant_schedule(1e-2)
     )
     with pytest.raises(ValueError, match=r"'learning_rate' is a schedule"):
-        fit(mlp_ens, mse_loss, scheduled, hyperparams={"learning_rate": jnp.zeros(3)})
+        fit(
+            mlp_ens,
+            mse_loss,
+            scheduled,
+            opt_state=ee.init_optimizer(
+                scheduled, mlp_ens, hyperparams={"learning_rate": jnp.zeros(3)}
+            ),
+        )
 
 
 def test_hyperparams_without_inject_hyperparams(mlp_ens):
     with pytest.raises(ValueError, match="optax.inject_hyperparams"):
-        fit(mlp_ens, mse_loss, ADAM, hyperparams={"learning_rate": jnp.ones(3)})
+        fit(
+            mlp_ens,
+            mse_loss,
+            ADAM,
+            opt_state=ee.init_optimizer(
+                ADAM, mlp_ens, hyperparams={"learning_rate": jnp.ones(3)}
+            ),
+        )
 
 
 def test_optimizer_state_for_another_ensemble_size(mlp_ens):

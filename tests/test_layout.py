@@ -86,10 +86,12 @@ def test_sequential_step_equals_vmap_and_members_alone(data):
     opt_state = ee.init_optimizer(opt, ens)
     batch = (data[0][:8], data[1][:8])
     key = jax.random.key(2)
-    vmapped = ee.make_step(loss_fn, opt, layout="vmap")(ens, opt_state, batch, key)
-    sequential = ee.make_step(loss_fn, opt, layout="sequential")(
+    vmapped = ee.make_step(loss_fn, opt, execution=ee.Execution(layout="vmap"))(
         ens, opt_state, batch, key
     )
+    sequential = ee.make_step(
+        loss_fn, opt, execution=ee.Execution(layout="sequential")
+    )(ens, opt_state, batch, key)
     assert_tree_allclose(sequential.ensemble, vmapped.ensemble)
     assert_tree_allclose(sequential.opt_state, vmapped.opt_state)
     assert_tree_allclose(sequential.losses, vmapped.losses)
@@ -116,7 +118,7 @@ def test_auto_layout_runs_members_one_by_one_for_convolutions(data):
     args = (ens, ee.init_optimizer(opt, ens), (data[0][:8], data[1][:8]))
     auto = ee.make_step(loss_fn, opt).lower(*args, jax.random.key(0)).as_text()
     vmap = (
-        ee.make_step(loss_fn, opt, layout="vmap")
+        ee.make_step(loss_fn, opt, execution=ee.Execution(layout="vmap"))
         .lower(*args, jax.random.key(0))
         .as_text()
     )
@@ -157,11 +159,10 @@ def test_fit_sequential_equals_vmap_with_batchnorm(data, sampling):
             steps=3,
             batch_size=8,
             key=jax.random.key(3),
-            steps_per_dispatch=1,  # one step compiled per layout: a fast test
             sampling=sampling,
             state=state,
-            progress=False,
-            layout=layout,
+            callbacks=(),
+            execution=ee.Execution(steps_per_dispatch=1, layout=layout),
         )
         for layout in ("vmap", "sequential")
     }
@@ -182,11 +183,13 @@ def test_fit_sequential_equals_vmap_with_batchnorm(data, sampling):
 def test_bad_layout_is_refused(data):
     opt = optax.sgd(0.1)
     with pytest.raises(ValueError, match=r"`layout` must be one of .*'columns'"):
-        ee.make_step(loss_fn, opt, layout="columns")
+        ee.make_step(loss_fn, opt, execution=ee.Execution(layout="columns"))
     ens = ee.ensemble(CNN, size=4, key=jax.random.key(0))
     mesh = ee.make_mesh(members=2)
     with pytest.raises(ValueError, match="layout='sequential'.*mesh"):
-        ee.make_step(loss_fn, opt, mesh=mesh, layout="sequential")
+        ee.make_step(
+            loss_fn, opt, execution=ee.Execution(layout="sequential", mesh=mesh)
+        )
     with pytest.raises(ValueError, match="layout='sequential'.*mesh"):
         ee.fit(
             ens,
@@ -196,9 +199,8 @@ def test_bad_layout_is_refused(data):
             steps=1,
             batch_size=8,
             key=jax.random.key(0),
-            mesh=mesh,
-            layout="sequential",
-            progress=False,
+            callbacks=(),
+            execution=ee.Execution(layout="sequential", mesh=mesh),
         )
 
 
@@ -231,7 +233,7 @@ def test_map_sequential_equals_vmap_and_members_alone(data):
             extra,
             in_axes=in_axes,
             key=key,
-            layout=layout,
+            execution=ee.Execution(layout=layout),
         )
         for layout in ("vmap", "sequential")
     }
@@ -270,7 +272,10 @@ def test_predict_auto_layout_runs_convolving_members_one_by_one(data, monkeypatc
     eager = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
     assert _convolutions(eager) == ["1"] * (2 * SIZE)
     assert_tree_allclose(
-        ee.predict(ens, x), ee.predict(ens, x, layout="vmap"), rtol=1e-5, atol=1e-6
+        ee.predict(ens, x),
+        ee.predict(ens, x, execution=ee.Execution(layout="vmap")),
+        rtol=1e-5,
+        atol=1e-6,
     )
     for i in range(SIZE):
         assert_tree_allclose(
@@ -311,8 +316,8 @@ def test_predict_sequential_with_state_equals_vmap(data):
     )
     x = data[0][:6]
     assert_tree_allclose(
-        ee.predict(ens, x, state=state, layout="sequential"),
-        ee.predict(ens, x, state=state, layout="vmap"),
+        ee.predict(ens, x, state=state, execution=ee.Execution(layout="sequential")),
+        ee.predict(ens, x, state=state, execution=ee.Execution(layout="vmap")),
         rtol=1e-5,
         atol=1e-6,
     )
@@ -392,10 +397,9 @@ def test_evaluate_sequential_equals_vmap_without_grouped_convolutions(data):
             steps=2,
             batch_size=8,
             key=jax.random.key(3),
-            steps_per_dispatch=1,
             evaluate=evaluate,
-            progress=False,
-            layout=layout,
+            callbacks=(),
+            execution=ee.Execution(steps_per_dispatch=1, layout=layout),
         )
         for layout in ("vmap", "sequential")
     }
@@ -410,6 +414,11 @@ def test_evaluate_sequential_equals_vmap_without_grouped_convolutions(data):
 def test_map_bad_layout_is_refused(data):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"`layout` must be one of .*'rows'"):
-        ee.map(lambda m: m(data[0][0]), ens, layout="rows")
+        ee.map(lambda m: m(data[0][0]), ens, execution=ee.Execution(layout="rows"))
     with pytest.raises(ValueError, match="one member at a time.*chunk_size"):
-        ee.map(lambda m: m(data[0][0]), ens, layout="sequential", chunk_size=1)
+        ee.map(
+            lambda m: m(data[0][0]),
+            ens,
+            chunk_size=1,
+            execution=ee.Execution(layout="sequential"),
+        )

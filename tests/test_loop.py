@@ -95,8 +95,8 @@ def test_stream_equals_make_step_loop(ens, per_member):
         steps=23,
         key=KEY,
         sampling=sampling,
-        steps_per_dispatch=5,
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=5),
     )
     expected, _, _, losses, _ = reference_loop(
         ens, mse_loss, ADAM, batches, per_member=per_member
@@ -118,9 +118,9 @@ def test_stream_with_batchnorm_state_and_evaluation(bn):
         steps=12,
         key=KEY,
         state=state,
-        steps_per_dispatch=5,
         evaluate=ee.Evaluate(batchnorm_loss, eval_data, every=4, inference=False),
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=5),
     )
     expected, expected_state, _, losses, trajectory = reference_loop(
         ens, batchnorm_loss, ADAM, batches, state=state
@@ -181,8 +181,8 @@ def test_stream_from_memmap_larger_than_a_dispatch(ens, tmp_path):
         batches,
         steps=steps,
         key=KEY,
-        steps_per_dispatch=7,
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=7),
     )
     expected, _, _, losses, _ = reference_loop(ens, mse_loss, ADAM, list(batches(0)))
     assert_tree_allclose(result.ensemble, expected, rtol=1e-5, atol=1e-6)
@@ -195,7 +195,7 @@ def test_stream_resume_with_factory_equals_uninterrupted(ens, tmp_path):
     def factory(step):
         return iter(batches[step:])
 
-    common = dict(key=KEY, steps_per_dispatch=3, progress=False)
+    common = dict(key=KEY, callbacks=(), execution=ee.Execution(steps_per_dispatch=3))
     reference = ee.fit(ens, mse_loss, ADAM, factory, steps=20, **common)
     run = ee.Checkpoints(tmp_path, every=4)
     ee.fit(ens, mse_loss, ADAM, factory, steps=8, checkpoints=run, **common)
@@ -210,9 +210,9 @@ def test_stream_errors(ens):
     good = shared_batches(4)
     bad_shape = good[:2] + [(X[:5], Y[:5])] + good[2:]
     with pytest.raises(ValueError, match=r"leaf `\[0\]` at step 2 has float32\[5, 2\]"):
-        ee.fit(ens, mse_loss, ADAM, iter(bad_shape), steps=4, key=KEY, progress=False)
+        ee.fit(ens, mse_loss, ADAM, iter(bad_shape), steps=4, key=KEY, callbacks=())
     with pytest.raises(ValueError, match="ended after step 4") as info:
-        ee.fit(ens, mse_loss, ADAM, iter(good), steps=10, key=KEY, progress=False)
+        ee.fit(ens, mse_loss, ADAM, iter(good), steps=10, key=KEY, callbacks=())
     assert info.value.result.step == 4  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="a stream cannot be resampled"):
         ee.fit(
@@ -223,7 +223,7 @@ def test_stream_errors(ens):
             steps=4,
             key=KEY,
             sampling="bootstrap",
-            progress=False,
+            callbacks=(),
         )
     with pytest.raises(ValueError, match="leading member axis of size 3"):
         ee.fit(
@@ -234,7 +234,7 @@ def test_stream_errors(ens):
             steps=4,
             key=KEY,
             sampling=ee.Independent(),
-            progress=False,
+            callbacks=(),
         )
     with pytest.raises(
         ValueError, match="`batch_size=4` but the stream's batches hold 8"
@@ -247,7 +247,7 @@ def test_stream_errors(ens):
             steps=4,
             key=KEY,
             batch_size=4,
-            progress=False,
+            callbacks=(),
         )
 
 
@@ -289,7 +289,7 @@ def test_loss_without_vmap_gets_a_note(ens):
             steps=2,
             batch_size=4,
             key=KEY,
-            progress=False,
+            callbacks=(),
         )
 
 
@@ -312,7 +312,7 @@ def test_state_set_inside_the_loss(bn):
         batch_size=8,
         key=KEY,
         state=state,
-        progress=False,
+        callbacks=(),
     )
     reference = ee.fit(
         ens,
@@ -323,7 +323,7 @@ def test_state_set_inside_the_loss(bn):
         batch_size=8,
         key=KEY,
         state=state,
-        progress=False,
+        callbacks=(),
     )
     assert_tree_allclose(result.ensemble, reference.ensemble)
     step = ee.make_step(loss_with_set, ADAM)
@@ -348,8 +348,10 @@ def test_huge_learning_rate_member_keeps_last_finite_parameters(ens):
         iter(batches),
         steps=5,
         key=KEY,
-        hyperparams={"learning_rate": jnp.array([0.01, lr, 0.01])},
-        progress=False,
+        opt_state=ee.init_optimizer(
+            optimizer, ens, hyperparams={"learning_rate": jnp.array([0.01, lr, 0.01])}
+        ),
+        callbacks=(),
     )
     # Reference: member 1 alone, plain SGD, stopped at its first non-finite step.
     model, diverged_at = ens[1], None
@@ -415,10 +417,9 @@ def test_ema_equals_hand_computed_average(ens, sampling):
         batch_size=BATCH,
         key=KEY,
         sampling=sampling,
-        steps_per_dispatch=1,
-        callback=keep,
         track=[ee.EMA(decay)],
-        progress=False,
+        callbacks=[keep],
+        execution=ee.Execution(steps_per_dispatch=1),
     )
     average = eqx.filter(ens, eqx.is_inexact_array)
     for w in weights:
@@ -442,7 +443,7 @@ def test_ema_on_a_stream_equals_make_step_trajectory(ens):
         steps=7,
         key=KEY,
         track=[ee.EMA(0.5)],
-        progress=False,
+        callbacks=(),
     )
     _, _, _, _, trajectory = reference_loop(ens, mse_loss, ADAM, batches)
     average = eqx.filter(ens, eqx.is_inexact_array)
@@ -460,10 +461,10 @@ def test_resume_with_tracker_and_evaluation_is_bit_exact(ens, tmp_path):
         batch_size=BATCH,
         key=KEY,
         sampling="bootstrap",
-        steps_per_dispatch=3,
         track=[ee.EMA(0.9)],
         evaluate=ee.Evaluate(mse_loss, (X, Y), every=2),
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=3),
     )
     reference = ee.fit(ens, mse_loss, ADAM, (X, Y), steps=14, **common)
     run = ee.Checkpoints(tmp_path, every=5)
@@ -533,9 +534,8 @@ def test_controller_runs_between_dispatches_and_changes_the_run(ens):
         steps=10,
         batch_size=BATCH,
         key=KEY,
-        controllers=[controller],
-        steps_per_dispatch=100,
-        progress=False,
+        callbacks=[controller],
+        execution=ee.Execution(steps_per_dispatch=100),
     )
     assert controller.calls == [(4, 4), (8, 8)]
     # After the copy at step 8, members 0 and 1 train on the same shared batches
@@ -563,8 +563,7 @@ def test_controller_that_changes_shapes_is_refused(ens):
             steps=4,
             batch_size=BATCH,
             key=KEY,
-            controllers=[Shrink()],
-            progress=False,
+            callbacks=[Shrink()],
         )
 
 
@@ -625,8 +624,7 @@ def test_unwritable_checkpoint_folder_fails_before_training(ens, tmp_path):
             batch_size=4,
             key=KEY,
             checkpoints=ee.Checkpoints(blocker / "run"),
-            callback=calls.append,
-            progress=False,
+            callbacks=[calls.append],
         )
     assert calls == []
 
@@ -648,7 +646,7 @@ def test_failed_checkpoint_write_keeps_the_result(ens, tmp_path, monkeypatch):
             batch_size=4,
             key=KEY,
             checkpoints=ee.Checkpoints(tmp_path, every=3),
-            progress=False,
+            callbacks=(),
         )
     result = info.value.result  # type: ignore[attr-defined]
     assert result.step == 3 and result.history.losses.shape == (3, SIZE)
@@ -658,8 +656,16 @@ def test_resume_contract(ens, tmp_path):
     run = ee.Checkpoints(tmp_path, every=4)
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
     lrs = {"learning_rate": jnp.array([1e-2, 2e-2, 3e-2])}
-    common = dict(batch_size=4, key=KEY, progress=False, checkpoints=run)
-    ee.fit(ens, mse_loss, optimizer, (X, Y), steps=8, hyperparams=lrs, **common)
+    common = dict(batch_size=4, key=KEY, checkpoints=run, callbacks=())
+    ee.fit(
+        ens,
+        mse_loss,
+        optimizer,
+        (X, Y),
+        steps=8,
+        **common,
+        opt_state=ee.init_optimizer(optimizer, ens, hyperparams=lrs),
+    )
     with pytest.raises(ee.CheckpointError, match="step 8, past the `steps=5`"):
         ee.fit(ens, mse_loss, optimizer, (X, Y), steps=5, **common)
     with pytest.raises(ee.CheckpointError, match="different `hyperparams`"):
@@ -669,8 +675,12 @@ def test_resume_contract(ens, tmp_path):
             optimizer,
             (X, Y),
             steps=12,
-            hyperparams={"learning_rate": jnp.array([1.0, 1.0, 1.0])},
             **common,
+            opt_state=ee.init_optimizer(
+                optimizer,
+                ens,
+                hyperparams={"learning_rate": jnp.array([1.0, 1.0, 1.0])},
+            ),
         )
     with pytest.raises(ee.CheckpointError, match="`eval_every`"):
         ee.fit(
@@ -679,18 +689,24 @@ def test_resume_contract(ens, tmp_path):
             optimizer,
             (X, Y),
             steps=12,
-            hyperparams=lrs,
             evaluate=ee.Evaluate(mse_loss, (X, Y), every=2),
             **common,
+            opt_state=ee.init_optimizer(optimizer, ens, hyperparams=lrs),
         )
     resumed = ee.fit(
-        ens, mse_loss, optimizer, (X, Y), steps=12, hyperparams=lrs, **common
+        ens,
+        mse_loss,
+        optimizer,
+        (X, Y),
+        steps=12,
+        **common,
+        opt_state=ee.init_optimizer(optimizer, ens, hyperparams=lrs),
     )
     assert resumed.step == 12
 
 
 def test_corrupt_newest_checkpoint_falls_back_when_asked(ens, tmp_path):
-    common = dict(batch_size=4, key=KEY, progress=False)
+    common = dict(batch_size=4, key=KEY, callbacks=())
     reference = ee.fit(ens, mse_loss, ADAM, (X, Y), steps=12, **common)
     ee.fit(
         ens,
@@ -729,7 +745,7 @@ def test_corrupt_newest_checkpoint_falls_back_when_asked(ens, tmp_path):
 
 
 def test_checkpoint_renamed_to_another_step_is_noticed(ens, tmp_path):
-    common = dict(batch_size=4, key=KEY, progress=False)
+    common = dict(batch_size=4, key=KEY, callbacks=())
     ee.fit(
         ens,
         mse_loss,
@@ -781,11 +797,22 @@ def test_stream_on_a_mesh_equals_one_device(axis_type, per_member):
     shape = (4, BATCH) if per_member else (BATCH,)
     batches = [(X[i], Y[i]) for i in (rng.integers(0, N, shape) for _ in range(6))]
     sampling = ee.Independent() if per_member else ee.Shared()
-    common = dict(steps=6, key=KEY, sampling=sampling, steps_per_dispatch=4)
-    reference = ee.fit(four, mse_loss, ADAM, iter(batches), progress=False, **common)
+    common = dict(
+        steps=6,
+        key=KEY,
+        sampling=sampling,
+        execution=ee.Execution(steps_per_dispatch=4),
+    )
+    reference = ee.fit(four, mse_loss, ADAM, iter(batches), **common, callbacks=())
     mesh = ee.make_mesh(members=2, data=2, axis_types=getattr(AxisType, axis_type))
     sharded = ee.fit(
-        four, mse_loss, ADAM, iter(batches), progress=False, mesh=mesh, **common
+        four,
+        mse_loss,
+        ADAM,
+        iter(batches),
+        **common,
+        callbacks=(),
+        execution=ee.Execution(mesh=mesh),
     )
     assert_tree_allclose(sharded.ensemble, reference.ensemble, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
@@ -826,7 +853,7 @@ def test_hyper_members_equal_solo_training(ens, sampling):
         key=KEY,
         sampling=sampling,
         hyper={"decay": decays},
-        progress=False,
+        callbacks=(),
     )
     for i in range(SIZE):
         loss_i = functools.partial(decayed_loss, hyper={"decay": decays[i]})
@@ -847,7 +874,7 @@ def test_hyper_members_equal_solo_training(ens, sampling):
 
 
 def test_new_hyper_values_do_not_recompile(ens):
-    common = dict(steps=3, batch_size=BATCH, key=KEY, progress=False)
+    common = dict(steps=3, batch_size=BATCH, key=KEY, callbacks=())
     ee.fit(ens, decayed_loss, ADAM, (X, Y), hyper={"decay": jnp.zeros(3)}, **common)
     before = len(TRACES)
     ee.fit(ens, decayed_loss, ADAM, (X, Y), hyper={"decay": jnp.ones(3)}, **common)
@@ -861,7 +888,7 @@ def test_new_hyper_values_do_not_recompile(ens):
 
 
 def test_bad_hyper_is_named(ens):
-    common = dict(steps=2, batch_size=BATCH, key=KEY, progress=False)
+    common = dict(steps=2, batch_size=BATCH, key=KEY, callbacks=())
     with pytest.raises(
         ValueError, match=r"`hyper` leaf `\['decay'\]` has shape \(2,\)"
     ):
@@ -915,13 +942,17 @@ def test_unrolled_dispatches_equal_the_fused_loop(sampling):
         batch_size=BATCH,
         key=KEY,
         sampling=sampling,
-        progress=False,
         evaluate=ee.Evaluate(cnn_loss, (IMAGES[:8], Y[:8]), every=4),
         track=[ee.EMA(0.9)],
-        steps_per_dispatch=5,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=5),
     )
-    looped = ee.fit(cnn, cnn_loss, ADAM, (IMAGES, Y), unroll=False, **common)
-    unrolled = ee.fit(cnn, cnn_loss, ADAM, (IMAGES, Y), unroll=True, **common)
+    looped = ee.fit(
+        cnn, cnn_loss, ADAM, (IMAGES, Y), **common, execution=ee.Execution(unroll=False)
+    )
+    unrolled = ee.fit(
+        cnn, cnn_loss, ADAM, (IMAGES, Y), **common, execution=ee.Execution(unroll=True)
+    )
     assert_tree_allclose(unrolled.ensemble, looped.ensemble, rtol=1e-5, atol=1e-6)
     assert_tree_allclose(unrolled.tracked[0], looped.tracked[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
@@ -945,15 +976,12 @@ def test_convolutions_on_cpu_are_unrolled_by_default():
         sampling="shared",
         opt_state=None,
         state=None,
-        hyperparams=None,
         hyper=None,
         evaluate=None,
         checkpoints=None,
         track=(),
-        controllers=(),
-        mesh=None,
-        steps_per_dispatch=None,
-        compiler_options=None,
+        callbacks=(),
+        execution=ee.Execution(),
     )
     run = prepare(cnn, cnn_loss, ADAM, (IMAGES, Y), **common)
     assert run.chunk.unrolled == (jax.default_backend() == "cpu")
@@ -972,9 +1000,8 @@ def test_unrolled_stream_equals_make_step_loop():
         iter(batches),
         steps=7,
         key=KEY,
-        steps_per_dispatch=3,
-        unroll=True,
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=3, unroll=True),
     )
     expected, _, _, losses, _ = reference_loop(cnn, cnn_loss, ADAM, batches)
     assert_tree_allclose(result.ensemble, expected, rtol=1e-5, atol=1e-6)
@@ -1026,7 +1053,7 @@ def test_latest_reads_back_a_run_with_hyper(ens, tmp_path):
         key=KEY,
         hyper=hyper,
         checkpoints=run,
-        progress=False,
+        callbacks=(),
     )
     latest = run.latest(ens, ADAM, hyper=hyper)
     assert latest is not None and latest.step == 3
@@ -1050,10 +1077,9 @@ def test_swa_equals_the_mean_of_the_weights_at_the_chosen_steps(ens, sampling):
         batch_size=BATCH,
         key=KEY,
         sampling=sampling,
-        steps_per_dispatch=1,
-        callback=keep,
         track=[ee.SWA(start=5, every=3)],
-        progress=False,
+        callbacks=[keep],
+        execution=ee.Execution(steps_per_dispatch=1),
     )
     chosen = [weights[s] for s in (5, 8, 11)]
     mean = jax.tree.map(lambda *ws: sum(ws) / len(ws), *chosen)
@@ -1076,5 +1102,5 @@ def test_swa_that_starts_after_the_last_step_is_refused(ens):
             batch_size=BATCH,
             key=KEY,
             track=[ee.SWA(start=20)],
-            progress=False,
+            callbacks=(),
         )

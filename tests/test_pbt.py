@@ -37,12 +37,12 @@ def ens(getkey):
     return ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k), size=SIZE, key=getkey())
 
 
-def common(**extra):
+def common(ens, **extra):
     settings = dict(
         steps=10,
         batch_size=16,
         key=jax.random.key(3),
-        hyperparams=RATES,
+        opt_state=ee.init_optimizer(OPT, ens, hyperparams=RATES),
         hyper={"decay": jnp.full(SIZE, 1e-3)},
         evaluate=ee.Evaluate(score, DATA, every=5),
         progress=False,
@@ -52,8 +52,8 @@ def common(**extra):
 
 def test_exploit_is_a_gather_and_explore_scales_hyperparameters(ens):
     pbt = ee.PBT(every=10, fraction=0.25, hyperparams=("learning_rate",), seed=1)
-    plain = ee.fit(ens, loss, OPT, DATA, **common())
-    with_pbt = ee.fit(ens, loss, OPT, DATA, **common(controllers=[pbt]))
+    plain = ee.fit(ens, loss, OPT, DATA, **common(ens))
+    with_pbt = ee.fit(ens, loss, OPT, DATA, **common(ens, callbacks=[pbt]))
     steps, children, parents = pbt.lineage(with_pbt)
     # The ranking by NumPy: the 2 worst (latest scores) become copies of 2 best.
     scores = plain.history.eval_scores[-1]
@@ -85,7 +85,7 @@ def test_exploit_is_a_gather_and_explore_scales_hyperparameters(ens):
 
 def test_resume_with_pbt_is_bit_exact(ens, tmp_path):
     pbt = ee.PBT(every=4, fraction=0.25, hyperparams=("learning_rate",))
-    settings = common(controllers=[pbt], evaluate=ee.Evaluate(score, DATA, every=2))
+    settings = common(ens, evaluate=ee.Evaluate(score, DATA, every=2), callbacks=[pbt])
     settings["steps"] = 16
     reference = ee.fit(ens, loss, OPT, DATA, **settings)
     run = ee.Checkpoints(tmp_path, every=4)
@@ -100,7 +100,7 @@ def test_resume_with_pbt_is_bit_exact(ens, tmp_path):
 def test_misuse_is_refused_before_work(ens):
     with pytest.raises(ValueError, match=r"fraction` must lie in \(0, 0.5\]"):
         ee.PBT(every=5, fraction=0.6)
-    no_eval = common(controllers=[ee.PBT(every=5)])
+    no_eval = common(ens, callbacks=[ee.PBT(every=5)])
     del no_eval["evaluate"]
     with pytest.raises(ValueError, match="no evaluation"):
         ee.fit(ens, loss, OPT, DATA, **no_eval)
@@ -110,7 +110,7 @@ def test_misuse_is_refused_before_work(ens):
             loss,
             OPT,
             DATA,
-            **common(controllers=[ee.PBT(every=5, hyperparams=("momentum",))]),
+            **common(ens, callbacks=[ee.PBT(every=5, hyperparams=("momentum",))]),
         )
     scheduled = optax.inject_hyperparams(optax.sgd)(
         learning_rate=optax.linear_schedule(0.1, 0.01, 10)
@@ -122,12 +122,19 @@ def test_misuse_is_refused_before_work(ens):
             scheduled,
             DATA,
             **{
-                **common(controllers=[ee.PBT(every=5, hyperparams=("learning_rate",))]),
+                **common(
+                    ens,
+                    callbacks=[
+                        ee.PBT(every=5, hyperparams=("learning_rate",)),
+                    ],
+                ),
                 "hyperparams": None,
             },
         )
     sparse = common(
-        controllers=[ee.PBT(every=5)], evaluate=ee.Evaluate(score, DATA, every=10)
+        ens,
+        evaluate=ee.Evaluate(score, DATA, every=10),
+        callbacks=[ee.PBT(every=5)],
     )
     with pytest.raises(ValueError, match="no evaluation since step 0"):
         ee.fit(ens, loss, OPT, DATA, **sparse)
@@ -137,7 +144,7 @@ def test_resume_compares_the_starting_hyperparameters(ens, tmp_path):
     # A controller changes the hyperparameters as the run goes; a resume is
     # checked against what the run STARTED with.
     pbt = ee.PBT(every=4, hyperparams=("learning_rate",))
-    settings = common(controllers=[pbt], evaluate=ee.Evaluate(score, DATA, every=2))
+    settings = common(ens, evaluate=ee.Evaluate(score, DATA, every=2), callbacks=[pbt])
     run = ee.Checkpoints(tmp_path, every=4)
     ee.fit(ens, loss, OPT, DATA, **{**settings, "steps": 8, "checkpoints": run})
     other = {"learning_rate": jnp.full(SIZE, 0.05)}
@@ -190,10 +197,9 @@ def test_pbt_population_moves_to_the_known_best_learning_rate():
         steps=100,
         batch_size=8,
         key=jax.random.key(1),
-        hyperparams=rates,
         evaluate=ee.Evaluate(quadratic, None, every=5),
-        controllers=[pbt],
-        progress=False,
+        opt_state=ee.init_optimizer(opt, ens, hyperparams=rates),
+        callbacks=[pbt],
     )
     start = float(np.median(np.asarray(rates["learning_rate"])))
     final = np.asarray(result.opt_state.hyperparams["learning_rate"])

@@ -162,10 +162,12 @@ def run(optimizer, sampling, learning_rates, steps=STEPS, **kwargs):
         batch_size=BATCH,
         key=FIT_KEY,
         sampling=sampling,
-        hyperparams={"learning_rate": learning_rates},
-        steps_per_dispatch=PER_DISPATCH,
-        progress=False,
         **kwargs,
+        opt_state=ee.init_optimizer(
+            optimizer, wild_ensemble(), hyperparams={"learning_rate": learning_rates}
+        ),
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=PER_DISPATCH),
     )
 
 
@@ -274,7 +276,7 @@ def test_divergence_record_survives_interrupt_and_resume(
             sampling,
             WILD_LR,
             checkpoints=ee.Checkpoints(folder, every=every, keep=2),
-            callback=interrupt,
+            callbacks=[interrupt],
         )
     assert [s for s, _ in ee.list_checkpoints(folder)] == [stop - every, stop][
         -min(2, stop // every) :
@@ -622,9 +624,9 @@ ERRORS = [
     ),
     (
         "make-step-mesh-indivisible",
-        lambda o: ee.make_step(_mean_loss, o.adam, mesh=ee.make_mesh(members=2))(
-            o.ens, o.opt_state, jnp.ones((4, 2)), o.key
-        ),
+        lambda o: ee.make_step(
+            _mean_loss, o.adam, execution=ee.Execution(mesh=ee.make_mesh(members=2))
+        )(o.ens, o.opt_state, jnp.ones((4, 2)), o.key),
         ValueError,
         r"The ensemble has 3 members, which do not split evenly over the 2 devices of "
         r"the mesh axis 'members'.*e\.g\. 2, 4",
@@ -1070,10 +1072,9 @@ def _fit_call(bad, checkpoint_dir, callback, steps=4, **overrides):
         steps=steps,
         batch_size=2,
         key=bad.key,
-        steps_per_dispatch=2,
         checkpoints=ee.Checkpoints(checkpoint_dir, every=2),
-        callback=callback,
-        progress=False,
+        callbacks=[callback],
+        execution=ee.Execution(steps_per_dispatch=2),
     )
     for name, value in overrides.items():
         arguments[name] = value.make(bad) if isinstance(value, Lazy) else value
@@ -1149,7 +1150,7 @@ def test_resume_into_another_architecture_names_the_leaf(bad, finished_run, tmp_
             batch_size=2,
             key=bad.key,
             checkpoints=ee.Checkpoints(folder),
-            progress=False,
+            callbacks=(),
         )
     assert folder_snapshot(folder) == before
 
@@ -1323,9 +1324,11 @@ def _resume_fit(ens, optimizer, size, eval_every, **kwargs):
         RESUME_OPTIMIZERS[optimizer],
         (RESUME_X, RESUME_Y),
         key=jax.random.key(21),
-        hyperparams=hyperparams,
-        progress=False,
         **kwargs,
+        opt_state=ee.init_optimizer(
+            RESUME_OPTIMIZERS[optimizer], ens, hyperparams=hyperparams
+        ),
+        callbacks=(),
     )
 
 
@@ -1357,7 +1360,7 @@ def interrupted_then_resumed(fit, folder, stop, every, steps, **resume_kwargs):
     try:
         fit(
             checkpoints=ee.Checkpoints(folder, every=every, keep=None),
-            callback=interrupt,
+            callbacks=[interrupt],
         )
     except Interrupt:
         pass
@@ -1408,7 +1411,7 @@ def _fit_resume_equals_uninterrupted(
         steps=steps,
         batch_size=batch_size,
         sampling=sampling,
-        steps_per_dispatch=per_dispatch,
+        execution=ee.Execution(steps_per_dispatch=per_dispatch),
     )
     straight = fit()
     with tempfile.TemporaryDirectory() as directory:
@@ -1419,7 +1422,7 @@ def _fit_resume_equals_uninterrupted(
             every,
             steps,
             checkpoint_every=resume_every,
-            steps_per_dispatch=resume_per_dispatch,
+            execution=ee.Execution(steps_per_dispatch=resume_per_dispatch),
         )
     assert_same_result(resumed, straight)
 
@@ -1434,11 +1437,17 @@ def test_full_and_partial_dispatches_resume_bitwise(tmp_path):
     )
     fit = functools.partial(
         _resume_fit, ens, "adam", 2, None, steps=4, batch_size=9,
-        sampling="shared", steps_per_dispatch=2,
+        sampling="shared", execution=ee.Execution(steps_per_dispatch=2),
     )  # fmt: skip
     straight = fit()
     resumed = interrupted_then_resumed(
-        fit, tmp_path / "run", 1, 1, 4, checkpoint_every=1, steps_per_dispatch=4
+        fit,
+        tmp_path / "run",
+        1,
+        1,
+        4,
+        checkpoint_every=1,
+        execution=ee.Execution(steps_per_dispatch=4),
     )
     assert_same_result(resumed, straight)
 
@@ -1455,11 +1464,18 @@ def test_unrolled_dispatches_resume_bitwise(tmp_path):
     )
     fit = functools.partial(
         _resume_fit, ens, "clip-sgd-momentum", 2, None, steps=6, batch_size=9,
-        sampling="shared", steps_per_dispatch=4, unroll=True,
+        sampling="shared",
+        execution=ee.Execution(steps_per_dispatch=4, unroll=True),
     )  # fmt: skip
     straight = fit()
     resumed = interrupted_then_resumed(
-        fit, tmp_path / "run", 1, 1, 6, checkpoint_every=1, steps_per_dispatch=2
+        fit,
+        tmp_path / "run",
+        1,
+        1,
+        6,
+        checkpoint_every=1,
+        execution=ee.Execution(steps_per_dispatch=2),
     )
     assert_same_result(resumed, straight)
 
@@ -1532,8 +1548,8 @@ def test_batchnorm_dropout_and_best_members_resume_exactly(tmp_path):
         sampling="independent",
         state=states,
         evaluate=ee.Evaluate(_stateful_score, (RESUME_X, RESUME_Y), every=2),
-        steps_per_dispatch=3,
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=3),
     )
     straight = fit()
     # The member state really is carried: it changed during training.
@@ -1559,8 +1575,8 @@ def test_resume_on_another_device_count_and_mesh(tmp_path):
         batch_size=BATCH,
         key=FIT_KEY,
         sampling="bootstrap",
-        steps_per_dispatch=PER_DISPATCH,
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=PER_DISPATCH),
     )
     single = fit()
     grid = ee.make_mesh(members=2, data=2)
@@ -1570,11 +1586,16 @@ def test_resume_on_another_device_count_and_mesh(tmp_path):
         folder = tmp_path / f"run{index}"
         with pytest.raises(Interrupt):
             fit(
-                mesh=first,
                 checkpoints=ee.Checkpoints(folder, every=4),
-                callback=lambda result: _raise_if(result.step >= 8),
+                callbacks=[
+                    lambda result: _raise_if(result.step >= 8),
+                ],
+                execution=ee.Execution(mesh=first),
             )
-        resumed = fit(mesh=second, checkpoints=ee.Checkpoints(folder, every=4))
+        resumed = fit(
+            checkpoints=ee.Checkpoints(folder, every=4),
+            execution=ee.Execution(mesh=second),
+        )
         assert resumed.step == 12 and resumed.diverged == {}
         for got, want in zip(
             jax.tree.leaves(eqx.filter(resumed.ensemble, eqx.is_array)),

@@ -42,10 +42,9 @@ def test_resume_after_exception_in_callback_is_bit_exact(tmp_path):
             batch_size=16,
             key=jax.random.key(42),
             sampling="bootstrap",
-            steps_per_dispatch=30,
             checkpoints=ee.Checkpoints(tmp_path / "run", every=40),
-            callback=interrupt,
-            progress=False,
+            callbacks=[interrupt],
+            execution=ee.Execution(steps_per_dispatch=30),
         )
     assert [s for s, _ in ee.list_checkpoints(tmp_path / "run")][-1] == 120
     resumed = train(tmp_path / "run")
@@ -90,7 +89,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
 def test_resume_refuses_a_different_run(tmp_path):
     ens, loss_fn, optimizer, data = problem()
     common = dict(
-        steps=40, batch_size=16, progress=False, checkpoints=ee.Checkpoints(tmp_path)
+        steps=40, batch_size=16, checkpoints=ee.Checkpoints(tmp_path), callbacks=()
     )
     ee.fit(ens, loss_fn, optimizer, data, key=jax.random.key(1), **common)
     with pytest.raises(ee.CheckpointError, match="different PRNG key"):
@@ -115,7 +114,10 @@ def test_resume_continues_to_more_steps(tmp_path):
     # A finished 80-step run extended to 120 steps equals a 120-step run.
     ens, loss_fn, optimizer, data = problem()
     common = dict(
-        batch_size=16, key=jax.random.key(3), progress=False, steps_per_dispatch=40
+        batch_size=16,
+        key=jax.random.key(3),
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=40),
     )
     straight = ee.fit(ens, loss_fn, optimizer, data, steps=120, **common)
     run = ee.Checkpoints(tmp_path)
@@ -141,9 +143,9 @@ def test_checkpoints_keep_the_last_n(tmp_path):
         steps=100,
         batch_size=16,
         key=jax.random.key(0),
-        progress=False,
-        steps_per_dispatch=10,
         checkpoints=ee.Checkpoints(tmp_path, every=20, keep=2),
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=10),
     )
     assert [s for s, _ in ee.list_checkpoints(tmp_path)] == [80, 100]
 

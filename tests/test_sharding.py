@@ -191,10 +191,12 @@ def test_member_count_not_divisible_is_a_clear_error():
             steps=2,
             batch_size=8,
             key=jax.random.key(0),
-            mesh=mesh,
-            progress=False,
+            callbacks=(),
+            execution=ee.Execution(mesh=mesh),
         )
-    step = ee.make_step(loss_never_called, optax.sgd(0.1), mesh=mesh)
+    step = ee.make_step(
+        loss_never_called, optax.sgd(0.1), execution=ee.Execution(mesh=mesh)
+    )
     with pytest.raises(ValueError, match=message):
         step(ens, ee.init_optimizer(optax.sgd(0.1), ens), _data(), jax.random.key(0))
 
@@ -215,10 +217,10 @@ def test_data_not_divisible_is_a_clear_error():
             steps=2,
             batch_size=6,
             key=jax.random.key(0),
-            mesh=mesh,
-            progress=False,
+            callbacks=(),
+            execution=ee.Execution(mesh=mesh),
         )
-    step = ee.make_step(_loss, optax.sgd(0.1), mesh=mesh)
+    step = ee.make_step(_loss, optax.sgd(0.1), execution=ee.Execution(mesh=mesh))
     ens = _mlp_ensemble()
     with pytest.raises(ValueError, match=r"`batch` leaf `\[0\]` has 10 examples"):
         step(ens, ee.init_optimizer(optax.sgd(0.1), ens), _data(10), jax.random.key(0))
@@ -285,10 +287,9 @@ def _fit(mesh, sampling, with_eval, presharded, steps=7):
         batch_size=16,
         key=jax.random.key(3),
         sampling=sampling,
-        steps_per_dispatch=3,
-        progress=False,
-        mesh=mesh,
         **extra,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=3, mesh=mesh),
     )
 
 
@@ -351,8 +352,8 @@ def test_fit_keeps_the_callers_arrays_and_feeds_split_batches():
             batch_size=8,
             key=jax.random.key(0),
             sampling=sampling,
-            progress=False,
-            mesh=mesh,
+            callbacks=(),
+            execution=ee.Execution(mesh=mesh),
         )
     # Each member's batch (the member axis vmapped away) is split over "data".
     assert specs == [("data", None), ("data", None)]
@@ -396,11 +397,18 @@ def test_fit_with_model_state_on_a_mesh(axis_type):
         key=jax.random.key(1),
         state=state,
         sampling="independent",
-        progress=False,
+        callbacks=(),
     )
     reference = ee.fit(ens, _stateful_loss, optax.sgd(1e-2), _data(), **kwargs)
     mesh = ee.make_mesh(members=2, data=4, axis_types=axis_type)
-    result = ee.fit(ens, _stateful_loss, optax.sgd(1e-2), _data(), mesh=mesh, **kwargs)
+    result = ee.fit(
+        ens,
+        _stateful_loss,
+        optax.sgd(1e-2),
+        _data(),
+        **kwargs,
+        execution=ee.Execution(mesh=mesh),
+    )
     assert_tree_allclose(result.ensemble, reference.ensemble)
     assert_tree_allclose(result.state, reference.state)
     assert_placed(result.state, mesh, ("members",))
@@ -413,10 +421,9 @@ def test_fit_resumes_on_a_mesh(tmp_path):
         batch_size=16,
         key=jax.random.key(3),
         sampling="shared",
-        steps_per_dispatch=3,
-        progress=False,
-        mesh=mesh,
         checkpoints=ee.Checkpoints(tmp_path),
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=3, mesh=mesh),
     )
     ens = _mlp_ensemble()
     ee.fit(ens, _loss, optax.adam(1e-2), _data(), steps=3, **kwargs)
@@ -448,7 +455,12 @@ def test_make_step_on_a_mesh(axis_type, per_member_batch):
         ens, opt_state, batch, key
     )
     mesh = ee.make_mesh(members=4, data=2, axis_types=axis_type)
-    step = ee.make_step(_loss, optimizer, per_member_batch=per_member_batch, mesh=mesh)
+    step = ee.make_step(
+        _loss,
+        optimizer,
+        per_member_batch=per_member_batch,
+        execution=ee.Execution(mesh=mesh),
+    )
     # Inputs placed beforehand (the fast path) or not (placed inside the step).
     for inputs in (
         (ee.shard(ens, mesh), ee.shard(opt_state, mesh)),

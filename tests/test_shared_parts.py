@@ -216,7 +216,7 @@ def test_fit_equals_make_step_loop(getkey, data, train_shared, sampling):
         batch_size=32,
         key=jax.random.key(3),
         sampling=sampling,
-        progress=False,
+        callbacks=(),
     )
     assert result.ensemble.train_shared == train_shared
     if not train_shared:
@@ -268,7 +268,7 @@ def test_stateful_members_with_a_shared_part(getkey):
         batch_size=16,
         key=getkey(),
         state=state,
-        progress=False,
+        callbacks=(),
     )
     assert eqx.tree_equal(result.ensemble.shared, ens.shared)
     # Member 1 by hand, with its own state slice.
@@ -299,8 +299,8 @@ def test_a_diverging_member_does_not_poison_the_trained_shared_part(getkey, data
         steps=8,
         batch_size=32,
         key=getkey(),
-        hyperparams={"learning_rate": rates},
-        progress=False,
+        opt_state=ee.init_optimizer(opt, ens, hyperparams={"learning_rate": rates}),
+        callbacks=(),
     )
     assert set(result.diverged) == {2}
     leaves = jax.tree.leaves(eqx.filter(result.ensemble, eqx.is_array))
@@ -325,7 +325,7 @@ def test_trackers_and_evaluation_keep_the_shared_part(getkey, data):
         key=getkey(),
         track=[ee.EMA(0.5)],
         evaluate=ee.Evaluate(loss_fn, data, every=2),
-        progress=False,
+        callbacks=(),
     )
     ema = result.tracked[0]
     assert eqx.tree_equal(ema.shared, result.ensemble.shared)
@@ -347,7 +347,7 @@ def test_sharded_training_replicates_the_shared_part(getkey, data, explicit):
     step = ee.make_step(loss_fn, opt)
     plain, state = ens, ee.init_optimizer(opt, ens)
     plain, *_ = step(plain, state, data, jax.random.key(0))
-    sharded_step = ee.make_step(loss_fn, opt, mesh=mesh)
+    sharded_step = ee.make_step(loss_fn, opt, execution=ee.Execution(mesh=mesh))
     got, got_state, *_ = sharded_step(
         placed, ee.shard(ee.init_optimizer(opt, ens), mesh), data, jax.random.key(0)
     )
@@ -530,7 +530,7 @@ def test_lora_adapter_ensemble_over_a_frozen_base(getkey, data):
         steps=5,
         batch_size=32,
         key=getkey(),
-        progress=False,
+        callbacks=(),
     )
     assert eqx.tree_equal(result.ensemble.shared, ens.shared)  # the base is frozen
     moved = result.ensemble.members.layers[1].b
@@ -631,7 +631,7 @@ def test_fit_on_a_mesh_and_from_a_stream_with_a_shared_part(getkey, data):
         lambda start: iter([data] * (4 - start)),
         steps=4,
         key=getkey(),
-        progress=False,
+        callbacks=(),
     )
     assert_tree_allclose(streamed.ensemble, expected, rtol=1e-4, atol=1e-5)
     mesh = ee.make_mesh(members=4, data=2)
@@ -643,8 +643,8 @@ def test_fit_on_a_mesh_and_from_a_stream_with_a_shared_part(getkey, data):
         steps=4,
         batch_size=32,
         key=getkey(),
-        mesh=mesh,
-        progress=False,
+        callbacks=(),
+        execution=ee.Execution(mesh=mesh),
     )
     assert sharded.ensemble.shared.layers[0].weight.sharding.is_fully_replicated
     assert_tree_allclose(sharded.ensemble, expected, rtol=1e-4, atol=1e-5)

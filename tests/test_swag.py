@@ -112,9 +112,9 @@ def test_swag_in_fit_is_per_member_and_resumes_exactly(ens, getkey, tmp_path):
     common = dict(
         batch_size=16,
         key=jax.random.key(5),
-        progress=False,
-        steps_per_dispatch=4,
         track=[ee.SWAG(start=4, every=2, rank=2)],
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=4),
     )
     whole = ee.fit(ens, loss_fn, optax.sgd(0.1), (X, Y), steps=12, **common)
     one = ee.fit(ens[1:2], loss_fn, optax.sgd(0.1), (X, Y), steps=12, **common)
@@ -149,8 +149,8 @@ def test_snapshots_hold_the_weights_at_the_chosen_steps(ens):
         steps=12,
         batch_size=16,
         key=jax.random.key(1),
-        progress=False,
         track=[ee.Snapshots(at=at)],
+        callbacks=(),
     )
     # By hand: make_step with full batches, weights kept at steps 4, 8, 12.
     step = ee.make_step(loss_fn, optax.sgd(schedule))
@@ -191,8 +191,8 @@ def test_errors(ens):
             steps=5,
             batch_size=16,
             key=jax.random.key(0),
-            progress=False,
             track=[ee.SWAG(start=6)],
+            callbacks=(),
         )
     with pytest.raises(ValueError, match="needs at least 20 collected"):
         ee.fit(
@@ -203,8 +203,8 @@ def test_errors(ens):
             steps=10,
             batch_size=16,
             key=jax.random.key(0),
-            progress=False,
             track=[ee.SWAG(start=2)],
+            callbacks=(),
         )
     with pytest.raises(ValueError, match="rank` must be an int >= 1"):
         ee.SWAG(start=1, rank=0)
@@ -217,8 +217,8 @@ def test_errors(ens):
             steps=10,
             batch_size=16,
             key=jax.random.key(0),
-            progress=False,
             track=[ee.Snapshots(at=(5, 12))],
+            callbacks=(),
         )
     with pytest.raises(ValueError, match="must increase"):
         ee.Snapshots(at=(5, 5))

@@ -55,10 +55,9 @@ def test_trackers_equal_numpy_over_the_runs_own_weights(getkey, data):
         steps=STEPS,
         key=getkey(),
         track=track,
-        callback=record,
-        steps_per_dispatch=1,
-        progress=False,
         **extra,
+        callbacks=[record],
+        execution=ee.Execution(steps_per_dispatch=1),
     )
     assert len(trajectory) == STEPS + 1
     w = np.stack(trajectory)  # (steps + 1, members, ...): w[t] after t steps

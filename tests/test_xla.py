@@ -88,16 +88,19 @@ def test_options_reach_xla():
 
 
 def _fit(ens, options, loss=xent, **kwargs):
-    kwargs = dict(steps=20, batch_size=32, steps_per_dispatch=10) | kwargs
+    kwargs = (
+        dict(steps=20, batch_size=32, execution=ee.Execution(steps_per_dispatch=10))
+        | kwargs
+    )
     return ee.fit(
         ens,
         loss,
         SGD,
         (X, Y),
         key=jax.random.key(3),
-        progress=False,
-        compiler_options=options,
         **kwargs,
+        callbacks=(),
+        execution=ee.Execution(compiler_options=options),
     )
 
 
@@ -120,7 +123,7 @@ def test_make_step_results_do_not_depend_on_options():
     opt_state = ee.init_optimizer(SGD, ens)
     outs = []
     for options in ({}, EIGEN, None):
-        step = ee.make_step(xent, SGD, compiler_options=options)
+        step = ee.make_step(xent, SGD, execution=ee.Execution(compiler_options=options))
         outs.append(step(ens, opt_state, (X, Y), jax.random.key(6)))
     for out in outs[1:]:
         assert_tree_allclose(out.ensemble, outs[0].ensemble, rtol=1e-5, atol=1e-6)
@@ -136,7 +139,14 @@ def test_fit_with_options_does_not_retrace():
 
     for seed in range(2):
         ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(seed))
-        _fit(ens, EIGEN, counting, steps=4, batch_size=8, steps_per_dispatch=2)
+        _fit(
+            ens,
+            EIGEN,
+            counting,
+            steps=4,
+            batch_size=8,
+            execution=ee.Execution(steps_per_dispatch=2),
+        )
         if seed == 0:
             once = len(traces)
     assert len(traces) == once
@@ -166,7 +176,7 @@ def test_bad_options_are_refused(options, match):
     with pytest.raises(TypeError, match="compiler_options"):
         _fit(ens, options, steps=2, batch_size=8)
     with pytest.raises(TypeError, match="compiler_options"):
-        ee.make_step(xent, SGD, compiler_options=options)
+        ee.make_step(xent, SGD, execution=ee.Execution(compiler_options=options))
 
 
 def test_unknown_option_is_named_before_any_step(tmp_path):
@@ -179,7 +189,7 @@ def test_unknown_option_is_named_before_any_step(tmp_path):
             steps=2,
             batch_size=8,
             checkpoints=ee.Checkpoints(tmp_path),
-            callback=calls.append,
+            callbacks=[calls.append],
         )
     assert calls == []
     assert list(tmp_path.iterdir()) == []
@@ -200,11 +210,25 @@ def test_fit_default_steps_per_dispatch_is_used():
         lambda k: eqx.nn.Linear(16, 4, key=k), size=2, key=jax.random.key(11)
     )
     calls = []
-    kwargs = dict(steps=1000, batch_size=8, key=jax.random.key(12), progress=False)
+    kwargs = dict(steps=1000, batch_size=8, key=jax.random.key(12), callbacks=())
     linear_loss = lambda m, b, k: jnp.mean(jax.vmap(m)(b[0]) ** 2)  # noqa: E731
-    default = ee.fit(ens, linear_loss, SGD, (X, Y), callback=calls.append, **kwargs)
+    default = ee.fit(
+        ens,
+        linear_loss,
+        SGD,
+        (X, Y),
+        **kwargs,
+        callbacks=[calls.append],
+    )
     assert len(calls) == 1
-    explicit = ee.fit(ens, linear_loss, SGD, (X, Y), steps_per_dispatch=300, **kwargs)
+    explicit = ee.fit(
+        ens,
+        linear_loss,
+        SGD,
+        (X, Y),
+        **kwargs,
+        execution=ee.Execution(steps_per_dispatch=300),
+    )
     assert eqx.tree_equal(default.ensemble, explicit.ensemble)
 
 
@@ -278,11 +302,11 @@ def test_fit_and_make_step_with_new_optimizers_keep_memory_maps_bounded(monkeypa
             steps=2,
             batch_size=8,
             key=jax.random.key(i),
-            progress=False,
-            compiler_options={},
+            callbacks=(),
+            execution=ee.Execution(compiler_options={}),
         )
         sgd = optax.sgd(1e-3 * (i + 1))
-        step = ee.make_step(xent, sgd, compiler_options={})
+        step = ee.make_step(xent, sgd, execution=ee.Execution(compiler_options={}))
         step(ens, ee.init_optimizer(sgd, ens), (X[:8], Y[:8]), jax.random.key(i))
 
     for i in range(3):  # fill the bounded caches

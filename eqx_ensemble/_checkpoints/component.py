@@ -71,7 +71,7 @@ class Checkpoints(eqx.Module):
     opt = optax.sgd(0.1)
     run = ee.Checkpoints("fit_run", every=5)
     ee.fit(ens, loss, opt, x, steps=10, batch_size=4, key=jax.random.key(1),
-           checkpoints=run, progress=False)
+           checkpoints=run, callbacks=())
     latest = run.latest(ens, opt)          # the run at step 10, as a FitResult
     assert latest.step == 10
     ```

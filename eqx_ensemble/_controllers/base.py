@@ -1,6 +1,6 @@
 """Controllers: change a `fit` run between dispatches.
 
-The protocol (what `fit(..., controllers=[...])` calls):
+The protocol (what `fit` calls for a controller in its `callbacks=[...]`):
 
 - `every`: the controller runs after every `every` steps (dispatches end there).
 - `init(train_state) -> state`: once, before the first step (checkpointed and
@@ -49,8 +49,7 @@ class Controller(eqx.Module):
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     result = ee.fit(ens, loss, opt, x, steps=100, batch_size=4,
-                    key=jax.random.key(1), controllers=[HalveLearningRate()],
-                    progress=False)
+                    key=jax.random.key(1), callbacks=[HalveLearningRate()])
     result.opt_state.hyperparams["learning_rate"]     # 0.1 / 4 for each member
     ```
     """

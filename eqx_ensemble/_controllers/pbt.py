@@ -53,8 +53,9 @@ class PBT(Controller):
     - `fraction`: the share of members copied from and to, in `(0, 0.5]`
       (at least one member each way).
     - `hyperparams`: names of injected optimizer hyperparameters to perturb
-      (from `optax.inject_hyperparams`, set per member with `hyperparams=` in
-      `fit`); each must be a plain value, not a schedule.
+      (from `optax.inject_hyperparams`, set per member with
+      `ee.init_optimizer(..., hyperparams=...)` given to `fit` as `opt_state=`);
+      each must be a plain value, not a schedule.
     - `perturb_hyper`: whether to perturb every floating-point leaf of the run's
       `hyper=` as well.
     - `factors`: the multipliers explore draws from, uniformly.
@@ -80,10 +81,10 @@ class PBT(Controller):
     opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
     pbt = ee.PBT(every=10, fraction=0.25, hyperparams=("learning_rate",))
     result = ee.fit(ens, loss, opt, data, steps=40, batch_size=16,
-                    key=jax.random.key(2), progress=False,
-                    hyperparams={"learning_rate": jnp.logspace(-3, -1, 8)},
-                    evaluate=ee.Evaluate(loss, data, every=10),
-                    controllers=[pbt])
+                    key=jax.random.key(2), callbacks=[pbt],
+                    opt_state=ee.init_optimizer(opt, ens, hyperparams={
+                        "learning_rate": jnp.logspace(-3, -1, 8)}),
+                    evaluate=ee.Evaluate(loss, data, every=10))
     steps, children, parents = pbt.lineage(result)   # 2 copies per round
     ```
     """

@@ -1,10 +1,17 @@
 """`map`: the one general primitive, `fn(member, *args)` across members."""
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._execution.execution import (
+    MOVED_TO_EXECUTION,
+    Execution,
+    as_execution,
+    refuse_moved,
+)
 from .ensemble import Ensemble
 from .mapping import map_members
 
@@ -16,7 +23,7 @@ def map(
     in_axes: int | Sequence[Any] | None = None,
     chunk_size: int | None = None,
     key: PRNGKeyArray | None = None,
-    layout: str | None = None,
+    execution: Execution | None = None,
 ) -> PyTree[Any]:
     """Apply `fn(member, *args)` to every member in one vectorised computation.
 
@@ -39,11 +46,12 @@ def map(
       whatever the ensemble size.
     - `key`: optional PRNG key split into one key per member:
       member `i` gets `jax.random.split(key, len(ens))[i]`.
-    - `layout`: how the member axis is computed, as in
+    - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `map` uses its
+      `layout`, how the member axis is computed, as in
       [`make_step`][eqx_ensemble.make_step]. `"vmap"`: one vectorised
       computation. `"sequential"`: `fn` on one member after another, the results
       stacked (inside `jax.jit`: straight-line code, one copy of `fn` per
-      member). `None` (`"auto"`): `"sequential"` when `fn` convolves, the
+      member). `"auto"` (the default): `"sequential"` when `fn` convolves, the
       arrays sit on one CPU device, there are at most 16 members and no
       `chunk_size` is given, and, called eagerly (outside `jit`), the
       convolutions take at least 100 MFLOP per member (each operation is then
@@ -74,4 +82,18 @@ def map(
             f"`ee.map` expects an `ee.Ensemble` as its second argument, got "
             f"{type(ens).__name__}; build one with `ee.ensemble` or `ee.stack`"
         )
+    layout = as_execution(execution, "ee.map", ("layout",)).layout
     return map_members(fn, ens, args, in_axes, chunk_size, key, layout)
+
+
+def _refuse_moved_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "layout" in kwargs:
+            refuse_moved("ee.map", kwargs, MOVED_TO_EXECUTION)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+map = _refuse_moved_keywords(map)

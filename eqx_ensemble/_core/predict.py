@@ -1,11 +1,19 @@
 """`predict`: every member on a batch, in inference mode, with its own state."""
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._execution.execution import (
+    MOVED_TO_EXECUTION,
+    Execution,
+    as_execution,
+    refuse_moved,
+)
 from .data import check_leading, num_examples
 from .ensemble import Ensemble
 from .mapping import map_members
@@ -18,7 +26,7 @@ def predict(
     state: PyTree[Any] = None,
     key: PRNGKeyArray | None = None,
     chunk_size: int | None = None,
-    layout: str | None = None,
+    execution: Execution | None = None,
 ) -> PyTree[Any]:
     """Every member's predictions on a batch, in inference mode.
 
@@ -40,9 +48,11 @@ def predict(
       example, passed as `key=`.
     - `chunk_size`: run the members this many at a time (bounds peak memory; see
       [`ee.map`][eqx_ensemble.map]).
-    - `layout`: the members vectorised (`"vmap"`) or one after another
-      (`"sequential"`), as in [`ee.map`][eqx_ensemble.map]; `None` chooses
-      (`"sequential"` for a convolutional model on one CPU device).
+    - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `predict` uses
+      its `layout`: the members vectorised (`"vmap"`) or one after another
+      (`"sequential"`), as in [`ee.map`][eqx_ensemble.map]; `"auto"` (the
+      default) chooses (`"sequential"` for a convolutional model on one CPU
+      device).
 
     **Returns:**
 
@@ -78,6 +88,7 @@ def predict(
 
         return jax.vmap(one_example)(x, example_keys)
 
+    layout = as_execution(execution, "ee.predict", ("layout",)).layout
     # The layout's profile is cached under `predict` (its `one_member` is a new
     # closure each call), keyed by the shapes of the ensemble, `x` and `state`.
     return map_members(
@@ -90,3 +101,16 @@ def predict(
         layout,
         profile_owner=predict,
     )
+
+
+def _refuse_moved_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "layout" in kwargs:
+            refuse_moved("ee.predict", kwargs, MOVED_TO_EXECUTION)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+predict = _refuse_moved_keywords(predict)

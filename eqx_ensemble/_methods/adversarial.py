@@ -143,7 +143,7 @@ def adversarial(
     y = x.sum(1)
     result = ee.fit(ens, ee.adversarial(loss, epsilon=0.05), optax.adam(1e-2),
                     (x, y), steps=20, batch_size=16, key=jax.random.key(2),
-                    progress=False)
+                    callbacks=())
     ```
     """
     if not callable(loss_fn):

@@ -33,7 +33,7 @@ class EMA(Tracker):
     x = jnp.linspace(0, 1, 8)[:, None]
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=20, batch_size=4,
-                    key=jax.random.key(1), track=[ee.EMA(0.9)], progress=False)
+                    key=jax.random.key(1), track=[ee.EMA(0.9)], callbacks=())
     averaged = result.tracked[0]            # an ee.Ensemble of the averages
     ```
     """
@@ -90,7 +90,7 @@ class SWA(Tracker):
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=40, batch_size=4,
                     key=jax.random.key(1), track=[ee.SWA(start=20, every=5)],
-                    progress=False)
+                    callbacks=())
     averaged = result.tracked[0]   # the mean of the weights after 20, 25, ... 40
     ```
     """

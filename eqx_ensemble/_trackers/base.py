@@ -47,7 +47,7 @@ class Tracker(eqx.Module):
     x = jnp.linspace(0, 1, 8)[:, None]
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=3, batch_size=4,
-                    key=jax.random.key(1), track=[LastWeights()], progress=False)
+                    key=jax.random.key(1), track=[LastWeights()], callbacks=())
     ```
     """
 

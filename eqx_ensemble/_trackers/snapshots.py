@@ -38,7 +38,7 @@ class Snapshots(Tracker):
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     schedule = ee.schedules.cosine_cycles(0.1, cycle_steps=10, cycles=3)
     result = ee.fit(ens, loss, optax.sgd(schedule), x, steps=30, batch_size=4,
-                    key=jax.random.key(1), progress=False,
+                    key=jax.random.key(1), callbacks=(),
                     track=[ee.Snapshots(at=ee.schedules.cycle_ends(10, 3))])
     len(result.tracked[0])          # 6: 3 snapshots of each of 2 members
     ```

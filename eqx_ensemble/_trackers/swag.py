@@ -41,7 +41,7 @@ class SWAGPosterior(eqx.Module):
     x = jnp.linspace(0, 1, 8)[:, None]
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     posterior = ee.fit(ens, loss, optax.sgd(0.1), x, steps=30, batch_size=4,
-                       key=jax.random.key(1), progress=False,
+                       key=jax.random.key(1), callbacks=(),
                        track=[ee.SWAG(start=10, rank=4)]).tracked[0]
     posterior.count                       # [21, 21]: weights collected per member
     swa = posterior.mean                  # the SWA means, an Ensemble
@@ -143,7 +143,7 @@ class SWAG(Tracker):
     x = jnp.linspace(0, 1, 8)[:, None]
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=40, batch_size=4,
-                    key=jax.random.key(1), progress=False,
+                    key=jax.random.key(1), callbacks=(),
                     track=[ee.SWAG(start=20, every=2, rank=5)])
     posterior = result.tracked[0]
     multi = posterior.sample(jax.random.key(2), samples=3)   # 6 members

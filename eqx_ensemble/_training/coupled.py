@@ -44,7 +44,7 @@ class Coupled(eqx.Module):
                       key=jax.random.key(0))
     x = jnp.linspace(-1, 1, 32)[:, None]
     result = ee.fit(ens, ee.Coupled(ncl), optax.adam(1e-2), (x, jnp.sin(3 * x[:, 0])),
-                    steps=50, batch_size=16, key=jax.random.key(1), progress=False)
+                    steps=50, batch_size=16, key=jax.random.key(1), callbacks=())
     ```
     """
 
@@ -117,7 +117,7 @@ def distillation_loss(
     x = jax.random.normal(jax.random.key(2), (128, 4))
     result = ee.fit(student, ee.distillation_loss(teacher, temperature=2.0),
                     optax.adam(1e-2), x, steps=100, batch_size=32,
-                    key=jax.random.key(3), progress=False)
+                    key=jax.random.key(3), callbacks=())
     distilled = result.ensemble[0]
     ```
     """

@@ -42,7 +42,7 @@ class Evaluate(eqx.Module):
     x = jnp.linspace(0, 1, 8)[:, None]
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=10, batch_size=4,
-                    key=jax.random.key(1), progress=False,
+                    key=jax.random.key(1), callbacks=(),
                     evaluate=ee.Evaluate(loss, x[:4], every=5))
     result.history.eval_scores.shape     # (2, 2): 2 evaluations x 2 members
     result.best_step                     # per member, the step of its best score

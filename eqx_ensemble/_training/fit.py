@@ -1,33 +1,32 @@
-"""`fit`: the training loop, an orchestrator of small components.
+"""`fit`: the training loop users call. It checks its arguments and hands
+over: `run.prepare` builds the run (its components checked, the start state or
+the resumed one, the data source, the execution plan) and `Run.run` drives it,
+one compiled dispatch at a time, with the host work between dispatches done by
+the components themselves (history, progress, controllers, checkpoints,
+callbacks)."""
 
-`fit` checks its arguments, builds the first `TrainState` (or resumes one from
-`Checkpoints`), and then alternates: one compiled dispatch of up to
-`steps_per_dispatch` steps (`_loop.run_chunk`), then, on the host, the history,
-the progress bar, the divergence report, controllers, checkpoints and the
-callback. Everything a run can be asked to do is a component: the sampling
-(`_sampling`), the evaluation (`_evaluate`), trackers (`_track`), controllers
-(`_control`), checkpoints (`_fit_checkpoints`) and streamed data (`_stream`).
-"""
-
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import optax
-from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._checkpoints.component import Checkpoints
-from .._controllers.base import Controller
-from .._core.sharding import within_mesh
+from .._core.sharding import mesh_context
+from .._execution.execution import (
+    MOVED_TO_EXECUTION,
+    Execution,
+    as_execution,
+    refuse_moved,
+)
 from .._trackers.base import Tracker
 from .evaluate import Evaluate
-from .result import EnsembleDivergedError, FitResult
+from .result import FitResult
 from .run import prepare
 from .sampling import Sampling, Shared
 
 
-@within_mesh
 def fit(
     ens: Any,
     loss_fn: Callable[..., Any],
@@ -40,30 +39,25 @@ def fit(
     sampling: Sampling | str = Shared(),
     opt_state: PyTree[Any] = None,
     state: PyTree[Any] = None,
-    hyperparams: dict[str, Any] | None = None,
     hyper: PyTree[Any] = None,
     evaluate: Evaluate | None = None,
     checkpoints: Checkpoints | None = None,
     track: Sequence[Tracker] = (),
-    controllers: Sequence[Controller] = (),
-    callback: Callable[[FitResult], Any] | None = None,
-    progress: bool = True,
-    mesh: Mesh | None = None,
-    steps_per_dispatch: int | None = None,
-    compiler_options: dict[str, Any] | None = None,
-    unroll: bool | None = None,
-    layout: str | None = None,
+    callbacks: Sequence[Any] | None = None,
+    execution: Execution | None = None,
 ) -> FitResult:
     """Train every member of an ensemble: the loop users call.
 
     Array data is sampled inside compiled code, a stream's batches are grouped on
-    the host, and `steps_per_dispatch` steps run in one dispatch with
-    `jax.lax.scan`, so the Python overhead is paid once per dispatch, not once
-    per step or per member. Everything else is a component: evaluation
+    the host, and many steps run in one dispatch with `jax.lax.scan`, so the
+    Python overhead is paid once per dispatch, not once per step or per member.
+    Everything else is a component: evaluation
     ([`ee.Evaluate`][eqx_ensemble.Evaluate]), checkpoints and resume
     ([`ee.Checkpoints`][eqx_ensemble.Checkpoints]), weight-trajectory trackers
-    ([`ee.EMA`][eqx_ensemble.EMA], ...) and controllers
-    ([`ee.Controller`][eqx_ensemble.Controller]).
+    ([`ee.EMA`][eqx_ensemble.EMA], ...), callbacks between dispatches (the
+    progress bar, controllers such as [`ee.PBT`][eqx_ensemble.PBT], your own
+    functions) and how the run executes
+    ([`ee.Execution`][eqx_ensemble.Execution]).
 
     **Arguments:**
 
@@ -87,10 +81,10 @@ def fit(
       axis) or [`ee.Bootstrap()`][eqx_ensemble.Bootstrap] (bagging, array data
       only); or their names `"shared"`, `"independent"`, `"bootstrap"`.
     - `opt_state`: a stacked optimizer state to continue from (default: fresh
-      [`init_optimizer`][eqx_ensemble.init_optimizer]).
+      [`init_optimizer`][eqx_ensemble.init_optimizer]). Per-member optimizer
+      hyperparameters (an optimizer built with `optax.inject_hyperparams`):
+      `opt_state=ee.init_optimizer(optimizer, ens, hyperparams={...})`.
     - `state`: the stacked model state for models with `eqx.nn.State`.
-    - `hyperparams`: per-member hyperparameters for an optimizer built with
-      `optax.inject_hyperparams`, name -> array of shape `(len(ens),)`.
     - `hyper`: per-member hyperparameters of the loss and model (weight decay,
       dropout rate, label smoothing, ...): a PyTree of arrays with a leading
       member axis, passed to `loss_fn` as the keyword `hyper` (member `i` sees
@@ -102,38 +96,20 @@ def fit(
       run, and resumes it when the folder holds one.
     - `track`: trackers updated inside the loop after every step; their results
       are in `FitResult.tracked`.
-    - `controllers`: [`ee.Controller`][eqx_ensemble.Controller]s run between
-      dispatches, every `controller.every` steps.
-    - `callback`: called after every dispatch (and after its checkpoint) with
-      the current `FitResult`.
-    - `progress`: show a tqdm progress bar with the step and the mean/min/max
-      member loss.
-    - `mesh`: a device mesh from [`ee.make_mesh`][eqx_ensemble.make_mesh]: the
-      member axis of the ensemble and its states is split over `"members"`, each
-      step's batch over `"data"`; results equal the single-device run's. See the
-      sharding guide.
-    - `steps_per_dispatch`: steps fused into one compiled call. `None`: 1000
-      for tiny steps (under ~16 MFLOP of matmuls), else 100. Progress, callbacks,
-      controllers and checkpoints run between dispatches.
-    - `compiler_options`: XLA options for the compiled loop, passed to `jax.jit`
-      (`None`: the library's choice, see the benchmarks page; `{}`: XLA's
-      defaults).
-    - `unroll`: run each dispatch's steps as straight-line code instead of a
-      `lax.scan` loop. `None` (the default): unrolled on a CPU when the loss
-      uses convolutions (XLA's CPU backend runs a convolution inside a loop in
-      a slow layout: 17x slower on a small CNN), with 10 steps per dispatch
-      (`max(1, 10 // members)` with the sequential `layout`, whose steps hold
-      a copy of every member); the results are the same either way, to
-      floating-point rounding. On a
-      mesh the library does not look: pass `unroll=True` for a convolutional
-      model on CPU devices.
-    - `layout`: how each step computes the member axis, as in
-      [`make_step`][eqx_ensemble.make_step]: `"vmap"` (vectorised),
-      `"sequential"` (members one after another in the compiled step), or
-      `None` (`"auto"`: sequential on one CPU device for a convolving loss and
-      at most 16 members, where it is several times faster; vectorised
-      otherwise). Coupled losses and a trained shared part are always
-      vectorised. The results are the same either way, to rounding.
+    - `callbacks`: what runs on the host between dispatches, in order:
+      progress meters ([`ee.ProgressBar`][eqx_ensemble.ProgressBar], the
+      default, or any [`ee.ProgressMeter`][eqx_ensemble.ProgressMeter]),
+      controllers ([`ee.Controller`][eqx_ensemble.Controller], e.g.
+      [`ee.PBT`][eqx_ensemble.PBT]: run every `controller.every` steps), and
+      plain functions, called after every dispatch (and after its checkpoint)
+      with the current [`FitResult`][eqx_ensemble.FitResult]. `None` (the
+      default): `(ee.ProgressBar(),)`; `()`: nothing (no progress bar).
+    - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]: steps per
+      dispatch, member layout, unrolling, compiler options and the device mesh
+      (`Execution(mesh=ee.make_mesh(...))`: the member axis of the ensemble and
+      its states is split over `"members"`, each step's batch over `"data"`;
+      results equal the single-device run's, see the sharding guide). None of
+      it changes the result beyond floating-point rounding.
 
     **Returns:**
 
@@ -160,74 +136,53 @@ def fit(
         return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
 
     result = ee.fit(ens, loss_fn, optax.adam(1e-2), (x, x**2), steps=200,
-                    batch_size=16, key=jax.random.key(1), progress=False)
+                    batch_size=16, key=jax.random.key(1), callbacks=())
     result.history.losses.shape     # (200, 4)
     ```
     """
-    run = prepare(
-        ens,
-        loss_fn,
-        optimizer,
-        data,
-        steps=steps,
-        key=key,
-        batch_size=batch_size,
-        sampling=sampling,
-        opt_state=opt_state,
-        state=state,
-        hyperparams=hyperparams,
-        hyper=hyper,
-        evaluate=evaluate,
-        checkpoints=checkpoints,
-        track=track,
-        controllers=controllers,
-        mesh=mesh,
-        steps_per_dispatch=steps_per_dispatch,
-        compiler_options=compiler_options,
-        unroll=unroll,
-        layout=layout,
-    )
-    bar = _progress_bar(run.steps, run.done, progress)
-    try:
-        group = run.read_group(run.done)
-        while run.done < run.steps:
-            if group is not None and group[1] == 0:
-                run.fail(ValueError, run.stream_ended_message())
-            end = run.dispatch_end(run.done, group)
-            outputs = run.dispatch(group, end)  # asynchronous: overlaps the next read
-            group = run.read_group(end) if end < run.steps else None
-            losses = run.record(outputs, end)
-            if bar is not None:
-                bar.update(losses.shape[0])
-                bar.set_postfix_str(_loss_summary(losses[-1], run.diverged_at()))
-            if (run.diverged_at() >= 0).all():
-                run.fail(EnsembleDivergedError, run.diverged_message())
-            run.control()
-            run.checkpoint()
-            if callback is not None:
-                callback(run.result(copy_state=True))
-    finally:
-        if bar is not None:
-            bar.close()
-    return run.result()
-
-
-def _loss_summary(last_losses: np.ndarray, diverged_at: np.ndarray) -> str:
-    healthy = last_losses[(diverged_at < 0) & np.isfinite(last_losses)]
-    text = "diverged: all"
-    if healthy.size:
-        text = (
-            f"loss mean={healthy.mean():.4g} min={healthy.min():.4g} "
-            f"max={healthy.max():.4g}"
+    execution = as_execution(execution, "fit", FIT_FIELDS)
+    with mesh_context(execution.mesh):
+        run = prepare(
+            ens,
+            loss_fn,
+            optimizer,
+            data,
+            steps=steps,
+            key=key,
+            batch_size=batch_size,
+            sampling=sampling,
+            opt_state=opt_state,
+            state=state,
+            hyper=hyper,
+            evaluate=evaluate,
+            checkpoints=checkpoints,
+            track=track,
+            callbacks=callbacks,
+            execution=execution,
         )
-    if (diverged_at >= 0).any():
-        text += f" diverged={int((diverged_at >= 0).sum())}"
-    return text
+        return run.run()
 
 
-def _progress_bar(total: int, initial: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
+FIT_FIELDS = ("steps_per_dispatch", "layout", "unroll", "compiler_options", "mesh")
 
-    return tqdm(total=total, initial=initial, desc="fit", unit="step", leave=True)
+# The keywords `fit` no longer takes (version 0.2), with their replacements.
+_MOVED = {
+    **MOVED_TO_EXECUTION,
+    "progress": "callbacks=() (no bar) or callbacks=[ee.ProgressBar(), ...]",
+    "callback": "callbacks=[your_function]",
+    "controllers": "callbacks=[controller, ...]",
+    "hyperparams": "opt_state=ee.init_optimizer(optimizer, ens, hyperparams=...)",
+}
+
+
+def _refuse_moved_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.keys() & _MOVED.keys():
+            refuse_moved("fit", kwargs, _MOVED)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+fit = _refuse_moved_keywords(fit)

@@ -21,7 +21,7 @@ class History:
     x = jnp.linspace(0, 1, 8)[:, None]
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     history = ee.fit(ens, loss, optax.sgd(0.1), x, steps=5, batch_size=4,
-                     key=jax.random.key(1), progress=False).history
+                     key=jax.random.key(1), callbacks=()).history
     history.losses.shape        # (5, 2): one loss per step per member
     ```
     """

@@ -44,7 +44,7 @@ class FitResult:
     x = jnp.linspace(0, 1, 8)[:, None]
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=20, batch_size=4,
-                    key=jax.random.key(1), progress=False)
+                    key=jax.random.key(1), callbacks=())
     trained, history, diverged = result.ensemble, result.history, result.diverged
     assert result.step == 20 and diverged == {}
     ```
@@ -113,7 +113,7 @@ class EnsembleDivergedError(FloatingPointError):
     loss = lambda m, b, k: jnp.mean(jnp.log(-jnp.abs(jax.vmap(m)(b))))  # NaN
     try:
         ee.fit(ens, loss, optax.sgd(0.1), x, steps=5, batch_size=4,
-               key=jax.random.key(1), progress=False)
+               key=jax.random.key(1), callbacks=())
     except ee.EnsembleDivergedError as error:
         print(error, error.result.diverged)
     ```

@@ -22,12 +22,12 @@ from .._core.data import check_leading, num_examples
 from .._core.ensemble import Ensemble
 from .._core.sharding import check_fit_mesh, on_mesh, place_state
 from .._execution.compile import (
-    check_compiler_options,
     default_steps_per_dispatch,
     platform_of,
     step_compiler_options,
 )
-from .._execution.layout import check_layout, choose_layout
+from .._execution.execution import Execution
+from .._execution.layout import choose_layout
 from .._execution.profile import (
     StepProfile,
     example_structs,
@@ -43,12 +43,12 @@ from .history import Recorder
 from .loop import Chunk, chunk_runner, copy, initial_state
 from .loss import check_hyper, check_loss_signature, check_optimizer
 from .optim import (
-    check_hyperparams_kept,
     check_opt_state,
+    hyperparam_nodes,
     init_optimizer_fast,
-    set_hyperparams,
 )
-from .result import FitResult, key_record, make_result
+from .progress import ProgressBar, ProgressMeter
+from .result import EnsembleDivergedError, FitResult, key_record, make_result
 from .sampling import MAX_INDICES, Bootstrap, as_sampling
 from .stream import BatchGroups, check_data, example_count, is_array_data
 from .train_state import TrainState
@@ -80,6 +80,35 @@ def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple,
     for position, controller in enumerate(controllers):
         check_positive_int(controller.every, f"controllers[{position}].every")
     return tuple(track), tuple(controllers)
+
+
+def split_callbacks(
+    callbacks: Sequence[Any] | None,
+) -> tuple[tuple[ProgressMeter, ...], tuple[Controller, ...], tuple[Any, ...]]:
+    """`fit`'s `callbacks` as (progress meters, controllers, plain functions),
+    each in the order given (`None`: the default progress bar)."""
+    if callbacks is None:
+        return (ProgressBar(),), (), ()
+    if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
+        raise TypeError(
+            "`callbacks` must be a list (progress meters, controllers, functions of "
+            f"the `FitResult`), got {type(callbacks).__name__}"
+        )
+    meters, controllers, functions = [], [], []
+    for position, item in enumerate(callbacks):
+        if isinstance(item, ProgressMeter):
+            meters.append(item)
+        elif isinstance(item, Controller):
+            controllers.append(item)
+        elif callable(item) and not isinstance(item, eqx.Module | type):
+            functions.append(item)
+        else:
+            raise TypeError(
+                f"`callbacks[{position}]` must be an `ee.ProgressMeter`, an "
+                "`ee.Controller` or a function of the `FitResult`, got "
+                f"{type(item).__name__}"
+            )
+    return tuple(meters), tuple(controllers), tuple(functions)
 
 
 def _check_batch_memory(data: PyTree[Any], batch_size: int, members: int) -> None:
@@ -115,17 +144,12 @@ def prepare(
     sampling: Any,
     opt_state: PyTree[Any],
     state: PyTree[Any],
-    hyperparams: dict[str, Any] | None,
     hyper: PyTree[Any],
     evaluate: Evaluate | None,
     checkpoints: Checkpoints | None,
     track: Sequence[Tracker],
-    controllers: Sequence[Controller],
-    mesh: Mesh | None,
-    steps_per_dispatch: int | None,
-    compiler_options: dict[str, Any] | None,
-    unroll: bool | None = None,
-    layout: str | None = None,
+    callbacks: Sequence[Any] | None,
+    execution: Execution,
 ) -> "Run":
     """Every check `fit` makes, in order, before any work; then the first state
     (or the resumed one) and the compiled loop's inputs."""
@@ -136,6 +160,8 @@ def prepare(
     steps = check_positive_int(steps, "steps")
     check_key(key)
     sampling = as_sampling(sampling)
+    mesh = execution.mesh
+    meters, controllers, functions = split_callbacks(callbacks)
     track, controllers = _check_components(evaluate, checkpoints, track, controllers)
     for tracker in track:
         tracker.check(steps)
@@ -145,8 +171,10 @@ def prepare(
     if hyper is not None:
         check_hyper(hyper, size)
     check_data(data)
-    user_options = check_compiler_options(compiler_options)
-    layout = check_layout(layout, mesh)
+    user_options = execution.compiler_options
+    layout = execution.layout
+    unroll = execution.unroll
+    steps_per_dispatch = execution.steps_per_dispatch
     streamed = not is_array_data(data)
     n = None
     if not streamed:
@@ -164,15 +192,11 @@ def prepare(
             "Pass the data as arrays, or bootstrap inside your data loader and "
             "stream per-member batches with `sampling=ee.Independent()`"
         )
-    if steps_per_dispatch is not None:
-        check_positive_int(steps_per_dispatch, "steps_per_dispatch")
+    given_opt_state = opt_state is not None
     if opt_state is None:
         opt_state = init_optimizer_fast(optimizer, ens)
     else:
         check_opt_state(optimizer, ens, opt_state)
-    if hyperparams:
-        opt_state = set_hyperparams(opt_state, hyperparams, size)
-        check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
 
     run_record = {
         "size": size,
@@ -186,7 +210,11 @@ def prepare(
         # change them as it goes): a resume must start from the same ones.
         # (`None` when not given: a resume may leave them out and continue with
         # the saved optimizer state.)
-        "hyperparams": _start_record([("", dict(hyperparams))] if hyperparams else []),
+        "hyperparams": _start_record(
+            [("", dict(node.hyperparams)) for _, node in hyperparam_nodes(opt_state)]
+            if given_opt_state
+            else []
+        ),
         "hyper": _start_record([("", hyper)] if hyper is not None else []),
     }
     # Copied: the loop donates its state, and the caller's arrays stay valid.
@@ -287,6 +315,9 @@ def prepare(
         track=track,
         run_record=run_record,
         info={"sampling": sampling, "key": key, "num_examples": n},
+        meters=meters,
+        functions=functions,
+        resumed=history is not None,
     )
 
 
@@ -368,6 +399,37 @@ class Run:
     track: tuple[Tracker, ...]
     run_record: dict[str, Any]
     info: dict[str, Any]
+    meters: tuple[ProgressMeter, ...] = ()
+    functions: tuple[Callable[[FitResult], Any], ...] = ()
+    resumed: bool = False
+
+    def run(self) -> FitResult:
+        """Drive the run to its last step: one dispatch, then the host's work
+        (history, progress, divergence, controllers, checkpoint, callbacks)."""
+        handles = [
+            meter.start(self.steps, self.done, self.resumed) for meter in self.meters
+        ]
+        try:
+            group = self.read_group(self.done)
+            while self.done < self.steps:
+                if group is not None and group[1] == 0:
+                    self.fail(ValueError, self.stream_ended_message())
+                end = self.dispatch_end(self.done, group)
+                outputs = self.dispatch(group, end)  # asynchronous: overlaps the read
+                group = self.read_group(end) if end < self.steps else None
+                losses = self.record(outputs, end)
+                for meter, handle in zip(self.meters, handles, strict=True):
+                    meter.update(handle, self.done, losses, self._diverged_at)
+                if (self._diverged_at >= 0).all():
+                    self.fail(EnsembleDivergedError, self.diverged_message())
+                self.control()
+                self.checkpoint()
+                for function in self.functions:
+                    function(self.result(copy_state=True))
+        finally:
+            for meter, handle in zip(self.meters, handles, strict=True):
+                meter.close(handle)
+        return self.result()
 
     def __post_init__(self):
         self.done = int(self.train_state.step)

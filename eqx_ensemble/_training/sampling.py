@@ -181,7 +181,7 @@ class Shared(_WithoutReplacement):
     x = jnp.linspace(0, 1, 8)[:, None]
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=4, batch_size=4,
-                    key=jax.random.key(1), sampling=ee.Shared(), progress=False)
+                    key=jax.random.key(1), sampling=ee.Shared(), callbacks=())
     ```
     """
 
@@ -206,7 +206,7 @@ class Independent(_WithoutReplacement):
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=4, batch_size=4,
                     key=jax.random.key(1), sampling=ee.Independent(),
-                    progress=False)
+                    callbacks=())
     ```
     """
 
@@ -233,7 +233,7 @@ class Bootstrap(Sampling):
     loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 2 * b) ** 2)
     key = jax.random.key(1)
     result = ee.fit(ens, loss, optax.sgd(0.1), x, steps=4, batch_size=4,
-                    key=key, sampling=ee.Bootstrap(), progress=False)
+                    key=key, sampling=ee.Bootstrap(), callbacks=())
     counts = ee.Bootstrap().in_bag(key, size=3, num_examples=8)   # (3, 8)
     ```
     """

@@ -15,7 +15,6 @@ from .._core.data import check_leading
 from .._core.ensemble import Ensemble, check_shared_shapes, with_members
 from .._core.mapping import check_per_member_args
 from .._core.sharding import (
-    check_mesh,
     check_step_mesh,
     mesh_context,
     replicate,
@@ -24,11 +23,16 @@ from .._core.sharding import (
 from .._execution.compile import (
     CompiledFunctions,
     Options,
-    check_compiler_options,
     filter_jit,
     step_compiler_options,
 )
-from .._execution.layout import Layout, check_layout, choose_layout, member_map
+from .._execution.execution import (
+    MOVED_TO_EXECUTION,
+    Execution,
+    as_execution,
+    refuse_moved,
+)
+from .._execution.layout import Layout, choose_layout, member_map
 from .._internal.keys import check_key
 from .coupled import Coupled, coupled_losses
 from .loss import call_loss, check_hyper, check_loss_signature, check_optimizer
@@ -561,9 +565,7 @@ def make_step(
     optimizer: optax.GradientTransformation,
     *,
     per_member_batch: bool = False,
-    mesh: Mesh | None = None,
-    compiler_options: dict[str, Any] | None = None,
-    layout: str | None = None,
+    execution: Execution | None = None,
 ) -> Step:
     """A compiled training step that updates every member at once.
 
@@ -582,22 +584,15 @@ def make_step(
       [`init_optimizer`][eqx_ensemble.init_optimizer].
     - `per_member_batch`: `False`: every member gets the same `batch`; `True`: every
       array leaf of `batch` has a leading member axis and member `i` gets slice `i`.
-    - `mesh`: a mesh from [`ee.make_mesh`][eqx_ensemble.make_mesh]: inside the step
-      the members (of the ensemble and both states) are split over its `"members"`
-      axis and the batch's example axis over `"data"`; the returned ensemble and
-      states keep that placement (`losses` are replicated). Place the inputs with
-      [`ee.shard`][eqx_ensemble.shard] to avoid a transfer per call.
-    - `compiler_options`: XLA options for the compiled step, as in
-      [`fit`][eqx_ensemble.fit] (`None`: the library's choice, which on a
-      multi-core CPU runs big steps' batched matmuls on every core).
-    - `layout`: how the member axis is computed. `"vmap"`: one vectorised
-      computation; `"sequential"`: the members one after another inside the
-      same compiled step (straight-line code; compile time grows with the
-      member count). `None` (`"auto"`): `"sequential"` on one CPU device for a
-      loss that convolves and at most 16 members (XLA's CPU backend runs a
-      member-batched convolution as a grouped convolution, several times
-      slower than the members' own convolutions), else `"vmap"`. The results
-      are the same either way, to floating-point rounding.
+    - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `make_step`
+      uses its `mesh` (inside the step the members, of the ensemble and both
+      states, are split over the mesh's `"members"` axis and the batch's
+      example axis over `"data"`; the returned ensemble and states keep that
+      placement, `losses` are replicated; place the inputs with
+      [`ee.shard`][eqx_ensemble.shard] to avoid a transfer per call),
+      `compiler_options` and `layout` (`"auto"`: `"sequential"` on one CPU
+      device for a loss that convolves and at most 16 members, else `"vmap"`).
+      The results are the same whatever it says, to floating-point rounding.
 
     **Returns:**
 
@@ -636,17 +631,32 @@ def make_step(
     ```
     """
     check_optimizer(optimizer)
+    execution = as_execution(execution, "make_step", STEP_FIELDS)
     if not isinstance(per_member_batch, bool):
         raise TypeError(
             f"`per_member_batch` must be a bool, got {type(per_member_batch).__name__}"
         )
-    if mesh is not None:
-        mesh = check_mesh(mesh)
     return Step(
         loss_fn,
         optimizer,
         per_member_batch=per_member_batch,
-        mesh=mesh,
-        compiler_options=check_compiler_options(compiler_options),
-        layout=check_layout(layout, mesh),
+        mesh=execution.mesh,
+        compiler_options=execution.compiler_options,
+        layout=execution.layout,
     )
+
+
+STEP_FIELDS = ("layout", "compiler_options", "mesh")
+
+
+def _refuse_moved_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.keys() & MOVED_TO_EXECUTION.keys():
+            refuse_moved("make_step", kwargs, MOVED_TO_EXECUTION)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+make_step = _refuse_moved_keywords(make_step)

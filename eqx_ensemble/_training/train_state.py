@@ -26,7 +26,7 @@ class TrainState(eqx.Module):
     - `hyper`: the per-member hyperparameters given to `fit(..., hyper=)` (a
       PyTree with a leading member axis) or `None`; controllers may change them.
     - `tracked`: one state per tracker of `track=` (each with a member axis).
-    - `controlled`: one state per controller of `controllers=`.
+    - `controlled`: one state per controller in `callbacks=`.
     - `step`: the number of steps done.
     - `diverged_at`: per member, the step at which it diverged, or -1.
     - `best_ensemble`, `best_score`, `best_step`: with an `evaluate=`, each
@@ -48,7 +48,7 @@ class TrainState(eqx.Module):
             return train_state, control_state
 
     ee.fit(ens, loss, optax.sgd(0.1), x, steps=4, batch_size=4,
-           key=jax.random.key(1), controllers=[Report()], progress=False)
+           key=jax.random.key(1), callbacks=[Report()])
     ```
     """
 

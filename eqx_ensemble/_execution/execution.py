@@ -1,0 +1,186 @@
+"""`Execution`: how a run executes, never what it computes.
+
+One component holds every knob that changes speed, memory or placement but not
+the result (to floating-point rounding): steps fused per dispatch, the member
+layout, unrolling, XLA compiler options, the device mesh. `fit`, `make_step`,
+`map` and `predict` take it as `execution=`; each uses the fields that apply to
+it and refuses the others, so nothing set is silently ignored. Where a field is
+left at `None` the library chooses (see `plan.py`), once per function, input
+structure and mesh.
+"""
+
+from typing import Any, Literal
+
+import equinox as eqx
+from jax.sharding import Mesh
+
+from .._core.sharding import check_mesh
+from .._internal.checks import check_positive_int
+
+LayoutChoice = Literal["auto", "vmap", "sequential"]
+_LAYOUTS = ("auto", "vmap", "sequential")
+_FIELDS = ("steps_per_dispatch", "layout", "unroll", "compiler_options", "mesh")
+
+
+def _check_compiler_options(options: Any) -> tuple[tuple[str, Any], ...] | None:
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise TypeError(
+            "`Execution.compiler_options` must be a dict of XLA options (e.g. "
+            "`{'xla_cpu_experimental_ynn_fusion_type': ''}`) or None, got "
+            f"{type(options).__name__}"
+        )
+    for name, value in options.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                "`Execution.compiler_options` keys must be option names (str), "
+                f"got {name!r}"
+            )
+        if not isinstance(value, str | bool | int | float):
+            raise TypeError(
+                f"`Execution.compiler_options[{name!r}]` must be a str, bool, int "
+                f"or float, got {type(value).__name__}"
+            )
+    return tuple(sorted(options.items()))
+
+
+class Execution(eqx.Module):
+    """How a run executes: speed, memory and placement, never the result.
+
+    **Arguments (all optional; `None` lets the library choose):**
+
+    - `steps_per_dispatch`: `fit` only: steps fused into one compiled call.
+      `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100; 10
+      for unrolled steps. Progress, callbacks, controllers and checkpoints run
+      between dispatches.
+    - `layout`: how a step computes the member axis: `"vmap"` (one vectorised
+      computation), `"sequential"` (members one after another inside the
+      compiled step: straight-line code whose compile time grows with the
+      member count), or `"auto"` (the default: sequential on one CPU device for
+      a function that convolves and at most 16 members, where XLA's CPU
+      backend runs a member-batched convolution as a slow grouped convolution;
+      vectorised otherwise). Coupled losses and a trained shared part are
+      always vectorised.
+    - `unroll`: `fit` only: run each dispatch's steps as straight-line code
+      instead of a `lax.scan` loop. `None`: unrolled on one CPU device when the
+      loss convolves (XLA's CPU backend runs a convolution inside a loop in a
+      slow layout).
+    - `compiler_options`: XLA options for the compiled step (a dict of option
+      name -> str, bool, int or float). `None`: the library's choice (on a
+      multi-core CPU, big steps' matmuls on every core); `{}`: XLA's defaults.
+    - `mesh`: `fit` and `make_step`: a device mesh from
+      [`ee.make_mesh`][eqx_ensemble.make_mesh]; the member axis is split over
+      its `"members"` axis and each batch over `"data"`. Results equal the
+      one-device run's to rounding (see the sharding guide).
+
+    The results are the same whatever these say, to floating-point rounding;
+    on a CPU, a run resumed from a checkpoint with the same `Execution` is bit
+    for bit the uninterrupted run.
+
+    **Example:**
+
+    ```python
+    fast = ee.Execution(steps_per_dispatch=500, layout="vmap")
+    x = jnp.linspace(-1, 1, 32)[:, None]
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    result = ee.fit(ens, loss, optax.adam(1e-2), x, steps=10, batch_size=8,
+                    key=jax.random.key(1), callbacks=(), execution=fast)
+    ```
+    """
+
+    steps_per_dispatch: int | None
+    layout: LayoutChoice
+    unroll: bool | None
+    compiler_options: tuple[tuple[str, Any], ...] | None
+    mesh: Mesh | None
+
+    def __init__(
+        self,
+        *,
+        steps_per_dispatch: int | None = None,
+        layout: LayoutChoice | None = None,
+        unroll: bool | None = None,
+        compiler_options: dict[str, Any] | None = None,
+        mesh: Mesh | None = None,
+    ):
+        if steps_per_dispatch is not None:
+            steps_per_dispatch = check_positive_int(
+                steps_per_dispatch, "Execution.steps_per_dispatch"
+            )
+        if layout is None:
+            layout = "auto"
+        if not isinstance(layout, str) or layout not in _LAYOUTS:
+            raise ValueError(
+                f"`Execution.layout` must be one of {_LAYOUTS} (or None for "
+                f"'auto'), got {layout!r}"
+            )
+        if unroll is not None and not isinstance(unroll, bool):
+            raise TypeError(
+                "`Execution.unroll` must be a bool or None, got "
+                f"{type(unroll).__name__}"
+            )
+        if mesh is not None:
+            mesh = check_mesh(mesh)
+            if layout == "sequential":
+                raise ValueError(
+                    "`Execution(layout='sequential')` runs the members one after "
+                    "another on one device; on a mesh the members are split over "
+                    "devices and run vectorised: leave `layout` out (or pass 'vmap')"
+                )
+        self.steps_per_dispatch = steps_per_dispatch
+        self.layout = layout
+        self.unroll = unroll
+        self.compiler_options = _check_compiler_options(compiler_options)
+        self.mesh = mesh
+
+    def check_for(self, function: str, fields: tuple[str, ...]) -> "Execution":
+        """`self`, after refusing any field set that `function` does not use."""
+        for name in _FIELDS:
+            if name in fields:
+                continue
+            value = getattr(self, name)
+            if value is not None and not (name == "layout" and value == "auto"):
+                raise ValueError(
+                    f"`{function}` does not use `Execution.{name}` (it uses "
+                    f"{', '.join(f'`{f}`' for f in fields) or 'no field'}); "
+                    f"leave `{name}` out of the `ee.Execution` you pass it"
+                )
+        return self
+
+
+DEFAULT = Execution()
+
+
+def as_execution(execution: Any, function: str, fields: tuple[str, ...]) -> Execution:
+    """`execution` checked for `function` (`None`: the defaults)."""
+    if execution is None:
+        return DEFAULT
+    if not isinstance(execution, Execution):
+        raise TypeError(
+            f"`execution` must be an `ee.Execution(...)`, got "
+            f"{type(execution).__name__}"
+        )
+    return execution.check_for(function, fields)
+
+
+# The keywords `execution=` replaced (version 0.2), with what to write instead.
+MOVED_TO_EXECUTION = {
+    "steps_per_dispatch": "execution=ee.Execution(steps_per_dispatch=...)",
+    "compiler_options": "execution=ee.Execution(compiler_options=...)",
+    "unroll": "execution=ee.Execution(unroll=...)",
+    "layout": "execution=ee.Execution(layout=...)",
+    "mesh": "execution=ee.Execution(mesh=...)",
+}
+
+
+def refuse_moved(function: str, kwargs: dict[str, Any], moved: dict[str, str]) -> None:
+    """A `TypeError` naming the replacement of a keyword that moved."""
+    for name in kwargs:
+        if name in moved:
+            raise TypeError(
+                f"`{function}` no longer takes `{name}=` (version 0.2): pass "
+                f"`{moved[name]}` instead (see the changelog in the docs)"
+            )

@@ -1,0 +1,103 @@
+"""Progress reporting as a component (Diffrax's `ProgressMeter` is the model):
+`fit` tells a meter where the run starts, what each dispatch did, and when it
+ends; the meter decides how to show it."""
+
+import abc
+from typing import Any
+
+import equinox as eqx
+import numpy as np
+
+
+class ProgressMeter(eqx.Module):
+    """Shows a [`fit`][eqx_ensemble.fit] run's progress (abstract). Passed in
+    `fit(..., callbacks=[...])`; [`ee.ProgressBar`][eqx_ensemble.ProgressBar]
+    is the default. Called on the host between dispatches, never inside
+    compiled code.
+
+    - `start(total, done, resumed) -> handle`: before the first dispatch
+      (`done` steps are already done when the run `resumed` from a checkpoint).
+    - `update(handle, done, losses, diverged_at) -> None`: after each dispatch,
+      with the steps done so far, the dispatch's `(steps, members)` losses and
+      each member's divergence step (`-1`: healthy).
+    - `close(handle) -> None`: when the run ends, also on an error.
+
+    **Example:**
+
+    ```python
+    class Printer(ee.ProgressMeter):
+        def start(self, total, done, resumed):
+            return []
+        def update(self, handle, done, losses, diverged_at):
+            handle.append(done)
+        def close(self, handle):
+            print("dispatches ended at", handle)
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    ee.fit(ens, loss, optax.sgd(0.1), jnp.ones((8, 1)), steps=4, batch_size=4,
+           key=jax.random.key(1), callbacks=[Printer()])
+    ```
+    """
+
+    @abc.abstractmethod
+    def start(self, total: int, done: int, resumed: bool) -> Any:
+        """Called once before the first dispatch; returns the meter's handle."""
+
+    @abc.abstractmethod
+    def update(
+        self, handle: Any, done: int, losses: np.ndarray, diverged_at: np.ndarray
+    ) -> None:
+        """Called after every dispatch."""
+
+    def close(self, handle: Any) -> None:
+        """Called when the run ends (also when it fails)."""
+        del handle
+
+
+class ProgressBar(ProgressMeter):
+    """A tqdm progress bar with the step and the mean, min and max member loss
+    (and how many members diverged): `fit`'s default meter. A resumed run says
+    so in the bar's description.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    ee.fit(ens, loss, optax.sgd(0.1), jnp.ones((8, 1)), steps=4, batch_size=4,
+           key=jax.random.key(1), callbacks=[ee.ProgressBar()])
+    ```
+    """
+
+    def start(self, total: int, done: int, resumed: bool) -> Any:
+        from tqdm.auto import tqdm
+
+        description = f"fit (resumed at step {done})" if resumed else "fit"
+        return tqdm(total=total, initial=done, desc=description, unit="step")
+
+    def update(
+        self, handle: Any, done: int, losses: np.ndarray, diverged_at: np.ndarray
+    ) -> None:
+        handle.update(done - handle.n)
+        handle.set_postfix_str(loss_summary(losses[-1], diverged_at))
+
+    def close(self, handle: Any) -> None:
+        handle.close()
+
+
+def loss_summary(last_losses: np.ndarray, diverged_at: np.ndarray) -> str:
+    """`loss mean=... min=... max=...` over the healthy members, and how many
+    diverged."""
+    healthy = last_losses[(diverged_at < 0) & np.isfinite(last_losses)]
+    text = "diverged: all"
+    if healthy.size:
+        text = (
+            f"loss mean={healthy.mean():.4g} min={healthy.min():.4g} "
+            f"max={healthy.max():.4g}"
+        )
+    if (diverged_at >= 0).any():
+        text += f" diverged={int((diverged_at >= 0).sum())}"
+    return text
