@@ -53,7 +53,7 @@ def main() -> None:
     import numpy as np
     import optax
 
-    from eqx_ensemble import _xla
+    from eqx_ensemble._execution import compile as _xla
 
     optimizer = optax.adam(1e-3)
     options = {"default": None, "eigen": dict(_xla.EIGEN_DOTS)}

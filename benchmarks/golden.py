@@ -22,6 +22,7 @@ version's defaults). Usage:
 """
 
 import argparse
+import inspect
 import os
 import pathlib
 import shutil
@@ -43,6 +44,19 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
     import eqx_ensemble as ee
 
     out: dict[str, np.ndarray] = {}
+    new_api = "callbacks" in inspect.signature(ee.fit).parameters
+
+    def fit(ens, loss_fn, optimizer, data, **kwargs):
+        # The same runs through either version's keywords (0.2 moved some).
+        kwargs.setdefault("progress", False)
+        if new_api:
+            kwargs.pop("progress")
+            kwargs["callbacks"] = kwargs.pop("controllers", [])
+            if "hyperparams" in kwargs:
+                kwargs["opt_state"] = ee.init_optimizer(
+                    optimizer, ens, hyperparams=kwargs.pop("hyperparams")
+                )
+        return ee.fit(ens, loss_fn, optimizer, data, **kwargs)
 
     def keep(name: str, tree) -> None:
         leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(tree, eqx.is_array))[0]
@@ -75,10 +89,10 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
 
     ens = ee.ensemble(mlp, size=4, key=jax.random.key(0))
     opt = optax.adam(1e-2)
-    common = dict(steps=60, batch_size=16, key=jax.random.key(1), progress=False)
+    common = dict(steps=60, batch_size=16, key=jax.random.key(1))
 
-    result("shared", ee.fit(ens, loss, opt, (x, y), **common))
-    result("bootstrap", ee.fit(ens, loss, opt, (x, y), sampling="bootstrap", **common))
+    result("shared", fit(ens, loss, opt, (x, y), **common))
+    result("bootstrap", fit(ens, loss, opt, (x, y), sampling="bootstrap", **common))
 
     def stream(step):
         rng = np.random.default_rng(0)
@@ -88,11 +102,11 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
 
     result(
         "stream",
-        ee.fit(ens, loss, opt, stream, steps=60, key=jax.random.key(1), progress=False),
+        fit(ens, loss, opt, stream, steps=60, key=jax.random.key(1)),
     )
     result(
         "trackers",
-        ee.fit(
+        fit(
             ens,
             loss,
             opt,
@@ -104,7 +118,7 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
     hopt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
     result(
         "pbt",
-        ee.fit(
+        fit(
             ens,
             loss,
             hopt,
@@ -119,7 +133,7 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
     )
 
     directory = workdir / "checkpoints"
-    first = ee.fit(
+    first = fit(
         ens,
         loss,
         opt,
@@ -128,7 +142,7 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
         **dict(common, steps=30),
     )
     result("checkpointed", first)
-    resumed = ee.fit(
+    resumed = fit(
         ens,
         loss,
         opt,
@@ -161,7 +175,7 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
     cnns = ee.ensemble(CNN, size=3, key=jax.random.key(4))
     result(
         "cnn",
-        ee.fit(
+        fit(
             cnns, cnn_loss, optax.adam(1e-3), (images, labels), **dict(common, steps=20)
         ),
     )
@@ -174,7 +188,7 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
             shared=lambda m: m.layers[0],
             train_shared=train_shared,
         )
-        result(name, ee.fit(heads, loss, opt, (x, y), **common))
+        result(name, fit(heads, loss, opt, (x, y), **common))
     return out
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import eqx_ensemble as ee
-from eqx_ensemble import _checkpoint_file
+from eqx_ensemble._checkpoints import file as _checkpoint_file
 from eqx_ensemble._checkpoints.directory import (
     _step_number,
     check_writable_directory,

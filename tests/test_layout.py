@@ -16,7 +16,7 @@ import pytest
 from conftest import assert_tree_allclose
 
 import eqx_ensemble as ee
-from eqx_ensemble import _layout
+from eqx_ensemble._execution import layout as _layout
 from eqx_ensemble._execution.layout import (
     SEQUENTIAL_MAX_MEMBERS,
     choose_layout,

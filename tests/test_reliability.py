@@ -975,7 +975,13 @@ FIT_ERRORS = [
         "hyperparam-length",
         dict(
             optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
-            hyperparams={"learning_rate": jnp.ones(2)},
+            opt_state=Lazy(
+                lambda o: ee.init_optimizer(
+                    optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+                    o.ens,
+                    hyperparams={"learning_rate": jnp.ones(2)},
+                )
+            ),
         ),
         ValueError,
         r"'learning_rate' must have one value per member: the ensemble has 3 "
@@ -995,13 +1001,24 @@ FIT_ERRORS = [
     ),
     (
         "mesh-indivisible",
-        dict(mesh=Lazy(lambda o: ee.make_mesh(members=2))),
+        dict(
+            execution=Lazy(
+                lambda o: ee.Execution(
+                    steps_per_dispatch=2, mesh=ee.make_mesh(members=2)
+                )
+            )
+        ),
         ValueError,
         r"The ensemble has 3 members, which do not split evenly over the 2 devices",
     ),
     (
         "batch-indivisible-by-data-axis",
-        dict(mesh=Lazy(lambda o: ee.make_mesh(data=2)), batch_size=3),
+        dict(
+            execution=Lazy(
+                lambda o: ee.Execution(steps_per_dispatch=2, mesh=ee.make_mesh(data=2))
+            ),
+            batch_size=3,
+        ),
         ValueError,
         r"`batch_size` \(3\) does not split evenly over the 2 devices of the mesh "
         r"axis 'data'",
@@ -1073,7 +1090,7 @@ def _fit_call(bad, checkpoint_dir, callback, steps=4, **overrides):
         batch_size=2,
         key=bad.key,
         checkpoints=ee.Checkpoints(checkpoint_dir, every=2),
-        callbacks=[callback],
+        callbacks=[] if callback is None else [callback],
         execution=ee.Execution(steps_per_dispatch=2),
     )
     for name, value in overrides.items():

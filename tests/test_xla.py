@@ -17,7 +17,7 @@ import pytest
 from conftest import assert_tree_allclose
 
 import eqx_ensemble as ee
-from eqx_ensemble import _xla
+from eqx_ensemble._execution import compile as _xla
 
 EIGEN = dict(_xla.EIGEN_DOTS)
 SGD = optax.sgd(0.05)
@@ -283,7 +283,7 @@ def test_compiled_functions_drop_the_least_recently_used_with_their_programs(
 def test_fit_and_make_step_with_new_optimizers_keep_memory_maps_bounded(monkeypatch):
     # Each compiled CPU program holds ~280 memory maps; a loop with a new optimizer
     # per call used to keep every program (and crash past ~230 calls).
-    from eqx_ensemble import _loop, _step
+    from eqx_ensemble._training import loop as _loop, step as _step
 
     monkeypatch.setattr(_xla, "MAX_PROGRAMS", 3)
     ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(0))

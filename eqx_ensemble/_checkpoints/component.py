@@ -12,16 +12,16 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
+from .._controllers.base import Controller
 from .._core.ensemble import Ensemble
 from .._internal.checks import check_positive_int
 from .._trackers.base import Tracker
 from .._training.evaluate import Evaluate
 from .._training.history import History
-from .._training.loop import initial_state
 from .._training.optim import init_optimizer
 from .._training.result import FitResult, make_result
 from .._training.sampling import as_sampling
-from .._training.train_state import TrainState
+from .._training.train_state import TrainState, initial_state
 from .directory import (
     check_writable_directory,
     list_checkpoints,
@@ -35,7 +35,7 @@ _KIND = "eqx_ensemble.fit"
 _ON_CORRUPT = ("raise", "previous")
 
 
-class _RunMismatch(CheckpointError):
+class RunMismatchError(CheckpointError):
     """An intact checkpoint of another run (never a reason to fall back)."""
 
 
@@ -102,8 +102,9 @@ class Checkpoints(eqx.Module):
         """Create the folder and check it is writable (before any training)."""
         check_writable_directory(self.directory)
 
-    def boundary(self, done: int) -> int | None:
-        """The next step after `done` at which a checkpoint is due."""
+    def next_stop(self, done: int) -> int | None:
+        """The first step after `done` at which a checkpoint is due (`None`:
+        only at the end); a dispatch ends there."""
         if self.every is None:
             return None
         return (done // self.every + 1) * self.every
@@ -135,7 +136,7 @@ class Checkpoints(eqx.Module):
         )
 
     def resume(
-        self, template: TrainState, run: dict[str, Any], steps: int | None
+        self, template: TrainState, run: Any, steps: int | None
     ) -> tuple[TrainState, History] | None:
         """The newest checkpoint of this run (`None` if the folder has none).
         Raises a `CheckpointError` if it belongs to another run, or holds more
@@ -146,12 +147,12 @@ class Checkpoints(eqx.Module):
             path = list_checkpoints(self.directory)[-1][1]
             return self._read(path, template, run, steps)
         loaded: dict[Path, tuple[TrainState, History]] = {}
-        refused: list[_RunMismatch] = []
+        refused: list[RunMismatchError] = []
 
         def verify(path: Path) -> None:
             try:
                 loaded[path] = self._read(path, template, run, steps)
-            except _RunMismatch as error:  # intact, but another run: no fallback
+            except RunMismatchError as error:  # intact, but another run: no fallback
                 refused.append(error)
 
         path, skipped = newest_intact_checkpoint(self.directory, verify)
@@ -177,12 +178,12 @@ class Checkpoints(eqx.Module):
         self,
         path: Path,
         template: TrainState,
-        run: dict[str, Any],
+        run: Any,
         steps: int | None,
     ) -> tuple[TrainState, History]:
         metadata = load_manifest(path).get("metadata", {})
         if metadata.get("kind") != _KIND:
-            raise _RunMismatch(
+            raise RunMismatchError(
                 f"{path} was not written by `ee.fit`; point `Checkpoints` at a folder "
                 "of fit checkpoints (or an empty one)"
             )
@@ -194,19 +195,14 @@ class Checkpoints(eqx.Module):
                 f"{named}; the file was renamed or altered"
             )
         saved_run = metadata.get("run", {})
-        for field, value in run.items():
-            if field == "hyperparams" and value is None:
-                continue  # not given: the saved optimizer state continues
-            if saved_run.get(field) != value:
-                shown = "PRNG key" if field == "key" else f"`{field}`"
-                raise _RunMismatch(
-                    f"Cannot resume from {path}: it was written by a run with a "
-                    f"different {shown} ({saved_run.get(field)!r} there, {value!r} "
-                    "now); exact resume needs the same run. Use another folder for a "
-                    "new run."
-                )
+        if not isinstance(saved_run, dict):
+            saved_run = {}
+        difference = run.mismatch(saved_run)
+        if difference is not None:
+            field, saved, now = difference
+            raise RunMismatchError(_mismatch_message(path, field, saved, now))
         if steps is not None and step > steps:
-            raise _RunMismatch(
+            raise RunMismatchError(
                 f"{path} holds a run at step {step}, past the `steps={steps}` asked "
                 f"for; ask for at least {step} steps (or use another folder)"
             )
@@ -237,12 +233,13 @@ class Checkpoints(eqx.Module):
         hyper: PyTree[Any] = None,
         evaluate: Evaluate | None = None,
         track: list[Tracker] | tuple[Tracker, ...] = (),
-        controllers: Sequence[Any] = (),
+        callbacks: Sequence[Any] = (),
     ) -> FitResult | None:
         """The run's newest checkpoint as a [`FitResult`][eqx_ensemble.FitResult]
         (`None` if the folder holds none). The arguments describe the run as
         given to `fit` (an ensemble of the same structure, the optimizer, and
-        the model state, `hyper`, evaluation, trackers and controllers it had),
+        the model state, `hyper`, evaluation, trackers and the `callbacks` it
+        had, whose controllers hold state in the checkpoint),
         so the saved arrays can be checked against them.
 
         **Example:**
@@ -264,7 +261,7 @@ class Checkpoints(eqx.Module):
             hyper=hyper,
             track=track,
             with_eval=evaluate is not None,
-            controllers=tuple(controllers),
+            controllers=tuple(c for c in callbacks if isinstance(c, Controller)),
         )
         checkpoints = list_checkpoints(self.directory)
         if not checkpoints:
@@ -272,14 +269,17 @@ class Checkpoints(eqx.Module):
         saved_run = load_manifest(checkpoints[-1][1]).get("metadata", {}).get("run")
         if not isinstance(saved_run, dict):
             raise CheckpointError(f"{checkpoints[-1][1]} was not written by `ee.fit`")
-        resumed = self.resume(template, {"size": len(ens)}, None)
+        resumed = self.resume(template, _SameSize(len(ens)), None)
         assert resumed is not None
         train_state, history = resumed
-        run = {
-            "sampling": _sampling_of(saved_run.get("sampling")),
-            "num_examples": saved_run.get("num_examples"),
-        }
-        return make_result(train_state, history, track, run)
+        return make_result(
+            train_state,
+            history,
+            track,
+            sampling=_sampling_of(saved_run.get("sampling")),
+            num_examples=saved_run.get("num_examples"),
+            resumed_from=int(train_state.step),
+        )
 
 
 def _sampling_of(name: Any) -> Any:
@@ -287,3 +287,33 @@ def _sampling_of(name: Any) -> Any:
         return as_sampling(name)
     except ValueError:
         return None
+
+
+class _SameSize:
+    """The one thing `latest` can check of a saved run: its ensemble size."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def mismatch(self, saved: dict[str, Any]) -> tuple[str, Any, Any] | None:
+        if saved.get("size") != self.size:
+            return "size", saved.get("size"), self.size
+        return None
+
+
+_FIELD_NAMES = {
+    "key": "PRNG key",
+    "hyperparams": "optimizer hyperparameters (of the `opt_state` given)",
+    "optimizer": "optimizer (its structure or its fixed hyperparameters, such as "
+    "the learning rate)",
+}
+
+
+def _mismatch_message(path: Path, field: str, saved: Any, now: Any) -> str:
+    shown = _FIELD_NAMES.get(field, f"`{field}`")
+    values = "" if field == "optimizer" else f" ({saved!r} there, {now!r} now)"
+    return (
+        f"Cannot resume from {path}: it was written by a run with a different "
+        f"{shown}{values}; exact resume needs the same run. Use another folder for "
+        "a new run."
+    )

@@ -56,6 +56,15 @@ class Controller(eqx.Module):
 
     every: eqx.AbstractVar[int]
 
+    def next_stop(self, done: int) -> int:
+        """The first step after `done` at which this controller needs the host
+        (a dispatch ends there)."""
+        return (done // self.every + 1) * self.every
+
+    def due(self, done: int) -> bool:
+        """Whether this controller runs after `done` steps."""
+        return done % self.every == 0
+
     def init(self, train_state: TrainState) -> PyTree[Any]:
         """The controller's own state (default `None`)."""
         del train_state

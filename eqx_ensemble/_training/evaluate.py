@@ -66,6 +66,10 @@ class Evaluate(eqx.Module):
                 f"{type(self.inference).__name__}"
             )
 
+    def next_stop(self, done: int) -> int:
+        """The first step after `done` at which an evaluation is due."""
+        return (done // self.every + 1) * self.every
+
     def due(self, done: Int[Array, ""]) -> Bool[Array, ""]:
         """Whether an evaluation runs after `done` steps."""
         return done % self.every == 0

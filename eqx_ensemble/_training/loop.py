@@ -25,12 +25,9 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
-from .._core.ensemble import Ensemble
 from .._core.sharding import (
-    DATA,
     MEMBERS,
     constrain,
-    gather_batch,
     place_state,
     replicate,
 )
@@ -39,6 +36,7 @@ from .._execution.layout import Layout
 from .._trackers.base import Tracker
 from .evaluate import Evaluate, eval_member_keys
 from .sampling import Sampling
+from .source import Batches
 from .step import vmapped_update
 from .train_state import TrainState, member_select
 
@@ -52,16 +50,11 @@ class Chunk(eqx.Module):
     sampling: Sampling
     evaluate: Evaluate | None
     track: tuple[Tracker, ...]
-    data: PyTree[Any]  # array data, or None for a stream
-    prepared: Array | None  # the sampling's per-run arrays
-    batches: PyTree[Any]  # a stream's stacked group, or None
-    data_key: PRNGKeyArray
+    batches: Batches  # the data source's view: sampled arrays or a stream's group
     train_key: PRNGKeyArray
     eval_key: PRNGKeyArray
     end: Int[Array, ""]
     size: int
-    batch_size: int
-    num_examples: int
     length: int
     mesh: Mesh | None
     # Unrolled: the chunk is straight-line code of exactly `length` steps (no
@@ -71,36 +64,6 @@ class Chunk(eqx.Module):
     # Every one of the `length` steps runs (known on the host): no conditional.
     full: bool = False
     layout: Layout = "vmap"  # the members vectorised, or one after another
-
-
-def initial_state(
-    ens: Ensemble,
-    opt_state: PyTree[Any],
-    model_state: PyTree[Any],
-    *,
-    hyper: PyTree[Any] = None,
-    track: tuple[Tracker, ...],
-    with_eval: bool,
-    controllers: tuple[Any, ...] = (),
-) -> TrainState:
-    """The state before the first step (its arrays may alias the inputs: copy it
-    before donating it)."""
-    size = len(ens)
-    train_state = TrainState(
-        ensemble=ens,
-        opt_state=opt_state,
-        model_state=model_state,
-        hyper=hyper,
-        tracked=tuple(tracker.init(ens.members) for tracker in track),
-        controlled=(),
-        step=jnp.array(0, dtype=jnp.int32),
-        diverged_at=jnp.full((size,), -1, dtype=jnp.int32),
-        best_ensemble=ens if with_eval else None,
-        best_score=jnp.full((size,), jnp.inf, jnp.float32) if with_eval else None,
-        best_step=jnp.zeros((size,), jnp.int32) if with_eval else None,
-    )
-    controlled = tuple(controller.init(train_state) for controller in controllers)
-    return dataclasses.replace(train_state, controlled=controlled)
 
 
 def _make_chunk_runner(options: Options) -> Callable[..., Any]:
@@ -117,10 +80,6 @@ def _nan_row(chunk: Chunk) -> Float[Array, " members"]:
     # What a step reports when it has nothing to report (split like the members).
     row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
     return constrain(row, chunk.mesh, (MEMBERS,))
-
-
-def _batch_axes(chunk: Chunk) -> tuple[str, ...]:
-    return (MEMBERS, DATA) if chunk.sampling.per_member else (DATA,)
 
 
 def _train_step(
@@ -213,47 +172,30 @@ def run_chunk(
     mesh = chunk.mesh
     dynamic, static = eqx.partition(train_state, eqx.is_array)
     nan_row = _nan_row(chunk)
-    streamed = chunk.batches is not None
-    indices_of = None
-    if not streamed:
-        indices_of = chunk.sampling.chunk_indices(
-            chunk.data_key,
-            chunk.prepared,
-            train_state.step,
-            n=chunk.num_examples,
-            batch_size=chunk.batch_size,
-            size=chunk.size,
-            chunk=chunk.length,
-        )
+    batch_of = chunk.batches.maker(train_state.step, chunk.length, mesh)
 
-    def active(carry, streamed_batch):
+    def active(carry, scanned):
         ts = eqx.combine(carry, static)
-        if streamed:
-            batch = constrain(streamed_batch, mesh, _batch_axes(chunk))
-        else:
-            assert indices_of is not None
-            batch = gather_batch(chunk.data, indices_of(ts.step), mesh)
+        batch = batch_of(ts.step, scanned)
         ts, losses, scores = _train_step(chunk, ts, batch)
         ts = place_state(ts, mesh, inside_jit=True, in_loop=True)
         return eqx.filter(ts, eqx.is_array), (losses, scores)
 
-    def inactive(carry, streamed_batch):
-        del streamed_batch
+    def inactive(carry, scanned):
+        del scanned
         return carry, (nan_row, nan_row)
 
-    def body(carry, streamed_batch):
+    def body(carry, scanned):
         if chunk.full:
-            return active(carry, streamed_batch)
-        return jax.lax.cond(
-            carry.step < chunk.end, active, inactive, carry, streamed_batch
-        )
+            return active(carry, scanned)
+        return jax.lax.cond(carry.step < chunk.end, active, inactive, carry, scanned)
 
     dynamic = place_state(dynamic, mesh, inside_jit=True, in_loop=True)
     if chunk.unrolled:
-        dynamic, losses, scores = _unrolled(chunk, dynamic, static, indices_of)
+        dynamic, losses, scores = _unrolled(chunk, dynamic, static, batch_of)
     else:
         dynamic, (losses, scores) = jax.lax.scan(
-            body, dynamic, chunk.batches, length=chunk.length
+            body, dynamic, chunk.batches.scanned(), length=chunk.length
         )
     dynamic = place_state(dynamic, mesh, inside_jit=True)
     losses, scores = replicate((losses, scores), mesh)
@@ -261,7 +203,7 @@ def run_chunk(
 
 
 def _unrolled(
-    chunk: Chunk, dynamic: Any, static: Any, indices_of: Any
+    chunk: Chunk, dynamic: Any, static: Any, batch_of: Any
 ) -> tuple[Any, Array, Array]:
     """The chunk as straight-line code: XLA's CPU backend runs a convolution
     inside a loop or a conditional with its channels-first layout, about 17x
@@ -269,13 +211,10 @@ def _unrolled(
     8x8 digits: 283 vs 15 ms per step), so models with convolutions run their
     steps unrolled, with no conditional."""
     ts = eqx.combine(dynamic, static)
+    scanned = chunk.batches.scanned()
     losses, scores = [], []
     for position in range(chunk.length):
-        if chunk.batches is not None:
-            batch = jax.tree.map(lambda x, p=position: x[p], chunk.batches)
-            batch = constrain(batch, chunk.mesh, _batch_axes(chunk))
-        else:
-            batch = gather_batch(chunk.data, indices_of(ts.step), chunk.mesh)
+        batch = batch_of(ts.step, jax.tree.map(lambda x, p=position: x[p], scanned))
         last = position == chunk.length - 1
         ts, step_losses, step_scores = _train_step(
             chunk, ts, batch, evaluate=last and chunk.evaluate_last

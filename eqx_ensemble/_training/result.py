@@ -3,7 +3,6 @@
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
@@ -31,6 +30,8 @@ class FitResult:
       averaged weights for [`ee.EMA`][eqx_ensemble.EMA]), in order.
     - `train_state`: the full [`TrainState`][eqx_ensemble.TrainState] (what a
       checkpoint holds).
+    - `resumed_from`: the step this call of `fit` resumed from (a checkpoint in
+      `ee.Checkpoints`' folder), or `None` when it started afresh.
     - `sampling`, `key`, `num_examples`: how the run drew its batches (for array
       data; `num_examples` is `None` for a stream), e.g. to rebuild a bootstrap
       run's out-of-bag examples with
@@ -63,15 +64,20 @@ class FitResult:
     sampling: Sampling | None = None
     key: PRNGKeyArray | None = None
     num_examples: int | None = None
+    resumed_from: int | None = None
 
 
 def make_result(
     train_state: TrainState,
     history: History,
     track: tuple[Any, ...],
-    run: dict[str, Any],
+    *,
+    sampling: Sampling | None = None,
+    key: PRNGKeyArray | None = None,
+    num_examples: int | None = None,
+    resumed_from: int | None = None,
 ) -> FitResult:
-    """A `FitResult` from a run's state (`run`: sampling, key, num_examples)."""
+    """A `FitResult` from a run's state."""
     diverged_at = np.asarray(train_state.diverged_at)
     best_step = train_state.best_step
     return FitResult(
@@ -92,9 +98,10 @@ def make_result(
             for tracker, state in zip(track, train_state.tracked, strict=True)
         ),
         train_state=train_state,
-        sampling=run.get("sampling"),
-        key=run.get("key"),
-        num_examples=run.get("num_examples"),
+        sampling=sampling,
+        key=key,
+        num_examples=num_examples,
+        resumed_from=resumed_from,
     )
 
 
@@ -120,10 +127,3 @@ class EnsembleDivergedError(FloatingPointError):
     """
 
     result: FitResult | None = None
-
-
-def key_record(key: PRNGKeyArray) -> list[int]:
-    """A key as a JSON-serialisable list (raw key data)."""
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return np.asarray(jax.random.key_data(key)).ravel().tolist()
-    return np.asarray(key).ravel().tolist()

@@ -2,8 +2,6 @@
 dispatches (history, controllers, checkpoints, results)."""
 
 import dataclasses
-import hashlib
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -18,40 +16,47 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._checkpoints.component import Checkpoints
 from .._checkpoints.file import CheckpointError
 from .._controllers.base import Controller
-from .._core.data import check_leading, num_examples
+from .._core.data import check_leading
 from .._core.ensemble import Ensemble
 from .._core.sharding import check_fit_mesh, on_mesh, place_state
 from .._execution.compile import (
+    Options,
     default_steps_per_dispatch,
     platform_of,
     step_compiler_options,
 )
 from .._execution.execution import Execution
-from .._execution.layout import choose_layout
+from .._execution.layout import Layout, choose_layout
 from .._execution.profile import (
     StepProfile,
-    example_structs,
     first_member,
     profile_step,
 )
 from .._internal.checks import check_positive_int
 from .._internal.keys import check_key
-from .._internal.tree import first_difference, keystr
+from .._internal.tree import first_difference
 from .._trackers.base import Tracker
 from .evaluate import Evaluate, eval_key
 from .history import Recorder
-from .loop import Chunk, chunk_runner, copy, initial_state
+from .loop import Chunk, chunk_runner, copy
 from .loss import check_hyper, check_loss_signature, check_optimizer
 from .optim import (
     check_opt_state,
-    hyperparam_nodes,
     init_optimizer_fast,
 )
 from .progress import ProgressBar, ProgressMeter
-from .result import EnsembleDivergedError, FitResult, key_record, make_result
-from .sampling import MAX_INDICES, Bootstrap, as_sampling
-from .stream import BatchGroups, check_data, example_count, is_array_data
-from .train_state import TrainState
+from .record import (
+    RunRecord,
+    hyperparams_record,
+    key_record,
+    optimizer_record,
+    start_record,
+)
+from .result import EnsembleDivergedError, FitResult, make_result
+from .sampling import Sampling, as_sampling
+from .source import ArraySource, Batches, DataSource, StreamSource
+from .stream import check_data, is_array_data
+from .train_state import TrainState, initial_state
 
 
 def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple, tuple]:
@@ -111,27 +116,6 @@ def split_callbacks(
     return tuple(meters), tuple(controllers), tuple(functions)
 
 
-def _check_batch_memory(data: PyTree[Any], batch_size: int, members: int) -> None:
-    # A step's batch must fit in memory (and XLA's int32 dimensions) before it
-    # reaches XLA, which aborts the process on an impossible shape.
-    per_example = sum(
-        leaf.nbytes // max(leaf.shape[0], 1)
-        for leaf in jax.tree.leaves(data)
-        if hasattr(leaf, "nbytes") and getattr(leaf, "ndim", 0) > 0
-    )
-    total = per_example * batch_size * members
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        memory = 2**63
-    if total > memory or batch_size * members > MAX_INDICES:
-        raise ValueError(
-            f"A batch of {batch_size} examples for {members} member(s) needs "
-            f"{total / 2**30:.1f} GiB, more than this machine's "
-            f"{memory / 2**30:.1f} GiB; use a smaller `batch_size`"
-        )
-
-
 def prepare(
     ens: Any,
     loss_fn: Callable[..., Any],
@@ -152,7 +136,8 @@ def prepare(
     execution: Execution,
 ) -> "Run":
     """Every check `fit` makes, in order, before any work; then the first state
-    (or the resumed one) and the compiled loop's inputs."""
+    (or the resumed one), the data source, the execution plan and the compiled
+    loop's inputs."""
     if not isinstance(ens, Ensemble):
         raise TypeError(f"`fit` expects an `ee.Ensemble`, got {type(ens).__name__}")
     size = len(ens)
@@ -165,58 +150,37 @@ def prepare(
     track, controllers = _check_components(evaluate, checkpoints, track, controllers)
     for tracker in track:
         tracker.check(steps)
+    _check_periods(evaluate, controllers)
     if state is not None:
         check_leading(state, size, "`state`")
     check_loss_signature(loss_fn, state is not None, hyper is not None)
     if hyper is not None:
         check_hyper(hyper, size)
     check_data(data)
-    user_options = execution.compiler_options
-    layout = execution.layout
-    unroll = execution.unroll
-    steps_per_dispatch = execution.steps_per_dispatch
-    streamed = not is_array_data(data)
-    n = None
-    if not streamed:
-        if batch_size is None:
-            raise TypeError("`fit` on array data needs `batch_size`")
-        batch_size = check_positive_int(batch_size, "batch_size")
-        n = num_examples(data)
-        sampling.check(n, batch_size, size)
-        _check_batch_memory(data, batch_size, size if sampling.per_member else 1)
+    # Arrays are checked now; a stream is opened where the run starts (below).
+    source: DataSource | None = None
+    if is_array_data(data):
+        source = ArraySource(data, sampling, batch_size, size, key)
         if mesh is not None:
-            mesh = check_fit_mesh(mesh, size, batch_size)
-    elif isinstance(sampling, Bootstrap):
-        raise ValueError(
-            "`ee.Bootstrap()` resamples array data; a stream cannot be resampled. "
-            "Pass the data as arrays, or bootstrap inside your data loader and "
-            "stream per-member batches with `sampling=ee.Independent()`"
-        )
+            mesh = check_fit_mesh(mesh, size, source.batch_size)
     given_opt_state = opt_state is not None
     if opt_state is None:
         opt_state = init_optimizer_fast(optimizer, ens)
     else:
         check_opt_state(optimizer, ens, opt_state)
 
-    run_record = {
-        "size": size,
-        "batch_size": batch_size,
-        "sampling": sampling.name if hasattr(sampling, "name") else repr(sampling),
-        "num_examples": n,
-        "key": key_record(key),
-        "eval_every": None if evaluate is None else evaluate.every,
-        "track": [repr(tracker) for tracker in track],
-        # The hyperparameters the run STARTED with (controllers such as `ee.PBT`
-        # change them as it goes): a resume must start from the same ones.
-        # (`None` when not given: a resume may leave them out and continue with
-        # the saved optimizer state.)
-        "hyperparams": _start_record(
-            [("", dict(node.hyperparams)) for _, node in hyperparam_nodes(opt_state)]
-            if given_opt_state
-            else []
-        ),
-        "hyper": _start_record([("", hyper)] if hyper is not None else []),
-    }
+    record = RunRecord(
+        size=size,
+        batch_size=batch_size if source is None else source.batch_size,
+        sampling=sampling.name if hasattr(sampling, "name") else repr(sampling),
+        num_examples=None if source is None else source.num_examples,
+        key=key_record(key),
+        eval_every=None if evaluate is None else evaluate.every,
+        track=[repr(tracker) for tracker in track],
+        hyperparams=hyperparams_record(opt_state) if given_opt_state else None,
+        hyper=start_record([("", hyper)] if hyper is not None else []),
+        optimizer=optimizer_record(optimizer, opt_state),
+    )
     # Copied: the loop donates its state, and the caller's arrays stay valid.
     train_state = copy(
         initial_state(
@@ -232,93 +196,132 @@ def prepare(
     history = None
     if checkpoints is not None:
         checkpoints.prepare()
-        resumed = checkpoints.resume(train_state, run_record, steps)
+        resumed = checkpoints.resume(train_state, record, steps)
         if resumed is not None:
             train_state, history = resumed
     done = int(train_state.step)
+    if source is None:
+        source = StreamSource(data, sampling, batch_size, size, start=done)
+        if mesh is not None:
+            mesh = check_fit_mesh(mesh, size, source.batch_size)
+    else:
+        source.place(mesh)
 
-    stream = None
-    if streamed:
-        stream = BatchGroups(
-            data, start=done, size=size, per_member=sampling.per_member
-        )
-        first = stream.peek()
-        examples = example_count(
-            jax.tree.map(lambda x: x[None], first), sampling.per_member
-        )
-        if batch_size is not None and batch_size != examples:
-            raise ValueError(
-                f"`batch_size={batch_size}` but the stream's batches hold {examples} "
-                "examples; leave `batch_size` out for a stream"
-            )
-        batch_size = examples
-        data = None
-    assert batch_size is not None
-    if streamed and mesh is not None:
-        mesh = check_fit_mesh(mesh, size, batch_size)
-    profile = _profile(
-        ens, loss_fn, data, stream, batch_size, sampling, state, hyper, mesh
-    )
-    if unroll is None:
-        unroll = profile.convolutions
-    member_layout = choose_layout(
-        layout, convolutions=profile.convolutions, size=size, mesh=mesh
-    )
-    if steps_per_dispatch is None:
-        if not unroll:
-            steps_per_dispatch = default_steps_per_dispatch(
-                ens.members, batch_size, size, mesh
-            )
-        elif member_layout == "sequential":
-            # Each step holds a copy of every member: bound the copies a
-            # dispatch compiles (5 members: 2 steps, ~10 s to compile on 2 cores).
-            steps_per_dispatch = max(1, UNROLLED_STEPS_PER_DISPATCH // size)
-        else:
-            steps_per_dispatch = UNROLLED_STEPS_PER_DISPATCH
-    length = min(steps_per_dispatch, steps)
-
-    data_key, bootstrap_key, train_key = jax.random.split(key, 3)
-    prepared = None if streamed else sampling.prepare(bootstrap_key, size, n or 0)
+    plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
+    train_key = jax.random.split(key, 3)[2]
     chunk = Chunk(
         loss_fn=loss_fn,
         optimizer=optimizer,
         sampling=sampling,
         evaluate=evaluate,
         track=track,
-        data=data,
-        prepared=prepared,
-        batches=None,
-        data_key=data_key,
+        batches=source.batches() if isinstance(source, ArraySource) else None,
         train_key=train_key,
         eval_key=eval_key(key),
         end=jnp.array(0, jnp.int32),
         size=size,
-        batch_size=batch_size,
-        num_examples=n or 0,
-        length=length,
+        length=plan.length,
         mesh=mesh,
-        unrolled=unroll,
-        layout=member_layout,
-    )
-    options = step_compiler_options(
-        user_options, ens.members, batch_size, size, mesh, profile.batched_dots
+        unrolled=plan.unroll,
+        layout=plan.layout,
     )
     return Run(
         chunk=on_mesh(chunk, mesh),
-        runner=chunk_runner(options),
+        runner=chunk_runner(plan.compiler_options),
         train_state=place_state(train_state, mesh),
         recorder=Recorder(size, history),
         steps=steps,
-        stream=stream,
+        source=source,
         checkpoints=checkpoints,
         controllers=controllers,
         track=track,
-        run_record=run_record,
-        info={"sampling": sampling, "key": key, "num_examples": n},
+        record=record,
+        sampling=sampling,
+        key=key,
         meters=meters,
         functions=functions,
-        resumed=history is not None,
+        resumed_from=None if history is None else done,
     )
+
+
+def _check_periods(evaluate: Evaluate | None, controllers: tuple[Any, ...]) -> None:
+    """A controller that reads evaluation scores must run on evaluation steps:
+    refused before any work, not at its first call."""
+    if evaluate is None:
+        return
+    for controller in controllers:
+        needs = getattr(controller, "needs_evaluation_every", None)
+        if needs is not None:
+            needs(evaluate.every)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """How a `fit` run executes, resolved from its `Execution` (see there):
+    steps compiled per dispatch, unrolled or scanned, the member layout, and
+    the XLA options."""
+
+    length: int
+    unroll: bool
+    layout: Layout
+    compiler_options: Options
+
+
+# Unrolled dispatches compile every step they hold: keep them short.
+UNROLLED_STEPS_PER_DISPATCH = 10
+
+
+def plan_fit(
+    execution: Execution,
+    loss_fn: Callable[..., Any],
+    ens: Ensemble,
+    source: DataSource,
+    state: PyTree[Any],
+    hyper: PyTree[Any],
+    mesh: Mesh | None,
+    steps: int,
+) -> FitPlan:
+    """`execution`'s choices, with the library's where it leaves them open. The
+    step's profile (does the loss convolve? batched matmuls?) is read on one
+    CPU device only, where something depends on it; it is traced once per loss
+    and shapes (`profile.profile_call`)."""
+    size = len(ens)
+    profile = StepProfile()
+    if mesh is None and jax.default_backend() == "cpu":
+        profile = profile_step(
+            loss_fn,
+            ens.member(first_member(ens.members)),
+            source.member_batch(),
+            first_member(state),
+            first_member(hyper),
+        )
+    unroll = execution.unroll
+    if unroll is None:
+        unroll = profile.convolutions
+    layout = choose_layout(
+        execution.layout, convolutions=profile.convolutions, size=size, mesh=mesh
+    )
+    per_dispatch = execution.steps_per_dispatch
+    if per_dispatch is None:
+        if not unroll:
+            per_dispatch = default_steps_per_dispatch(
+                ens.members, source.batch_size, size, mesh
+            )
+        elif layout == "sequential":
+            # Each step holds a copy of every member: bound the copies a
+            # dispatch compiles (5 members: 2 steps, ~10 s to compile on 2 cores).
+            per_dispatch = max(1, UNROLLED_STEPS_PER_DISPATCH // size)
+        else:
+            per_dispatch = UNROLLED_STEPS_PER_DISPATCH
+    options = step_compiler_options(
+        execution.compiler_options,
+        ens.members,
+        source.batch_size,
+        size,
+        mesh,
+        profile.batched_dots,
+    )
+    return FitPlan(min(per_dispatch, steps), unroll, layout, options)
 
 
 def _skips_conditional(chunk: Chunk) -> bool:
@@ -331,93 +334,54 @@ def _skips_conditional(chunk: Chunk) -> bool:
     return platform_of(chunk.mesh) != "cpu"
 
 
-# Unrolled dispatches compile every step they hold: keep them short.
-UNROLLED_STEPS_PER_DISPATCH = 10
-
-
-def _profile(
-    ens: Ensemble,
-    loss_fn: Callable[..., Any],
-    data: Any,
-    stream: BatchGroups | None,
-    batch_size: int,
-    sampling: Any,
-    state: PyTree[Any],
-    hyper: PyTree[Any],
-    mesh: Mesh | None,
-) -> StepProfile:
-    """The step's profile on one CPU device (on other platforms nothing depends on
-    it; on a mesh the loss is not traced outside the sharded step: pass
-    `unroll=True` for a convolutional model on a mesh of CPU devices)."""
-    if mesh is not None or jax.default_backend() != "cpu":
-        return StepProfile()
-    if stream is not None:
-        first = stream.peek()
-        batch = first_member(first) if sampling.per_member else first
-    else:
-        batch = example_structs(data, batch_size)
-    return profile_step(
-        loss_fn,
-        ens.member(first_member(ens.members)),
-        batch,
-        first_member(state),
-        first_member(hyper),
-    )
-
-
-def _start_record(trees: list[tuple[str, Any]]) -> dict[str, Any] | None:
-    """JSON-comparable values of hyperparameter PyTrees (`None` if there are
-    none): a list of numbers per leaf, or a digest for a leaf of over 256."""
-    record: dict[str, Any] = {}
-    for prefix, tree in trees:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if not eqx.is_array(leaf):
-                continue
-            host = np.asarray(leaf)
-            name = prefix + keystr(path)
-            if host.size <= 256:
-                record[name] = host.ravel().tolist()
-            else:
-                record[name] = hashlib.sha256(
-                    host.tobytes() + str(host.dtype).encode()
-                ).hexdigest()
-    return record or None
-
-
 @dataclasses.dataclass
 class Run:
-    """A run between dispatches."""
+    """A run between dispatches: it owns the train state and the history, and
+    drives the components (the data source, controllers, checkpoints, progress
+    meters, callbacks), each of which says when it next needs the host."""
 
     chunk: Chunk
     runner: Callable[..., Any]
     train_state: TrainState
     recorder: Recorder
     steps: int
-    stream: BatchGroups | None
+    source: DataSource
     checkpoints: Checkpoints | None
     controllers: tuple[Controller, ...]
     track: tuple[Tracker, ...]
-    run_record: dict[str, Any]
-    info: dict[str, Any]
+    record: RunRecord
+    sampling: Sampling
+    key: PRNGKeyArray
     meters: tuple[ProgressMeter, ...] = ()
     functions: tuple[Callable[[FitResult], Any], ...] = ()
-    resumed: bool = False
+    resumed_from: int | None = None
+
+    def __post_init__(self):
+        self.done = int(self.train_state.step)
+        self._diverged_at = np.asarray(self.train_state.diverged_at)
 
     def run(self) -> FitResult:
         """Drive the run to its last step: one dispatch, then the host's work
-        (history, progress, divergence, controllers, checkpoint, callbacks)."""
+        (history, progress, divergence, controllers, checkpoint, callbacks).
+        A failure to read the next batches comes after the dispatch that ran is
+        recorded and checkpointed, and carries the run as `error.result`."""
         handles = [
-            meter.start(self.steps, self.done, self.resumed) for meter in self.meters
+            meter.start(self.steps, self.done, self.resumed_from is not None)
+            for meter in self.meters
         ]
         try:
             group = self.read_group(self.done)
             while self.done < self.steps:
-                if group is not None and group[1] == 0:
+                if group[1] == 0:
                     self.fail(ValueError, self.stream_ended_message())
-                end = self.dispatch_end(self.done, group)
-                outputs = self.dispatch(group, end)  # asynchronous: overlaps the read
-                group = self.read_group(end) if end < self.steps else None
-                losses = self.record(outputs, end)
+                end = self.dispatch_end(self.done, group[1])
+                outputs = self.dispatch(group[0], end)  # asynchronous: overlaps
+                read_error = None
+                try:  # the next group, read while the dispatch runs
+                    group = self.read_group(end) if end < self.steps else (None, 0)
+                except Exception as error:  # noqa: BLE001 - raised below, with the run
+                    read_error = error
+                losses = self.record_dispatch(outputs, end)
                 for meter, handle in zip(self.meters, handles, strict=True):
                     meter.update(handle, self.done, losses, self._diverged_at)
                 if (self._diverged_at >= 0).all():
@@ -426,45 +390,42 @@ class Run:
                 self.checkpoint()
                 for function in self.functions:
                     function(self.result(copy_state=True))
+                if read_error is not None:
+                    attached: Any = read_error
+                    attached.result = self.result()
+                    raise read_error
         finally:
             for meter, handle in zip(self.meters, handles, strict=True):
                 meter.close(handle)
         return self.result()
 
-    def __post_init__(self):
-        self.done = int(self.train_state.step)
-        self._diverged_at = np.asarray(self.train_state.diverged_at)
-
-    def dispatch_end(self, done: int, group: Any = None) -> int:
-        """Where the dispatch starting at `done` ends: after `steps_per_dispatch`
-        steps, at the next checkpoint or controller, or where a stream ends."""
+    def dispatch_end(self, done: int, available: int | None = None) -> int:
+        """Where the dispatch starting at `done` ends: after the plan's steps per
+        dispatch, where a component next needs the host, or where the data
+        available ends."""
         ends = [self.steps, done + self.chunk.length]
-        if self.checkpoints is not None and self.checkpoints.every is not None:
-            ends.append(self.checkpoints.boundary(done) or self.steps)
-        ends += [(done // c.every + 1) * c.every for c in self.controllers]
+        if self.checkpoints is not None:
+            ends.append(self.checkpoints.next_stop(done) or self.steps)
+        ends += [controller.next_stop(done) for controller in self.controllers]
         if self.chunk.unrolled and self.chunk.evaluate is not None:
-            every = self.chunk.evaluate.every
-            ends.append((done // every + 1) * every)
-        if group is not None:
-            ends.append(done + group[1])
+            ends.append(self.chunk.evaluate.next_stop(done))
+        if available is not None:
+            ends.append(done + available)
         return min(ends)
 
-    def read_group(self, start: int) -> tuple[Any, int] | None:
-        """A stream's next group of batches (placed on the devices), or `None`."""
-        if self.stream is None:
-            return None
+    def read_group(self, start: int) -> tuple[Batches | None, int]:
+        """The data for the dispatch that starts at `start`, and how many steps
+        it holds."""
         count = self.dispatch_end(start) - start
         length = count if self.chunk.unrolled else self.chunk.length
-        group, real = self.stream.next_group(count, length)
-        if group is not None:
-            group = on_mesh(jax.device_put(group), self.chunk.mesh)
-        return group, real
+        real = self.source.next_group(count, length, self.chunk.mesh)
+        return (self.source.batches() if real else None), real
 
-    def dispatch(self, group: tuple[Any, int] | None, end: int) -> tuple[Any, Any]:
+    def dispatch(self, batches: Batches | None, end: int) -> tuple[Any, Any]:
         chunk = dataclasses.replace(
             self.chunk,
             end=jnp.array(end, jnp.int32),
-            batches=None if group is None else group[0],
+            batches=batches,
             full=_skips_conditional(self.chunk)
             and end - self.done == self.chunk.length,
         )
@@ -478,7 +439,7 @@ class Run:
         self.train_state, losses, scores = self.runner(chunk, self.train_state)
         return losses, scores
 
-    def record(self, outputs: tuple[Any, Any], end: int) -> np.ndarray:
+    def record_dispatch(self, outputs: tuple[Any, Any], end: int) -> np.ndarray:
         """The dispatch's history; returns its `(steps, members)` losses."""
         active = end - self.done
         losses = np.asarray(outputs[0])[:active]
@@ -491,13 +452,10 @@ class Run:
         self._diverged_at = np.asarray(self.train_state.diverged_at)
         return losses
 
-    def diverged_at(self) -> np.ndarray:
-        return self._diverged_at
-
     def control(self) -> None:
         """Run the controllers due at this step."""
         for position, controller in enumerate(self.controllers):
-            if self.done % controller.every:
+            if not controller.due(self.done):
                 continue
             states = list(self.train_state.controlled)
             new_state, states[position] = controller(
@@ -508,9 +466,12 @@ class Run:
                 jax.tree.map(_spec, eqx.filter(new_state, eqx.is_array)),
             )
             if difference is not None:
-                raise TypeError(
-                    f"`controllers[{position}]` changed the structure, shapes or "
-                    f"dtypes of the train state: {difference}"
+                self.fail(
+                    TypeError,
+                    f"The controller `{type(controller).__name__}` (in `callbacks`) "
+                    "changed the structure, shapes or dtypes of the train state at "
+                    f"step {self.done}: {difference}. A controller may change values "
+                    "only; the run up to this step is `error.result`",
                 )
             self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
 
@@ -519,7 +480,7 @@ class Run:
             return
         try:
             self.checkpoints.save(
-                self.train_state, self.recorder.history(), self.run_record
+                self.train_state, self.recorder.history(), self.record.as_json()
             )
         except (OSError, CheckpointError) as error:
             self.fail(
@@ -531,7 +492,15 @@ class Run:
 
     def result(self, copy_state: bool = False) -> FitResult:
         state = copy(self.train_state) if copy_state else self.train_state
-        return make_result(state, self.recorder.history(), self.track, self.info)
+        return make_result(
+            state,
+            self.recorder.history(),
+            self.track,
+            sampling=self.sampling,
+            key=self.key,
+            num_examples=self.source.num_examples,
+            resumed_from=self.resumed_from,
+        )
 
     def fail(self, cls: type[Exception], message: str) -> NoReturn:
         error: Any = cls(message)

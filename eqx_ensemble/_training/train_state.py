@@ -1,5 +1,7 @@
-"""`TrainState`: everything a `fit` run carries from step to step."""
+"""`TrainState`: everything a `fit` run carries from step to step, and the
+state before the first step."""
 
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -78,3 +80,33 @@ def member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any
         return jnp.where(mask, n, o)
 
     return jax.tree.map(pick, new, old, member_axis_mask(new))
+
+
+def initial_state(
+    ens: Ensemble,
+    opt_state: PyTree[Any],
+    model_state: PyTree[Any],
+    *,
+    hyper: PyTree[Any] = None,
+    track: tuple[Any, ...],
+    with_eval: bool,
+    controllers: tuple[Any, ...] = (),
+) -> TrainState:
+    """The state before the first step (its arrays may alias the inputs: copy it
+    before donating it)."""
+    size = len(ens)
+    train_state = TrainState(
+        ensemble=ens,
+        opt_state=opt_state,
+        model_state=model_state,
+        hyper=hyper,
+        tracked=tuple(tracker.init(ens.members) for tracker in track),
+        controlled=(),
+        step=jnp.array(0, dtype=jnp.int32),
+        diverged_at=jnp.full((size,), -1, dtype=jnp.int32),
+        best_ensemble=ens if with_eval else None,
+        best_score=jnp.full((size,), jnp.inf, jnp.float32) if with_eval else None,
+        best_step=jnp.zeros((size,), jnp.int32) if with_eval else None,
+    )
+    controlled = tuple(controller.init(train_state) for controller in controllers)
+    return dataclasses.replace(train_state, controlled=controlled)

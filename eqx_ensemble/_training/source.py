@@ -1,0 +1,241 @@
+"""`fit`'s data behind one interface: arrays or a stream.
+
+A `DataSource` lives on the host for one run. It checks the data before any
+work, says what one member's batch looks like (for the step's profile), reads
+the next group of batches for a dispatch (a stream's, stacked; nothing for
+arrays, which are sampled inside compiled code), and hands the compiled
+dispatch a `Batches` component that produces each step's batch there. Nothing
+else in the loop asks which kind of data it has.
+"""
+
+import abc
+import os
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh
+from jaxtyping import Array, Int, PRNGKeyArray, PyTree
+
+from .._core.data import num_examples
+from .._core.sharding import DATA, MEMBERS, constrain, gather_batch, on_mesh
+from .._execution.profile import example_structs, first_member
+from .._internal.checks import check_positive_int
+from .sampling import MAX_INDICES, Bootstrap, Sampling
+from .stream import BatchGroups, check_data, example_count, is_array_data
+
+
+class Batches(eqx.Module):
+    """What a compiled dispatch reads to make each step's batch (abstract)."""
+
+    @abc.abstractmethod
+    def scanned(self) -> PyTree[Any]:
+        """The inputs scanned over, one slice per step (`None`: nothing)."""
+
+    @abc.abstractmethod
+    def maker(
+        self, first_step: Int[Array, ""], length: int, mesh: Mesh | None
+    ) -> Callable[[Int[Array, ""], Any], PyTree[Any]]:
+        """`batch(step, scanned_slice)` for the steps of a dispatch that starts at
+        `first_step` and compiles `length` steps (work shared by those steps is
+        done once, here)."""
+
+
+class SampledBatches(Batches):
+    """Array data, sampled inside compiled code by the run's `Sampling`."""
+
+    data: PyTree[Any]
+    sampling: Sampling
+    prepared: Array | None  # the sampling's per-run arrays (a bootstrap's draws)
+    data_key: PRNGKeyArray
+    num_examples: int
+    batch_size: int
+    size: int
+
+    def scanned(self) -> PyTree[Any]:
+        return None
+
+    def maker(self, first_step, length, mesh):
+        indices_of = self.sampling.chunk_indices(
+            self.data_key,
+            self.prepared,
+            first_step,
+            n=self.num_examples,
+            batch_size=self.batch_size,
+            size=self.size,
+            chunk=length,
+        )
+        return lambda step, _: gather_batch(self.data, indices_of(step), mesh)
+
+
+class StreamedBatches(Batches):
+    """A stream's group of batches, stacked on the host along a leading step axis."""
+
+    group: PyTree[Any]
+    per_member: bool
+
+    def scanned(self) -> PyTree[Any]:
+        return self.group
+
+    def maker(self, first_step, length, mesh):
+        del first_step, length
+        axes = (MEMBERS, DATA) if self.per_member else (DATA,)
+        return lambda step, batch: constrain(batch, mesh, axes)
+
+
+class DataSource(abc.ABC):
+    """`fit`'s data for one run, on the host."""
+
+    per_member: bool
+    batch_size: int
+    num_examples: int | None
+
+    @abc.abstractmethod
+    def member_batch(self) -> PyTree[Any]:
+        """One member's batch of one step, as shapes (for the step's profile)."""
+
+    @abc.abstractmethod
+    def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
+        """Read the next `count` steps' batches (padded to `length`), placed on
+        the devices; returns how many steps they hold (fewer: the data ends)."""
+
+    @abc.abstractmethod
+    def batches(self) -> Batches:
+        """The compiled dispatch's view of the data read last."""
+
+
+class ArraySource(DataSource):
+    """Arrays with a leading example axis: every step's batch is drawn inside
+    compiled code; nothing is read on the host between dispatches."""
+
+    def __init__(
+        self,
+        data: PyTree[Any],
+        sampling: Sampling,
+        batch_size: int | None,
+        size: int,
+        key: PRNGKeyArray,
+    ):
+        if batch_size is None:
+            raise TypeError("`fit` on array data needs `batch_size`")
+        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.num_examples = num_examples(data)
+        sampling.check(self.num_examples, self.batch_size, size)
+        _check_batch_memory(data, self.batch_size, size if sampling.per_member else 1)
+        self.per_member = sampling.per_member
+        self.data = data
+        data_key, bootstrap_key, _ = jax.random.split(key, 3)
+        self._batches = SampledBatches(
+            data=data,
+            sampling=sampling,
+            prepared=sampling.prepare(bootstrap_key, size, self.num_examples),
+            data_key=data_key,
+            num_examples=self.num_examples,
+            batch_size=self.batch_size,
+            size=size,
+        )
+
+    def member_batch(self) -> PyTree[Any]:
+        return example_structs(self.data, self.batch_size)
+
+    def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
+        del length, mesh
+        return count
+
+    def batches(self) -> Batches:
+        return self._batches
+
+    def place(self, mesh: Mesh | None) -> None:
+        """Put the arrays on `mesh` (once, before the first dispatch)."""
+        self._batches = on_mesh(self._batches, mesh)
+
+
+class StreamSource(DataSource):
+    """An iterable of batches, or a function `step -> iterator` (resumable):
+    groups of batches are read and stacked on the host, the next while the
+    current dispatch runs."""
+
+    def __init__(
+        self,
+        data: Any,
+        sampling: Sampling,
+        batch_size: int | None,
+        size: int,
+        start: int,
+    ):
+        if isinstance(sampling, Bootstrap):
+            raise ValueError(
+                "`ee.Bootstrap()` resamples array data; a stream cannot be "
+                "resampled. Pass the data as arrays, or bootstrap inside your data "
+                "loader and stream per-member batches with "
+                "`sampling=ee.Independent()`"
+            )
+        self.per_member = sampling.per_member
+        self.num_examples = None
+        self._groups = BatchGroups(
+            data, start=start, size=size, per_member=sampling.per_member
+        )
+        first = self._groups.peek()
+        self._first = first
+        examples = example_count(
+            jax.tree.map(lambda x: x[None], first), sampling.per_member
+        )
+        if batch_size is not None and batch_size != examples:
+            raise ValueError(
+                f"`batch_size={batch_size}` but the stream's batches hold {examples} "
+                "examples; leave `batch_size` out for a stream"
+            )
+        self.batch_size = examples
+        self._batches: StreamedBatches | None = None
+
+    def member_batch(self) -> PyTree[Any]:
+        return first_member(self._first) if self.per_member else self._first
+
+    def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
+        group, real = self._groups.next_group(count, length)
+        self._batches = None
+        if group is not None:
+            group = on_mesh(jax.device_put(group), mesh)
+            self._batches = StreamedBatches(group, self.per_member)
+        return real
+
+    def batches(self) -> Batches:
+        assert self._batches is not None
+        return self._batches
+
+
+def data_source(
+    data: Any,
+    sampling: Sampling,
+    batch_size: int | None,
+    size: int,
+    key: PRNGKeyArray,
+    start: int,
+) -> DataSource:
+    """The source of `data` (checked before any work)."""
+    check_data(data)
+    if is_array_data(data):
+        return ArraySource(data, sampling, batch_size, size, key)
+    return StreamSource(data, sampling, batch_size, size, start)
+
+
+def _check_batch_memory(data: PyTree[Any], batch_size: int, members: int) -> None:
+    # A step's batch must fit in memory (and XLA's int32 dimensions) before it
+    # reaches XLA, which aborts the process on an impossible shape.
+    per_example = sum(
+        leaf.nbytes // max(leaf.shape[0], 1)
+        for leaf in jax.tree.leaves(data)
+        if hasattr(leaf, "nbytes") and getattr(leaf, "ndim", 0) > 0
+    )
+    total = per_example * batch_size * members
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 2**63
+    if total > memory or batch_size * members > MAX_INDICES:
+        raise ValueError(
+            f"A batch of {batch_size} examples for {members} member(s) needs "
+            f"{total / 2**30:.1f} GiB, more than this machine's "
+            f"{memory / 2**30:.1f} GiB; use a smaller `batch_size`"
+        )
