@@ -182,7 +182,9 @@ def test_fit_sequential_equals_vmap_with_batchnorm(data, sampling):
 
 def test_bad_layout_is_refused(data):
     opt = optax.sgd(0.1)
-    with pytest.raises(ValueError, match=r"`layout` must be one of .*'columns'"):
+    with pytest.raises(
+        ValueError, match=r"`Execution.layout` must be one of .*'columns'"
+    ):
         ee.make_step(loss_fn, opt, execution=ee.Execution(layout="columns"))
     ens = ee.ensemble(CNN, size=4, key=jax.random.key(0))
     mesh = ee.make_mesh(members=2)
@@ -263,7 +265,9 @@ def test_predict_auto_layout_runs_convolving_members_one_by_one(data, monkeypatc
     assert SIZE_GROUP in traced()
     monkeypatch.setattr(jax, "device_count", lambda *_: 1)
     assert traced() == ["1"] * (2 * SIZE)  # each member's own two convolutions
-    assert SIZE_GROUP in traced(layout="vmap")  # the grouped convolution
+    assert SIZE_GROUP in traced(
+        execution=ee.Execution(layout="vmap")
+    )  # the grouped convolution
     # Eagerly, only from EAGER_SEQUENTIAL_MIN_FLOPS of convolutions per member
     # (these tiny members convolve ~10 kFLOP).
     eager = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
@@ -413,7 +417,7 @@ def test_evaluate_sequential_equals_vmap_without_grouped_convolutions(data):
 
 def test_map_bad_layout_is_refused(data):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"`layout` must be one of .*'rows'"):
+    with pytest.raises(ValueError, match=r"`Execution.layout` must be one of .*'rows'"):
         ee.map(lambda m: m(data[0][0]), ens, execution=ee.Execution(layout="rows"))
     with pytest.raises(ValueError, match="one member at a time.*chunk_size"):
         ee.map(

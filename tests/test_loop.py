@@ -554,7 +554,9 @@ def test_controller_that_changes_shapes_is_refused(ens):
             )
             return dataclasses.replace(train_state, ensemble=halves), state
 
-    with pytest.raises(TypeError, match=r"controllers\[0\]` changed the structure"):
+    with pytest.raises(
+        TypeError, match=r"controller `Shrink` \(in `callbacks`\) changed the structure"
+    ) as raised:
         ee.fit(
             ens,
             mse_loss,
@@ -565,6 +567,8 @@ def test_controller_that_changes_shapes_is_refused(ens):
             key=KEY,
             callbacks=[Shrink()],
         )
+    # Raised after training started: the run up to the controller's step is kept.
+    assert raised.value.result.step == 2
 
 
 def test_bad_components_are_named(ens):
@@ -630,7 +634,7 @@ def test_unwritable_checkpoint_folder_fails_before_training(ens, tmp_path):
 
 
 def test_failed_checkpoint_write_keeps_the_result(ens, tmp_path, monkeypatch):
-    from eqx_ensemble import _fit_checkpoints
+    from eqx_ensemble._checkpoints import component as _fit_checkpoints
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -668,7 +672,7 @@ def test_resume_contract(ens, tmp_path):
     )
     with pytest.raises(ee.CheckpointError, match="step 8, past the `steps=5`"):
         ee.fit(ens, mse_loss, optimizer, (X, Y), steps=5, **common)
-    with pytest.raises(ee.CheckpointError, match="different `hyperparams`"):
+    with pytest.raises(ee.CheckpointError, match="different optimizer hyperparameters"):
         ee.fit(
             ens,
             mse_loss,
@@ -810,9 +814,8 @@ def test_stream_on_a_mesh_equals_one_device(axis_type, per_member):
         mse_loss,
         ADAM,
         iter(batches),
-        **common,
+        **{**common, "execution": ee.Execution(steps_per_dispatch=4, mesh=mesh)},
         callbacks=(),
-        execution=ee.Execution(mesh=mesh),
     )
     assert_tree_allclose(sharded.ensemble, reference.ensemble, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
@@ -948,10 +951,18 @@ def test_unrolled_dispatches_equal_the_fused_loop(sampling):
         execution=ee.Execution(steps_per_dispatch=5),
     )
     looped = ee.fit(
-        cnn, cnn_loss, ADAM, (IMAGES, Y), **common, execution=ee.Execution(unroll=False)
+        cnn,
+        cnn_loss,
+        ADAM,
+        (IMAGES, Y),
+        **{**common, "execution": ee.Execution(steps_per_dispatch=5, unroll=False)},
     )
     unrolled = ee.fit(
-        cnn, cnn_loss, ADAM, (IMAGES, Y), **common, execution=ee.Execution(unroll=True)
+        cnn,
+        cnn_loss,
+        ADAM,
+        (IMAGES, Y),
+        **{**common, "execution": ee.Execution(steps_per_dispatch=5, unroll=True)},
     )
     assert_tree_allclose(unrolled.ensemble, looped.ensemble, rtol=1e-5, atol=1e-6)
     assert_tree_allclose(unrolled.tracked[0], looped.tracked[0], rtol=1e-5, atol=1e-6)

@@ -45,7 +45,7 @@ def common(ens, **extra):
         opt_state=ee.init_optimizer(OPT, ens, hyperparams=RATES),
         hyper={"decay": jnp.full(SIZE, 1e-3)},
         evaluate=ee.Evaluate(score, DATA, every=5),
-        progress=False,
+        callbacks=(),
     )
     return {**settings, **extra}
 
@@ -128,7 +128,7 @@ def test_misuse_is_refused_before_work(ens):
                         ee.PBT(every=5, hyperparams=("learning_rate",)),
                     ],
                 ),
-                "hyperparams": None,
+                "opt_state": None,
             },
         )
     sparse = common(
@@ -136,8 +136,12 @@ def test_misuse_is_refused_before_work(ens):
         evaluate=ee.Evaluate(score, DATA, every=10),
         callbacks=[ee.PBT(every=5)],
     )
-    with pytest.raises(ValueError, match="no evaluation since step 0"):
+    # Checkable before any work (it used to fail at the first round, step 5).
+    calls = []
+    sparse["callbacks"] = [*sparse["callbacks"], calls.append]
+    with pytest.raises(ValueError, match=r"`ee.Evaluate\(every=10\)` evaluates less"):
         ee.fit(ens, loss, OPT, DATA, **sparse)
+    assert calls == []
 
 
 def test_resume_compares_the_starting_hyperparameters(ens, tmp_path):
@@ -148,13 +152,17 @@ def test_resume_compares_the_starting_hyperparameters(ens, tmp_path):
     run = ee.Checkpoints(tmp_path, every=4)
     ee.fit(ens, loss, OPT, DATA, **{**settings, "steps": 8, "checkpoints": run})
     other = {"learning_rate": jnp.full(SIZE, 0.05)}
-    with pytest.raises(ee.CheckpointError, match="different `hyperparams`"):
+    with pytest.raises(ee.CheckpointError, match="different optimizer hyperparameters"):
         ee.fit(
             ens,
             loss,
             OPT,
             DATA,
-            **{**settings, "hyperparams": other, "checkpoints": run},
+            **{
+                **settings,
+                "opt_state": ee.init_optimizer(OPT, ens, hyperparams=other),
+                "checkpoints": run,
+            },
         )
     with pytest.raises(ee.CheckpointError, match="different `hyper`"):
         ee.fit(

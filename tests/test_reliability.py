@@ -162,11 +162,10 @@ def run(optimizer, sampling, learning_rates, steps=STEPS, **kwargs):
         batch_size=BATCH,
         key=FIT_KEY,
         sampling=sampling,
-        **kwargs,
+        **{"callbacks": (), **kwargs},
         opt_state=ee.init_optimizer(
             optimizer, wild_ensemble(), hyperparams={"learning_rate": learning_rates}
         ),
-        callbacks=(),
         execution=ee.Execution(steps_per_dispatch=PER_DISPATCH),
     )
 
@@ -1341,11 +1340,10 @@ def _resume_fit(ens, optimizer, size, eval_every, **kwargs):
         RESUME_OPTIMIZERS[optimizer],
         (RESUME_X, RESUME_Y),
         key=jax.random.key(21),
-        **kwargs,
+        **{"callbacks": (), **kwargs},
         opt_state=ee.init_optimizer(
             RESUME_OPTIMIZERS[optimizer], ens, hyperparams=hyperparams
         ),
-        callbacks=(),
     )
 
 

@@ -87,11 +87,8 @@ def test_options_reach_xla():
     assert "ynn" not in eigen.compiled.as_text()
 
 
-def _fit(ens, options, loss=xent, **kwargs):
-    kwargs = (
-        dict(steps=20, batch_size=32, execution=ee.Execution(steps_per_dispatch=10))
-        | kwargs
-    )
+def _fit(ens, options, loss=xent, steps_per_dispatch=10, **kwargs):
+    kwargs = dict(steps=20, batch_size=32, callbacks=()) | kwargs
     return ee.fit(
         ens,
         loss,
@@ -99,8 +96,9 @@ def _fit(ens, options, loss=xent, **kwargs):
         (X, Y),
         key=jax.random.key(3),
         **kwargs,
-        callbacks=(),
-        execution=ee.Execution(compiler_options=options),
+        execution=ee.Execution(
+            steps_per_dispatch=steps_per_dispatch, compiler_options=options
+        ),
     )
 
 
@@ -145,7 +143,7 @@ def test_fit_with_options_does_not_retrace():
             counting,
             steps=4,
             batch_size=8,
-            execution=ee.Execution(steps_per_dispatch=2),
+            steps_per_dispatch=2,
         )
         if seed == 0:
             once = len(traces)
@@ -217,8 +215,7 @@ def test_fit_default_steps_per_dispatch_is_used():
         linear_loss,
         SGD,
         (X, Y),
-        **kwargs,
-        callbacks=[calls.append],
+        **{**kwargs, "callbacks": [calls.append]},
     )
     assert len(calls) == 1
     explicit = ee.fit(

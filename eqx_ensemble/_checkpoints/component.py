@@ -14,7 +14,7 @@ from jaxtyping import PyTree
 
 from .._controllers.base import Controller
 from .._core.ensemble import Ensemble
-from .._internal.checks import check_positive_int
+from .._internal.checks import MAX_INT32, check_positive_int
 from .._trackers.base import Tracker
 from .._training.evaluate import Evaluate
 from .._training.history import History
@@ -89,7 +89,7 @@ class Checkpoints(eqx.Module):
                 f"{type(self.directory).__name__}"
             )
         if self.every is not None:
-            check_positive_int(self.every, "Checkpoints.every")
+            check_positive_int(self.every, "Checkpoints.every", high=MAX_INT32)
         if self.keep is not None:
             check_positive_int(self.keep, "Checkpoints.keep")
         if self.on_corrupt not in _ON_CORRUPT:

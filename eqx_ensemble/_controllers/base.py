@@ -65,6 +65,12 @@ class Controller(eqx.Module):
         """Whether this controller runs after `done` steps."""
         return done % self.every == 0
 
+    def check(self, steps: int, evaluate_every: int | None) -> None:
+        """Raise before any work if this controller cannot run in a run of
+        `steps` steps evaluating every `evaluate_every` steps (`None`: no
+        evaluation). Default: nothing to check."""
+        del steps, evaluate_every
+
     def init(self, train_state: TrainState) -> PyTree[Any]:
         """The controller's own state (default `None`)."""
         del train_state

@@ -169,6 +169,20 @@ class PBT(Controller):
             "last": jnp.array(0, jnp.int32),
         }
 
+    def check(self, steps: int, evaluate_every: int | None) -> None:
+        """Refuse, before any work, an evaluation period that leaves a round
+        without a fresh score: every window of `self.every` steps holds an
+        evaluation exactly when `evaluate_every <= self.every`."""
+        del steps
+        every = evaluate_every
+        if every is not None and every > self.every:
+            raise ValueError(
+                f"`ee.PBT(every={self.every})` ranks members on an evaluation since "
+                f"its last round, but `ee.Evaluate(every={every})` evaluates less "
+                f"often: evaluate at least once every {self.every} steps "
+                "(`ee.Evaluate(every=...)` with a period of at most `PBT.every`)."
+            )
+
     def __call__(
         self, train_state: TrainState, state: PyTree[Any], history: History
     ) -> tuple[TrainState, PyTree[Any]]:

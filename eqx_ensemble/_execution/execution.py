@@ -15,7 +15,7 @@ import equinox as eqx
 from jax.sharding import Mesh
 
 from .._core.sharding import check_mesh
-from .._internal.checks import check_positive_int
+from .._internal.checks import MAX_INT32, check_positive_int
 
 LayoutChoice = Literal["auto", "vmap", "sequential"]
 _LAYOUTS = ("auto", "vmap", "sequential")
@@ -101,14 +101,14 @@ class Execution(eqx.Module):
         self,
         *,
         steps_per_dispatch: int | None = None,
-        layout: LayoutChoice | None = None,
+        layout: str | None = None,
         unroll: bool | None = None,
         compiler_options: dict[str, Any] | None = None,
         mesh: Mesh | None = None,
     ):
         if steps_per_dispatch is not None:
             steps_per_dispatch = check_positive_int(
-                steps_per_dispatch, "Execution.steps_per_dispatch"
+                steps_per_dispatch, "Execution.steps_per_dispatch", high=MAX_INT32
             )
         if layout is None:
             layout = "auto"

@@ -44,15 +44,17 @@ def _range_message(name: str, low: int | None, high: int | None, value: Any) -> 
     return f"`{name}` must be an int between {low} and {high}, got {value!r}"
 
 
-def check_positive_int(value: Any, name: str, *, high: int = MAX_INT32) -> int:
-    """`value` as an int >= 1 (and at most `high`: steps are counted in int32
-    inside compiled code), or a clear error naming `name`."""
+def check_positive_int(value: Any, name: str, *, high: int | None = None) -> int:
+    """`value` as an int >= 1 (and at most `high`, e.g. `MAX_INT32` for step
+    counts and periods, which compiled code counts in int32), or a clear error
+    naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"`{name}` must be at least 1, got {value}")
-    if value > high:
+    if high is not None and value > high:
         raise ValueError(
-            f"`{name}` must be at most {high} (steps are counted in int32), got {value}"
+            f"`{name}` must be at most {high} (steps are counted in int32 inside "
+            f"compiled code), got {value}"
         )
     return int(value)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
 from .._execution.layout import Layout, member_map
-from .._internal.checks import check_positive_int
+from .._internal.checks import MAX_INT32, check_positive_int
 
 
 class Evaluate(eqx.Module):
@@ -59,7 +59,7 @@ class Evaluate(eqx.Module):
             raise TypeError(
                 f"`Evaluate`'s `fn` must be callable, got {type(self.fn).__name__}"
             )
-        check_positive_int(self.every, "Evaluate.every")
+        check_positive_int(self.every, "Evaluate.every", high=MAX_INT32)
         if not isinstance(self.inference, bool):
             raise TypeError(
                 "`Evaluate.inference` must be a bool, got "

@@ -50,7 +50,9 @@ class Chunk(eqx.Module):
     sampling: Sampling
     evaluate: Evaluate | None
     track: tuple[Tracker, ...]
-    batches: Batches  # the data source's view: sampled arrays or a stream's group
+    batches: (
+        Batches | None
+    )  # the data source's view: sampled arrays or a stream's group
     train_key: PRNGKeyArray
     eval_key: PRNGKeyArray
     end: Int[Array, ""]
@@ -172,6 +174,7 @@ def run_chunk(
     mesh = chunk.mesh
     dynamic, static = eqx.partition(train_state, eqx.is_array)
     nan_row = _nan_row(chunk)
+    assert chunk.batches is not None, "a dispatch is given its data"
     batch_of = chunk.batches.maker(train_state.step, chunk.length, mesh)
 
     def active(carry, scanned):
@@ -211,6 +214,7 @@ def _unrolled(
     8x8 digits: 283 vs 15 ms per step), so models with convolutions run their
     steps unrolled, with no conditional."""
     ts = eqx.combine(dynamic, static)
+    assert chunk.batches is not None
     scanned = chunk.batches.scanned()
     losses, scores = [], []
     for position in range(chunk.length):

@@ -21,7 +21,7 @@ class RunRecord:
     Saved as JSON (`as_json`) in each checkpoint's manifest."""
 
     size: int
-    batch_size: int
+    batch_size: int | None
     sampling: str
     num_examples: int | None
     key: list[int]
@@ -90,15 +90,20 @@ def optimizer_record(
     optimizer: optax.GradientTransformation, opt_state: PyTree[Any]
 ) -> str:
     """A digest of what identifies an optimizer without running it: the
-    structure, shapes and dtypes of its state for these members, and the
-    values its `init`/`update` close over (learning rates, betas, clipping
+    structure of its state (on a canonical one-leaf model), and the values its
+    `update` closes over (learning rates, betas, clipping
     thresholds: the numbers and strings in their closures), so that resuming
     with `adam(1e-1)` a run saved with `adam(1e-2)` is refused."""
-    parts: list[str] = [str(jax.tree.structure(opt_state))]
-    parts += [
-        f"{np.shape(leaf)}{getattr(leaf, 'dtype', type(leaf).__name__)}"
-        for leaf in jax.tree.leaves(opt_state)
-    ]
+    # The state's structure on a canonical one-leaf model (not on the ensemble,
+    # whose architecture a resume checks leaf by leaf with its own message).
+    del opt_state
+    try:
+        canonical = jax.eval_shape(
+            optimizer.init, {"w": jax.ShapeDtypeStruct((1,), np.float32)}
+        )
+        parts = [str(jax.tree.structure(canonical))]
+    except Exception:  # noqa: BLE001 - an optimizer tied to one model's structure
+        parts = []
     parts += _closure_values(optimizer.update, depth=0, seen=set())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 

@@ -32,7 +32,7 @@ from .._execution.profile import (
     first_member,
     profile_step,
 )
-from .._internal.checks import check_positive_int
+from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.keys import check_key
 from .._internal.tree import first_difference
 from .._trackers.base import Tracker
@@ -83,7 +83,11 @@ def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple,
                     f"{type(item).__name__}"
                 )
     for position, controller in enumerate(controllers):
-        check_positive_int(controller.every, f"controllers[{position}].every")
+        check_positive_int(
+            controller.every,
+            f"{type(controller).__name__}.every",
+            high=MAX_INT32,
+        )
     return tuple(track), tuple(controllers)
 
 
@@ -142,7 +146,7 @@ def prepare(
         raise TypeError(f"`fit` expects an `ee.Ensemble`, got {type(ens).__name__}")
     size = len(ens)
     check_optimizer(optimizer)
-    steps = check_positive_int(steps, "steps")
+    steps = check_positive_int(steps, "steps", high=MAX_INT32)
     check_key(key)
     sampling = as_sampling(sampling)
     mesh = execution.mesh
@@ -150,7 +154,7 @@ def prepare(
     track, controllers = _check_components(evaluate, checkpoints, track, controllers)
     for tracker in track:
         tracker.check(steps)
-    _check_periods(evaluate, controllers)
+    _check_periods(evaluate, controllers, steps)
     if state is not None:
         check_leading(state, size, "`state`")
     check_loss_signature(loss_fn, state is not None, hyper is not None)
@@ -244,15 +248,14 @@ def prepare(
     )
 
 
-def _check_periods(evaluate: Evaluate | None, controllers: tuple[Any, ...]) -> None:
-    """A controller that reads evaluation scores must run on evaluation steps:
-    refused before any work, not at its first call."""
-    if evaluate is None:
-        return
+def _check_periods(
+    evaluate: Evaluate | None, controllers: tuple[Controller, ...], steps: int
+) -> None:
+    """What a controller can check of the run (e.g. that `ee.PBT` gets a fresh
+    evaluation for every round) is refused before any work, not at its call."""
+    every = None if evaluate is None else evaluate.every
     for controller in controllers:
-        needs = getattr(controller, "needs_evaluation_every", None)
-        if needs is not None:
-            needs(evaluate.every)
+        controller.check(steps, every)
 
 
 @dataclasses.dataclass(frozen=True)

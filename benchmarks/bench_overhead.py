@@ -1,0 +1,299 @@
+"""What the library costs around the work: per call, per `fit`, and at the first
+call (issue 25's targets), as ratios against hand-written code in the same run.
+
+1. `make_step`, one step per call, against a hand-written `eqx.filter_jit`
+   step (`eqx.filter_vmap` over members of `eqx.filter_value_and_grad` + the
+   optax update) on 8 MLPs 1-32-32-1, batch 16, Adam. Target: at most 1.2x.
+2. `fit`'s fixed cost per call: a call of 1 step minus one step's share of a
+   call of 201 steps (both once compiled, one dispatch each). Target: at most
+   0.5 ms on a CPU. Also printed: `fit` at 20 steps per call against a
+   hand-written `lax.scan` of the same 20 steps (the GPU target: at least 0.8x).
+3. The first call of `fit` (trace, compile and 20 steps) on every family of
+   `bench_families.py`, each in a fresh process, against the first 20 calls of
+   a hand-written jitted step of the same model in another fresh process.
+   Target: at most 2x.
+
+Variants are timed round-robin (medians); the machine is printed first.
+
+    python benchmarks/bench_overhead.py [--quick] [--repeats N] [--families mlp,cnn]
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+MEMBERS, BATCH, EXAMPLES = 8, 16, 256
+
+
+def _tiny(jax, jnp, eqx, optax, ee):
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(1, 1, 32, 2, key=k), size=MEMBERS, key=jax.random.key(0)
+    )
+    x = jnp.linspace(-1, 1, EXAMPLES)[:, None]
+    y = x**3
+
+    def loss(model, batch, key):
+        xb, yb = batch
+        return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+    return ens, (x, y), loss, optax.adam(1e-3)
+
+
+def per_call(args) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import eqx_ensemble as ee
+
+    ens, (x, y), loss, opt = _tiny(jax, jnp, eqx, optax, ee)
+    batch = (x[:BATCH], y[:BATCH])
+    key = jax.random.key(1)
+
+    def one(member, member_opt, member_key):
+        value, grads = eqx.filter_value_and_grad(loss)(member, batch, member_key)
+        updates, member_opt = opt.update(
+            grads, member_opt, eqx.filter(member, eqx.is_inexact_array)
+        )
+        return eqx.apply_updates(member, updates), member_opt, value
+
+    @eqx.filter_jit
+    def hand(ens, opt_state, key):
+        members, opt_state, losses = eqx.filter_vmap(one)(
+            ens.members, opt_state, jax.random.split(key, MEMBERS)
+        )
+        return ee.Ensemble(members), opt_state, losses
+
+    step = ee.make_step(loss, opt)
+    opt_state = ee.init_optimizer(opt, ens)
+    calls = 50 if args.quick else 300
+
+    def loop_hand():
+        out = None
+        for _ in range(calls):
+            out = hand(ens, opt_state, key)
+        jax.block_until_ready(out)
+
+    def loop_step():
+        out = None
+        for _ in range(calls):
+            out = step(ens, opt_state, batch, key)
+        jax.block_until_ready(out)
+
+    def fit(steps):
+        result = ee.fit(
+            ens,
+            loss,
+            opt,
+            (x, y),
+            steps=steps,
+            batch_size=BATCH,
+            key=key,
+            callbacks=(),
+            execution=ee.Execution(steps_per_dispatch=1000),
+        )
+        jax.block_until_ready(result.ensemble)
+
+    @jax.jit
+    def scan20(members, opt_state, key):
+        def body(carry, step):
+            members, opt_state = carry
+            indices = jax.random.randint(
+                jax.random.fold_in(key, step), (BATCH,), 0, EXAMPLES
+            )
+            xb, yb = x[indices], y[indices]
+
+            def member_step(member, member_opt, member_key):
+                value, grads = eqx.filter_value_and_grad(loss)(
+                    member, (xb, yb), member_key
+                )
+                updates, member_opt = opt.update(
+                    grads, member_opt, eqx.filter(member, eqx.is_inexact_array)
+                )
+                return eqx.apply_updates(member, updates), member_opt, value
+
+            keys = jax.random.split(jax.random.fold_in(key, step), MEMBERS)
+            members, opt_state, losses = eqx.filter_vmap(member_step)(
+                members, opt_state, keys
+            )
+            return (members, opt_state), losses
+
+        (members, opt_state), losses = jax.lax.scan(
+            body, (members, opt_state), jnp.arange(20)
+        )
+        return members, opt_state, losses
+
+    members_dynamic = eqx.filter(ens.members, eqx.is_array)
+
+    def hand_scan():
+        jax.block_until_ready(scan20(members_dynamic, opt_state, key))
+
+    variants = {
+        "hand-written filter_jit step x calls": loop_hand,
+        "make_step x calls": loop_step,
+        "fit 1 step": lambda: fit(1),
+        "fit 201 steps": lambda: fit(201),
+        "fit 20 steps": lambda: fit(20),
+        "hand-written scan of 20 steps": hand_scan,
+    }
+    repeats = args.repeats or (3 if args.quick else 9)
+    times = _common.interleaved(variants, repeats=repeats, warmup=2)
+    med = {name: _common.median(t) for name, t in times.items()}
+    hand_us = med["hand-written filter_jit step x calls"] / calls * 1e6
+    step_us = med["make_step x calls"] / calls * 1e6
+    per_step = (med["fit 201 steps"] - med["fit 1 step"]) / 200
+    fixed_ms = (med["fit 1 step"] - per_step) * 1e3
+    print(
+        f"   make_step per call: {step_us:.0f} us; hand-written filter_jit step: "
+        f"{hand_us:.0f} us; ratio {step_us / hand_us:.2f}x (target <= 1.2x)"
+    )
+    print(
+        f"   fit: 1-step call {med['fit 1 step'] * 1e3:.2f} ms, one step "
+        f"{per_step * 1e6:.1f} us -> fixed cost per call {fixed_ms:.2f} ms "
+        "(target <= 0.5 ms on a CPU)"
+    )
+    ratio20 = med["hand-written scan of 20 steps"] / med["fit 20 steps"]
+    print(
+        f"   fit 20 steps per call {med['fit 20 steps'] * 1e3:.2f} ms; hand-written "
+        f"scan {med['hand-written scan of 20 steps'] * 1e3:.2f} ms; fit at "
+        f"{ratio20:.2f}x its speed (GPU target >= 0.8x)"
+    )
+    return {
+        "make_step_us": step_us,
+        "hand_step_us": hand_us,
+        "make_step_ratio": step_us / hand_us,
+        "fit_fixed_ms": fixed_ms,
+        "fit_step_us": per_step * 1e6,
+        "fit20_vs_scan": ratio20,
+    }
+
+
+def first_fit(family: str, members: int, batch: int, steps: int) -> float:
+    """Seconds of the first `fit` call (trace, compile, `steps` steps), in this
+    (fresh) process."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import bench_families
+    import eqx_ensemble as ee
+
+    make, loss, stateful, x, y = bench_families._families(jax, jnp, eqx)[family]
+    built = ee.ensemble(make, size=members, key=jax.random.key(1))
+    ens, state = built if stateful else (built, None)
+    jax.block_until_ready((x, y))
+    start = time.perf_counter()
+    result = ee.fit(
+        ens,
+        loss,
+        optax.adam(1e-3),
+        (x, y),
+        steps=steps,
+        batch_size=batch,
+        key=jax.random.key(2),
+        state=state,
+        callbacks=(),
+    )
+    jax.block_until_ready(result.ensemble)
+    return time.perf_counter() - start
+
+
+def first_hand(family: str, members: int, batch: int, steps: int) -> float:
+    """Seconds of the first `steps` calls of a hand-written jitted step (trace,
+    compile, run), in this (fresh) process."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import bench_families
+    import eqx_ensemble as ee
+
+    make, loss, stateful, x, y = bench_families._families(jax, jnp, eqx)[family]
+    built = ee.ensemble(make, size=members, key=jax.random.key(1))
+    ens, state = built if stateful else (built, None)
+    opt = optax.adam(1e-3)
+    opt_state = eqx.filter_vmap(opt.init)(eqx.filter(ens.members, eqx.is_array))
+
+    def one(member, member_opt, member_state, key, batch):
+        if stateful:
+
+            def wrapped(m):
+                return loss(m, member_state, batch, key)
+
+            (value, new_state), grads = eqx.filter_value_and_grad(
+                wrapped, has_aux=True
+            )(member)
+        else:
+            value, grads = eqx.filter_value_and_grad(loss)(member, batch, key)
+            new_state = member_state
+        updates, member_opt = opt.update(
+            grads, member_opt, eqx.filter(member, eqx.is_inexact_array)
+        )
+        return eqx.apply_updates(member, updates), member_opt, new_state, value
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(batch, members, opt_state, state, key):
+        keys = jax.random.split(key, members_count)
+        return eqx.filter_vmap(one, in_axes=(0, 0, 0, 0, None))(
+            members, opt_state, state, keys, batch
+        )
+
+    members_count = members
+    jax.block_until_ready((x, y))
+    start = time.perf_counter()
+    current = (ens.members, opt_state, state)
+    for i in range(steps):
+        batch = (x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch])
+        out = step(batch, *current, jax.random.key(i))
+        current = out[:3]
+    jax.block_until_ready(current)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = _common.parser(__doc__.splitlines()[0])
+    p.add_argument("--families", default="mlp,cnn,cnn_bn,transformer,gru")
+    p.add_argument("--members", type=int, default=5)
+    p.add_argument("--first-call-repeats", type=int, default=None)
+    args = p.parse_args()
+    info = _common.print_header("overhead: per call, per fit, first call")
+    results: dict = {"machine": info, "per_call": per_call(args)}
+    families = [f for f in args.families.split(",") if f]
+    repeats = args.first_call_repeats or (1 if args.quick else 3)
+    first: dict = {}
+    print(
+        f"   first call, {args.members} members, batch 32, 20 steps; fresh "
+        f"processes, median of {repeats}:"
+    )
+    for family in families:
+        kwargs = dict(family=family, members=args.members, batch=32, steps=20)
+        fit_s = _common.median(
+            [
+                _common.run_worker(__file__, "first_fit", **kwargs)
+                for _ in range(repeats)
+            ]
+        )
+        hand_s = _common.median(
+            [
+                _common.run_worker(__file__, "first_hand", **kwargs)
+                for _ in range(repeats)
+            ]
+        )
+        first[family] = {"fit_s": fit_s, "hand_s": hand_s, "ratio": fit_s / hand_s}
+        print(
+            f"   {family:12s} fit {fit_s:6.2f} s, hand-written 20 calls "
+            f"{hand_s:6.2f} s: {fit_s / hand_s:.2f}x (target <= 2x)"
+        )
+    results["first_call"] = first
+    _common.emit_summary("bench_overhead", results, args.json)
+
+
+if __name__ == "__main__":
+    main()
