@@ -176,12 +176,12 @@ def per_call(args) -> dict:
 def first_fit(family: str, members: int, batch: int, steps: int) -> float:
     """Seconds of the first `fit` call (trace, compile, `steps` steps), in this
     (fresh) process."""
+    import bench_families
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import optax
 
-    import bench_families
     import eqx_ensemble as ee
 
     make, loss, stateful, x, y = bench_families._families(jax, jnp, eqx)[family]
@@ -207,12 +207,12 @@ def first_fit(family: str, members: int, batch: int, steps: int) -> float:
 def first_hand(family: str, members: int, batch: int, steps: int) -> float:
     """Seconds of the first `steps` calls of a hand-written jitted step (trace,
     compile, run), in this (fresh) process."""
+    import bench_families
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import optax
 
-    import bench_families
     import eqx_ensemble as ee
 
     make, loss, stateful, x, y = bench_families._families(jax, jnp, eqx)[family]

@@ -45,47 +45,33 @@ def filter_jit(fn: Callable[..., Any], options: Options, **kwargs: Any) -> Any:
 # calls `fit` or `make_step` with a new optimizer each time would keep one more
 # program per call and, after a few hundred, pass Linux's limit on maps per
 # process (`vm.max_map_count`, 65530 by default): the next compilation then
-# crashes the interpreter. So each of the library's compiled functions keeps at
-# most `MAX_PROGRAMS` programs; past that it drops them all and compiles again.
+# crashes the interpreter. So the library's compiled functions are made per key
+# (what the program depends on: the loss, the optimizer, the shapes...) and at
+# most `MAX_PROGRAMS` of them are kept, the least recently used dropped: a
+# dropped function, once nothing else holds it, takes its programs with it. The
+# count is the library's own (no compiled function's private cache is read).
 MAX_PROGRAMS = 32
-
-
-def drop_programs(jitted: Any) -> None:
-    """Drop every program compiled for `jitted` (an `eqx.filter_jit` wrapper);
-    its next call compiles again."""
-    cached = getattr(jitted, "_cached", None)
-    clear = getattr(cached, "clear_cache", None)
-    if clear is not None:
-        clear()
-
-
-def bound_programs(jitted: Any) -> Any:
-    """`jitted` (an `eqx.filter_jit` wrapper), after dropping its programs if it
-    holds more than `MAX_PROGRAMS`."""
-    size = getattr(getattr(jitted, "_cached", None), "_cache_size", None)
-    if size is not None and size() > MAX_PROGRAMS:
-        drop_programs(jitted)
-    return jitted
 
 
 class CompiledFunctions:
     """At most `MAX_PROGRAMS` compiled functions made by `make(*key)`, the least
-    recently used dropped first (with their programs), each bounded by
-    `bound_programs`: a `functools.cache` that does not keep every program."""
+    recently used dropped first: a `functools.cache` that does not keep every
+    program. A key should name everything its function compiles for, so that
+    each function holds about one program."""
 
     def __init__(self, make: Callable[..., Any]):
         self._make = make
         self._made: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
 
     def __call__(self, *key: Hashable) -> Any:
-        jitted = self._made.pop(key, None)
+        jitted = self._made.get(key)
         if jitted is None:
-            jitted = self._make(*key)
-        self._made[key] = jitted
-        while len(self._made) > MAX_PROGRAMS:
-            _, oldest = self._made.popitem(last=False)
-            drop_programs(oldest)
-        return bound_programs(jitted)
+            jitted = self._made[key] = self._make(*key)
+            while len(self._made) > MAX_PROGRAMS:
+                self._made.popitem(last=False)
+        else:
+            self._made.move_to_end(key)
+        return jitted
 
     def __len__(self) -> int:
         return len(self._made)
@@ -125,6 +111,11 @@ def _supported(options: Options) -> bool:
     except Exception:  # noqa: BLE001 - any failure means "not available"
         return False
     return True
+
+
+@functools.cache
+def _cores() -> int:
+    return os.cpu_count() or 1
 
 
 def platform_of(mesh: Mesh | None) -> str:
@@ -170,7 +161,7 @@ def step_compiler_options(
         return user
     if batched_dots:
         return ()
-    cores = os.cpu_count() or 1
+    cores = _cores()
     if platform_of(mesh) != "cpu" or cores < 2:
         return ()
     if mesh is not None:

@@ -12,7 +12,6 @@ import optax
 from jaxtyping import ArrayLike, Float, PyTree
 
 from .._core.ensemble import Ensemble, SharedOptState
-from .._execution.compile import bound_programs
 from .._internal.tree import first_difference, is_traced, keystr, trainable
 from .loss import check_optimizer
 
@@ -178,27 +177,10 @@ def set_hyperparams(
     return opt_state
 
 
-@eqx.filter_jit
-def _compiled_init(
-    optimizer: Any, params: PyTree[Any], shared: PyTree[Any]
-) -> PyTree[Any]:
-    return _init_state(optimizer, params, shared)
-
-
-def init_optimizer_fast(
-    optimizer: optax.GradientTransformation, ens: Ensemble
-) -> PyTree[Any]:
-    """`init_optimizer(optimizer, ens)` as one compiled call (cached per optimizer
-    object) instead of op-by-op dispatch: for `fit`, which places the state on its
-    devices itself. Falls back to the eager path for optimizers that cannot be
-    used as a static argument."""
-    try:
-        hash(optimizer)
-    except TypeError:
-        return init_optimizer(optimizer, ens)
-    # One program per optimizer object: bounded (see `_xla.MAX_PROGRAMS`).
-    compiled = bound_programs(_compiled_init)
-    return compiled(optimizer, trainable(ens.members), _trained_shared(ens))
+def init_state(optimizer: optax.GradientTransformation, ens: Ensemble) -> PyTree[Any]:
+    """The fresh stacked optimizer state of `ens` (traceable: `fit` computes it
+    inside its start program)."""
+    return _init_state(optimizer, trainable(ens.members), _trained_shared(ens))
 
 
 def init_optimizer(

@@ -2,12 +2,12 @@
 dispatches (history, controllers, checkpoints, results)."""
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -31,18 +31,18 @@ from .._execution.profile import (
     StepProfile,
     first_member,
     profile_step,
+    signature,
 )
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.keys import check_key
 from .._internal.tree import first_difference
 from .._trackers.base import Tracker
-from .evaluate import Evaluate, eval_key
+from .evaluate import Evaluate
 from .history import Recorder
 from .loop import Chunk, chunk_runner, copy
 from .loss import check_hyper, check_loss_signature, check_optimizer
 from .optim import (
     check_opt_state,
-    init_optimizer_fast,
 )
 from .progress import ProgressBar, ProgressMeter
 from .record import (
@@ -56,7 +56,7 @@ from .result import EnsembleDivergedError, FitResult, make_result
 from .sampling import Sampling, as_sampling
 from .source import ArraySource, Batches, DataSource, StreamSource
 from .stream import check_data, is_array_data
-from .train_state import TrainState, initial_state
+from .train_state import TrainState, start_state
 
 
 def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple, tuple]:
@@ -164,41 +164,37 @@ def prepare(
     # Arrays are checked now; a stream is opened where the run starts (below).
     source: DataSource | None = None
     if is_array_data(data):
-        source = ArraySource(data, sampling, batch_size, size, key)
+        source = ArraySource(data, sampling, batch_size, size)
         if mesh is not None:
             mesh = check_fit_mesh(mesh, size, source.batch_size)
-    given_opt_state = opt_state is not None
-    if opt_state is None:
-        opt_state = init_optimizer_fast(optimizer, ens)
-    else:
+    if opt_state is not None:
         check_opt_state(optimizer, ens, opt_state)
-
-    record = RunRecord(
-        size=size,
-        batch_size=batch_size if source is None else source.batch_size,
-        sampling=sampling.name if hasattr(sampling, "name") else repr(sampling),
-        num_examples=None if source is None else source.num_examples,
-        key=key_record(key),
-        eval_every=None if evaluate is None else evaluate.every,
-        track=[repr(tracker) for tracker in track],
-        hyperparams=hyperparams_record(opt_state) if given_opt_state else None,
-        hyper=start_record([("", hyper)] if hyper is not None else []),
-        optimizer=optimizer_record(optimizer, opt_state),
+    # The start state (a fresh optimizer state unless one is given, every leaf
+    # a new buffer: the loop donates its state) and the run's keys, in one call.
+    train_state, keys = start_state(
+        ens,
+        optimizer,
+        opt_state,
+        state,
+        hyper=hyper,
+        track=track,
+        with_eval=evaluate is not None,
+        key=key,
     )
-    # Copied: the loop donates its state, and the caller's arrays stay valid.
-    train_state = copy(
-        initial_state(
-            ens,
-            opt_state,
-            state,
-            hyper=hyper,
-            track=track,
-            with_eval=evaluate is not None,
-            controllers=controllers,
+    if controllers:
+        train_state = dataclasses.replace(
+            train_state,
+            controlled=tuple(
+                controller.init(train_state) for controller in controllers
+            ),
         )
-    )
+    record = None
     history = None
     if checkpoints is not None:
+        record = run_record(
+            ens, optimizer, opt_state, train_state, source, sampling, batch_size,
+            key, evaluate, track, hyper,
+        )  # fmt: skip
         checkpoints.prepare()
         resumed = checkpoints.resume(train_state, record, steps)
         if resumed is not None:
@@ -209,10 +205,9 @@ def prepare(
         if mesh is not None:
             mesh = check_fit_mesh(mesh, size, source.batch_size)
     else:
-        source.place(mesh)
+        source.start(keys.data, keys.bootstrap, mesh)
 
     plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
-    train_key = jax.random.split(key, 3)[2]
     chunk = Chunk(
         loss_fn=loss_fn,
         optimizer=optimizer,
@@ -220,9 +215,9 @@ def prepare(
         evaluate=evaluate,
         track=track,
         batches=source.batches() if isinstance(source, ArraySource) else None,
-        train_key=train_key,
-        eval_key=eval_key(key),
-        end=jnp.array(0, jnp.int32),
+        train_key=keys.train,
+        eval_key=keys.eval,
+        end=np.int32(0),
         size=size,
         length=plan.length,
         mesh=mesh,
@@ -245,6 +240,35 @@ def prepare(
         meters=meters,
         functions=functions,
         resumed_from=None if history is None else done,
+    )
+
+
+def run_record(
+    ens: Ensemble,
+    optimizer: optax.GradientTransformation,
+    opt_state: PyTree[Any],
+    train_state: TrainState,
+    source: DataSource | None,
+    sampling: Sampling,
+    batch_size: int | None,
+    key: PRNGKeyArray,
+    evaluate: Evaluate | None,
+    track: tuple[Tracker, ...],
+    hyper: PyTree[Any],
+) -> RunRecord:
+    """What identifies the run, for its checkpoints (`opt_state`: as given, or
+    `None`)."""
+    return RunRecord(
+        size=len(ens),
+        batch_size=batch_size if source is None else source.batch_size,
+        sampling=sampling.name if hasattr(sampling, "name") else repr(sampling),
+        num_examples=None if source is None else source.num_examples,
+        key=key_record(key),
+        eval_every=None if evaluate is None else evaluate.every,
+        track=[repr(tracker) for tracker in track],
+        hyperparams=None if opt_state is None else hyperparams_record(opt_state),
+        hyper=start_record([("", hyper)] if hyper is not None else []),
+        optimizer=optimizer_record(optimizer, train_state.opt_state),
     )
 
 
@@ -284,17 +308,57 @@ def plan_fit(
     mesh: Mesh | None,
     steps: int,
 ) -> FitPlan:
-    """`execution`'s choices, with the library's where it leaves them open. The
-    step's profile (does the loss convolve? batched matmuls?) is read on one
-    CPU device only, where something depends on it; it is traced once per loss
-    and shapes (`profile.profile_call`)."""
+    """`execution`'s choices, with the library's where it leaves them open,
+    computed once per loss, execution, input structure and mesh (a run of the
+    same shapes looks its plan up). The step's profile (does the loss
+    convolve? batched matmuls?) is read on one CPU device only, where
+    something depends on it."""
+    member_batch = source.member_batch()
+    try:
+        table = _PLANS.setdefault(loss_fn, {})
+        key = (
+            execution,
+            signature((ens.members, member_batch, state, hyper)),
+            mesh,
+            jax.default_backend(),
+        )
+    except TypeError:  # not weakly referable, or an unhashable leaf
+        table, key = None, None
+    plan = None if table is None else table.get(key)
+    if plan is None:
+        plan = _plan_fit(
+            execution, loss_fn, ens, source, member_batch, state, hyper, mesh
+        )
+        if table is not None:
+            if len(table) > 64:
+                table.clear()
+            table[key] = plan
+    return dataclasses.replace(plan, length=min(plan.length, steps))
+
+
+# Plans per loss (held weakly: the entry goes with the loss) and inputs.
+_PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, FitPlan]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _plan_fit(
+    execution: Execution,
+    loss_fn: Callable[..., Any],
+    ens: Ensemble,
+    source: DataSource,
+    member_batch: PyTree[Any],
+    state: PyTree[Any],
+    hyper: PyTree[Any],
+    mesh: Mesh | None,
+) -> FitPlan:
     size = len(ens)
     profile = StepProfile()
     if mesh is None and jax.default_backend() == "cpu":
         profile = profile_step(
             loss_fn,
             ens.member(first_member(ens.members)),
-            source.member_batch(),
+            member_batch,
             first_member(state),
             first_member(hyper),
         )
@@ -324,7 +388,7 @@ def plan_fit(
         mesh,
         profile.batched_dots,
     )
-    return FitPlan(min(per_dispatch, steps), unroll, layout, options)
+    return FitPlan(per_dispatch, unroll, layout, options)
 
 
 def _skips_conditional(chunk: Chunk) -> bool:
@@ -352,7 +416,7 @@ class Run:
     checkpoints: Checkpoints | None
     controllers: tuple[Controller, ...]
     track: tuple[Tracker, ...]
-    record: RunRecord
+    record: RunRecord | None
     sampling: Sampling
     key: PRNGKeyArray
     meters: tuple[ProgressMeter, ...] = ()
@@ -427,7 +491,7 @@ class Run:
     def dispatch(self, batches: Batches | None, end: int) -> tuple[Any, Any]:
         chunk = dataclasses.replace(
             self.chunk,
-            end=jnp.array(end, jnp.int32),
+            end=np.int32(end),
             batches=batches,
             full=_skips_conditional(self.chunk)
             and end - self.done == self.chunk.length,
@@ -481,6 +545,7 @@ class Run:
     def checkpoint(self) -> None:
         if self.checkpoints is None or not self.checkpoints.due(self.done, self.steps):
             return
+        assert self.record is not None
         try:
             self.checkpoints.save(
                 self.train_state, self.recorder.history(), self.record.as_json()

@@ -23,7 +23,7 @@ from .._core.sharding import DATA, MEMBERS, constrain, gather_batch, on_mesh
 from .._execution.profile import example_structs, first_member
 from .._internal.checks import check_positive_int
 from .sampling import MAX_INDICES, Bootstrap, Sampling
-from .stream import BatchGroups, check_data, example_count, is_array_data
+from .stream import BatchGroups, example_count
 
 
 class Batches(eqx.Module):
@@ -115,7 +115,6 @@ class ArraySource(DataSource):
         sampling: Sampling,
         batch_size: int | None,
         size: int,
-        key: PRNGKeyArray,
     ):
         if batch_size is None:
             raise TypeError("`fit` on array data needs `batch_size`")
@@ -125,16 +124,9 @@ class ArraySource(DataSource):
         _check_batch_memory(data, self.batch_size, size if sampling.per_member else 1)
         self.per_member = sampling.per_member
         self.data = data
-        data_key, bootstrap_key, _ = jax.random.split(key, 3)
-        self._batches = SampledBatches(
-            data=data,
-            sampling=sampling,
-            prepared=sampling.prepare(bootstrap_key, size, self.num_examples),
-            data_key=data_key,
-            num_examples=self.num_examples,
-            batch_size=self.batch_size,
-            size=size,
-        )
+        self.sampling = sampling
+        self.size = size
+        self._batches: SampledBatches | None = None
 
     def member_batch(self) -> PyTree[Any]:
         return example_structs(self.data, self.batch_size)
@@ -144,11 +136,24 @@ class ArraySource(DataSource):
         return count
 
     def batches(self) -> Batches:
+        assert self._batches is not None, "`start` comes first"
         return self._batches
 
-    def place(self, mesh: Mesh | None) -> None:
-        """Put the arrays on `mesh` (once, before the first dispatch)."""
-        self._batches = on_mesh(self._batches, mesh)
+    def start(
+        self, data_key: PRNGKeyArray, bootstrap_key: PRNGKeyArray, mesh: Mesh | None
+    ) -> None:
+        """The run's sampling from its keys (`fit`'s documented derivation), the
+        arrays put on `mesh`; once, before the first dispatch."""
+        batches = SampledBatches(
+            data=self.data,
+            sampling=self.sampling,
+            prepared=self.sampling.prepare(bootstrap_key, self.size, self.num_examples),
+            data_key=data_key,
+            num_examples=self.num_examples,
+            batch_size=self.batch_size,
+            size=self.size,
+        )
+        self._batches = on_mesh(batches, mesh)
 
 
 class StreamSource(DataSource):
@@ -203,21 +208,6 @@ class StreamSource(DataSource):
     def batches(self) -> Batches:
         assert self._batches is not None
         return self._batches
-
-
-def data_source(
-    data: Any,
-    sampling: Sampling,
-    batch_size: int | None,
-    size: int,
-    key: PRNGKeyArray,
-    start: int,
-) -> DataSource:
-    """The source of `data` (checked before any work)."""
-    check_data(data)
-    if is_array_data(data):
-        return ArraySource(data, sampling, batch_size, size, key)
-    return StreamSource(data, sampling, batch_size, size, start)
 
 
 def _check_batch_memory(data: PyTree[Any], batch_size: int, members: int) -> None:

@@ -409,11 +409,12 @@ class Step(eqx.Module):
         *,
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
-        inputs = (ens, batch, state, hyper)
+        # The member layout is chosen while tracing (nothing per call); the XLA
+        # options, which the compilation needs, from the inputs' sizes.
+        compiled = _compiled_step(self, self._options(ens, batch, state, hyper))
+        if self.mesh is None:
+            return compiled(ens, opt_state, batch, key, state, hyper)
         with mesh_context(self.mesh):
-            compiled = _compiled_step(
-                self, self._options(*inputs), self._layout(*inputs)
-            )
             return compiled(ens, opt_state, batch, key, state, hyper)
 
     def lower(
@@ -427,10 +428,9 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
-        inputs = (ens, batch, state, hyper)
         with mesh_context(self.mesh):
             compiled: Any = _compiled_step(
-                self, self._options(*inputs), self._layout(*inputs)
+                self, self._options(ens, batch, state, hyper)
             )
             if isinstance(compiled, functools.partial):  # a step holding arrays
                 generic: Any = compiled.func
@@ -447,9 +447,22 @@ class Step(eqx.Module):
         if not isinstance(ens, Ensemble):
             return ()
         examples = _examples(batch, self.per_member_batch)
-        options = step_compiler_options(
-            None, ens.members, examples, len(ens), self.mesh
+        # Decided once per members' structure and shapes, batch size and mesh
+        # (a flatten and a dictionary lookup per call).
+        leaves, treedef = jax.tree_util.tree_flatten(ens.members)
+        plan_key = (
+            treedef,
+            tuple(getattr(leaf, "shape", None) for leaf in leaves),
+            examples,
+            self.mesh,
         )
+        options = _SIZE_OPTIONS.get(plan_key)
+        if options is None:
+            size = next((leaf.shape[0] for leaf in leaves if eqx.is_array(leaf)), 0)
+            options = step_compiler_options(None, leaves, examples, size, self.mesh)
+            if len(_SIZE_OPTIONS) > 256:
+                _SIZE_OPTIONS.clear()
+            _SIZE_OPTIONS[plan_key] = options
         if not options:
             return options
         profile = _profile_of(self, (ens, batch, state, hyper))
@@ -472,6 +485,11 @@ class Step(eqx.Module):
         )
 
 
+# The size-based choice of XLA options, per members' structure and shapes, batch
+# size and mesh (bounded: cleared past 256 entries).
+_SIZE_OPTIONS: dict[Any, Options] = {}
+
+
 def _profile_of(step: "Step", inputs: Any) -> Any:
     from .._execution.profile import first_member, profile_step
 
@@ -488,7 +506,6 @@ def _profile_of(step: "Step", inputs: Any) -> Any:
 
 def _step_impl(
     step: Step,
-    layout: Layout,
     ens: Ensemble,
     opt_state: PyTree[Any],
     batch: PyTree[Any],
@@ -510,6 +527,7 @@ def _step_impl(
         check_per_member_args((batch,), (0,), size)
     if step.mesh is not None:
         check_step_mesh(step.mesh, size, batch, step.per_member_batch)
+    layout = step._layout(ens, batch, state, hyper)  # shapes only: at trace time
     member_keys = jax.random.split(key, size)
     frozen = jnp.zeros((size,), dtype=bool)
     update = vmapped_update(
@@ -522,9 +540,7 @@ def _step_impl(
     return StepOutput(new_ens, new_opt_state, losses, aux, new_state)
 
 
-def _compiled_step(
-    step: Step, options: Options, layout: Layout
-) -> Callable[..., StepOutput]:
+def _compiled_step(step: Step, options: Options) -> Callable[..., StepOutput]:
     """The compiled step: one `filter_jit` wrapper per step (equal steps are one)
     and set of XLA options, each with its own cache, taking the arguments of a
     step call. A step holding arrays (a `loss_fn` that is a Module with weights)
@@ -532,15 +548,18 @@ def _compiled_step(
     try:
         hash(step)
     except TypeError:
-        generic = _compiled_generic(options, layout)
+        generic = _compiled_generic(options)
         return functools.partial(generic, step)
-    return _compiled_for(step, options, layout)
+    return _compiled_for(step, options)
 
 
-def _make_compiled_for(
-    step: Step, options: Options, layout: Layout
-) -> Callable[..., StepOutput]:
-    return filter_jit(functools.partial(_step_impl, step, layout), options)
+def _make_compiled_for(step: Step, options: Options) -> Callable[..., StepOutput]:
+    # A plain closure (not a `functools.partial` holding the step): `filter_jit`
+    # then hashes a function per call, not the step's fields.
+    def compiled(*args: Any) -> StepOutput:
+        return _step_impl(step, *args)
+
+    return filter_jit(compiled, options)
 
 
 # One compiled step per step, options and layout; the least recently used are
@@ -548,11 +567,9 @@ def _make_compiled_for(
 _compiled_for = CompiledFunctions(_make_compiled_for)
 
 
-def _make_compiled_generic(
-    options: Options, layout: Layout
-) -> Callable[..., StepOutput]:
+def _make_compiled_generic(options: Options) -> Callable[..., StepOutput]:
     def generic(step: Step, *args: Any) -> StepOutput:
-        return _step_impl(step, layout, *args)
+        return _step_impl(step, *args)
 
     return filter_jit(generic, options)
 

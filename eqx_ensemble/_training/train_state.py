@@ -2,14 +2,17 @@
 state before the first step."""
 
 import dataclasses
+import functools
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PyTree
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, member_axis_mask
+from .._execution.compile import CompiledFunctions
+from .optim import init_state
 
 
 def _field(member_axis: str | None) -> Any:
@@ -110,3 +113,78 @@ def initial_state(
     )
     controlled = tuple(controller.init(train_state) for controller in controllers)
     return dataclasses.replace(train_state, controlled=controlled)
+
+
+class RunKeys(eqx.Module):
+    """The keys a `fit` run derives from its one `key` (documented on `fit`):
+    `data_key, bootstrap_key, train_key = split(key, 3)` and
+    `eval_key = fold_in(key, 3)`."""
+
+    data: PRNGKeyArray
+    bootstrap: PRNGKeyArray
+    train: PRNGKeyArray
+    eval: PRNGKeyArray
+
+
+def run_keys(key: PRNGKeyArray) -> RunKeys:
+    data_key, bootstrap_key, train_key = jax.random.split(key, 3)
+    return RunKeys(data_key, bootstrap_key, train_key, jax.random.fold_in(key, 3))
+
+
+def _start(
+    optimizer: Any,
+    track: tuple[Any, ...],
+    with_eval: bool,
+    ens: Ensemble,
+    opt_state: PyTree[Any],
+    model_state: PyTree[Any],
+    hyper: PyTree[Any],
+    key: PRNGKeyArray,
+) -> tuple[TrainState, RunKeys]:
+    if opt_state is None:
+        opt_state = init_state(optimizer, ens)
+    train_state = initial_state(
+        ens, opt_state, model_state, hyper=hyper, track=track, with_eval=with_eval
+    )
+    # New buffers for every leaf, also where leaves alias each other or the
+    # caller's arrays: the loop donates its state.
+    train_state = jax.tree.map(
+        lambda x: jnp.copy(x) if eqx.is_array(x) else x, train_state
+    )
+    return train_state, run_keys(key)
+
+
+def _make_start(optimizer: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
+    return eqx.filter_jit(functools.partial(_start, optimizer, track, with_eval))
+
+
+# One start program per optimizer, trackers and evaluation (bounded, least
+# recently used dropped: `compile.CompiledFunctions`).
+_started = CompiledFunctions(_make_start)
+_start_generic = eqx.filter_jit(_start)
+
+
+def start_state(
+    ens: Ensemble,
+    optimizer: Any,
+    opt_state: PyTree[Any],
+    model_state: PyTree[Any],
+    *,
+    hyper: PyTree[Any],
+    track: tuple[Any, ...],
+    with_eval: bool,
+    key: PRNGKeyArray,
+) -> tuple[TrainState, RunKeys]:
+    """The state before the first step (a fresh optimizer state when
+    `opt_state` is `None`), every leaf a new buffer, and the run's keys: one
+    compiled call instead of a dispatch per array. Controllers' states are not
+    set (`TrainState.controlled` is empty): they run on the host."""
+    try:
+        hash((optimizer, track))
+    except TypeError:  # an unhashable optimizer or tracker: passed as arguments
+        return _start_generic(
+            optimizer, track, with_eval, ens, opt_state, model_state, hyper, key
+        )
+    return _started(optimizer, track, with_eval)(
+        ens, opt_state, model_state, hyper, key
+    )
