@@ -20,6 +20,7 @@ lower, upper = calibrated.interval(means, variances)       # 90% intervals
 """
 
 import math
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -140,13 +141,7 @@ def split_regression(
     targets = one_output(jnp.asarray(targets), "targets", 1)
     means, variances, targets = means_variances_targets(means, variances, targets)
     n = int(targets.shape[0])
-    rank = math.ceil((n + 1) * (1 - alpha))
-    if rank > n:
-        raise ValueError(
-            f"`alpha={alpha}` is too small for {n} calibration examples: the "
-            f"smallest possible is 1 / (n + 1) = {1 / (n + 1):.4g}; use more "
-            "calibration data or a larger alpha"
-        )
+    rank = _upper_rank(float(alpha), n)
     mean, variance = gaussian_mixture(means, variances)
     std = np.sqrt(np.maximum(np.asarray(variance), np.finfo(np.float32).tiny))
     scores = np.abs(np.asarray(targets) - np.asarray(mean)) / std
@@ -167,6 +162,11 @@ def _check_alpha(alpha: Any) -> float:
     return float(alpha)
 
 
+# The ranks of every method here: `(n + 1)(1 - alpha)` is often a whole number
+# that floating point puts a hair above it (150 * 0.82 = 123.00000000000001), so
+# both ranks are taken after a 1e-9 nudge towards the exact value.
+
+
 def _upper_rank(alpha: float, n: int) -> int:
     """`ceil((n + 1)(1 - alpha))`, the rank of the conformal quantile among `n`
     scores, or a clear error when it exceeds `n` (alpha below 1 / (n + 1))."""
@@ -178,6 +178,11 @@ def _upper_rank(alpha: float, n: int) -> int:
             "calibration data or a larger alpha"
         )
     return rank
+
+
+def _lower_rank(alpha: float, n: int) -> int:
+    """`floor(alpha (n + 1))`, the rank of the lower jackknife+ quantile."""
+    return math.floor(alpha * (n + 1) + 1e-9)
 
 
 # --- Classification: prediction sets (APS, RAPS) --------------------------------
@@ -271,7 +276,15 @@ class PredictionSets(eqx.Module):
                 "same ensemble"
             )
         u = _uniforms(key, self.randomized, mean.shape[0])
-        return _set_scores(mean, u, self.penalty, self.k_reg) <= self.quantile
+        inside = _set_scores(mean, u, self.penalty, self.k_reg) <= self.quantile
+        if self.randomized:
+            return inside
+        # The deterministic set (Romano, Sesia & Candès 2020; RAPS's reference
+        # code; MAPIE's `include_last_label=True`) keeps the class that crosses
+        # the threshold too, so it is never empty. The scores grow with the
+        # class's rank, so `inside` is a prefix of the ranking: one class more.
+        ranks = jnp.argsort(jnp.argsort(-mean, axis=-1, stable=True), axis=-1)
+        return ranks <= jnp.sum(inside, axis=-1, keepdims=True)
 
 
 def _calibrate_sets(
@@ -414,11 +427,29 @@ class QuantileRegression(eqx.Module):
     ) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
         """`(lower - quantile, upper + quantile)` for new bounds of the same model.
 
+        With a negative `quantile` (bounds that were too wide are pulled in),
+        an interval narrower than `2 * |quantile|` comes out with `lower >
+        upper`: an empty interval, as Romano et al. (2019) discuss. It is
+        returned as computed (sorting the bounds would claim coverage the
+        calibration did not give) and a warning says how many there are.
+
         **Example:** see
         [`QuantileRegression`][eqx_ensemble.conformal.QuantileRegression].
         """
         lower_array, upper_array = _bounds(lower, upper)
-        return lower_array - self.quantile, upper_array + self.quantile
+        new_lower = lower_array - self.quantile
+        new_upper = upper_array + self.quantile
+        if not isinstance(new_lower, jax.core.Tracer):
+            ill_sorted = int(jnp.sum(new_lower > new_upper))
+            if ill_sorted:
+                warnings.warn(
+                    f"{ill_sorted} of {new_lower.shape[0]} conformalized intervals "
+                    "have lower > upper (the calibration pulls the bounds in by "
+                    f"{-self.quantile:.4g} each, more than half their width): they "
+                    "are empty intervals, returned as computed",
+                    stacklevel=2,
+                )
+        return new_lower, new_upper
 
 
 def _bounds(lower: Any, upper: Any) -> tuple[Array, Array]:
@@ -540,8 +571,8 @@ class JackknifePlusAfterBootstrap(eqx.Module):
                 "ensemble"
             )
         n = self.residuals.shape[0]
-        low_rank = math.floor(self.alpha * (n + 1) + 1e-9)
-        high_rank = math.ceil((1 - self.alpha) * (n + 1) - 1e-9)
+        low_rank = _lower_rank(self.alpha, n)
+        high_rank = _upper_rank(self.alpha, n)
         leave_out = self.weights @ array  # (n, batch): mu_{-i}(x)
         lower = jnp.sort(leave_out - self.residuals[:, None], axis=0)[low_rank - 1]
         upper = jnp.sort(leave_out + self.residuals[:, None], axis=0)[high_rank - 1]
@@ -631,7 +662,7 @@ def jackknife_plus_after_bootstrap(
     kept = per_example > 0
     excluded = int((~kept).sum())
     n_kept = int(kept.sum())
-    if math.floor(alpha * (n_kept + 1) + 1e-9) < 1:
+    if _lower_rank(alpha, n_kept) < 1:
         raise ValueError(
             f"`alpha={alpha}` is too small for the {n_kept} training examples with "
             f"an out-of-bag member ({excluded} of {n} have none): the smallest "

@@ -95,13 +95,24 @@ def greedy_selection(
         return jax.tree.map(lambda x: jnp.asarray(x)[np.asarray(indices)], predictions)
 
     alone = [_score_of(score, take([i]), what=f"member {i}") for i in range(pool)]
+    if np.all(np.isnan(alone)):
+        raise ValueError(
+            "`score` is NaN for every member alone: check the validation "
+            "predictions (diverged members) and the score"
+        )
     chosen = list(np.argsort(alone, kind="stable")[:start])
     while len(chosen) < size:
         candidates = [i for i in range(pool) if replacement or i not in chosen]
         trials = [
             _score_of(score, take(chosen + [i]), what="a selection") for i in candidates
         ]
-        chosen.append(candidates[int(np.argmin(trials))])
+        if np.all(np.isnan(trials)):
+            raise ValueError(
+                "`score` is NaN for every candidate selection: check the "
+                "validation predictions (a diverged member) and the score"
+            )
+        # A NaN score (a diverged member's predictions) never wins.
+        chosen.append(candidates[int(np.nanargmin(trials))])
     return jnp.asarray(chosen, jnp.int32)
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
-from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.sharding import (
     MEMBERS,
@@ -55,7 +55,7 @@ class Chunk(eqx.Module):
     )  # the data source's view: sampled arrays or a stream's group
     train_key: PRNGKeyArray
     eval_key: PRNGKeyArray
-    end: Int[Array, ""]
+    end: Int[ArrayLike, ""]  # a NumPy int32 scalar: no dispatch to make it
     size: int
     length: int
     mesh: Mesh | None

@@ -1,0 +1,226 @@
+"""Issue "Every promise exact": the defects found in round 2's work, each pinned
+by a test that failed before its fix (numbers refer to the issue's items)."""
+
+import io
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+
+SIZE, N, BATCH = 3, 48, 8
+X = np.asarray(jax.random.normal(jax.random.key(10), (N, 2)), dtype=np.float32)
+Y = np.sin(2 * X[:, :1]) + X[:, 1:] ** 2
+KEY = jax.random.key(5)
+
+
+def make_mlp(key):
+    return eqx.nn.MLP(2, 1, 8, 1, key=key)
+
+
+def mse_loss(model, batch, key):
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+@pytest.fixture
+def ens():
+    return ee.ensemble(make_mlp, size=SIZE, key=jax.random.key(0))
+
+
+def batches(count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(X[i], Y[i]) for i in (rng.integers(0, N, BATCH) for _ in range(count))]
+
+
+# -- 5. resuming with another optimizer is refused -------------------------------
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        optax.adam(1e-1),  # another learning rate
+        optax.sgd(1e-2),  # another transformation
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    ],
+    ids=["learning-rate", "transformation", "chain"],
+)
+def test_resume_with_another_optimizer_is_refused(ens, tmp_path, other):
+    common = dict(steps=4, batch_size=BATCH, key=KEY, callbacks=())
+    run = ee.Checkpoints(tmp_path, every=2)
+    ee.fit(ens, mse_loss, optax.adam(1e-2), (X, Y), checkpoints=run, **common)
+    with pytest.raises(ee.CheckpointError, match="different optimizer"):
+        ee.fit(ens, mse_loss, other, (X, Y), checkpoints=run, **{**common, "steps": 6})
+    # The same optimizer, built anew, resumes.
+    resumed = ee.fit(
+        ens,
+        mse_loss,
+        optax.adam(1e-2),
+        (X, Y),
+        checkpoints=run,
+        **{**common, "steps": 6},
+    )
+    assert resumed.step == 6 and resumed.resumed_from == 4
+
+
+# -- 9. a stream that fails mid-run keeps the dispatch that ran ------------------
+
+
+def _failing_stream(good, fail_at, how):
+    def stream():
+        for position, batch in enumerate(good):
+            if position == fail_at:
+                if how == "raise":
+                    raise OSError("the loader's disk went away")
+                yield batch[0][:5], batch[1][:5]  # another shape
+            yield batch
+
+    return stream()
+
+
+@pytest.mark.parametrize("how", ["raise", "shape"])
+def test_stream_failure_keeps_the_finished_dispatch(ens, tmp_path, how):
+    good = batches(12)
+    run = ee.Checkpoints(tmp_path, every=4)
+    error = OSError if how == "raise" else ValueError
+    with pytest.raises(error) as raised:
+        ee.fit(
+            ens,
+            mse_loss,
+            optax.adam(1e-2),
+            _failing_stream(good, 6, how),
+            steps=12,
+            key=KEY,
+            checkpoints=run,
+            callbacks=(),
+            execution=ee.Execution(steps_per_dispatch=4),
+        )
+    # Steps 0-3 ran; the read of the next group failed while they ran: they are
+    # recorded and checkpointed, and the error carries them.
+    result = raised.value.result  # type: ignore[attr-defined]
+    assert result.step == 4 and result.history.losses.shape == (4, SIZE)
+    assert [step for step, _ in ee.list_checkpoints(tmp_path)] == [4]
+
+
+# -- 10, 11. checks that can be made before any work are made there ---------------
+
+
+def test_evaluation_period_is_bounded_and_named(ens):
+    with pytest.raises(ValueError, match=r"`Evaluate.every` must be at most"):
+        ee.Evaluate(mse_loss, (X, Y), every=2**40)
+    with pytest.raises(ValueError, match=r"`Checkpoints.every` must be at most"):
+        ee.Checkpoints("unused", every=2**40)
+    with pytest.raises(ValueError, match=r"`steps` must be at most"):
+        ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=2**40, batch_size=BATCH,
+               key=KEY, callbacks=())  # fmt: skip
+
+
+def test_pbt_with_a_sparser_evaluation_is_refused_before_work(ens):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    calls = []
+    with pytest.raises(ValueError, match=r"`ee.Evaluate\(every=3\)` evaluates less"):
+        ee.fit(
+            ens,
+            mse_loss,
+            opt,
+            (X, Y),
+            steps=8,
+            batch_size=BATCH,
+            key=KEY,
+            evaluate=ee.Evaluate(mse_loss, (X, Y), every=3),
+            callbacks=[ee.PBT(every=2), calls.append],
+        )
+    assert calls == []
+
+
+# -- 15. fit says when it resumes ---------------------------------------------
+
+
+def test_resumed_run_says_so(ens, tmp_path, monkeypatch):
+    common = dict(batch_size=BATCH, key=KEY, checkpoints=ee.Checkpoints(tmp_path))
+    first = ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=3, callbacks=(),
+                   **common)  # fmt: skip
+    assert first.resumed_from is None
+    descriptions = []
+
+    class Recording(ee.ProgressMeter):
+        def start(self, total, done, resumed):
+            descriptions.append((total, done, resumed))
+            return None
+
+        def update(self, handle, done, losses, diverged_at):
+            pass
+
+    more = ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=5,
+                  callbacks=[Recording()], **common)  # fmt: skip
+    assert more.resumed_from == 3 and descriptions == [(5, 3, True)]
+    # The default bar's description says so too.
+    stream = io.StringIO()
+    from tqdm import tqdm
+
+    monkeypatch.setattr(
+        "tqdm.auto.tqdm", lambda *a, **k: tqdm(*a, **{**k, "file": stream})
+    )
+    ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=6,
+           callbacks=[ee.ProgressBar()], **common)  # fmt: skip
+    assert "fit (resumed at step 5)" in stream.getvalue()
+
+
+# -- 3. one conformal rank rule ---------------------------------------------------
+
+
+def test_split_regression_and_sets_use_the_same_rank():
+    # n = 149, alpha = 0.18: (n + 1)(1 - alpha) = 123 exactly; in floating point
+    # 150 * 0.82 is 123.00000000000001, whose ceiling is 124.
+    n, alpha = 149, 0.18
+    assert math.ceil((n + 1) * (1 - alpha)) == 124  # the float trap
+    scores = np.arange(1, n + 1, dtype=np.float32)  # |y - mean| / std = i
+    means = np.zeros((1, n), np.float32)
+    variances = np.ones((1, n), np.float32)
+    calibrated = ee.conformal.split_regression(means, variances, scores, alpha=alpha)
+    assert calibrated.quantile == 123.0  # the 123rd smallest score
+
+
+# -- 2. deterministic APS / RAPS sets are never empty ------------------------------
+
+
+@pytest.mark.parametrize("method", ["aps", "raps"])
+def test_deterministic_sets_are_never_empty(method):
+    key = jax.random.key(0)
+    # Confident predictions: the top probability is above any low quantile.
+    logits = 6.0 * jax.random.normal(key, (3, 400, 6))
+    labels = jnp.argmax(logits.mean(0), axis=-1)
+    calibrate = getattr(ee.conformal, method)
+    calibrated = calibrate(
+        logits[:, :200], labels[:200], alpha=0.3, from_logits=True, randomized=False
+    )
+    sets = np.asarray(calibrated.sets(logits[:, 200:], from_logits=True))
+    assert sets.sum(axis=1).min() >= 1
+    # The class that crosses the threshold is the only one added: the set is the
+    # prefix of classes (by the ensemble's probability) up to it.
+    probs = np.asarray(jax.nn.softmax(logits[:, 200:], axis=-1).mean(0))
+    order = np.argsort(-probs, axis=1, kind="stable")
+    sizes = sets.sum(axis=1)
+    for row in range(sets.shape[0]):
+        assert set(np.flatnonzero(sets[row])) == set(order[row, : sizes[row]])
+
+
+# -- 8. greedy selection skips NaN scores --------------------------------------------
+
+
+def test_greedy_selection_never_picks_a_nan_member():
+    predictions = jnp.stack([jnp.full((4,), v) for v in (0.3, 0.1, 0.2, 0.0)])
+
+    def score(selected):  # member 3's predictions give a NaN score
+        mean = selected.mean(0)
+        return jnp.where(jnp.any(mean == 0.0), jnp.nan, jnp.mean((mean - 0.1) ** 2))
+
+    chosen = ee.greedy_selection(predictions, score, size=2)
+    assert 3 not in np.asarray(chosen).tolist()
+    with pytest.raises(ValueError, match="NaN"):
+        ee.greedy_selection(predictions[3:], score, size=1)
