@@ -224,3 +224,68 @@ def test_greedy_selection_never_picks_a_nan_member():
     assert 3 not in np.asarray(chosen).tolist()
     with pytest.raises(ValueError, match="NaN"):
         ee.greedy_selection(predictions[3:], score, size=1)
+
+
+# -- 7. exact resume on the CPU's default path for convolutions --------------------
+
+
+class TinyCNN(eqx.Module):
+    conv: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 2, 3, padding=1, key=k1)
+        self.head = eqx.nn.Linear(2 * 4 * 4, 1, key=k2)
+
+    def __call__(self, image):
+        return self.head(jax.nn.relu(self.conv(image)).ravel())
+
+
+IMAGES = np.asarray(jax.random.normal(jax.random.key(1), (32, 1, 4, 4)), np.float32)
+TARGETS = IMAGES.mean(axis=(1, 2, 3))[:, None]
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_default_unrolled_run_resumes_bit_for_bit(tmp_path):
+    cnns = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+    common = dict(steps=7, batch_size=8, key=KEY)
+    whole = ee.fit(cnns, mse_loss, optax.adam(1e-2), (IMAGES, TARGETS),
+                   callbacks=(), **common)  # fmt: skip
+
+    def stop_at_three(result):
+        if result.step >= 3:
+            raise Interrupt
+
+    run = ee.Checkpoints(tmp_path, every=1)
+    with pytest.raises(Interrupt):
+        ee.fit(cnns, mse_loss, optax.adam(1e-2), (IMAGES, TARGETS), checkpoints=run,
+               callbacks=[stop_at_three], **common)  # fmt: skip
+    resumed = ee.fit(cnns, mse_loss, optax.adam(1e-2), (IMAGES, TARGETS),
+                     checkpoints=run, callbacks=(), **common)  # fmt: skip
+    assert resumed.resumed_from == 3
+    assert bool(eqx.tree_equal(resumed.ensemble, whole.ensemble))
+    np.testing.assert_array_equal(resumed.history.losses, whole.history.losses)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU plan")
+def test_plan_weighs_compile_time_against_the_run_length():
+    from eqx_ensemble._training.run import plan_fit
+    from eqx_ensemble._training.sampling import Shared
+    from eqx_ensemble._training.source import ArraySource
+
+    cnns = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+    source = ArraySource((IMAGES, TARGETS), Shared(), 8, 2)
+
+    def plan(steps):
+        return plan_fit(ee.Execution(), mse_loss, cnns, source, None, None, None, steps)
+
+    short, long = plan(20), plan(100 * 2)
+    # Convolutions: unrolled (XLA's CPU loops lay them out slowly), one step per
+    # dispatch (one program, exact resume, one step to compile).
+    assert short.unroll and long.unroll and short.length == long.length == 1
+    # The member-by-member layout compiles a copy per member: long runs only.
+    assert short.layout == "vmap" and long.layout == "sequential"

@@ -14,7 +14,7 @@ import collections
 import functools
 import os
 from collections.abc import Callable, Hashable
-from typing import Any, cast
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -32,11 +32,137 @@ MIN_STEP_FLOPS = 16e6
 Options = tuple[tuple[str, Any], ...]
 
 
-def filter_jit(fn: Callable[..., Any], options: Options, **kwargs: Any) -> Any:
-    """`eqx.filter_jit(fn, **kwargs)` compiled with XLA `options` (passed through
-    to `jax.jit`, which Equinox's typed signature does not list)."""
-    jit = cast(Any, eqx.filter_jit)
-    return jit(fn, compiler_options=dict(options) or None, **kwargs)
+def filter_jit(
+    fn: Callable[..., Any], options: Options, *, donate: str | None = None
+) -> "Jit":
+    """`fn` compiled as `eqx.filter_jit(fn)` compiles it (array leaves traced,
+    every other leaf static), with XLA `options`, and owned by the caller: a
+    `Jit` holds its own `jax.jit` function, so dropping it drops its programs
+    (Equinox keeps its jitted functions in a cache of its own).
+    `donate="all-except-first"` donates the arrays of every argument but the
+    first."""
+    return Jit(fn, options, donate)
+
+
+class Jit:
+    """See `filter_jit`. Per call: one flatten of the arguments, the `jax.jit`
+    call on their arrays (the static leaves and structure are its static
+    argument), one unflatten of the outputs."""
+
+    def __init__(
+        self, fn: Callable[..., Any], options: Options, donate: str | None = None
+    ):
+        if donate not in (None, "all-except-first"):
+            raise ValueError(f"unknown donation {donate!r}")
+        self._fn = fn
+        self._jitted = jax.jit(
+            self._traced,
+            static_argnums=0,
+            donate_argnums=(2,) if donate else (),
+            compiler_options=dict(options) or None,
+        )
+
+    def _traced(self, static: Hashable, first: list[Any], rest: list[Any]) -> Any:
+        args = _merge(static, first, rest)
+        out = self._fn(*args)
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
+        # The outputs' structure and static leaves travel as a leafless node:
+        # JAX keeps them with each trace (as Equinox's `filter_jit` does).
+        static_out = _StaticOutput(
+            treedef, tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+        )
+        return arrays, static_out
+
+    def _split(self, args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
+        first, first_def = jax.tree_util.tree_flatten(args[:1])
+        rest, rest_def = jax.tree_util.tree_flatten(args[1:])
+        static = (
+            first_def,
+            rest_def,
+            tuple(None if eqx.is_array(leaf) else leaf for leaf in first),
+            tuple(None if eqx.is_array(leaf) else leaf for leaf in rest),
+        )
+        return (
+            static,
+            [leaf for leaf in first if eqx.is_array(leaf)],
+            [leaf for leaf in rest if eqx.is_array(leaf)],
+        )
+
+    def __call__(self, *args: Any) -> Any:
+        static, first, rest = self._split(args)
+        arrays, static_out = self._jitted(static, first, rest)
+        return static_out.unflatten(arrays)
+
+    def lower(self, *args: Any) -> "Lowered":
+        """Ahead-of-time lowering for these arguments (as `jax.jit(...).lower`)."""
+        static, first, rest = self._split(args)
+        return Lowered(self, static, self._jitted.lower(static, first, rest))
+
+
+class Lowered:
+    """A `Jit` lowered for one set of argument shapes; `.compile()` compiles it."""
+
+    def __init__(self, owner: Jit, static: Hashable, lowered: Any):
+        self._owner, self._static, self.lowered = owner, static, lowered
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def compile(self) -> "Compiled":
+        return Compiled(self._owner, self._static, self.lowered.compile())
+
+
+class Compiled:
+    """A compiled `Jit`: called with arguments of the shapes it was lowered for;
+    `.compiled` is JAX's compiled object (`.as_text()`, cost analysis)."""
+
+    def __init__(self, owner: Jit, static: Hashable, compiled: Any):
+        self._owner, self._static, self.compiled = owner, static, compiled
+
+    def __call__(self, *args: Any) -> Any:
+        static, first, rest = self._owner._split(args)
+        if static != self._static:
+            raise TypeError(
+                "the arguments' structure or static leaves differ from those this "
+                "step was lowered for; lower it again for these arguments"
+            )
+        arrays, static_out = self.compiled(first, rest)
+        return static_out.unflatten(arrays)
+
+
+def _merge(static: Any, first: list[Any], rest: list[Any]) -> tuple[Any, ...]:
+    first_def, rest_def, first_static, rest_static = static
+    return jax.tree_util.tree_unflatten(
+        first_def, _fill(first_static, first)
+    ) + jax.tree_util.tree_unflatten(rest_def, _fill(rest_static, rest))
+
+
+def _fill(static_leaves: tuple[Any, ...], arrays: list[Any]) -> list[Any]:
+    it = iter(arrays)
+    return [next(it) if leaf is None else leaf for leaf in static_leaves]
+
+
+@jax.tree_util.register_pytree_node_class
+class _StaticOutput:
+    """A compiled function's output structure and static leaves, as a pytree
+    node with no leaves (its contents are the node's auxiliary data)."""
+
+    def __init__(self, treedef: Any, static_leaves: tuple[Any, ...]):
+        self.treedef, self.static_leaves = treedef, static_leaves
+
+    def tree_flatten(self) -> tuple[tuple[()], tuple[Any, tuple[Any, ...]]]:
+        return (), (self.treedef, self.static_leaves)
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, children: Any) -> "_StaticOutput":
+        del children
+        return cls(*aux)
+
+    def unflatten(self, arrays: list[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(
+            self.treedef, _fill(self.static_leaves, arrays)
+        )
 
 
 # Every program XLA compiles for a CPU keeps its machine code in memory maps of

@@ -51,17 +51,19 @@ class Execution(eqx.Module):
     **Arguments (all optional; `None` lets the library choose):**
 
     - `steps_per_dispatch`: `fit` only: steps fused into one compiled call.
-      `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100; 10
-      for unrolled steps. Progress, callbacks, controllers and checkpoints run
-      between dispatches.
+      `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100; 1
+      for unrolled steps (each dispatch then compiles one step and is the same
+      program, so a resumed run is bit for bit the uninterrupted one).
+      Progress, callbacks, controllers and checkpoints run between dispatches.
     - `layout`: how a step computes the member axis: `"vmap"` (one vectorised
       computation), `"sequential"` (members one after another inside the
       compiled step: straight-line code whose compile time grows with the
       member count), or `"auto"` (the default: sequential on one CPU device for
       a function that convolves and at most 16 members, where XLA's CPU
       backend runs a member-batched convolution as a slow grouped convolution;
-      vectorised otherwise). Coupled losses and a trained shared part are
-      always vectorised.
+      for `fit`, only in runs of at least 100 steps per member, long enough to
+      repay compiling one copy of the step per member; vectorised otherwise).
+      Coupled losses and a trained shared part are always vectorised.
     - `unroll`: `fit` only: run each dispatch's steps as straight-line code
       instead of a `lax.scan` loop. `None`: unrolled on one CPU device when the
       loss convolves (XLA's CPU backend runs a convolution inside a loop in a

@@ -66,12 +66,25 @@ def check_layout(layout: Any, mesh: Mesh | None) -> str:
     return layout
 
 
+# The sequential layout compiles one copy of the step per member: for a run of
+# `fit`, it is chosen only when the run is long enough for its faster steps to
+# repay that compile time (5 CNNs on 8x8 images: 8 ms saved per step against
+# about a second more to compile per member on 2 cores).
+SEQUENTIAL_MIN_STEPS_PER_MEMBER = 100
+
+
 def choose_layout(
-    layout: str, *, convolutions: bool, size: int, mesh: Mesh | None
+    layout: str,
+    *,
+    convolutions: bool,
+    size: int,
+    mesh: Mesh | None,
+    steps: int | None = None,
 ) -> Layout:
     """The layout a step runs with: the user's choice, else `"sequential"` for a
     convolving loss on one CPU device with at most `SEQUENTIAL_MAX_MEMBERS`
-    members, else `"vmap"`."""
+    members (and, for a run of `steps` steps, at least
+    `SEQUENTIAL_MIN_STEPS_PER_MEMBER` steps per member), else `"vmap"`."""
     if layout == "vmap" or layout == "sequential":
         return layout
     if (
@@ -79,6 +92,7 @@ def choose_layout(
         and mesh is None
         and jax.default_backend() == "cpu"
         and size <= SEQUENTIAL_MAX_MEMBERS
+        and (steps is None or steps >= SEQUENTIAL_MIN_STEPS_PER_MEMBER * size)
     ):
         return "sequential"
     return "vmap"

@@ -15,7 +15,7 @@ step on the carry; nothing inside the step names a mesh axis but the update.
 """
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import equinox as eqx
@@ -68,14 +68,36 @@ class Chunk(eqx.Module):
     layout: Layout = "vmap"  # the members vectorised, or one after another
 
 
-def _make_chunk_runner(options: Options) -> Callable[..., Any]:
-    return filter_jit(run_chunk, options, donate="all-except-first")
+def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
+    del program  # what the program is compiled for: the key, not an input
+
+    # A function of its own (not `run_chunk` itself): JAX's caches keyed on the
+    # function then go with this one when it is dropped.
+    def run(chunk: Chunk, train_state: TrainState) -> Any:
+        return run_chunk(chunk, train_state)
+
+    return filter_jit(run, options, donate="all-except-first")
 
 
-# `run_chunk` compiled with XLA `options` (one wrapper per set of options, each
-# with its own compilation cache, bounded: see `_xla.CompiledFunctions`); the
-# state is donated.
+# `run_chunk` compiled with XLA `options`, one function per program (the
+# chunk's static configuration and the state's shapes: `runner_for`), at most
+# `compile.MAX_PROGRAMS` kept; the state is donated.
 chunk_runner = CompiledFunctions(_make_chunk_runner)
+
+
+def runner_for(
+    options: Options, chunk: Chunk, state_shapes: Hashable
+) -> Callable[..., Any]:
+    """The compiled dispatch for `chunk`: one function per XLA options, static
+    configuration of the chunk (loss, optimizer, components, lengths) and shapes
+    of the train state, so that a loop of `fit` calls with new optimizers or
+    models keeps a bounded number of programs."""
+    try:
+        key = (options, eqx.partition(chunk, eqx.is_array)[1], state_shapes)
+        hash(key)
+    except TypeError:  # an unhashable static part: one function for all
+        key = (options,)
+    return chunk_runner(*key)
 
 
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:

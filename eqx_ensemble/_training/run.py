@@ -26,7 +26,11 @@ from .._execution.compile import (
     step_compiler_options,
 )
 from .._execution.execution import Execution
-from .._execution.layout import Layout, choose_layout
+from .._execution.layout import (
+    SEQUENTIAL_MIN_STEPS_PER_MEMBER,
+    Layout,
+    choose_layout,
+)
 from .._execution.profile import (
     StepProfile,
     first_member,
@@ -39,7 +43,7 @@ from .._internal.tree import first_difference
 from .._trackers.base import Tracker
 from .evaluate import Evaluate
 from .history import Recorder
-from .loop import Chunk, chunk_runner, copy
+from .loop import Chunk, copy, runner_for
 from .loss import check_hyper, check_loss_signature, check_optimizer
 from .optim import (
     check_opt_state,
@@ -226,7 +230,7 @@ def prepare(
     )
     return Run(
         chunk=on_mesh(chunk, mesh),
-        runner=chunk_runner(plan.compiler_options),
+        options=plan.compiler_options,
         train_state=place_state(train_state, mesh),
         recorder=Recorder(size, history),
         steps=steps,
@@ -294,10 +298,6 @@ class FitPlan:
     compiler_options: Options
 
 
-# Unrolled dispatches compile every step they hold: keep them short.
-UNROLLED_STEPS_PER_DISPATCH = 10
-
-
 def plan_fit(
     execution: Execution,
     loss_fn: Callable[..., Any],
@@ -321,13 +321,14 @@ def plan_fit(
             signature((ens.members, member_batch, state, hyper)),
             mesh,
             jax.default_backend(),
+            steps >= SEQUENTIAL_MIN_STEPS_PER_MEMBER * len(ens),
         )
     except TypeError:  # not weakly referable, or an unhashable leaf
         table, key = None, None
     plan = None if table is None else table.get(key)
     if plan is None:
         plan = _plan_fit(
-            execution, loss_fn, ens, source, member_batch, state, hyper, mesh
+            execution, loss_fn, ens, source, member_batch, state, hyper, mesh, steps
         )
         if table is not None:
             if len(table) > 64:
@@ -351,6 +352,7 @@ def _plan_fit(
     state: PyTree[Any],
     hyper: PyTree[Any],
     mesh: Mesh | None,
+    steps: int,
 ) -> FitPlan:
     size = len(ens)
     profile = StepProfile()
@@ -366,7 +368,11 @@ def _plan_fit(
     if unroll is None:
         unroll = profile.convolutions
     layout = choose_layout(
-        execution.layout, convolutions=profile.convolutions, size=size, mesh=mesh
+        execution.layout,
+        convolutions=profile.convolutions,
+        size=size,
+        mesh=mesh,
+        steps=steps,
     )
     per_dispatch = execution.steps_per_dispatch
     if per_dispatch is None:
@@ -374,12 +380,13 @@ def _plan_fit(
             per_dispatch = default_steps_per_dispatch(
                 ens.members, source.batch_size, size, mesh
             )
-        elif layout == "sequential":
-            # Each step holds a copy of every member: bound the copies a
-            # dispatch compiles (5 members: 2 steps, ~10 s to compile on 2 cores).
-            per_dispatch = max(1, UNROLLED_STEPS_PER_DISPATCH // size)
         else:
-            per_dispatch = UNROLLED_STEPS_PER_DISPATCH
+            # An unrolled dispatch compiles every step it holds, and a step of
+            # a convolving loss outweighs a dispatch's host work (a few hundred
+            # microseconds): one step per dispatch. Every dispatch is then the
+            # same program, so a resumed run is bit for bit the uninterrupted
+            # one, and the first call compiles one step.
+            per_dispatch = 1
     options = step_compiler_options(
         execution.compiler_options,
         ens.members,
@@ -408,7 +415,7 @@ class Run:
     meters, callbacks), each of which says when it next needs the host."""
 
     chunk: Chunk
-    runner: Callable[..., Any]
+    options: Options
     train_state: TrainState
     recorder: Recorder
     steps: int
@@ -424,6 +431,14 @@ class Run:
     resumed_from: int | None = None
 
     def __post_init__(self):
+        leaves, treedef = jax.tree_util.tree_flatten(self.train_state)
+        self._state_shapes = (
+            treedef,
+            tuple(
+                (leaf.shape, leaf.dtype) if eqx.is_array(leaf) else leaf
+                for leaf in leaves
+            ),
+        )
         self.done = int(self.train_state.step)
         self._diverged_at = np.asarray(self.train_state.diverged_at)
 
@@ -503,7 +518,8 @@ class Run:
                 length=end - self.done,
                 evaluate_last=every is not None and end % every == 0,
             )
-        self.train_state, losses, scores = self.runner(chunk, self.train_state)
+        runner = runner_for(self.options, chunk, self._state_shapes)
+        self.train_state, losses, scores = runner(chunk, self.train_state)
         return losses, scores
 
     def record_dispatch(self, outputs: tuple[Any, Any], end: int) -> np.ndarray:

@@ -434,8 +434,10 @@ class Step(eqx.Module):
             )
             if isinstance(compiled, functools.partial):  # a step holding arrays
                 generic: Any = compiled.func
-                return generic.lower(self, ens, opt_state, batch, key, state, hyper)
-            return compiled.lower(ens, opt_state, batch, key, state, hyper)
+                lowered = generic.lower(self, ens, opt_state, batch, key, state, hyper)
+                return _LoweredStep(lowered, self)
+            lowered = compiled.lower(ens, opt_state, batch, key, state, hyper)
+            return _LoweredStep(lowered, None)
 
     def _options(
         self, ens: Any, batch: Any, state: Any = None, hyper: Any = None
@@ -488,6 +490,36 @@ class Step(eqx.Module):
 # The size-based choice of XLA options, per members' structure and shapes, batch
 # size and mesh (bounded: cleared past 256 entries).
 _SIZE_OPTIONS: dict[Any, Options] = {}
+
+
+class _LoweredStep:
+    """`Step.lower(...)`: `.as_text()`, and `.compile()` giving a function with
+    the step's own signature."""
+
+    def __init__(self, lowered: Any, step: "Step | None"):
+        self._lowered, self._step = lowered, step
+
+    def as_text(self) -> str:
+        return self._lowered.as_text()
+
+    def compile(self) -> Callable[..., StepOutput]:
+        compiled = self._lowered.compile()
+        step = self._step
+
+        def call(
+            ens: Ensemble,
+            opt_state: PyTree[Any],
+            batch: PyTree[Any],
+            key: PRNGKeyArray,
+            state: PyTree[Any] = None,
+            *,
+            hyper: PyTree[Any] = None,
+        ) -> StepOutput:
+            args = (ens, opt_state, batch, key, state, hyper)
+            return compiled(*args) if step is None else compiled(step, *args)
+
+        call.compiled = compiled.compiled  # type: ignore[attr-defined]
+        return call
 
 
 def _profile_of(step: "Step", inputs: Any) -> Any:

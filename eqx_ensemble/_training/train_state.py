@@ -2,7 +2,6 @@
 state before the first step."""
 
 import dataclasses
-import functools
 from typing import Any
 
 import equinox as eqx
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, member_axis_mask
-from .._execution.compile import CompiledFunctions
+from .._execution.compile import CompiledFunctions, filter_jit
 from .optim import init_state
 
 
@@ -155,13 +154,17 @@ def _start(
 
 
 def _make_start(optimizer: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
-    return eqx.filter_jit(functools.partial(_start, optimizer, track, with_eval))
+    # A function of its own: JAX's caches keyed on it go when it is dropped.
+    def start(*args: Any) -> tuple[TrainState, RunKeys]:
+        return _start(optimizer, track, with_eval, *args)
+
+    return filter_jit(start, ())
 
 
 # One start program per optimizer, trackers and evaluation (bounded, least
 # recently used dropped: `compile.CompiledFunctions`).
 _started = CompiledFunctions(_make_start)
-_start_generic = eqx.filter_jit(_start)
+_start_generic = filter_jit(_start, ())
 
 
 def start_state(
