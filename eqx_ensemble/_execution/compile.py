@@ -54,25 +54,15 @@ class Jit:
     ):
         if donate not in (None, "all-except-first"):
             raise ValueError(f"unknown donation {donate!r}")
-        self._fn = fn
+        # `jax.jit` of a function that does not refer back to this object: no
+        # reference cycle, so the programs go as soon as the last reference
+        # to this object does (not at the next full garbage collection).
         self._jitted = jax.jit(
-            self._traced,
+            functools.partial(_traced, fn),
             static_argnums=0,
             donate_argnums=(2,) if donate else (),
             compiler_options=dict(options) or None,
         )
-
-    def _traced(self, static: Hashable, first: list[Any], rest: list[Any]) -> Any:
-        args = _merge(static, first, rest)
-        out = self._fn(*args)
-        leaves, treedef = jax.tree_util.tree_flatten(out)
-        arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
-        # The outputs' structure and static leaves travel as a leafless node:
-        # JAX keeps them with each trace (as Equinox's `filter_jit` does).
-        static_out = _StaticOutput(
-            treedef, tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
-        )
-        return arrays, static_out
 
     def _split(self, args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
         first, first_def = jax.tree_util.tree_flatten(args[:1])
@@ -129,6 +119,20 @@ class Compiled:
             )
         arrays, static_out = self.compiled(first, rest)
         return static_out.unflatten(arrays)
+
+
+def _traced(
+    fn: Callable[..., Any], static: Hashable, first: list[Any], rest: list[Any]
+) -> tuple[list[Any], "_StaticOutput"]:
+    out = fn(*_merge(static, first, rest))
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
+    # The outputs' structure and static leaves travel as a leafless node: JAX
+    # keeps them with each trace (as Equinox's `filter_jit` does).
+    static_out = _StaticOutput(
+        treedef, tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+    )
+    return arrays, static_out
 
 
 def _merge(static: Any, first: list[Any], rest: list[Any]) -> tuple[Any, ...]:

@@ -1,4 +1,5 @@
-"""Key derivation: one home for how keys are checked and split over members."""
+"""Key derivation: one home for how keys are checked, split over members, and
+split into the streams of a `fit` run."""
 
 from typing import Any
 
@@ -36,3 +37,19 @@ def split_member_keys(
     """The per-member keys used throughout the library: `split(key, size)`."""
     check_key(key)
     return jax.random.split(key, size)
+
+
+class RunKeys(eqx.Module):
+    """The keys a `fit` run derives from its one `key` (documented on `fit`):
+    `data_key, bootstrap_key, train_key = split(key, 3)` and
+    `eval_key = fold_in(key, 3)`."""
+
+    data: PRNGKeyArray
+    bootstrap: PRNGKeyArray
+    train: PRNGKeyArray
+    eval: PRNGKeyArray
+
+
+def run_keys(key: PRNGKeyArray) -> RunKeys:
+    data_key, bootstrap_key, train_key = jax.random.split(key, 3)
+    return RunKeys(data_key, bootstrap_key, train_key, jax.random.fold_in(key, 3))

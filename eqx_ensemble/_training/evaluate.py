@@ -107,11 +107,6 @@ class Evaluate(eqx.Module):
         )
 
 
-def eval_key(key: PRNGKeyArray) -> PRNGKeyArray:
-    """The key evaluations derive from (documented in `Evaluate`)."""
-    return jax.random.fold_in(key, 3)
-
-
 def eval_member_keys(key: PRNGKeyArray, done: Int[Array, ""], size: int) -> Any:
     """The members' keys of the evaluation after `done` steps (`key`: `eval_key`)."""
     return jax.random.split(jax.random.fold_in(key, done), size)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from .._core.data import bootstrap_resamples, epoch_indices
+from .._internal.keys import run_keys
 
 # Above this many precomputed indices (int32) per chunk, compute the permutation
 # at every step rather than holding all of them at once.
@@ -281,7 +282,7 @@ class Bootstrap(Sampling):
         out_of_bag = counts == 0      # (4, 10)
         ```
         """
-        bootstrap_key = jax.random.split(key, 3)[1]
+        bootstrap_key = run_keys(key).bootstrap  # the key `fit` drew from
         resamples = self.prepare(bootstrap_key, size, num_examples)
         return jax.vmap(lambda r: jnp.bincount(r, length=num_examples))(resamples)
 

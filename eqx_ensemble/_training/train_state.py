@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, member_axis_mask
 from .._execution.compile import CompiledFunctions, filter_jit
+from .._internal.keys import RunKeys, run_keys
 from .optim import init_state
 
 
@@ -112,22 +113,6 @@ def initial_state(
     )
     controlled = tuple(controller.init(train_state) for controller in controllers)
     return dataclasses.replace(train_state, controlled=controlled)
-
-
-class RunKeys(eqx.Module):
-    """The keys a `fit` run derives from its one `key` (documented on `fit`):
-    `data_key, bootstrap_key, train_key = split(key, 3)` and
-    `eval_key = fold_in(key, 3)`."""
-
-    data: PRNGKeyArray
-    bootstrap: PRNGKeyArray
-    train: PRNGKeyArray
-    eval: PRNGKeyArray
-
-
-def run_keys(key: PRNGKeyArray) -> RunKeys:
-    data_key, bootstrap_key, train_key = jax.random.split(key, 3)
-    return RunKeys(data_key, bootstrap_key, train_key, jax.random.fold_in(key, 3))
 
 
 def _start(
