@@ -99,10 +99,13 @@ def per_call(args) -> dict:
         )
         jax.block_until_ready(result.ensemble)
 
-    @jax.jit
+    @eqx.filter_jit
     def scan20(members, opt_state, key):
+        dynamic, static = eqx.partition(members, eqx.is_array)
+
         def body(carry, step):
-            members, opt_state = carry
+            dynamic, opt_state = carry
+            members = eqx.combine(dynamic, static)
             indices = jax.random.randint(
                 jax.random.fold_in(key, step), (BATCH,), 0, EXAMPLES
             )
@@ -121,17 +124,15 @@ def per_call(args) -> dict:
             members, opt_state, losses = eqx.filter_vmap(member_step)(
                 members, opt_state, keys
             )
-            return (members, opt_state), losses
+            return (eqx.filter(members, eqx.is_array), opt_state), losses
 
-        (members, opt_state), losses = jax.lax.scan(
-            body, (members, opt_state), jnp.arange(20)
+        (dynamic, opt_state), losses = jax.lax.scan(
+            body, (dynamic, opt_state), jnp.arange(20)
         )
-        return members, opt_state, losses
-
-    members_dynamic = eqx.filter(ens.members, eqx.is_array)
+        return eqx.combine(dynamic, static), opt_state, losses
 
     def hand_scan():
-        jax.block_until_ready(scan20(members_dynamic, opt_state, key))
+        jax.block_until_ready(scan20(ens.members, opt_state, key))
 
     variants = {
         "hand-written filter_jit step x calls": loop_hand,
@@ -241,7 +242,8 @@ def first_hand(family: str, members: int, batch: int, steps: int) -> float:
     @eqx.filter_jit(donate="all-except-first")
     def step(batch, members, opt_state, state, key):
         keys = jax.random.split(key, members_count)
-        return eqx.filter_vmap(one, in_axes=(0, 0, 0, 0, None))(
+        per_member = eqx.if_array(0)
+        return eqx.filter_vmap(one, in_axes=(per_member,) * 4 + (None,))(
             members, opt_state, state, keys, batch
         )
 
@@ -250,8 +252,8 @@ def first_hand(family: str, members: int, batch: int, steps: int) -> float:
     start = time.perf_counter()
     current = (ens.members, opt_state, state)
     for i in range(steps):
-        batch = (x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch])
-        out = step(batch, *current, jax.random.key(i))
+        rows = slice(i * batch, (i + 1) * batch)
+        out = step((x[rows], y[rows]), *current, jax.random.key(i))
         current = out[:3]
     jax.block_until_ready(current)
     return time.perf_counter() - start
