@@ -27,6 +27,7 @@ SCRIPTS = {
     "families": "bench_families.py",
     "loop": "bench_loop.py",
     "trackers": "bench_trackers.py",
+    "overhead": "bench_overhead.py",
 }
 if os.path.exists(os.path.join(HERE, "bench_sharding.py")):
     SCRIPTS["sharding"] = "bench_sharding.py"  # owned by the sharding work

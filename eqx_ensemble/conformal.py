@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from ._internal.tree import is_traced
 from ._metrics.classification import (
     member_log_probs,
     prepare_labels,
@@ -439,7 +440,7 @@ class QuantileRegression(eqx.Module):
         lower_array, upper_array = _bounds(lower, upper)
         new_lower = lower_array - self.quantile
         new_upper = upper_array + self.quantile
-        if not isinstance(new_lower, jax.core.Tracer):
+        if not is_traced(new_lower):
             ill_sorted = int(jnp.sum(new_lower > new_upper))
             if ill_sorted:
                 warnings.warn(

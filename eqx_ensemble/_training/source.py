@@ -119,8 +119,9 @@ class ArraySource(DataSource):
         if batch_size is None:
             raise TypeError("`fit` on array data needs `batch_size`")
         self.batch_size = check_positive_int(batch_size, "batch_size")
-        self.num_examples = num_examples(data)
-        sampling.check(self.num_examples, self.batch_size, size)
+        self.examples = num_examples(data)
+        self.num_examples = self.examples
+        sampling.check(self.examples, self.batch_size, size)
         _check_batch_memory(data, self.batch_size, size if sampling.per_member else 1)
         self.per_member = sampling.per_member
         self.data = data
@@ -147,9 +148,9 @@ class ArraySource(DataSource):
         batches = SampledBatches(
             data=self.data,
             sampling=self.sampling,
-            prepared=self.sampling.prepare(bootstrap_key, self.size, self.num_examples),
+            prepared=self.sampling.prepare(bootstrap_key, self.size, self.examples),
             data_key=data_key,
-            num_examples=self.num_examples,
+            num_examples=self.examples,
             batch_size=self.batch_size,
             size=self.size,
         )
