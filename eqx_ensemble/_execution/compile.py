@@ -207,24 +207,25 @@ class CompiledFunctions:
         return len(self._made)
 
 
-def check_compiler_options(options: Any) -> Options | None:
-    """Validate a user's `compiler_options` (`None`: let the library choose)."""
+def check_compiler_options(
+    options: Any, name: str = "compiler_options"
+) -> Options | None:
+    """Validate a user's XLA options (`None`: let the library choose), naming
+    the argument `name` in the errors; returns them as a sorted tuple."""
     if options is None:
         return None
     if not isinstance(options, dict):
         raise TypeError(
-            "`compiler_options` must be a dict of XLA options (e.g. "
+            f"`{name}` must be a dict of XLA options (e.g. "
             "`{'xla_cpu_experimental_ynn_fusion_type': ''}`) or None, got "
             f"{type(options).__name__}"
         )
-    for name, value in options.items():
-        if not isinstance(name, str):
-            raise TypeError(
-                f"`compiler_options` keys must be option names (str), got {name!r}"
-            )
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise TypeError(f"`{name}` keys must be option names (str), got {key!r}")
         if not isinstance(value, str | bool | int | float):
             raise TypeError(
-                f"`compiler_options[{name!r}]` must be a str, bool, int or float, "
+                f"`{name}[{key!r}]` must be a str, bool, int or float, "
                 f"got {type(value).__name__}"
             )
     return tuple(sorted(options.items()))

@@ -16,33 +16,11 @@ from jax.sharding import Mesh
 
 from .._core.sharding import check_mesh
 from .._internal.checks import MAX_INT32, check_positive_int
+from .compile import check_compiler_options
 
 LayoutChoice = Literal["auto", "vmap", "sequential"]
 _LAYOUTS = ("auto", "vmap", "sequential")
 _FIELDS = ("steps_per_dispatch", "layout", "unroll", "compiler_options", "mesh")
-
-
-def _check_compiler_options(options: Any) -> tuple[tuple[str, Any], ...] | None:
-    if options is None:
-        return None
-    if not isinstance(options, dict):
-        raise TypeError(
-            "`Execution.compiler_options` must be a dict of XLA options (e.g. "
-            "`{'xla_cpu_experimental_ynn_fusion_type': ''}`) or None, got "
-            f"{type(options).__name__}"
-        )
-    for name, value in options.items():
-        if not isinstance(name, str):
-            raise TypeError(
-                "`Execution.compiler_options` keys must be option names (str), "
-                f"got {name!r}"
-            )
-        if not isinstance(value, str | bool | int | float):
-            raise TypeError(
-                f"`Execution.compiler_options[{name!r}]` must be a str, bool, int "
-                f"or float, got {type(value).__name__}"
-            )
-    return tuple(sorted(options.items()))
 
 
 class Execution(eqx.Module):
@@ -135,7 +113,9 @@ class Execution(eqx.Module):
         self.steps_per_dispatch = steps_per_dispatch
         self.layout = layout
         self.unroll = unroll
-        self.compiler_options = _check_compiler_options(compiler_options)
+        self.compiler_options = check_compiler_options(
+            compiler_options, "Execution.compiler_options"
+        )
         self.mesh = mesh
 
     def check_for(self, function: str, fields: tuple[str, ...]) -> "Execution":
