@@ -171,3 +171,24 @@ def test_each_family_imports_alone(family):
         subprocess.run(
             [sys.executable, "-c", f"import {module}"], check=True, timeout=120
         )
+
+
+def test_lower_layers_do_not_import_upper_ones():
+    # docs/architecture.md: `_internal` knows nothing of ensembles; the core and
+    # the execution layer know nothing of training, its components or metrics.
+    allowed = {
+        "_internal": {"_internal"},
+        "_execution": {"_internal", "_execution", "_core"},
+        "_core": {"_internal", "_execution", "_core"},
+    }
+    offences = []
+    for module, imported in import_graph().items():
+        family = _family(module)
+        if family not in allowed:
+            continue
+        for target in imported:
+            if target == "eqx_ensemble":
+                continue
+            if _family(target) not in allowed[family]:
+                offences.append(f"{module} imports {target}")
+    assert not offences, offences

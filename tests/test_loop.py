@@ -1020,7 +1020,7 @@ def test_unrolled_stream_equals_make_step_loop():
 
 
 def test_step_profile_reads_convolutions_and_batched_matmuls():
-    from eqx_ensemble._execution.profile import profile_step
+    from eqx_ensemble._training.loss import profile_step
 
     cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
     batch = (IMAGES[:4], Y[:4])

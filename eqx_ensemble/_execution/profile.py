@@ -1,6 +1,7 @@
 """What a training step (or any per-member function) is made of, read from the
 jaxpr of ONE member's call: the facts the library's CPU choices rest on (see
-`_xla`, `_layout` and `_loop`)."""
+`compile`, `layout` and the training loop). `training.loss.profile_step` reads
+a loss's."""
 
 import weakref
 from collections.abc import Callable
@@ -11,8 +12,6 @@ import jax
 import jax.extend
 import numpy as np
 from jaxtyping import PyTree
-
-from .._training.loss import call_loss
 
 
 class StepProfile(NamedTuple):
@@ -57,22 +56,6 @@ def _convolution_flops(equation: Any) -> float:
     out_features = kernel_shape[equation.params["dimension_numbers"].rhs_spec[0]]
     window = float(np.prod(kernel_shape)) / max(int(out_features), 1)
     return 2.0 * float(np.prod(out_shape)) * window
-
-
-def profile_step(
-    loss_fn: Callable[..., Any],
-    member: Any,
-    batch: PyTree[Any],
-    state: PyTree[Any] = None,
-    hyper: PyTree[Any] = None,
-) -> StepProfile:
-    """The profile of `loss_fn` on one member and one batch (shapes only; an
-    error while tracing gives the empty profile: the step itself reports it)."""
-
-    def loss(model: Any, batch: Any, state: Any, hyper: Any) -> Any:
-        return call_loss(loss_fn, model, state, batch, jax.random.key(0), hyper)[0]
-
-    return profile_call(loss, (member, batch, state, hyper), owner=loss_fn)
 
 
 def profile_call(

@@ -108,5 +108,6 @@ class Evaluate(eqx.Module):
 
 
 def eval_member_keys(key: PRNGKeyArray, done: Int[Array, ""], size: int) -> Any:
-    """The members' keys of the evaluation after `done` steps (`key`: `eval_key`)."""
+    """The members' keys of the evaluation after `done` steps (`key`: the run's
+    evaluation key, `_internal.keys.run_keys(key).eval`)."""
     return jax.random.split(jax.random.fold_in(key, done), size)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PyTree
 
+from .._execution.profile import StepProfile, profile_call
 from .._internal.tree import is_traced
 
 
@@ -175,3 +176,19 @@ def check_hyper(hyper: PyTree[Any], size: int) -> None:
             raise TypeError(f"{where} has dtype {leaf.dtype}; use real numbers")
         if not is_traced(leaf) and not bool(jnp.all(jnp.isfinite(jnp.asarray(leaf)))):
             raise ValueError(f"{where} holds non-finite values: {leaf}")
+
+
+def profile_step(
+    loss_fn: Callable[..., Any],
+    member: Any,
+    batch: PyTree[Any],
+    state: PyTree[Any] = None,
+    hyper: PyTree[Any] = None,
+) -> StepProfile:
+    """The profile of `loss_fn` on one member and one batch (shapes only; an
+    error while tracing gives the empty profile: the step itself reports it)."""
+
+    def loss(model: Any, batch: Any, state: Any, hyper: Any) -> Any:
+        return call_loss(loss_fn, model, state, batch, jax.random.key(0), hyper)[0]
+
+    return profile_call(loss, (member, batch, state, hyper), owner=loss_fn)

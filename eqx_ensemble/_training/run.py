@@ -31,12 +31,7 @@ from .._execution.layout import (
     Layout,
     choose_layout,
 )
-from .._execution.profile import (
-    StepProfile,
-    first_member,
-    profile_step,
-    signature,
-)
+from .._execution.profile import StepProfile, first_member, signature
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.keys import check_key
 from .._internal.tree import first_difference
@@ -44,7 +39,12 @@ from .._trackers.base import Tracker
 from .evaluate import Evaluate
 from .history import Recorder
 from .loop import Chunk, copy, runner_for
-from .loss import check_hyper, check_loss_signature, check_optimizer
+from .loss import (
+    check_hyper,
+    check_loss_signature,
+    check_optimizer,
+    profile_step,
+)
 from .optim import (
     check_opt_state,
 )

@@ -35,7 +35,13 @@ from .._execution.execution import (
 from .._execution.layout import Layout, choose_layout, member_map
 from .._internal.keys import check_key
 from .coupled import Coupled, coupled_losses
-from .loss import call_loss, check_hyper, check_loss_signature, check_optimizer
+from .loss import (
+    call_loss,
+    check_hyper,
+    check_loss_signature,
+    check_optimizer,
+    profile_step,
+)
 from .optim import SharedOptState, check_opt_state, trainable
 
 
@@ -523,7 +529,7 @@ class _LoweredStep:
 
 
 def _profile_of(step: "Step", inputs: Any) -> Any:
-    from .._execution.profile import first_member, profile_step
+    from .._execution.profile import first_member
 
     ens, batch, state, hyper = inputs
     member_batch = first_member(batch) if step.per_member_batch else batch
