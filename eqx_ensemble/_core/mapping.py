@@ -134,7 +134,7 @@ def map_members(
     choice = check_layout(layout, None)
     if choice == "sequential" and chunk_size is not None and chunk_size != size:
         raise ValueError(
-            "`layout='sequential'` already computes one member at a time; "
+            "`Execution(layout='sequential')` already computes one member at a time; "
             "`chunk_size` chunks the vectorised layout: pass one or the other"
         )
 

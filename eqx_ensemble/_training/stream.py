@@ -1,7 +1,7 @@
 """Streamed data for `fit`: any iterable of batches, grouped per dispatch.
 
 `fit` takes batches from an iterator (a generator, a reader over a NumPy memmap,
-another library's data loader) `steps_per_dispatch` at a time, stacks each group
+another library's data loader) a dispatch's worth at a time, stacks each group
 on the host and hands it to the compiled loop, which scans over it. The next
 group is read and transferred while the current dispatch runs (JAX dispatches
 asynchronously, so `fit` prepares group `k + 1` before it waits for the results
