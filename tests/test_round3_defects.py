@@ -289,3 +289,43 @@ def test_plan_weighs_compile_time_against_the_run_length():
     assert short.unroll and long.unroll and short.length == long.length == 1
     # The member-by-member layout compiles a copy per member: long runs only.
     assert short.layout == "vmap" and long.layout == "sequential"
+
+
+# -- issue 25: the keywords `execution=` and `callbacks=` replaced -------------------
+
+
+@pytest.mark.parametrize(
+    "call, keyword, replacement",
+    [
+        ("fit", "steps_per_dispatch", "execution=ee.Execution(steps_per_dispatch"),
+        ("fit", "mesh", "execution=ee.Execution(mesh"),
+        ("fit", "progress", "callbacks=()"),
+        ("fit", "controllers", "callbacks=[controller"),
+        ("fit", "hyperparams", "opt_state=ee.init_optimizer"),
+        ("make_step", "compiler_options", "execution=ee.Execution(compiler_options"),
+        ("map", "layout", "execution=ee.Execution(layout"),
+        ("predict", "layout", "execution=ee.Execution(layout"),
+    ],
+)
+def test_moved_keywords_name_their_replacement(ens, call, keyword, replacement):
+    calls = {
+        "fit": lambda **kw: ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=2,
+                                   batch_size=BATCH, key=KEY, **kw),
+        "make_step": lambda **kw: ee.make_step(mse_loss, optax.sgd(0.1), **kw),
+        "map": lambda **kw: ee.map(lambda m, x: m(x), ens, X[0], **kw),
+        "predict": lambda **kw: ee.predict(ens, X, **kw),
+    }  # fmt: skip
+    with pytest.raises(TypeError, match=rf"no longer takes `{keyword}=`") as raised:
+        calls[call](**{keyword: None})
+    assert replacement in str(raised.value)
+    # The replacement works (the default execution, no bar).
+    if call == "fit":
+        assert calls[call](callbacks=(), execution=ee.Execution()).step == 2
+
+
+def test_execution_refuses_fields_a_function_does_not_use():
+    with pytest.raises(ValueError, match="`ee.map` does not use `Execution.unroll`"):
+        ee.map(lambda m, x: m(x), ee.ensemble(make_mlp, size=2, key=KEY), X[0],
+               execution=ee.Execution(unroll=True))  # fmt: skip
+    with pytest.raises(ValueError, match=r"`Execution.steps_per_dispatch` must be"):
+        ee.Execution(steps_per_dispatch=0)

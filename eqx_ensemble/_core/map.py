@@ -1,6 +1,5 @@
 """`map`: the one general primitive, `fn(member, *args)` across members."""
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,12 +9,13 @@ from .._execution.execution import (
     MOVED_TO_EXECUTION,
     Execution,
     as_execution,
-    refuse_moved,
+    refuses_moved,
 )
 from .ensemble import Ensemble
 from .mapping import map_members
 
 
+@refuses_moved("ee.map", {"layout": MOVED_TO_EXECUTION["layout"]})
 def map(
     fn: Callable[..., Any],
     ens: Ensemble,
@@ -84,16 +84,3 @@ def map(
         )
     layout = as_execution(execution, "ee.map", ("layout",)).layout
     return map_members(fn, ens, args, in_axes, chunk_size, key, layout)
-
-
-def _refuse_moved_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if "layout" in kwargs:
-            refuse_moved("ee.map", kwargs, MOVED_TO_EXECUTION)
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-map = _refuse_moved_keywords(map)

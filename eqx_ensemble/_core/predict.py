@@ -1,7 +1,5 @@
 """`predict`: every member on a batch, in inference mode, with its own state."""
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -12,13 +10,14 @@ from .._execution.execution import (
     MOVED_TO_EXECUTION,
     Execution,
     as_execution,
-    refuse_moved,
+    refuses_moved,
 )
 from .data import check_leading, num_examples
 from .ensemble import Ensemble
 from .mapping import map_members
 
 
+@refuses_moved("ee.predict", {"layout": MOVED_TO_EXECUTION["layout"]})
 def predict(
     ens: Ensemble,
     x: PyTree[Any],
@@ -101,16 +100,3 @@ def predict(
         layout,
         profile_owner=predict,
     )
-
-
-def _refuse_moved_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if "layout" in kwargs:
-            refuse_moved("ee.predict", kwargs, MOVED_TO_EXECUTION)
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-predict = _refuse_moved_keywords(predict)

@@ -9,6 +9,8 @@ left at `None` the library chooses (see `plan.py`), once per function, input
 structure and mesh.
 """
 
+import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
@@ -156,6 +158,25 @@ MOVED_TO_EXECUTION = {
     "layout": "execution=ee.Execution(layout=...)",
     "mesh": "execution=ee.Execution(mesh=...)",
 }
+
+
+def refuses_moved(
+    function: str, moved: dict[str, str] = MOVED_TO_EXECUTION
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator: calls of the decorated function with a keyword of `moved`
+    raise `refuse_moved`'s `TypeError` (the signature shown stays the
+    function's own)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.keys() & moved.keys():
+                refuse_moved(function, kwargs, moved)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 def refuse_moved(function: str, kwargs: dict[str, Any], moved: dict[str, str]) -> None:

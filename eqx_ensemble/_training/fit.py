@@ -5,7 +5,6 @@ one compiled dispatch at a time, with the host work between dispatches done by
 the components themselves (history, progress, controllers, checkpoints,
 callbacks)."""
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from .._execution.execution import (
     MOVED_TO_EXECUTION,
     Execution,
     as_execution,
-    refuse_moved,
+    refuses_moved,
 )
 from .._trackers.base import Tracker
 from .evaluate import Evaluate
@@ -26,7 +25,17 @@ from .result import FitResult
 from .run import prepare
 from .sampling import Sampling, Shared
 
+# The keywords `fit` no longer takes (version 0.2), with their replacements.
+_MOVED = {
+    **MOVED_TO_EXECUTION,
+    "progress": "callbacks=() (no bar) or callbacks=[ee.ProgressBar(), ...]",
+    "callback": "callbacks=[your_function]",
+    "controllers": "callbacks=[controller, ...]",
+    "hyperparams": "opt_state=ee.init_optimizer(optimizer, ens, hyperparams=...)",
+}
 
+
+@refuses_moved("fit", _MOVED)
 def fit(
     ens: Any,
     loss_fn: Callable[..., Any],
@@ -164,25 +173,3 @@ def fit(
 
 
 FIT_FIELDS = ("steps_per_dispatch", "layout", "unroll", "compiler_options", "mesh")
-
-# The keywords `fit` no longer takes (version 0.2), with their replacements.
-_MOVED = {
-    **MOVED_TO_EXECUTION,
-    "progress": "callbacks=() (no bar) or callbacks=[ee.ProgressBar(), ...]",
-    "callback": "callbacks=[your_function]",
-    "controllers": "callbacks=[controller, ...]",
-    "hyperparams": "opt_state=ee.init_optimizer(optimizer, ens, hyperparams=...)",
-}
-
-
-def _refuse_moved_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.keys() & _MOVED.keys():
-            refuse_moved("fit", kwargs, _MOVED)
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-fit = _refuse_moved_keywords(fit)

@@ -27,10 +27,9 @@ from .._execution.compile import (
     step_compiler_options,
 )
 from .._execution.execution import (
-    MOVED_TO_EXECUTION,
     Execution,
     as_execution,
-    refuse_moved,
+    refuses_moved,
 )
 from .._execution.layout import Layout, choose_layout, member_map
 from .._internal.keys import check_key
@@ -615,6 +614,7 @@ def _make_compiled_generic(options: Options) -> Callable[..., StepOutput]:
 _compiled_generic = CompiledFunctions(_make_compiled_generic)
 
 
+@refuses_moved("make_step")
 def make_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -702,16 +702,3 @@ def make_step(
 
 
 STEP_FIELDS = ("layout", "compiler_options", "mesh")
-
-
-def _refuse_moved_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.keys() & MOVED_TO_EXECUTION.keys():
-            refuse_moved("make_step", kwargs, MOVED_TO_EXECUTION)
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-make_step = _refuse_moved_keywords(make_step)
