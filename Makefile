@@ -15,11 +15,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate
-	$(PY) -m pip install -q -e ".[dev,docs]"
+	$(PY) -m pip install -q -e ".[dev,docs,loaders]"
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/activate
-	$(PY) -m pip install -q -e ".[dev,bench]"
+	$(PY) -m pip install -q -e ".[dev,loaders,bench]"
 	touch $@
 
 demo: $(VENV)/.installed

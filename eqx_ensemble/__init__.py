@@ -38,6 +38,8 @@ from ._core.sharding import (
 )
 from ._core.stack import concatenate as concatenate, stack as stack, unstack as unstack
 from ._execution.execution import Execution as Execution
+from ._loggers.files import CSVLogger as CSVLogger
+from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._methods.adversarial import Adversarial as Adversarial, adversarial as adversarial
 from ._methods.average import average as average, tree_weighted_sum as tree_weighted_sum
 from ._methods.batch_stats import recompute_batch_stats as recompute_batch_stats
@@ -53,9 +55,15 @@ from ._training.coupled import (
     Coupled as Coupled,
     distillation_loss as distillation_loss,
 )
+from ._training.epochs import Epochs as Epochs, epochs as epochs
 from ._training.evaluate import Evaluate as Evaluate
 from ._training.fit import fit as fit
 from ._training.history import History as History
+from ._training.loggers import (
+    LogEntry as LogEntry,
+    Logger as Logger,
+    RunInfo as RunInfo,
+)
 from ._training.optim import (
     SharedOptState as SharedOptState,
     init_optimizer as init_optimizer,

@@ -4,7 +4,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -33,6 +33,15 @@ from .io import load, load_manifest
 
 _KIND = "eqx_ensemble.fit"
 _ON_CORRUPT = ("raise", "previous")
+
+
+class Resumed(NamedTuple):
+    """What a checkpoint gives back to `fit`: the train state, the history, and
+    what the data source recorded of its position (`None`: nothing)."""
+
+    train_state: TrainState
+    history: History
+    data: dict[str, Any] | None
 
 
 class RunMismatchError(CheckpointError):
@@ -113,9 +122,14 @@ class Checkpoints(eqx.Module):
         return done == steps or (self.every is not None and done % self.every == 0)
 
     def save(
-        self, train_state: TrainState, history: History, run: dict[str, Any]
+        self,
+        train_state: TrainState,
+        history: History,
+        run: dict[str, Any],
+        data: dict[str, Any] | None = None,
     ) -> Path:
-        """Write the run at its current step."""
+        """Write the run at its current step (`data`: what the data source
+        records of its position there, JSON)."""
         step = int(train_state.step)
         return save_checkpoint(
             self.directory,
@@ -131,13 +145,14 @@ class Checkpoints(eqx.Module):
                 "step": step,
                 "num_evaluations": int(history.eval_steps.shape[0]),
                 "run": run,
+                "data": data,
             },
             keep=self.keep,
         )
 
     def resume(
         self, template: TrainState, run: Any, steps: int | None
-    ) -> tuple[TrainState, History] | None:
+    ) -> Resumed | None:
         """The newest checkpoint of this run (`None` if the folder has none).
         Raises a `CheckpointError` if it belongs to another run, or holds more
         than `steps` steps."""
@@ -146,7 +161,7 @@ class Checkpoints(eqx.Module):
         if self.on_corrupt == "raise":
             path = list_checkpoints(self.directory)[-1][1]
             return self._read(path, template, run, steps)
-        loaded: dict[Path, tuple[TrainState, History]] = {}
+        loaded: dict[Path, Resumed] = {}
         refused: list[RunMismatchError] = []
 
         def verify(path: Path) -> None:
@@ -180,7 +195,7 @@ class Checkpoints(eqx.Module):
         template: TrainState,
         run: Any,
         steps: int | None,
-    ) -> tuple[TrainState, History]:
+    ) -> Resumed:
         metadata = load_manifest(path).get("metadata", {})
         if metadata.get("kind") != _KIND:
             raise RunMismatchError(
@@ -221,7 +236,10 @@ class Checkpoints(eqx.Module):
             eval_steps=np.asarray(restored["eval_steps"]),
             eval_scores=np.asarray(restored["eval_scores"]),
         )
-        return restored["train_state"], history
+        data = metadata.get("data")
+        return Resumed(
+            restored["train_state"], history, data if isinstance(data, dict) else None
+        )
 
     def latest(
         self,
@@ -271,7 +289,7 @@ class Checkpoints(eqx.Module):
             raise CheckpointError(f"{checkpoints[-1][1]} was not written by `ee.fit`")
         resumed = self.resume(template, _SameSize(len(ens)), None)
         assert resumed is not None
-        train_state, history = resumed
+        train_state, history, _ = resumed
         return make_result(
             train_state,
             history,

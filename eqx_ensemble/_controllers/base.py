@@ -76,6 +76,12 @@ class Controller(eqx.Module):
         del train_state
         return None
 
+    def events(self, state: PyTree[Any]) -> list[dict[str, Any]]:
+        """What this controller has done so far, read from its state, as
+        records with `"step"` and `"event"` (for loggers; default: none)."""
+        del state
+        return []
+
     @abc.abstractmethod
     def __call__(
         self, train_state: TrainState, state: PyTree[Any], history: History

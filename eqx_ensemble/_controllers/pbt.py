@@ -271,6 +271,22 @@ class PBT(Controller):
             hyper = jax.tree.map(perturb_leaf, hyper)
         return dataclasses.replace(train_state, opt_state=opt_state, hyper=hyper)
 
+    def events(self, state: PyTree[Any]) -> list[dict[str, Any]]:
+        """Every copy so far: `{"step", "event": "exploit", "member", "parent"}`
+        (member `member` became a copy of member `parent`, with its
+        hyperparameters perturbed)."""
+        count = min(int(state["count"]), self.max_events)
+        rows = np.asarray(state["lineage"])[:count]
+        return [
+            {
+                "step": int(row[_STEP]),
+                "event": "exploit",
+                "member": int(row[_CHILD]),
+                "parent": int(row[_PARENT]),
+            }
+            for row in rows
+        ]
+
     def lineage(
         self, result: Any
     ) -> tuple[

@@ -53,6 +53,23 @@ def hyperparam_nodes(opt_state: PyTree[Any]) -> list[tuple[str, Any]]:
     ]
 
 
+def member_hparams(train_state: Any) -> dict[str, np.ndarray]:
+    """Each member's scalar hyperparameters in a train state, on the host: those
+    injected with `optax.inject_hyperparams` (by name, prefixed with the node's
+    path where there are several) and the leaves of `hyper`."""
+    size = int(np.shape(train_state.diverged_at)[0])
+    values: dict[str, np.ndarray] = {}
+    nodes = hyperparam_nodes(members_opt_state(train_state.opt_state))
+    for path, node in nodes:
+        for name, value in node.hyperparams.items():
+            if np.shape(value) == (size,):
+                values[f"{path}{name}" if len(nodes) > 1 else name] = np.asarray(value)
+    for path, leaf in jtu.tree_flatten_with_path(train_state.hyper)[0]:
+        if np.shape(leaf) == (size,):
+            values[f"hyper{keystr(path)}"] = np.asarray(leaf)
+    return values
+
+
 def map_hyperparam_nodes(fn: Any, opt_state: PyTree[Any]) -> PyTree[Any]:
     """`opt_state` with every `inject_hyperparams` state replaced by `fn(node)`."""
     return jtu.tree_map(

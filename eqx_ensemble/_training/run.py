@@ -4,7 +4,7 @@ dispatches (history, controllers, checkpoints, results)."""
 import dataclasses
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import equinox as eqx
 import jax
@@ -38,6 +38,7 @@ from .._internal.tree import first_difference
 from .._trackers.base import Tracker
 from .evaluate import Evaluate
 from .history import Recorder
+from .loggers import LogEntry, Logger, LogWriter, RunInfo
 from .loop import Chunk, copy, runner_for
 from .loss import (
     check_hyper,
@@ -45,9 +46,7 @@ from .loss import (
     check_optimizer,
     profile_step,
 )
-from .optim import (
-    check_opt_state,
-)
+from .optim import check_opt_state, member_hparams
 from .progress import ProgressBar, ProgressMeter
 from .record import (
     RunRecord,
@@ -95,33 +94,43 @@ def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple,
     return tuple(track), tuple(controllers)
 
 
-def split_callbacks(
-    callbacks: Sequence[Any] | None,
-) -> tuple[tuple[ProgressMeter, ...], tuple[Controller, ...], tuple[Any, ...]]:
-    """`fit`'s `callbacks` as (progress meters, controllers, plain functions),
-    each in the order given (`None`: the default progress bar)."""
+class Callbacks(NamedTuple):
+    """`fit`'s `callbacks` by kind, each in the order given."""
+
+    meters: tuple[ProgressMeter, ...]
+    controllers: tuple[Controller, ...]
+    loggers: tuple[Logger, ...]
+    functions: tuple[Callable[[FitResult], Any], ...]
+
+
+def split_callbacks(callbacks: Sequence[Any] | None) -> Callbacks:
+    """`fit`'s `callbacks` by kind (`None`: the default progress bar)."""
     if callbacks is None:
-        return (ProgressBar(),), (), ()
+        return Callbacks((ProgressBar(),), (), (), ())
     if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
         raise TypeError(
             "`callbacks` must be a list (progress meters, controllers, functions of "
             f"the `FitResult`), got {type(callbacks).__name__}"
         )
-    meters, controllers, functions = [], [], []
+    meters, controllers, loggers, functions = [], [], [], []
     for position, item in enumerate(callbacks):
         if isinstance(item, ProgressMeter):
             meters.append(item)
         elif isinstance(item, Controller):
             controllers.append(item)
+        elif isinstance(item, Logger):
+            loggers.append(item)
         elif callable(item) and not isinstance(item, eqx.Module | type):
             functions.append(item)
         else:
             raise TypeError(
                 f"`callbacks[{position}]` must be an `ee.ProgressMeter`, an "
-                "`ee.Controller` or a function of the `FitResult`, got "
-                f"{type(item).__name__}"
+                "`ee.Controller`, an `ee.Logger` or a function of the `FitResult`, "
+                f"got {type(item).__name__}"
             )
-    return tuple(meters), tuple(controllers), tuple(functions)
+    return Callbacks(
+        tuple(meters), tuple(controllers), tuple(loggers), tuple(functions)
+    )
 
 
 def prepare(
@@ -154,8 +163,10 @@ def prepare(
     check_key(key)
     sampling = as_sampling(sampling)
     mesh = execution.mesh
-    meters, controllers, functions = split_callbacks(callbacks)
+    meters, controllers, loggers, functions = split_callbacks(callbacks)
     track, controllers = _check_components(evaluate, checkpoints, track, controllers)
+    for logger in loggers:
+        logger.check()
     for tracker in track:
         tracker.check(steps)
     _check_periods(evaluate, controllers, steps)
@@ -194,6 +205,7 @@ def prepare(
         )
     record = None
     history = None
+    saved_data = None
     if checkpoints is not None:
         record = run_record(
             ens, optimizer, opt_state, train_state, source, sampling, batch_size,
@@ -202,10 +214,12 @@ def prepare(
         checkpoints.prepare()
         resumed = checkpoints.resume(train_state, record, steps)
         if resumed is not None:
-            train_state, history = resumed
+            train_state, history, saved_data = resumed
     done = int(train_state.step)
     if source is None:
-        source = StreamSource(data, sampling, batch_size, size, start=done)
+        source = StreamSource(
+            data, sampling, batch_size, size, start=done, saved=saved_data
+        )
         if mesh is not None:
             mesh = check_fit_mesh(mesh, size, source.batch_size)
     else:
@@ -242,8 +256,17 @@ def prepare(
         sampling=sampling,
         key=key,
         meters=meters,
+        loggers=loggers,
         functions=functions,
         resumed_from=None if history is None else done,
+        hparams={
+            "members": size,
+            "steps": steps,
+            "batch_size": source.batch_size,
+            "sampling": type(sampling).__name__,
+            "data": "arrays" if isinstance(source, ArraySource) else "stream",
+            "resumed_from": done,
+        },
     )
 
 
@@ -427,8 +450,10 @@ class Run:
     sampling: Sampling
     key: PRNGKeyArray
     meters: tuple[ProgressMeter, ...] = ()
+    loggers: tuple[Logger, ...] = ()
     functions: tuple[Callable[[FitResult], Any], ...] = ()
     resumed_from: int | None = None
+    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         leaves, treedef = jax.tree_util.tree_flatten(self.train_state)
@@ -451,6 +476,7 @@ class Run:
             meter.start(self.steps, self.done, self.resumed_from is not None)
             for meter in self.meters
         ]
+        writer = self.open_loggers()
         try:
             group = self.read_group(self.done)
             while self.done < self.steps:
@@ -469,6 +495,8 @@ class Run:
                 if (self._diverged_at >= 0).all():
                     self.fail(EnsembleDivergedError, self.diverged_message())
                 self.control()
+                if writer is not None:
+                    self.log(writer, losses, end)
                 self.checkpoint()
                 for function in self.functions:
                     function(self.result(copy_state=True))
@@ -479,7 +507,70 @@ class Run:
         finally:
             for meter, handle in zip(self.meters, handles, strict=True):
                 meter.close(handle)
+            if writer is not None:
+                self.close_loggers(writer)
         return self.result()
+
+    def open_loggers(self) -> LogWriter | None:
+        if not self.loggers:
+            return None
+        self._logged_events = [0] * len(self.controllers)
+        self._logged_evaluations = len(self.recorder.eval_steps)
+        self._logged_diverged = self._diverged_at.copy()
+        return LogWriter(
+            self.loggers,
+            RunInfo(
+                steps=self.steps,
+                size=len(self._diverged_at),
+                start=self.done,
+                resumed=self.resumed_from is not None,
+                hparams=dict(self.hparams),
+                member_hparams=member_hparams(self.train_state),
+            ),
+        )
+
+    def log(self, writer: LogWriter, losses: np.ndarray, end: int) -> None:
+        """Hand the loggers this dispatch's record (written on their thread)."""
+        events: list[dict[str, Any]] = []
+        newly = (self._logged_diverged < 0) & (self._diverged_at >= 0)
+        for member in np.flatnonzero(newly):
+            step = int(self._diverged_at[member]) + 1  # counted like `steps`
+            events.append({"step": step, "event": "diverged", "member": int(member)})
+        self._logged_diverged = self._diverged_at.copy()
+        for position, controller in enumerate(self.controllers):
+            made = controller.events(self.train_state.controlled[position])
+            events += made[self._logged_events[position] :]
+            self._logged_events[position] = len(made)
+        recorded = self.recorder.eval_steps[self._logged_evaluations :]
+        scores = self.recorder.eval_scores[self._logged_evaluations :]
+        self._logged_evaluations = len(self.recorder.eval_steps)
+        size = len(self._diverged_at)
+        entry = LogEntry(
+            steps=np.arange(end - len(losses) + 1, end + 1),
+            losses=np.asarray(losses, np.float32),
+            eval_steps=np.asarray(recorded, np.int64),
+            eval_scores=np.asarray(scores, np.float32).reshape(len(recorded), size),
+            diverged_at=self._diverged_at.copy(),
+            member_hparams=member_hparams(self.train_state),
+            events=tuple(events),
+        )
+        try:
+            writer.write(entry)
+        except Exception as error:  # noqa: BLE001 - raised with the run
+            self._attach(error)
+            raise
+
+    def close_loggers(self, writer: LogWriter) -> None:
+        try:
+            writer.close()
+        except Exception as error:  # noqa: BLE001 - raised with the run
+            if getattr(error, "result", None) is None:
+                self._attach(error)
+            raise
+
+    def _attach(self, error: Exception) -> None:
+        attached: Any = error
+        attached.result = self.result()
 
     def dispatch_end(self, done: int, available: int | None = None) -> int:
         """Where the dispatch starting at `done` ends: after the plan's steps per
@@ -564,7 +655,10 @@ class Run:
         assert self.record is not None
         try:
             self.checkpoints.save(
-                self.train_state, self.recorder.history(), self.record.as_json()
+                self.train_state,
+                self.recorder.history(),
+                self.record.as_json(),
+                self.source.position(self.done),
             )
         except (OSError, CheckpointError) as error:
             self.fail(

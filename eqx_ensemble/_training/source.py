@@ -10,7 +10,7 @@ else in the loop asks which kind of data it has.
 
 import abc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -22,8 +22,9 @@ from .._core.data import num_examples
 from .._core.sharding import DATA, MEMBERS, constrain, gather_batch, on_mesh
 from .._execution.profile import example_structs, first_member
 from .._internal.checks import check_positive_int
+from .epochs import Epochs
 from .sampling import MAX_INDICES, Bootstrap, Sampling
-from .stream import BatchGroups, example_count
+from .stream import BatchGroups, batch_digest, example_count, open_stream
 
 
 class Batches(eqx.Module):
@@ -104,6 +105,12 @@ class DataSource(abc.ABC):
     def batches(self) -> Batches:
         """The compiled dispatch's view of the data read last."""
 
+    def position(self, step: int) -> dict[str, Any] | None:
+        """What a checkpoint at `step` records of the data, to check and place
+        the data of a resumed run (JSON; `None`: nothing)."""
+        del step
+        return None
+
 
 class ArraySource(DataSource):
     """Arrays with a leading example axis: every step's batch is drawn inside
@@ -169,6 +176,7 @@ class StreamSource(DataSource):
         batch_size: int | None,
         size: int,
         start: int,
+        saved: dict[str, Any] | None = None,
     ):
         if isinstance(sampling, Bootstrap):
             raise ValueError(
@@ -179,10 +187,26 @@ class StreamSource(DataSource):
             )
         self.per_member = sampling.per_member
         self.num_examples = None
+        saved = saved or {}
+        if isinstance(data, Epochs) and saved.get("stream_state") is not None:
+            iterator: Iterator[Any] = data.restore(start, saved["stream_state"])
+        else:
+            iterator = open_stream(data, start)
+        self._resumable = callable(data) and not isinstance(data, Iterable)
         self._groups = BatchGroups(
-            data, start=start, size=size, per_member=sampling.per_member
+            iterator, start=start, size=size, per_member=sampling.per_member
         )
         first = self._groups.peek()
+        recorded = saved.get("first_batch")
+        if recorded is not None and recorded != self.first_batch_digest():
+            raise ValueError(
+                f"`data` gives a different batch for step {start} than the run saved "
+                f"in the checkpoint read it: the stream does not resume to the same "
+                "run (a generator seeded with the resumed step, or a loader shuffled "
+                "without a seed?). Make `data(step)` give the same batches for the "
+                "same steps, e.g. with `ee.epochs(loader_for_epoch)` and a loader "
+                "seeded with its epoch"
+            )
         self._first = first
         examples = example_count(
             jax.tree.map(lambda x: x[None], first), sampling.per_member
@@ -197,6 +221,29 @@ class StreamSource(DataSource):
 
     def member_batch(self) -> PyTree[Any]:
         return first_member(self._first) if self.per_member else self._first
+
+    def first_batch_digest(self) -> str | None:
+        """A fingerprint of the first batch of the group read last."""
+        first = self._groups.group_first
+        return None if first is None else batch_digest(first)
+
+    def position(self, step: int) -> dict[str, Any] | None:
+        groups = self._groups
+        if groups.group_start != step and self._resumable:
+            # The run's last checkpoint: the batch after it is read now, so that
+            # a run continued from there (to more steps) can be checked too.
+            groups.group_start, groups.group_state = step, groups.state()
+            try:
+                groups.peek()
+            except Exception:  # noqa: BLE001 - the stream ends (or fails) there
+                groups.group_first = None
+        if groups.group_start != step or groups.group_first is None:
+            return None
+        return {
+            "step": step,
+            "first_batch": self.first_batch_digest(),
+            "stream_state": groups.group_state,
+        }
 
     def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
         group, real = self._groups.next_group(count, length)

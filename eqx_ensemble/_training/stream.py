@@ -8,11 +8,13 @@ asynchronously, so `fit` prepares group `k + 1` before it waits for the results
 of group `k`).
 """
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
@@ -54,35 +56,84 @@ def check_data(data: Any) -> None:
     )
 
 
+def host_array(leaf: Any) -> Any:
+    """A batch leaf as an array `fit` can stack: JAX and NumPy arrays as they
+    are, a PyTorch tensor as a NumPy array (copied to the host only when it is
+    on another device), anything else through `np.asarray`."""
+    if isinstance(leaf, np.ndarray | jax.Array | np.generic):
+        return leaf
+    if callable(getattr(leaf, "detach", None)) and callable(getattr(leaf, "cpu", None)):
+        tensor: Any = leaf  # a torch tensor
+        return np.asarray(tensor.detach().cpu().numpy())
+    return np.asarray(leaf)
+
+
+def open_stream(
+    data: Iterable[PyTree[Any]] | Callable[[int], Iterable[PyTree[Any]]], start: int
+) -> Iterator[Any]:
+    """The iterator of a stream's batches from step `start` on."""
+    if callable(data) and not isinstance(data, Iterable):
+        return _checked_iterator(data(start), start)
+    if start > 0:
+        raise ValueError(
+            f"Resuming at step {start} from a stream needs the batches from "
+            f"step {start} on, which a plain iterable cannot promise: pass "
+            "`data` as a function `step -> iterator` that starts at `step` "
+            "(the resumed step), e.g. `ee.epochs(loader_for_epoch)` or "
+            "`lambda step: loader(skip=step)`"
+        )
+    return iter(data)
+
+
+def _checked_iterator(batches: Any, start: int) -> Iterator[Any]:
+    if batches is None or not isinstance(batches, Iterable):
+        raise TypeError(
+            f"The stream factory `data` returned {type(batches).__name__} for step "
+            f"{start}; `data(step)` must return an iterable of the batches from "
+            "`step` on (a generator, a data loader)"
+        )
+    return iter(batches)
+
+
+def batch_digest(leaves: list[Any]) -> str:
+    """A fingerprint of one batch (shapes, dtypes and bytes of its leaves)."""
+    digest = hashlib.sha256()
+    for leaf in leaves:
+        array = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{array.dtype}{array.shape}".encode())
+        digest.update(array.data)
+    return digest.hexdigest()
+
+
 class BatchGroups:
-    """Reads batches from a stream and returns them in stacked groups."""
+    """Reads batches from a stream and returns them in stacked groups. It keeps
+    where the group read last starts (its step, its first batch and, for a
+    stream that can say it, the stream's state there): a checkpoint at that
+    step records them, so that a resumed run can be checked (and positioned)."""
 
     def __init__(
         self,
-        data: Iterable[PyTree[Any]] | Callable[[int], Iterable[PyTree[Any]]],
+        iterator: Iterator[Any],
         *,
         start: int,
         size: int,
         per_member: bool,
     ):
-        if callable(data) and not isinstance(data, Iterable):
-            self.iterator: Iterator[Any] = iter(data(start))
-        else:
-            if start > 0:
-                raise ValueError(
-                    f"Resuming at step {start} from a stream needs the batches from "
-                    f"step {start} on, which a plain iterable cannot promise: pass "
-                    "`data` as a function `step -> iterator` that starts at `step` "
-                    "(the resumed step), e.g. `lambda step: loader(skip=step)`"
-                )
-            self.iterator = iter(data)
+        self.iterator = iterator
         self.size = size
         self.per_member = per_member
         self.position = start
         self.first: tuple[Any, list[tuple[str, tuple[int, ...], Any]]] | None = None
-        self.pending: list[list[np.ndarray]] = []
+        self.pending: list[list[Any]] = []
+        self.group_start = start
+        self.group_state = self.state()
+        self.group_first: list[Any] | None = None
 
-    def _read(self) -> list[np.ndarray] | None:
+    def state(self) -> Any:
+        get = getattr(self.iterator, "get_state", None)
+        return get() if callable(get) else None
+
+    def _read(self) -> list[Any] | None:
         if self.pending:
             return self.pending.pop(0)
         try:
@@ -100,12 +151,13 @@ class BatchGroups:
         if leaves is None:
             raise ValueError("The data stream yielded no batch at all")
         self.pending.append(leaves)
+        self.group_first = leaves
         assert self.first is not None
         return jtu.tree_unflatten(self.first[0], leaves)
 
     def _check(self, batch: Any) -> Any:
         leaves, treedef = jtu.tree_flatten_with_path(batch)
-        arrays = [(keystr(path), np.asarray(leaf)) for path, leaf in leaves]
+        arrays = [(keystr(path), _array(leaf, path)) for path, leaf in leaves]
         if self.first is None:
             if not arrays:
                 raise ValueError(
@@ -114,10 +166,11 @@ class BatchGroups:
                 )
             axis = 0
             for path, leaf in arrays:
-                if leaf.dtype == object:
+                if leaf.dtype.kind not in "biufc":
                     raise TypeError(
                         f"Batch leaf `{path}` at step {self.position} is not an "
-                        "array of numbers"
+                        f"array of numbers (dtype {leaf.dtype}); convert strings "
+                        "or objects to numbers in the data loader"
                     )
                 if leaf.ndim <= axis or (
                     self.per_member and leaf.shape[0] != self.size
@@ -153,19 +206,38 @@ class BatchGroups:
         `length` by repeating the last one (padded steps are not run). Returns the
         group and the number of real batches, fewer than `count` (0: `None`) when
         the stream ends."""
-        leaves: list[list[np.ndarray]] = []
+        if not self.pending:
+            self.group_start, self.group_state = self.position, self.state()
+        else:
+            self.group_start = self.position - len(self.pending)
+        leaves: list[list[Any]] = []
         for _ in range(count):
             batch = self._read()
             if batch is None:
                 break
             leaves.append(batch)
         if not leaves:
+            self.group_first = None
             return None, 0
+        self.group_first = leaves[0]
         real = len(leaves)
         leaves += [leaves[-1]] * (length - real)
         assert self.first is not None
-        stacked = [np.stack(column) for column in zip(*leaves, strict=True)]
+        stacked = [
+            jnp.stack(column) if isinstance(column[0], jax.Array) else np.stack(column)
+            for column in zip(*leaves, strict=True)
+        ]
         return jtu.tree_unflatten(self.first[0], stacked), real
+
+
+def _array(leaf: Any, path: Any) -> Any:
+    try:
+        return host_array(leaf)
+    except Exception as error:  # noqa: BLE001 - re-raised with the leaf's path
+        raise TypeError(
+            f"Batch leaf `{keystr(path)}` ({type(leaf).__name__}) is not an array: "
+            f"{error}"
+        ) from error
 
 
 def example_count(group: PyTree[Any], per_member: bool) -> int:

@@ -1,0 +1,163 @@
+"""`CSVLogger`: a run's record as CSV and JSON Lines files (no extra package)."""
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import numpy as np
+
+from .._training.loggers import LogEntry, Logger, RunInfo, check_writable
+
+LOSSES = "losses.csv"
+EVALUATIONS = "evaluations.csv"
+HYPERPARAMETERS = "hyperparameters.csv"
+EVENTS = "events.jsonl"
+RUN = "run.json"
+
+
+class CSVLogger(Logger):
+    """Writes a [`fit`][eqx_ensemble.fit] run's record to a folder as plain files,
+    readable by NumPy, pandas or a spreadsheet:
+
+    - `losses.csv`: `step, member_0, member_1, ...`: every member's training loss
+      at every step (equal to `FitResult.history.losses`);
+    - `evaluations.csv`: the same columns for every evaluation
+      (`FitResult.history.eval_scores`);
+    - `hyperparameters.csv`: `step, name, member_0, ...`: each member's injected
+      hyperparameters (`optax.inject_hyperparams`) and `hyper` values, at the
+      start and whenever they change (PBT);
+    - `events.jsonl`: one JSON record per event (a member diverged, a PBT
+      exploit with its parent);
+    - `run.json`: the run's description.
+
+    Each file is flushed after every dispatch. A resumed run (from
+    `ee.Checkpoints`) drops the rows after the step it resumes from (the part
+    of the cut-off run that is redone) and appends; a new run replaces the
+    files.
+
+    **Arguments:**
+
+    - `directory`: the folder (created; checked to be writable before any
+      training).
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.1), jnp.ones((8, 1)), steps=4,
+                    batch_size=4, key=jax.random.key(1),
+                    callbacks=[ee.CSVLogger("logs")])
+    losses = np.loadtxt("logs/losses.csv", delimiter=",", skiprows=1)
+    assert (losses[:, 1:] == result.history.losses).all()
+    ```
+    """
+
+    directory: str | os.PathLike[str] = eqx.field(static=True)
+
+    def __check_init__(self):
+        if not isinstance(self.directory, str | os.PathLike):
+            raise TypeError(
+                "`CSVLogger.directory` must be a path (str or os.PathLike), got "
+                f"{type(self.directory).__name__}"
+            )
+
+    def check(self) -> None:
+        check_writable(self.directory, "CSVLogger.directory")
+
+    def open(self, run: RunInfo) -> dict[str, Any]:
+        folder = Path(self.directory)
+        members = [f"member_{i}" for i in range(run.size)]
+        files: dict[str, Any] = {}
+        for name, header, step_of in (
+            (LOSSES, ["step", *members], _csv_step),
+            (EVALUATIONS, ["step", *members], _csv_step),
+            (HYPERPARAMETERS, ["step", "name", *members], _csv_step),
+            (EVENTS, None, _json_step),
+        ):
+            path = folder / name
+            kept = _rows_up_to(path, run.start, step_of) if run.resumed else []
+            handle = open(path, "w", newline="")
+            if header is not None and not kept:
+                csv.writer(handle).writerow(header)
+            handle.writelines(kept)
+            handle.flush()
+            files[name] = handle
+        description = {
+            **run.hparams,
+            "member_hparams": {k: v.tolist() for k, v in run.member_hparams.items()},
+        }
+        (folder / RUN).write_text(json.dumps(description, indent=1) + "\n")
+        state = {"files": files, "hparams": {}}
+        if not run.resumed:
+            self._hyperparameters(state, run.start, run.member_hparams)
+        else:
+            state["hparams"] = dict(run.member_hparams)
+        return state
+
+    def write(self, handle: dict[str, Any], entry: LogEntry) -> None:
+        files = handle["files"]
+        _write_rows(files[LOSSES], entry.steps, entry.losses)
+        _write_rows(files[EVALUATIONS], entry.eval_steps, entry.eval_scores)
+        self._hyperparameters(handle, int(entry.steps[-1]), entry.member_hparams)
+        for event in entry.events:
+            files[EVENTS].write(json.dumps(event) + "\n")
+        for file in files.values():
+            file.flush()
+
+    def close(self, handle: dict[str, Any]) -> None:
+        for file in handle["files"].values():
+            file.close()
+
+    def _hyperparameters(
+        self, handle: dict[str, Any], step: int, values: dict[str, np.ndarray]
+    ) -> None:
+        writer = csv.writer(handle["files"][HYPERPARAMETERS])
+        for name, value in values.items():
+            last = handle["hparams"].get(name)
+            if last is None or not np.array_equal(last, value):
+                writer.writerow([step, name, *(_number(v) for v in value)])
+        handle["hparams"] = dict(values)
+
+
+def _number(value: Any) -> str:
+    # `repr` of the float64 of a float32 reads back to the same float32.
+    return repr(float(value))
+
+
+def _write_rows(file: Any, steps: np.ndarray, values: np.ndarray) -> None:
+    file.writelines(
+        ",".join([str(int(step)), *map(_number, row)]) + "\n"
+        for step, row in zip(steps, values, strict=True)
+    )
+
+
+def _csv_step(line: str) -> int | None:
+    head = line.split(",", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _json_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _rows_up_to(path: Path, start: int, step_of: Any) -> list[str]:
+    """The lines of `path` (its header included) up to step `start`."""
+    if not path.exists():
+        return []
+    kept = []
+    with open(path, newline="") as file:
+        for line in file:
+            step = step_of(line)
+            if step is None and kept:  # only a header line has no step
+                continue
+            if step is None or step <= start:
+                kept.append(line)
+    return kept

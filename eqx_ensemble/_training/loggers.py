@@ -1,0 +1,218 @@
+"""Loggers as a component: `fit` hands each a record of every dispatch (per-member
+losses and evaluation scores, divergences, hyperparameters, controllers' events)
+and the run's description; the logger decides where it goes (a CSV folder,
+TensorBoard, W&B). Writing runs on a thread of its own, so the host returns to
+the compiled loop at once."""
+
+import abc
+import dataclasses
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What a logger is told before the first dispatch.
+
+    - `steps`: the run's step count; `size`: its number of members.
+    - `start`: the step it starts from (`> 0`: `resumed` from a checkpoint, and
+      whatever a logger wrote after `start` belongs to a run that was cut off).
+    - `hparams`: the run's description (sampling, batch size, optimizer and the
+      like: numbers and strings).
+    - `member_hparams`: each member's injected hyperparameters at the start
+      (`name -> (members,)` values; empty without `optax.inject_hyperparams`).
+
+    **Example:** a logger's `open` receives it:
+
+    ```python
+    class Describe(ee.Logger):
+        def open(self, run):
+            print(f"{run.size} members, steps {run.start} to {run.steps}")
+        def write(self, handle, entry):
+            pass
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    ee.fit(ens, loss, optax.sgd(0.1), jnp.ones((8, 1)), steps=4, batch_size=4,
+           key=jax.random.key(1), callbacks=[Describe()])
+    ```
+    """
+
+    steps: int
+    size: int
+    start: int
+    resumed: bool
+    hparams: dict[str, float | int | str]
+    member_hparams: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class LogEntry:
+    """One dispatch's record, on the host.
+
+    - `steps`: `(n,)` the steps it ran (1-based: the step count after each).
+    - `losses`: `(n, members)` every member's training loss at those steps.
+    - `eval_steps`, `eval_scores`: `(e,)` and `(e, members)`: evaluations it ran.
+    - `diverged_at`: `(members,)` each member's divergence step (`-1`: healthy).
+    - `member_hparams`: each member's injected hyperparameters after it
+      (controllers such as PBT change them).
+    - `events`: what happened in it, as records with `"step"` (counted like
+      `steps`) and `"event"`: `"diverged"` with `"member"` (whose update at that
+      step was refused), `"exploit"` with `"member"` and `"parent"` (PBT).
+
+    **Example:** a logger's `write` receives one per dispatch:
+
+    ```python
+    class Worst(ee.Logger):
+        def open(self, run):
+            return []
+        def write(self, handle, entry):
+            handle.append((int(entry.steps[-1]), float(entry.losses[-1].max())))
+        def close(self, handle):
+            print("worst member's loss after each dispatch:", handle)
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    ee.fit(ens, loss, optax.sgd(0.1), jnp.ones((8, 1)), steps=4, batch_size=4,
+           key=jax.random.key(1), callbacks=[Worst()])
+    ```
+    """
+
+    steps: np.ndarray
+    losses: np.ndarray
+    eval_steps: np.ndarray
+    eval_scores: np.ndarray
+    diverged_at: np.ndarray
+    member_hparams: dict[str, np.ndarray]
+    events: tuple[dict[str, Any], ...]
+
+
+class Logger(eqx.Module):
+    """Writes a [`fit`][eqx_ensemble.fit] run's record somewhere (abstract).
+    Passed in `fit(..., callbacks=[...])`;
+    [`ee.CSVLogger`][eqx_ensemble.CSVLogger] and
+    [`ee.TensorBoardLogger`][eqx_ensemble.TensorBoardLogger] are two.
+    `fit` calls it on the host, from a thread of its own (writes never hold up
+    the compiled loop), one call at a time and in order:
+
+    - `check() -> None`: before any work (a folder that cannot be written fails
+      here, not after training).
+    - `open(run: RunInfo) -> handle`: before the first dispatch.
+    - `write(handle, entry: LogEntry) -> None`: after every dispatch.
+    - `close(handle) -> None`: when the run ends (also on an error).
+
+    A logger's error ends the run with it (the trained run attached as
+    `error.result`) at the next dispatch or at the end.
+
+    **Example:**
+
+    ```python
+    class Mean(ee.Logger):
+        def open(self, run):
+            return []
+        def write(self, handle, entry):
+            handle.extend(entry.losses.mean(axis=1).tolist())
+        def close(self, handle):
+            print(f"{len(handle)} steps logged")
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    ee.fit(ens, loss, optax.sgd(0.1), jnp.ones((8, 1)), steps=4, batch_size=4,
+           key=jax.random.key(1), callbacks=[Mean()])
+    ```
+    """
+
+    def check(self) -> None:
+        """Raise before any work if this logger cannot write (default: nothing)."""
+
+    @abc.abstractmethod
+    def open(self, run: RunInfo) -> Any:
+        """Called once before the first dispatch; returns the logger's handle."""
+
+    @abc.abstractmethod
+    def write(self, handle: Any, entry: LogEntry) -> None:
+        """Called after every dispatch."""
+
+    def close(self, handle: Any) -> None:
+        """Called when the run ends (also when it fails)."""
+        del handle
+
+
+def check_writable(directory: str | os.PathLike[str], name: str) -> Path:
+    """Create `directory` if needed and check a file can be written there, or an
+    `OSError` naming `name` and the folder (before any training)."""
+    path = Path(directory)
+    probe = path / ".eqx_ensemble_log_probe"
+    try:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError("it exists and is not a folder")
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise type(error)(
+            f"`{name}`: cannot write logs to {str(path)!r}: {reason}. Choose a "
+            "folder that can be created and written (nothing was trained yet)"
+        ) from error
+    return path
+
+
+_STOP = object()
+
+
+class LogWriter:
+    """The run's loggers behind one queue, written from one thread; a logger's
+    error is re-raised on the run's thread at the next `write` or at `close`."""
+
+    def __init__(self, loggers: tuple[Logger, ...], run: RunInfo):
+        self.loggers = loggers
+        self.error: BaseException | None = None
+        self.handles: list[Any] = []
+        self.queue: queue.Queue[Any] = queue.Queue()
+        for logger in loggers:  # opened on the run's thread: errors come at once
+            self.handles.append(logger.open(run))
+        self.thread = threading.Thread(
+            target=self._work, name="eqx_ensemble-loggers", daemon=True
+        )
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (entry := self.queue.get()) is not _STOP:
+            if self.error is not None:
+                continue
+            try:
+                for logger, handle in zip(self.loggers, self.handles, strict=True):
+                    logger.write(handle, entry)
+            except BaseException as error:  # noqa: BLE001 - re-raised on the run's thread
+                self.error = error
+
+    def write(self, entry: LogEntry) -> None:
+        self.raise_error()
+        self.queue.put(entry)
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def close(self) -> None:
+        """Wait for the queued entries, close every logger, then raise the first
+        error a logger gave."""
+        self.queue.put(_STOP)
+        self.thread.join()
+        for logger, handle in zip(self.loggers, self.handles, strict=True):
+            try:
+                logger.close(handle)
+            except BaseException as error:  # noqa: BLE001 - raised below
+                self.error = self.error or error
+        self.raise_error()

@@ -1,0 +1,257 @@
+"""Loggers as `fit` components (issue 31): CSV files equal the history,
+TensorBoard event files read back with TensorBoard's own reader, PBT events,
+resume, and bad folders refused before any work."""
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+
+X = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+Y = X.sum(axis=1, keepdims=True)
+
+
+def _loss(model, batch, key):
+    xb, yb = batch
+    return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+
+def _ens(size=4):
+    return ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 1, 8, 1, key=k), size=size, key=jax.random.key(0)
+    )
+
+
+def _fit(callbacks, steps=30, checkpoints=None, evaluate=None, ens=None, opt=None):
+    return ee.fit(
+        _ens() if ens is None else ens,
+        _loss,
+        optax.adam(1e-2) if opt is None else opt,
+        (X, Y),
+        steps=steps,
+        batch_size=16,
+        key=jax.random.key(1),
+        callbacks=callbacks,
+        checkpoints=checkpoints,
+        evaluate=evaluate,
+        execution=ee.Execution(steps_per_dispatch=7),
+    )
+
+
+def _csv(path):
+    return np.loadtxt(path, delimiter=",", skiprows=1, ndmin=2)
+
+
+def _evaluate():
+    return ee.Evaluate(lambda m, b, k: _loss(m, b, k), (X, Y), every=5)
+
+
+def test_csv_equals_the_history(tmp_path):
+    result = _fit([ee.CSVLogger(tmp_path)], evaluate=_evaluate())
+    losses = _csv(tmp_path / "losses.csv")
+    np.testing.assert_array_equal(losses[:, 0], np.arange(1, 31))
+    np.testing.assert_array_equal(
+        losses[:, 1:].astype(np.float32), result.history.losses
+    )
+    evaluations = _csv(tmp_path / "evaluations.csv")
+    np.testing.assert_array_equal(evaluations[:, 0], result.history.eval_steps)
+    np.testing.assert_array_equal(
+        evaluations[:, 1:].astype(np.float32), result.history.eval_scores
+    )
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["members"] == 4 and run["steps"] == 30 and run["batch_size"] == 16
+
+
+def test_csv_after_a_resume_equals_the_uninterrupted_history(tmp_path):
+    full = _fit((), steps=30)
+    logs, run = tmp_path / "logs", ee.Checkpoints(tmp_path / "ckpt", every=10)
+    with pytest.raises(
+        RuntimeError, match="stop"
+    ):  # cut off at step 17 (dispatches end at 7, 10, 17)
+        _fit([ee.CSVLogger(logs), _stop_after(14)], checkpoints=run)
+    assert _csv(logs / "losses.csv")[-1, 0] == 17  # logged past the checkpoint
+    _fit([ee.CSVLogger(logs)], checkpoints=run)
+    losses = _csv(logs / "losses.csv")
+    np.testing.assert_array_equal(losses[:, 0], np.arange(1, 31))
+    np.testing.assert_array_equal(losses[:, 1:].astype(np.float32), full.history.losses)
+
+
+def _stop_after(step):
+    def stop(result):
+        if result.step >= step:
+            raise RuntimeError("stop")
+
+    return stop
+
+
+def test_tensorboard_holds_every_members_loss_at_every_step(tmp_path):
+    pytest.importorskip("tensorboardX")
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    result = _fit([ee.TensorBoardLogger(tmp_path)], evaluate=_evaluate())
+    for member in range(4):
+        reader = event_accumulator.EventAccumulator(
+            str(tmp_path / f"member_{member:03d}"), size_guidance={"scalars": 0}
+        )
+        reader.Reload()
+        loss = reader.Scalars("loss")
+        assert [e.step for e in loss] == list(range(1, 31))
+        np.testing.assert_array_equal(
+            np.array([e.value for e in loss], np.float32),
+            result.history.losses[:, member],
+        )
+        scores = reader.Scalars("eval")
+        assert [e.step for e in scores] == result.history.eval_steps.tolist()
+        np.testing.assert_array_equal(
+            np.array([e.value for e in scores], np.float32),
+            result.history.eval_scores[:, member],
+        )
+
+
+def test_tensorboard_after_a_resume_holds_the_uninterrupted_run(tmp_path):
+    pytest.importorskip("tensorboardX")
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    full = _fit((), steps=30)
+    logs, run = tmp_path / "logs", ee.Checkpoints(tmp_path / "ckpt", every=10)
+    with pytest.raises(RuntimeError, match="stop"):
+        _fit([ee.TensorBoardLogger(logs), _stop_after(14)], checkpoints=run)
+    _fit([ee.TensorBoardLogger(logs)], checkpoints=run)
+    reader = event_accumulator.EventAccumulator(
+        str(logs / "member_001"), size_guidance={"scalars": 0}
+    )
+    reader.Reload()
+    loss = reader.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, 31))  # 11..17 once, not twice
+    np.testing.assert_array_equal(
+        np.array([e.value for e in loss], np.float32), full.history.losses[:, 1]
+    )
+
+
+def test_tensorboard_every_thins_the_loss(tmp_path):
+    pytest.importorskip("tensorboardX")
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    result = _fit([ee.TensorBoardLogger(tmp_path, every=4)])
+    reader = event_accumulator.EventAccumulator(
+        str(tmp_path / "member_002"), size_guidance={"scalars": 0}
+    )
+    reader.Reload()
+    loss = reader.Scalars("loss")
+    assert [e.step for e in loss] == list(range(4, 31, 4))
+    np.testing.assert_array_equal(
+        np.array([e.value for e in loss], np.float32),
+        result.history.losses[3::4, 2],
+    )
+
+
+def test_pbt_exploits_and_hyperparameters_are_logged(tmp_path):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    ens = _ens(6)
+    opt_state = ee.init_optimizer(
+        opt, ens, hyperparams={"learning_rate": np.geomspace(1e-3, 1e-1, 6)}
+    )
+    pbt = ee.PBT(every=10, fraction=0.34)
+    result = ee.fit(
+        ens,
+        _loss,
+        opt,
+        (X, Y),
+        steps=30,
+        batch_size=16,
+        key=jax.random.key(1),
+        opt_state=opt_state,
+        evaluate=ee.Evaluate(lambda m, b, k: _loss(m, b, k), (X, Y), every=10),
+        callbacks=[pbt, ee.CSVLogger(tmp_path)],
+    )
+    steps, children, parents = pbt.lineage(result)
+    assert len(steps) > 0
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "events.jsonl").read_text().splitlines()
+    ]
+    exploits = [e for e in events if e["event"] == "exploit"]
+    assert [(e["step"], e["member"], e["parent"]) for e in exploits] == list(
+        zip(steps.tolist(), children.tolist(), parents.tolist(), strict=True)
+    )
+    rows = (tmp_path / "hyperparameters.csv").read_text().splitlines()[1:]
+    first = rows[0].split(",")
+    assert first[:2] == ["0", "learning_rate"]
+    np.testing.assert_allclose(
+        np.array(first[2:], float), np.geomspace(1e-3, 1e-1, 6), rtol=1e-6
+    )
+    last = rows[-1].split(",")
+    final = result.train_state.opt_state.hyperparams["learning_rate"]
+    np.testing.assert_array_equal(np.array(last[2:], np.float32), np.asarray(final))
+
+
+def test_a_diverged_member_is_an_event(tmp_path):
+    ens = _ens(3)
+    # Member 1 starts with a NaN weight: it diverges at its first step.
+    ens = eqx.tree_at(
+        lambda e: e.members.layers[0].weight,
+        ens,
+        ens.members.layers[0].weight.at[1, 0, 0].set(jnp.nan),
+    )
+    _fit([ee.CSVLogger(tmp_path)], ens=ens, steps=10)
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "events.jsonl").read_text().splitlines()
+    ]
+    assert events == [{"step": 1, "event": "diverged", "member": 1}]
+
+
+def test_a_folder_that_cannot_be_written_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    calls = []
+    with pytest.raises(OSError, match="CSVLogger.directory"):
+        _fit([ee.CSVLogger(blocker / "logs"), lambda r: calls.append(r)])
+    assert calls == []
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(OSError, match="cannot write logs"):
+            _fit([ee.CSVLogger(locked / "logs")])
+
+
+def test_a_logger_that_fails_ends_the_run_with_it():
+    class Failing(ee.Logger):
+        def open(self, run):
+            return None
+
+        def write(self, handle, entry):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full") as error:
+        _fit([Failing()])
+    result = error.value.result  # pyright: ignore[reportAttributeAccessIssue]
+    assert result.step >= 7
+
+
+def test_a_custom_logger_sees_every_step_in_order():
+    class Collect(ee.Logger):
+        def open(self, run):
+            return {"run": run, "steps": []}
+
+        def write(self, handle, entry):
+            handle["steps"].extend(entry.steps.tolist())
+            assert entry.losses.shape == (len(entry.steps), 4)
+
+        def close(self, handle):
+            seen.append(handle)
+
+    seen = []
+    _fit([Collect()], steps=23)
+    assert seen[0]["steps"] == list(range(1, 24))
+    assert seen[0]["run"].start == 0 and not seen[0]["run"].resumed
