@@ -255,3 +255,41 @@ def test_a_custom_logger_sees_every_step_in_order():
     _fit([Collect()], steps=23)
     assert seen[0]["steps"] == list(range(1, 24))
     assert seen[0]["run"].start == 0 and not seen[0]["run"].resumed
+
+
+def test_crc32c_matches_the_standards_test_vectors():
+    from eqx_ensemble._loggers.events import crc32c
+
+    def of(data: bytes) -> int:
+        return int(crc32c(np.frombuffer(data, np.uint8)[None, :])[0])
+
+    # RFC 3720, appendix B.4, and the common check value of CRC-32C.
+    assert of(b"123456789") == 0xE3069283
+    assert of(bytes(32)) == 0x8A9136AA
+    assert of(bytes([0xFF] * 32)) == 0x62A8AB43
+    assert of(bytes(range(32))) == 0x46DD794E
+
+
+@pytest.mark.parametrize(
+    "steps", [[1, 2, 3], [126, 127, 128, 129], [16383, 16384], [2**31 - 1]]
+)
+def test_bulk_scalar_records_equal_tensorboardx_events(steps):
+    tensorboardx = pytest.importorskip("tensorboardX")
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
+    from tensorboardX.summary import scalar
+
+    from eqx_ensemble._loggers.events import scalar_records
+
+    values = np.linspace(-1.5, 2.5, len(steps)).astype(np.float32)
+    ours = scalar_records("loss/x", np.array(steps), values, 12.5)
+    theirs = b""
+    for step, value in zip(steps, values, strict=True):
+        data = Event(
+            wall_time=12.5, step=step, summary=scalar("loss/x", float(value))
+        ).SerializeToString()
+        header = len(data).to_bytes(8, "little")
+        theirs += header + masked_crc32c(header).to_bytes(4, "little")
+        theirs += data + masked_crc32c(data).to_bytes(4, "little")
+    assert tensorboardx is not None
+    assert ours == theirs

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ EVALUATIONS = "evaluations.csv"
 HYPERPARAMETERS = "hyperparameters.csv"
 EVENTS = "events.jsonl"
 RUN = "run.json"
+# Files are flushed after a dispatch at most this often (and at the end).
+FLUSH_SECONDS = 1.0
 
 
 class CSVLogger(Logger):
@@ -33,7 +36,8 @@ class CSVLogger(Logger):
       exploit with its parent);
     - `run.json`: the run's description.
 
-    Each file is flushed after every dispatch. A resumed run (from
+    Files are flushed after a dispatch once a second at most, and at the end.
+    A resumed run (from
     `ee.Checkpoints`) drops the rows after the step it resumes from (the part
     of the cut-off run that is redone) and appends; a new run replaces the
     files.
@@ -71,6 +75,7 @@ class CSVLogger(Logger):
 
     def open(self, run: RunInfo) -> dict[str, Any]:
         folder = Path(self.directory)
+        folder.mkdir(parents=True, exist_ok=True)
         members = [f"member_{i}" for i in range(run.size)]
         files: dict[str, Any] = {}
         for name, header, step_of in (
@@ -92,7 +97,7 @@ class CSVLogger(Logger):
             "member_hparams": {k: v.tolist() for k, v in run.member_hparams.items()},
         }
         (folder / RUN).write_text(json.dumps(description, indent=1) + "\n")
-        state = {"files": files, "hparams": {}}
+        state = {"files": files, "hparams": {}, "flushed": time.monotonic()}
         if not run.resumed:
             self._hyperparameters(state, run.start, run.member_hparams)
         else:
@@ -106,8 +111,10 @@ class CSVLogger(Logger):
         self._hyperparameters(handle, int(entry.steps[-1]), entry.member_hparams)
         for event in entry.events:
             files[EVENTS].write(json.dumps(event) + "\n")
-        for file in files.values():
-            file.flush()
+        if time.monotonic() - handle["flushed"] >= FLUSH_SECONDS:
+            for file in files.values():
+                file.flush()
+            handle["flushed"] = time.monotonic()
 
     def close(self, handle: dict[str, Any]) -> None:
         for file in handle["files"].values():
@@ -125,14 +132,19 @@ class CSVLogger(Logger):
 
 
 def _number(value: Any) -> str:
-    # `repr` of the float64 of a float32 reads back to the same float32.
-    return repr(float(value))
+    # Nine significant digits read back to the same float32.
+    return f"{float(value):.9g}"
 
 
 def _write_rows(file: Any, steps: np.ndarray, values: np.ndarray) -> None:
-    file.writelines(
-        ",".join([str(int(step)), *map(_number, row)]) + "\n"
-        for step, row in zip(steps, values, strict=True)
+    if not len(steps):
+        return
+    row = "%d" + ",%.9g" * values.shape[1] + "\n"
+    file.write(
+        "".join(
+            row % (step, *numbers)
+            for step, numbers in zip(steps.tolist(), values.tolist(), strict=True)
+        )
     )
 
 

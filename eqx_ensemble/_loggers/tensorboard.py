@@ -1,7 +1,9 @@
 """`TensorBoardLogger`: a run's record as TensorBoard event files, one run per
-member (written with `tensorboardX`, from the `loggers` extra)."""
+member. Scalars are encoded in bulk (`events.py`); the hyperparameter and text
+summaries are built with `tensorboardX` (from the `loaders` extra)."""
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,8 @@ import numpy as np
 
 from .._internal.checks import check_positive_int
 from .._training.loggers import LogEntry, Logger, RunInfo, check_writable
+from .events import EventFile, event_record, scalar_columns, scalar_records
+from .files import FLUSH_SECONDS
 
 
 class TensorBoardLogger(Logger):
@@ -25,7 +29,7 @@ class TensorBoardLogger(Logger):
     A resumed run drops what was written after the step it resumes from
     (TensorBoard's purge step).
 
-    Needs `tensorboardX` (`pip install "eqx_ensemble[loggers]"`); read the files
+    Needs `tensorboardX` (`pip install "eqx_ensemble[loaders]"`); read the files
     with TensorBoard (`tensorboard --logdir <directory>`) or its event reader.
 
     **Arguments:**
@@ -61,64 +65,87 @@ class TensorBoardLogger(Logger):
         check_writable(self.directory, "TensorBoardLogger.directory")
 
     def open(self, run: RunInfo) -> dict[str, Any]:
-        writer_class = _summary_writer()
+        _summary_writer()
         from tensorboardX.summary import hparams
 
-        writers = []
+        files = []
+        now = time.time()
         for member in range(run.size):
-            writer = writer_class(
-                str(Path(self.directory) / f"member_{member:03d}"),
+            file = EventFile(
+                Path(self.directory) / f"member_{member:03d}",
                 purge_step=run.start + 1,  # drops a cut-off run's later events
-                flush_secs=30,
             )
             if not run.resumed:
                 values: dict[str, Any] = {"member": member, **run.hparams}
                 for name, value in run.member_hparams.items():
                     values[name] = float(value[member])
                 for summary in hparams(values, {"loss": 0.0, "eval": 0.0}):
-                    writer.file_writer.add_summary(summary)
-            writers.append(writer)
-        state = {"writers": writers, "hparams": {}}
-        self._hyperparameters(state, run.start, run.member_hparams)
+                    file.write(event_record(now, 0, summary=_bytes(summary)))
+            files.append(file)
+        state = {"files": files, "hparams": {}, "flushed": time.monotonic()}
+        self._hyperparameters(state, run.start, run.member_hparams, now)
         return state
 
     def write(self, handle: dict[str, Any], entry: LogEntry) -> None:
-        writers = handle["writers"]
+        files = handle["files"]
+        now = time.time()
         keep = entry.steps % self.every == 0
-        steps, losses = entry.steps[keep].tolist(), entry.losses[keep]
-        for member, writer in enumerate(writers):
-            for step, value in zip(steps, losses[:, member].tolist(), strict=True):
-                writer.add_scalar("loss", value, step)
-            for step, value in zip(
-                entry.eval_steps.tolist(),
-                entry.eval_scores[:, member].tolist(),
-                strict=True,
-            ):
-                writer.add_scalar("eval", value, step)
-        self._hyperparameters(handle, int(entry.steps[-1]), entry.member_hparams)
+        steps, losses = entry.steps[keep], entry.losses[keep]
+        loss_records = scalar_columns("loss", steps, losses, now)
+        eval_records = scalar_columns("eval", entry.eval_steps, entry.eval_scores, now)
+        for file, loss, evaluation in zip(
+            files, loss_records, eval_records, strict=True
+        ):
+            file.write(loss)
+            file.write(evaluation)
+        self._hyperparameters(handle, int(entry.steps[-1]), entry.member_hparams, now)
         for event in entry.events:
-            member = event.get("member")
-            if not isinstance(member, int) or not 0 <= member < len(writers):
+            member, step = event.get("member"), int(event["step"])
+            if not isinstance(member, int) or not 0 <= member < len(files):
                 continue
             if event.get("event") == "diverged":
-                writers[member].add_scalar("diverged", 1.0, event["step"])
+                records = scalar_records("diverged", np.array([step]), [1.0], now)
+                files[member].write(records)
             text = ", ".join(f"{k}={v}" for k, v in event.items())
-            writers[member].add_text("events", text, event["step"])
+            summary = _bytes(_text_summary("events", text))
+            files[member].write(event_record(now, step, summary=summary))
+        if time.monotonic() - handle["flushed"] >= FLUSH_SECONDS:
+            for file in files:
+                file.flush()
+            handle["flushed"] = time.monotonic()
 
     def close(self, handle: dict[str, Any]) -> None:
-        for writer in handle["writers"]:
-            writer.close()
+        for file in handle["files"]:
+            file.close()
 
     def _hyperparameters(
-        self, handle: dict[str, Any], step: int, values: dict[str, np.ndarray]
+        self,
+        handle: dict[str, Any],
+        step: int,
+        values: dict[str, np.ndarray],
+        now: float,
     ) -> None:
         for name, value in values.items():
             last = handle["hparams"].get(name)
             if last is not None and np.array_equal(last, value):
                 continue
-            for member, writer in enumerate(handle["writers"]):
-                writer.add_scalar(f"hparams/{name}", float(value[member]), step)
+            for member, file in enumerate(handle["files"]):
+                at = np.array([step])
+                records = scalar_records(
+                    f"hparams/{name}", at, value[member : member + 1], now
+                )
+                file.write(records)
         handle["hparams"] = dict(values)
+
+
+def _bytes(summary: Any) -> bytes:
+    return summary.SerializeToString()
+
+
+def _text_summary(tag: str, text: str) -> Any:
+    from tensorboardX.summary import text as text_summary
+
+    return text_summary(tag, text)
 
 
 def _summary_writer() -> Any:
@@ -127,6 +154,6 @@ def _summary_writer() -> Any:
     except ImportError as error:
         raise ImportError(
             "`ee.TensorBoardLogger` writes with `tensorboardX`, which is not "
-            'installed: `pip install "eqx_ensemble[loggers]"` (or tensorboardX)'
+            'installed: `pip install "eqx_ensemble[loaders]"` (or tensorboardX)'
         ) from error
     return SummaryWriter

@@ -517,6 +517,8 @@ class Run:
         self._logged_events = [0] * len(self.controllers)
         self._logged_evaluations = len(self.recorder.eval_steps)
         self._logged_diverged = self._diverged_at.copy()
+        start_hparams = member_hparams(self.train_state)
+        self._hparams = bool(start_hparams)  # none at the start: none later
         return LogWriter(
             self.loggers,
             RunInfo(
@@ -525,7 +527,7 @@ class Run:
                 start=self.done,
                 resumed=self.resumed_from is not None,
                 hparams=dict(self.hparams),
-                member_hparams=member_hparams(self.train_state),
+                member_hparams=start_hparams,
             ),
         )
 
@@ -551,7 +553,7 @@ class Run:
             eval_steps=np.asarray(recorded, np.int64),
             eval_scores=np.asarray(scores, np.float32).reshape(len(recorded), size),
             diverged_at=self._diverged_at.copy(),
-            member_hparams=member_hparams(self.train_state),
+            member_hparams=member_hparams(self.train_state) if self._hparams else {},
             events=tuple(events),
         )
         try:

@@ -201,9 +201,10 @@ class StreamSource(DataSource):
         if recorded is not None and recorded != self.first_batch_digest():
             raise ValueError(
                 f"`data` gives a different batch for step {start} than the one the "
-                "checkpoint recorded for that step: the stream does not resume to the "
-                "same run (a generator seeded with the resumed step, or a loader shuffled "
-                "without a seed?). Make `data(step)` give the same batches for the "
+                "checkpoint recorded for that step: the stream does not resume to "
+                "the same run (a generator seeded with the resumed step, or a loader "
+                "shuffled without a seed?). Make `data(step)` give the same batches "
+                "for the "
                 "same steps, e.g. with `ee.epochs(loader_for_epoch)` and a loader "
                 "seeded with its epoch"
             )
