@@ -7,8 +7,9 @@ Adam) runs `--steps` steps with no logger, with `ee.CSVLogger`, with
 1000 steps per dispatch (fit's default plan here) and at 100 (ten times the
 dispatches, each logged). The variants are timed round-robin; per-step medians
 and ratios to the run without a logger, in wall time and in the process's CPU
-time (all threads: the loggers' thread included; steadier on a busy machine). The files are written to a scratch
-folder on the same disk as the system's temporary files.
+time (all threads: the loggers' thread included; steadier on a busy machine).
+The files are written to a scratch folder on the same disk as the system's
+temporary files.
 
     python benchmarks/bench_logging.py [--quick] [--repeats N] [--steps S]
 """

@@ -104,7 +104,7 @@ class TensorBoardLogger(Logger):
             if not isinstance(member, int) or not 0 <= member < len(files):
                 continue
             if event.get("event") == "diverged":
-                records = scalar_records("diverged", np.array([step]), [1.0], now)
+                records = scalar_records("diverged", np.array([step]), np.ones(1), now)
                 files[member].write(records)
             text = ", ".join(f"{k}={v}" for k, v in event.items())
             summary = _bytes(_text_summary("events", text))
