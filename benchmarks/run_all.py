@@ -28,6 +28,7 @@ SCRIPTS = {
     "loop": "bench_loop.py",
     "trackers": "bench_trackers.py",
     "overhead": "bench_overhead.py",
+    "logging": "bench_logging.py",
 }
 if os.path.exists(os.path.join(HERE, "bench_sharding.py")):
     SCRIPTS["sharding"] = "bench_sharding.py"  # owned by the sharding work
