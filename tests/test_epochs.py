@@ -108,7 +108,7 @@ def test_bad_loaders_get_errors_that_name_the_epoch():
         next(ee.epochs(lambda e: list(numpy_epoch(e)), batches_per_epoch=4)(0))
     # Without `len`: found while reading.
     stream = ee.epochs(lambda e: numpy_epoch(e), batches_per_epoch=8)(0)
-    with pytest.raises(ValueError, match="epoch 0 ended after 6 batches"):
+    with pytest.raises(ValueError, match="epoch 0, the loader ended after 6 batches"):
         list(itertools.islice(stream, 10))
     stream = ee.epochs(lambda e: numpy_epoch(e), batches_per_epoch=4)(0)
     with pytest.raises(ValueError, match="more than `batches_per_epoch=4`"):
@@ -290,3 +290,97 @@ def test_a_stream_of_strings_is_named():
 
     with pytest.raises(TypeError, match=r"not an array of numbers \(dtype <U1\)"):
         _fit(strings, 5)
+
+
+def test_a_failed_read_keeps_the_run_and_its_checkpoint_resumes(tmp_path):
+    failed = []
+
+    def seeded(step):
+        for s in itertools.count(step):
+            rows = np.random.default_rng(s).integers(0, 100, 16)
+            yield X[rows], Y[rows]
+
+    def flaky(step):  # the same batches, but the read of step 8 fails once
+        for s, batch in zip(itertools.count(step), seeded(step)):
+            if s == 8 and not failed:
+                failed.append(s)
+                raise OSError("the disk hiccuped")
+            yield batch
+
+    run = ee.Checkpoints(tmp_path, every=5)
+    with pytest.raises(OSError, match="hiccuped") as error:
+        ee.fit(
+            _ens(), _loss, optax.adam(1e-2), flaky, steps=20, key=jax.random.key(1),
+            callbacks=(), checkpoints=run,
+            execution=ee.Execution(steps_per_dispatch=5),
+        )  # fmt: skip
+    assert error.value.result.step == 5  # pyright: ignore[reportAttributeAccessIssue]
+    # The checkpoint of step 5, written after the failed read, resumes.
+    _same_run(_fit(flaky, 20, run), _fit(seeded, 20))
+
+
+class _Counter:
+    """A loader whose iterator hands out its live state dict (and restores it)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return _CounterIterator(self.epoch)
+
+
+class _CounterIterator:
+    def __init__(self, epoch):
+        self.epoch, self.live = epoch, {"i": 0}
+
+    def __next__(self):
+        i = self.live["i"]
+        if i == 6:
+            raise StopIteration
+        self.live["i"] += 1
+        return list(numpy_epoch(self.epoch))[i]
+
+    def get_state(self):
+        return self.live  # live: the library must copy it
+
+    def set_state(self, state):
+        self.live = dict(state)
+
+
+def test_a_loaders_live_state_is_copied_when_it_is_taken(tmp_path):
+    data = ee.epochs(_Counter, batches_per_epoch=6)
+    full = _fit(data, 20)
+    run = ee.Checkpoints(tmp_path, every=5)
+    _fit(data, 10, run)
+    _same_run(_fit(data, 20, run), full)
+
+
+def test_a_plain_factory_whose_iterator_has_a_bytes_state_checkpoints(tmp_path):
+    class Stream:
+        def __init__(self, step):
+            self.step = step
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            rows = np.random.default_rng(self.step).integers(0, 100, 16)
+            self.step += 1
+            return X[rows], Y[rows]
+
+        def get_state(self):  # as grain's DataLoader iterator: bytes
+            return b"opaque"
+
+    full = _fit(Stream, 20)
+    run = ee.Checkpoints(tmp_path, every=5)
+    _fit(Stream, 10, run)
+    _same_run(_fit(Stream, 20, run), full)
+
+
+def test_members_loaders_of_different_lengths_are_refused_at_once():
+    def loader(epoch, member):
+        return numpy_epoch(epoch, size=100 if member == 0 else 80)
+
+    stream = ee.epochs(loader, members=2)(0)
+    with pytest.raises(ValueError, match="member 1's loader ended after 5 batches"):
+        list(itertools.islice(stream, 8))

@@ -293,3 +293,141 @@ def test_bulk_scalar_records_equal_tensorboardx_events(steps):
         theirs += data + masked_crc32c(data).to_bytes(4, "little")
     assert tensorboardx is not None
     assert ours == theirs
+
+
+def test_pbt_events_are_not_logged_twice_after_a_resume(tmp_path):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.05)
+    ens = _ens(6)
+    rates = {"learning_rate": np.geomspace(1e-3, 1e-1, 6)}
+
+    def run(steps, logs, checkpoints=None):
+        pbt = ee.PBT(every=10, fraction=0.34)
+        opt_state = ee.init_optimizer(opt, ens, hyperparams=rates)
+        return pbt, ee.fit(
+            ens, _loss, opt, (X, Y), steps=steps, batch_size=16,
+            key=jax.random.key(1), opt_state=opt_state,
+            evaluate=ee.Evaluate(lambda m, b, k: _loss(m, b, k), (X, Y), every=10),
+            callbacks=[pbt, ee.CSVLogger(logs)], checkpoints=checkpoints,
+        )  # fmt: skip
+
+    def exploits(logs):
+        lines = (logs / "events.jsonl").read_text().splitlines()
+        return [(e["step"], e["member"]) for e in map(json.loads, lines)]
+
+    run(30, tmp_path / "full")
+    checkpoints = ee.Checkpoints(tmp_path / "ckpt", every=10)
+    run(20, tmp_path / "cut", checkpoints)
+    run(30, tmp_path / "cut", checkpoints)
+    assert exploits(tmp_path / "cut") == exploits(tmp_path / "full")
+    assert len(exploits(tmp_path / "full")) == 6
+
+
+def test_the_dispatch_in_which_every_member_diverges_is_logged(tmp_path):
+    ens = _ens(2)
+    ens = eqx.tree_at(
+        lambda e: e.members.layers[0].weight,
+        ens,
+        ens.members.layers[0].weight.at[:, 0, 0].set(jnp.nan),
+    )
+    with pytest.raises(ee.EnsembleDivergedError) as error:
+        _fit([ee.CSVLogger(tmp_path)], ens=ens, steps=10)
+    history = error.value.result.history  # pyright: ignore[reportAttributeAccessIssue]
+    assert _csv(tmp_path / "losses.csv").shape[0] == history.losses.shape[0] > 0
+    events = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert [json.loads(e)["member"] for e in events] == [0, 1]
+
+
+def test_every_row_up_to_a_checkpoint_is_on_disk_when_it_is_written(tmp_path):
+    logs = tmp_path / "logs"
+    seen = []
+
+    def check(result):  # callbacks run after the dispatch's checkpoint
+        if result.step % 10 == 0:
+            rows = _csv(logs / "losses.csv")
+            seen.append((result.step, rows[-1, 0]))
+
+    _fit(
+        [ee.CSVLogger(logs), check],
+        steps=30,
+        checkpoints=ee.Checkpoints(tmp_path / "ckpt", every=10),
+    )
+    assert seen == [(10, 10), (20, 20), (30, 30)]
+
+
+def test_a_torn_last_row_is_dropped_on_resume(tmp_path):
+    full = _fit((), steps=30)
+    logs, run = tmp_path / "logs", ee.Checkpoints(tmp_path / "ckpt", every=10)
+    _fit([ee.CSVLogger(logs)], steps=20, checkpoints=run)
+    with open(logs / "losses.csv", "a") as file:  # a kill mid-write
+        file.write("21,0.25,0.3")
+    _fit([ee.CSVLogger(logs)], steps=30, checkpoints=run)
+    losses = _csv(logs / "losses.csv")
+    np.testing.assert_array_equal(losses[:, 0], np.arange(1, 31))
+    np.testing.assert_array_equal(losses[:, 1:].astype(np.float32), full.history.losses)
+
+
+def test_the_runs_own_error_wins_over_a_loggers(tmp_path):
+    class Failing(ee.Logger):
+        def open(self, run):
+            return None
+
+        def write(self, handle, entry):
+            raise RuntimeError("logger write failed")
+
+    def callback(result):
+        raise KeyError("the user's callback")
+
+    with pytest.raises(KeyError, match="the user's callback"):
+        _fit([callback, Failing()], steps=3)
+
+
+def test_a_logger_that_fails_to_open_closes_the_others():
+    closed = []
+
+    class Recorder(ee.Logger):
+        def open(self, run):
+            return "handle"
+
+        def write(self, handle, entry):
+            pass
+
+        def close(self, handle):
+            closed.append(handle)
+
+    class Broken(ee.Logger):
+        def open(self, run):
+            raise OSError("cannot open")
+
+        def write(self, handle, entry):
+            pass
+
+    with pytest.raises(OSError, match="cannot open"):
+        _fit([Recorder(), Broken()], steps=3)
+    assert closed == ["handle"]
+
+
+@pytest.mark.parametrize("length", [110, 119, 120, 121, 300])
+def test_long_tags_are_readable_by_tensorboard(tmp_path, length):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,
+    )
+
+    from eqx_ensemble._loggers.events import EventFile, scalar_records
+
+    tag = "t" * length
+    file = EventFile(tmp_path, purge_step=None)
+    file.write(scalar_records(tag, np.arange(1, 12), np.arange(11.0), 1.0))
+    file.close()
+    reader = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    reader.Reload()
+    assert [e.value for e in reader.Scalars(tag)] == list(np.arange(11.0))
+
+
+def test_negative_steps_are_refused():
+    from eqx_ensemble._loggers.events import event_record, scalar_records
+
+    with pytest.raises(ValueError, match="non-negative"):
+        scalar_records("loss", np.array([-1, 0]), np.zeros(2), 1.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        event_record(1.0, -1, summary=b"")

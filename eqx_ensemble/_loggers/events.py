@@ -63,6 +63,9 @@ def masked_crc32c(rows: np.ndarray) -> np.ndarray:
 
 
 def varint(value: int) -> bytes:
+    """Protocol buffers' base-128 encoding of a non-negative integer."""
+    if value < 0:
+        raise ValueError(f"a step or length must be non-negative, got {value}")
     out = bytearray()
     while True:
         byte, value = value & 0x7F, value >> 7
@@ -133,22 +136,24 @@ def scalar_columns(
     """For every column of `values` (`(steps, columns)`: one per member's file),
     the records of the scalar `tag` at `steps` (increasing)."""
     columns = values.shape[1]
-    name = tag.encode()
-    value = b"\x0a" + varint(len(name)) + name + b"\x15"  # then 4 float bytes
-    if len(value) + 4 > 127:
-        raise ValueError(f"tag {tag!r} is too long")
     steps = np.asarray(steps, np.int64)
     if not steps.size:
         return [b""] * columns
-    summary = b"\x0a" + bytes([len(value) + 4]) + value
+    if steps.min() < 0:
+        raise ValueError(f"steps must be non-negative, got {int(steps.min())}")
+    # Event{1: wall_time, 2: step, 5: Summary{1: Value{1: tag, 2: simple_value}}}:
+    # the float's 4 bytes come last, after the step's varint and this tail.
+    name = tag.encode()
+    value = b"\x0a" + varint(len(name)) + name + b"\x15"
+    summary = b"\x0a" + varint(len(value) + 4) + value
     head = b"\x09" + struct.pack("<d", wall_time) + b"\x10"
-    tail = b"\x2a" + bytes([len(summary) + 4]) + summary
+    tail = b"\x2a" + varint(len(summary) + 4) + summary
     # Column-major: each file's records are contiguous.
     floats = (
         np.ascontiguousarray(values.T, "<f4").view(np.uint8).reshape(columns, -1, 4)
     )
     sizes = np.ones(steps.shape, np.int64)
-    for k in range(1, 10):
+    for k in range(1, 9):  # a non-negative int64 takes at most 9 bytes
         sizes += steps >= (1 << (7 * k))
     chunks: list[list[bytes]] = [[] for _ in range(columns)]
     for size in np.unique(sizes).tolist():  # steps increase: each size is one run

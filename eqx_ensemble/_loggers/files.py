@@ -36,7 +36,9 @@ class CSVLogger(Logger):
       exploit with its parent);
     - `run.json`: the run's description.
 
-    Files are flushed after a dispatch once a second at most, and at the end.
+    Files are flushed after a dispatch once a second at most, before every
+    checkpoint (so a run killed and resumed from it loses no row), and at the
+    end.
     A resumed run (from
     `ee.Checkpoints`) drops the rows after the step it resumes from (the part
     of the cut-off run that is redone) and appends; a new run replaces the
@@ -57,7 +59,7 @@ class CSVLogger(Logger):
                     batch_size=4, key=jax.random.key(1),
                     callbacks=[ee.CSVLogger("logs")])
     losses = np.loadtxt("logs/losses.csv", delimiter=",", skiprows=1)
-    assert (losses[:, 1:] == result.history.losses).all()
+    assert (losses[:, 1:].astype(np.float32) == result.history.losses).all()
     ```
     """
 
@@ -116,6 +118,12 @@ class CSVLogger(Logger):
                 file.flush()
             handle["flushed"] = time.monotonic()
 
+    def flush(self, handle: dict[str, Any]) -> None:
+        for file in handle["files"].values():
+            file.flush()
+            os.fsync(file.fileno())
+        handle["flushed"] = time.monotonic()
+
     def close(self, handle: dict[str, Any]) -> None:
         for file in handle["files"].values():
             file.close()
@@ -167,6 +175,8 @@ def _rows_up_to(path: Path, start: int, step_of: Any) -> list[str]:
     kept = []
     with open(path, newline="") as file:
         for line in file:
+            if not line.endswith("\n"):  # torn by a kill mid-write
+                break
             step = step_of(line)
             if step is None and kept:  # only a header line has no step
                 continue

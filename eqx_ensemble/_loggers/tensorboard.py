@@ -83,7 +83,10 @@ class TensorBoardLogger(Logger):
                     file.write(event_record(now, 0, summary=_bytes(summary)))
             files.append(file)
         state = {"files": files, "hparams": {}, "flushed": time.monotonic()}
-        self._hyperparameters(state, run.start, run.member_hparams, now)
+        if run.resumed:  # written by the run it resumes
+            state["hparams"] = dict(run.member_hparams)
+        else:
+            self._hyperparameters(state, run.start, run.member_hparams, now)
         return state
 
     def write(self, handle: dict[str, Any], entry: LogEntry) -> None:
@@ -113,6 +116,11 @@ class TensorBoardLogger(Logger):
             for file in files:
                 file.flush()
             handle["flushed"] = time.monotonic()
+
+    def flush(self, handle: dict[str, Any]) -> None:
+        for file in handle["files"]:
+            file.flush()
+        handle["flushed"] = time.monotonic()
 
     def close(self, handle: dict[str, Any]) -> None:
         for file in handle["files"]:

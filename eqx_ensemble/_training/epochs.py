@@ -50,7 +50,7 @@ class Epochs:
         batches_per_epoch: int | None,
         members: int | None,
     ):
-        if not callable(loader_for_epoch) or isinstance(loader_for_epoch, type):
+        if not callable(loader_for_epoch):
             raise TypeError(
                 "`ee.epochs(loader_for_epoch)`: `loader_for_epoch` must be a "
                 "function `epoch -> loader` (the loader of one epoch), got "
@@ -96,7 +96,7 @@ class Epochs:
         step = check_int(step, "step", low=0)
         return EpochIterator(self, step, state)
 
-    def open(self, epoch: int, start: int) -> tuple[list[Any], list[Iterator[Any]]]:
+    def open(self, epoch: int, start: int) -> tuple[list[Any], list[Any]]:
         """One epoch's loaders (one per member with `members`) and their
         iterators, positioned at `start` where the loader takes `start`."""
         loaders = []
@@ -191,7 +191,7 @@ class EpochIterator(Iterator[PyTree[Any]]):
         self.source = source
         self.length = source.batches_per_epoch
         self.loaders: list[Any] = []
-        self.iterators: list[Iterator[Any]] = []
+        self.iterators: list[Any] = []
         if state is not None:
             epoch, position = _saved_position(state, step, self.length)
         elif self.length is None:
@@ -300,21 +300,31 @@ class EpochIterator(Iterator[PyTree[Any]]):
         return batch
 
     def _next_of_epoch(self, skipping: bool, end_ok: bool = False) -> Any:
-        batches = []
-        for iterator in self.iterators:
-            try:
-                batches.append(next(iterator))
-            except StopIteration:
-                if self.position == 0:
-                    raise ValueError(_empty_message(self.epoch)) from None
-                if end_ok and not batches:
-                    return _END
-                raise ValueError(
-                    f"The loader of epoch {self.epoch} ended after {self.position} "
-                    f"batches, but `batches_per_epoch` is {self.length}: every "
-                    "epoch must have the same number of batches (drop a short "
-                    "last batch, e.g. `drop_last=True`)"
-                ) from None
+        batches = [next(iterator, _END) for iterator in self.iterators]
+        ended = [batch is _END for batch in batches]
+        if any(ended):
+            if self.position == 0:
+                raise ValueError(_empty_message(self.epoch))
+            if end_ok and all(ended):
+                return _END
+            which = (
+                f"member {ended.index(True)}'s loader"
+                if self.source.members is not None and not all(ended)
+                else "the loader"
+            )
+            expected = (
+                "the other members' loaders go on"
+                if end_ok
+                else f"`batches_per_epoch` is {self.length}"
+                if self.source.batches_per_epoch is not None
+                else f"earlier epochs had {self.length}"
+            )
+            raise ValueError(
+                f"In epoch {self.epoch}, {which} ended after {self.position} "
+                f"batches, but {expected}: every epoch (of every member) must have "
+                "the same number of batches (drop a short last batch, e.g. "
+                "`drop_last=True`)"
+            )
         self.position += 1
         if skipping:
             return None
@@ -331,10 +341,15 @@ class EpochIterator(Iterator[PyTree[Any]]):
         for iterator in self.iterators:
             extra = next(iterator, _END)
             if extra is not _END:
+                given = self.source.batches_per_epoch
                 raise ValueError(
                     f"The loader of epoch {self.epoch} has more than "
-                    f"`batches_per_epoch={self.length}` batches; give the number "
-                    "of batches of a whole epoch (or leave it out)"
+                    f"`batches_per_epoch={given}` batches; give the number of "
+                    "batches of a whole epoch (or leave it out)"
+                    if given is not None
+                    else f"The loader of epoch {self.epoch} has more batches than "
+                    f"earlier epochs ({self.length}): every epoch must have the "
+                    "same number of batches"
                 )
 
 
@@ -381,11 +396,10 @@ def _loader_state(iterator: Any) -> Any:
     value = get()
     if isinstance(value, bytes):
         return {_STATE_BYTES: base64.b64encode(value).decode()}
-    try:
-        json.dumps(value)
+    try:  # a copy: a loader may hand out its live state
+        return {_STATE_JSON: json.loads(json.dumps(value))}
     except (TypeError, ValueError):
         return None
-    return {_STATE_JSON: value}
 
 
 def _decode_state(saved: Any) -> Any:

@@ -107,6 +107,7 @@ class Logger(eqx.Module):
       here, not after training).
     - `open(run: RunInfo) -> handle`: before the first dispatch.
     - `write(handle, entry: LogEntry) -> None`: after every dispatch.
+    - `flush(handle) -> None`: before each checkpoint (optional).
     - `close(handle) -> None`: when the run ends (also on an error).
 
     A logger's error ends the run with it (the trained run attached as
@@ -142,6 +143,12 @@ class Logger(eqx.Module):
     def write(self, handle: Any, entry: LogEntry) -> None:
         """Called after every dispatch."""
 
+    def flush(self, handle: Any) -> None:
+        """Called before each checkpoint is written: make what was written so far
+        durable (a run resumed from that checkpoint drops anything after it, and
+        nothing before it may be missing). Default: nothing."""
+        del handle
+
     def close(self, handle: Any) -> None:
         """Called when the run ends (also when it fails)."""
         del handle
@@ -170,17 +177,35 @@ def check_writable(directory: str | os.PathLike[str], name: str) -> Path:
 _STOP = object()
 
 
+class _Sync:
+    """A marker: the writer flushes every logger and sets `done`."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+
 class LogWriter:
     """The run's loggers behind one queue, written from one thread; a logger's
     error is re-raised on the run's thread at the next `write` or at `close`."""
 
     def __init__(self, loggers: tuple[Logger, ...], run: RunInfo):
-        self.loggers = loggers
         self.error: BaseException | None = None
         self.handles: list[Any] = []
         self.queue: queue.Queue[Any] = queue.Queue()
+        self.loggers: tuple[Logger, ...] = ()
+        opened: list[Logger] = []
         for logger in loggers:  # opened on the run's thread: errors come at once
-            self.handles.append(logger.open(run))
+            try:
+                self.handles.append(logger.open(run))
+            except BaseException:
+                for other, handle in zip(opened, self.handles, strict=True):
+                    try:
+                        other.close(handle)
+                    except Exception:  # noqa: BLE001, S110 - the open error wins
+                        pass
+                raise
+            opened.append(logger)
+        self.loggers = tuple(opened)
         self.thread = threading.Thread(
             target=self._work, name="eqx_ensemble-loggers", daemon=True
         )
@@ -188,17 +213,30 @@ class LogWriter:
 
     def _work(self) -> None:
         while (entry := self.queue.get()) is not _STOP:
-            if self.error is not None:
-                continue
             try:
+                if self.error is not None:
+                    continue
                 for logger, handle in zip(self.loggers, self.handles, strict=True):
-                    logger.write(handle, entry)
+                    if isinstance(entry, _Sync):
+                        logger.flush(handle)
+                    else:
+                        logger.write(handle, entry)
             except BaseException as error:  # noqa: BLE001 - re-raised on the run's thread
                 self.error = error
+            finally:
+                if isinstance(entry, _Sync):
+                    entry.done.set()
 
     def write(self, entry: LogEntry) -> None:
         self.raise_error()
         self.queue.put(entry)
+
+    def sync(self) -> None:
+        """Wait until everything queued is written and flushed."""
+        marker = _Sync()
+        self.queue.put(marker)
+        marker.done.wait()
+        self.raise_error()
 
     def raise_error(self) -> None:
         if self.error is not None:

@@ -472,12 +472,13 @@ class Run:
         (history, progress, divergence, controllers, checkpoint, callbacks).
         A failure to read the next batches comes after the dispatch that ran is
         recorded and checkpointed, and carries the run as `error.result`."""
-        handles = [
-            meter.start(self.steps, self.done, self.resumed_from is not None)
-            for meter in self.meters
-        ]
-        writer = self.open_loggers()
+        handles: list[Any] = []
+        writer: LogWriter | None = None
         try:
+            for meter in self.meters:
+                resumed = self.resumed_from is not None
+                handles.append(meter.start(self.steps, self.done, resumed))
+            writer = self.open_loggers()
             group = self.read_group(self.done)
             while self.done < self.steps:
                 if group[1] == 0:
@@ -493,28 +494,47 @@ class Run:
                 for meter, handle in zip(self.meters, handles, strict=True):
                     meter.update(handle, self.done, losses, self._diverged_at)
                 if (self._diverged_at >= 0).all():
+                    if writer is not None:
+                        self.log(writer, losses, end)
                     self.fail(EnsembleDivergedError, self.diverged_message())
                 self.control()
                 if writer is not None:
                     self.log(writer, losses, end)
-                self.checkpoint()
+                self.checkpoint(writer)
                 for function in self.functions:
                     function(self.result(copy_state=True))
                 if read_error is not None:
                     attached: Any = read_error
                     attached.result = self.result()
                     raise read_error
-        finally:
-            for meter, handle in zip(self.meters, handles, strict=True):
-                meter.close(handle)
+        except BaseException as error:
+            # The run's own error wins; the components are closed quietly.
+            for meter, handle in zip(self.meters, handles, strict=False):
+                try:
+                    meter.close(handle)
+                except Exception as other:  # noqa: BLE001 - reported as a note
+                    error.add_note(f"(closing {type(meter).__name__} failed: {other})")
             if writer is not None:
-                self.close_loggers(writer)
+                try:
+                    writer.close()
+                except Exception as other:  # noqa: BLE001 - reported as a note
+                    error.add_note(f"(closing the loggers failed: {other!r})")
+            raise
+        for meter, handle in zip(self.meters, handles, strict=True):
+            meter.close(handle)
+        if writer is not None:
+            self.close_loggers(writer)
         return self.result()
 
     def open_loggers(self) -> LogWriter | None:
         if not self.loggers:
             return None
-        self._logged_events = [0] * len(self.controllers)
+        self._logged_events = [  # a resumed run's earlier events were logged
+            len(controller.events(state))
+            for controller, state in zip(
+                self.controllers, self.train_state.controlled, strict=True
+            )
+        ]
         self._logged_evaluations = len(self.recorder.eval_steps)
         self._logged_diverged = self._diverged_at.copy()
         start_hparams = member_hparams(self.train_state)
@@ -651,10 +671,16 @@ class Run:
                 )
             self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, writer: LogWriter | None = None) -> None:
         if self.checkpoints is None or not self.checkpoints.due(self.done, self.steps):
             return
         assert self.record is not None
+        if writer is not None:  # the logs reach this step before the checkpoint
+            try:
+                writer.sync()
+            except Exception as error:  # noqa: BLE001 - raised with the run
+                self._attach(error)
+                raise
         try:
             self.checkpoints.save(
                 self.train_state,

@@ -22,7 +22,7 @@ from .._core.data import num_examples
 from .._core.sharding import DATA, MEMBERS, constrain, gather_batch, on_mesh
 from .._execution.profile import example_structs, first_member
 from .._internal.checks import check_positive_int
-from .epochs import Epochs
+from .epochs import EpochIterator, Epochs
 from .sampling import MAX_INDICES, Bootstrap, Sampling
 from .stream import BatchGroups, batch_digest, example_count, open_stream
 
@@ -194,7 +194,13 @@ class StreamSource(DataSource):
             iterator = open_stream(data, start)
         self._resumable = callable(data) and not isinstance(data, Iterable)
         self._groups = BatchGroups(
-            iterator, start=start, size=size, per_member=sampling.per_member
+            iterator,
+            start=start,
+            size=size,
+            per_member=sampling.per_member,
+            position_state=(
+                iterator.get_state if isinstance(iterator, EpochIterator) else None
+            ),
         )
         first = self._groups.peek()
         recorded = saved.get("first_batch")

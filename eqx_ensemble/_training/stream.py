@@ -9,6 +9,7 @@ of group `k`).
 """
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -118,8 +119,10 @@ class BatchGroups:
         start: int,
         size: int,
         per_member: bool,
+        position_state: Callable[[], Any] | None = None,
     ):
         self.iterator = iterator
+        self.position_state = position_state
         self.size = size
         self.per_member = per_member
         self.position = start
@@ -130,8 +133,11 @@ class BatchGroups:
         self.group_first: list[Any] | None = None
 
     def state(self) -> Any:
-        get = getattr(self.iterator, "get_state", None)
-        return get() if callable(get) else None
+        """The stream's own record of where it is (JSON, copied now), for a
+        stream that keeps one (`position_state`); else `None`."""
+        if self.position_state is None:
+            return None
+        return json.loads(json.dumps(self.position_state()))
 
     def _read(self) -> list[Any] | None:
         if self.pending:
@@ -206,6 +212,7 @@ class BatchGroups:
         `length` by repeating the last one (padded steps are not run). Returns the
         group and the number of real batches, fewer than `count` (0: `None`) when
         the stream ends."""
+        self.group_first = None  # until this group's first batch is read
         if not self.pending:
             self.group_start, self.group_state = self.position, self.state()
         else:
