@@ -492,6 +492,63 @@ cases = {
         ),
     ],
 }
+# Issue 26, items 13 and 14 (round 3).
+cases["metrics"] += [
+    ("nll +inf logit", lambda: ee.metrics.nll(
+        jnp.array([[[jnp.inf, 0.0]]]), jnp.array([0]), from_logits=True)),
+    ("apply_temperature inf", lambda: ee.metrics.apply_temperature(PROBS, jnp.inf)),
+    ("fit_temperature +inf logit", lambda: ee.metrics.fit_temperature(
+        jnp.log(PROBS).at[0, 0, 0].set(jnp.inf), LAB)),
+    ("aurc of a string", lambda: ee.metrics.aurc("abc", jnp.ones(3))),
+]  # fmt: skip
+cases["combine"] += [
+    ("majority_vote num_classes 2.5", lambda: ee.combine.majority_vote(
+        jnp.zeros((2, 3), jnp.int32), num_classes=2.5)),  # type: ignore[arg-type]
+]  # fmt: skip
+cases["stack"] = [row for row in cases["stack"] if row[0] != "a string"] + [
+    ("a string", lambda: ee.stack("ab"))  # type: ignore[arg-type]
+]
+cases["tree_weighted_sum"] += [
+    ("PRNG keys", lambda: ee.tree_weighted_sum([K, K], jnp.array([0.5, 0.5]))),
+]
+cases["process_rows"] = cases.get("process_rows", []) + [
+    ("0 examples", lambda: ee.process_rows(ee.make_mesh(members=1), 0)),
+]
+cases["make_step"] += [
+    ("a batch of 0 examples", lambda: ee.make_step(LOSS, optax.sgd(0.1))(
+        ENS, ee.init_optimizer(optax.sgd(0.1), ENS), (X[:0], Y[:0]), K)),
+]  # fmt: skip
+cases["fit"] = cases.get("fit", []) + [
+    ("Evaluate fn(model, data)", lambda: ee.fit(
+        ENS, LOSS, optax.sgd(0.1), (X, Y), steps=2, batch_size=4, key=K,
+        callbacks=(), evaluate=ee.Evaluate(lambda m, d: 0.0, (X, Y), every=1))),
+    ("stream factory returning None", lambda: ee.fit(
+        ENS, LOSS, optax.sgd(0.1), lambda step: None, steps=2, key=K, callbacks=())),
+    ("stream of strings", lambda: ee.fit(
+        ENS, LOSS, optax.sgd(0.1), lambda step: iter([(np.array(["a"]), Y[:1])] * 3),
+        steps=2, key=K, callbacks=())),
+    ("Coupled returning (losses, aux)", lambda: ee.fit(
+        ENS, ee.Coupled(lambda e, b, k: (jnp.zeros(3), {})), optax.sgd(0.1), (X, Y),
+        steps=2, batch_size=4, key=K, callbacks=())),
+    ("Coupled with state=", lambda: ee.fit(
+        ENS, ee.Coupled(lambda e, b, k: jnp.zeros(3)), optax.sgd(0.1), (X, Y),
+        steps=2, batch_size=4, key=K, callbacks=(), state=jnp.zeros((3, 1)))),
+    ("Coupled integer losses", lambda: ee.fit(
+        ENS, ee.Coupled(lambda e, b, k: jnp.zeros(3, jnp.int32)), optax.sgd(0.1),
+        (X, Y), steps=2, batch_size=4, key=K, callbacks=())),
+]  # fmt: skip
+cases["epochs"] = [
+    ("an epoch with no batch", lambda: next(ee.epochs(lambda e: [])(0))),
+    (
+        "batches_per_epoch != len",
+        lambda: next(ee.epochs(lambda e: [(X, Y)] * 3, batches_per_epoch=2)(0)),
+    ),
+]
+cases["CSVLogger"] = [
+    ("a folder under a file", lambda: ee.fit(
+        ENS, LOSS, optax.sgd(0.1), (X, Y), steps=2, batch_size=4, key=K,
+        callbacks=[ee.CSVLogger(__file__ + "/logs")])),
+]  # fmt: skip
 for fn, rows in cases.items():
     for label, call in rows:
         print(f"| `{fn}` | {label} | {run(fn, call)} |")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Real
 
+from ._internal.checks import check_positive_int
 from ._internal.tree import is_traced
 
 __all__ = [
@@ -209,8 +210,7 @@ def majority_vote(
     ee.combine.majority_vote(votes, num_classes=3)     # [2, 1]
     ```
     """
-    if num_classes < 1:
-        raise ValueError(f"`num_classes` must be at least 1, got {num_classes}")
+    num_classes = check_positive_int(num_classes, "num_classes")
     predictions = jnp.asarray(predictions)
     if not jnp.issubdtype(predictions.dtype, jnp.integer):
         raise TypeError(

@@ -384,3 +384,40 @@ def test_members_loaders_of_different_lengths_are_refused_at_once():
     stream = ee.epochs(loader, members=2)(0)
     with pytest.raises(ValueError, match="member 1's loader ended after 5 batches"):
         list(itertools.islice(stream, 8))
+
+
+def test_a_slow_stream_reports_progress_about_once_a_second():
+    # 6 ms per batch and 1000 steps per dispatch: one dispatch would read for
+    # 3 s before its report (issue 26, 12).
+    import time
+
+    def slow(step):
+        for s in itertools.count(step):
+            time.sleep(0.006)
+            rows = np.random.default_rng(s).integers(0, 100, 16)
+            yield X[rows], Y[rows]
+
+    def fast(step):
+        for s in itertools.count(step):
+            rows = np.random.default_rng(s).integers(0, 100, 16)
+            yield X[rows], Y[rows]
+
+    class Times(ee.ProgressMeter):
+        def start(self, total, done, resumed):
+            return [time.monotonic()]
+
+        def update(self, handle, done, losses, diverged_at):
+            handle.append(time.monotonic())
+
+        def close(self, handle):
+            seen.append(handle)
+
+    seen = []
+    result = ee.fit(
+        _ens(), _loss, optax.adam(1e-2), slow, steps=500, key=jax.random.key(1),
+        callbacks=[Times()], execution=ee.Execution(steps_per_dispatch=1000),
+    )  # fmt: skip
+    gaps = np.diff(seen[0])[1:]  # after the first report (which waits to compile)
+    assert len(gaps) >= 2 and gaps.max() < 1.8, gaps
+    # Shorter dispatches train the same run.
+    _same_run(result, _fit(fast, 500))

@@ -329,3 +329,96 @@ def test_execution_refuses_fields_a_function_does_not_use():
                execution=ee.Execution(unroll=True))  # fmt: skip
     with pytest.raises(ValueError, match=r"`Execution.steps_per_dispatch` must be"):
         ee.Execution(steps_per_dispatch=0)
+
+
+# Item 13: errors that say what to do.
+
+
+def _fit_short(ens, loss, **kwargs):
+    return ee.fit(
+        ens, loss, optax.sgd(0.1), (X, Y), steps=2, batch_size=BATCH, key=KEY,
+        callbacks=(), **kwargs,
+    )  # fmt: skip
+
+
+def test_an_evaluate_function_of_model_and_data_is_named(ens):
+    with pytest.raises(TypeError, match=r"fn\(model, data, key\).*takes a `key`"):
+        _fit_short(ens, mse_loss, evaluate=ee.Evaluate(lambda m, d: 0.0, (X, Y), 1))
+
+
+def test_coupled_losses_with_aux_integers_or_state_are_named(ens):
+    def with_aux(e, b, k):
+        return jnp.zeros(SIZE), {"extra": 1.0}
+
+    with pytest.raises(TypeError, match="got a tuple; a coupled loss has no `aux`"):
+        _fit_short(ens, ee.Coupled(with_aux))
+    with pytest.raises(TypeError, match="floating-point losses"):
+        _fit_short(ens, ee.Coupled(lambda e, b, k: jnp.zeros(SIZE, jnp.int32)))
+    with pytest.raises(TypeError, match=r"does not take a model state.*drop `state=`"):
+        _fit_short(
+            ens,
+            ee.Coupled(lambda e, b, k: jnp.zeros(SIZE)),
+            state=jnp.zeros((SIZE, 1)),
+        )
+
+
+@pytest.mark.parametrize("x", [np.ones((5, 3), np.float32), np.ones(2, np.float32)])
+def test_predict_on_the_wrong_examples_names_x(ens, x):
+    # 3 features for a model of 2; one example of 2 features instead of a batch.
+    with pytest.raises((TypeError, ValueError)) as error:
+        ee.predict(ens, x)
+    notes = " ".join(getattr(error.value, "__notes__", []))
+    assert "`ee.predict` on ONE example of `x`" in notes
+    assert f"shape {x.shape}" in notes
+    assert "jax.vmap(model)" not in notes  # predict already maps over examples
+
+
+def test_a_metric_given_a_string_names_the_argument():
+    # The library's message, or (the suite runs under jaxtyping's import hook)
+    # beartype's, which also names the parameter; never JAX's dtype error.
+    with pytest.raises(TypeError, match="confidence"):
+        ee.metrics.aurc("abc", jnp.ones(3))
+    with pytest.raises(TypeError, match="probs"):
+        ee.metrics.nll([["a", "b"]], jnp.zeros(1, jnp.int32))
+
+
+# Item 14: silent or unclear since round 1.
+
+
+def test_non_finite_logits_and_temperatures_are_refused():
+    logits = jnp.array([[[jnp.inf, 0.0], [0.0, 1.0]]])
+    labels = jnp.array([0, 1])
+    with pytest.raises(ValueError, match=r"contains \+inf"):
+        ee.metrics.nll(logits, labels, from_logits=True)
+    with pytest.raises(ValueError, match=r"`logits`.*contains \+inf"):
+        ee.metrics.fit_temperature(logits, labels)
+    with pytest.raises(ValueError, match="positive and finite"):
+        ee.metrics.apply_temperature(jnp.ones((1, 2, 2)), jnp.inf)
+    # -inf stays allowed: a class of probability 0, against the closed form.
+    masked = jnp.array([[[-jnp.inf, 0.0], [0.0, 0.0]]])
+    np.testing.assert_allclose(
+        ee.metrics.nll(masked, jnp.array([1, 1]), from_logits=True),
+        np.log(2) / 2,  # example 0: p = 1; example 1: p = 1/2
+        rtol=1e-6,
+    )
+
+
+def test_make_step_on_a_batch_of_no_examples_is_refused(ens):
+    step = ee.make_step(mse_loss, optax.sgd(0.1))
+    opt_state = ee.init_optimizer(optax.sgd(0.1), ens)
+    with pytest.raises(
+        ValueError, match=r"no examples: leaf `\[0\]` has shape \(0, 2\)"
+    ):
+        step(ens, opt_state, (X[:0], Y[:0]), KEY)
+
+
+def test_small_misuses_are_named():
+    with pytest.raises(TypeError, match="num_classes"):
+        ee.combine.majority_vote(jnp.zeros((2, 3), jnp.int32), num_classes=2.5)
+    with pytest.raises(TypeError, match="takes a list .* got str"):
+        ee.stack("ab")
+    key = jax.random.key(0)
+    with pytest.raises(TypeError, match="PRNG key array"):
+        ee.tree_weighted_sum([{"k": key}, {"k": key}], jnp.array([0.5, 0.5]))
+    with pytest.raises(ValueError, match="`num_examples` must be at least 1"):
+        ee.process_rows(ee.make_mesh(members=1), 0)

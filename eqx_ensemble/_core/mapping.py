@@ -146,7 +146,9 @@ def map_members(
                 return fn(member, *member_args)
             return fn(member, *member_args, key=member_key)
         except Exception as error:
-            error.add_note(_member_context(member_args))
+            notes = getattr(error, "__notes__", ())
+            if not any(note.startswith(MEMBER_NOTE) for note in notes):
+                error.add_note(_member_context(member_args))
             raise
 
     arg_axes = tuple(
@@ -205,6 +207,11 @@ def _auto_layout(
     )
 
 
+# How the notes added to errors raised inside a member begin (the innermost
+# caller's note is kept; an outer one does not repeat or contradict it).
+MEMBER_NOTE = "(raised inside"
+
+
 def _member_context(member_args: tuple) -> str:
     """The note added to an error raised inside a member's call."""
     shapes = [
@@ -212,7 +219,7 @@ def _member_context(member_args: tuple) -> str:
         for arg in member_args
     ]
     return (
-        "(raised inside the function applied to ONE member: the ensemble maps over "
+        f"{MEMBER_NOTE} the function applied to ONE member: the ensemble maps over "
         f"members, not examples; the arguments had shapes {shapes}. A model takes "
         "ONE example: for a batch, map the model over it, e.g. `jax.vmap(model)(x)` "
         "or `ee.map(lambda m, x: jax.vmap(m)(x), ens, xs)`.)"

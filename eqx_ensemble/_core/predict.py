@@ -14,7 +14,20 @@ from .._execution.execution import (
 )
 from .data import check_leading, num_examples
 from .ensemble import Ensemble
-from .mapping import map_members
+from .mapping import MEMBER_NOTE, map_members
+
+
+def _example_context(x: Any, example: Any) -> str:
+    """The note added to an error raised by a member on one example of `x`."""
+    shapes = jax.tree.map(lambda a: tuple(a.shape), eqx.filter(x, eqx.is_array))
+    one = jax.tree.map(lambda a: tuple(a.shape), eqx.filter(example, eqx.is_array))
+    return (
+        f"{MEMBER_NOTE} a member called by `ee.predict` on ONE example of `x`: `x` has "
+        f"shape {shapes}, so each example has shape {one}. `predict` maps every "
+        "member over the leading (example) axis of `x`: give `x` as a batch of "
+        "examples of the shape one member takes (a single example `xi`: pass "
+        "`xi[None]`).)"
+    )
 
 
 @refuses_moved("ee.predict", {"layout": MOVED_TO_EXECUTION["layout"]})
@@ -81,9 +94,13 @@ def predict(
 
         def one_example(xi, example_key):
             kwargs = {} if example_key is None else {"key": example_key}
-            if stateful:
-                return member(xi, member_state, **kwargs)[0]
-            return member(xi, **kwargs)
+            try:
+                if stateful:
+                    return member(xi, member_state, **kwargs)[0]
+                return member(xi, **kwargs)
+            except Exception as error:
+                error.add_note(_example_context(x, xi))
+                raise
 
         return jax.vmap(one_example)(x, example_keys)
 

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
+from .._internal.checks import check_positive_int
 from .._internal.tree import is_traced, keystr
 from .data import gather
 from .ensemble import member_axis_mask
@@ -389,10 +390,9 @@ def process_rows(mesh: Mesh, num_examples: int) -> slice:
     ```
     """
     mesh = _check_mesh(mesh)
-    if isinstance(num_examples, bool) or not isinstance(num_examples, int):
-        raise TypeError(f"`num_examples` must be an int, got {num_examples!r}")
+    num_examples = check_positive_int(num_examples, "num_examples")
     devices = _axis_size(mesh, DATA)
-    if num_examples < 1 or num_examples % devices:
+    if num_examples % devices:
         raise _divisibility_error(DATA, num_examples, devices, "The data")
     sharding = NamedSharding(mesh, _spec(mesh, (DATA,)))
     indices = sharding.addressable_devices_indices_map((num_examples,)).values()

@@ -81,7 +81,7 @@ def stack(
     ens.members[0][0].shape    # (4, 3, 2)
     ```
     """
-    if isinstance(models, Ensemble) or not isinstance(models, Sequence):
+    if isinstance(models, Ensemble | str | bytes) or not isinstance(models, Sequence):
         raise TypeError(
             f"`ee.stack` takes a list (or tuple) of models, got {type(models).__name__}"
         )

@@ -6,12 +6,13 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import ArrayLike, PyTree, Real
 
 from .._core.ensemble import Ensemble
 from .._core.stack import check_same_structure
-from .._internal.tree import is_traced
+from .._internal.tree import is_traced, keystr
 
 T = TypeVar("T")
 
@@ -61,6 +62,14 @@ def tree_weighted_sum(
     if not is_traced(weights) and not np.isfinite(np.asarray(weights)).all():
         raise ValueError(f"`weights` must be finite, got {np.asarray(weights)}")
     check_same_structure(list(trees), "trees", numbers_are_data=True)
+
+    for path, leaf in jtu.tree_flatten_with_path(trees[0])[0]:
+        if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"`tree_weighted_sum`: leaf `{keystr(path)}` is a PRNG key array, "
+                "which has no weighted sum; filter keys out first (e.g. "
+                "`eqx.partition`) or keep one tree's keys"
+            )
 
     def combine(*leaves):
         if not _is_summable(leaves[0]):

@@ -23,7 +23,15 @@ _SINGLE_MODEL_HINT = (
 
 def as_float_array(x: Any, name: str) -> Array:
     """`x` as a JAX array of a floating dtype; a clear error for other dtypes."""
-    array = jnp.asarray(x)
+    if isinstance(x, str | bytes):
+        raise TypeError(f"`{name}` must be a floating-point array, got a string")
+    try:
+        array = jnp.asarray(x)
+    except TypeError as error:  # strings in a list, objects
+        raise TypeError(
+            f"`{name}` must be a floating-point array, got {type(x).__name__} that "
+            f"is not an array of numbers ({error})"
+        ) from None
     if not jnp.issubdtype(array.dtype, jnp.floating):
         raise TypeError(
             f"`{name}` must be a floating-point array, got dtype {array.dtype} "
@@ -56,13 +64,16 @@ def check_classification_predictions(
     if is_traced(predictions):
         return
     # Reductions run where the array lives; only a few scalars come to the host.
-    if from_logits:
-        if bool(jnp.any(jnp.isnan(predictions))):
-            nan = np.isnan(np.asarray(predictions))
-            where = tuple(int(i) for i in np.argwhere(nan)[0])
+    if from_logits:  # -inf is a class of probability 0; NaN and +inf have none
+        if bool(jnp.any(jnp.isnan(predictions) | (predictions == jnp.inf))):
+            host = np.asarray(predictions)
+            where = tuple(int(i) for i in np.argwhere(~(host < np.inf))[0])
+            what = "NaN" if np.isnan(host[where]) else "+inf"
             raise ValueError(
-                f"`{name}` (logits of shape {shape}) contains NaN, first at index "
-                f"{where} (member, example, class)"
+                f"`{name}` (logits of shape {shape}) contains {what}, first at index "
+                f"{where} (member, example, class): a {what} logit gives no "
+                "probability (its softmax is NaN); clip the logits to a finite "
+                "range (-inf is allowed: a class of probability 0)"
             )
         return
     summary = jax.device_get(_probability_summary(predictions))

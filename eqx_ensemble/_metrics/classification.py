@@ -19,10 +19,12 @@ from .checks import (
 Reduction = Literal["mean", "sum", "none"]
 
 
-def prepare_predictions(probs: ArrayLike, *, from_logits: bool) -> Array:
+def prepare_predictions(
+    probs: ArrayLike, *, from_logits: bool, name: str = "probs"
+) -> Array:
     """Validated `(members, batch, classes)` predictions as a float array."""
-    array = as_float_array(probs, "probs")
-    check_classification_predictions(array, from_logits=from_logits, name="probs")
+    array = as_float_array(probs, name)
+    check_classification_predictions(array, from_logits=from_logits, name=name)
     return array
 
 

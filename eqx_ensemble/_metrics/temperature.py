@@ -76,7 +76,7 @@ def fit_temperature(
             f"`iterations` must be between 1 and 10000, got {iterations} (60 already "
             "narrows the search to about 1e-12 of its range)"
         )
-    predictions = prepare_predictions(logits, from_logits=True)
+    predictions = prepare_predictions(logits, from_logits=True, name="logits")
     labels = prepare_labels(labels, predictions)
     bounds = (float(bounds[0]), float(bounds[1]))
     return _fit_temperature(predictions, labels, bounds, iterations)
@@ -168,6 +168,8 @@ def apply_temperature(
         raise ValueError(
             f"`temperature` must be a scalar, got shape {tuple(temperature.shape)}"
         )
-    if not is_traced(temperature) and not float(temperature) > 0:
-        raise ValueError(f"`temperature` must be positive, got {float(temperature)}")
+    if not is_traced(temperature) and not 0 < float(temperature) < float("inf"):
+        raise ValueError(
+            f"`temperature` must be positive and finite, got {float(temperature)}"
+        )
     return logits / temperature

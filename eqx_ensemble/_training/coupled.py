@@ -67,7 +67,18 @@ def coupled_losses(
     size = len(ensemble)
     kwargs = {} if hyper is None else {"hyper": hyper}
     out = loss(ensemble, batch, keys, **kwargs)
+    if isinstance(out, tuple | list | dict):
+        raise TypeError(
+            "an `ee.Coupled` loss must return the members' losses (an array of "
+            f"shape ({size},)) or their scalar total, got a {type(out).__name__}; "
+            "a coupled loss has no `aux` (record extra values with `ee.Evaluate`)"
+        )
     value = jnp.asarray(out)
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(
+            "an `ee.Coupled` loss must return floating-point losses (integers "
+            f"have no gradient), got dtype {value.dtype}"
+        )
     if value.shape == ():
         return jnp.broadcast_to(value, (size,)), value
     if value.shape != (size,):

@@ -1,5 +1,6 @@
 """`Evaluate`: score every member on held-out data inside the compiled loop."""
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,26 @@ class Evaluate(eqx.Module):
                 "`Evaluate.inference` must be a bool, got "
                 f"{type(self.inference).__name__}"
             )
+
+    def check(self, stateful: bool) -> None:
+        """Raise before any work if `fn` cannot be called the way `fit` calls it:
+        `fn(model, data, key)`, or `fn(model, state, data, key)` with a model
+        state."""
+        try:
+            signature = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # builtins: the call itself will tell
+            return
+        count = 4 if stateful else 3
+        try:
+            signature.bind(*range(count))
+        except TypeError:
+            call = "fn(model, state, data, key)" if stateful else "fn(model, data, key)"
+            raise TypeError(
+                f"`Evaluate`'s `fn` is called as `{call}` (the loss's signature) "
+                f"and returns a scalar score; but its signature is {signature}. "
+                "Add the missing arguments (a function of `(model, data)` from "
+                "round 1 takes a `key` now: `lambda model, data, key: ...`)"
+            ) from None
 
     def next_stop(self, done: int) -> int:
         """The first step after `done` at which an evaluation is due."""

@@ -36,6 +36,7 @@ from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.keys import check_key
 from .._internal.tree import first_difference
 from .._trackers.base import Tracker
+from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
 from .loggers import LogEntry, Logger, LogWriter, RunInfo
@@ -172,7 +173,15 @@ def prepare(
     _check_periods(evaluate, controllers, steps)
     if state is not None:
         check_leading(state, size, "`state`")
+    if isinstance(loss_fn, Coupled) and state is not None:
+        raise TypeError(
+            "an `ee.Coupled` loss does not take a model state (`state=`): it is "
+            "called as `fn(ensemble, batch, keys)`; drop `state=`, or write the "
+            "objective per member"
+        )
     check_loss_signature(loss_fn, state is not None, hyper is not None)
+    if evaluate is not None:
+        evaluate.check(state is not None)
     if hyper is not None:
         check_hyper(hyper, size)
     check_data(data)

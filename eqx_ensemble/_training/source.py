@@ -164,6 +164,12 @@ class ArraySource(DataSource):
         self._batches = on_mesh(batches, mesh)
 
 
+# A stream's group is cut short once reading it has taken this long, so that a
+# slow stream's run reports progress (and reaches its callbacks) about once a
+# second of wall time, whatever the stream's speed.
+READ_SECONDS = 1.0
+
+
 class StreamSource(DataSource):
     """An iterable of batches, or a function `step -> iterator` (resumable):
     groups of batches are read and stacked on the host, the next while the
@@ -253,7 +259,7 @@ class StreamSource(DataSource):
         }
 
     def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
-        group, real = self._groups.next_group(count, length)
+        group, real = self._groups.next_group(count, length, READ_SECONDS)
         self._batches = None
         if group is not None:
             group = on_mesh(jax.device_put(group), mesh)

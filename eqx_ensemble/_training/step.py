@@ -33,6 +33,7 @@ from .._execution.execution import (
 )
 from .._execution.layout import Layout, choose_layout, member_map
 from .._internal.keys import check_key
+from .._internal.tree import keystr
 from .coupled import Coupled, coupled_losses
 from .loss import (
     call_loss,
@@ -562,6 +563,7 @@ def _step_impl(
         check_leading(state, size, "`state`")
     if step.per_member_batch:
         check_per_member_args((batch,), (0,), size)
+    _check_not_empty(batch, step.per_member_batch)
     if step.mesh is not None:
         check_step_mesh(step.mesh, size, batch, step.per_member_batch)
     layout = step._layout(ens, batch, state, hyper)  # shapes only: at trace time
@@ -575,6 +577,18 @@ def _step_impl(
     )
     losses = replicate(losses, step.mesh)
     return StepOutput(new_ens, new_opt_state, losses, aux, new_state)
+
+
+def _check_not_empty(batch: PyTree[Any], per_member_batch: bool) -> None:
+    # At trace time (shapes are static): a step on no example has a NaN mean loss.
+    axis = 1 if per_member_batch else 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = getattr(leaf, "shape", ())
+        if len(shape) > axis and shape[axis] == 0:
+            raise ValueError(
+                f"The batch holds no examples: leaf `{keystr(path)}` has shape "
+                f"{tuple(shape)}; a step needs at least one example per member"
+            )
 
 
 def _compiled_step(step: Step, options: Options) -> Callable[..., StepOutput]:

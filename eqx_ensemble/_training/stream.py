@@ -10,6 +10,7 @@ of group `k`).
 
 import hashlib
 import json
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -207,11 +208,15 @@ class BatchGroups:
                 )
         return [x for _, x in arrays]
 
-    def next_group(self, count: int, length: int) -> tuple[PyTree[Any], int]:
+    def next_group(
+        self, count: int, length: int, seconds: float | None = None
+    ) -> tuple[PyTree[Any], int]:
         """Up to `count` next batches stacked along a new leading axis, padded to
         `length` by repeating the last one (padded steps are not run). Returns the
         group and the number of real batches, fewer than `count` (0: `None`) when
-        the stream ends."""
+        the stream ends, or when reading took `seconds` (a slow stream: the
+        dispatch is shorter, so that progress is reported as the data comes)."""
+        deadline = None if seconds is None else time.monotonic() + seconds
         self.group_first = None  # until this group's first batch is read
         if not self.pending:
             self.group_start, self.group_state = self.position, self.state()
@@ -223,6 +228,8 @@ class BatchGroups:
             if batch is None:
                 break
             leaves.append(batch)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
         if not leaves:
             self.group_first = None
             return None, 0
