@@ -847,7 +847,7 @@ _ERRORS = [
     ),
     (
         lambda: M.apply_temperature(jnp.zeros((1, 2, 2)), -1.0),
-        r"`temperature` must be positive, got -1",
+        r"`temperature` must be positive and finite, got -1",
     ),
     (
         lambda: M.ood_auroc(jnp.array([0.1, jnp.nan]), jnp.array([0.5])),

@@ -422,3 +422,77 @@ def test_small_misuses_are_named():
         ee.tree_weighted_sum([{"k": key}, {"k": key}], jnp.array([0.5, 0.5]))
     with pytest.raises(ValueError, match="`num_examples` must be at least 1"):
         ee.process_rows(ee.make_mesh(members=1), 0)
+
+
+# Item 6: a diverged member drops out of a trained shared part's gradient.
+
+
+def test_a_member_whose_forward_overflows_drops_out_of_the_shared_gradient():
+    def make(key):
+        return eqx.nn.MLP(2, 1, 8, 1, key=key)
+
+    def backbone(model):
+        return model.layers[0]
+
+    def loss(model, batch, key):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    ens = ee.ensemble(make, size=4, key=jax.random.key(3), shared=backbone,
+                      train_shared=True)  # fmt: skip
+    # Member 2's head weights are finite but so large (3e38) that its output
+    # overflows to inf at every step with the weights it keeps (its gradient is
+    # NaN: inf * 0): it diverges at step 0.
+    ens = eqx.tree_at(
+        lambda e: e.members.layers[1].weight,
+        ens,
+        ens.members.layers[1].weight.at[2].set(3e38),
+    )
+    rate, steps = 0.05, 6
+    data = (jnp.asarray(X), jnp.asarray(Y))
+    result = ee.fit(
+        ens, loss, optax.sgd(rate), data, steps=steps, batch_size=N, key=KEY,
+        callbacks=(),
+    )  # fmt: skip
+    assert result.diverged == {2: 0}
+    # By hand: the healthy members train from step 0; the shared part skips step
+    # 0 (member 2's infinite loss is in that step's sum) and from step 1 on
+    # follows the sum of the HEALTHY members' gradients.
+    healthy = [0, 1, 3]
+    shared = ens.shared
+    members = [
+        jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, ens.members)
+        for i in healthy
+    ]
+
+    def total(parts):
+        shared, members = parts
+        return sum(loss(eqx.combine(m, shared), data, None) for m in members)
+
+    for step in range(steps):
+        shared_grad, member_grads = eqx.filter_grad(total)((shared, members))
+        members = [
+            eqx.apply_updates(m, jax.tree.map(lambda g: -rate * g, grad))
+            for m, grad in zip(members, member_grads, strict=True)
+        ]
+        if step > 0:
+            shared = eqx.apply_updates(
+                shared, jax.tree.map(lambda g: -rate * g, shared_grad)
+            )
+    assert not eqx.tree_equal(shared, ens.shared)
+    np.testing.assert_allclose(
+        result.ensemble.shared.layers[0].weight,
+        shared.layers[0].weight,
+        rtol=2e-5,
+        atol=1e-6,
+    )
+    for position, member in enumerate(healthy):
+        mine = jax.tree.map(
+            lambda a, m=member: a[m] if eqx.is_array(a) else a, result.ensemble.members
+        )
+        np.testing.assert_allclose(
+            mine.layers[1].weight, members[position].layers[1].weight,
+            rtol=2e-5, atol=1e-6,
+        )  # fmt: skip
+    # The diverged member's later losses are not computed: NaN, not its stand-in's.
+    assert np.isnan(result.history.losses[1:, 2]).all()

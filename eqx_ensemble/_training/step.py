@@ -163,6 +163,24 @@ def apply_member(
     return new_member, new_opt_state, new_state, diverged
 
 
+def _stand_ins(members: Any, frozen: Bool[Array, " members"]) -> Any:
+    """`members` with every frozen member's floating-point arrays set to zero:
+    a stand-in whose forward and backward passes are finite wherever the shared
+    part's are (its own weights may overflow at every step), so that its zero
+    loss cotangent gives an exact zero (not `0 * inf`) in the shared part's
+    gradient. Members that are not frozen are untouched, and so are their
+    gradients. (Zeros, not a healthy member's weights: those would need a
+    gather across the member axis, which is sharded on a mesh.)"""
+
+    def replace(leaf):
+        if not eqx.is_inexact_array(leaf):
+            return leaf
+        mask = jnp.reshape(frozen, (-1,) + (1,) * (leaf.ndim - 1))
+        return jnp.where(mask, jnp.zeros((), leaf.dtype), leaf)
+
+    return jax.tree.map(replace, members)
+
+
 def _coupled_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -180,15 +198,20 @@ def _coupled_update(
     the shared part the SUM of the members' gradients (a `vmap`'s broadcast
     transposes to a sum: no per-member copy of the shared gradient is made).
 
-    Diverged (`frozen`) members are left out of the sum. If the shared part's
-    gradient or update is not finite, the shared part skips this step (and the
-    members' own isolation works as without a shared part)."""
+    Diverged (`frozen`) members are left out of the sum, and out of its
+    gradient: each computes with zeros in place of its own weights
+    (`_stand_ins`), so that those weights (which may overflow the forward pass
+    at every step) put no NaN into the shared part's gradient; its loss is
+    reported as NaN. If the shared part's gradient or update is not finite
+    (a member diverging in this very step), the shared part skips this step
+    (and the members' own isolation works as without a shared part)."""
     member_axis = eqx.if_array(0)
     stateful = state is not None
     kept_state = jax.tree.map(lambda x: x, state) if stateful else None
 
     def total_loss(parts):
         members, shared = parts
+        members = _stand_ins(members, frozen)
 
         def one(member, member_batch, key, member_state, member_hyper):
             model = eqx.combine(member, shared)
@@ -205,6 +228,7 @@ def _coupled_update(
     (_, (losses, aux, new_state)), (grads, shared_grads) = eqx.filter_value_and_grad(
         total_loss, has_aux=True
     )((ens.members, ens.shared))
+    losses = jnp.where(frozen, jnp.nan, losses)  # a stand-in's, not the member's
     members, members_opt, new_state, diverged = eqx.filter_vmap(
         functools.partial(apply_member, optimizer),
         in_axes=(member_axis,) * 7,
