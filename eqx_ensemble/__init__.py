@@ -40,6 +40,7 @@ from ._core.stack import concatenate as concatenate, stack as stack, unstack as 
 from ._execution.execution import Execution as Execution
 from ._loggers.files import CSVLogger as CSVLogger
 from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
+from ._loggers.weights_and_biases import WandbLogger as WandbLogger
 from ._methods.adversarial import Adversarial as Adversarial, adversarial as adversarial
 from ._methods.average import average as average, tree_weighted_sum as tree_weighted_sum
 from ._methods.batch_stats import recompute_batch_stats as recompute_batch_stats

@@ -421,3 +421,12 @@ def test_a_slow_stream_reports_progress_about_once_a_second():
     assert len(gaps) >= 2 and gaps.max() < 1.8, gaps
     # Shorter dispatches train the same run.
     _same_run(result, _fit(fast, 500))
+
+
+def test_a_stream_factory_without_a_step_argument_is_named():
+    def no_step():
+        while True:
+            yield X[:16], Y[:16]
+
+    with pytest.raises(TypeError, match=r"calls it as `data\(step\)`.*pass the iter"):
+        _fit(no_step, 5)

@@ -9,6 +9,7 @@ of group `k`).
 """
 
 import hashlib
+import inspect
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -75,6 +76,7 @@ def open_stream(
 ) -> Iterator[Any]:
     """The iterator of a stream's batches from step `start` on."""
     if callable(data) and not isinstance(data, Iterable):
+        _check_factory(data)
         return _checked_iterator(data(start), start)
     if start > 0:
         raise ValueError(
@@ -85,6 +87,21 @@ def open_stream(
             "`lambda step: loader(skip=step)`"
         )
     return iter(data)
+
+
+def _check_factory(data: Callable[..., Any]) -> None:
+    try:
+        signature = inspect.signature(data)
+    except (TypeError, ValueError):  # builtins: the call itself will tell
+        return
+    try:
+        signature.bind(0)
+    except TypeError:
+        raise TypeError(
+            "`data` is a function, so `fit` calls it as `data(step)` (the step the "
+            f"run starts or resumes from); but its signature is {signature}. Give "
+            "it a `step` argument, or pass the iterable itself (`data()`)"
+        ) from None
 
 
 def _checked_iterator(batches: Any, start: int) -> Iterator[Any]:
