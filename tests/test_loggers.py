@@ -431,3 +431,21 @@ def test_negative_steps_are_refused():
         scalar_records("loss", np.array([-1, 0]), np.zeros(2), 1.0)
     with pytest.raises(ValueError, match="non-negative"):
         event_record(1.0, -1, summary=b"")
+
+
+def test_tracker_events_are_logged(tmp_path):
+    snapshots = ee.Snapshots(at=(10, 20, 30))
+    ee.fit(
+        _ens(), _loss, optax.adam(1e-2), (X, Y), steps=30, batch_size=16,
+        key=jax.random.key(1), track=[snapshots, ee.SWA(start=15)],
+        callbacks=[ee.CSVLogger(tmp_path)],
+        execution=ee.Execution(steps_per_dispatch=7),
+    )  # fmt: skip
+    lines = (tmp_path / "events.jsonl").read_text().splitlines()
+    events = [(e["step"], e["event"]) for e in map(json.loads, lines)]
+    assert events == [
+        (10, "snapshot"),
+        (15, "averaging_starts"),
+        (20, "snapshot"),
+        (30, "snapshot"),
+    ]

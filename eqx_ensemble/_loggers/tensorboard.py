@@ -104,14 +104,16 @@ class TensorBoardLogger(Logger):
         self._hyperparameters(handle, int(entry.steps[-1]), entry.member_hparams, now)
         for event in entry.events:
             member, step = event.get("member"), int(event["step"])
-            if not isinstance(member, int) or not 0 <= member < len(files):
+            if isinstance(member, int) and not 0 <= member < len(files):
                 continue
-            if event.get("event") == "diverged":
+            if event.get("event") == "diverged" and isinstance(member, int):
                 records = scalar_records("diverged", np.array([step]), np.ones(1), now)
                 files[member].write(records)
             text = ", ".join(f"{k}={v}" for k, v in event.items())
             summary = _bytes(_text_summary("events", text))
-            files[member].write(event_record(now, step, summary=summary))
+            # A member's event goes to its run; the run's (a tracker's) to all.
+            for file in files if member is None else [files[member]]:
+                file.write(event_record(now, step, summary=summary))
         if time.monotonic() - handle["flushed"] >= FLUSH_SECONDS:
             for file in files:
                 file.flush()

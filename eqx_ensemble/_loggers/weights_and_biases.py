@@ -17,7 +17,8 @@ class WandbLogger(Logger):
     with every member's curves (`loss/member_<i>`, `eval/member_<i>`), each
     member's hyperparameters (`hparams/<name>/member_<i>`, logged at the start
     and whenever they change), divergences (`diverged/member_<i>`: 1 at the
-    step) and PBT exploits (`exploit/member_<i>`: the parent copied), with the
+    step), PBT exploits (`exploit/member_<i>`: the parent copied) and
+    trackers' events (`events/snapshot`, `events/averaging_starts`), with the
     run's description and the members' starting hyperparameters as its config.
 
     `mode="offline"` (the default) writes under `directory` only; `wandb sync`
@@ -107,11 +108,12 @@ class WandbLogger(Logger):
         if changed:
             rows.setdefault(last, {}).update(_hyperparameter_rows(changed))
         for event in entry.events:
-            member, kind = event.get("member"), event.get("event")
+            member, kind, step = event.get("member"), event.get("event"), event["step"]
             if isinstance(member, int) and kind in ("diverged", "exploit"):
                 value = 1.0 if kind == "diverged" else float(event.get("parent", -1))
-                step = int(event["step"])
-                rows.setdefault(step, {})[f"{kind}/member_{member}"] = value
+                rows.setdefault(int(step), {})[f"{kind}/member_{member}"] = value
+            elif member is None and isinstance(kind, str):  # a tracker's event
+                rows.setdefault(int(step), {})[f"events/{kind}"] = 1.0
         run = handle["run"]
         for step in sorted(rows):
             run.log(rows[step], step=step)

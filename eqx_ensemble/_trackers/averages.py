@@ -2,6 +2,7 @@
 and stochastic weight averaging (`SWA`)."""
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -110,6 +111,13 @@ class SWA(Tracker):
                 f"`SWA(start={self.start})` starts after the last step ({steps}): "
                 "nothing would be averaged"
             )
+
+    def events(self, first: int, last: int) -> list[dict[str, Any]]:
+        """An `"averaging_starts"` record at step `start` if it is in
+        `(first, last]`."""
+        if first < self.start <= last:
+            return [{"step": self.start, "event": "averaging_starts", "tracker": "SWA"}]
+        return []
 
     def init(self, members):
         weights = trainable(members)

@@ -67,6 +67,12 @@ class Tracker(eqx.Module):
         del ensemble
         return state
 
+    def events(self, first: int, last: int) -> list[dict[str, Any]]:
+        """What this tracker does after steps `first + 1` to `last`, as records
+        with `"step"` and `"event"` (for loggers; default: none)."""
+        del first, last
+        return []
+
     def check(self, steps: int) -> None:
         """Raise before any work if this tracker cannot run for `steps` steps."""
         del steps

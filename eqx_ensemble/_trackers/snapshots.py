@@ -55,6 +55,14 @@ class Snapshots(Tracker):
         if any(b <= a for a, b in zip(at, at[1:])):
             raise ValueError(f"`Snapshots.at` must increase, got {at}")
 
+    def events(self, first: int, last: int) -> list[dict[str, Any]]:
+        """A `"snapshot"` record at each step of `at` in `(first, last]`."""
+        return [
+            {"step": step, "event": "snapshot", "snapshot": position}
+            for position, step in enumerate(self.at)
+            if first < step <= last
+        ]
+
     def check(self, steps: int) -> None:
         late = [s for s in self.at if s > steps]
         if late:

@@ -173,6 +173,15 @@ class SWAG(Tracker):
                 f"{collected}; lower `rank` or `every`, or train longer"
             )
 
+    def events(self, first: int, last: int) -> list[dict[str, Any]]:
+        """An `"averaging_starts"` record at step `start` if it is in
+        `(first, last]`."""
+        if first < self.start <= last:
+            return [
+                {"step": self.start, "event": "averaging_starts", "tracker": "SWAG"}
+            ]
+        return []
+
     def init(self, members: PyTree[Any]) -> PyTree[Any]:
         weights = trainable(members)
         size = leading_size(members)

@@ -65,7 +65,8 @@ class LogEntry:
       (controllers such as PBT change them).
     - `events`: what happened in it, as records with `"step"` (counted like
       `steps`) and `"event"`: `"diverged"` with `"member"` (whose update at that
-      step was refused), `"exploit"` with `"member"` and `"parent"` (PBT).
+      step was refused), `"exploit"` with `"member"` and `"parent"` (PBT),
+      `"snapshot"` (`ee.Snapshots`), `"averaging_starts"` (`ee.SWA`, `ee.SWAG`).
 
     **Example:** a logger's `write` receives one per dispatch:
 

@@ -572,6 +572,9 @@ class Run:
             made = controller.events(self.train_state.controlled[position])
             events += made[self._logged_events[position] :]
             self._logged_events[position] = len(made)
+        for tracker in self.track:
+            events += tracker.events(end - len(losses), end)
+        events.sort(key=lambda event: event["step"])  # stable: by step, then kind
         recorded = self.recorder.eval_steps[self._logged_evaluations :]
         scores = self.recorder.eval_scores[self._logged_evaluations :]
         self._logged_evaluations = len(self.recorder.eval_steps)
