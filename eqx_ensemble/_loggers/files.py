@@ -33,7 +33,7 @@ class CSVLogger(Logger):
       hyperparameters (`optax.inject_hyperparams`) and `hyper` values, at the
       start and whenever they change (PBT);
     - `events.jsonl`: one JSON record per event (a member diverged, a PBT
-      exploit with its parent);
+      exploit with its parent, a snapshot taken, weight averaging started);
     - `run.json`: the run's description.
 
     Files are flushed after a dispatch once a second at most, before every
