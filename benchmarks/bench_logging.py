@@ -11,7 +11,7 @@ time (all threads: the loggers' thread included; steadier on a busy machine).
 The files are written to a scratch folder on the same disk as the system's
 temporary files.
 
-    python benchmarks/bench_logging.py [--quick] [--repeats N] [--steps S]
+    python benchmarks/bench_logging.py [--quick] [--repeats N] [--steps S] [--wandb]
 """
 
 import os
@@ -26,6 +26,9 @@ import _common  # noqa: E402
 def main() -> None:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument(
+        "--wandb", action="store_true", help="also time ee.WandbLogger (offline)"
+    )
     args = p.parse_args()
     import equinox as eqx
     import jax
@@ -59,6 +62,11 @@ def main() -> None:
             ee.TensorBoardLogger(os.path.join(scratch, "tb")),
         ],
     }
+    if args.wandb:
+        os.environ.setdefault("WANDB_SILENT", "true")
+        variants["wandb"] = lambda: [
+            ee.WandbLogger(directory=os.path.join(scratch, "wb"), mode="offline")
+        ]
     optimizer = optax.adam(1e-2)  # one object: a new one is a new program
     results: dict[str, dict[str, float]] = {}
     for per_dispatch in (1000, 100):
