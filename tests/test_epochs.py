@@ -190,7 +190,8 @@ def test_grain_resumes_from_its_saved_state_without_replay(tmp_path):
             .map(read)
             .batch(16, drop_remainder=True)
             .map(lambda b: (b[:, :3], b[:, 3:]))
-            .to_iter_dataset()
+            # No read-ahead threads: the rows read are counted exactly.
+            .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         )
 
     data = ee.epochs(loader, batches_per_epoch=6)
