@@ -91,7 +91,10 @@ from ._metrics.temperature import (
 )
 from ._metrics.uncertainty import (
     disagreement as disagreement,
+    energy_score as energy_score,
     expected_entropy as expected_entropy,
+    max_logit_score as max_logit_score,
+    max_probability_score as max_probability_score,
     mutual_information as mutual_information,
     pairwise_disagreement as pairwise_disagreement,
     predictive_entropy as predictive_entropy,
@@ -133,7 +136,11 @@ __all__ = [
     "rmse",
     "per_member_rmse",
     "interval_coverage",
-    # Out-of-distribution detection.
+    # Out-of-distribution detection: scores (higher = more likely OOD; the
+    # uncertainty measures above are scores too) and how well they separate.
+    "energy_score",
+    "max_logit_score",
+    "max_probability_score",
     "ood_auroc",
     "ood_aupr",
     "ood_fpr_at_tpr",

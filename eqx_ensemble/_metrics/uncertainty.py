@@ -221,3 +221,119 @@ def _pairwise_disagreement(predictions: Array) -> Array:
     one_hot = jax.nn.one_hot(votes, predictions.shape[-1], dtype=jnp.int32)
     disagree = predictions.shape[1] - jnp.einsum("ibc,jbc->ij", one_hot, one_hot)
     return (disagree / predictions.shape[1]).astype(predictions.dtype)
+
+
+def _check_temperature(temperature: float | int) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(
+            f"`temperature` must be a Python float, got {type(temperature).__name__}"
+        )
+    if not 0 < temperature < float("inf"):
+        raise ValueError(
+            f"`temperature` must be positive and finite, got {temperature}"
+        )
+    return float(temperature)
+
+
+def energy_score(
+    logits: Float[ArrayLike, " members batch classes"],
+    *,
+    temperature: float = 1.0,
+) -> Float[Array, " batch"]:
+    """The free energy of each input, `-T logsumexp(f(x) / T)` (Liu et al. 2020,
+    "Energy-based out-of-distribution detection"), averaged over members: an OOD
+    score, higher for inputs more likely out of distribution.
+
+    Unlike the probabilities, it keeps the logits' scale: an input that no class
+    claims strongly (all logits low) gets a high energy even when its softmax is
+    confident. With one member it is Liu et al.'s score.
+
+    **Arguments:**
+
+    - `logits`: per-member logits, shape `(members, batch, classes)`.
+    - `temperature`: the temperature `T > 0` (the paper uses 1).
+
+    **Returns:**
+
+    One score per example, shape `(batch,)`, ready for `ee.metrics.ood_auroc`.
+
+    **Example:**
+
+    ```python
+    logits = jnp.array([[[10.0, 0.0], [0.0, 0.0]]])   # 1 member, 2 inputs
+    ee.metrics.energy_score(logits)   # [-10.00005, -log 2]: the second is more OOD
+    ```
+    """
+    temperature = _check_temperature(temperature)
+    predictions = prepare_predictions(logits, from_logits=True, name="logits")
+    return _energy_score(predictions, temperature)
+
+
+@compiled("temperature")
+def _energy_score(predictions: Array, temperature: float) -> Array:
+    energies = -temperature * jax.nn.logsumexp(predictions / temperature, axis=-1)
+    return jnp.mean(energies, axis=0)
+
+
+def max_logit_score(
+    logits: Float[ArrayLike, " members batch classes"],
+) -> Float[Array, " batch"]:
+    """Minus the largest logit, `-max_c f_c(x)` (Hendrycks et al. 2022, "Scaling
+    out-of-distribution detection for real-world settings"), averaged over members:
+    an OOD score, higher for inputs more likely out of distribution.
+
+    **Arguments:**
+
+    - `logits`: per-member logits, shape `(members, batch, classes)`.
+
+    **Returns:**
+
+    One score per example, shape `(batch,)`.
+
+    **Example:**
+
+    ```python
+    logits = jnp.array([[[3.0, 1.0]], [[0.0, 5.0]]])   # 2 members, 1 input
+    ee.metrics.max_logit_score(logits)                 # [-(3 + 5) / 2] = [-4.0]
+    ```
+    """
+    predictions = prepare_predictions(logits, from_logits=True, name="logits")
+    return _max_logit_score(predictions)
+
+
+@jax.jit
+def _max_logit_score(predictions: Array) -> Array:
+    return 0.0 - jnp.mean(jnp.max(predictions, axis=-1), axis=0)
+
+
+def max_probability_score(
+    probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
+) -> Float[Array, " batch"]:
+    """One minus the ensemble's largest class probability, `1 - max_c p_c` with
+    `p = (1/M) sum_i p_i` (the maximum-softmax-probability baseline of Hendrycks
+    and Gimpel 2017): an OOD score, higher for inputs more likely out of
+    distribution.
+
+    It lies in `[0, 1 - 1/classes]`.
+
+    **Arguments:** as `ee.metrics.predictive_entropy`.
+
+    **Returns:**
+
+    One score per example, shape `(batch,)`.
+
+    **Example:**
+
+    ```python
+    probs = jnp.array([[[0.9, 0.1]], [[0.5, 0.5]]])   # 2 members, 1 input
+    ee.metrics.max_probability_score(probs)           # [1 - 0.7] = [0.3]
+    ```
+    """
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    return _max_probability_score(predictions, from_logits)
+
+
+@compiled("from_logits")
+def _max_probability_score(predictions: Array, from_logits: bool) -> Array:
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    return 1.0 - jnp.max(jnp.mean(member_probs, axis=0), axis=-1)
