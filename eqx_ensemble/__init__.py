@@ -9,6 +9,7 @@ ens(jnp.ones(2))   # shape (8, 1): one output per member, one compiled computati
 """
 
 from . import (
+    calibration as calibration,
     combine as combine,
     conformal as conformal,
     metrics as metrics,

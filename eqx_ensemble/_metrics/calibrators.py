@@ -1,0 +1,670 @@
+"""Post-hoc calibrators fitted on a calibration split: vector, matrix and Dirichlet
+scaling (parametric, on logits) and histogram binning and isotonic regression
+(non-parametric, on probabilities), for the ensemble's mean prediction or for
+each member.
+
+Each calibrator is an `eqx.Module` with one job: `calibrator(predictions)` maps
+stacked predictions `(members, batch, classes)` to calibrated ones, so every
+metric takes the result unchanged.
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.tree_utils as otu
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from .classification import (
+    ensemble_log_probs,
+    label_log_probs,
+    member_log_probs,
+    prepare_labels,
+    prepare_predictions,
+)
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_count(value: Any, name: str, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be a Python int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"`{name}` must be between {low} and {high}, got {value}")
+    return int(value)
+
+
+def _check_l2(l2: Any) -> float:
+    if isinstance(l2, bool) or not isinstance(l2, (int, float, np.floating)):
+        raise TypeError(f"`l2` must be a Python float, got {l2!r}")
+    if not 0 <= l2 < float("inf"):
+        raise ValueError(f"`l2` must be non-negative and finite, got {l2}")
+    return float(l2)
+
+
+def _check_enough_examples(batch: int, parameters: int, what: str) -> None:
+    if batch < parameters:
+        raise ValueError(
+            f"{what} has {parameters} parameters per fit but the calibration split "
+            f"holds only {batch} examples; fit it on at least {parameters} examples "
+            "(or choose a calibrator with fewer parameters, such as "
+            "`ee.metrics.fit_temperature` with one)"
+        )
+
+
+def _check_per_member(per_member: Any) -> bool:
+    if not isinstance(per_member, bool):
+        raise TypeError(f"`per_member` must be True or False, got {per_member!r}")
+    return per_member
+
+
+def _check_applied(predictions: Array, classes: int, members: int | None, who: str):
+    _, _, got_classes = predictions.shape
+    if got_classes != classes:
+        raise ValueError(
+            f"{who} was fitted on {classes} classes but got predictions of shape "
+            f"{tuple(predictions.shape)} ({got_classes} classes)"
+        )
+    if members is not None and predictions.shape[0] != members:
+        raise ValueError(
+            f"{who} was fitted per member on {members} members but got predictions "
+            f"of shape {tuple(predictions.shape)} ({predictions.shape[0]} members)"
+        )
+
+
+# ------------------------------------------------------------- parametric scaling
+
+
+def _lead(vector: Array, like: Array) -> Array:
+    """`vector` (classes,) with leading axes of size 1 to broadcast over `like`."""
+    return jnp.reshape(vector, (1,) * (like.ndim - 1) + vector.shape)
+
+
+class _Affine(eqx.Module):
+    """Shared by the three parametric calibrators: `weight` and `bias` (with a
+    leading member axis when fitted per member)."""
+
+    weight: Array
+    bias: Array
+    per_member: bool = eqx.field(static=True)
+
+    def _transform(self, weight: Array, bias: Array, logits: Array) -> Array:
+        raise NotImplementedError
+
+    def _inputs(self, predictions: Array) -> Array:
+        return predictions
+
+    def __call__(
+        self, logits: Float[ArrayLike, " members batch classes"]
+    ) -> Float[Array, " members batch classes"]:
+        predictions = prepare_predictions(logits, from_logits=True, name="logits")
+        members = self.weight.shape[0] if self.per_member else None
+        _check_applied(predictions, self.bias.shape[-1], members, type(self).__name__)
+        inputs = self._inputs(predictions)
+        if self.per_member:
+            return jax.vmap(self._transform)(self.weight, self.bias, inputs)
+        return self._transform(self.weight, self.bias, inputs)
+
+
+class VectorScaling(_Affine):
+    """Vector scaling (Guo et al. 2017): `z' = w * z + b`, one weight and one bias
+    per class. Fitted by
+    [`fit_vector_scaling`][eqx_ensemble.calibration.fit_vector_scaling]; calling
+    it maps logits `(members, batch, classes)` to calibrated logits of the same
+    shape.
+
+    **Example:**
+
+    ```python
+    calibrate = ee.calibration.VectorScaling(jnp.array([0.5, 1.0]), jnp.zeros(2),
+                                             per_member=False)
+    calibrate(jnp.array([[[4.0, 2.0]]]))    # [[[2.0, 2.0]]]
+    ```
+    """
+
+    def _transform(self, weight: Array, bias: Array, logits: Array) -> Array:
+        return _lead(weight, logits) * logits + _lead(bias, logits)
+
+
+class MatrixScaling(_Affine):
+    """Matrix scaling (Guo et al. 2017): `z' = W z + b`, a full `classes x
+    classes` matrix. Fitted by
+    [`fit_matrix_scaling`][eqx_ensemble.calibration.fit_matrix_scaling]; calling
+    it maps logits to calibrated logits of the same shape.
+
+    **Example:**
+
+    ```python
+    swap = jnp.array([[0.0, 1.0], [1.0, 0.0]])
+    calibrate = ee.calibration.MatrixScaling(swap, jnp.zeros(2), per_member=False)
+    calibrate(jnp.array([[[4.0, 2.0]]]))    # [[[2.0, 4.0]]]
+    ```
+    """
+
+    def _transform(self, weight: Array, bias: Array, logits: Array) -> Array:
+        return logits @ weight.T + _lead(bias, logits)
+
+
+class DirichletScaling(_Affine):
+    """Dirichlet calibration (Kull et al. 2019): `z' = W log p + b` on the log
+    probabilities `log p = log_softmax(z)`. Fitted by
+    [`fit_dirichlet_scaling`][eqx_ensemble.calibration.fit_dirichlet_scaling];
+    calling it maps logits to calibrated logits of the same shape.
+
+    **Example:**
+
+    ```python
+    calibrate = ee.calibration.DirichletScaling(jnp.eye(2), jnp.zeros(2),
+                                                per_member=False)
+    calibrate(jnp.array([[[4.0, 2.0]]]))    # log_softmax: [[[-0.127, -2.127]]]
+    ```
+    """
+
+    def _inputs(self, predictions: Array) -> Array:
+        return jax.nn.log_softmax(predictions, axis=-1)
+
+    def _transform(self, weight: Array, bias: Array, logits: Array) -> Array:
+        return logits @ weight.T + _lead(bias, logits)
+
+
+def _ensemble_nll(logits: Array, labels: Array) -> Array:
+    """The NLL of the mean of the members' softmaxes, `logits` `(M, B, C)`."""
+    probs, log_probs = member_log_probs(logits, from_logits=True)
+    return -jnp.mean(
+        label_log_probs(ensemble_log_probs(probs, log_probs, from_logits=True), labels)
+    )
+
+
+def _lbfgs(objective, init: Any, iterations: int, tolerance: float) -> Any:
+    """Minimise a smooth `objective(params)` with L-BFGS and a zoom line search
+    (`optax.lbfgs`), until the gradient norm is below `tolerance` or after
+    `iterations` steps."""
+    solver = optax.lbfgs()
+    value_and_grad = optax.value_and_grad_from_state(objective)
+
+    def step(carry):
+        params, state = carry
+        value, grad = value_and_grad(params, state=state)
+        updates, state = solver.update(
+            grad, state, params, value=value, grad=grad, value_fn=objective
+        )
+        return optax.apply_updates(params, updates), state
+
+    def going(carry):
+        _, state = carry
+        count = otu.tree_get(state, "count")
+        grad = otu.tree_get(state, "grad")
+        return (count == 0) | (
+            (count < iterations) & (otu.tree_norm(grad) >= tolerance)
+        )
+
+    params, _ = jax.lax.while_loop(going, step, (init, solver.init(init)))
+    return params
+
+
+def _fit_affine(
+    cls: type[_Affine],
+    logits: ArrayLike,
+    labels: ArrayLike,
+    *,
+    per_member: bool,
+    l2: float,
+    iterations: int,
+    full_matrix: bool,
+    off_diagonal_only: bool,
+) -> Any:
+    per_member = _check_per_member(per_member)
+    l2 = _check_l2(l2)
+    iterations = _check_count(iterations, "iterations", low=1, high=100_000)
+    predictions = prepare_predictions(logits, from_logits=True, name="logits")
+    labels = prepare_labels(labels, predictions)
+    members, batch, classes = predictions.shape
+    parameters = classes * classes + classes if full_matrix else 2 * classes
+    _check_enough_examples(batch, parameters, cls.__name__)
+    weight, bias = _fit_affine_compiled(
+        cls, predictions, labels, per_member, l2, iterations, full_matrix,
+        off_diagonal_only,
+    )  # fmt: skip
+    return cls(weight, bias, per_member)
+
+
+@eqx.filter_jit
+def _fit_affine_compiled(
+    cls, predictions, labels, per_member, l2, iterations, full_matrix,
+    off_diagonal_only,
+):  # fmt: skip
+    classes = predictions.shape[-1]
+    dtype = predictions.dtype
+    identity = (
+        jnp.eye(classes, dtype=dtype) if full_matrix else jnp.ones(classes, dtype)
+    )
+    init = (identity, jnp.zeros(classes, dtype))
+    template = cls(identity, init[1], False)
+    inputs = template._inputs(predictions)
+
+    def penalty(params):
+        weight, bias = params
+        deviation = weight - identity
+        if off_diagonal_only:  # ODIR (Kull et al. 2019): the diagonal is free
+            deviation = deviation * (1.0 - jnp.eye(classes, dtype=dtype))
+        return l2 * (jnp.sum(deviation**2) + jnp.sum(bias**2))
+
+    if per_member:
+
+        def fit_one(member_inputs):
+            def objective(params):
+                out = template._transform(*params, member_inputs)[None]
+                return _ensemble_nll(out, labels) + penalty(params)
+
+            return _lbfgs(objective, init, iterations, 1e-6)
+
+        return jax.vmap(fit_one)(inputs)
+
+    def objective(params):
+        out = template._transform(*params, inputs)
+        return _ensemble_nll(out, labels) + penalty(params)
+
+    return _lbfgs(objective, init, iterations, 1e-6)
+
+
+_AFFINE_ARGS = """
+    **Arguments:**
+
+    - `logits`: per-member logits on the calibration split, shape `(members,
+      batch, classes)`; for a single model pass `logits[None]`.
+    - `labels`: integer class labels, shape `(batch,)`.
+    - `per_member`: `False` (default): ONE calibrator for the ensemble, applied to
+      every member's logits and fitted to minimise the NLL of the ensemble's mean
+      prediction (as `ee.metrics.fit_temperature`); `True`: one per member, each
+      fitted to minimise its own member's NLL (its parameters get a leading member
+      axis).
+    - `l2`: the weight of an L2 penalty pulling the parameters to the identity
+      map, added to the mean NLL; it keeps the fit finite on a calibration split
+      the logits separate perfectly. `0` fits the NLL alone.
+    - `iterations`: the most L-BFGS steps (`optax.lbfgs`, zoom line search); the
+      fit stops earlier when the gradient norm falls below `1e-6`. The objective
+      is convex for one member (softmax regression on fixed features), so the
+      minimum found is the global one.
+"""
+
+
+def fit_vector_scaling(
+    logits: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    per_member: bool = False,
+    l2: float = 1e-4,
+    iterations: int = 500,
+) -> VectorScaling:
+    """Fit vector scaling (Guo et al. 2017, "On calibration of modern neural
+    networks"): calibrated logits `w * z + b`, `2 * classes` parameters. It can
+    change the predicted class (unlike temperature scaling).
+
+    {args}
+    Raises `ValueError` when the split holds fewer examples than the calibrator
+    has parameters.
+
+    **Returns:**
+
+    A [`VectorScaling`][eqx_ensemble.calibration.VectorScaling]: call it on
+    logits `(members, batch, classes)` to get calibrated logits.
+
+    **Example:**
+
+    ```python
+    key_logits, key_labels = jax.random.split(jax.random.key(0))
+    logits = 4 * jax.random.normal(key_logits, (3, 300, 4))    # overconfident
+    labels = jax.random.randint(key_labels, (300,), 0, 4)
+    calibrate = ee.calibration.fit_vector_scaling(logits, labels)
+    calibrated = calibrate(logits)                             # (3, 300, 4)
+    ee.metrics.nll(calibrated, labels, from_logits=True)       # lower than before
+    ```
+    """
+    return _fit_affine(
+        VectorScaling, logits, labels, per_member=per_member, l2=l2,
+        iterations=iterations, full_matrix=False, off_diagonal_only=False,
+    )  # fmt: skip
+
+
+def fit_matrix_scaling(
+    logits: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    per_member: bool = False,
+    l2: float = 1e-4,
+    iterations: int = 500,
+) -> MatrixScaling:
+    """Fit matrix scaling (Guo et al. 2017): calibrated logits `W z + b`,
+    `classes**2 + classes` parameters; prone to overfit with many classes (use
+    `l2`, or Dirichlet scaling with its off-diagonal penalty).
+
+    {args}
+    Raises `ValueError` when the split holds fewer examples than the calibrator
+    has parameters.
+
+    **Returns:**
+
+    A [`MatrixScaling`][eqx_ensemble.calibration.MatrixScaling].
+
+    **Example:**
+
+    ```python
+    key_logits, key_labels = jax.random.split(jax.random.key(0))
+    logits = 4 * jax.random.normal(key_logits, (3, 300, 4))
+    labels = jax.random.randint(key_labels, (300,), 0, 4)
+    calibrate = ee.calibration.fit_matrix_scaling(logits, labels, per_member=True)
+    calibrate.weight.shape                                     # (3, 4, 4)
+    calibrate(logits).shape                                    # (3, 300, 4)
+    ```
+    """
+    return _fit_affine(
+        MatrixScaling, logits, labels, per_member=per_member, l2=l2,
+        iterations=iterations, full_matrix=True, off_diagonal_only=False,
+    )  # fmt: skip
+
+
+def fit_dirichlet_scaling(
+    logits: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    per_member: bool = False,
+    l2: float = 1e-4,
+    iterations: int = 500,
+) -> DirichletScaling:
+    """Fit Dirichlet calibration (Kull et al. 2019, "Beyond temperature scaling:
+    obtaining well-calibrated multiclass probabilities with Dirichlet
+    calibration"): calibrated logits `W log p + b` on the log probabilities,
+    `classes**2 + classes` parameters, with the paper's ODIR penalty: `l2` weighs
+    the off-diagonal entries of `W` and the bias (the diagonal is free).
+
+    {args}
+    Raises `ValueError` when the split holds fewer examples than the calibrator
+    has parameters.
+
+    **Returns:**
+
+    A [`DirichletScaling`][eqx_ensemble.calibration.DirichletScaling].
+
+    **Example:**
+
+    ```python
+    key_logits, key_labels = jax.random.split(jax.random.key(0))
+    logits = 4 * jax.random.normal(key_logits, (3, 300, 4))
+    labels = jax.random.randint(key_labels, (300,), 0, 4)
+    calibrate = ee.calibration.fit_dirichlet_scaling(logits, labels, l2=1e-3)
+    calibrate(logits).shape                                    # (3, 300, 4)
+    ```
+    """
+    return _fit_affine(
+        DirichletScaling, logits, labels, per_member=per_member, l2=l2,
+        iterations=iterations, full_matrix=True, off_diagonal_only=True,
+    )  # fmt: skip
+
+
+for _fn in (fit_vector_scaling, fit_matrix_scaling, fit_dirichlet_scaling):
+    _fn.__doc__ = (_fn.__doc__ or "").replace("{args}", _AFFINE_ARGS.strip("\n"))
+
+
+# ----------------------------------------------------------- non-parametric maps
+
+
+def _normalise(probs: Array) -> Array:
+    """Rows divided by their sums; a row of zeros becomes uniform (as
+    scikit-learn's `CalibratedClassifierCV`)."""
+    total = jnp.sum(probs, axis=-1, keepdims=True)
+    uniform = jnp.full_like(probs, 1.0 / probs.shape[-1])
+    return jnp.where(total > 0, probs / jnp.where(total > 0, total, 1.0), uniform)
+
+
+def _calibration_inputs(
+    probs: ArrayLike, labels: ArrayLike, from_logits: bool, per_member: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """`(fits, batch, classes)` probabilities on the host (the mean prediction as
+    one fit, or one per member) and the labels."""
+    per_member = _check_per_member(per_member)
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    labels = prepare_labels(labels, predictions)
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    if not per_member:
+        member_probs = jnp.mean(member_probs, axis=0, keepdims=True)
+    return np.asarray(member_probs, np.float64), np.asarray(labels)
+
+
+def _applied_probs(predictions: Array, from_logits: bool, per_member: bool) -> Array:
+    """The probabilities a non-parametric map applies to: each member's, or the
+    ensemble's mean as one."""
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    return member_probs if per_member else jnp.mean(member_probs, axis=0)[None]
+
+
+class HistogramBinning(eqx.Module):
+    """Histogram binning (Zadrozny and Elkan 2001), one-vs-rest per class: each
+    class's probability is replaced by the frequency of that class among the
+    calibration examples in its bin, then each row is normalised. Fitted by
+    [`fit_histogram_binning`][eqx_ensemble.calibration.fit_histogram_binning].
+
+    Calling it on probabilities `(members, batch, classes)` (logits with
+    `from_logits=True`) returns calibrated probabilities: `(1, batch, classes)`
+    (the ensemble's calibrated mean prediction) or, fitted per member, `(members,
+    batch, classes)`.
+
+    **Example:**
+
+    ```python
+    values = jnp.array([[[0.2, 0.8], [0.2, 0.8]]])  # (fits, classes, bins)
+    calibrate = ee.calibration.HistogramBinning(values, per_member=False)
+    calibrate(jnp.array([[[0.9, 0.1]]]))           # bins 0.8, 0.2: [[[0.8, 0.2]]]
+    ```
+    """
+
+    values: Float[Array, "fits classes bins"]
+    per_member: bool = eqx.field(static=True)
+
+    def __call__(
+        self,
+        probs: Float[ArrayLike, " members batch classes"],
+        *,
+        from_logits: bool = False,
+    ) -> Float[Array, " fits batch classes"]:
+        fits, classes, bins = self.values.shape
+        predictions = prepare_predictions(probs, from_logits=from_logits)
+        members = fits if self.per_member else None
+        _check_applied(predictions, classes, members, "HistogramBinning")
+        p = _applied_probs(predictions, from_logits, self.per_member)
+        index = jnp.clip(jnp.floor(p * bins).astype(jnp.int32), 0, bins - 1)
+        # values[f, c, index[f, b, c]]
+        picked = jnp.take_along_axis(
+            self.values[:, None, :, :], index[..., None], axis=-1
+        )[..., 0]
+        return _normalise(picked.astype(p.dtype))
+
+
+def fit_histogram_binning(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    n_bins: int = 15,
+    per_member: bool = False,
+    from_logits: bool = False,
+) -> HistogramBinning:
+    """Fit histogram binning (Zadrozny and Elkan 2001; the multiclass
+    one-vs-rest form of Guo et al. 2017) on a calibration split.
+
+    Each class's predicted probability is cut into `n_bins` equal-width bins of
+    `[0, 1]`; a bin's calibrated value is the fraction of its calibration examples
+    whose label is that class (an empty bin keeps its midpoint). Calibrated rows
+    are normalised to sum to one (a row of zeros becomes uniform).
+
+    **Arguments:**
+
+    - `probs`: per-member probabilities on the calibration split, shape
+      `(members, batch, classes)` (logits with `from_logits=True`).
+    - `labels`: integer class labels, shape `(batch,)`.
+    - `n_bins`: bins per class; the split must hold at least `n_bins` examples.
+    - `per_member`: `False` (default): fit the ensemble's mean prediction;
+      `True`: one map per member.
+    - `from_logits`: whether `probs` holds logits.
+
+    **Returns:**
+
+    A [`HistogramBinning`][eqx_ensemble.calibration.HistogramBinning].
+
+    **Example:**
+
+    ```python
+    key_logits, key_labels = jax.random.split(jax.random.key(0))
+    logits = 4 * jax.random.normal(key_logits, (3, 500, 4))
+    labels = jax.random.randint(key_labels, (500,), 0, 4)
+    calibrate = ee.calibration.fit_histogram_binning(logits, labels, from_logits=True)
+    calibrated = calibrate(logits, from_logits=True)        # (1, 500, 4): the mean
+    ee.metrics.expected_calibration_error(calibrated, labels)   # near 0
+    ```
+    """
+    n_bins = _check_count(n_bins, "n_bins", low=1, high=100_000)
+    p, y = _calibration_inputs(probs, labels, from_logits, per_member)
+    fits, batch, classes = p.shape
+    _check_enough_examples(batch, n_bins, "HistogramBinning with `n_bins` bins")
+    index = np.clip(np.floor(p * n_bins).astype(np.int64), 0, n_bins - 1)
+    positive = (y[None, :, None] == np.arange(classes)).astype(np.float64)
+    values = np.empty((fits, classes, n_bins))
+    midpoints = (np.arange(n_bins) + 0.5) / n_bins
+    for f in range(fits):
+        for c in range(classes):
+            counts = np.bincount(index[f, :, c], minlength=n_bins)
+            hits = np.bincount(index[f, :, c], positive[0, :, c], minlength=n_bins)
+            values[f, c] = np.where(counts > 0, hits / np.maximum(counts, 1), midpoints)
+    dtype = prepare_predictions(probs, from_logits=from_logits).dtype
+    return HistogramBinning(jnp.asarray(values, dtype), per_member)
+
+
+def _pool_adjacent_violators(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The non-decreasing fit of `y` (weights `w`) minimising the weighted squared
+    error: pool adjacent violators, one pass with a stack of blocks."""
+    means: list[float] = []
+    weights: list[float] = []
+    sizes: list[int] = []
+    for value, weight in zip(y.tolist(), w.tolist(), strict=True):
+        means.append(value)
+        weights.append(weight)
+        sizes.append(1)
+        while len(means) > 1 and means[-2] > means[-1]:
+            total = weights[-2] + weights[-1]
+            means[-2] = (means[-2] * weights[-2] + means[-1] * weights[-1]) / total
+            weights[-2] = total
+            sizes[-2] += sizes[-1]
+            del means[-1], weights[-1], sizes[-1]
+    return np.repeat(np.asarray(means), sizes)
+
+
+class IsotonicCalibration(eqx.Module):
+    """Isotonic regression (Zadrozny and Elkan 2002), one-vs-rest per class: each
+    class's probability is mapped through a non-decreasing piecewise-linear
+    function fitted on the calibration split, then each row is normalised (as
+    scikit-learn's `CalibratedClassifierCV(method="isotonic")`). Fitted by
+    [`fit_isotonic_regression`][eqx_ensemble.calibration.fit_isotonic_regression].
+
+    Calling it returns calibrated probabilities: `(1, batch, classes)` or, fitted
+    per member, `(members, batch, classes)`.
+
+    **Example:**
+
+    ```python
+    x = jnp.array([[[0.0, 1.0], [0.0, 1.0]]])      # (fits, classes, points)
+    y = jnp.array([[[0.25, 0.75], [0.25, 0.75]]])
+    calibrate = ee.calibration.IsotonicCalibration(x, y, per_member=False)
+    calibrate(jnp.array([[[1.0, 0.0]]]))           # [[[0.75, 0.25]]]
+    ```
+    """
+
+    x: Float[Array, "fits classes points"]
+    y: Float[Array, "fits classes points"]
+    per_member: bool = eqx.field(static=True)
+
+    def __call__(
+        self,
+        probs: Float[ArrayLike, " members batch classes"],
+        *,
+        from_logits: bool = False,
+    ) -> Float[Array, " fits batch classes"]:
+        fits, classes, _ = self.x.shape
+        predictions = prepare_predictions(probs, from_logits=from_logits)
+        members = fits if self.per_member else None
+        _check_applied(predictions, classes, members, "IsotonicCalibration")
+        p = _applied_probs(predictions, from_logits, self.per_member)
+        # Inputs outside the fitted range take the end values (`np.interp`).
+        per_class = jax.vmap(jnp.interp, in_axes=(-1, 0, 0), out_axes=-1)
+        calibrated = jax.vmap(per_class)(
+            p, self.x.astype(p.dtype), self.y.astype(p.dtype)
+        )
+        return _normalise(calibrated)
+
+
+def fit_isotonic_regression(
+    probs: Float[ArrayLike, " members batch classes"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    per_member: bool = False,
+    from_logits: bool = False,
+) -> IsotonicCalibration:
+    """Fit isotonic regression (Zadrozny and Elkan 2002) one-vs-rest per class on
+    a calibration split: for class `c`, the non-decreasing function of `p_c`
+    closest in squared error to the indicator `label == c` (pool adjacent
+    violators; equal inputs pooled first), interpolated linearly between the
+    calibration points and constant beyond them. Each class's map equals
+    `sklearn.isotonic.IsotonicRegression(out_of_bounds="clip")`; rows are then
+    normalised (a row of zeros becomes uniform).
+
+    Fitting runs on the host (NumPy): it is done once, after training.
+
+    **Arguments:**
+
+    - `probs`: per-member probabilities on the calibration split, shape
+      `(members, batch, classes)` (logits with `from_logits=True`).
+    - `labels`: integer class labels, shape `(batch,)`; at least 2 examples.
+    - `per_member`: `False` (default): fit the ensemble's mean prediction;
+      `True`: one map per member.
+    - `from_logits`: whether `probs` holds logits.
+
+    **Returns:**
+
+    An [`IsotonicCalibration`][eqx_ensemble.calibration.IsotonicCalibration].
+
+    **Example:**
+
+    ```python
+    key_logits, key_labels = jax.random.split(jax.random.key(0))
+    logits = 4 * jax.random.normal(key_logits, (3, 500, 4))
+    labels = jax.random.randint(key_labels, (500,), 0, 4)
+    calibrate = ee.calibration.fit_isotonic_regression(logits, labels,
+                                                       from_logits=True)
+    calibrate(logits, from_logits=True).shape                # (1, 500, 4)
+    ```
+    """
+    p, y = _calibration_inputs(probs, labels, from_logits, per_member)
+    fits, batch, classes = p.shape
+    _check_enough_examples(batch, 2, "IsotonicCalibration")
+    points: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    for f in range(fits):
+        row = []
+        for c in range(classes):
+            x_unique, inverse = np.unique(p[f, :, c], return_inverse=True)
+            counts = np.bincount(inverse).astype(np.float64)
+            means = np.bincount(inverse, (y == c).astype(np.float64)) / counts
+            row.append((x_unique, _pool_adjacent_violators(means, counts)))
+        points.append(row)
+    # At least 2 points, so the interpolation always has an interval.
+    length = max(2, max(len(x) for row in points for x, _ in row))
+
+    def padded(values: np.ndarray) -> np.ndarray:
+        # Repeat the last point: the interpolation beyond it is unchanged.
+        return np.concatenate([values, np.full(length - len(values), values[-1])])
+
+    xs = np.stack([np.stack([padded(x) for x, _ in row]) for row in points])
+    ys = np.stack([np.stack([padded(v) for _, v in row]) for row in points])
+    dtype = prepare_predictions(probs, from_logits=from_logits).dtype
+    return IsotonicCalibration(
+        jnp.asarray(xs, dtype), jnp.asarray(ys, dtype), per_member
+    )

@@ -1,0 +1,329 @@
+"""Post-hoc calibrators against independent references: SciPy's L-BFGS-B on the
+same objectives written in NumPy (analytic gradients), scikit-learn's isotonic
+regression and calibration curve."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.optimize import minimize
+from scipy.special import log_softmax, logsumexp, softmax
+
+import eqx_ensemble as ee
+
+
+@pytest.fixture(scope="module")
+def split():
+    rng = np.random.default_rng(0)
+    members, batch, classes = 3, 400, 4
+    labels = rng.integers(0, classes, batch)
+    # Informative but miscalibrated logits, with a per-class bias to correct.
+    signal = 2.0 * np.eye(classes)[labels]
+    logits = 3.0 * (signal + rng.normal(size=(members, batch, classes)))
+    logits = logits + np.array([1.0, -0.5, 0.0, 0.5])
+    test = 3.0 * (rng.normal(size=(members, 100, classes))) + 1.0
+    return logits.astype(np.float32), labels, test.astype(np.float32)
+
+
+def _numpy_affine_fit(features, labels, *, full, l2, off_diagonal_only=False):
+    """Softmax regression z' = A(z) on fixed features of ONE model, minimising
+    mean NLL + l2 * ||params - identity||^2, by SciPy with analytic gradients."""
+    n, k = features.shape
+    onehot = np.eye(k)[labels]
+    eye = np.eye(k)
+    mask = (1.0 - eye) if off_diagonal_only else np.ones((k, k))
+
+    def unpack(theta):
+        if full:
+            return theta[: k * k].reshape(k, k), theta[k * k :]
+        return theta[:k], theta[k:]
+
+    def objective(theta):
+        w, b = unpack(theta)
+        out = features @ w.T + b if full else features * w + b
+        logp = log_softmax(out, axis=1)
+        value = -np.mean(np.sum(onehot * logp, axis=1))
+        residual = (np.exp(logp) - onehot) / n  # d value / d out
+        gb = residual.sum(0)
+        if full:
+            gw = residual.T @ features
+            dev = (w - eye) * mask
+            value += l2 * (np.sum(dev**2) + np.sum(b**2))
+            gw = gw + 2 * l2 * dev
+        else:
+            gw = np.sum(residual * features, axis=0)
+            value += l2 * (np.sum((w - 1) ** 2) + np.sum(b**2))
+            gw = gw + 2 * l2 * (w - 1)
+        gb = gb + 2 * l2 * b
+        return value, np.concatenate([gw.ravel(), gb])
+
+    theta0 = np.concatenate([(eye if full else np.ones(k)).ravel(), np.zeros(k)])
+    result = minimize(
+        objective, theta0, jac=True, method="L-BFGS-B",
+        options={"gtol": 1e-10, "ftol": 1e-14, "maxiter": 10_000},
+    )  # fmt: skip
+    w, b = unpack(result.x)
+    return (lambda z: z @ w.T + b) if full else (lambda z: z * w + b)
+
+
+@pytest.mark.parametrize(
+    "fit, full, dirichlet",
+    [
+        (ee.calibration.fit_vector_scaling, False, False),
+        (ee.calibration.fit_matrix_scaling, True, False),
+        (ee.calibration.fit_dirichlet_scaling, True, True),
+    ],
+)
+@pytest.mark.parametrize("l2", [0.0, 1e-2])
+def test_single_model_fit_matches_scipy(split, fit, full, dirichlet, l2):
+    logits, labels, test = split
+    one, one_test = logits[:1], test[:1]
+    features = log_softmax(one[0].astype(np.float64), axis=1) if dirichlet else one[0]
+    reference = _numpy_affine_fit(
+        features.astype(np.float64), labels, full=full, l2=l2,
+        off_diagonal_only=dirichlet,
+    )  # fmt: skip
+    calibrator = fit(one, labels, l2=l2)
+    for z in (one, one_test):
+        expected_features = (
+            log_softmax(z[0].astype(np.float64), axis=1) if dirichlet else z[0]
+        )
+        expected = softmax(reference(expected_features.astype(np.float64)), axis=1)
+        got = jax.nn.softmax(calibrator(z)[0], axis=-1)
+        np.testing.assert_allclose(got, expected, atol=2e-3)
+
+
+def test_ensemble_fit_minimises_the_mean_predictions_nll(split):
+    logits, labels, _ = split
+    logits = logits[:, :120, :3]
+    labels = labels[:120] % 3
+
+    def ensemble_nll(theta):
+        w, b = theta[:3], theta[3:]
+        logp = log_softmax(logits.astype(np.float64) * w + b, axis=-1)
+        mixed = logsumexp(logp, axis=0) - np.log(len(logits))
+        return -np.mean(mixed[np.arange(len(labels)), labels]) + 1e-4 * (
+            np.sum((w - 1) ** 2) + np.sum(b**2)
+        )
+
+    reference = minimize(ensemble_nll, np.r_[np.ones(3), np.zeros(3)], method="BFGS")
+    calibrator = ee.calibration.fit_vector_scaling(logits, labels)
+    theta = np.r_[np.asarray(calibrator.weight), np.asarray(calibrator.bias)]
+    assert ensemble_nll(theta) == pytest.approx(reference.fun, abs=1e-5)
+    np.testing.assert_allclose(theta, reference.x, atol=5e-3)
+
+
+@pytest.mark.parametrize(
+    "fit",
+    [
+        ee.calibration.fit_vector_scaling,
+        ee.calibration.fit_matrix_scaling,
+        ee.calibration.fit_dirichlet_scaling,
+    ],
+)
+def test_per_member_equals_each_member_fitted_alone(split, fit):
+    logits, labels, test = split
+    together = fit(logits, labels, per_member=True)
+    out = together(test)
+    for i in range(len(logits)):
+        alone = fit(logits[i : i + 1], labels)
+        # Probabilities: logits are defined up to a constant per example (free
+        # in Dirichlet scaling, whose inputs' exponentials sum to one).
+        np.testing.assert_allclose(
+            jax.nn.softmax(out[i : i + 1], axis=-1),
+            jax.nn.softmax(alone(test[i : i + 1]), axis=-1),
+            atol=2e-4,
+        )
+
+
+def test_calibrators_lower_the_nll_of_miscalibrated_logits(split):
+    logits, labels, _ = split
+    before = float(ee.metrics.nll(logits, labels, from_logits=True))
+    for fit in (
+        ee.calibration.fit_vector_scaling,
+        ee.calibration.fit_matrix_scaling,
+        ee.calibration.fit_dirichlet_scaling,
+    ):
+        after = float(
+            ee.metrics.nll(fit(logits, labels)(logits), labels, from_logits=True)
+        )
+        assert after < 0.9 * before, fit.__name__
+
+
+def test_isotonic_matches_sklearn_one_vs_rest(split):
+    from sklearn.isotonic import IsotonicRegression
+
+    logits, labels, test = split
+    # Rounded: many equal probabilities, so ties are pooled as scikit-learn pools them.
+    probs = np.round(softmax(logits.astype(np.float64), axis=-1), 2)
+    probs = probs / probs.sum(-1, keepdims=True)
+    test_probs = softmax(test.astype(np.float64), axis=-1)
+    calibrator = ee.calibration.fit_isotonic_regression(
+        probs.astype(np.float32), labels, per_member=True
+    )
+    got = calibrator(test_probs.astype(np.float32))
+    for m in range(len(probs)):
+        columns = []
+        for c in range(probs.shape[-1]):
+            iso = IsotonicRegression(out_of_bounds="clip")
+            iso.fit(probs[m, :, c], (labels == c).astype(float))
+            columns.append(iso.predict(test_probs[m, :, c]))
+        raw = np.stack(columns, axis=-1)
+        total = raw.sum(-1, keepdims=True)
+        expected = np.where(total > 0, raw / np.where(total > 0, total, 1), 0.25)
+        np.testing.assert_allclose(got[m], expected, atol=2e-5)
+
+
+def test_isotonic_of_the_mean_prediction(split):
+    from sklearn.isotonic import IsotonicRegression
+
+    logits, labels, test = split
+    calibrator = ee.calibration.fit_isotonic_regression(
+        logits, labels, from_logits=True
+    )
+    got = calibrator(test, from_logits=True)
+    assert got.shape == (1, test.shape[1], 4)
+    mean = softmax(logits.astype(np.float64), -1).mean(0)
+    mean_test = softmax(test.astype(np.float64), -1).mean(0)
+    raw = np.stack(
+        [
+            IsotonicRegression(out_of_bounds="clip")
+            .fit(mean[:, c], labels == c)
+            .predict(mean_test[:, c])
+            for c in range(4)
+        ],
+        axis=-1,
+    )
+    total = raw.sum(-1, keepdims=True)
+    expected = np.where(total > 0, raw / np.where(total > 0, total, 1), 0.25)
+    np.testing.assert_allclose(got[0], expected, atol=1e-5)
+
+
+def test_histogram_binning_values_are_sklearn_calibration_curve(split):
+    from sklearn.calibration import calibration_curve
+
+    logits, labels, _ = split
+    n_bins = 10
+    calibrator = ee.calibration.fit_histogram_binning(
+        logits, labels, n_bins=n_bins, per_member=True, from_logits=True
+    )
+    probs = softmax(logits.astype(np.float64), axis=-1)
+    for m in range(len(logits)):
+        for c in range(4):
+            index = np.minimum((probs[m, :, c] * n_bins).astype(int), n_bins - 1)
+            filled = np.unique(index)
+            prob_true, _ = calibration_curve(
+                labels == c, probs[m, :, c], n_bins=n_bins, strategy="uniform"
+            )
+            np.testing.assert_allclose(
+                calibrator.values[m, c, filled], prob_true, atol=1e-6
+            )
+            empty = np.setdiff1d(np.arange(n_bins), filled)
+            np.testing.assert_allclose(
+                calibrator.values[m, c, empty], (empty + 0.5) / n_bins, atol=1e-6
+            )
+
+
+def test_histogram_binning_applies_its_bins_and_normalises(split):
+    logits, labels, test = split
+    calibrator = ee.calibration.fit_histogram_binning(
+        logits, labels, n_bins=5, from_logits=True
+    )
+    got = np.asarray(calibrator(test, from_logits=True))[0]
+    mean = softmax(test.astype(np.float64), -1).mean(0)
+    index = np.minimum((mean * 5).astype(int), 4)
+    raw = np.asarray(calibrator.values)[0][np.arange(4), index]
+    np.testing.assert_allclose(got, raw / raw.sum(-1, keepdims=True), atol=1e-6)
+    np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-6)
+
+
+def test_non_parametric_calibration_lowers_ece_on_its_split(split):
+    logits, labels, _ = split
+    before = float(
+        ee.metrics.expected_calibration_error(logits, labels, from_logits=True)
+    )
+    for fit in (
+        ee.calibration.fit_histogram_binning,
+        ee.calibration.fit_isotonic_regression,
+    ):
+        out = fit(logits, labels, from_logits=True)(logits, from_logits=True)
+        assert float(ee.metrics.expected_calibration_error(out, labels)) < before / 2
+
+
+def test_calibrators_run_under_jit_and_round_trip(split, tmp_path):
+    logits, labels, test = split
+    for calibrator in (
+        ee.calibration.fit_matrix_scaling(logits, labels),
+        ee.calibration.fit_isotonic_regression(logits, labels, from_logits=True),
+    ):
+        kwargs = (
+            {}
+            if isinstance(calibrator, ee.calibration.MatrixScaling)
+            else {"from_logits": True}
+        )
+        eager = calibrator(test, **kwargs)
+        jitted = eqx_filter_jit(lambda c, z: c(z, **kwargs))(
+            calibrator, jnp.asarray(test)
+        )
+        np.testing.assert_allclose(jitted, eager, atol=1e-6)
+        ee.save(tmp_path / "c.eqx", calibrator)
+        loaded = ee.load(tmp_path / "c.eqx", calibrator)
+        np.testing.assert_array_equal(loaded(test, **kwargs), eager)
+
+
+def eqx_filter_jit(fn):
+    import equinox as eqx
+
+    return eqx.filter_jit(fn)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_fewer_examples_than_parameters(split):
+    logits, labels, _ = split
+    with pytest.raises(ValueError, match="20 parameters.*only 10 examples"):
+        ee.calibration.fit_matrix_scaling(logits[:, :10], labels[:10])
+    with pytest.raises(ValueError, match="8 parameters.*only 5 examples"):
+        ee.calibration.fit_vector_scaling(logits[:, :5], labels[:5])
+    with pytest.raises(ValueError, match="15 parameters.*only 12 examples"):
+        ee.calibration.fit_histogram_binning(
+            logits[:, :12], labels[:12], from_logits=True
+        )
+    with pytest.raises(ValueError, match="only 1 examples"):
+        ee.calibration.fit_isotonic_regression(
+            logits[:, :1], labels[:1], from_logits=True
+        )
+
+
+@pytest.mark.parametrize("l2", [-1.0, float("inf"), float("nan")])
+def test_bad_l2(split, l2):
+    logits, labels, _ = split
+    with pytest.raises(ValueError, match="`l2`"):
+        ee.calibration.fit_vector_scaling(logits, labels, l2=l2)
+
+
+def test_bad_options(split):
+    logits, labels, _ = split
+    with pytest.raises(ValueError, match="`iterations`"):
+        ee.calibration.fit_vector_scaling(logits, labels, iterations=0)
+    with pytest.raises(TypeError, match="per_member"):
+        ee.calibration.fit_vector_scaling(logits, labels, per_member=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`n_bins`"):
+        ee.calibration.fit_histogram_binning(logits, labels, n_bins=0, from_logits=True)
+    # Under the test suite's jaxtyping hook, beartype's message comes first; both
+    # name the argument.
+    with pytest.raises((ValueError, TypeError), match="labels"):
+        ee.calibration.fit_vector_scaling(logits, labels[:-1])
+
+
+def test_applied_to_other_classes_or_members(split):
+    logits, labels, test = split
+    vector = ee.calibration.fit_vector_scaling(logits, labels, per_member=True)
+    with pytest.raises(ValueError, match="fitted on 4 classes"):
+        vector(test[..., :3])
+    with pytest.raises(ValueError, match="per member on 3 members"):
+        vector(test[:2])
+    binning = ee.calibration.fit_histogram_binning(logits, labels, from_logits=True)
+    with pytest.raises(ValueError, match="fitted on 4 classes"):
+        binning(test[..., :3], from_logits=True)
