@@ -16,6 +16,7 @@ from . import (
     nn as nn,
     plot as plot,
     schedules as schedules,
+    sgmcmc as sgmcmc,
     sweep as sweep,
 )
 from ._checkpoints.component import Checkpoints as Checkpoints

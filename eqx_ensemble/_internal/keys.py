@@ -53,3 +53,14 @@ class RunKeys(eqx.Module):
 def run_keys(key: PRNGKeyArray) -> RunKeys:
     data_key, bootstrap_key, train_key = jax.random.split(key, 3)
     return RunKeys(data_key, bootstrap_key, train_key, jax.random.fold_in(key, 3))
+
+
+# The stream an optimizer's own randomness (SG-MCMC noise) comes from, derived
+# from a member's step key without touching the key its loss receives.
+OPTIMIZER_STREAM = 0x6F707478  # "optx"
+
+
+def optimizer_key(member_key: PRNGKeyArray) -> PRNGKeyArray:
+    """The key a member's optimizer update receives as its extra argument `key`:
+    `jax.random.fold_in(member_key, 0x6F707478)`."""
+    return jax.random.fold_in(member_key, OPTIMIZER_STREAM)

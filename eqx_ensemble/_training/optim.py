@@ -12,8 +12,32 @@ import optax
 from jaxtyping import ArrayLike, Float, PyTree
 
 from .._core.ensemble import Ensemble, SharedOptState
+from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
 from .loss import check_optimizer
+
+
+def optimizer_update(
+    optimizer: optax.GradientTransformation,
+    updates: PyTree[Any],
+    state: PyTree[Any],
+    params: PyTree[Any],
+    key: Any = None,
+) -> tuple[PyTree[Any], PyTree[Any]]:
+    """`optimizer.update`, passing `key` (a member's optimizer key, see
+    `_internal.keys.optimizer_key`) as the extra argument `key` to an optimizer
+    that takes extra arguments (`optax.GradientTransformationExtraArgs`, such as
+    every `optax.chain` and the SG-MCMC samplers of `ee.sgmcmc`); an optimizer
+    that does not use it ignores it, and its trace is unchanged."""
+    # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
+    # count in Adam's bias correction); trace it that way even when the user runs
+    # with `jax_numpy_dtype_promotion="strict"`.
+    with jax.numpy_dtype_promotion("standard"):
+        if key is not None and isinstance(
+            optimizer, optax.GradientTransformationExtraArgs
+        ):
+            return optimizer.update(updates, state, params, key=key)
+        return optimizer.update(updates, state, params)
 
 
 def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
@@ -270,10 +294,13 @@ def check_hyperparams_kept(
     zeros = jax.tree.map(jnp.zeros_like, member_params)
 
     def update(dynamic_state):
-        with jax.numpy_dtype_promotion("standard"):
-            _, new_state = optimizer.update(
-                zeros, eqx.combine(dynamic_state, static), member_params
-            )
+        _, new_state = optimizer_update(
+            optimizer,
+            zeros,
+            eqx.combine(dynamic_state, static),
+            member_params,
+            optimizer_key(jax.random.key(0)),
+        )
         return eqx.filter(new_state, eqx.is_array)
 
     jaxpr, out_shapes = jax.make_jaxpr(update, return_shape=True)(dynamic)

@@ -32,7 +32,7 @@ from .._execution.execution import (
     refuses_moved,
 )
 from .._execution.layout import Layout, choose_layout, member_map
-from .._internal.keys import check_key
+from .._internal.keys import check_key, optimizer_key
 from .._internal.tree import keystr
 from .coupled import Coupled, coupled_losses
 from .loss import (
@@ -42,7 +42,7 @@ from .loss import (
     check_optimizer,
     profile_step,
 )
-from .optim import SharedOptState, check_opt_state, trainable
+from .optim import SharedOptState, check_opt_state, optimizer_update, trainable
 
 
 class StepOutput(NamedTuple):
@@ -123,7 +123,7 @@ def member_update(
         member
     )
     new_member, new_opt_state, new_state, diverged = apply_member(
-        optimizer, member, opt_state, grads, loss, new_state, kept_state, frozen
+        optimizer, member, opt_state, grads, loss, new_state, kept_state, frozen, key
     )
     return new_member, new_opt_state, loss, aux, new_state, diverged
 
@@ -137,14 +137,14 @@ def apply_member(
     new_state: Any,
     kept_state: Any,
     frozen: Any,
+    key: Any,
 ) -> tuple[Any, Any, Any, Any]:
     """ONE member's optimizer update from its gradients, kept only if everything
-    is finite and the member is not `frozen`."""
-    # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
-    # count in Adam's bias correction); trace it that way even when the user runs
-    # with `jax_numpy_dtype_promotion="strict"`.
-    with jax.numpy_dtype_promotion("standard"):
-        updates, new_opt_state = optimizer.update(grads, opt_state, trainable(member))
+    is finite and the member is not `frozen`. An optimizer that takes extra
+    arguments receives the member's optimizer key (`optimizer_key(key)`)."""
+    updates, new_opt_state = optimizer_update(
+        optimizer, grads, opt_state, trainable(member), optimizer_key(key)
+    )
     new_member = eqx.apply_updates(member, updates)
     # The update is checked too: a finite gradient times a huge (or non-finite)
     # per-member learning rate still gives non-finite parameters.
@@ -231,13 +231,22 @@ def _coupled_update(
     losses = jnp.where(frozen, jnp.nan, losses)  # a stand-in's, not the member's
     members, members_opt, new_state, diverged = eqx.filter_vmap(
         functools.partial(apply_member, optimizer),
-        in_axes=(member_axis,) * 7,
-    )(ens.members, opt_state.members, grads, losses, new_state, kept_state, frozen)
+        in_axes=(member_axis,) * 8,
+    )(
+        ens.members,
+        opt_state.members,
+        grads,
+        losses,
+        new_state,
+        kept_state,
+        frozen,
+        keys,
+    )
     shared = ens.shared
-    with jax.numpy_dtype_promotion("standard"):
-        updates, new_shared_opt = optimizer.update(
-            shared_grads, opt_state.shared, trainable(shared)
-        )
+    # The shared part is one model, not a member: no member key for it.
+    updates, new_shared_opt = optimizer_update(
+        optimizer, shared_grads, opt_state.shared, trainable(shared)
+    )
     new_shared = eqx.apply_updates(shared, updates)
     keep = (
         _all_finite(shared_grads)
@@ -294,15 +303,14 @@ def _joint_update(
     members_opt = opt_state.members if train_shared else opt_state
     members, new_members_opt, _, diverged = eqx.filter_vmap(
         functools.partial(apply_member, optimizer),
-        in_axes=(member_axis,) * 7,
-    )(ens.members, members_opt, grads, losses, None, None, frozen)
+        in_axes=(member_axis,) * 8,
+    )(ens.members, members_opt, grads, losses, None, None, frozen, keys)
     new_ens = with_members(ens, members)
     new_opt = new_members_opt
     if train_shared:
-        with jax.numpy_dtype_promotion("standard"):
-            updates, new_shared_opt = optimizer.update(
-                shared_grads, opt_state.shared, trainable(ens.shared)
-            )
+        updates, new_shared_opt = optimizer_update(
+            optimizer, shared_grads, opt_state.shared, trainable(ens.shared)
+        )
         new_shared = eqx.apply_updates(ens.shared, updates)
         keep = (
             _all_finite(shared_grads)

@@ -1,0 +1,352 @@
+"""Stochastic-gradient MCMC as Optax transformations: every member of an ensemble
+is one chain.
+
+[`sgld`][eqx_ensemble.sgmcmc.sgld] (Welling and Teh 2011) and
+[`sghmc`][eqx_ensemble.sgmcmc.sghmc] (Chen et al. 2014) are
+`optax.GradientTransformationExtraArgs`: their update takes the chain's PRNG key
+as the extra argument `key`. `ee.fit` and `ee.make_step` pass each member its own
+key (`fold_in(member_key, 0x6F707478)`, independent of the key its loss gets), so
+`M` members run `M` independent chains in one compiled program; in a loop of
+your own, pass `key=` to `update`. Collect samples with
+[`ee.Snapshots`][eqx_ensemble.Snapshots]: its ensemble of `chains x samples`
+models is the posterior predictive's Monte Carlo sample, and every `ee.metrics`
+function averages over it.
+
+**The loss convention.** `fit`'s loss is a mean over a batch. For the posterior
+`p(theta | D)` of `num_data` examples, write it as the mean negative log
+likelihood plus the negative log prior divided by `num_data`, so that
+`U(theta) = num_data * loss` is the negative log posterior; the samplers scale
+their noise by `num_data` to match, and `learning_rate` is in the same units as
+SGD's.
+
+Cyclical SG-MCMC (Zhang et al. 2020) is a cyclical learning rate
+(`ee.schedules.cosine_cycles`) with a temperature of 0 in each cycle's
+exploration stage ([`cyclical_temperature`][eqx_ensemble.sgmcmc.cyclical_temperature]),
+sampled at the end of each cycle
+([`sample_steps`][eqx_ensemble.sgmcmc.sample_steps]).
+
+```python
+steps, cycle = 400, 100
+sampler = ee.sgmcmc.sgld(
+    ee.schedules.cosine_cycles(1e-2, cycle_steps=cycle, cycles=steps // cycle),
+    num_data=1000,
+    temperature=ee.sgmcmc.cyclical_temperature(cycle, exploration=0.5),
+)
+samples = ee.Snapshots(at=ee.sgmcmc.sample_steps(cycle, steps // cycle, per_cycle=5))
+```
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Int, PyTree
+
+from ._trackers.base import check_tracker_int
+
+ScalarOrSchedule = float | Callable[[Any], Any]
+
+
+def _check_value(value: Any, name: str, *, low: float, high: float, closed: bool):
+    """A constant in range, or a schedule whose value at step 0 is in range."""
+    if callable(value):
+        try:
+            first = float(np.asarray(value(jnp.asarray(0, jnp.int32))))
+        except Exception as error:  # noqa: BLE001 - reported with its cause
+            raise TypeError(
+                f"`{name}` must be a number or an optax schedule (step count -> "
+                f"value); calling it with step 0 failed: {error}"
+            ) from error
+        shown = f"a schedule whose value at step 0 is {first}"
+    elif isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+        raise TypeError(
+            f"`{name}` must be a number or an optax schedule, got {value!r}"
+        )
+    else:
+        first = float(value)
+        shown = str(first)
+    below = first < low if closed else first <= low
+    if not math.isfinite(first) or below or first > high:
+        bound = "[" if closed else "("
+        raise ValueError(f"`{name}` must be in {bound}{low}, {high}], got {shown}")
+
+
+def _schedule(value: ScalarOrSchedule) -> Callable[[Any], Any]:
+    return value if callable(value) else (lambda count: value)
+
+
+def _check_num_data(num_data: Any) -> int:
+    if isinstance(num_data, bool) or not isinstance(num_data, (int, np.integer)):
+        raise TypeError(f"`num_data` must be a Python int, got {num_data!r}")
+    if num_data < 1:
+        raise ValueError(
+            f"`num_data` must be the number of training examples (>= 1), got {num_data}"
+        )
+    return int(num_data)
+
+
+def _noise(key: Any, updates: PyTree[Any], scale: Any) -> PyTree[Any]:
+    """Independent standard normal noise times `scale`, shaped like `updates`."""
+    leaves, treedef = jax.tree.flatten(updates)
+    keys = jax.random.split(key, len(leaves)) if leaves else []
+    noise = [
+        (scale * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
+        for k, leaf in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, noise)
+
+
+def _increment(count: Array) -> Array:
+    return jnp.asarray(optax.safe_int32_increment(count))
+
+
+def _require_key(key: Any, who: str) -> None:
+    if key is None:
+        raise ValueError(
+            f"`ee.sgmcmc.{who}` draws its noise from the chain's PRNG key: call "
+            "`update(grads, state, params, key=key)` (`ee.fit` and `ee.make_step` "
+            "pass each member its own). A trained shared part (`ee.Ensemble(..., "
+            "train_shared=True)`) is one model, not a chain, and gets no key: "
+            "sample the members only."
+        )
+
+
+class SGLDState(NamedTuple):
+    """The state of [`sgld`][eqx_ensemble.sgmcmc.sgld]: the number of updates
+    done (for schedules)."""
+
+    count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
+
+
+def sgld(
+    learning_rate: ScalarOrSchedule,
+    *,
+    num_data: int,
+    temperature: ScalarOrSchedule = 1.0,
+) -> optax.GradientTransformationExtraArgs:
+    """Stochastic-gradient Langevin dynamics (Welling and Teh 2011): the update
+    `-lr * g + sqrt(2 * lr * T / num_data) * xi`, `xi ~ N(0, I)` drawn from the
+    chain's key, where `g` is the gradient of the (mean) loss.
+
+    With `U = num_data * loss` the negative log posterior, this is the
+    Euler-Maruyama step of Langevin dynamics with step size `lr / num_data`,
+    whose stationary distribution (as `lr -> 0`) is `exp(-U / T)`: the
+    posterior at `T = 1`, a tempered ("cold") posterior at `T < 1`, plain SGD
+    at `T = 0`.
+
+    **Arguments:**
+
+    - `learning_rate`: the step size `lr > 0` (or an optax schedule of the step
+      count, e.g. `ee.schedules.cosine_cycles` for cyclical SG-MCMC).
+    - `num_data`: the number of training examples the mean loss stands for.
+    - `temperature`: `T >= 0`, or a schedule (see `cyclical_temperature`).
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs`; `update(grads, state, params,
+    key=key)` needs the chain's key.
+
+    **Example:**
+
+    ```python
+    sampler = ee.sgmcmc.sgld(1e-3, num_data=500)
+    params = {"w": jnp.zeros(3)}
+    state = sampler.init(params)
+    grads = {"w": jnp.ones(3)}
+    updates, state = sampler.update(grads, state, params, key=jax.random.key(0))
+    ```
+    """
+    _check_value(learning_rate, "learning_rate", low=0.0, high=math.inf, closed=False)
+    _check_value(temperature, "temperature", low=0.0, high=math.inf, closed=True)
+    num_data = _check_num_data(num_data)
+    lr_at, temperature_at = _schedule(learning_rate), _schedule(temperature)
+
+    def init(params: PyTree[Any]) -> SGLDState:
+        del params
+        return SGLDState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, *, key=None, **extra_args):
+        del params, extra_args
+        _require_key(key, "sgld")
+        lr = lr_at(state.count)
+        scale = jnp.sqrt(2.0 * lr * temperature_at(state.count) / num_data)
+        noise = _noise(key, updates, scale)
+        new = jax.tree.map(lambda g, n: (-lr * g).astype(g.dtype) + n, updates, noise)
+        return new, SGLDState(count=_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+class SGHMCState(NamedTuple):
+    """The state of [`sghmc`][eqx_ensemble.sgmcmc.sghmc]: the number of updates
+    done and the momentum (shaped like the parameters)."""
+
+    count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
+    momentum: PyTree[Any]
+
+
+def sghmc(
+    learning_rate: ScalarOrSchedule,
+    *,
+    num_data: int,
+    friction: float = 0.1,
+    temperature: ScalarOrSchedule = 1.0,
+) -> optax.GradientTransformationExtraArgs:
+    """Stochastic-gradient Hamiltonian Monte Carlo (Chen et al. 2014, in its
+    "SGD with momentum" form, eq. 15): the momentum
+    `v <- (1 - a) v - lr * g + sqrt(2 * a * lr * T / num_data) * xi` and the
+    update `v`, with friction `a` and `xi ~ N(0, I)` drawn from the chain's key
+    (the gradient noise's own contribution is not estimated: `beta_hat = 0`).
+
+    Its stationary distribution (as `lr -> 0`) is `exp(-U / T)` with
+    `U = num_data * loss`, as for [`sgld`][eqx_ensemble.sgmcmc.sgld]; the
+    momentum moves the chains further per gradient evaluation.
+
+    **Arguments:**
+
+    - `learning_rate`: `lr > 0` (or a schedule).
+    - `num_data`: the number of training examples the mean loss stands for.
+    - `friction`: `a` in `(0, 1]` (`1 - a` is the momentum's decay; 1 is SGLD
+      with a doubled step).
+    - `temperature`: `T >= 0`, or a schedule.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` needing `key=` in `update`.
+
+    **Example:**
+
+    ```python
+    sampler = ee.sgmcmc.sghmc(1e-3, num_data=500, friction=0.05)
+    params = {"w": jnp.zeros(3)}
+    state = sampler.init(params)
+    updates, state = sampler.update({"w": jnp.ones(3)}, state, params,
+                                    key=jax.random.key(0))
+    ```
+    """
+    _check_value(learning_rate, "learning_rate", low=0.0, high=math.inf, closed=False)
+    _check_value(temperature, "temperature", low=0.0, high=math.inf, closed=True)
+    _check_value(friction, "friction", low=0.0, high=1.0, closed=False)
+    if callable(friction):
+        raise TypeError("`friction` must be a number, not a schedule")
+    num_data = _check_num_data(num_data)
+    lr_at, temperature_at = _schedule(learning_rate), _schedule(temperature)
+    friction = float(friction)
+
+    def init(params: PyTree[Any]) -> SGHMCState:
+        momentum = jax.tree.map(jnp.zeros_like, params)
+        return SGHMCState(count=jnp.zeros([], jnp.int32), momentum=momentum)
+
+    def update(updates, state, params=None, *, key=None, **extra_args):
+        del params, extra_args
+        _require_key(key, "sghmc")
+        lr = lr_at(state.count)
+        scale = jnp.sqrt(2.0 * friction * lr * temperature_at(state.count) / num_data)
+        noise = _noise(key, updates, scale)
+        momentum = jax.tree.map(
+            lambda v, g, n: ((1.0 - friction) * v - lr * g).astype(v.dtype) + n,
+            state.momentum,
+            updates,
+            noise,
+        )
+        count = _increment(state.count)
+        return momentum, SGHMCState(count=count, momentum=momentum)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def cyclical_temperature(
+    cycle_steps: int, *, exploration: float = 0.5, temperature: float = 1.0
+) -> Callable[[Any], Any]:
+    """The temperature schedule of cyclical SG-MCMC (Zhang et al. 2020): 0 during
+    the first `exploration` fraction of each cycle of `cycle_steps` steps (an
+    optimisation stage: plain SGD), `temperature` for the rest (the sampling
+    stage). Use it with `ee.schedules.cosine_cycles` as the learning rate.
+
+    **Arguments:**
+
+    - `cycle_steps`: the steps in one cycle (as the learning-rate schedule's).
+    - `exploration`: the fraction of each cycle without noise, in `[0, 1)`.
+    - `temperature`: the sampling stage's temperature, `>= 0`.
+
+    **Returns:**
+
+    An optax schedule (step count -> temperature).
+
+    **Example:**
+
+    ```python
+    schedule = ee.sgmcmc.cyclical_temperature(10, exploration=0.8)
+    [float(schedule(t)) for t in (0, 7, 8, 9, 10)]   # [0, 0, 1, 1, 0]
+    ```
+    """
+    check_tracker_int("cyclical_temperature", "cycle_steps", cycle_steps, 1)
+    _check_value(exploration, "exploration", low=0.0, high=1.0, closed=True)
+    if exploration >= 1:
+        raise ValueError(
+            f"`exploration` must be below 1 (a cycle needs a sampling stage), got "
+            f"{exploration}"
+        )
+    _check_value(temperature, "temperature", low=0.0, high=math.inf, closed=True)
+    start = math.ceil(exploration * cycle_steps)  # first sampling step of a cycle
+
+    def schedule(count):
+        sampling = jnp.mod(count, cycle_steps) >= start
+        return jnp.where(sampling, jnp.float32(temperature), jnp.float32(0.0))
+
+    return schedule
+
+
+def sample_steps(
+    cycle_steps: int, cycles: int, *, per_cycle: int = 1, spacing: int = 1
+) -> tuple[int, ...]:
+    """The steps at which to collect samples of cyclical SG-MCMC with
+    `ee.Snapshots(at=...)`: the last `per_cycle` points of each cycle,
+    `spacing` steps apart, ending at the cycle's end (where the learning rate
+    is smallest).
+
+    **Arguments:**
+
+    - `cycle_steps`, `cycles`: as the schedules'.
+    - `per_cycle`: samples per cycle.
+    - `spacing`: steps between a cycle's samples (thinning).
+
+    **Returns:**
+
+    Increasing step counts for `ee.Snapshots(at=...)`.
+
+    **Example:**
+
+    ```python
+    ee.sgmcmc.sample_steps(100, 3, per_cycle=2, spacing=10)
+    # (90, 100, 190, 200, 290, 300)
+    ```
+    """
+    check_tracker_int("sample_steps", "cycle_steps", cycle_steps, 1)
+    check_tracker_int("sample_steps", "cycles", cycles, 1)
+    check_tracker_int("sample_steps", "per_cycle", per_cycle, 1)
+    check_tracker_int("sample_steps", "spacing", spacing, 1)
+    if (per_cycle - 1) * spacing >= cycle_steps:
+        raise ValueError(
+            f"{per_cycle} samples {spacing} steps apart do not fit in a cycle of "
+            f"{cycle_steps} steps"
+        )
+    return tuple(
+        (c + 1) * cycle_steps - j * spacing
+        for c in range(cycles)
+        for j in reversed(range(per_cycle))
+    )
+
+
+__all__ = [
+    "sgld",
+    "sghmc",
+    "cyclical_temperature",
+    "sample_steps",
+    "SGLDState",
+    "SGHMCState",
+]
