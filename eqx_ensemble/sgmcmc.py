@@ -117,7 +117,15 @@ def _require_key(key: Any, who: str) -> None:
 
 class SGLDState(NamedTuple):
     """The state of [`sgld`][eqx_ensemble.sgmcmc.sgld]: the number of updates
-    done (for schedules)."""
+    done (for schedules).
+
+    **Example:**
+
+    ```python
+    state = ee.sgmcmc.sgld(1e-3, num_data=10).init({"w": jnp.zeros(2)})
+    state.count                                # 0
+    ```
+    """
 
     count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
 
@@ -183,7 +191,15 @@ def sgld(
 
 class SGHMCState(NamedTuple):
     """The state of [`sghmc`][eqx_ensemble.sgmcmc.sghmc]: the number of updates
-    done and the momentum (shaped like the parameters)."""
+    done and the momentum (shaped like the parameters).
+
+    **Example:**
+
+    ```python
+    state = ee.sgmcmc.sghmc(1e-3, num_data=10).init({"w": jnp.zeros(2)})
+    state.momentum["w"]                        # zeros, shape (2,)
+    ```
+    """
 
     count: Int[Array, ""]  # pyright: ignore[reportIncompatibleMethodOverride]
     momentum: PyTree[Any]
