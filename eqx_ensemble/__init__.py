@@ -29,6 +29,7 @@ from ._checkpoints.directory import (
 from ._checkpoints.file import CheckpointError as CheckpointError
 from ._checkpoints.io import load as load, load_manifest as load_manifest, save as save
 from ._controllers.base import Controller as Controller
+from ._controllers.early_stopping import EarlyStopping as EarlyStopping
 from ._controllers.pbt import PBT as PBT
 from ._core.ensemble import Ensemble as Ensemble, ensemble as ensemble
 from ._core.map import map as map

@@ -222,6 +222,11 @@ class PBT(Controller):
             hyper=_gather(train_state.hyper, source_array),
             tracked=_gather(train_state.tracked, source_array),
             diverged_at=diverged_at,
+            stopped_at=jnp.where(
+                jnp.asarray(np.isin(np.arange(size), bottom)),
+                train_state.stopped_at[source_array],
+                train_state.stopped_at,
+            ),
         )
         factors = jnp.asarray(self.factors, jnp.float32)[
             jax.random.randint(factor_key, (size,), 0, len(self.factors))

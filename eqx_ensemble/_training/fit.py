@@ -131,7 +131,10 @@ def fit(
     (from 0) member `i`'s `loss_fn` gets key
     `jax.random.split(jax.random.fold_in(train_key, s), len(ens))[i]`. Batches
     of array data are drawn from `data_key` (and `bootstrap_key`) as each
-    sampling documents. Evaluations use `jax.random.fold_in(key, 3)`.
+    sampling documents. Evaluations use `jax.random.fold_in(key, 3)`. An
+    optimizer that takes extra arguments (`optax.GradientTransformationExtraArgs`,
+    e.g. the samplers of [`ee.sgmcmc`][eqx_ensemble.sgmcmc]) gets member `i`'s
+    loss key folded with `0x6F707478` as `update(..., key=)`.
 
     **Example:**
 

@@ -129,7 +129,7 @@ def _train_step(
         batch,
         member_keys,
         ts.model_state,
-        ts.diverged_at >= 0,
+        (ts.diverged_at >= 0) | (ts.stopped_at >= 0),
         ts.hyper,
     )
     done = step + 1

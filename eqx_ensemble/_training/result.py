@@ -23,6 +23,10 @@ class FitResult:
     - `diverged`: `{member: step}` for members whose loss, gradient or update
       became non-finite; from that step on they were frozen (the others trained
       on) and they keep their last finite parameters.
+    - `stopped`: `{member: step}` for members stopped before the end (by
+      [`ee.EarlyStopping`][eqx_ensemble.EarlyStopping]), with the step count at
+      which each stopped; from then on they were frozen. When every member has
+      stopped (or diverged), the run ends there: `step` is less than `steps`.
     - `best_ensemble`: with `evaluate=`, each member at its best evaluation score
       (lowest), else `None`; `best_step` holds the step of each member's best.
     - `step`: the number of steps done.
@@ -65,6 +69,7 @@ class FitResult:
     key: PRNGKeyArray | None = None
     num_examples: int | None = None
     resumed_from: int | None = None
+    stopped: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def make_result(
@@ -98,6 +103,11 @@ def make_result(
             for tracker, state in zip(track, train_state.tracked, strict=True)
         ),
         train_state=train_state,
+        stopped={
+            int(member): int(step)
+            for member, step in enumerate(np.asarray(train_state.stopped_at))
+            if step >= 0
+        },
         sampling=sampling,
         key=key,
         num_examples=num_examples,

@@ -488,8 +488,9 @@ class Run:
                 resumed = self.resumed_from is not None
                 handles.append(meter.start(self.steps, self.done, resumed))
             writer = self.open_loggers()
-            group = self.read_group(self.done)
-            while self.done < self.steps:
+            finished = self.finished()  # a resumed run whose members all stopped
+            group = (None, 0) if finished else self.read_group(self.done)
+            while self.done < self.steps and not finished:
                 if group[1] == 0:
                     self.fail(ValueError, self.stream_ended_message())
                 end = self.dispatch_end(self.done, group[1])
@@ -507,12 +508,13 @@ class Run:
                         self.log(writer, losses, end)
                     self.fail(EnsembleDivergedError, self.diverged_message())
                 self.control()
+                finished = self.finished()
                 if writer is not None:
                     self.log(writer, losses, end)
-                self.checkpoint(writer)
+                self.checkpoint(writer, last=self.done if finished else self.steps)
                 for function in self.functions:
                     function(self.result(copy_state=True))
-                if read_error is not None:
+                if read_error is not None and not finished:
                     attached: Any = read_error
                     attached.result = self.result()
                     raise read_error
@@ -683,8 +685,20 @@ class Run:
                 )
             self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
 
-    def checkpoint(self, writer: LogWriter | None = None) -> None:
-        if self.checkpoints is None or not self.checkpoints.due(self.done, self.steps):
+    def finished(self) -> bool:
+        """Whether every member has stopped or diverged, at least one stopped
+        (the run ends early; all diverged is an error). Stops come from
+        controllers, so without one there is nothing to read."""
+        if not self.controllers:
+            return False
+        stopped = np.asarray(self.train_state.stopped_at) >= 0
+        return bool(stopped.any() and (stopped | (self._diverged_at >= 0)).all())
+
+    def checkpoint(self, writer: LogWriter | None = None, last: int = -1) -> None:
+        """Write a checkpoint if one is due; `last`: the run's last step (by
+        default `steps`; earlier when every member has stopped)."""
+        last = self.steps if last < 0 else last
+        if self.checkpoints is None or not self.checkpoints.due(self.done, last):
             return
         assert self.record is not None
         if writer is not None:  # the logs reach this step before the checkpoint

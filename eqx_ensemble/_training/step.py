@@ -701,8 +701,11 @@ def make_step(
     state=None) -> StepOutput`, a `(ensemble, opt_state, losses, aux, state)`
     named tuple with per-member
     `losses` of shape `(len(ens),)`. Member `i` is called with key
-    `jax.random.split(key, len(ens))[i]`. A member whose loss or gradient is not
-    finite, or whose update would make its parameters non-finite, keeps its
+    `jax.random.split(key, len(ens))[i]` (and an optimizer taking extra arguments,
+    such as [`ee.sgmcmc.sgld`][eqx_ensemble.sgmcmc.sgld], gets
+    `jax.random.fold_in` of it with `0x6F707478` as `key=`). A member whose loss
+    or gradient is not finite, or whose update would make its parameters
+    non-finite, keeps its
     previous parameters and optimizer state (its loss is reported as
     non-finite), so it cannot corrupt anything. `step.lower(...)` lowers the
     step ahead of time, as `eqx.filter_jit(...).lower`.

@@ -34,6 +34,11 @@ class TrainState(eqx.Module):
     - `controlled`: one state per controller in `callbacks=`.
     - `step`: the number of steps done.
     - `diverged_at`: per member, the step at which it diverged, or -1.
+    - `stopped_at`: per member, the step count at which it was stopped (by a
+      controller such as [`ee.EarlyStopping`][eqx_ensemble.EarlyStopping]), or
+      -1. A stopped member is frozen like a diverged one: it keeps its weights,
+      optimizer state and model state; when every member has stopped or
+      diverged, `fit` returns.
     - `best_ensemble`, `best_score`, `best_step`: with an `evaluate=`, each
       member at its best (lowest) score so far, that score and its step.
 
@@ -65,6 +70,7 @@ class TrainState(eqx.Module):
     controlled: tuple[PyTree[Any], ...] = _field(None)
     step: Int[Array, ""] = _field(None)
     diverged_at: Int[Array, " members"] = _field("bookkeeping")
+    stopped_at: Int[Array, " members"] = _field("bookkeeping")
     best_ensemble: Ensemble | None = _field("stacked")
     best_score: Float[Array, " members"] | None = _field("bookkeeping")
     best_step: Int[Array, " members"] | None = _field("bookkeeping")
@@ -107,6 +113,7 @@ def initial_state(
         controlled=(),
         step=jnp.array(0, dtype=jnp.int32),
         diverged_at=jnp.full((size,), -1, dtype=jnp.int32),
+        stopped_at=jnp.full((size,), -1, dtype=jnp.int32),
         best_ensemble=ens if with_eval else None,
         best_score=jnp.full((size,), jnp.inf, jnp.float32) if with_eval else None,
         best_step=jnp.zeros((size,), jnp.int32) if with_eval else None,
