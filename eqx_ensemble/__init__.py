@@ -51,6 +51,10 @@ from ._methods.select import (
     greedy_selection as greedy_selection,
     greedy_soup as greedy_soup,
 )
+from ._posteriors.laplace import (
+    LaplacePosterior as LaplacePosterior,
+    laplace as laplace,
+)
 from ._trackers.averages import EMA as EMA, SWA as SWA
 from ._trackers.base import Tracker as Tracker
 from ._trackers.snapshots import Snapshots as Snapshots

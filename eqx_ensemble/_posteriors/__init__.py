@@ -1,0 +1,1 @@
+"""Posterior approximations around trained members: Laplace."""

@@ -1,0 +1,972 @@
+"""`laplace`: a Laplace approximation per member around its trained weights, for
+one part of the model (the last layer by default), and the mixture over members
+(Eschenhagen et al. 2021)."""
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.flatten_util import ravel_pytree
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
+
+from .._core.ensemble import Ensemble, with_members
+from .._internal.checks import check_positive_int
+from .._internal.keys import check_key
+
+Likelihood = Literal["classification", "regression"]
+Curvature = Literal["diagonal", "kfac", "full"]
+
+# A dense curvature holds P x P numbers per member.
+FULL_MAX_PARAMETERS = 4096
+# The range searched for the prior precision, and the golden-section steps.
+PRIOR_BOUNDS = (1e-6, 1e8)
+PRIOR_ITERATIONS = 100
+
+
+# ------------------------------------------------------------------- the part
+
+
+def last_linear(model: Any) -> Any:
+    """The last `eqx.nn.Linear` of `model` (in the order of its fields)."""
+    found = [
+        node
+        for node in jtu.tree_leaves(
+            model, is_leaf=lambda x: isinstance(x, eqx.nn.Linear)
+        )
+        if isinstance(node, eqx.nn.Linear)
+    ]
+    if not found:
+        raise ValueError(
+            "`ee.laplace` takes the last `eqx.nn.Linear` of the model as its part by "
+            "default, and this model has none: pass `part=lambda model: ...` "
+            "selecting the weights to approximate"
+        )
+    return found[-1]
+
+
+def _part_arrays(part: Any, model: Any) -> Any:
+    try:
+        selected = part(model)
+    except Exception as error:  # noqa: BLE001 - reported with its cause
+        raise ValueError(
+            f"`part` failed on the model ({type(error).__name__}: {error}); it must "
+            "select a sub-tree of ONE member, e.g. `lambda model: model.layers[-1]`"
+        ) from error
+    arrays = eqx.filter(selected, eqx.is_inexact_array)
+    if not jtu.tree_leaves(arrays):
+        raise ValueError(
+            f"`part` selects no floating-point array of the model (it selected "
+            f"{type(selected).__name__}); select the weights to approximate, e.g. "
+            "`lambda model: model.layers[-1]`"
+        )
+    return selected, arrays
+
+
+class _Tapped(eqx.Module):
+    """A linear layer whose output gets `delta` added: the Jacobian with respect
+    to `delta` is the one with respect to the layer's output."""
+
+    linear: eqx.nn.Linear
+    delta: Array
+
+    def __call__(self, x: Array, *, key: Any = None) -> Array:
+        return self.linear(x, key=key) + self.delta
+
+
+# -------------------------------------------------------------- the posterior
+
+
+class LaplacePosterior(eqx.Module):
+    """Each member's Laplace approximation, made by
+    [`ee.laplace`][eqx_ensemble.laplace]: a Gaussian over the member's part with
+    mean the trained weights and precision `H + prior_precision * I`, `H` the
+    generalised Gauss-Newton matrix (GGN) of the summed negative log likelihood.
+
+    - `ensemble`: the trained ensemble (the means).
+    - `prior_precision`: `(members,)` each member's prior precision.
+    - `log_likelihood`: `(members,)` each member's log likelihood of the data.
+    - `mean`: `(members, P)` the part's weights, flattened (`jax.flatten_util`
+      order of the part's arrays).
+    - the curvature's eigendecomposition: `eigenvalues` (diagonal: the diagonal
+      itself; full: of `H`) and `eigenvectors` (full), or for KFAC
+      `H = G (x) A` the factors' `out_eigenvalues`, `out_eigenvectors`
+      (`G`, over the layer's outputs) and `in_eigenvalues`, `in_eigenvectors`
+      (`A`, over its inputs and a bias column).
+
+    **Example:**
+
+    ```python
+    x = jax.random.normal(jax.random.key(0), (50, 2))
+    y = (x[:, 0] > 0).astype(jnp.int32)
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 8, 1, key=k), size=3,
+                      key=jax.random.key(1))
+    posterior = ee.laplace(ens, (x, y), likelihood="classification")
+    posterior.prior_precision                # (3,)
+    posterior.mean.shape                     # (3, 18): the last layer's weights
+    ```
+    """
+
+    ensemble: Ensemble
+    prior_precision: Float[Array, " members"]
+    log_likelihood: Float[Array, " members"]
+    mean: Float[Array, "members parameters"]
+    eigenvalues: Array | None
+    eigenvectors: Array | None
+    out_eigenvalues: Array | None
+    out_eigenvectors: Array | None
+    in_eigenvalues: Array | None
+    in_eigenvectors: Array | None
+    sigma_noise: float = eqx.field(static=True)
+    num_data: int = eqx.field(static=True)
+    likelihood: str = eqx.field(static=True)
+    curvature: str = eqx.field(static=True)
+    part: Callable[[Any], Any] = eqx.field(static=True)
+
+    # ------------------------------------------------------------ structure
+
+    def _unravel(self) -> Callable[[Array], Any]:
+        _, arrays = _part_arrays(self.part, self.ensemble[0])
+        return ravel_pytree(arrays)[1]
+
+    def _with_theta(self, model: Any, theta: Array, unravel: Any) -> Any:
+        selected = self.part(model)
+        static = eqx.filter(selected, eqx.is_inexact_array, inverse=True)
+        return eqx.tree_at(
+            self.part, model, eqx.combine(unravel(theta), static), is_leaf=_is_none
+        )
+
+    def _kfac_shapes(self) -> tuple[int, int, bool]:
+        linear = self.part(self.ensemble[0])
+        out_size, in_size = linear.weight.shape
+        return out_size, in_size, linear.bias is not None
+
+    def _log_eigenvalues_sum(self, prior: Array) -> Array:
+        """`log det(H + prior I)` per member, `prior` `(members,)`."""
+        if self.curvature == "kfac":
+            assert self.out_eigenvalues is not None and self.in_eigenvalues is not None
+            values = self.out_eigenvalues[:, :, None] * self.in_eigenvalues[:, None, :]
+            values = values.reshape(values.shape[0], -1)
+        else:
+            assert self.eigenvalues is not None
+            values = self.eigenvalues
+        return jnp.sum(jnp.log(values + prior[:, None]), axis=-1)
+
+    # ------------------------------------------------------------ evidence
+
+    def log_marginal_likelihood(
+        self, prior_precision: Float[ArrayLike, " members"] | float | None = None
+    ) -> Float[Array, " members"]:
+        """Each member's Laplace approximation of the log marginal likelihood,
+        `log p(D | theta) - prior/2 |theta|^2 + P/2 log(prior) - 1/2 log det(H +
+        prior I)` at its trained weights `theta` (MacKay 1992; Immer et al.
+        2021), for the given prior precision (default: the posterior's own).
+
+        **Arguments:**
+
+        - `prior_precision`: a positive scalar or one per member.
+
+        **Returns:**
+
+        Shape `(members,)`.
+
+        **Example:**
+
+        ```python
+        x = jax.random.normal(jax.random.key(0), (50, 2))
+        y = (x[:, 0] > 0).astype(jnp.int32)
+        ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 8, 1, key=k), size=3,
+                          key=jax.random.key(1))
+        posterior = ee.laplace(ens, (x, y), likelihood="classification")
+        posterior.log_marginal_likelihood()        # (3,): at the tuned priors
+        posterior.log_marginal_likelihood(10.0)    # (3,): lower
+        ```
+        """
+        size = self.mean.shape[0]
+        prior = (
+            self.prior_precision
+            if prior_precision is None
+            else _check_prior(prior_precision, size)
+        )
+        return _log_marginal_likelihood(self, prior)
+
+    def optimize_prior_precision(self) -> "LaplacePosterior":
+        """The posterior with each member's prior precision set to the one that
+        maximises its log marginal likelihood (a golden-section search over `log
+        prior` in `[1e-6, 1e8]`; the marginal likelihood has one maximum there,
+        where MacKay's `gamma / prior = |theta|^2` holds).
+
+        **Returns:**
+
+        A new `LaplacePosterior`.
+
+        **Example:**
+
+        ```python
+        x = jax.random.normal(jax.random.key(0), (50, 2))
+        y = (x[:, 0] > 0).astype(jnp.int32)
+        ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 8, 1, key=k), size=3,
+                          key=jax.random.key(1))
+        posterior = ee.laplace(ens, (x, y), likelihood="classification")
+        fixed = ee.laplace(ens, (x, y), likelihood="classification",
+                          prior_precision=1.0)
+        fixed.optimize_prior_precision().prior_precision   # as `posterior`'s
+        ```
+        """
+        prior = _optimize_prior(self)
+        return eqx.tree_at(lambda p: p.prior_precision, self, prior)
+
+    # ------------------------------------------------------------ predictions
+
+    def sample(self, key: PRNGKeyArray, samples: int = 1) -> Ensemble:
+        """Draw weights of every member's part from its posterior (the rest of
+        each member unchanged): the Laplace mixture's Monte Carlo predictive is
+        `ee.predict` on the result.
+
+        **Arguments:**
+
+        - `key`: PRNG key.
+        - `samples`: draws per member.
+
+        **Returns:**
+
+        An `Ensemble` of `members * samples` models, member `i`'s draws at `i *
+        samples, ..., (i + 1) * samples - 1`.
+
+        **Example:**
+
+        ```python
+        x = jax.random.normal(jax.random.key(0), (50, 2))
+        y = (x[:, 0] > 0).astype(jnp.int32)
+        ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 8, 1, key=k), size=3,
+                          key=jax.random.key(1))
+        posterior = ee.laplace(ens, (x, y), likelihood="classification")
+        draws = posterior.sample(jax.random.key(2), samples=5)   # 15 models
+        ee.predict(draws, x).shape                               # (15, 50, 2)
+        ```
+        """
+        check_key(key)
+        check_positive_int(samples, "samples")
+        return _sample(self, key, samples)
+
+    def predict(
+        self,
+        x: PyTree[Any],
+        *,
+        samples: int | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Any:
+        """The linearised (GLM) predictive of every member on a batch of inputs
+        `x` (a leading batch axis): the network linearised in its part around the
+        trained weights, so the outputs are Gaussian with covariance `J Sigma J^T`
+        (Immer et al. 2021).
+
+        - Classification: each member's class probabilities, shape `(members,
+          batch, classes)`, by the probit approximation `softmax(f / sqrt(1 + pi/8
+          diag(S)))` (MacKay 1992), or, with `samples` and `key`, by averaging the
+          softmax of `samples` draws of the logits.
+        - Regression: `(mean, variance)`, each `(members, batch)` (or `(members,
+          batch, outputs)` for several outputs), the variance `diag(S) +
+          sigma_noise**2`.
+
+        The mixture over members is their mean: every `ee.metrics` function takes
+        these per-member predictions as they are.
+
+        **Arguments:**
+
+        - `x`: inputs with a leading batch axis.
+        - `samples`, `key`: Monte Carlo draws of the logits instead of the probit
+          approximation (classification only).
+
+        **Returns:**
+
+        As above.
+
+        **Example:**
+
+        ```python
+        x = jax.random.normal(jax.random.key(0), (50, 2))
+        y = (x[:, 0] > 0).astype(jnp.int32)
+        ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 8, 1, key=k), size=3,
+                          key=jax.random.key(1))
+        posterior = ee.laplace(ens, (x, y), likelihood="classification")
+        posterior.predict(x[:4]).shape          # (3, 4, 2): probit, per member
+        posterior.predict(x[:4], samples=100, key=jax.random.key(2))  # Monte Carlo
+        ```
+        """
+        if (samples is None) != (key is None):
+            raise ValueError("pass both `samples` and `key` (or neither)")
+        if samples is not None:
+            if self.likelihood != "classification":
+                raise ValueError(
+                    "`samples` draws logits: for regression the linearised "
+                    "predictive is Gaussian already"
+                )
+            check_positive_int(samples, "samples")
+            check_key(key)
+        return _predict(self, x, samples, key)
+
+    def curvature_matrix(self) -> Float[Array, "members parameters parameters"]:
+        """Each member's curvature `H` (without the prior) as a dense matrix over
+        the part's flattened weights (the order of `mean`); for inspection and
+        tests of small parts.
+
+        **Returns:**
+
+        Shape `(members, P, P)`.
+
+        **Example:**
+
+        ```python
+        x = jax.random.normal(jax.random.key(0), (50, 2))
+        y = (x[:, 0] > 0).astype(jnp.int32)
+        ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 8, 1, key=k), size=3,
+                          key=jax.random.key(1))
+        posterior = ee.laplace(ens, (x, y), likelihood="classification")
+        posterior.curvature_matrix().shape      # (3, 18, 18): the last layer's 18
+        ```
+        """
+        if self.curvature == "diagonal":
+            assert self.eigenvalues is not None
+            return jax.vmap(jnp.diag)(self.eigenvalues)
+        if self.curvature == "full":
+            assert self.eigenvalues is not None and self.eigenvectors is not None
+            q, values = self.eigenvectors, self.eigenvalues
+            return jnp.einsum("mpk,mk,mqk->mpq", q, values, q)
+        assert self.out_eigenvectors is not None and self.in_eigenvectors is not None
+        assert self.out_eigenvalues is not None and self.in_eigenvalues is not None
+        g = jnp.einsum(
+            "mij,mj,mkj->mik",
+            self.out_eigenvectors,
+            self.out_eigenvalues,
+            self.out_eigenvectors,
+        )
+        a = jnp.einsum(
+            "mij,mj,mkj->mik",
+            self.in_eigenvectors,
+            self.in_eigenvalues,
+            self.in_eigenvectors,
+        )
+        dense = jax.vmap(jnp.kron)(g, a)  # over (out, in + bias), row-major
+        order = _kfac_order(*self._kfac_shapes())
+        return dense[:, order][:, :, order]
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _model(member: Any, shared: Any) -> Any:
+    """One member as a model: its own part completed by the shared one."""
+    return member if shared is None else eqx.combine(member, shared)
+
+
+def _kfac_order(out_size: int, in_size: int, bias: bool) -> np.ndarray:
+    """Index into the `(out, in [+ 1])` row-major KFAC order for each weight of
+    the flattened part (`weight` then `bias`, as `ravel_pytree` orders them)."""
+    columns = in_size + (1 if bias else 0)
+    weight = (np.arange(out_size)[:, None] * columns + np.arange(in_size)).ravel()
+    if not bias:
+        return weight
+    return np.concatenate([weight, np.arange(out_size) * columns + in_size])
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _check_prior(value: Any, size: int) -> Array:
+    if isinstance(value, bool):
+        raise TypeError(f"`prior_precision` must be a number, got {value!r}")
+    array = jnp.asarray(value, jnp.float32)
+    if array.ndim == 0:
+        array = jnp.full((size,), array)
+    if array.shape != (size,):
+        raise ValueError(
+            f"`prior_precision` must be a scalar or one value per member ({size}), "
+            f"got shape {tuple(array.shape)}"
+        )
+    values = np.asarray(array)
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        raise ValueError(
+            f"`prior_precision` must be positive and finite, got {values.tolist()} "
+            f"(member {int(np.argmax(bad))})"
+        )
+    return array
+
+
+def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------- the fitting
+
+
+def laplace(
+    ens: Ensemble,
+    data: tuple[PyTree[Any], ArrayLike],
+    *,
+    likelihood: Likelihood,
+    part: Callable[[Any], Any] | None = None,
+    curvature: Curvature = "kfac",
+    prior_precision: Float[ArrayLike, " members"] | float | None = None,
+    sigma_noise: float = 1.0,
+    batch_size: int = 256,
+) -> LaplacePosterior:
+    """Fit a Laplace approximation to every member around its trained weights
+    (MacKay 1992; Daxberger et al. 2021), for one part of the model, all members
+    at once; the ensemble of the members' approximations is the mixture of
+    Laplace approximations of Eschenhagen et al. (2021).
+
+    Each member's part gets the Gaussian posterior `N(theta, (H + prior I)^-1)`
+    where `theta` are its trained weights and `H` the generalised Gauss-Newton
+    matrix (GGN) of the summed negative log likelihood of `data`: `sum_n J_n^T
+    Lambda_n J_n`, `J_n` the Jacobian of the model's output with respect to the
+    part and `Lambda_n` the likelihood's Hessian in the output (`diag(p) - p
+    p^T` for a softmax, `I / sigma_noise**2` for a Gaussian). For these
+    likelihoods the GGN is also the Fisher information.
+
+    **Arguments:**
+
+    - `ens`: the trained ensemble; a member maps ONE input to logits `(classes,)`
+      (classification) or to its mean, a scalar or `(outputs,)` (regression).
+    - `data`: `(x, y)`, arrays with a leading example axis: the training data
+      (`y`: integer labels, or regression targets shaped like the outputs).
+    - `likelihood`: `"classification"` (softmax, categorical) or `"regression"`
+      (Gaussian with standard deviation `sigma_noise`).
+    - `part`: `part(model) -> sub-tree` selecting the weights to approximate
+      (as `eqx.tree_at`'s `where`), its floating-point arrays; default the last
+      `eqx.nn.Linear` (last-layer Laplace). The rest stays at its trained value.
+    - `curvature`: `"kfac"` (Kronecker-factored, Martens and Grosse 2015; the
+      part must be one `eqx.nn.Linear` applied once per input: `H ~ G (x) A`, `G`
+      the mean over examples of the output-side GGN and `A` the sum of the
+      layer's input outer products, exact when `Lambda` is the same for every
+      example, as in regression); `"diagonal"` (the GGN's diagonal, any part);
+      `"full"` (the dense GGN, any part of at most 4096 weights).
+    - `prior_precision`: the isotropic Gaussian prior's precision, a positive
+      scalar or one per member; `None` (default): each member's own, maximising
+      its log marginal likelihood
+      ([`optimize_prior_precision`][eqx_ensemble.LaplacePosterior.optimize_prior_precision]).
+    - `sigma_noise`: the regression noise's standard deviation (ignored for
+      classification).
+    - `batch_size`: examples per compiled pass over the data (bounds memory).
+
+    The curvature's eigenvalues are clipped at 0 (a dense GGN is positive
+    semi-definite up to rounding); with a positive prior precision the
+    posterior's precision is positive definite, so no prediction is NaN.
+
+    **Returns:**
+
+    A [`LaplacePosterior`][eqx_ensemble.LaplacePosterior]: `.predict(x)` (the
+    linearised predictive per member), `.sample(key, samples)` (an ensemble of
+    draws), `.log_marginal_likelihood()`.
+
+    **Example:**
+
+    ```python
+    x = jax.random.normal(jax.random.key(0), (200, 2))
+    y = (x[:, 0] * x[:, 1] > 0).astype(jnp.int32)
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 16, 2, key=k), size=3,
+                      key=jax.random.key(1))
+    loss = lambda m, b, k: optax.softmax_cross_entropy_with_integer_labels(
+        jax.vmap(m)(b[0]), b[1]).mean()
+    ens = ee.fit(ens, loss, optax.adam(1e-2), (x, y), steps=300, batch_size=50,
+                 key=jax.random.key(2), callbacks=()).ensemble
+    posterior = ee.laplace(ens, (x, y), likelihood="classification")
+    posterior.prior_precision                    # (3,): tuned per member
+    probs = posterior.predict(x[:5])             # (3, 5, 2): per member
+    draws = posterior.sample(jax.random.key(3), samples=10)   # 30 models
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(f"`ens` must be an `ee.Ensemble`, got {type(ens).__name__}")
+    likelihood = _check_choice(
+        likelihood, "likelihood", ("classification", "regression")
+    )  # type: ignore[assignment]
+    curvature = _check_choice(curvature, "curvature", ("kfac", "diagonal", "full"))  # type: ignore[assignment]
+    batch_size = check_positive_int(batch_size, "batch_size")
+    if isinstance(sigma_noise, bool) or not isinstance(sigma_noise, int | float):
+        raise TypeError(f"`sigma_noise` must be a number, got {sigma_noise!r}")
+    if not (math.isfinite(sigma_noise) and sigma_noise > 0):
+        raise ValueError(
+            f"`sigma_noise` must be positive and finite, got {sigma_noise}"
+        )
+    size = len(ens)
+    prior = None if prior_precision is None else _check_prior(prior_precision, size)
+    part = last_linear if part is None else part
+    if not callable(part):
+        raise TypeError(f"`part` must be a function of a model, got {part!r}")
+    selected, arrays = _part_arrays(part, ens[0])
+    parameters = int(ravel_pytree(arrays)[0].shape[0])
+    if curvature == "kfac" and not (
+        isinstance(selected, eqx.nn.Linear)
+        and isinstance(selected.in_features, int)
+        and isinstance(selected.out_features, int)
+    ):
+        raise ValueError(
+            "`curvature='kfac'` needs a part that is one `eqx.nn.Linear` (with int "
+            f"in/out features); `part` selected {type(selected).__name__}: use "
+            "`curvature='diagonal'` or `'full'` for other parts"
+        )
+    if curvature == "full" and parameters > FULL_MAX_PARAMETERS:
+        raise ValueError(
+            f"`curvature='full'` holds a {parameters} x {parameters} matrix per member "
+            f"(the part has {parameters} weights; at most {FULL_MAX_PARAMETERS}): use "
+            "`curvature='kfac'` or `'diagonal'`, or a smaller part"
+        )
+    x, y, count = _check_data(data, likelihood)
+    _check_targets(ens, x, y, likelihood)
+    posterior = _fit(
+        ens, x, y, count, likelihood, part, curvature, float(sigma_noise), batch_size
+    )
+    if prior is None:
+        return posterior.optimize_prior_precision()
+    return eqx.tree_at(lambda p: p.prior_precision, posterior, prior)
+
+
+def _check_data(data: Any, likelihood: str) -> tuple[Any, Array, int]:
+    if not (isinstance(data, tuple | list) and len(data) == 2):
+        raise TypeError(
+            "`data` must be `(x, y)`: inputs and targets with a leading example axis"
+        )
+    x, y = data
+    y = jnp.asarray(y)
+    leaves = jtu.tree_leaves(x)
+    if not leaves:
+        raise ValueError("`data`'s inputs `x` hold no array")
+    count = int(np.shape(leaves[0])[0]) if np.ndim(leaves[0]) else 0
+    if count < 1 or any(np.shape(leaf)[:1] != (count,) for leaf in leaves):
+        raise ValueError(
+            "every array of `x` needs the same leading example axis, got shapes "
+            f"{[tuple(np.shape(leaf)) for leaf in leaves]}"
+        )
+    if y.shape[:1] != (count,):
+        raise ValueError(
+            f"`y` must have {count} examples on its leading axis (as `x`), got "
+            f"shape {tuple(y.shape)}"
+        )
+    if likelihood == "classification" and not jnp.issubdtype(y.dtype, jnp.integer):
+        raise TypeError(
+            f"classification targets `y` must be integer labels, got dtype {y.dtype}"
+        )
+    return x, y, count
+
+
+def _check_targets(ens: Ensemble, x: Any, y: Array, likelihood: str) -> None:
+    """The targets fit the model's output (shapes only: nothing is computed)."""
+    first = jax.tree.map(lambda leaf: jnp.asarray(leaf)[0], x)
+    try:
+        out = jax.eval_shape(lambda: _model_output(ens[0], first))
+    except Exception as error:  # noqa: BLE001 - reported with its cause
+        raise ValueError(
+            f"a member failed on one input of `x` ({type(error).__name__}: {error}); "
+            "a member must map ONE input (no batch axis) to its output"
+        ) from error
+    outputs = out.shape[0]
+    if likelihood == "classification":
+        if y.ndim != 1:
+            raise ValueError(f"labels `y` must have shape (examples,), got {y.shape}")
+        labels = np.asarray(y)
+        bad = (labels < 0) | (labels >= outputs)
+        if bad.any():
+            raise ValueError(
+                f"labels `y` must lie in [0, {outputs}) (the model's {outputs} "
+                f"logits), got {int(labels[np.argmax(bad)])} at example "
+                f"{int(np.argmax(bad))}"
+            )
+    elif int(np.prod(y.shape[1:], dtype=int)) != outputs:
+        raise ValueError(
+            f"regression targets `y` of shape {tuple(y.shape)} do not match the "
+            f"model's {outputs} output(s) per example"
+        )
+
+
+def _model_output(model: Any, x: Any) -> Array:
+    return jnp.reshape(model(x), (-1,))
+
+
+def _output_hessian(f: Array, likelihood: str, sigma: float) -> Array:
+    """`Lambda`: the negative log likelihood's Hessian in the output `f`."""
+    if likelihood == "classification":
+        p = jax.nn.softmax(f)
+        return jnp.diag(p) - jnp.outer(p, p)
+    return jnp.eye(f.shape[0], dtype=f.dtype) / sigma**2
+
+
+def _log_likelihood(f: Array, y: Array, likelihood: str, sigma: float) -> Array:
+    if likelihood == "classification":
+        return jax.nn.log_softmax(f)[y]
+    residual = jnp.reshape(y, f.shape) - f
+    return jnp.sum(-0.5 * residual**2 / sigma**2 - 0.5 * jnp.log(2 * jnp.pi * sigma**2))
+
+
+def _fit(
+    ens: Ensemble,
+    x: Any,
+    y: Array,
+    count: int,
+    likelihood: str,
+    part: Callable[[Any], Any],
+    curvature: str,
+    sigma: float,
+    batch_size: int,
+) -> LaplacePosterior:
+    chunk = min(batch_size, count)
+    chunks = -(-count // chunk)
+    padded = chunks * chunk
+
+    def pad(a):
+        a = jnp.asarray(a)
+        widths = [(0, padded - count)] + [(0, 0)] * (a.ndim - 1)
+        return jnp.pad(a, widths).reshape(chunks, chunk, *a.shape[1:])
+
+    xs = jax.tree.map(pad, x)
+    ys = pad(y)
+    mask = pad(jnp.ones(count, jnp.float32))
+    sums = _accumulate(ens, xs, ys, mask, likelihood, part, curvature, sigma)
+    return _finish(ens, sums, count, likelihood, part, curvature, sigma)
+
+
+@eqx.filter_jit
+def _accumulate(ens, xs, ys, mask, likelihood, part, curvature, sigma):
+    """Per member, the curvature's sums over the data and the log likelihood
+    (a scan over the data's chunks, vmapped over members)."""
+
+    def member_sums(member):
+        model = _model(member, ens.shared)
+        selected, arrays = _part_arrays(part, model)
+        theta, unravel = ravel_pytree(arrays)
+        static = eqx.filter(selected, eqx.is_inexact_array, inverse=True)
+
+        def with_theta(t):
+            return eqx.tree_at(
+                part, model, eqx.combine(unravel(t), static), is_leaf=_is_none
+            )
+
+        def one(carry, batch):
+            xb, yb, mb = batch
+            f = jax.vmap(lambda xi: _model_output(model, xi))(xb)
+            lam = jax.vmap(lambda fi: _output_hessian(fi, likelihood, sigma))(f)
+            log_lik = jnp.sum(
+                mb
+                * jax.vmap(lambda fi, yi: _log_likelihood(fi, yi, likelihood, sigma))(
+                    f, yb
+                )
+            )
+            if curvature == "kfac":
+                d, phi = jax.vmap(lambda xi: _kfac_pieces(model, part, selected, xi))(
+                    xb
+                )
+                g = jnp.einsum("b,boj,bok,bkl->jl", mb, d, lam, d)
+                a = jnp.einsum("b,bi,bk->ik", mb, phi, phi)
+                sums = (g, a)
+            else:
+                jac = jax.vmap(
+                    jax.jacrev(lambda t, xi: _model_output(with_theta(t), xi)),
+                    (None, 0),
+                )(theta, xb)
+                lam_jac = jnp.einsum("boq,bqp->bop", lam, jac)
+                if curvature == "diagonal":
+                    sums = (jnp.einsum("b,bop,bop->p", mb, jac, lam_jac),)
+                else:
+                    sums = (jnp.einsum("b,bop,boq->pq", mb, jac, lam_jac),)
+            return (
+                jax.tree.map(jnp.add, carry[0], sums),
+                carry[1] + log_lik,
+            ), None
+
+        if curvature == "kfac":
+            out_size, in_size = selected.weight.shape
+            columns = in_size + (1 if selected.bias is not None else 0)
+            zeros = (jnp.zeros((out_size, out_size)), jnp.zeros((columns, columns)))
+        elif curvature == "diagonal":
+            zeros = (jnp.zeros_like(theta),)
+        else:
+            zeros = (jnp.zeros((theta.shape[0], theta.shape[0]), theta.dtype),)
+        (sums, log_lik), _ = jax.lax.scan(
+            one, (zeros, jnp.zeros((), jnp.float32)), (xs, ys, mask)
+        )
+        return theta, sums, log_lik
+
+    return eqx.filter_vmap(member_sums)(ens.members)
+
+
+def _kfac_pieces(model: Any, part: Any, selected: eqx.nn.Linear, x: Any):
+    """For one input: `D = d output / d layer output` `(outputs, out)` and the
+    layer's input with a bias column, `phi` `(in [+ 1],)`, read from the
+    Jacobian with respect to the weight, `D_oj phi_i` (a least-squares fit of
+    that rank-one structure; exact unless the layer does not reach the
+    output, when `D = 0` and `phi` is set to 0)."""
+    out_size = selected.weight.shape[0]
+
+    def output(weight, delta):
+        tapped = _Tapped(eqx.tree_at(lambda lin: lin.weight, selected, weight), delta)
+        return _model_output(eqx.tree_at(part, model, tapped), x)
+
+    jac_w, d = jax.jacrev(output, argnums=(0, 1))(
+        selected.weight, jnp.zeros(out_size, selected.weight.dtype)
+    )
+    norm = jnp.sum(d**2)
+    phi = jnp.einsum("oj,oji->i", d, jac_w) / jnp.where(norm > 0, norm, 1.0)
+    if selected.bias is not None:
+        phi = jnp.concatenate([phi, jnp.ones((1,), phi.dtype)])
+    return d, phi
+
+
+def _finish(ens, sums, count, likelihood, part, curvature, sigma) -> LaplacePosterior:
+    theta, curvature_sums, log_lik = sums
+    size = len(ens)
+    eig = dict.fromkeys(
+        (
+            "eigenvalues",
+            "eigenvectors",
+            "out_eigenvalues",
+            "out_eigenvectors",
+            "in_eigenvalues",
+            "in_eigenvectors",
+        )
+    )
+    if curvature == "diagonal":
+        eig["eigenvalues"] = jnp.maximum(curvature_sums[0], 0.0)
+    elif curvature == "full":
+        values, vectors = jnp.linalg.eigh(curvature_sums[0])
+        eig["eigenvalues"] = jnp.maximum(values, 0.0)
+        eig["eigenvectors"] = vectors
+    else:
+        g, a = curvature_sums
+        g_values, g_vectors = jnp.linalg.eigh(g / count)
+        a_values, a_vectors = jnp.linalg.eigh(a)
+        eig["out_eigenvalues"] = jnp.maximum(g_values, 0.0)
+        eig["out_eigenvectors"] = g_vectors
+        eig["in_eigenvalues"] = jnp.maximum(a_values, 0.0)
+        eig["in_eigenvectors"] = a_vectors
+    return LaplacePosterior(
+        ensemble=ens,
+        prior_precision=jnp.ones((size,), jnp.float32),
+        log_likelihood=log_lik,
+        mean=theta,
+        sigma_noise=sigma,
+        num_data=count,
+        likelihood=likelihood,
+        curvature=curvature,
+        part=part,
+        **eig,
+    )
+
+
+# ----------------------------------------------------------- the evidence
+
+
+@eqx.filter_jit
+def _log_marginal_likelihood(posterior: LaplacePosterior, prior: Array) -> Array:
+    parameters = posterior.mean.shape[1]
+    squared = jnp.sum(posterior.mean**2, axis=-1)
+    return (
+        posterior.log_likelihood
+        - 0.5 * prior * squared
+        + 0.5 * parameters * jnp.log(prior)
+        - 0.5 * posterior._log_eigenvalues_sum(prior)
+    )
+
+
+@eqx.filter_jit
+def _optimize_prior(posterior: LaplacePosterior) -> Array:
+    size = posterior.mean.shape[0]
+    inverse_golden = (math.sqrt(5.0) - 1.0) / 2.0
+
+    def objective(log_prior):
+        return -_log_marginal_likelihood(posterior, jnp.exp(log_prior))
+
+    low = jnp.full((size,), math.log(PRIOR_BOUNDS[0]), jnp.float32)
+    high = jnp.full((size,), math.log(PRIOR_BOUNDS[1]), jnp.float32)
+    inner_low = high - inverse_golden * (high - low)
+    inner_high = low + inverse_golden * (high - low)
+
+    def step(_, state):
+        low, high, inner_low, inner_high, value_low, value_high = state
+        keep_left = value_low < value_high
+        low = jnp.where(keep_left, low, inner_low)
+        high = jnp.where(keep_left, inner_high, high)
+        new_point = jnp.where(
+            keep_left,
+            high - inverse_golden * (high - low),
+            low + inverse_golden * (high - low),
+        )
+        value_new = objective(new_point)
+        return (
+            low,
+            high,
+            jnp.where(keep_left, new_point, inner_high),
+            jnp.where(keep_left, inner_low, new_point),
+            jnp.where(keep_left, value_new, value_high),
+            jnp.where(keep_left, value_low, value_new),
+        )
+
+    state = (
+        low,
+        high,
+        inner_low,
+        inner_high,
+        objective(inner_low),
+        objective(inner_high),
+    )
+    low, high, *_ = jax.lax.fori_loop(0, PRIOR_ITERATIONS, step, state)
+    return jnp.exp((low + high) / 2)
+
+
+# ----------------------------------------------------------- predictions
+
+
+def _sample(posterior: LaplacePosterior, key: Any, samples: int) -> Ensemble:
+    size, parameters = posterior.mean.shape
+    keys = jax.random.split(key, size)
+    deltas = _sample_deltas(posterior, keys, samples)  # (members, samples, P)
+    thetas = posterior.mean[:, None, :] + deltas
+    unravel = posterior._unravel()
+    ens = posterior.ensemble
+    repeated = jax.tree.map(
+        lambda leaf: jnp.repeat(leaf, samples, axis=0) if eqx.is_array(leaf) else leaf,
+        ens.members,
+    )
+    flat = thetas.reshape(size * samples, parameters)
+    selected = posterior.part(repeated)
+    static = eqx.filter(selected, eqx.is_inexact_array, inverse=True)
+    drawn = jax.vmap(unravel)(flat)
+    members = eqx.tree_at(
+        posterior.part, repeated, eqx.combine(drawn, static), is_leaf=_is_none
+    )
+    return with_members(ens, members)
+
+
+@eqx.filter_jit
+def _sample_deltas(posterior: LaplacePosterior, keys: Array, samples: int) -> Array:
+    prior = posterior.prior_precision
+
+    def one(key, index):
+        if posterior.curvature == "diagonal":
+            assert posterior.eigenvalues is not None
+            values = posterior.eigenvalues[index]
+            z = jax.random.normal(key, (samples, values.shape[0]))
+            return z / jnp.sqrt(values + prior[index])[None, :]
+        if posterior.curvature == "full":
+            assert posterior.eigenvalues is not None
+            assert posterior.eigenvectors is not None
+            values = posterior.eigenvalues[index]
+            z = jax.random.normal(key, (samples, values.shape[0]))
+            return (
+                z / jnp.sqrt(values + prior[index])[None, :]
+            ) @ posterior.eigenvectors[index].T
+        assert posterior.out_eigenvalues is not None
+        assert posterior.in_eigenvalues is not None
+        assert posterior.out_eigenvectors is not None
+        assert posterior.in_eigenvectors is not None
+        g_values = posterior.out_eigenvalues[index]
+        a_values = posterior.in_eigenvalues[index]
+        z = jax.random.normal(key, (samples, g_values.shape[0], a_values.shape[0]))
+        scale = jnp.sqrt(jnp.outer(g_values, a_values) + prior[index])
+        delta = jnp.einsum(
+            "ij,sjk,lk->sil",
+            posterior.out_eigenvectors[index],
+            z / scale[None],
+            posterior.in_eigenvectors[index],
+        )
+        out_size, in_size, bias = posterior._kfac_shapes()
+        flat = delta.reshape(samples, -1)
+        return flat[:, _kfac_order(out_size, in_size, bias)]
+
+    return jax.vmap(one)(keys, jnp.arange(keys.shape[0]))
+
+
+def _predict(posterior: LaplacePosterior, x: Any, samples: int | None, key: Any):
+    leaves = jtu.tree_leaves(x)
+    if not leaves or np.ndim(leaves[0]) < 1:
+        raise ValueError("`x` must hold inputs with a leading batch axis")
+    size = posterior.mean.shape[0]
+    keys = None if key is None else jax.random.split(key, size)
+    return _predict_compiled(posterior, x, samples, keys)
+
+
+@eqx.filter_jit
+def _predict_compiled(posterior: LaplacePosterior, x, samples, keys):
+    ens = posterior.ensemble
+    unravel = posterior._unravel()
+    prior = posterior.prior_precision
+
+    def member(member_tree, index, key):
+        model = _model(member_tree, ens.shared)
+        selected = posterior.part(model)
+
+        def output_covariance(xi):
+            f = _model_output(model, xi)
+            if posterior.curvature == "kfac":
+                assert posterior.out_eigenvectors is not None
+                assert posterior.in_eigenvectors is not None
+                assert posterior.out_eigenvalues is not None
+                assert posterior.in_eigenvalues is not None
+                d, phi = _kfac_pieces(model, posterior.part, selected, xi)
+                u = d @ posterior.out_eigenvectors[index]
+                v = posterior.in_eigenvectors[index].T @ phi
+                scale = 1.0 / (
+                    jnp.outer(
+                        posterior.out_eigenvalues[index],
+                        posterior.in_eigenvalues[index],
+                    )
+                    + prior[index]
+                )
+                w = scale @ (v**2)
+                return f, (u * w[None, :]) @ u.T
+            static = eqx.filter(selected, eqx.is_inexact_array, inverse=True)
+
+            def at(t):
+                return _model_output(
+                    eqx.tree_at(
+                        posterior.part,
+                        model,
+                        eqx.combine(unravel(t), static),
+                        is_leaf=_is_none,
+                    ),
+                    xi,
+                )
+
+            jac = jax.jacrev(at)(posterior.mean[index])
+            if posterior.curvature == "diagonal":
+                assert posterior.eigenvalues is not None
+                variance = 1.0 / (posterior.eigenvalues[index] + prior[index])
+                return f, (jac * variance[None, :]) @ jac.T
+            assert posterior.eigenvalues is not None
+            assert posterior.eigenvectors is not None
+            jq = jac @ posterior.eigenvectors[index]
+            variance = 1.0 / (posterior.eigenvalues[index] + prior[index])
+            return f, (jq * variance[None, :]) @ jq.T
+
+        f, s = jax.vmap(output_covariance)(x)
+        if posterior.likelihood == "regression":
+            return f, jnp.diagonal(s, axis1=-2, axis2=-1) + posterior.sigma_noise**2
+        if samples is None:
+            kappa = 1.0 / jnp.sqrt(
+                1.0 + jnp.pi / 8.0 * jnp.diagonal(s, axis1=-2, axis2=-1)
+            )
+            return jax.nn.softmax(f * kappa, axis=-1)
+        values, vectors = jnp.linalg.eigh(s)
+        root = vectors * jnp.sqrt(jnp.maximum(values, 0.0))[..., None, :]
+        z = jax.random.normal(key, (samples, *f.shape))
+        logits = f[None] + jnp.einsum("bij,sbj->sbi", root, z)
+        return jnp.mean(jax.nn.softmax(logits, axis=-1), axis=0)
+
+    size = posterior.mean.shape[0]
+    key_arg = keys if keys is not None else jnp.zeros((size,))
+    outputs = eqx.filter_vmap(
+        lambda m, i, k: member(m, i, None if keys is None else k)
+    )(ens.members, jnp.arange(size), key_arg)
+    if posterior.likelihood == "regression":
+        mean, variance = outputs
+        if mean.shape[-1] == 1:  # one output: `(members, batch)`, as the metrics'
+            return mean[..., 0], variance[..., 0]
+        return mean, variance
+    return outputs

@@ -1,0 +1,299 @@
+"""`ee.laplace` against independent references: a dense GGN built by hand with
+`jax.jacfwd`, the closed-form evidence of Bayesian linear regression, predictive
+formulas written out, members fitted alone, and the sample covariance."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+from scipy.optimize import minimize_scalar
+from scipy.stats import multivariate_normal
+
+import eqx_ensemble as ee
+
+
+@pytest.fixture(scope="module")
+def small():
+    x = jax.random.normal(jax.random.key(0), (12, 3))
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 3, 4, 1, activation=jnp.tanh, key=k),
+        size=2,
+        key=jax.random.key(1),
+    )
+    labels = jnp.arange(12) % 3
+    return ens, x, labels
+
+
+def _last(model):
+    return model.layers[-1]
+
+
+def dense_ggn(model, part, x, likelihood, sigma=1.0):
+    """Sum over examples of J^T Lambda J, J by `jax.jacfwd` of the flattened part."""
+    selected = part(model)
+    arrays, static = eqx.partition(selected, eqx.is_inexact_array)
+    theta, unravel = ravel_pytree(arrays)
+
+    def output(t, xi):
+        new = eqx.tree_at(part, model, eqx.combine(unravel(t), static))
+        return jnp.reshape(new(xi), (-1,))
+
+    total = 0.0
+    for xi in x:
+        jac = np.asarray(jax.jacfwd(output)(theta, xi), np.float64)
+        f = np.asarray(output(theta, xi), np.float64)
+        if likelihood == "classification":
+            p = np.exp(f - f.max()) / np.exp(f - f.max()).sum()
+            lam = np.diag(p) - np.outer(p, p)
+        else:
+            lam = np.eye(len(f)) / sigma**2
+        total = total + jac.T @ lam @ jac
+    return total, theta, output
+
+
+@pytest.mark.parametrize("curvature", ["diagonal", "full"])
+@pytest.mark.parametrize("where", ["last", "first"])
+def test_diagonal_and_full_equal_the_dense_ggn(small, curvature, where):
+    ens, x, labels = small
+    part = _last if where == "last" else (lambda m: m.layers[0])
+    posterior = ee.laplace(
+        ens, (x, labels), likelihood="classification", part=part,
+        curvature=curvature, prior_precision=1.0,
+    )  # fmt: skip
+    got = np.asarray(posterior.curvature_matrix())
+    for i in range(len(ens)):
+        expected, theta, _ = dense_ggn(ens[i], part, x, "classification")
+        np.testing.assert_allclose(posterior.mean[i], theta, rtol=1e-6)
+        if curvature == "diagonal":
+            expected = np.diag(np.diag(expected))
+        np.testing.assert_allclose(got[i], expected, atol=2e-5, rtol=1e-4)
+
+
+def _kfac_by_hand(model, x, lam_mean_over):
+    """G (x) A over (out, in + 1) row-major, mapped to the flattened part's
+    order (weight row-major, then bias), from the hidden activations."""
+    hidden = np.asarray(
+        jax.vmap(lambda xi: jnp.tanh(model.layers[0](xi)))(x), np.float64
+    )
+    phi = np.concatenate([hidden, np.ones((len(x), 1))], axis=1)
+    a = phi.T @ phi
+    g = lam_mean_over
+    dense = np.kron(g, a)
+    out_size, columns = g.shape[0], phi.shape[1]
+    order = [o * columns + i for o in range(out_size) for i in range(columns - 1)]
+    order += [o * columns + columns - 1 for o in range(out_size)]
+    return dense[np.ix_(order, order)]
+
+
+def test_kfac_is_exact_for_regression(small):
+    ens, x, _ = small
+    y = jnp.zeros((12, 3))
+    posterior = ee.laplace(
+        ens, (x, y), likelihood="regression", curvature="kfac", sigma_noise=0.7,
+        prior_precision=1.0,
+    )  # fmt: skip
+    for i in range(len(ens)):
+        expected, *_ = dense_ggn(ens[i], _last, x, "regression", sigma=0.7)
+        np.testing.assert_allclose(
+            posterior.curvature_matrix()[i], expected, atol=2e-5, rtol=1e-4
+        )
+        by_hand = _kfac_by_hand(ens[i], x, np.eye(3) / 0.7**2)
+        np.testing.assert_allclose(expected, by_hand, atol=2e-5, rtol=1e-4)
+
+
+def test_kfac_factors_for_classification(small):
+    ens, x, labels = small
+    posterior = ee.laplace(
+        ens, (x, labels), likelihood="classification", curvature="kfac",
+        prior_precision=1.0,
+    )  # fmt: skip
+    for i in range(len(ens)):
+        f = np.asarray(jax.vmap(ens[i])(x), np.float64)
+        p = np.exp(f) / np.exp(f).sum(-1, keepdims=True)
+        lam = np.mean([np.diag(q) - np.outer(q, q) for q in p], axis=0)
+        np.testing.assert_allclose(
+            posterior.curvature_matrix()[i],
+            _kfac_by_hand(ens[i], x, lam),
+            atol=2e-5,
+            rtol=1e-4,
+        )
+    # With one example the Kronecker factorisation is exact.
+    one = ee.laplace(
+        ens, (x[:1], labels[:1]), likelihood="classification", curvature="kfac",
+        prior_precision=1.0,
+    )  # fmt: skip
+    expected, *_ = dense_ggn(ens[0], _last, x[:1], "classification")
+    np.testing.assert_allclose(one.curvature_matrix()[0], expected, atol=2e-6)
+
+
+@pytest.mark.parametrize("curvature", ["full", "kfac"])
+def test_marginal_likelihood_optimum_is_the_closed_form(curvature):
+    """Bayesian linear regression: the evidence is known; at the MAP of its
+    optimal prior precision, the Laplace evidence is exact and its optimum is
+    that prior precision."""
+    rng = np.random.default_rng(0)
+    n, d, sigma = 60, 3, 0.5
+    x = rng.normal(size=(n, d))
+    y = x @ np.array([0.8, -0.3, 0.2]) + sigma * rng.normal(size=n)
+
+    def log_evidence(delta):
+        cov = sigma**2 * np.eye(n) + x @ x.T / delta
+        return multivariate_normal(np.zeros(n), cov).logpdf(y)
+
+    search = minimize_scalar(
+        lambda log_delta: -log_evidence(np.exp(log_delta)),
+        bounds=(-8, 8), method="bounded", options={"xatol": 1e-10},
+    )  # fmt: skip
+    delta = float(np.exp(search.x))
+    precision = x.T @ x / sigma**2 + delta * np.eye(d)
+    map_weights = np.linalg.solve(precision, x.T @ y / sigma**2)
+    model = eqx.nn.Linear(d, 1, use_bias=False, key=jax.random.key(0))
+    model = eqx.tree_at(
+        lambda m: m.weight, model, jnp.asarray(map_weights[None], jnp.float32)
+    )
+    ens = ee.stack([model, model])
+    data = (jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+    posterior = ee.laplace(
+        ens, data, likelihood="regression", part=lambda m: m, curvature=curvature,
+        sigma_noise=sigma,
+    )  # fmt: skip
+    np.testing.assert_allclose(posterior.prior_precision, delta, rtol=2e-3)
+    np.testing.assert_allclose(
+        posterior.log_marginal_likelihood(delta), log_evidence(delta), atol=2e-3
+    )
+
+
+def test_linearised_predictive_by_hand(small):
+    ens, x, labels = small
+    prior = 0.5
+    for likelihood, targets in (
+        ("classification", labels),
+        ("regression", jnp.zeros((12, 3))),
+    ):
+        posterior = ee.laplace(
+            ens, (x, targets), likelihood=likelihood, curvature="full",
+            prior_precision=prior, sigma_noise=0.3,
+        )  # fmt: skip
+        got = posterior.predict(x[:4])
+        for i in range(len(ens)):
+            h, theta, output = dense_ggn(ens[i], _last, x, likelihood, sigma=0.3)
+            covariance = np.linalg.inv(h + prior * np.eye(len(theta)))
+            for n in range(4):
+                jac = np.asarray(jax.jacfwd(output)(theta, x[n]), np.float64)
+                f = np.asarray(output(theta, x[n]), np.float64)
+                s = jac @ covariance @ jac.T
+                if likelihood == "regression":
+                    np.testing.assert_allclose(got[0][i, n], f, rtol=1e-5, atol=1e-6)
+                    np.testing.assert_allclose(
+                        got[1][i, n], np.diag(s) + 0.3**2, rtol=1e-4
+                    )
+                else:
+                    z = f / np.sqrt(1 + np.pi / 8 * np.diag(s))
+                    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+                    np.testing.assert_allclose(got[i, n], p, rtol=1e-4, atol=1e-6)
+
+
+def test_mixture_is_each_member_fitted_alone(small):
+    ens, x, labels = small
+    ens = ee.concatenate([ens, ens[:1]])
+    together = ee.laplace(ens, (x, labels), likelihood="classification")
+    probs = together.predict(x)
+    for i in range(len(ens)):
+        alone = ee.laplace(ens[i : i + 1], (x, labels), likelihood="classification")
+        # The prior precision is searched in float32 on a flat optimum.
+        np.testing.assert_allclose(
+            together.prior_precision[i], alone.prior_precision[0], rtol=1e-3
+        )
+        np.testing.assert_allclose(probs[i], alone.predict(x)[0], rtol=1e-4, atol=1e-5)
+    # The mixture's predictive, as the metrics read it, is the members' mean.
+    mixture = ee.combine.mean_probs(probs)
+    np.testing.assert_allclose(mixture, np.mean(np.asarray(probs), axis=0), atol=1e-6)
+
+
+@pytest.mark.parametrize("curvature", ["diagonal", "full", "kfac"])
+def test_samples_have_the_posterior_covariance(small, curvature):
+    ens, x, labels = small
+    posterior = ee.laplace(
+        ens, (x, labels), likelihood="classification", curvature=curvature,
+        prior_precision=2.0,
+    )  # fmt: skip
+    count = 6000
+    draws = posterior.sample(jax.random.key(0), samples=count)
+    assert len(draws) == 2 * count
+    for i in range(2):
+        flat = eqx.filter_vmap(
+            lambda m: ravel_pytree(eqx.filter(_last(m), eqx.is_inexact_array))[0]
+        )(draws[i * count : (i + 1) * count].members)
+        flat = np.asarray(flat, np.float64)
+        covariance = np.linalg.inv(
+            np.asarray(posterior.curvature_matrix()[i], np.float64) + 2.0 * np.eye(15)
+        )
+        error = 5 * np.sqrt(np.diag(covariance) / count)
+        np.testing.assert_array_less(np.abs(flat.mean(0) - posterior.mean[i]), error)
+        np.testing.assert_allclose(
+            np.cov(flat, rowvar=False), covariance, atol=0.06 * covariance.max()
+        )
+    # The rest of each member is unchanged.
+    np.testing.assert_array_equal(draws[0].layers[0].weight, ens[0].layers[0].weight)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_part_selecting_no_weights(small):
+    ens, x, labels = small
+    with pytest.raises(ValueError, match="selects no floating-point array"):
+        ee.laplace(
+            ens, (x, labels), likelihood="classification",
+            part=lambda m: m.activation, curvature="diagonal",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("prior", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_prior_precision(small, prior):
+    ens, x, labels = small
+    with pytest.raises(ValueError, match="prior_precision"):
+        ee.laplace(ens, (x, labels), likelihood="classification", prior_precision=prior)
+    posterior = ee.laplace(ens, (x, labels), likelihood="classification")
+    with pytest.raises(ValueError, match="prior_precision"):
+        posterior.log_marginal_likelihood(prior)
+
+
+def test_kfac_needs_a_linear_part(small):
+    ens, x, labels = small
+    with pytest.raises(ValueError, match="one `eqx.nn.Linear`"):
+        ee.laplace(ens, (x, labels), likelihood="classification", part=lambda m: m)
+
+
+def test_full_curvature_of_a_large_part():
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 2, 1000, 1, key=k), size=1, key=jax.random.key(0)
+    )
+    x = jnp.ones((4, 3))
+    with pytest.raises(ValueError, match="at most 4096"):
+        ee.laplace(
+            ens, (x, jnp.zeros(4, jnp.int32)), likelihood="classification",
+            part=lambda m: m, curvature="full",
+        )  # fmt: skip
+
+
+def test_bad_targets_and_options(small):
+    ens, x, labels = small
+    with pytest.raises(ValueError, match=r"lie in \[0, 3\)"):
+        ee.laplace(ens, (x, labels + 1), likelihood="classification")
+    with pytest.raises(TypeError, match="integer labels"):
+        ee.laplace(ens, (x, labels.astype(jnp.float32)), likelihood="classification")
+    with pytest.raises(ValueError, match="do not match"):
+        ee.laplace(ens, (x, jnp.zeros((12, 2))), likelihood="regression")
+    with pytest.raises((ValueError, TypeError), match="likelihood"):
+        ee.laplace(ens, (x, labels), likelihood="poisson")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sigma_noise"):
+        ee.laplace(ens, (x, jnp.zeros((12, 3))), likelihood="regression",
+                   sigma_noise=0.0)  # fmt: skip
+    with pytest.raises(ValueError, match="12 examples"):
+        ee.laplace(ens, (x, labels[:5]), likelihood="classification")
+    posterior = ee.laplace(ens, (x, labels), likelihood="classification")
+    with pytest.raises(ValueError, match="samples"):
+        posterior.predict(x, samples=10)
