@@ -549,6 +549,49 @@ cases["CSVLogger"] = [
         ENS, LOSS, optax.sgd(0.1), (X, Y), steps=2, batch_size=4, key=K,
         callbacks=[ee.CSVLogger(__file__ + "/logs")])),
 ]  # fmt: skip
+# Issue 30 (round 3): Bayesian members and post-hoc tools.
+MLP = ee.ensemble(lambda k: eqx.nn.MLP(2, 4, 4, 1, key=k), size=2, key=K)
+LOGITS = jnp.log(PROBS)
+cases["laplace"] = [
+    ("a part selecting no weights", lambda: ee.laplace(
+        MLP, (X, LAB), likelihood="classification", part=lambda m: m.activation,
+        curvature="diagonal")),
+    ("prior precision -1", lambda: ee.laplace(
+        MLP, (X, LAB), likelihood="classification", prior_precision=-1.0)),
+    ("prior precision nan", lambda: ee.laplace(
+        MLP, (X, LAB), likelihood="classification", prior_precision=float("nan"))),
+    ("labels out of range", lambda: ee.laplace(
+        MLP, (X, LAB + 4), likelihood="classification")),
+    ("kfac of a whole MLP", lambda: ee.laplace(
+        MLP, (X, LAB), likelihood="classification", part=lambda m: m)),
+]  # fmt: skip
+cases["sgmcmc"] = [
+    ("sgld learning rate 0", lambda: ee.sgmcmc.sgld(0.0, num_data=8)),
+    ("sgld temperature -1", lambda: ee.sgmcmc.sgld(1e-3, num_data=8, temperature=-1.0)),
+    ("sghmc friction 2", lambda: ee.sgmcmc.sghmc(1e-3, num_data=8, friction=2.0)),
+    ("update without key", lambda: ee.sgmcmc.sgld(1e-3, num_data=8).update(
+        {"w": X}, ee.sgmcmc.sgld(1e-3, num_data=8).init({"w": X}), {"w": X})),
+]  # fmt: skip
+cases["calibration"] = [
+    ("matrix scaling on 4 examples of 4 classes", lambda: (
+        ee.calibration.fit_matrix_scaling(LOGITS[:, :4], LAB[:4]))),
+    ("vector scaling l2 -1", lambda: ee.calibration.fit_vector_scaling(
+        LOGITS, LAB, l2=-1.0)),
+    ("binning with more bins than examples", lambda: (
+        ee.calibration.fit_histogram_binning(PROBS, LAB, n_bins=20))),
+    ("applied to 3 classes", lambda: ee.calibration.fit_vector_scaling(
+        LOGITS, LAB)(LOGITS[..., :3])),
+]  # fmt: skip
+cases["EarlyStopping"] = [
+    ("patience 0", lambda: ee.EarlyStopping(5, patience=0)),
+    ("without evaluation", lambda: ee.fit(
+        ENS, LOSS, optax.sgd(0.1), (X, Y), steps=2, batch_size=4, key=K,
+        callbacks=[ee.EarlyStopping(1, patience=2)])),
+]  # fmt: skip
+cases["metrics"] += [
+    ("energy_score temperature 0", lambda: ee.metrics.energy_score(
+        LOGITS, temperature=0.0)),
+]  # fmt: skip
 for fn, rows in cases.items():
     for label, call in rows:
         print(f"| `{fn}` | {label} | {run(fn, call)} |")

@@ -71,8 +71,11 @@ def _check_value(value: Any, name: str, *, low: float, high: float, closed: bool
         shown = str(first)
     below = first < low if closed else first <= low
     if not math.isfinite(first) or below or first > high:
-        bound = "[" if closed else "("
-        raise ValueError(f"`{name}` must be in {bound}{low}, {high}], got {shown}")
+        opening = "[" if closed else "("
+        closing = ")" if math.isinf(high) else "]"
+        raise ValueError(
+            f"`{name}` must be in {opening}{low:g}, {high:g}{closing}, got {shown}"
+        )
 
 
 def _schedule(value: ScalarOrSchedule) -> Callable[[Any], Any]:

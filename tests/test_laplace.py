@@ -297,3 +297,25 @@ def test_bad_targets_and_options(small):
     posterior = ee.laplace(ens, (x, labels), likelihood="classification")
     with pytest.raises(ValueError, match="samples"):
         posterior.predict(x, samples=10)
+
+
+def test_prior_tuned_on_validation_data_minimises_each_members_nll(small):
+    ens, x, labels = small
+    posterior = ee.laplace(ens, (x, labels), likelihood="classification")
+    grid = np.array([0.1, 1.0, 10.0, 100.0])
+    tuned = posterior.optimize_prior_precision((x[:8], labels[:8]), grid=grid)
+    # By hand: each member's validation NLL at every grid value.
+    for i in range(len(ens)):
+        nlls = []
+        for value in grid:
+            fixed = ee.laplace(
+                ens[i : i + 1], (x, labels), likelihood="classification",
+                prior_precision=float(value),
+            )  # fmt: skip
+            probs = np.asarray(fixed.predict(x[:8]))[0]
+            nlls.append(-np.mean(np.log(probs[np.arange(8), np.asarray(labels[:8])])))
+        assert tuned.prior_precision[i] == np.float32(grid[int(np.argmin(nlls))])
+    with pytest.raises(ValueError, match="grid"):
+        posterior.optimize_prior_precision((x, labels), grid=np.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match="validation"):
+        posterior.optimize_prior_precision(grid=grid)
