@@ -177,3 +177,30 @@ def test_needs_evaluation_at_its_period():
             key=jax.random.key(0), callbacks=[ee.EarlyStopping(10, patience=2)],
             evaluate=ee.Evaluate(loss, val, every=EVERY),
         )  # fmt: skip
+
+
+def test_sequential_layout_skips_a_stopped_members_step():
+    """Member by member, a stopped member's loss is not computed at all: a host
+    callback in the loss counts the calls that ran."""
+    ens, loss, data, val = problem()
+    calls = []
+
+    def counted(model, batch, key):
+        jax.debug.callback(lambda: calls.append(1))
+        return loss(model, batch, key)
+
+    result = ee.fit(
+        ens, counted, optax.adam(3e-2), data, steps=200, batch_size=8,
+        key=jax.random.key(1), sampling="independent",
+        evaluate=ee.Evaluate(loss, val, every=EVERY),
+        callbacks=[ee.EarlyStopping(EVERY, patience=2)],
+        execution=ee.Execution(layout="sequential"),
+    )  # fmt: skip
+    jax.effects_barrier()
+    assert result.stopped
+    active = sum(result.stopped.get(member, result.step) for member in range(4))
+    assert len(calls) == active < 4 * result.step
+    # A stopped member's later losses are NaN (in every layout), the others' not.
+    for member, step in result.stopped.items():
+        assert np.isnan(result.history.losses[step:, member]).all()
+        assert np.isfinite(result.history.losses[:step, member]).all()

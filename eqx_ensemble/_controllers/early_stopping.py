@@ -39,9 +39,12 @@ class EarlyStopping(Controller):
     - `patience`: evaluations without improvement before a member stops, `>= 1`.
     - `min_delta`: the improvement that counts, `>= 0` (in the score's units).
 
-    In the vectorised layout a stopped member's step still runs (its result is
-    discarded): one batched computation serves every member. The run's length is
-    where early stopping saves compute: it ends when the last member stops.
+    Compute: member by member (`ee.Execution(layout="sequential")`, the
+    automatic choice for a few convolutional members on a CPU) a stopped
+    member's step is skipped at run time; vectorised (`"vmap"`), one batched
+    computation serves every member, so a stopped member's step still runs and
+    its result is discarded. Either way the run ends when the last member
+    stops. A stopped member's later losses are recorded as NaN.
 
     **Example:**
 

@@ -125,6 +125,8 @@ def member_update(
     new_member, new_opt_state, new_state, diverged = apply_member(
         optimizer, member, opt_state, grads, loss, new_state, kept_state, frozen, key
     )
+    # A frozen member (diverged or stopped) does not train: no loss to report.
+    loss = jnp.where(frozen, jnp.nan, loss)
     return new_member, new_opt_state, loss, aux, new_state, diverged
 
 
@@ -326,6 +328,36 @@ def _joint_update(
     return new_ens, new_opt, losses, None, None, diverged
 
 
+def _skip_if_frozen(
+    compute: Callable[[], Any], frozen: Any, member: Any, opt_state: Any, state: Any
+) -> Any:
+    """ONE member's `member_update` (member by member: the sequential layout),
+    run only if the member is not frozen (diverged or stopped); a frozen
+    member's step is skipped at run time: it keeps its weights, optimizer state
+    and model state, as `member_update` would keep them, and reports a NaN loss,
+    as the vectorised layout does."""
+    shapes = eqx.filter_eval_shape(compute)
+    static = eqx.filter(shapes, lambda x: not isinstance(x, jax.ShapeDtypeStruct))
+
+    def run(_):
+        return eqx.filter(compute(), eqx.is_array)
+
+    def skip(_):
+        _, _, loss, aux, _, _ = shapes
+        kept = (
+            member,
+            opt_state,
+            jnp.full(loss.shape, jnp.nan, loss.dtype),
+            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux),
+            state,
+            jnp.zeros((), bool),
+        )
+        return eqx.filter(kept, eqx.is_array)
+
+    dynamic = jax.lax.cond(frozen, skip, run, None)
+    return eqx.combine(dynamic, static)
+
+
 def vmapped_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -365,18 +397,23 @@ def vmapped_update(
             )
 
         def one(member, opt_state, batch, key, state, frozen, hyper):
-            return member_update(
-                loss_fn,
-                optimizer,
-                member,
-                opt_state,
-                batch,
-                key,
-                state,
-                frozen,
-                hyper,
-                ens.shared,
-            )
+            def compute():
+                return member_update(
+                    loss_fn,
+                    optimizer,
+                    member,
+                    opt_state,
+                    batch,
+                    key,
+                    state,
+                    frozen,
+                    hyper,
+                    ens.shared,
+                )
+
+            if layout != "sequential":
+                return compute()
+            return _skip_if_frozen(compute, frozen, member, opt_state, state)
 
         members, *rest = member_map(
             one,
