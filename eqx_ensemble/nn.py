@@ -1,4 +1,5 @@
-"""Layers for ensembles whose members share parts.
+"""Layers for ensembles whose members share parts, and for ensembles inside one
+network.
 
 Each layer here is written for ONE member, like any Equinox layer; an ensemble
 of them is built with [`ee.ensemble`][eqx_ensemble.ensemble] and `shared=` (see
@@ -18,6 +19,19 @@ the shared-parts guide):
 Under the member `vmap`, a shared slow weight or base weight is not batched: the
 members' inputs meet ONE weight matrix (one wide matmul or convolution), which is
 where these methods save memory and time.
+
+Implicit ensembles are ONE network holding several members; it maps one input
+to per-member outputs `(members, ...)` ([`members_first`][eqx_ensemble.nn.members_first]
+turns a batch of them into the metrics' layout):
+
+- [`PackedLinear`][eqx_ensemble.nn.PackedLinear] and
+  [`PackedConv2d`][eqx_ensemble.nn.PackedConv2d] (Laurent et al. 2023,
+  "Packed-Ensembles"): members as groups of one grouped layer.
+- [`MIMO`][eqx_ensemble.nn.MIMO] and [`mimo_batch`][eqx_ensemble.nn.mimo_batch]
+  (Havasi et al. 2021): several inputs in, several heads out.
+- [`Masksembles`][eqx_ensemble.nn.Masksembles] and
+  [`masksembles_masks`][eqx_ensemble.nn.masksembles_masks] (Durasov et al.
+  2021): fixed masks with a controlled overlap.
 """
 
 from collections.abc import Callable
@@ -29,7 +43,24 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._layers.implicit import (
+    MIMO as MIMO,
+    Masksembles as Masksembles,
+    PackedConv2d as PackedConv2d,
+    PackedLinear as PackedLinear,
+    masksembles_masks as masksembles_masks,
+    members_first as members_first,
+    mimo_batch as mimo_batch,
+)
+
 __all__ = [
+    "PackedLinear",
+    "PackedConv2d",
+    "MIMO",
+    "mimo_batch",
+    "Masksembles",
+    "masksembles_masks",
+    "members_first",
     "BatchEnsembleConv",
     "BatchEnsembleLinear",
     "LoRALinear",

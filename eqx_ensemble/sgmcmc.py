@@ -212,7 +212,7 @@ def sghmc(
     learning_rate: ScalarOrSchedule,
     *,
     num_data: int,
-    friction: float = 0.1,
+    friction: float | int = 0.1,
     temperature: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic-gradient Hamiltonian Monte Carlo (Chen et al. 2014, in its
@@ -279,7 +279,10 @@ def sghmc(
 
 
 def cyclical_temperature(
-    cycle_steps: int, *, exploration: float = 0.5, temperature: float = 1.0
+    cycle_steps: int,
+    *,
+    exploration: float | int = 0.5,
+    temperature: float | int = 1.0,
 ) -> Callable[[Any], Any]:
     """The temperature schedule of cyclical SG-MCMC (Zhang et al. 2020): 0 during
     the first `exploration` fraction of each cycle of `cycle_steps` steps (an

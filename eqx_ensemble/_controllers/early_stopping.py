@@ -64,7 +64,7 @@ class EarlyStopping(Controller):
 
     every: int
     patience: int
-    min_delta: float = 0.0
+    min_delta: float | int = 0.0
 
     def __check_init__(self):
         check_positive_int(self.every, "EarlyStopping.every")

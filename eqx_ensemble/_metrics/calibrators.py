@@ -296,7 +296,7 @@ def fit_vector_scaling(
     labels: Int[ArrayLike, " batch"],
     *,
     per_member: bool = False,
-    l2: float = 1e-4,
+    l2: float | int = 1e-4,
     iterations: int = 500,
 ) -> VectorScaling:
     """Fit vector scaling (Guo et al. 2017, "On calibration of modern neural
@@ -334,7 +334,7 @@ def fit_matrix_scaling(
     labels: Int[ArrayLike, " batch"],
     *,
     per_member: bool = False,
-    l2: float = 1e-4,
+    l2: float | int = 1e-4,
     iterations: int = 500,
 ) -> MatrixScaling:
     """Fit matrix scaling (Guo et al. 2017): calibrated logits `W z + b`,
@@ -371,7 +371,7 @@ def fit_dirichlet_scaling(
     labels: Int[ArrayLike, " batch"],
     *,
     per_member: bool = False,
-    l2: float = 1e-4,
+    l2: float | int = 1e-4,
     iterations: int = 500,
 ) -> DirichletScaling:
     """Fit Dirichlet calibration (Kull et al. 2019, "Beyond temperature scaling:

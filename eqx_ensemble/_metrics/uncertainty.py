@@ -238,7 +238,7 @@ def _check_temperature(temperature: float | int) -> float:
 def energy_score(
     logits: Float[ArrayLike, " members batch classes"],
     *,
-    temperature: float = 1.0,
+    temperature: float | int = 1.0,
 ) -> Float[Array, " batch"]:
     """The free energy of each input, `-T logsumexp(f(x) / T)` (Liu et al. 2020,
     "Energy-based out-of-distribution detection"), averaged over members: an OOD

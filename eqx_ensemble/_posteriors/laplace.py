@@ -441,7 +441,7 @@ def laplace(
     part: Callable[[Any], Any] | None = None,
     curvature: Curvature = "kfac",
     prior_precision: Float[ArrayLike, " members"] | float | None = None,
-    sigma_noise: float = 1.0,
+    sigma_noise: float | int = 1.0,
     batch_size: int = 256,
 ) -> LaplacePosterior:
     """Fit a Laplace approximation to every member around its trained weights

@@ -1,0 +1,1 @@
+"""Layers for ensembles inside one network (implicit ensembles)."""
