@@ -12,7 +12,7 @@ from .._execution.execution import (
     refuses_moved,
 )
 from .ensemble import Ensemble
-from .mapping import map_members
+from .mapping import map_members, member_chunk_size
 
 
 @refuses_moved("ee.map", {"layout": MOVED_TO_EXECUTION["layout"]})
@@ -47,7 +47,8 @@ def map(
     - `key`: optional PRNG key split into one key per member:
       member `i` gets `jax.random.split(key, len(ens))[i]`.
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `map` uses its
-      `layout`, how the member axis is computed, as in
+      `member_chunk` (the same as `chunk_size`) and its `layout`, how the member
+      axis is computed, as in
       [`make_step`][eqx_ensemble.make_step]. `"vmap"`: one vectorised
       computation. `"sequential"`: `fn` on one member after another, the results
       stacked (inside `jax.jit`: straight-line code, one copy of `fn` per
@@ -82,5 +83,6 @@ def map(
             f"`ee.map` expects an `ee.Ensemble` as its second argument, got "
             f"{type(ens).__name__}; build one with `ee.ensemble` or `ee.stack`"
         )
-    layout = as_execution(execution, "ee.map", ("layout",)).layout
-    return map_members(fn, ens, args, in_axes, chunk_size, key, layout)
+    execution = as_execution(execution, "ee.map", ("layout", "member_chunk"))
+    chunk_size = member_chunk_size(chunk_size, execution.member_chunk)
+    return map_members(fn, ens, args, in_axes, chunk_size, key, execution.layout)

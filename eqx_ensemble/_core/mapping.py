@@ -106,6 +106,19 @@ def check_per_member_args(args: tuple, in_axes: tuple, size: int) -> tuple:
     return masks
 
 
+def member_chunk_size(chunk_size: int | None, member_chunk: int | None) -> int | None:
+    """`chunk_size` and `Execution.member_chunk` say the same thing: either one,
+    or both equal."""
+    if member_chunk is None:
+        return chunk_size
+    if chunk_size is not None and chunk_size != member_chunk:
+        raise ValueError(
+            f"`chunk_size={chunk_size}` and `Execution(member_chunk={member_chunk})` "
+            "disagree: they set the same thing, pass one"
+        )
+    return member_chunk
+
+
 def map_members(
     fn: Callable[..., Any],
     ens: Any,

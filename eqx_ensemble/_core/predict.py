@@ -14,7 +14,7 @@ from .._execution.execution import (
 )
 from .data import check_leading, num_examples
 from .ensemble import Ensemble
-from .mapping import MEMBER_NOTE, map_members
+from .mapping import MEMBER_NOTE, map_members, member_chunk_size
 
 
 def _example_context(x: Any, example: Any) -> str:
@@ -104,7 +104,9 @@ def predict(
 
         return jax.vmap(one_example)(x, example_keys)
 
-    layout = as_execution(execution, "ee.predict", ("layout",)).layout
+    execution = as_execution(execution, "ee.predict", ("layout", "member_chunk"))
+    chunk_size = member_chunk_size(chunk_size, execution.member_chunk)
+    layout = execution.layout
     # The layout's profile is cached under `predict` (its `one_member` is a new
     # closure each call), keyed by the shapes of the ensemble, `x` and `state`.
     return map_members(

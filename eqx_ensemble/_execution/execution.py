@@ -22,7 +22,14 @@ from .compile import check_compiler_options
 
 LayoutChoice = Literal["auto", "vmap", "sequential"]
 _LAYOUTS = ("auto", "vmap", "sequential")
-_FIELDS = ("steps_per_dispatch", "layout", "unroll", "compiler_options", "mesh")
+_FIELDS = (
+    "steps_per_dispatch",
+    "layout",
+    "unroll",
+    "compiler_options",
+    "mesh",
+    "member_chunk",
+)
 
 
 class Execution(eqx.Module):
@@ -55,6 +62,12 @@ class Execution(eqx.Module):
       [`ee.make_mesh`][eqx_ensemble.make_mesh]; the member axis is split over
       its `"members"` axis and each batch over `"data"`. Results equal the
       one-device run's to rounding (see the sharding guide).
+    - `member_chunk`: `fit`, `make_step`, `map` and `predict`: compute `k`
+      members at a time inside the compiled step (a `jax.lax.map` over groups
+      of `k` vectorised members), so the step holds the activations of `k`
+      members, not of all: ensembles larger than memory. It must divide the
+      number of members; vectorised layout only; not yet with a `mesh`, a
+      trained shared part or an `ee.Coupled` loss. `None`: all members at once.
 
     The results are the same whatever these say, to floating-point rounding;
     on a CPU, a run resumed from a checkpoint with the same `Execution` is bit
@@ -78,6 +91,7 @@ class Execution(eqx.Module):
     unroll: bool | None
     compiler_options: tuple[tuple[str, Any], ...] | None
     mesh: Mesh | None
+    member_chunk: int | None
 
     def __init__(
         self,
@@ -87,6 +101,7 @@ class Execution(eqx.Module):
         unroll: bool | None = None,
         compiler_options: dict[str, Any] | None = None,
         mesh: Mesh | None = None,
+        member_chunk: int | None = None,
     ):
         if steps_per_dispatch is not None:
             steps_per_dispatch = check_positive_int(
@@ -112,6 +127,21 @@ class Execution(eqx.Module):
                     "another on one device; on a mesh the members are split over "
                     "devices and run vectorised: leave `layout` out (or pass 'vmap')"
                 )
+        if member_chunk is not None:
+            member_chunk = check_positive_int(member_chunk, "Execution.member_chunk")
+            if layout == "sequential":
+                raise ValueError(
+                    "`Execution(layout='sequential')` already computes one member at "
+                    "a time; `member_chunk` chunks the vectorised layout: pass one "
+                    "or the other"
+                )
+            if mesh is not None:
+                raise ValueError(
+                    "`Execution(member_chunk=...)` does not yet combine with a "
+                    "`mesh` (chunks within each device's members): split the "
+                    "members over more devices instead, or leave `mesh` out"
+                )
+        self.member_chunk = member_chunk
         self.steps_per_dispatch = steps_per_dispatch
         self.layout = layout
         self.unroll = unroll

@@ -132,14 +132,23 @@ def on_one_cpu_device(tree: PyTree[Any]) -> bool:
 
 
 def member_map(
-    fn: Callable[..., Any], in_axes: tuple[Any, ...], layout: Layout, size: int
+    fn: Callable[..., Any],
+    in_axes: tuple[Any, ...],
+    layout: Layout,
+    size: int,
+    chunk: int | None = None,
 ) -> Callable[..., Any]:
     """`eqx.filter_vmap(fn, in_axes=in_axes)`, or the same mapping run member by
     member and stacked. Each entry of `in_axes` is `None` (shared), a filter such
     as `eqx.if_array(0)` (every array leaf per member), or a PyTree prefix of
-    `0`/`None` over its argument."""
+    `0`/`None` over its argument. With `chunk` (the vectorised layout, entries
+    `None` or a filter): `chunk` members at a time, a `jax.lax.map` over groups
+    (`Execution.member_chunk`)."""
     if layout == "vmap":
-        return eqx.filter_vmap(fn, in_axes=in_axes)
+        vmapped = eqx.filter_vmap(fn, in_axes=in_axes)
+        if chunk is None or chunk == size:
+            return vmapped
+        return _chunked_vmap(vmapped, in_axes, size, chunk)
 
     def sequential(*args: Any) -> Any:
         outputs = []
@@ -152,6 +161,54 @@ def member_map(
         return jax.tree.map(_stack, *outputs)
 
     return sequential
+
+
+def check_member_chunk(chunk: int, size: int) -> None:
+    """`chunk` divides the number of members, or an error naming both."""
+    if size % chunk:
+        divisors = [k for k in range(1, size + 1) if size % k == 0]
+        raise ValueError(
+            f"`Execution.member_chunk={chunk}` must divide the number of members "
+            f"({size}): choose one of {divisors}"
+        )
+
+
+def _chunked_vmap(
+    vmapped: Callable[..., Any], in_axes: tuple[Any, ...], size: int, chunk: int
+) -> Callable[..., Any]:
+    """`vmapped` over `chunk` members at a time: the per-member arrays are split
+    into `size // chunk` groups and `jax.lax.map` runs one group after another,
+    so only one group's intermediate values are alive at once. Shared arguments
+    (`None` axes) are closed over."""
+    check_member_chunk(chunk, size)
+    if any(axes is not None and not callable(axes) for axes in in_axes):
+        raise NotImplementedError("member chunks take per-argument filters only")
+    groups = size // chunk
+    mapped = [i for i, axes in enumerate(in_axes) if axes is not None]
+
+    def run(*args: Any) -> Any:
+        parts = [eqx.partition(args[i], eqx.is_array) for i in mapped]
+        split = tuple(
+            jax.tree.map(lambda x: x.reshape(groups, chunk, *x.shape[1:]), dynamic)
+            for dynamic, _ in parts
+        )
+
+        def group(dynamic_group: Any) -> Any:
+            full = list(args)
+            for position, i in enumerate(mapped):
+                full[i] = eqx.combine(dynamic_group[position], parts[position][1])
+            return vmapped(*full)
+
+        first = jax.tree.map(lambda x: x[0], split)
+        static = eqx.filter(
+            eqx.filter_eval_shape(group, first),
+            lambda x: not isinstance(x, jax.ShapeDtypeStruct),
+        )
+        outputs = jax.lax.map(lambda g: eqx.filter(group(g), eqx.is_array), split)
+        outputs = jax.tree.map(lambda x: x.reshape(size, *x.shape[2:]), outputs)
+        return eqx.combine(outputs, static)
+
+    return run
 
 
 def _member_slice(axes: Any, arg: Any, i: int) -> Any:

@@ -101,10 +101,11 @@ class Evaluate(eqx.Module):
         model_state: PyTree[Any],
         member_keys: Key[Array, " members"] | UInt32[Array, " members 2"],
         layout: Layout = "vmap",
+        member_chunk: int | None = None,
     ) -> Float[Array, " members"]:
         """Every member's score, member `i` called with `member_keys[i]`; the
         members vectorised or one after another (`layout`: the training step's,
-        see `_layout`)."""
+        see `_layout`), `member_chunk` at a time if given."""
         stateful = model_state is not None
 
         def one(member, state, member_key):
@@ -123,7 +124,7 @@ class Evaluate(eqx.Module):
             return jnp.asarray(score, dtype=jnp.float32)
 
         in_axes = (eqx.if_array(0),) * 3
-        return member_map(one, in_axes, layout, len(member_keys))(
+        return member_map(one, in_axes, layout, len(member_keys), member_chunk)(
             ensemble.members, model_state, member_keys
         )
 

@@ -175,4 +175,11 @@ def fit(
         return run.run()
 
 
-FIT_FIELDS = ("steps_per_dispatch", "layout", "unroll", "compiler_options", "mesh")
+FIT_FIELDS = (
+    "steps_per_dispatch",
+    "layout",
+    "unroll",
+    "compiler_options",
+    "mesh",
+    "member_chunk",
+)

@@ -66,6 +66,7 @@ class Chunk(eqx.Module):
     # Every one of the `length` steps runs (known on the host): no conditional.
     full: bool = False
     layout: Layout = "vmap"  # the members vectorised, or one after another
+    member_chunk: int | None = None  # vectorised members per group (`Execution`)
 
 
 def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
@@ -118,6 +119,7 @@ def _train_step(
         chunk.sampling.per_member,
         chunk.mesh,
         chunk.layout,
+        chunk.member_chunk,
     )
     step = ts.step
     member_keys = jax.random.split(
@@ -170,7 +172,11 @@ def _evaluate(
             (MEMBERS,),
         )
         scores = evaluate.scores(
-            current.ensemble, current.model_state, member_keys, chunk.layout
+            current.ensemble,
+            current.model_state,
+            member_keys,
+            chunk.layout,
+            chunk.member_chunk,
         )
         return constrain(scores, chunk.mesh, (MEMBERS,))
 

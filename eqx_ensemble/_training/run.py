@@ -29,6 +29,7 @@ from .._execution.execution import Execution
 from .._execution.layout import (
     SEQUENTIAL_MIN_STEPS_PER_MEMBER,
     Layout,
+    check_member_chunk,
     choose_layout,
 )
 from .._execution.profile import StepProfile, first_member, signature
@@ -59,6 +60,7 @@ from .record import (
 from .result import EnsembleDivergedError, FitResult, make_result
 from .sampling import Sampling, as_sampling
 from .source import ArraySource, Batches, DataSource, StreamSource
+from .step import check_chunkable
 from .stream import check_data, is_array_data
 from .train_state import TrainState, start_state
 
@@ -250,6 +252,7 @@ def prepare(
         mesh=mesh,
         unrolled=plan.unroll,
         layout=plan.layout,
+        member_chunk=execution.member_chunk,
     )
     return Run(
         chunk=on_mesh(chunk, mesh),
@@ -406,6 +409,10 @@ def _plan_fit(
         mesh=mesh,
         steps=steps,
     )
+    if execution.member_chunk is not None:  # chunks of vectorised members
+        check_member_chunk(execution.member_chunk, size)
+        check_chunkable(loss_fn, ens)
+        layout = "vmap"
     per_dispatch = execution.steps_per_dispatch
     if per_dispatch is None:
         if not unroll:

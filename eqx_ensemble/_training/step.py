@@ -358,19 +358,37 @@ def _skip_if_frozen(
     return eqx.combine(dynamic, static)
 
 
+def check_chunkable(loss_fn: Any, ens: Any) -> None:
+    """`Execution.member_chunk` applies to members trained on their own: refuse
+    a coupled loss and a trained shared part by name."""
+    if isinstance(loss_fn, Coupled):
+        raise ValueError(
+            "`Execution(member_chunk=...)` does not yet apply to an `ee.Coupled` "
+            "loss (it needs every member at once); leave `member_chunk` out"
+        )
+    if getattr(ens, "train_shared", False):
+        raise ValueError(
+            "`Execution(member_chunk=...)` does not yet apply to a trained shared "
+            "part (its gradient sums over every member); leave `member_chunk` out "
+            "or freeze the shared part"
+        )
+
+
 def vmapped_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     per_member_batch: bool,
     mesh: Mesh | None = None,
     layout: Layout = "vmap",
+    member_chunk: int | None = None,
 ) -> Callable[..., Any]:
     """`(ens, opt_state, batch, keys, state, frozen, hyper) -> (ens, opt_state,
     losses, aux, state, diverged)`: `member_update` under `eqx.filter_vmap` over
     the member axis (on `mesh`: members split over its `"members"` axis, the
-    batch over `"data"`), or member by member with `layout="sequential"` (see
-    `_layout`). A frozen shared part is closed over (one copy for every
-    member); a trained one goes through `_coupled_update`."""
+    batch over `"data"`), `member_chunk` members at a time if given, or member
+    by member with `layout="sequential"` (see `_layout`). A frozen shared part
+    is closed over (one copy for every member); a trained one goes through
+    `_coupled_update`."""
     # A shared batch is not mapped: it stays one array inside the member `vmap`,
     # so the member axis folds into the weights (one wide matmul per layer).
     batch_axes = eqx.if_array(0) if per_member_batch else None
@@ -378,6 +396,8 @@ def vmapped_update(
 
     def update(ens, opt_state, batch, keys, state, frozen, hyper):
         check_shared_shapes(ens)
+        if member_chunk is not None:
+            check_chunkable(loss_fn, ens)
         if isinstance(loss_fn, Coupled):
             return _joint_update(
                 loss_fn, optimizer, ens, opt_state, batch, keys, state, frozen, hyper
@@ -428,6 +448,7 @@ def vmapped_update(
             ),
             layout,
             len(ens),
+            member_chunk,
         )(ens.members, opt_state, batch, keys, state, frozen, hyper)
         return (with_members(ens, members), *rest)
 
@@ -473,6 +494,7 @@ class Step(eqx.Module):
     mesh: Mesh | None = None
     compiler_options: Options | None = None
     layout: str = "auto"
+    member_chunk: int | None = None
 
     def __call__(
         self,
@@ -552,6 +574,8 @@ class Step(eqx.Module):
     ) -> Layout:
         # The member layout (see `_layout`): read from the loss's profile only
         # where the rule could pick "sequential" (one CPU device).
+        if self.member_chunk is not None:  # chunks of vectorised members
+            return "vmap"
         if self.layout != "auto" or not isinstance(ens, Ensemble):
             return "sequential" if self.layout == "sequential" else "vmap"
         if self.mesh is not None or jax.default_backend() != "cpu":
@@ -639,7 +663,12 @@ def _step_impl(
     member_keys = jax.random.split(key, size)
     frozen = jnp.zeros((size,), dtype=bool)
     update = vmapped_update(
-        step.loss_fn, step.optimizer, step.per_member_batch, step.mesh, layout
+        step.loss_fn,
+        step.optimizer,
+        step.per_member_batch,
+        step.mesh,
+        layout,
+        step.member_chunk,
     )
     new_ens, new_opt_state, losses, aux, new_state, _ = update(
         ens, opt_state, batch, member_keys, state, frozen, hyper
@@ -784,7 +813,8 @@ def make_step(
         mesh=execution.mesh,
         compiler_options=execution.compiler_options,
         layout=execution.layout,
+        member_chunk=execution.member_chunk,
     )
 
 
-STEP_FIELDS = ("layout", "compiler_options", "mesh")
+STEP_FIELDS = ("layout", "compiler_options", "mesh", "member_chunk")

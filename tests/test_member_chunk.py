@@ -1,0 +1,176 @@
+"""`Execution(member_chunk=k)`: k members at a time inside the compiled step,
+equal to the unchunked run (to rounding) for fit, make_step, map and predict,
+with BatchNorm state and per-member keys; bad input named."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+
+SIZE = 8
+
+
+class Net(eqx.Module):
+    """Dropout (per-member keys) and BatchNorm (per-member state)."""
+
+    first: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+    dropout: eqx.nn.Dropout
+    last: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.first = eqx.nn.Linear(3, 16, key=k1)
+        self.norm = eqx.nn.BatchNorm(16, axis_name="batch", mode="batch")
+        self.dropout = eqx.nn.Dropout(0.2)
+        self.last = eqx.nn.Linear(16, 1, key=k2)
+
+    def __call__(self, x, state, *, key=None):
+        h = jax.nn.relu(self.first(x))
+        h, state = self.norm(h, state)
+        h = self.dropout(h, key=key, inference=key is None)
+        return self.last(h), state
+
+
+def loss(model, state, batch, key):
+    xs, ys = batch
+    keys = jax.random.split(key, xs.shape[0])
+    out, state = jax.vmap(
+        lambda xi, ki: model(xi, state, key=ki), axis_name="batch", out_axes=(0, None)
+    )(xs, keys)
+    return jnp.mean((out[:, 0] - ys) ** 2), state
+
+
+@pytest.fixture(scope="module")
+def problem():
+    ens, state = ee.ensemble(
+        lambda k: eqx.nn.make_with_state(Net)(k), size=SIZE, key=jax.random.key(0)
+    )
+    x = jax.random.normal(jax.random.key(1), (64, 3))
+    y = jnp.sin(x[:, 0])
+    return ens, state, (x, y)
+
+
+def _close(a, b):
+    a, b = eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array)
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+def test_fit_equals_the_unchunked_run(problem, chunk):
+    ens, state, data = problem
+
+    def run(execution):
+        # SGD: Adam's normalised steps turn rounding in near-zero gradients
+        # into steps of the learning rate's size.
+        return ee.fit(
+            ens, loss, optax.sgd(0.05), data, steps=30, batch_size=16,
+            key=jax.random.key(2), state=state, sampling="independent",
+            callbacks=(), execution=execution,
+            evaluate=ee.Evaluate(loss, data, every=10),
+        )  # fmt: skip
+
+    plain, chunked = run(None), run(ee.Execution(member_chunk=chunk))
+    _close(chunked.ensemble, plain.ensemble)
+    _close(chunked.state, plain.state)
+    _close(chunked.opt_state, plain.opt_state)
+    np.testing.assert_allclose(chunked.history.losses, plain.history.losses, rtol=1e-5)
+    np.testing.assert_allclose(
+        chunked.history.eval_scores, plain.history.eval_scores, rtol=1e-5
+    )
+
+
+def test_make_step_equals_the_unchunked_step(problem):
+    ens, state, data = problem
+    opt = optax.sgd(0.1)
+    opt_state = ee.init_optimizer(opt, ens)
+    plain = ee.make_step(loss, opt)(ens, opt_state, data, jax.random.key(3), state)
+    chunked = ee.make_step(loss, opt, execution=ee.Execution(member_chunk=2))(
+        ens, opt_state, data, jax.random.key(3), state
+    )
+    _close(chunked, plain)
+
+
+def test_map_and_predict_equal_the_unchunked_ones(problem):
+    ens, state, data = problem
+    x = data[0]
+    plain = ee.predict(ens, x, state=state)
+    chunked = ee.predict(ens, x, state=state, execution=ee.Execution(member_chunk=4))
+    _close(chunked, plain)
+    fn = lambda m, xs: jax.vmap(lambda xi: m.first(xi))(xs)  # noqa: E731
+    _close(
+        ee.map(fn, ens, x, execution=ee.Execution(member_chunk=2)), ee.map(fn, ens, x)
+    )
+    with pytest.raises(ValueError, match="disagree"):
+        ee.map(fn, ens, x, chunk_size=4, execution=ee.Execution(member_chunk=2))
+
+
+def test_chunked_step_holds_fewer_intermediates():
+    """XLA's memory analysis of the compiled step: the temporaries of one chunk
+    of members, not of all of them (sizes, not timings)."""
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(64, 64, 256, 3, key=k), size=16, key=jax.random.key(0)
+    )
+    mse = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)  # noqa: E731
+    x = jnp.ones((512, 64))
+    opt = optax.sgd(0.1)
+    opt_state = ee.init_optimizer(opt, ens)
+
+    def temp_bytes(execution):
+        step = ee.make_step(mse, opt, execution=execution)
+        dynamic, static = eqx.partition((ens, opt_state), eqx.is_array)
+
+        def run(dynamic, batch, key):
+            out = step(*eqx.combine(dynamic, static), batch, key)
+            return eqx.filter(out, eqx.is_array)
+
+        lowered = jax.jit(run).lower(dynamic, x, jax.random.key(0))
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    # `compiler_options={}`: an outer `jit` takes no options of the inner one's.
+    whole = temp_bytes(ee.Execution(layout="vmap", compiler_options={}))
+    chunked = temp_bytes(ee.Execution(member_chunk=2, compiler_options={}))
+    assert chunked < whole / 3, (chunked, whole)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_chunk_must_divide_the_members(problem):
+    ens, state, data = problem
+    with pytest.raises(ValueError, match=r"member_chunk=3` must divide .* \(8\)"):
+        ee.fit(
+            ens, loss, optax.sgd(0.1), data, steps=2, batch_size=8,
+            key=jax.random.key(0), state=state, callbacks=(),
+            execution=ee.Execution(member_chunk=3),
+        )  # fmt: skip
+    step = ee.make_step(loss, optax.sgd(0.1), execution=ee.Execution(member_chunk=3))
+    with pytest.raises(ValueError, match="must divide"):
+        step(
+            ens, ee.init_optimizer(optax.sgd(0.1), ens), data, jax.random.key(0), state
+        )
+
+
+def test_chunk_refused_where_it_cannot_apply():
+    with pytest.raises(ValueError, match="one member at a time"):
+        ee.Execution(member_chunk=2, layout="sequential")
+    with pytest.raises(ValueError, match="mesh"):
+        ee.Execution(member_chunk=2, mesh=ee.make_mesh(members=1))
+    with pytest.raises(ValueError, match="member_chunk"):
+        ee.Execution(member_chunk=0)
+    ens = ee.ensemble(
+        lambda k: eqx.nn.Linear(2, 1, key=k), size=4, key=jax.random.key(0)
+    )
+    x = jnp.ones((8, 2))
+    coupled = ee.Coupled(lambda e, b, k: jnp.zeros(4))
+    with pytest.raises(ValueError, match="Coupled"):
+        ee.fit(
+            ens, coupled, optax.sgd(0.1), x, steps=2, batch_size=4,
+            key=jax.random.key(0), callbacks=(),
+            execution=ee.Execution(member_chunk=2),
+        )  # fmt: skip
