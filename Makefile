@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate
-	$(PY) -m pip install -q -e ".[dev,docs,loaders]"
+	$(PY) -m pip install -q -e ".[dev,docs,loaders,data]"
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/activate

@@ -72,7 +72,13 @@ def execute(notebook: nbformat.NotebookNode, workdir: Path, spec_dir: Path) -> N
 # Run from tests/test_notebooks_more.py instead: with `--dist loadfile` each test
 # file runs in one worker, so the notebooks are split over two files to keep
 # either from being the suite's tail.
-SECOND_FILE = {"shared_parts.ipynb", "sweeps.ipynb", "methods.ipynb", "bayesian.ipynb"}
+SECOND_FILE = {
+    "shared_parts.ipynb",
+    "sweeps.ipynb",
+    "methods.ipynb",
+    "bayesian.ipynb",
+    "implicit_ensembles.ipynb",
+}
 
 
 @pytest.mark.parametrize(

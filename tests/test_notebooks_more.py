@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 from test_notebooks import NOTEBOOKS, SECOND_FILE, run_notebook
 
-# The two longest notebooks (about 75 and 55 s on 2 cores) run with `-m slow`
-# (`make test-all`) only: their guides, docs/guides/shared-parts.md and
-# docs/guides/sweeps.md, run the same API in the default run, and the default run
-# still checks that every committed notebook carries its outputs.
-SLOW = {"shared_parts.ipynb", "sweeps.ipynb"}
+# The longest notebooks (about 75, 55 and 60 s on 2 cores) run with `-m slow`
+# (`make test-all`) only: their guides (docs/guides/shared-parts.md,
+# docs/guides/sweeps.md and the implicit-ensembles section of
+# docs/guides/methods.md) run the same API in the default run, and the default
+# run still checks that every committed notebook carries its outputs.
+SLOW = {"shared_parts.ipynb", "sweeps.ipynb", "implicit_ensembles.ipynb"}
 
 
 @pytest.mark.parametrize(
