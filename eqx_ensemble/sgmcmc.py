@@ -51,9 +51,21 @@ from ._trackers.base import check_tracker_int
 ScalarOrSchedule = float | Callable[[Any], Any]
 
 
-def _check_value(value: Any, name: str, *, low: float, high: float, closed: bool):
-    """A constant in range, or a schedule whose value at step 0 is in range."""
+def _check_value(
+    value: Any,
+    name: str,
+    *,
+    low: float,
+    high: float,
+    closed: bool,
+    schedule: bool = True,
+):
+    """A constant in range, or (`schedule=True`) a schedule whose value at step 0
+    is in range; a schedule may start at `low` itself (a warm-up from 0)."""
+    if callable(value) and not schedule:
+        raise TypeError(f"`{name}` must be a number (not a schedule), got {value!r}")
     if callable(value):
+        closed = True
         try:
             first = float(np.asarray(value(jnp.asarray(0, jnp.int32))))
         except Exception as error:  # noqa: BLE001 - reported with its cause
@@ -229,8 +241,9 @@ def sghmc(
 
     - `learning_rate`: `lr > 0` (or a schedule).
     - `num_data`: the number of training examples the mean loss stands for.
-    - `friction`: `a` in `(0, 1]` (`1 - a` is the momentum's decay; 1 is SGLD
-      with a doubled step).
+    - `friction`: `a` in `(0, 1]` (`1 - a` is the momentum's decay; with 1 the
+      momentum is forgotten every step and the update is exactly `sgld`'s at the
+      same `lr`).
     - `temperature`: `T >= 0`, or a schedule.
 
     **Returns:**
@@ -249,9 +262,7 @@ def sghmc(
     """
     _check_value(learning_rate, "learning_rate", low=0.0, high=math.inf, closed=False)
     _check_value(temperature, "temperature", low=0.0, high=math.inf, closed=True)
-    _check_value(friction, "friction", low=0.0, high=1.0, closed=False)
-    if callable(friction):
-        raise TypeError("`friction` must be a number, not a schedule")
+    _check_value(friction, "friction", low=0.0, high=1.0, closed=False, schedule=False)
     num_data = _check_num_data(num_data)
     lr_at, temperature_at = _schedule(learning_rate), _schedule(temperature)
     friction = float(friction)
@@ -307,14 +318,19 @@ def cyclical_temperature(
     ```
     """
     check_tracker_int("cyclical_temperature", "cycle_steps", cycle_steps, 1)
-    _check_value(exploration, "exploration", low=0.0, high=1.0, closed=True)
-    if exploration >= 1:
-        raise ValueError(
-            f"`exploration` must be below 1 (a cycle needs a sampling stage), got "
-            f"{exploration}"
-        )
-    _check_value(temperature, "temperature", low=0.0, high=math.inf, closed=True)
+    _check_value(
+        exploration, "exploration", low=0.0, high=1.0, closed=True, schedule=False
+    )
+    _check_value(
+        temperature, "temperature", low=0.0, high=math.inf, closed=True, schedule=False
+    )
     start = math.ceil(exploration * cycle_steps)  # first sampling step of a cycle
+    if start >= cycle_steps:
+        raise ValueError(
+            f"`exploration={exploration}` leaves no sampling stage in a cycle of "
+            f"`cycle_steps={cycle_steps}` steps (the first sampling step would be "
+            f"{start}); lower `exploration` or lengthen the cycle"
+        )
 
     def schedule(count):
         sampling = jnp.mod(count, cycle_steps) >= start

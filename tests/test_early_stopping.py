@@ -204,3 +204,17 @@ def test_sequential_layout_skips_a_stopped_members_step():
     for member, step in result.stopped.items():
         assert np.isnan(result.history.losses[step:, member]).all()
         assert np.isfinite(result.history.losses[:step, member]).all()
+
+
+def test_pbt_and_early_stopping_are_refused_together():
+    ens, loss, data, val = problem()
+    with pytest.raises(ValueError, match=r"ee\.PBT.*ee\.EarlyStopping"):
+        ee.fit(
+            ens, loss, optax.inject_hyperparams(optax.adam)(learning_rate=3e-2),
+            data, steps=20, batch_size=8, key=jax.random.key(1),
+            evaluate=ee.Evaluate(loss, val, every=EVERY),
+            callbacks=[
+                ee.PBT(every=EVERY, fraction=0.25, hyperparams=("learning_rate",)),
+                ee.EarlyStopping(EVERY, patience=2),
+            ],
+        )  # fmt: skip

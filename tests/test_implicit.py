@@ -225,6 +225,10 @@ def test_packed_widths_must_divide():
         ee.nn.PackedLinear(10, 10, members=4, key=jax.random.key(0))
     with pytest.raises(ValueError, match="divisible"):
         ee.nn.PackedConv2d(8, 6, 3, members=4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"`PackedConv2d\.out_channels`"):
+        ee.nn.PackedConv2d(8, 0, 3, members=4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"`PackedLinear\.in_features`"):
+        ee.nn.PackedLinear(0, 8, members=4, key=jax.random.key(0))
     with pytest.raises(ValueError, match="PackedLinear.members"):
         ee.nn.PackedLinear(8, 8, members=0, key=jax.random.key(0))
     with pytest.raises(ValueError, match="alpha"):
@@ -249,6 +253,8 @@ def test_mimo_bad_input():
 def test_masksembles_bad_input():
     with pytest.raises(ValueError, match="scale"):
         ee.nn.masksembles_masks(32, 4, 7.0, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="^`features` must be at least 1"):
+        ee.nn.masksembles_masks(0, 4, 2.0, key=jax.random.key(0))
     with pytest.raises(ValueError, match="at least 10 features"):
         ee.nn.masksembles_masks(8, 4, 2.0, key=jax.random.key(0))
     layer = ee.nn.Masksembles(16, M, 2.0, key=jax.random.key(0))

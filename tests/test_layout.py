@@ -426,3 +426,47 @@ def test_map_bad_layout_is_refused(data):
             chunk_size=1,
             execution=ee.Execution(layout="sequential"),
         )
+
+
+class Counted(eqx.Module):
+    """A model whose loss updates its state directly (`state.set` on the state it
+    was given, which invalidates that object, as plain Equinox does)."""
+
+    linear: eqx.nn.Linear
+    count: eqx.nn.StateIndex
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(16, 3, key=key)
+        self.count = eqx.nn.StateIndex(jnp.zeros(()))
+
+
+def counting_loss(model, state, batch, key):
+    x, y = batch
+    state = state.set(model.count, state.get(model.count) + 1.0)
+    logits = jax.vmap(model.linear)(x.reshape(x.shape[0], -1))
+    return xent(logits, y), state, {"seen": jnp.float32(1.0), "label": 3}
+
+
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_loss_that_sets_its_input_state(data, layout):
+    # The sequential layout traces a member's step twice (its shapes, then the
+    # step under a conditional): each trace must get its own state object.
+    ens, state = ee.ensemble(
+        eqx.nn.make_with_state(Counted), size=SIZE, key=jax.random.key(0)
+    )
+    result = ee.fit(
+        ens,
+        counting_loss,
+        optax.sgd(0.1),
+        data,
+        steps=4,
+        batch_size=8,
+        key=jax.random.key(3),
+        state=state,
+        callbacks=(),
+        execution=ee.Execution(steps_per_dispatch=2, layout=layout),
+    )
+    # Every member counted each of its 4 steps (the Python aux passed through).
+    leaves = jax.tree.leaves(result.state)
+    assert len(leaves) == 1
+    assert jnp.array_equal(leaves[0], jnp.full((SIZE,), 4.0))

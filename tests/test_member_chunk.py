@@ -108,6 +108,12 @@ def test_map_and_predict_equal_the_unchunked_ones(problem):
     )
     with pytest.raises(ValueError, match="disagree"):
         ee.map(fn, ens, x, chunk_size=4, execution=ee.Execution(member_chunk=2))
+    # Mapping takes a chunk that does not divide the 8 members (3 + 3 + 2).
+    _close(
+        ee.map(fn, ens, x, execution=ee.Execution(member_chunk=3)), ee.map(fn, ens, x)
+    )
+    with pytest.raises(ValueError, match=r"`Execution\.member_chunk=9` is more"):
+        ee.predict(ens, x, state=state, execution=ee.Execution(member_chunk=9))
 
 
 def test_chunked_step_holds_fewer_intermediates():

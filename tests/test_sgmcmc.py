@@ -250,6 +250,33 @@ def test_bad_sampler_arguments(kwargs, match):
         ee.sgmcmc.sgld(learning_rate, **arguments)
 
 
+def test_warmup_schedule_from_zero_is_accepted():
+    # A learning-rate warm-up starts at 0: the schedule is in range at step 0.
+    warmup = optax.linear_schedule(0.0, 1e-3, 10)
+    sampler = ee.sgmcmc.sgld(warmup, num_data=10)
+    params = {"w": jnp.zeros(3)}
+    state = sampler.init(params)
+    updates, _ = sampler.update(
+        {"w": jnp.ones(3)}, state, params, key=jax.random.key(0)
+    )
+    assert jnp.array_equal(updates["w"], jnp.zeros(3))  # lr 0: no step, no noise
+    ee.sgmcmc.sghmc(warmup, num_data=10)
+
+
+def test_sghmc_with_friction_one_is_sgld():
+    params = {"w": jnp.zeros(4)}
+    grads = {"w": jnp.arange(4.0)}
+    key = jax.random.key(5)
+    steps = []
+    for sampler in (
+        ee.sgmcmc.sgld(1e-2, num_data=10),
+        ee.sgmcmc.sghmc(1e-2, num_data=10, friction=1.0),
+    ):
+        updates, _ = sampler.update(grads, sampler.init(params), params, key=key)
+        steps.append(updates["w"])
+    assert jnp.allclose(steps[0], steps[1], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("friction", [0.0, 1.5, -0.1])
 def test_bad_friction(friction):
     with pytest.raises(ValueError, match="friction"):
@@ -259,5 +286,14 @@ def test_bad_friction(friction):
 def test_bad_cycles():
     with pytest.raises(ValueError, match="exploration"):
         ee.sgmcmc.cyclical_temperature(10, exploration=1.0)
+    # 0.95 of a 10-step cycle rounds up to the whole cycle: no sampling stage.
+    with pytest.raises(ValueError, match="no sampling stage"):
+        ee.sgmcmc.cyclical_temperature(10, exploration=0.95)
+    with pytest.raises(TypeError, match="exploration"):
+        ee.sgmcmc.cyclical_temperature(10, exploration=lambda t: 0.5)
+    with pytest.raises(TypeError, match="temperature"):
+        ee.sgmcmc.cyclical_temperature(10, temperature=lambda t: 1.0)
+    with pytest.raises(TypeError, match="friction"):
+        ee.sgmcmc.sghmc(1e-3, num_data=10, friction=lambda t: 0.1)
     with pytest.raises(ValueError, match="do not fit"):
         ee.sgmcmc.sample_steps(10, 2, per_cycle=4, spacing=4)

@@ -28,6 +28,15 @@ class EarlyStopping(Controller):
     `result.step < steps`. Its state is checkpointed: a resumed run stops members
     exactly where the uninterrupted run does.
 
+    What is restored and what is not: a stopped member's own weights and its
+    optimizer state are kept from the stop on, but its model state
+    (`eqx.nn.State`, e.g. BatchNorm's running statistics) is the one at the stop,
+    not the one saved with the best weights; a trained shared part
+    (`ee.ensemble(..., shared=..., train_shared=True)`) keeps training on the
+    other members' losses, so a stopped member's predictions can still change
+    through it. It cannot be combined with [`ee.PBT`][eqx_ensemble.PBT] (PBT's
+    copies would inherit the replaced member's patience record): refused.
+
     An evaluation counts as an improvement when its score is below the best
     score counted so far minus `min_delta` (Keras' rule); a NaN score never
     improves. Diverged members are left alone.

@@ -47,7 +47,8 @@ def map(
     - `key`: optional PRNG key split into one key per member:
       member `i` gets `jax.random.split(key, len(ens))[i]`.
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `map` uses its
-      `member_chunk` (the same as `chunk_size`) and its `layout`, how the member
+      `member_chunk` (the same as `chunk_size`; here it need not divide the
+      members, unlike in `fit`) and its `layout`, how the member
       axis is computed, as in
       [`make_step`][eqx_ensemble.make_step]. `"vmap"`: one vectorised
       computation. `"sequential"`: `fn` on one member after another, the results
@@ -84,5 +85,5 @@ def map(
             f"{type(ens).__name__}; build one with `ee.ensemble` or `ee.stack`"
         )
     execution = as_execution(execution, "ee.map", ("layout", "member_chunk"))
-    chunk_size = member_chunk_size(chunk_size, execution.member_chunk)
+    chunk_size = member_chunk_size(chunk_size, execution.member_chunk, len(ens))
     return map_members(fn, ens, args, in_axes, chunk_size, key, execution.layout)

@@ -106,11 +106,19 @@ def check_per_member_args(args: tuple, in_axes: tuple, size: int) -> tuple:
     return masks
 
 
-def member_chunk_size(chunk_size: int | None, member_chunk: int | None) -> int | None:
+def member_chunk_size(
+    chunk_size: int | None, member_chunk: int | None, size: int
+) -> int | None:
     """`chunk_size` and `Execution.member_chunk` say the same thing: either one,
-    or both equal."""
+    or both equal. Mapping (unlike training) takes a chunk that does not divide
+    the members: the last group is smaller."""
     if member_chunk is None:
         return chunk_size
+    if member_chunk > size:
+        raise ValueError(
+            f"`Execution.member_chunk={member_chunk}` is more than the ensemble's "
+            f"{size} members: choose at most {size}"
+        )
     if chunk_size is not None and chunk_size != member_chunk:
         raise ValueError(
             f"`chunk_size={chunk_size}` and `Execution(member_chunk={member_chunk})` "

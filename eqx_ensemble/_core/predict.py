@@ -105,7 +105,7 @@ def predict(
         return jax.vmap(one_example)(x, example_keys)
 
     execution = as_execution(execution, "ee.predict", ("layout", "member_chunk"))
-    chunk_size = member_chunk_size(chunk_size, execution.member_chunk)
+    chunk_size = member_chunk_size(chunk_size, execution.member_chunk, len(ens))
     layout = execution.layout
     # The layout's profile is cached under `predict` (its `one_member` is a new
     # closure each call), keyed by the shapes of the ensemble, `x` and `state`.

@@ -33,13 +33,14 @@ def _packed_sizes(
     gamma: int,
     first: bool,
     last: bool,
+    names: tuple[str, str] = ("in_features", "out_features"),
 ) -> tuple[int, int, int]:
     """`(extended in, extended out, groups)` of a packed layer (Laurent et al.
     2023): widths times `alpha` (the input of the first layer and the output of
     the last are the network's own), `members * gamma` groups (one for the first
     layer, whose input every member shares)."""
-    check_positive_int(in_size, f"{name}.in_features")
-    check_positive_int(out_size, f"{name}.out_features")
+    check_positive_int(in_size, f"{name}.{names[0]}")
+    check_positive_int(out_size, f"{name}.{names[1]}")
     check_positive_int(members, f"{name}.members")
     check_positive_int(gamma, f"{name}.gamma")
     alpha = _check_alpha(alpha)
@@ -209,7 +210,7 @@ class PackedConv2d(eqx.Module):
         check_key(key)
         extended_in, extended_out, groups = _packed_sizes(
             "PackedConv2d", in_channels, out_channels, members, alpha, gamma,
-            first, last,
+            first, last, names=("in_channels", "out_channels"),
         )  # fmt: skip
         self.conv = eqx.nn.Conv2d(
             extended_in, extended_out, kernel_size, stride=stride, padding=padding,
@@ -406,7 +407,7 @@ def masksembles_masks(
     ```
     """
     check_key(key)
-    features = check_positive_int(features, "`features`")
+    features = check_positive_int(features, "features")
     members = check_positive_int(members, "members")
     if isinstance(scale, bool) or not isinstance(scale, int | float):
         raise TypeError(f"`scale` must be a number, got {scale!r}")

@@ -471,8 +471,10 @@ def laplace(
     - `curvature`: `"kfac"` (Kronecker-factored, Martens and Grosse 2015; the
       part must be one `eqx.nn.Linear` applied once per input: `H ~ G (x) A`, `G`
       the mean over examples of the output-side GGN and `A` the sum of the
-      layer's input outer products, exact when `Lambda` is the same for every
-      example, as in regression); `"diagonal"` (the GGN's diagonal, any part);
+      layer's input outer products; exact only when the output-side factor
+      `D^T Lambda D` is the same for every example: the last layer (`D = I`)
+      under the Gaussian likelihood, where `Lambda` is constant; otherwise an
+      approximation); `"diagonal"` (the GGN's diagonal, any part);
       `"full"` (the dense GGN, any part of at most 4096 weights).
     - `prior_precision`: the isotropic Gaussian prior's precision, a positive
       scalar or one per member; `None` (default): each member's own, maximising
@@ -529,6 +531,8 @@ def laplace(
         raise TypeError(f"`part` must be a function of a model, got {part!r}")
     selected, arrays = _part_arrays(part, ens[0])
     parameters = int(ravel_pytree(arrays)[0].shape[0])
+    if ens.shared is not None:
+        _check_part_per_member(ens, part, len(jtu.tree_leaves(arrays)))
     if curvature == "kfac" and not (
         isinstance(selected, eqx.nn.Linear)
         and isinstance(selected.in_features, int)
@@ -553,6 +557,22 @@ def laplace(
     if prior is None:
         return posterior.optimize_prior_precision()
     return eqx.tree_at(lambda p: p.prior_precision, posterior, prior)
+
+
+def _check_part_per_member(ens: Ensemble, part: Any, leaves: int) -> None:
+    """The part must be held per member: weights of a part held once for every
+    member (`ee.ensemble(..., shared=...)`) have no per-member posterior here."""
+    try:
+        own = len(jtu.tree_leaves(eqx.filter(part(ens.members), eqx.is_inexact_array)))
+    except Exception:  # noqa: BLE001 - the part reaches into the shared part
+        own = -1
+    if own != leaves:
+        raise ValueError(
+            "`part` selects weights of the ensemble's shared part (held once for "
+            "every member); `ee.laplace` approximates a per-member part: select "
+            "weights each member holds (e.g. its head), or build the ensemble "
+            "without `shared=` for that part"
+        )
 
 
 def _check_data(data: Any, likelihood: str) -> tuple[Any, Array, int]:
@@ -647,13 +667,17 @@ def _fit(
     padded = chunks * chunk
 
     def pad(a):
+        # The last chunk is completed with copies of the last example (weighted
+        # 0 by `mask`): real inputs, so a model that is not finite at zeros
+        # cannot put a NaN into the sums (0 * NaN is NaN).
         a = jnp.asarray(a)
         widths = [(0, padded - count)] + [(0, 0)] * (a.ndim - 1)
-        return jnp.pad(a, widths).reshape(chunks, chunk, *a.shape[1:])
+        return jnp.pad(a, widths, mode="edge").reshape(chunks, chunk, *a.shape[1:])
 
     xs = jax.tree.map(pad, x)
     ys = pad(y)
-    mask = pad(jnp.ones(count, jnp.float32))
+    mask = jnp.pad(jnp.ones(count, jnp.float32), (0, padded - count))
+    mask = mask.reshape(chunks, chunk)
     sums = _accumulate(ens, xs, ys, mask, likelihood, part, curvature, sigma)
     return _finish(ens, sums, count, likelihood, part, curvature, sigma)
 
@@ -709,13 +733,16 @@ def _accumulate(ens, xs, ys, mask, likelihood, part, curvature, sigma):
         if curvature == "kfac":
             out_size, in_size = selected.weight.shape
             columns = in_size + (1 if selected.bias is not None else 0)
-            zeros = (jnp.zeros((out_size, out_size)), jnp.zeros((columns, columns)))
+            zeros = (
+                jnp.zeros((out_size, out_size), theta.dtype),
+                jnp.zeros((columns, columns), theta.dtype),
+            )
         elif curvature == "diagonal":
             zeros = (jnp.zeros_like(theta),)
         else:
             zeros = (jnp.zeros((theta.shape[0], theta.shape[0]), theta.dtype),)
         (sums, log_lik), _ = jax.lax.scan(
-            one, (zeros, jnp.zeros((), jnp.float32)), (xs, ys, mask)
+            one, (zeros, jnp.zeros((), theta.dtype)), (xs, ys, mask.astype(theta.dtype))
         )
         return theta, sums, log_lik
 

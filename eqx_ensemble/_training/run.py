@@ -16,6 +16,8 @@ from jaxtyping import PRNGKeyArray, PyTree
 from .._checkpoints.component import Checkpoints
 from .._checkpoints.file import CheckpointError
 from .._controllers.base import Controller
+from .._controllers.early_stopping import EarlyStopping
+from .._controllers.pbt import PBT
 from .._core.data import check_leading
 from .._core.ensemble import Ensemble
 from .._core.sharding import check_fit_mesh, on_mesh, place_state
@@ -319,6 +321,19 @@ def _check_periods(
     every = None if evaluate is None else evaluate.every
     for controller in controllers:
         controller.check(steps, every)
+    kinds = {type(controller) for controller in controllers}
+    if any(issubclass(k, PBT) for k in kinds) and any(
+        issubclass(k, EarlyStopping) for k in kinds
+    ):
+        # An exploited member takes its parent's weights, but EarlyStopping's
+        # per-member record (best score, evaluations without improvement) is its
+        # own: the copy would be judged by the replaced member's history.
+        raise ValueError(
+            "`ee.PBT` and `ee.EarlyStopping` cannot be combined in one run: PBT "
+            "replaces members by copies of others, which EarlyStopping's "
+            "per-member record does not follow; PBT already stops improving "
+            "members from training on, by replacing the worst"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -329,18 +329,24 @@ def _joint_update(
 
 
 def _skip_if_frozen(
-    compute: Callable[[], Any], frozen: Any, member: Any, opt_state: Any, state: Any
+    compute: Callable[[Any], Any], frozen: Any, member: Any, opt_state: Any, state: Any
 ) -> Any:
     """ONE member's `member_update` (member by member: the sequential layout),
     run only if the member is not frozen (diverged or stopped); a frozen
     member's step is skipped at run time: it keeps its weights, optimizer state
     and model state, as `member_update` would keep them, and reports a NaN loss,
-    as the vectorised layout does."""
-    shapes = eqx.filter_eval_shape(compute)
+    as the vectorised layout does. `compute(state)` is traced twice (its shapes,
+    then the step), each time on its own copy of `state`: a loss may `state.set`
+    the state it is given, which invalidates that object (plain Equinox)."""
+
+    def fresh():
+        return compute(jax.tree.map(lambda x: x, state))
+
+    shapes = eqx.filter_eval_shape(fresh)
     static = eqx.filter(shapes, lambda x: not isinstance(x, jax.ShapeDtypeStruct))
 
     def run(_):
-        return eqx.filter(compute(), eqx.is_array)
+        return eqx.filter(fresh(), eqx.is_array)
 
     def skip(_):
         _, _, loss, aux, _, _ = shapes
@@ -348,7 +354,14 @@ def _skip_if_frozen(
             member,
             opt_state,
             jnp.full(loss.shape, jnp.nan, loss.dtype),
-            jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), aux),
+            jax.tree.map(
+                lambda x: (
+                    jnp.zeros(x.shape, x.dtype)
+                    if isinstance(x, jax.ShapeDtypeStruct)
+                    else x
+                ),
+                aux,
+            ),
             state,
             jnp.zeros((), bool),
         )
@@ -417,7 +430,7 @@ def vmapped_update(
             )
 
         def one(member, opt_state, batch, key, state, frozen, hyper):
-            def compute():
+            def compute(state):
                 return member_update(
                     loss_fn,
                     optimizer,
@@ -432,7 +445,7 @@ def vmapped_update(
                 )
 
             if layout != "sequential":
-                return compute()
+                return compute(state)
             return _skip_if_frozen(compute, frozen, member, opt_state, state)
 
         members, *rest = member_map(
