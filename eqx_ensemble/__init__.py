@@ -32,6 +32,7 @@ from ._controllers.base import Controller as Controller
 from ._controllers.early_stopping import EarlyStopping as EarlyStopping
 from ._controllers.pbt import PBT as PBT
 from ._core.ensemble import Ensemble as Ensemble, ensemble as ensemble
+from ._core.heterogeneous import Heterogeneous as Heterogeneous
 from ._core.map import map as map
 from ._core.predict import predict as predict
 from ._core.sharding import (

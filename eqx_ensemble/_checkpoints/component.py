@@ -14,6 +14,7 @@ from jaxtyping import PyTree
 
 from .._controllers.base import Controller
 from .._core.ensemble import Ensemble
+from .._core.heterogeneous import Heterogeneous
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._trackers.base import Tracker
 from .._training.evaluate import Evaluate
@@ -243,7 +244,7 @@ class Checkpoints(eqx.Module):
 
     def latest(
         self,
-        ens: Ensemble,
+        ens: Ensemble | Heterogeneous,
         optimizer: optax.GradientTransformation,
         *,
         opt_state: PyTree[Any] = None,

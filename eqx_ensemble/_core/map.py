@@ -12,13 +12,14 @@ from .._execution.execution import (
     refuses_moved,
 )
 from .ensemble import Ensemble
+from .heterogeneous import Heterogeneous
 from .mapping import map_members, member_chunk_size
 
 
 @refuses_moved("ee.map", {"layout": MOVED_TO_EXECUTION["layout"]})
 def map(
     fn: Callable[..., Any],
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     *args: Any,
     in_axes: int | Sequence[Any] | None = None,
     chunk_size: int | None = None,
@@ -31,7 +32,11 @@ def map(
 
     - `fn`: `fn(member, *args) -> output`, written for ONE model. If `key` is given
       it is called as `fn(member, *args, key=member_key)`.
-    - `ens`: the [`Ensemble`][eqx_ensemble.Ensemble].
+    - `ens`: the [`Ensemble`][eqx_ensemble.Ensemble], or an
+      [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous]: then `fn` runs group by
+      group (per-member arguments and keys cut at the groups' bounds) and the
+      groups' outputs are concatenated along the member axis where their shapes
+      agree, else returned as a tuple with one output per group.
     - `*args`: further arguments.
     - `in_axes`: per argument, `None` = shared by all members, `0` = its leading axis
       indexes members (it must have size `len(ens)`); a PyTree prefix of `None`/`0`
@@ -79,7 +84,7 @@ def map(
     chunked = ee.map(lambda m, x: jax.vmap(m)(x), ens, x, chunk_size=2)
     ```
     """
-    if not isinstance(ens, Ensemble):
+    if not isinstance(ens, Ensemble | Heterogeneous):
         raise TypeError(
             f"`ee.map` expects an `ee.Ensemble` as its second argument, got "
             f"{type(ens).__name__}; build one with `ee.ensemble` or `ee.stack`"

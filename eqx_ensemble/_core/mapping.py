@@ -27,6 +27,7 @@ from .._execution.layout import (
 from .._execution.profile import profile_call, signature
 from .._internal.keys import split_member_keys
 from .._internal.tree import keystr
+from .groups import join_groups
 
 
 def _check_in_axes(in_axes: Any, num_args: int) -> tuple[Any, ...]:
@@ -136,13 +137,24 @@ def map_members(
     key: PRNGKeyArray | None,
     layout: str | None,
     profile_owner: Any = None,
+    member_keys: Any = None,
 ) -> PyTree[Any]:
     """`map`, with `profile_owner`: what the automatic layout's profile of `fn` is
     cached under (default `fn`; a caller whose `fn` is a fresh closure passes
-    something long-lived)."""
+    something long-lived); `member_keys`: the members' keys themselves, instead
+    of a `key` to split. A heterogeneous ensemble (one with `groups`) is mapped
+    group by group, its per-member arguments and keys cut at the groups'
+    bounds, and the outputs joined (`heterogeneous.join_groups`)."""
     size = len(ens)
     axes = _check_in_axes(in_axes, len(args))
     masks = check_per_member_args(args, axes, size)
+    if member_keys is None and key is not None:
+        member_keys = split_member_keys(key, size)
+    groups = getattr(ens, "groups", None)
+    if groups is not None:
+        return _map_groups(
+            fn, ens, args, axes, masks, chunk_size, member_keys, layout, profile_owner
+        )
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"`chunk_size` must be an int, got {chunk_size!r}")
@@ -151,7 +163,6 @@ def map_members(
                 f"`chunk_size` must be between 1 and the ensemble size {size}, got "
                 f"{chunk_size}"
             )
-    member_keys = None if key is None else split_member_keys(key, size)
     choice = check_layout(layout, None)
     if choice == "sequential" and chunk_size is not None and chunk_size != size:
         raise ValueError(
@@ -196,6 +207,35 @@ def map_members(
     if chunk_size is None or chunk_size == size:
         return vmapped(ens.members, args, member_keys)
     return _chunked(vmapped, ens.members, args, masks, member_keys, size, chunk_size)
+
+
+def _map_groups(
+    fn, het, args, axes, masks, chunk_size, member_keys, layout, profile_owner
+):
+    outputs = []
+    for group, (start, stop) in zip(het.groups, het.bounds, strict=True):
+        group_args = tuple(
+            jtu.tree_map(
+                lambda leaf, mapped, a=start, b=stop: leaf[a:b] if mapped else leaf,
+                arg,
+                mask,
+            )
+            for arg, mask in zip(args, masks, strict=True)
+        )
+        outputs.append(
+            map_members(
+                fn,
+                group,
+                group_args,
+                axes,
+                None if chunk_size is None else min(chunk_size, len(group)),
+                None,
+                layout,
+                profile_owner,
+                member_keys=None if member_keys is None else member_keys[start:stop],
+            )
+        )
+    return join_groups(outputs)
 
 
 def _auto_layout(

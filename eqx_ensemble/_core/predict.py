@@ -12,8 +12,11 @@ from .._execution.execution import (
     as_execution,
     refuses_moved,
 )
+from .._internal.keys import split_member_keys
 from .data import check_leading, num_examples
 from .ensemble import Ensemble
+from .groups import join_groups
+from .heterogeneous import Heterogeneous, check_group_states, per_group
 from .mapping import MEMBER_NOTE, map_members, member_chunk_size
 
 
@@ -32,7 +35,7 @@ def _example_context(x: Any, example: Any) -> str:
 
 @refuses_moved("ee.predict", {"layout": MOVED_TO_EXECUTION["layout"]})
 def predict(
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     x: PyTree[Any],
     *,
     state: PyTree[Any] = None,
@@ -68,7 +71,10 @@ def predict(
 
     **Returns:**
 
-    The outputs with leading axes `(members, examples, ...)`.
+    The outputs with leading axes `(members, examples, ...)`. Of an
+    [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous] (its `state`: one per
+    group), the groups' outputs concatenated along the member axis where their
+    shapes agree, else a tuple with one output per group.
 
     **Example:**
 
@@ -79,14 +85,17 @@ def predict(
     ee.predict(ens, x).shape          # (4, 10, 1)
     ```
     """
-    if not isinstance(ens, Ensemble):
+    if not isinstance(ens, Ensemble | Heterogeneous):
         raise TypeError(
-            f"`ee.predict` takes an `ee.Ensemble`, got {type(ens).__name__}"
+            "`ee.predict` takes an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
+            f"{type(ens).__name__}"
         )
     examples = num_examples(x, "x")
     inference = eqx.nn.inference_mode(ens)
     stateful = state is not None
-    if stateful:
+    if isinstance(ens, Heterogeneous):
+        check_group_states(ens, state, "`state`")
+    elif stateful:
         check_leading(state, len(ens), "`state`")
 
     def one_member(member, x, member_state, *, key=None):
@@ -109,13 +118,39 @@ def predict(
     layout = execution.layout
     # The layout's profile is cached under `predict` (its `one_member` is a new
     # closure each call), keyed by the shapes of the ensemble, `x` and `state`.
-    return map_members(
-        one_member,
-        inference,
-        (x, state),
-        (None, 0 if stateful else None),
-        chunk_size,
-        key,
-        layout,
-        profile_owner=predict,
+    member_keys = None if key is None else split_member_keys(key, len(ens))
+    axes = (None, 0 if stateful else None)
+    if not isinstance(inference, Heterogeneous):
+        return map_members(
+            one_member,
+            inference,
+            (x, state),
+            axes,
+            chunk_size,
+            None,
+            layout,
+            profile_owner=predict,
+            member_keys=member_keys,
+        )
+    # Group by group: each group's state is its own (not cut from one axis).
+    return join_groups(
+        [
+            map_members(
+                one_member,
+                group,
+                (x, group_state),
+                axes,
+                None if chunk_size is None else min(chunk_size, len(group)),
+                None,
+                layout,
+                profile_owner=predict,
+                member_keys=None if member_keys is None else member_keys[start:stop],
+            )
+            for group, group_state, (start, stop) in zip(
+                inference.groups,
+                per_group(inference, state, "`state`"),
+                inference.bounds,
+                strict=True,
+            )
+        ]
     )

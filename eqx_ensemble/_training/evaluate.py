@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
+from .._core.heterogeneous import is_heterogeneous, per_group, split_by_group
 from .._execution.layout import Layout, member_map
 from .._internal.checks import MAX_INT32, check_positive_int
 
@@ -105,7 +106,20 @@ class Evaluate(eqx.Module):
     ) -> Float[Array, " members"]:
         """Every member's score, member `i` called with `member_keys[i]`; the
         members vectorised or one after another (`layout`: the training step's,
-        see `_layout`), `member_chunk` at a time if given."""
+        see `_layout`), `member_chunk` at a time if given. A heterogeneous
+        ensemble is scored group by group (its `model_state`: one per group)."""
+        if is_heterogeneous(ensemble):
+            return jnp.concatenate(
+                [
+                    self.scores(group, group_state, keys, layout, member_chunk)
+                    for group, group_state, keys in zip(
+                        ensemble.groups,
+                        per_group(ensemble, model_state, "`state`"),
+                        split_by_group(ensemble, member_keys),
+                        strict=True,
+                    )
+                ]
+            )
         stateful = model_state is not None
 
         def one(member, state, member_key):

@@ -38,7 +38,7 @@ from .evaluate import Evaluate, eval_member_keys
 from .sampling import Sampling
 from .source import Batches
 from .step import vmapped_update
-from .train_state import TrainState, member_select
+from .train_state import TrainState, member_select, track_update
 
 
 class Chunk(eqx.Module):
@@ -141,7 +141,7 @@ def _train_step(
         opt_state=opt_state,
         model_state=model_state,
         tracked=tuple(
-            tracker.update(state, new_ens.members, done)
+            track_update(tracker, state, new_ens, done)
             for tracker, state in zip(chunk.track, ts.tracked, strict=True)
         ),
         step=done,

@@ -12,6 +12,7 @@ import optax
 from jaxtyping import ArrayLike, Float, PyTree
 
 from .._core.ensemble import Ensemble, SharedOptState
+from .._core.heterogeneous import Heterogeneous, is_heterogeneous, per_group
 from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
 from .loss import check_optimizer
@@ -218,15 +219,19 @@ def set_hyperparams(
     return opt_state
 
 
-def init_state(optimizer: optax.GradientTransformation, ens: Ensemble) -> PyTree[Any]:
+def init_state(
+    optimizer: optax.GradientTransformation, ens: Ensemble | Heterogeneous
+) -> PyTree[Any]:
     """The fresh stacked optimizer state of `ens` (traceable: `fit` computes it
-    inside its start program)."""
+    inside its start program); of a heterogeneous ensemble, one per group."""
+    if is_heterogeneous(ens):
+        return tuple(init_state(optimizer, group) for group in ens.groups)
     return _init_state(optimizer, trainable(ens.members), _trained_shared(ens))
 
 
 def init_optimizer(
     optimizer: optax.GradientTransformation,
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     *,
     hyperparams: Mapping[str, Float[ArrayLike, " members"] | Sequence[float] | float]
     | None = None,
@@ -251,7 +256,10 @@ def init_optimizer(
     ensemble with a trained shared part (`train_shared=True`), a
     [`SharedOptState`][eqx_ensemble.SharedOptState] holding that and ONE state
     for the shared part (which keeps the optimizer's own hyperparameters). A
-    frozen shared part has no optimizer state.
+    frozen shared part has no optimizer state. For an
+    [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous], a tuple with one such
+    state per group (`hyperparams` are still given per member, over all
+    groups).
 
     **Example:**
 
@@ -263,6 +271,18 @@ def init_optimizer(
                               hyperparams={"learning_rate": jnp.logspace(-4, -1, 4)})
     ```
     """
+    if is_heterogeneous(ens):
+        check_optimizer(optimizer)
+        return tuple(
+            init_optimizer(
+                optimizer,
+                group,
+                hyperparams=None
+                if not hyperparams
+                else _group_hyperparams(hyperparams, len(ens), start, stop),
+            )
+            for group, (start, stop) in zip(ens.groups, ens.bounds, strict=True)
+        )
     if not isinstance(ens, Ensemble):
         raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
     check_optimizer(optimizer)
@@ -272,6 +292,22 @@ def init_optimizer(
         opt_state = set_hyperparams(opt_state, hyperparams, size)
         check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
     return opt_state
+
+
+def _group_hyperparams(
+    hyperparams: Mapping[str, Any], size: int, start: int, stop: int
+) -> dict[str, Any]:
+    # Per-member values over all groups, cut to one group's members.
+    out = {}
+    for name, value in hyperparams.items():
+        shape = np.shape(value)
+        if shape not in ((), (size,)):
+            raise ValueError(
+                f"hyperparameter {name!r} has shape {shape}; give one value per "
+                f"member of the heterogeneous ensemble ({size},) or one value for all"
+            )
+        out[name] = value if shape == () else jnp.asarray(value)[start:stop]
+    return out
 
 
 def check_hyperparams_kept(
@@ -330,9 +366,21 @@ def check_hyperparams_kept(
 
 
 def check_opt_state(
-    optimizer: optax.GradientTransformation, ens: Ensemble, opt_state: Any
+    optimizer: optax.GradientTransformation,
+    ens: Ensemble | Heterogeneous,
+    opt_state: Any,
 ) -> None:
     """Raise a clear error if `opt_state` was not made for this ensemble."""
+    if is_heterogeneous(ens):
+        states = per_group(ens, opt_state, "The optimizer state")
+        for index, (group, group_state) in enumerate(
+            zip(ens.groups, states, strict=True)
+        ):
+            try:
+                check_opt_state(optimizer, group, group_state)
+            except ValueError as error:
+                raise ValueError(f"group {index}: {error}") from None
+        return
     size = len(ens)
     expected = eqx.filter_eval_shape(
         _init_state, optimizer, trainable(ens.members), _trained_shared(ens)

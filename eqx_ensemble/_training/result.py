@@ -7,9 +7,10 @@ import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble
+from .._core.heterogeneous import Heterogeneous
 from .history import History
 from .sampling import Sampling
-from .train_state import TrainState
+from .train_state import TrainState, track_result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +56,12 @@ class FitResult:
     ```
     """
 
-    ensemble: Ensemble
+    ensemble: Ensemble | Heterogeneous
     opt_state: PyTree[Any]
     state: PyTree[Any]
     history: History
     diverged: dict[int, int]
-    best_ensemble: Ensemble | None
+    best_ensemble: Ensemble | Heterogeneous | None
     best_step: np.ndarray | None
     step: int
     tracked: tuple[Any, ...] = ()
@@ -99,7 +100,7 @@ def make_result(
         best_step=None if best_step is None else np.asarray(best_step),
         step=int(train_state.step),
         tracked=tuple(
-            tracker.result(state, train_state.ensemble)
+            track_result(tracker, state, train_state.ensemble)
             for tracker, state in zip(track, train_state.tracked, strict=True)
         ),
         train_state=train_state,

@@ -20,6 +20,12 @@ from .._controllers.early_stopping import EarlyStopping
 from .._controllers.pbt import PBT
 from .._core.data import check_leading
 from .._core.ensemble import Ensemble
+from .._core.heterogeneous import (
+    Heterogeneous,
+    check_group_states,
+    is_heterogeneous,
+    per_group,
+)
 from .._core.sharding import check_fit_mesh, on_mesh, place_state
 from .._execution.compile import (
     Options,
@@ -62,7 +68,7 @@ from .record import (
 from .result import EnsembleDivergedError, FitResult, make_result
 from .sampling import Sampling, as_sampling
 from .source import ArraySource, Batches, DataSource, StreamSource
-from .step import check_chunkable
+from .step import check_chunkable, check_heterogeneous_run
 from .stream import check_data, is_array_data
 from .train_state import TrainState, start_state
 
@@ -160,8 +166,11 @@ def prepare(
     """Every check `fit` makes, in order, before any work; then the first state
     (or the resumed one), the data source, the execution plan and the compiled
     loop's inputs."""
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"`fit` expects an `ee.Ensemble`, got {type(ens).__name__}")
+    if not isinstance(ens, Ensemble | Heterogeneous):
+        raise TypeError(
+            "`fit` expects an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
+            f"{type(ens).__name__}"
+        )
     size = len(ens)
     check_optimizer(optimizer)
     steps = check_positive_int(steps, "steps", high=MAX_INT32)
@@ -175,7 +184,17 @@ def prepare(
     for tracker in track:
         tracker.check(steps)
     _check_periods(evaluate, controllers, steps)
-    if state is not None:
+    if is_heterogeneous(ens):
+        check_heterogeneous_run(loss_fn, execution, "fit")
+        if any(isinstance(controller, PBT) for controller in controllers):
+            raise ValueError(
+                "`ee.PBT` copies one member's weights into another, which members "
+                "of different architectures cannot take: run PBT on each group of "
+                "the `ee.Heterogeneous` on its own"
+            )
+        if state is not None:
+            check_group_states(ens, state, "`state`")
+    elif state is not None:
         check_leading(state, size, "`state`")
     if isinstance(loss_fn, Coupled) and state is not None:
         raise TypeError(
@@ -285,7 +304,7 @@ def prepare(
 
 
 def run_record(
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     optimizer: optax.GradientTransformation,
     opt_state: PyTree[Any],
     train_state: TrainState,
@@ -351,7 +370,7 @@ class FitPlan:
 def plan_fit(
     execution: Execution,
     loss_fn: Callable[..., Any],
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     source: DataSource,
     state: PyTree[Any],
     hyper: PyTree[Any],
@@ -396,7 +415,7 @@ _PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, FitPlan]]" = (
 def _plan_fit(
     execution: Execution,
     loss_fn: Callable[..., Any],
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     source: DataSource,
     member_batch: PyTree[Any],
     state: PyTree[Any],
@@ -407,13 +426,7 @@ def _plan_fit(
     size = len(ens)
     profile = StepProfile()
     if mesh is None and jax.default_backend() == "cpu":
-        profile = profile_step(
-            loss_fn,
-            ens.member(first_member(ens.members)),
-            member_batch,
-            first_member(state),
-            first_member(hyper),
-        )
+        profile = _profile_groups(loss_fn, ens, member_batch, state, hyper)
     unroll = execution.unroll
     if unroll is None:
         unroll = profile.convolutions
@@ -450,6 +463,42 @@ def _plan_fit(
         profile.batched_dots,
     )
     return FitPlan(per_dispatch, unroll, layout, options)
+
+
+def _profile_groups(
+    loss_fn: Callable[..., Any],
+    ens: Any,
+    member_batch: PyTree[Any],
+    state: PyTree[Any],
+    hyper: PyTree[Any],
+) -> StepProfile:
+    """The step's profile from one member; of a heterogeneous ensemble, from one
+    member per group (a group that convolves makes the step convolve)."""
+    if not is_heterogeneous(ens):
+        return profile_step(
+            loss_fn,
+            ens.member(first_member(ens.members)),
+            member_batch,
+            first_member(state),
+            first_member(hyper),
+        )
+    profiles = [
+        profile_step(
+            loss_fn,
+            group.member(first_member(group.members)),
+            member_batch,
+            first_member(group_state),
+            first_member(hyper),
+        )
+        for group, group_state in zip(
+            ens.groups, per_group(ens, state, "`state`"), strict=True
+        )
+    ]
+    return StepProfile(
+        convolutions=any(p.convolutions for p in profiles),
+        batched_dots=any(p.batched_dots for p in profiles),
+        convolution_flops=sum(p.convolution_flops for p in profiles),
+    )
 
 
 def _skips_conditional(chunk: Chunk) -> bool:

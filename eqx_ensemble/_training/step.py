@@ -13,6 +13,14 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from .._core.data import check_leading
 from .._core.ensemble import Ensemble, check_shared_shapes, with_members
+from .._core.groups import join_members
+from .._core.heterogeneous import (
+    Heterogeneous,
+    check_group_states,
+    is_heterogeneous,
+    per_group,
+    split_by_group,
+)
 from .._core.mapping import check_per_member_args
 from .._core.sharding import (
     check_step_mesh,
@@ -63,7 +71,7 @@ class StepOutput(NamedTuple):
     ```
     """
 
-    ensemble: Ensemble
+    ensemble: Ensemble | Heterogeneous
     opt_state: PyTree[Any]
     losses: Float[Array, " members"]
     aux: PyTree[Any]
@@ -387,6 +395,29 @@ def check_chunkable(loss_fn: Any, ens: Any) -> None:
         )
 
 
+def check_heterogeneous_run(loss_fn: Any, execution: Any, where: str) -> None:
+    """What a heterogeneous ensemble does not (yet) train with, refused by name
+    before any work: an `ee.Coupled` loss, a mesh, member chunks."""
+    if isinstance(loss_fn, Coupled):
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` takes a loss of ONE model; an "
+            "`ee.Coupled` loss (a function of the whole ensemble) needs every member "
+            "to have one structure"
+        )
+    if getattr(execution, "mesh", None) is not None:
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` does not yet run on a mesh "
+            "(`Execution(mesh=...)`); shard each group's run on its own, or leave "
+            "`mesh` out"
+        )
+    if getattr(execution, "member_chunk", None) is not None:
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` does not yet take "
+            "`Execution(member_chunk=...)`; leave it out (each group is vectorised "
+            "on its own already)"
+        )
+
+
 def vmapped_update(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -408,6 +439,11 @@ def vmapped_update(
     member_axis = eqx.if_array(0)
 
     def update(ens, opt_state, batch, keys, state, frozen, hyper):
+        if is_heterogeneous(ens):
+            return _update_groups(
+                update, per_member_batch, ens, opt_state, batch, keys, state, frozen,
+                hyper,
+            )  # fmt: skip
         check_shared_shapes(ens)
         if member_chunk is not None:
             check_chunkable(loss_fn, ens)
@@ -468,6 +504,46 @@ def vmapped_update(
     return sharded_update(update, mesh, per_member_batch)
 
 
+def _update_groups(
+    update: Callable[..., Any],
+    per_member_batch: bool,
+    het: Heterogeneous,
+    opt_state: Any,
+    batch: PyTree[Any],
+    keys: Any,
+    state: Any,
+    frozen: Any,
+    hyper: Any,
+) -> tuple:
+    """`update` of a heterogeneous ensemble: each group updated on its own slice
+    of the per-member inputs (keys, frozen flags, `hyper`, a per-member batch)
+    with its own optimizer and model state; per-member outputs joined along the
+    member axis (the loss's `aux` must agree across groups)."""
+    n = len(het.groups)
+    outputs = [
+        update(group, *inputs)
+        for group, *inputs in zip(
+            het.groups,
+            per_group(het, opt_state, "The optimizer state"),
+            split_by_group(het, batch) if per_member_batch else (batch,) * n,
+            split_by_group(het, keys),
+            per_group(het, state, "`state`"),
+            split_by_group(het, frozen),
+            split_by_group(het, hyper),
+            strict=True,
+        )
+    ]
+    groups, opt_states, losses, aux, states, diverged = zip(*outputs, strict=True)
+    return (
+        Heterogeneous(groups),
+        tuple(opt_states),
+        jnp.concatenate(losses),
+        join_members(aux, "The loss's `aux`"),
+        None if state is None else tuple(states),
+        jnp.concatenate(diverged),
+    )
+
+
 def _examples(batch: PyTree[Any], per_member_batch: bool) -> int:
     # Examples per member in a batch (its first array leaf's example axis), for the
     # compiler options' cost estimate; 1 when the batch has no such leaf.
@@ -511,7 +587,7 @@ class Step(eqx.Module):
 
     def __call__(
         self,
-        ens: Ensemble,
+        ens: Ensemble | Heterogeneous,
         opt_state: PyTree[Any],
         batch: PyTree[Any],
         key: PRNGKeyArray,
@@ -529,7 +605,7 @@ class Step(eqx.Module):
 
     def lower(
         self,
-        ens: Ensemble,
+        ens: Ensemble | Heterogeneous,
         opt_state: PyTree[Any],
         batch: PyTree[Any],
         key: PRNGKeyArray,
@@ -619,7 +695,7 @@ class _LoweredStep:
         step = self._step
 
         def call(
-            ens: Ensemble,
+            ens: Ensemble | Heterogeneous,
             opt_state: PyTree[Any],
             batch: PyTree[Any],
             key: PRNGKeyArray,
@@ -650,22 +726,28 @@ def _profile_of(step: "Step", inputs: Any) -> Any:
 
 def _step_impl(
     step: Step,
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     opt_state: PyTree[Any],
     batch: PyTree[Any],
     key: PRNGKeyArray,
     state: PyTree[Any] = None,
     hyper: PyTree[Any] = None,
 ) -> StepOutput:
-    if not isinstance(ens, Ensemble):
-        raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
+    if not isinstance(ens, Ensemble | Heterogeneous):
+        raise TypeError(
+            "expected an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
+            f"{type(ens).__name__}"
+        )
     check_key(key)
     size = len(ens)
     check_loss_signature(step.loss_fn, state is not None, hyper is not None)
     if hyper is not None:
         check_hyper(hyper, size)
     check_opt_state(step.optimizer, ens, opt_state)
-    if state is not None:
+    if is_heterogeneous(ens):
+        check_heterogeneous_run(step.loss_fn, step, "make_step")
+        check_group_states(ens, state, "`state`")
+    elif state is not None:
         check_leading(state, size, "`state`")
     if step.per_member_batch:
         check_per_member_args((batch,), (0,), size)

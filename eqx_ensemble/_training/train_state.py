@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, member_axis_mask
+from .._core.heterogeneous import Heterogeneous, is_heterogeneous, split_by_group
 from .._execution.compile import CompiledFunctions, filter_jit
 from .._internal.keys import RunKeys, run_keys
 from .optim import init_state
@@ -62,7 +63,7 @@ class TrainState(eqx.Module):
     ```
     """
 
-    ensemble: Ensemble = _field("stacked")
+    ensemble: Ensemble | Heterogeneous = _field("stacked")
     opt_state: PyTree[Any] = _field("stacked")
     model_state: PyTree[Any] = _field("stacked")
     hyper: PyTree[Any] = _field("stacked")
@@ -71,14 +72,23 @@ class TrainState(eqx.Module):
     step: Int[Array, ""] = _field(None)
     diverged_at: Int[Array, " members"] = _field("bookkeeping")
     stopped_at: Int[Array, " members"] = _field("bookkeeping")
-    best_ensemble: Ensemble | None = _field("stacked")
+    best_ensemble: Ensemble | Heterogeneous | None = _field("stacked")
     best_score: Float[Array, " members"] | None = _field("bookkeeping")
     best_step: Int[Array, " members"] | None = _field("bookkeeping")
 
 
 def member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any]:
     """Per-member choice over stacked leaves: member i takes `new` where
-    `better[i]`, else `old`."""
+    `better[i]`, else `old` (of a heterogeneous ensemble: group by group)."""
+    if is_heterogeneous(new):
+        return Heterogeneous(
+            [
+                member_select(group_better, group_new, group_old)
+                for group_better, group_new, group_old in zip(
+                    split_by_group(new, better), new.groups, old.groups, strict=True
+                )
+            ]
+        )
 
     def pick(n, o, per_member):
         if not eqx.is_array(n):
@@ -91,8 +101,40 @@ def member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any
     return jax.tree.map(pick, new, old, member_axis_mask(new))
 
 
+def track_init(tracker: Any, ens: Any) -> Any:
+    """`tracker`'s first state (of a heterogeneous ensemble: a tuple, one state
+    per group)."""
+    if is_heterogeneous(ens):
+        return tuple(tracker.init(group.members) for group in ens.groups)
+    return tracker.init(ens.members)
+
+
+def track_update(tracker: Any, state: Any, ens: Any, done: Any) -> Any:
+    """`tracker`'s state after a step (per group, as `track_init`)."""
+    if is_heterogeneous(ens):
+        return tuple(
+            tracker.update(group_state, group.members, done)
+            for group_state, group in zip(state, ens.groups, strict=True)
+        )
+    return tracker.update(state, ens.members, done)
+
+
+def track_result(tracker: Any, state: Any, ens: Any) -> Any:
+    """`tracker`'s result (per group, as `track_init`: the groups' results, as
+    an `ee.Heterogeneous` where each is an `ee.Ensemble`)."""
+    if not is_heterogeneous(ens):
+        return tracker.result(state, ens)
+    results = [
+        tracker.result(group_state, group)
+        for group_state, group in zip(state, ens.groups, strict=True)
+    ]
+    if all(isinstance(result, Ensemble) for result in results):
+        return Heterogeneous(results)
+    return tuple(results)
+
+
 def initial_state(
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     opt_state: PyTree[Any],
     model_state: PyTree[Any],
     *,
@@ -109,7 +151,7 @@ def initial_state(
         opt_state=opt_state,
         model_state=model_state,
         hyper=hyper,
-        tracked=tuple(tracker.init(ens.members) for tracker in track),
+        tracked=tuple(track_init(tracker, ens) for tracker in track),
         controlled=(),
         step=jnp.array(0, dtype=jnp.int32),
         diverged_at=jnp.full((size,), -1, dtype=jnp.int32),
@@ -126,7 +168,7 @@ def _start(
     optimizer: Any,
     track: tuple[Any, ...],
     with_eval: bool,
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     opt_state: PyTree[Any],
     model_state: PyTree[Any],
     hyper: PyTree[Any],
@@ -160,7 +202,7 @@ _start_generic = filter_jit(_start, ())
 
 
 def start_state(
-    ens: Ensemble,
+    ens: Ensemble | Heterogeneous,
     optimizer: Any,
     opt_state: PyTree[Any],
     model_state: PyTree[Any],

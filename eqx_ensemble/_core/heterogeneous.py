@@ -1,0 +1,208 @@
+"""`Heterogeneous`: ensembles of different architectures held as one, and the
+helpers that split per-member arrays by group and join the groups' results."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jaxtyping import PRNGKeyArray
+from typing_extensions import TypeIs
+
+from .data import check_leading
+from .ensemble import Ensemble
+from .groups import join_groups, split_members
+from .mapping import map_members
+
+
+class Heterogeneous(eqx.Module):
+    """Several [`ee.Ensemble`][eqx_ensemble.Ensemble]s whose members differ in
+    architecture (widths, depths, families), held and trained as one ensemble:
+    members are numbered across the groups in order (group 0's first, then group
+    1's, ...). Each group stays a natively stacked ensemble, so a step runs one
+    vectorised computation per group, all of them in one compiled program.
+
+    [`ee.fit`][eqx_ensemble.fit], [`ee.predict`][eqx_ensemble.predict],
+    [`ee.map`][eqx_ensemble.map] and calling it take it where they take an
+    `Ensemble`:
+
+    - `fit` trains every group in one call, one compiled program per dispatch:
+      one optimizer state per group (a tuple), one model state per group (a
+      tuple, or `None`), one history `(steps, members)` over all members. Member
+      `i` gets exactly the key, batches, `hyper=` row and divergence guard that
+      member `i` of an `Ensemble` of `len(het)` members gets, so a group's
+      members train as they would in a homogeneous ensemble of that size.
+    - `predict`/`map` return the groups' outputs concatenated along the member
+      axis when their structures and shapes agree (so metrics, conformal
+      prediction and combination rules take them unchanged), else a tuple with
+      one output per group.
+
+    **Arguments:**
+
+    - `groups`: a non-empty sequence of `ee.Ensemble`s.
+
+    **Example:**
+
+    ```python
+    key = jax.random.key(0)
+    make = lambda width: lambda k: eqx.nn.MLP(2, 1, width, 1, key=k)
+    het = ee.Heterogeneous([ee.ensemble(make(w), size=2, key=jax.random.fold_in(key, w))
+                            for w in (8, 16, 32)])
+    len(het), het.sizes                 # 6, (2, 2, 2)
+    het[3]                              # group 1's second member: an eqx.nn.MLP
+    ee.predict(het, jnp.ones((5, 2))).shape   # (6, 5, 1)
+    ```
+    """
+
+    groups: tuple[Ensemble, ...]
+
+    def __init__(self, groups: Sequence[Ensemble]):
+        if isinstance(groups, Ensemble) or not isinstance(groups, Sequence):
+            raise TypeError(
+                "`ee.Heterogeneous` takes a list or tuple of `ee.Ensemble`s (one per "
+                f"architecture), got {type(groups).__name__}"
+            )
+        if not groups:
+            raise ValueError("`ee.Heterogeneous` needs at least one group, got none")
+        for index, group in enumerate(groups):
+            if isinstance(group, Heterogeneous):
+                raise TypeError(
+                    f"group {index} is itself an `ee.Heterogeneous`: pass its groups "
+                    "(`[*het.groups, ...]`)"
+                )
+            if not isinstance(group, Ensemble):
+                raise TypeError(
+                    f"group {index} must be an `ee.Ensemble`, got "
+                    f"{type(group).__name__}; build each group with `ee.ensemble`"
+                )
+            try:
+                size = len(group)
+            except ValueError:  # abstract leaves (e.g. inside `eval_shape`)
+                continue
+            if size < 1:
+                raise ValueError(f"group {index} is empty (0 members)")
+        self.groups = tuple(groups)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The number of members of each group."""
+        return tuple(len(group) for group in self.groups)
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        """`(start, stop)` of each group's members in the global numbering."""
+        stops = np.cumsum(self.sizes)
+        return tuple(
+            (int(stop - size), int(stop))
+            for stop, size in zip(stops, self.sizes, strict=True)
+        )
+
+    def __len__(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def size(self) -> int:
+        """The number of members over all groups (same as `len(het)`)."""
+        return len(self)
+
+    @property
+    def members(self) -> tuple[Any, ...]:
+        """Each group's stacked members (a tuple, one entry per group)."""
+        return tuple(group.members for group in self.groups)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """`(group, position in the group)` of global member `index`."""
+        size = len(self)
+        if isinstance(index, bool) or not isinstance(index, int | np.integer):
+            raise TypeError(
+                "a heterogeneous ensemble is indexed by an int member index (its "
+                f"members have different structures), got {type(index).__name__}; "
+                "for a group use `het.groups[g]`"
+            )
+        if not -size <= index < size:
+            raise IndexError(
+                f"member index {index} is out of range for a heterogeneous ensemble "
+                f"of {size} members"
+            )
+        index = int(index) % size
+        for group, (start, stop) in enumerate(self.bounds):
+            if start <= index < stop:
+                return group, index - start
+        raise AssertionError("unreachable")
+
+    def __getitem__(self, index: int) -> Any:
+        """Global member `index` as a plain model."""
+        group, position = self.locate(index)
+        return self.groups[group][position]
+
+    def __call__(self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any):
+        """Call every member on the same inputs: the groups' outputs joined along
+        the member axis (see the class), member `i` with `split(key,
+        len(het))[i]` if a `key` is given."""
+        keys = None if key is None else jax.random.split(key, len(self))
+        outputs = [
+            group(*args, **kwargs)
+            if keys is None
+            else _call_with_keys(group, keys[start:stop], args, kwargs)
+            for group, (start, stop) in zip(self.groups, self.bounds, strict=True)
+        ]
+        return join_groups(outputs)
+
+
+def _call_with_keys(group: Ensemble, keys: Any, args: Any, kwargs: Any) -> Any:
+    def call_member(member, *member_args, key):
+        return member(*member_args, key=key, **kwargs)
+
+    return map_members(
+        call_member, group, args, None, None, None, None, member_keys=keys
+    )
+
+
+def is_heterogeneous(x: Any) -> TypeIs[Heterogeneous]:
+    return isinstance(x, Heterogeneous)
+
+
+def per_group(het: Heterogeneous, value: Any, what: str) -> tuple[Any, ...]:
+    """`value`, something held once per group (an optimizer or model state of a
+    heterogeneous ensemble): a tuple with one entry per group, or an error
+    naming `what`. `None` stays `None` for every group."""
+    if value is None:
+        return (None,) * len(het.groups)
+    if not isinstance(value, tuple) or len(value) != len(het.groups):
+        got = (
+            f"a tuple of {len(value)}"
+            if isinstance(value, tuple)
+            else type(value).__name__
+        )
+        raise ValueError(
+            f"{what} of an `ee.Heterogeneous` of {len(het.groups)} groups must be a "
+            f"tuple with one entry per group (each stacked like its group), got {got}"
+        )
+    return value
+
+
+def check_group_states(het: Heterogeneous, state: Any, what: str) -> None:
+    """A model state per group, each with its group's member axis."""
+    for index, (group, group_state) in enumerate(
+        zip(het.groups, per_group(het, state, what), strict=True)
+    ):
+        check_leading(group_state, len(group), f"{what}[{index}] (group {index})")
+
+
+def split_by_group(het: Heterogeneous, tree: Any) -> tuple[Any, ...]:
+    """A tree whose array leaves carry the global member axis, cut into one tree
+    per group (`None`: `None` per group)."""
+    if tree is None:
+        return (None,) * len(het.groups)
+    return split_members(tree, het.bounds)
+
+
+def over_groups(
+    fn: Callable[..., Any], het: Heterogeneous, *per_group: Sequence[Any]
+) -> list[Any]:
+    """`[fn(group, *args of the group) for each group]`."""
+    return [
+        fn(group, *(args[index] for args in per_group))
+        for index, group in enumerate(het.groups)
+    ]

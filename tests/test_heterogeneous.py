@@ -1,0 +1,470 @@
+"""`ee.Heterogeneous`: members of different architectures held and trained as
+one ensemble. The reference throughout is the homogeneous library itself run
+on the same members: member `i` of a heterogeneous ensemble of `N` members
+must train exactly as member `i` of an `N`-member `ee.Ensemble` does (same key,
+batches, `hyper=` row), so a group is compared with an ordinary ensemble of its
+architecture that holds the group's members at the group's positions."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+
+X = jax.random.normal(jax.random.key(1), (48, 2))
+Y = jnp.sin(X[:, :1]) + 0.5 * X[:, 1:]
+WIDTHS = (4, 8)
+SIZES = (2, 3)  # members of the width-4 group, then of the width-8 group
+
+
+def mlp(width, depth=1):
+    return lambda key: eqx.nn.MLP(2, 1, width, depth, key=key)
+
+
+def loss(model, batch, key):
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def arrays(tree):
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def assert_close(got, want, atol=1e-6):
+    got, want = arrays(got), arrays(want)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
+
+
+def members_at(ens, start, stop):
+    """Members `start:stop` of an ensemble, as an `ee.Ensemble`."""
+    return ens[start:stop]
+
+
+def rows(tree, start, stop):
+    """Rows `start:stop` of every array leaf (a stacked tree's members)."""
+    return jax.tree.map(lambda x: x[start:stop] if eqx.is_array(x) else x, tree)
+
+
+def padded(width, group, position, total, key):
+    """A `total`-member ensemble of `width` whose members `position:position +
+    len(group)` are `group`'s (the others fresh): the homogeneous run that the
+    group must reproduce."""
+    others = ee.ensemble(mlp(width), size=total, key=key)
+    stop = position + len(group)
+    parts = [others[:position]] if position else []
+    parts.append(group)
+    if stop < total:
+        parts.append(others[stop:])
+    return ee.concatenate(parts)
+
+
+@pytest.fixture
+def het():
+    groups = [
+        ee.ensemble(mlp(width), size=size, key=jax.random.key(width))
+        for width, size in zip(WIDTHS, SIZES, strict=True)
+    ]
+    return ee.Heterogeneous(groups)
+
+
+# --- the object -------------------------------------------------------------
+
+
+def test_numbering_indexing_and_bounds(het):
+    assert len(het) == het.size == 5
+    assert het.sizes == (2, 3)
+    assert het.bounds == ((0, 2), (2, 5))
+    assert het.locate(0) == (0, 0)
+    assert het.locate(3) == (1, 1)
+    assert het.locate(-1) == (1, 2)
+    member = het[3]
+    assert isinstance(member, eqx.nn.MLP) and member.width_size == 8
+    assert_close(member, het.groups[1][1], atol=0)
+    assert het[1].width_size == 4
+
+
+@pytest.mark.parametrize(
+    "groups, error, match",
+    [
+        ([], ValueError, "at least one group"),
+        ("abc", TypeError, "list or tuple|parameter .groups."),
+        (
+            [eqx.nn.Linear(1, 1, key=jax.random.key(0))],
+            TypeError,
+            "group 0 must be|parameter .groups.",
+        ),
+    ],
+)
+def test_bad_groups_are_refused_by_name(groups, error, match):
+    with pytest.raises(error, match=match):
+        ee.Heterogeneous(groups)
+
+
+def test_an_ensemble_or_a_nested_heterogeneous_is_refused(het):
+    # (Under the test suite's jaxtyping hook beartype refuses these first.)
+    with pytest.raises(TypeError, match="list or tuple|parameter .groups."):
+        ee.Heterogeneous(het.groups[0])
+    with pytest.raises(TypeError, match="group 1 is itself|Heterogeneous.__init__"):
+        ee.Heterogeneous([het.groups[0], het])
+
+
+def test_bad_member_indices(het):
+    with pytest.raises(IndexError, match="out of range.*5 members"):
+        het[5]
+    with pytest.raises(TypeError, match="int member index|parameter .index."):
+        het[1:3]
+
+
+# --- predict, map, call -----------------------------------------------------
+
+
+def test_predict_concatenates_the_groups_in_member_order(het):
+    got = ee.predict(het, X)
+    assert got.shape == (5, 48, 1)
+    want = jnp.concatenate([ee.predict(group, X) for group in het.groups])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    # Member by member, as plain models.
+    for i in range(len(het)):
+        np.testing.assert_allclose(got[i], jax.vmap(het[i])(X), atol=1e-6)
+
+
+def test_outputs_of_different_shapes_come_back_per_group():
+    groups = [
+        ee.ensemble(
+            lambda k: eqx.nn.MLP(2, 1, 4, 1, key=k), size=2, key=jax.random.key(0)
+        ),
+        ee.ensemble(
+            lambda k: eqx.nn.MLP(2, 3, 4, 1, key=k), size=1, key=jax.random.key(1)
+        ),
+    ]
+    out = ee.predict(ee.Heterogeneous(groups), X)
+    assert isinstance(out, tuple)
+    assert [o.shape for o in out] == [(2, 48, 1), (1, 48, 3)]
+
+
+def test_keys_of_a_stochastic_model_are_the_global_members_keys():
+    # Dropout members: member i gets split(key, N)[i] whichever group holds it,
+    # so slices of one ensemble predict as the ensemble does.
+    def model(key):
+        return eqx.nn.Sequential(
+            [eqx.nn.Linear(2, 16, key=key), eqx.nn.Dropout(0.5, inference=False)]
+        )
+
+    full = ee.ensemble(model, size=4, key=jax.random.key(0))
+    het = ee.Heterogeneous([full[:1], full[1:]])
+    key = jax.random.key(5)
+    want = ee.map(lambda m, x, key: m(x, key=key), full, X[0], key=key)
+    got = ee.map(lambda m, x, key: m(x, key=key), het, X[0], key=key)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert not np.allclose(got[0], got[1])  # the keys do differ per member
+    np.testing.assert_allclose(het(X[0], key=key), full(X[0], key=key), atol=1e-6)
+
+
+def test_map_cuts_per_member_arguments_at_the_bounds(het):
+    per_member = jax.random.normal(jax.random.key(2), (5, 7, 2))
+    got = ee.map(lambda m, x: jax.vmap(m)(x), het, per_member, in_axes=(0,))
+    for i in range(5):
+        np.testing.assert_allclose(got[i], jax.vmap(het[i])(per_member[i]), atol=1e-6)
+    with pytest.raises(ValueError, match="5"):
+        ee.map(lambda m, x: jax.vmap(m)(x), het, per_member[:4], in_axes=(0,))
+
+
+def batchnorm_mlp(width):
+    def make(key):
+        return eqx.nn.make_with_state(eqx.nn.Sequential)(
+            [
+                eqx.nn.Linear(2, width, key=key),
+                eqx.nn.BatchNorm(width, axis_name="batch", mode="batch", momentum=0.5),
+                eqx.nn.Lambda(jax.nn.relu),
+                eqx.nn.Linear(width, 1, key=jax.random.fold_in(key, 1)),
+            ]
+        )
+
+    return make
+
+
+def test_predict_with_a_state_per_group():
+    built = [
+        ee.ensemble(batchnorm_mlp(w), size=s, key=jax.random.key(s))
+        for w, s in zip(WIDTHS, SIZES, strict=True)
+    ]
+    groups = [ens for ens, _ in built]
+    states = tuple(state for _, state in built)
+    het = ee.Heterogeneous(groups)
+    got = ee.predict(het, X, state=states)
+    want = jnp.concatenate(
+        [ee.predict(g, X, state=s) for g, s in zip(groups, states, strict=True)]
+    )
+    assert got.shape == (5, 48, 1)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    with pytest.raises(ValueError, match="one entry per group"):
+        ee.predict(het, X, state=states[0])
+
+
+# --- fit ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampling", ["shared", "independent", "bootstrap"])
+def test_slices_of_one_ensemble_train_as_that_ensemble(sampling):
+    full = ee.ensemble(mlp(8), size=5, key=jax.random.key(0))
+    het = ee.Heterogeneous([full[:2], full[2:3], full[3:]])
+    opt = optax.adam(1e-2)
+    kwargs = dict(steps=12, batch_size=8, key=jax.random.key(3), callbacks=[])
+    kwargs["sampling"] = {
+        "independent": ee.Independent(),
+        "bootstrap": ee.Bootstrap(),
+    }.get(sampling, sampling)
+    want = ee.fit(full, loss, opt, (X, Y), **kwargs)
+    got = ee.fit(het, loss, opt, (X, Y), **kwargs)
+    assert isinstance(got.ensemble, ee.Heterogeneous)
+    assert got.history.losses.shape == (12, 5)
+    np.testing.assert_allclose(got.history.losses, want.history.losses, atol=1e-6)
+    assert_close(
+        [g.members for g in got.ensemble.groups],
+        [rows(want.ensemble.members, a, b) for a, b in het.bounds],
+    )
+    assert isinstance(got.opt_state, tuple) and len(got.opt_state) == 3
+
+
+def test_groups_of_different_widths_train_as_their_own_architecture(het):
+    # Group g must equal the homogeneous fit of its width with its members at
+    # the same global positions (same member keys, batches and hyper rows).
+    hyper = jnp.linspace(0.5, 1.5, 5)
+
+    def scaled(model, batch, key, *, hyper):
+        return hyper * loss(model, batch, key)
+
+    opt = optax.adam(1e-2)
+    kwargs = dict(
+        steps=10, batch_size=8, key=jax.random.key(4), callbacks=[],
+        sampling=ee.Independent(), hyper=hyper,
+    )  # fmt: skip
+    got = ee.fit(het, scaled, opt, (X, Y), **kwargs)
+    for index, (width, group, (start, stop)) in enumerate(
+        zip(WIDTHS, het.groups, het.bounds, strict=True)
+    ):
+        ref = padded(width, group, start, len(het), jax.random.key(99))
+        want = ee.fit(ref, scaled, opt, (X, Y), **kwargs)
+        assert_close(got.ensemble.groups[index], members_at(want.ensemble, start, stop))
+        np.testing.assert_allclose(
+            got.history.losses[:, start:stop],
+            want.history.losses[:, start:stop],
+            atol=1e-6,
+        )
+
+
+def test_divergence_is_isolated_to_its_member(het):
+    # Member 3 (group 1) returns NaN from step 0: it is reported and keeps its
+    # weights; every other member trains as in the run without it.
+    def poisoned(model, batch, key, *, hyper):
+        value = loss(model, batch, key)
+        return jnp.where(hyper > 0, jnp.nan, value)
+
+    opt = optax.sgd(1e-2)
+    kwargs = dict(steps=6, batch_size=8, key=jax.random.key(5), callbacks=[])
+    clean = ee.fit(het, poisoned, opt, (X, Y), hyper=jnp.zeros(5), **kwargs)
+    flag = jnp.zeros(5).at[3].set(1.0)
+    bad = ee.fit(het, poisoned, opt, (X, Y), hyper=flag, **kwargs)
+    assert bad.diverged == {3: 0}
+    assert clean.diverged == {}
+    assert_close(bad.ensemble[3], het[3], atol=0)
+    for i in (0, 1, 2, 4):
+        assert_close(bad.ensemble[i], clean.ensemble[i], atol=0)
+
+
+def test_evaluation_best_members_and_trackers_per_member(het):
+    full_groups = []
+    opt = optax.sgd(5e-2)
+    evaluate = ee.Evaluate(loss, (X[:16], Y[:16]), every=2)
+    kwargs = dict(
+        steps=8, batch_size=8, key=jax.random.key(6), callbacks=[],
+        evaluate=evaluate, track=[ee.EMA(decay=0.9)],
+    )  # fmt: skip
+    got = ee.fit(het, loss, opt, (X, Y), **kwargs)
+    assert got.history.eval_scores.shape == (4, 5)
+    assert isinstance(got.best_ensemble, ee.Heterogeneous)
+    assert isinstance(got.tracked[0], ee.Heterogeneous)
+    for width, group, (start, stop) in zip(WIDTHS, het.groups, het.bounds, strict=True):
+        ref = padded(width, group, start, len(het), jax.random.key(98))
+        want = ee.fit(ref, loss, opt, (X, Y), **kwargs)
+        full_groups.append(want)
+        np.testing.assert_allclose(
+            got.history.eval_scores[:, start:stop],
+            want.history.eval_scores[:, start:stop],
+            atol=1e-6,
+        )
+        index = het.locate(start)[0]
+        assert_close(
+            got.best_ensemble.groups[index], members_at(want.best_ensemble, start, stop)
+        )
+        assert_close(
+            got.tracked[0].groups[index], members_at(want.tracked[0], start, stop)
+        )
+        np.testing.assert_array_equal(
+            got.best_step[start:stop], want.best_step[start:stop]
+        )
+
+
+def test_a_model_state_per_group():
+    def stateful_loss(m, state, batch, key):
+        x, y = batch
+        pred, state = jax.vmap(
+            m, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(x, state)
+        return jnp.mean((pred - y) ** 2), state
+
+    built = [
+        ee.ensemble(batchnorm_mlp(w), size=s, key=jax.random.key(w))
+        for w, s in zip(WIDTHS, SIZES, strict=True)
+    ]
+    groups = [ens for ens, _ in built]
+    states = [state for _, state in built]
+    het = ee.Heterogeneous(groups)
+    opt = optax.adam(1e-2)
+    kwargs = dict(steps=5, batch_size=8, key=jax.random.key(7), callbacks=[])
+    got = ee.fit(het, stateful_loss, opt, (X, Y), state=tuple(states), **kwargs)
+    assert isinstance(got.state, tuple) and len(got.state) == 2
+    for index, (width, group, state, (start, stop)) in enumerate(
+        zip(WIDTHS, groups, states, het.bounds, strict=True)
+    ):
+        ref, ref_state = ee.ensemble(
+            batchnorm_mlp(width), size=len(het), key=jax.random.key(97)
+        )
+        parts = [ref[:start]] if start else []
+        parts += [group] + ([ref[stop:]] if stop < len(het) else [])
+        ref = ee.concatenate(parts)
+        ref_state = jax.tree.map(
+            lambda r, s: jnp.concatenate([r[:start], s, r[stop:]]), ref_state, state
+        )
+        want = ee.fit(ref, stateful_loss, opt, (X, Y), state=ref_state, **kwargs)
+        assert_close(got.ensemble.groups[index], members_at(want.ensemble, start, stop))
+        assert_close(got.state[index], rows(want.state, start, stop))
+    with pytest.raises(ValueError, match="one entry per group"):
+        ee.fit(het, stateful_loss, opt, (X, Y), state=states[0], **kwargs)
+    with pytest.raises(ValueError, match=r"`state`\[1\].*leading axis.*3"):
+        ee.fit(het, stateful_loss, opt, (X, Y), state=(states[0], states[0]), **kwargs)
+
+
+def test_resume_is_bit_exact(het, tmp_path):
+    opt = optax.adam(1e-2)
+    kwargs = dict(
+        steps=8, batch_size=8, key=jax.random.key(8), sampling=ee.Independent(),
+        evaluate=ee.Evaluate(loss, (X[:8], Y[:8]), every=2),
+        execution=ee.Execution(steps_per_dispatch=2),
+    )  # fmt: skip
+    straight = ee.fit(het, loss, opt, (X, Y), callbacks=[], **kwargs)
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(result):
+        if result.step >= 4:
+            raise Stop
+
+    folder = tmp_path / "run"
+    with pytest.raises(Stop):
+        ee.fit(
+            het, loss, opt, (X, Y), callbacks=[interrupt],
+            checkpoints=ee.Checkpoints(folder, every=2), **kwargs,
+        )  # fmt: skip
+    assert [step for step, _ in ee.list_checkpoints(folder)][-1] == 4
+    resumed = ee.fit(
+        het, loss, opt, (X, Y), callbacks=[],
+        checkpoints=ee.Checkpoints(folder, every=2), **kwargs,
+    )  # fmt: skip
+    assert resumed.resumed_from == 4
+    for a, b in zip(
+        jax.tree.leaves((resumed.ensemble, resumed.opt_state, resumed.best_ensemble)),
+        jax.tree.leaves(
+            (straight.ensemble, straight.opt_state, straight.best_ensemble)
+        ),
+        strict=True,
+    ):
+        if eqx.is_array(a):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(resumed.history.losses, straight.history.losses)
+
+
+def test_save_and_load_round_trip(het, tmp_path):
+    path = ee.save(tmp_path / "het.eqx", het)
+    like = ee.Heterogeneous(
+        [
+            ee.ensemble(mlp(w), size=s, key=jax.random.key(0))
+            for w, s in zip(WIDTHS, SIZES)
+        ]
+    )
+    loaded = ee.load(path, like)
+    assert_close(loaded, het, atol=0)
+    wrong = ee.Heterogeneous([like.groups[0], like.groups[0]])
+    with pytest.raises(Exception, match="groups"):
+        ee.load(path, wrong)
+
+
+def test_make_step_equals_the_homogeneous_step():
+    full = ee.ensemble(mlp(8), size=4, key=jax.random.key(0))
+    het = ee.Heterogeneous([full[:3], full[3:]])
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    rates = {"learning_rate": jnp.array([1e-3, 1e-2, 3e-2, 1e-1])}
+    step = ee.make_step(loss, opt)
+    want = step(
+        full, ee.init_optimizer(opt, full, hyperparams=rates), (X, Y), jax.random.key(1)
+    )
+    het_state = ee.init_optimizer(opt, het, hyperparams=rates)
+    assert isinstance(het_state, tuple) and len(het_state) == 2
+    np.testing.assert_allclose(het_state[1].hyperparams["learning_rate"], [1e-1])
+    got = step(het, het_state, (X, Y), jax.random.key(1))
+    np.testing.assert_allclose(got.losses, want.losses, atol=1e-6)
+    assert_close(
+        [g.members for g in got.ensemble.groups],
+        [rows(want.ensemble.members, 0, 3), rows(want.ensemble.members, 3, 4)],
+    )
+    with pytest.raises(ValueError, match="group 1"):
+        step(het, (het_state[0], het_state[0]), (X, Y), jax.random.key(1))
+    with pytest.raises(ValueError, match="one entry per group"):
+        step(het, het_state[0], (X, Y), jax.random.key(1))
+    with pytest.raises(ValueError, match=r"'learning_rate' has shape \(3,\)"):
+        ee.init_optimizer(opt, het, hyperparams={"learning_rate": jnp.ones(3)})
+
+
+# --- what is refused ----------------------------------------------------------
+
+
+def test_aux_that_differs_between_groups_names_the_leaf(het):
+    def with_aux(model, batch, key):
+        out = jax.vmap(model)(batch[0])
+        return jnp.mean((out - batch[1]) ** 2), {"hidden": model.layers[0].weight}
+
+    with pytest.raises(ValueError, match=r"aux.*group 0 and group 1.*hidden"):
+        ee.fit(het, with_aux, optax.sgd(0.1), (X, Y), steps=2, batch_size=8,
+               key=jax.random.key(0), callbacks=[])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        (dict(execution=ee.Execution(member_chunk=1)), "member_chunk"),
+        (dict(callbacks=[ee.PBT(every=2)]), "PBT"),
+    ],
+)
+def test_what_a_heterogeneous_fit_does_not_take_is_refused_first(het, setting, match):
+    kwargs = dict(steps=4, batch_size=8, key=jax.random.key(0), callbacks=[])
+    kwargs.update(setting)
+    with pytest.raises(ValueError, match=match):
+        ee.fit(het, loss, optax.sgd(0.1), (X, Y), **kwargs)
+
+
+def test_a_coupled_loss_and_a_mesh_are_refused(het):
+    coupled = ee.Coupled(lambda ens, batch, keys: jnp.sum(ens.members.layers[0].weight))
+    with pytest.raises(ValueError, match="Coupled"):
+        ee.fit(het, coupled, optax.sgd(0.1), (X, Y), steps=2, batch_size=8,
+               key=jax.random.key(0), callbacks=[])  # fmt: skip
+    mesh = ee.make_mesh(members=1, data=1)
+    with pytest.raises(ValueError, match="mesh"):
+        ee.fit(het, loss, optax.sgd(0.1), (X, Y), steps=2, batch_size=8,
+               key=jax.random.key(0), callbacks=[],
+               execution=ee.Execution(mesh=mesh))  # fmt: skip
