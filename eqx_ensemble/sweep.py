@@ -16,7 +16,8 @@ settings["learning_rate"].shape        # (16,)
 """
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -24,7 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-__all__ = ["Distribution", "choice", "log_uniform", "sample", "uniform"]
+from ._core.ensemble import Ensemble
+from ._core.heterogeneous import Heterogeneous
+
+__all__ = [
+    "Architectures",
+    "Distribution",
+    "architectures",
+    "choice",
+    "log_uniform",
+    "sample",
+    "uniform",
+]
 
 
 class Distribution(eqx.Module):
@@ -176,3 +188,128 @@ def sample(
                 "number"
             )
     return jax.tree.unflatten(treedef, drawn)
+
+
+class Architectures(NamedTuple):
+    """What [`architectures`][eqx_ensemble.sweep.architectures] returns.
+
+    - `ensemble`: an [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous], one
+      group per distinct architecture drawn.
+    - `settings`: `space`'s structure with one value per member, in the
+      ensemble's member order (arrays of shape `(size,)`).
+    - `state`: the model states (a tuple, one per group) when `make` returns a
+      `(model, eqx.nn.State)` pair, else `None`.
+
+    **Example:**
+
+    ```python
+    pool, settings, state = ee.sweep.architectures(
+        lambda key, width: eqx.nn.MLP(2, 1, width, 1, key=key),
+        {"width": ee.sweep.choice([8, 16])}, size=4, key=jax.random.key(0))
+    len(pool), settings["width"].shape, state     # 4, (4,), None
+    ```
+    """
+
+    ensemble: Heterogeneous
+    settings: PyTree[Float[Array, " size"]]
+    state: tuple[Any, ...] | None
+
+
+def _python_number(value: Any) -> int | float:
+    value = float(value)
+    return int(value) if value.is_integer() else value
+
+
+def architectures(
+    make: Callable[..., Any],
+    space: dict[str, Any],
+    *,
+    size: int,
+    key: PRNGKeyArray,
+) -> Architectures:
+    """A hyper-deep ensemble's pool over architectures (Wenzel, Snoek, Tran &
+    Jenatton 2020): `size` members, each with an architecture drawn from
+    `space`, built as one [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous]
+    with one natively stacked group per distinct architecture.
+
+    **Arguments:**
+
+    - `make`: `make(key, **setting) -> model` (or `(model, eqx.nn.State)`), e.g.
+      `lambda key, width, depth: eqx.nn.MLP(2, 1, width, depth, key=key)`. A
+      drawn number that is whole is passed as an `int`.
+    - `space`: a dict, name -> distribution (`ee.sweep.choice` for discrete
+      choices such as widths and depths) or fixed number.
+    - `size`: the number of members.
+    - `key`: a PRNG key; `split(key)[0]` draws the settings (as
+      [`sample`][eqx_ensemble.sweep.sample]), `split(key)[1]` is split into one
+      initialisation key per drawn member.
+
+    **Returns:**
+
+    An [`Architectures`][eqx_ensemble.sweep.Architectures] `(ensemble,
+    settings, state)`. Groups are in the order their architecture was first
+    drawn; members within a group in draw order. Train the pool with one
+    `ee.fit`, pick members with
+    [`ee.greedy_selection`][eqx_ensemble.greedy_selection] on its validation
+    predictions, and index the pool with the picks (`pool[indices]`).
+
+    **Example:**
+
+    ```python
+    pool = ee.sweep.architectures(
+        lambda key, width, depth: eqx.nn.MLP(2, 1, width, depth, key=key),
+        {"width": ee.sweep.choice([16, 32]), "depth": ee.sweep.choice([1, 2])},
+        size=8, key=jax.random.key(0))
+    pool.ensemble.sizes         # members per distinct (width, depth)
+    pool.settings["width"]      # per member, in the ensemble's order
+    ```
+    """
+    if not isinstance(space, dict) or not space:
+        raise TypeError(
+            "`space` must be a non-empty dict of keyword arguments of `make` "
+            f"(name -> distribution or number), got {space!r}"
+        )
+    for name in space:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"`space` key {name!r} is not a keyword argument name")
+    draw_key, init_key = jax.random.split(key)
+    drawn = sample(draw_key, space, size)
+    names = list(space)
+    values = np.stack([np.asarray(drawn[name]) for name in names], axis=1)
+    member_keys = jax.random.split(init_key, size)
+    order: list[int] = []
+    groups, states = [], []
+    seen: dict[tuple[float, ...], list[int]] = {}
+    for index, row in enumerate(map(tuple, values.tolist())):
+        seen.setdefault(row, []).append(index)
+    for row, members in seen.items():
+        setting = {
+            name: _python_number(value) for name, value in zip(names, row, strict=True)
+        }
+
+        def build(member_key, setting=setting):
+            return make(member_key, **setting)
+
+        try:
+            made = eqx.filter_vmap(build)(member_keys[np.asarray(members)])
+        except TypeError as error:
+            error.add_note(f"(`make` called as make(key, **{setting}))")
+            raise
+        stateful = (
+            isinstance(made, tuple)
+            and len(made) == 2
+            and isinstance(made[1], eqx.nn.State)
+        )
+        groups.append(Ensemble(made[0] if stateful else made))
+        states.append(made[1] if stateful else None)
+        order.extend(members)
+    permutation = np.asarray(order)
+    settings = {name: drawn[name][permutation] for name in names}
+    with_state = [state is not None for state in states]
+    if any(with_state) and not all(with_state):
+        raise ValueError(
+            "`make` returned a model state for some architectures and not others"
+        )
+    return Architectures(
+        Heterogeneous(groups), settings, tuple(states) if all(with_state) else None
+    )

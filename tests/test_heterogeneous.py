@@ -468,3 +468,81 @@ def test_a_coupled_loss_and_a_mesh_are_refused(het):
         ee.fit(het, loss, optax.sgd(0.1), (X, Y), steps=2, batch_size=8,
                key=jax.random.key(0), callbacks=[],
                execution=ee.Execution(mesh=mesh))  # fmt: skip
+
+
+# --- selection and hyper-deep ensembles ----------------------------------------
+
+
+def test_indexing_with_member_indices_selects_a_heterogeneous_ensemble(het):
+    picked = het[[3, 0, 3, 4]]
+    assert isinstance(picked, ee.Heterogeneous)
+    # Grouped: group 0's picks ([0]), then group 1's in the order given.
+    assert picked.sizes == (1, 3)
+    for got, want in zip(range(4), (0, 3, 3, 4), strict=True):
+        assert_close(picked[got], het[want], atol=0)
+    assert het[np.array([4, 2])].sizes == (2,)
+    with pytest.raises(IndexError, match="out of range"):
+        het[[0, 7]]
+    with pytest.raises(IndexError, match="no members"):
+        het[np.zeros((0,), np.int32)]
+    with pytest.raises(TypeError, match="not a slice|parameter .index."):
+        het[0:2]
+
+
+def arch_model(key, width, depth):
+    return eqx.nn.MLP(2, 1, width, depth, key=key)
+
+
+SPACE = {"width": ee.sweep.choice([4, 8]), "depth": ee.sweep.choice([1, 2])}
+
+
+def test_architectures_build_each_drawn_member_with_its_own_key():
+    key = jax.random.key(11)
+    pool = ee.sweep.architectures(arch_model, SPACE, size=7, key=key)
+    # Independently: the documented draw and keys, grouped by first appearance.
+    draw_key, init_key = jax.random.split(key)
+    drawn = ee.sweep.sample(draw_key, SPACE, size=7)
+    keys = jax.random.split(init_key, 7)
+    rows = [(int(drawn["width"][j]), int(drawn["depth"][j])) for j in range(7)]
+    firsts = list(dict.fromkeys(rows))
+    order = [j for row in firsts for j in range(7) if rows[j] == row]
+    assert pool.ensemble.sizes == tuple(rows.count(row) for row in firsts)
+    assert pool.state is None
+    for i, j in enumerate(order):
+        width, depth = rows[j]
+        assert int(pool.settings["width"][i]) == width
+        assert int(pool.settings["depth"][i]) == depth
+        assert_close(pool.ensemble[i], arch_model(keys[j], width, depth), atol=0)
+
+
+def test_a_hyper_deep_ensemble_trains_the_pool_and_selects_from_it():
+    pool = ee.sweep.architectures(arch_model, SPACE, size=6, key=jax.random.key(12))
+    fitted = ee.fit(
+        pool.ensemble, loss, optax.adam(1e-2), (X[:32], Y[:32]), steps=20,
+        batch_size=8, key=jax.random.key(13), callbacks=[],
+    ).ensemble  # fmt: skip
+    preds = ee.predict(fitted, X[32:])
+    assert preds.shape == (6, 16, 1)
+    picks = ee.greedy_selection(
+        preds, lambda p: jnp.mean((p.mean(0) - Y[32:]) ** 2), size=3,
+        replacement=False,
+    )  # fmt: skip
+    chosen = fitted[np.asarray(picks)]
+    assert len(chosen) == 3
+    got = ee.predict(chosen, X[32:])
+    want = jnp.stack(
+        [
+            preds[int(i)]
+            for i in sorted(picks.tolist(), key=lambda i: fitted.locate(i)[0])
+        ]
+    )
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_architectures_refuse_bad_spaces_naming_the_call():
+    with pytest.raises(TypeError, match="non-empty dict"):
+        ee.sweep.architectures(arch_model, {}, size=2, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"make\(key, \*\*\{'width'"):
+        ee.sweep.architectures(
+            arch_model, {"width": ee.sweep.choice([4])}, size=2, key=jax.random.key(0)
+        )

@@ -1039,7 +1039,7 @@ FIT_ERRORS = [
         "not-an-ensemble",
         dict(ens=Lazy(lambda o: o.ens.members)),
         TypeError,
-        r"`fit` expects an `ee\.Ensemble`, got MLP",
+        r"`fit` expects an `ee\.Ensemble` \(or an `ee\.Heterogeneous`\), got MLP",
     ),
     (
         "model-state-of-other-size",

@@ -7,7 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from jaxtyping import PRNGKeyArray
+from jaxtyping import ArrayLike, Int, PRNGKeyArray
 from typing_extensions import TypeIs
 
 from .data import check_leading
@@ -131,10 +131,39 @@ class Heterogeneous(eqx.Module):
                 return group, index - start
         raise AssertionError("unreachable")
 
-    def __getitem__(self, index: int) -> Any:
-        """Global member `index` as a plain model."""
-        group, position = self.locate(index)
-        return self.groups[group][position]
+    def __getitem__(self, index: int | Sequence[int] | Int[ArrayLike, " k"]) -> Any:
+        """Global member `index` as a plain model; or, for a 1-D sequence or
+        array of member indices (repeats allowed, as
+        [`ee.greedy_selection`][eqx_ensemble.greedy_selection] returns), an
+        `ee.Heterogeneous` of those members: each group's selected members, in
+        the order given, groups in their order (groups with none dropped). The
+        member order may so differ from `index`'s; a member picked twice is
+        held twice."""
+        if isinstance(index, int | np.integer) and not isinstance(index, bool):
+            group, position = self.locate(int(index))
+            return self.groups[group][position]
+        if isinstance(index, slice):
+            raise TypeError(
+                "a heterogeneous ensemble is indexed by member indices (an int, or a "
+                "list/array of ints), not a slice; for a group use `het.groups[g]`"
+            )
+        indices = np.asarray(index)
+        if indices.ndim != 1 or not (
+            np.issubdtype(indices.dtype, np.integer) or indices.size == 0
+        ):
+            raise TypeError(
+                "a heterogeneous ensemble is indexed by an int or a 1-D list/array of "
+                f"int member indices, got {indices.dtype} of shape {indices.shape}"
+            )
+        if indices.size == 0:
+            raise IndexError("the index selects no members; an ensemble needs one")
+        located = [self.locate(int(i)) for i in indices]
+        groups = []
+        for group_index, group in enumerate(self.groups):
+            positions = [p for g, p in located if g == group_index]
+            if positions:
+                groups.append(group[np.asarray(positions)])
+        return Heterogeneous(groups)
 
     def __call__(self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any):
         """Call every member on the same inputs: the groups' outputs joined along
