@@ -546,3 +546,182 @@ def test_architectures_refuse_bad_spaces_naming_the_call():
         ee.sweep.architectures(
             arch_model, {"width": ee.sweep.choice([4])}, size=2, key=jax.random.key(0)
         )
+
+
+# --- review fixes: hyperparameters, states, indices, layouts, losses per group --
+
+
+def _injected_lr_run(het, lrs, **kwargs):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    opt_state = ee.init_optimizer(opt, het, hyperparams={"learning_rate": lrs})
+    return opt, opt_state
+
+
+def test_loggers_see_every_members_injected_hyperparameters(het):
+    lrs = jnp.array([0.01, 0.02, 0.03, 0.04, 0.05])
+    opt, opt_state = _injected_lr_run(het, lrs)
+    seen = []
+
+    class Collect(ee.Logger):
+        def open(self, run):
+            seen.append(run.member_hparams)
+            return None
+
+        def write(self, handle, entry):
+            seen.append(entry.member_hparams)
+
+        def close(self, handle):
+            pass
+
+    ee.fit(
+        het, loss, opt, (X, Y), steps=4, batch_size=8, key=jax.random.key(0),
+        opt_state=opt_state, callbacks=[Collect()],
+    )  # fmt: skip
+    assert len(seen) >= 2
+    for hparams in seen:
+        np.testing.assert_allclose(hparams["learning_rate"], lrs, rtol=1e-6)
+
+
+def test_resume_with_another_groups_hyperparameters_is_refused(het, tmp_path):
+    folder = tmp_path / "run"
+    kwargs = dict(steps=4, batch_size=8, key=jax.random.key(0), callbacks=[])
+    lrs = jnp.array([0.01, 0.02, 0.03, 0.04, 0.05])
+    opt, opt_state = _injected_lr_run(het, lrs)
+    ee.fit(
+        het, loss, opt, (X, Y), opt_state=opt_state,
+        checkpoints=ee.Checkpoints(folder, every=2), **kwargs,
+    )  # fmt: skip
+    # Only group 0's values change: a record that kept one group's values per
+    # name (the last group's) would miss it.
+    changed = lrs.at[0].set(0.5)
+    _, other = _injected_lr_run(het, changed)
+    with pytest.raises(Exception, match="hyperparam"):
+        ee.fit(
+            het, loss, opt, (X, Y), opt_state=other,
+            checkpoints=ee.Checkpoints(folder, every=2),
+            **{**kwargs, "steps": 6},
+        )  # fmt: skip
+
+
+def test_set_hyperparams_on_a_group_tuple_says_how(het):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    opt_state = ee.init_optimizer(opt, het)
+    with pytest.raises(ValueError, match="once per group.*init_optimizer"):
+        ee.set_hyperparams(opt_state, {"learning_rate": jnp.ones(5)}, size=5)
+    # Per group, as the message says, it works.
+    per_group = tuple(
+        ee.set_hyperparams(s, {"learning_rate": jnp.full(len(g), 0.2)}, size=len(g))
+        for s, g in zip(opt_state, het.groups, strict=True)
+    )
+    assert [s.hyperparams["learning_rate"].shape for s in per_group] == [(2,), (3,)]
+
+
+def test_a_state_for_some_groups_only_is_refused_naming_them():
+    built = [
+        ee.ensemble(batchnorm_mlp(w), size=s, key=jax.random.key(s))
+        for w, s in zip(WIDTHS, SIZES, strict=True)
+    ]
+    het = ee.Heterogeneous([ens for ens, _ in built])
+    with pytest.raises(ValueError, match=r"None for groups \[1\]"):
+        ee.fit(
+            het, loss, optax.sgd(0.1), (X, Y), steps=2, batch_size=8,
+            key=jax.random.key(0), state=(built[0][1], None), callbacks=[],
+        )  # fmt: skip
+
+
+def test_chunk_size_is_checked_against_all_members(het):
+    with pytest.raises(ValueError, match="between 1 and the ensemble size 5"):
+        ee.map(lambda m, x: jax.vmap(m)(x), het, X, chunk_size=6)
+    got = ee.map(lambda m, x: jax.vmap(m)(x), het, X, chunk_size=3)
+    np.testing.assert_allclose(got, ee.predict(het, X), atol=1e-6)
+
+
+def test_zero_d_indices_masks_and_the_selection_order(het):
+    assert_close(het[np.int64(3)], het[3], atol=0)
+    assert_close(het[np.asarray(3)], het[3], atol=0)
+    mask = np.array([True, False, False, True, True])
+    assert het[mask].sizes == (1, 2)
+    with pytest.raises(IndexError, match=r"shape \(5,\)"):
+        het[mask[:4]]
+    picks = [4, 0, 3, 0]
+    chosen = het[picks]
+    order = het.order(picks)
+    assert sorted(order.tolist()) == sorted(picks)
+    # Member i of the selection is global member order[i] of `het`.
+    for i, global_index in enumerate(order):
+        assert_close(chosen[i], het[int(global_index)], atol=0)
+
+
+def cnn(width):
+    def make(key):
+        return eqx.nn.Sequential(
+            [
+                eqx.nn.Conv2d(1, width, 3, padding=1, key=key),
+                eqx.nn.Lambda(lambda x: jnp.mean(x, axis=(1, 2))),
+                eqx.nn.Linear(width, 1, key=jax.random.fold_in(key, 1)),
+            ]
+        )
+
+    return make
+
+
+def test_make_step_chooses_the_layout_and_options_fit_would():
+    # A convolving group makes the automatic layout member by member on one
+    # CPU device, for a heterogeneous ensemble as for its group alone.
+    groups = [ee.ensemble(cnn(w), size=2, key=jax.random.key(w)) for w in (2, 4)]
+    het = ee.Heterogeneous(groups)
+    images = jnp.ones((4, 1, 6, 6))
+    batch = (images, jnp.ones((4, 1)))
+    step = ee.make_step(loss, optax.sgd(0.1))
+    for_group = step._layout(groups[0], batch)
+    assert step._layout(het, batch) == for_group == "sequential"
+    assert step._options(het, batch) == step._options(groups[0], batch)
+
+
+def test_a_loss_per_group_trains_each_group_as_its_loss_alone(het):
+    def scaled_loss(scale):
+        def fn(model, batch, key):
+            return scale * loss(model, batch, key)
+
+        return fn
+
+    losses = (scaled_loss(1.0), scaled_loss(3.0))
+    opt = optax.sgd(0.05)
+    kwargs = dict(
+        steps=6, batch_size=8, key=jax.random.key(4), callbacks=[],
+        sampling=ee.Independent(),
+    )  # fmt: skip
+    got = ee.fit(het, losses, opt, (X, Y), **kwargs)
+    for index, (width, group, (start, stop)) in enumerate(
+        zip(WIDTHS, het.groups, het.bounds, strict=True)
+    ):
+        ref = padded(width, group, start, len(het), jax.random.key(99))
+        want = ee.fit(ref, losses[index], opt, (X, Y), **kwargs)
+        assert_close(got.ensemble.groups[index], members_at(want.ensemble, start, stop))
+        np.testing.assert_allclose(
+            got.history.losses[:, start:stop],
+            want.history.losses[:, start:stop],
+            atol=1e-6,
+        )
+    # The same through make_step.
+    step = ee.make_step(losses, opt)
+    out = step(het, ee.init_optimizer(opt, het), (X[:8], Y[:8]), jax.random.key(0))
+    assert out.losses.shape == (5,)
+    np.testing.assert_allclose(
+        out.losses[2:] / 3.0,
+        ee.make_step(loss, opt)(
+            het, ee.init_optimizer(opt, het), (X[:8], Y[:8]), jax.random.key(0)
+        ).losses[2:],
+        rtol=1e-6,
+    )
+
+
+def test_bad_losses_per_group_are_refused_naming_them(het):
+    kwargs = dict(steps=2, batch_size=8, key=jax.random.key(0), callbacks=[])
+    with pytest.raises(ValueError, match="tuple of 3 losses.*2 groups"):
+        ee.fit(het, (loss, loss, loss), optax.sgd(0.1), (X, Y), **kwargs)
+    with pytest.raises(TypeError, match=r"loss_fn\[1\]. \(group 1\)"):
+        ee.fit(het, (loss, lambda m, b: 0.0), optax.sgd(0.1), (X, Y), **kwargs)
+    ens = het.groups[0]
+    with pytest.raises(TypeError, match="only an `ee.Heterogeneous`"):
+        ee.fit(ens, (loss,), optax.sgd(0.1), (X, Y), **kwargs)

@@ -1,13 +1,13 @@
 """`Heterogeneous`: ensembles of different architectures held as one, and the
 helpers that split per-member arrays by group and join the groups' results."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
-from jaxtyping import ArrayLike, Int, PRNGKeyArray
+from jaxtyping import ArrayLike, Bool, Int, PRNGKeyArray
 from typing_extensions import TypeIs
 
 from .data import check_leading
@@ -131,14 +131,23 @@ class Heterogeneous(eqx.Module):
                 return group, index - start
         raise AssertionError("unreachable")
 
-    def __getitem__(self, index: int | Sequence[int] | Int[ArrayLike, " k"]) -> Any:
+    def __getitem__(
+        self,
+        index: int
+        | Int[ArrayLike, ""]
+        | Sequence[int]
+        | Int[ArrayLike, " k"]
+        | Bool[ArrayLike, " n"],
+    ) -> Any:
         """Global member `index` as a plain model; or, for a 1-D sequence or
         array of member indices (repeats allowed, as
-        [`ee.greedy_selection`][eqx_ensemble.greedy_selection] returns), an
+        [`ee.greedy_selection`][eqx_ensemble.greedy_selection] returns) or a
+        boolean mask over the members, an
         `ee.Heterogeneous` of those members: each group's selected members, in
         the order given, groups in their order (groups with none dropped). The
         member order may so differ from `index`'s; a member picked twice is
-        held twice."""
+        held twice: [`order`][eqx_ensemble.Heterogeneous.order] gives the
+        global indices in that order."""
         if isinstance(index, int | np.integer) and not isinstance(index, bool):
             group, position = self.locate(int(index))
             return self.groups[group][position]
@@ -148,6 +157,55 @@ class Heterogeneous(eqx.Module):
                 "list/array of ints), not a slice; for a group use `het.groups[g]`"
             )
         indices = np.asarray(index)
+        if indices.ndim == 0 and np.issubdtype(indices.dtype, np.integer):
+            return self[int(indices)]
+        located = self._located(indices)
+        groups = []
+        for group_index, group in enumerate(self.groups):
+            positions = [p for g, p in located if g == group_index]
+            if positions:
+                groups.append(group[np.asarray(positions)])
+        return Heterogeneous(groups)
+
+    def order(
+        self, index: Sequence[int] | Int[ArrayLike, " k"] | Bool[ArrayLike, " n"]
+    ) -> Int[np.ndarray, " k"]:
+        """The global member indices of `het[index]`'s members, in its member
+        order (selected members are regrouped by group): index anything held
+        per member of `het` with it to line it up with `het[index]`.
+
+        **Example:**
+
+        ```python
+        pool, settings, _ = ee.sweep.architectures(
+            lambda key, width: eqx.nn.MLP(2, 1, width, 1, key=key),
+            {"width": ee.sweep.choice([8, 16])}, size=6, key=jax.random.key(0))
+        picks = [4, 0, 1]                   # e.g. from ee.greedy_selection
+        chosen = pool[picks]
+        widths = settings["width"][pool.order(picks)]   # member i of `chosen`
+        assert [m.width_size for m in (chosen[i] for i in range(3))] == list(widths)
+        ```
+        """
+        located = self._located(np.asarray(index))
+        starts = [start for start, _ in self.bounds]
+        return np.asarray(
+            [
+                starts[g] + p
+                for group_index in range(len(self.groups))
+                for g, p in located
+                if g == group_index
+            ],
+            dtype=np.int64,
+        )
+
+    def _located(self, indices: np.ndarray) -> list[tuple[int, int]]:
+        if indices.dtype == bool:
+            if indices.shape != (len(self),):
+                raise IndexError(
+                    f"a boolean mask over the members must have shape ({len(self)},) "
+                    f"(one entry per member), got {indices.shape}"
+                )
+            indices = np.flatnonzero(indices)
         if indices.ndim != 1 or not (
             np.issubdtype(indices.dtype, np.integer) or indices.size == 0
         ):
@@ -157,13 +215,7 @@ class Heterogeneous(eqx.Module):
             )
         if indices.size == 0:
             raise IndexError("the index selects no members; an ensemble needs one")
-        located = [self.locate(int(i)) for i in indices]
-        groups = []
-        for group_index, group in enumerate(self.groups):
-            positions = [p for g, p in located if g == group_index]
-            if positions:
-                groups.append(group[np.asarray(positions)])
-        return Heterogeneous(groups)
+        return [self.locate(int(i)) for i in indices]
 
     def __call__(self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any):
         """Call every member on the same inputs: the groups' outputs joined along
@@ -213,9 +265,16 @@ def per_group(het: Heterogeneous, value: Any, what: str) -> tuple[Any, ...]:
 
 def check_group_states(het: Heterogeneous, state: Any, what: str) -> None:
     """A model state per group, each with its group's member axis."""
-    for index, (group, group_state) in enumerate(
-        zip(het.groups, per_group(het, state, what), strict=True)
-    ):
+    states = per_group(het, state, what)
+    missing = [index for index, group_state in enumerate(states) if group_state is None]
+    if state is not None and missing:
+        raise ValueError(
+            f"{what} of an `ee.Heterogeneous` is None for groups {missing} but given "
+            "for the others: the loss is called with a state for every member or "
+            "for none. Give every group a model state (each stacked like its "
+            "group), or pass `state=None` if no group has one"
+        )
+    for index, (group, group_state) in enumerate(zip(het.groups, states, strict=True)):
         check_leading(group_state, len(group), f"{what}[{index}] (group {index})")
 
 
@@ -225,13 +284,3 @@ def split_by_group(het: Heterogeneous, tree: Any) -> tuple[Any, ...]:
     if tree is None:
         return (None,) * len(het.groups)
     return split_members(tree, het.bounds)
-
-
-def over_groups(
-    fn: Callable[..., Any], het: Heterogeneous, *per_group: Sequence[Any]
-) -> list[Any]:
-    """`[fn(group, *args of the group) for each group]`."""
-    return [
-        fn(group, *(args[index] for args in per_group))
-        for index, group in enumerate(het.groups)
-    ]

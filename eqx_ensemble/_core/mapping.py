@@ -150,11 +150,6 @@ def map_members(
     masks = check_per_member_args(args, axes, size)
     if member_keys is None and key is not None:
         member_keys = split_member_keys(key, size)
-    groups = getattr(ens, "groups", None)
-    if groups is not None:
-        return _map_groups(
-            fn, ens, args, axes, masks, chunk_size, member_keys, layout, profile_owner
-        )
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
             raise TypeError(f"`chunk_size` must be an int, got {chunk_size!r}")
@@ -163,6 +158,11 @@ def map_members(
                 f"`chunk_size` must be between 1 and the ensemble size {size}, got "
                 f"{chunk_size}"
             )
+    groups = getattr(ens, "groups", None)
+    if groups is not None:
+        return _map_groups(
+            fn, ens, args, axes, masks, chunk_size, member_keys, layout, profile_owner
+        )
     choice = check_layout(layout, None)
     if choice == "sequential" and chunk_size is not None and chunk_size != size:
         raise ValueError(

@@ -5,7 +5,7 @@ one compiled dispatch at a time, with the host work between dispatches done by
 the components themselves (history, progress, controllers, checkpoints,
 callbacks)."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import optax
@@ -21,6 +21,7 @@ from .._execution.execution import (
 )
 from .._trackers.base import Tracker
 from .evaluate import Evaluate
+from .loss import LossFn
 from .result import FitResult
 from .run import prepare
 from .sampling import Sampling, Shared
@@ -38,7 +39,7 @@ _MOVED = {
 @refuses_moved("fit", _MOVED)
 def fit(
     ens: Any,
-    loss_fn: Callable[..., Any],
+    loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     data: Any,
     *,
@@ -73,7 +74,9 @@ def fit(
     - `ens`: the ensemble to train.
     - `loss_fn`: the loss of ONE model, `loss_fn(model, batch, key) -> loss` or
       `(loss, aux)`; with a model `state`: `loss_fn(model, state, batch, key) ->
-      (loss, new_state)` or `(loss, new_state, aux)`.
+      (loss, new_state)` or `(loss, new_state, aux)`. For an
+      [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous], a tuple of such losses,
+      one per group, trains each group with its own.
     - `optimizer`: an `optax.GradientTransformation`, applied per member.
     - `data`: a PyTree of arrays sharing a leading example axis, e.g. `(x, y)`
       (batches of `batch_size` examples are drawn inside compiled code); OR a

@@ -35,6 +35,7 @@ from .._execution.compile import CompiledFunctions, Options, filter_jit
 from .._execution.layout import Layout
 from .._trackers.base import Tracker
 from .evaluate import Evaluate, eval_member_keys
+from .loss import LossFn
 from .sampling import Sampling
 from .source import Batches
 from .step import vmapped_update
@@ -45,7 +46,7 @@ class Chunk(eqx.Module):
     """Everything one dispatch reads (the train state is passed, and donated,
     separately). Non-array fields are static: changing them recompiles."""
 
-    loss_fn: Callable[..., Any]
+    loss_fn: LossFn
     optimizer: optax.GradientTransformation
     sampling: Sampling
     evaluate: Evaluate | None

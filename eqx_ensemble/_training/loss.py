@@ -13,6 +13,9 @@ from jaxtyping import Array, PyTree
 from .._execution.profile import StepProfile, profile_call
 from .._internal.tree import is_traced
 
+# A loss function, or (for an `ee.Heterogeneous`) a tuple with one per group.
+LossFn = Callable[..., Any] | tuple[Callable[..., Any], ...]
+
 
 def _split_loss_output(out: Any, stateful: bool) -> tuple[Array, Any, Any]:
     if stateful:

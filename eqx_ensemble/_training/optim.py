@@ -78,21 +78,64 @@ def hyperparam_nodes(opt_state: PyTree[Any]) -> list[tuple[str, Any]]:
     ]
 
 
-def member_hparams(train_state: Any) -> dict[str, np.ndarray]:
+def member_hparams(
+    train_state: Any, bounds: Sequence[tuple[int, int]] | None = None
+) -> dict[str, np.ndarray]:
     """Each member's scalar hyperparameters in a train state, on the host: those
     injected with `optax.inject_hyperparams` (by name, prefixed with the node's
-    path where there are several) and the leaves of `hyper`."""
+    path where there are several) and the leaves of `hyper`. `bounds`: the
+    groups' `(start, stop)` of an `ee.Heterogeneous`, whose optimizer state is a
+    tuple with one state per group; each name's values are joined over the
+    groups (NaN for the members of a group whose optimizer has no such
+    hyperparameter)."""
     size = int(np.shape(train_state.diverged_at)[0])
     values: dict[str, np.ndarray] = {}
-    nodes = hyperparam_nodes(members_opt_state(train_state.opt_state))
-    for path, node in nodes:
-        for name, value in node.hyperparams.items():
-            if np.shape(value) == (size,):
-                values[f"{path}{name}" if len(nodes) > 1 else name] = np.asarray(value)
+    if bounds is None:
+        values.update(_injected(train_state.opt_state, size))
+    else:
+        groups = [
+            _injected(group_state, stop - start)
+            for group_state, (start, stop) in zip(
+                train_state.opt_state, bounds, strict=True
+            )
+        ]
+        for name in dict.fromkeys(name for group in groups for name in group):
+            values[name] = np.concatenate(
+                [
+                    np.asarray(group[name], np.float64)
+                    if name in group
+                    else np.full(stop - start, np.nan)
+                    for group, (start, stop) in zip(groups, bounds, strict=True)
+                ]
+            )
     for path, leaf in jtu.tree_flatten_with_path(train_state.hyper)[0]:
         if np.shape(leaf) == (size,):
             values[f"hyper{keystr(path)}"] = np.asarray(leaf)
     return values
+
+
+def _injected(opt_state: Any, size: int) -> dict[str, np.ndarray]:
+    values: dict[str, np.ndarray] = {}
+    nodes = hyperparam_nodes(members_opt_state(opt_state))
+    for path, node in nodes:
+        for name, value in node.hyperparams.items():
+            if np.shape(value) == (size,):
+                values[f"{path}{name}" if len(nodes) > 1 else name] = np.asarray(value)
+    return values
+
+
+def _looks_grouped(
+    opt_state: Any, owners: list[tuple[str, Any]], name: str, size: int
+) -> bool:
+    # A heterogeneous ensemble's state: a tuple of per-group states, whose
+    # stacked hyperparameters have the groups' sizes (not all the ensemble's).
+    shapes = [np.shape(node.hyperparams[name]) for _, node in owners]
+    return (
+        isinstance(opt_state, tuple)
+        and all(path.startswith("[") for path, _ in owners)
+        and all(len(shape) == 1 for shape in shapes)
+        and any(shape != (size,) for shape in shapes)
+    )
 
 
 def map_hyperparam_nodes(fn: Any, opt_state: PyTree[Any]) -> PyTree[Any]:
@@ -155,6 +198,16 @@ def set_hyperparams(
                 f"{available}"
             )
         if len(owners) > 1:
+            if _looks_grouped(opt_state, owners, name, size):
+                raise ValueError(
+                    f"Hyperparameter {name!r} is held once per group: this looks "
+                    "like the optimizer state of an `ee.Heterogeneous` (a tuple "
+                    "with one state per group). Pass `hyperparams=` to "
+                    "`ee.init_optimizer(optimizer, het, hyperparams=...)` (one value "
+                    "per member over all groups), or set each group's state with "
+                    "its own members' values: `tuple(ee.set_hyperparams(s, {...}, "
+                    "size=len(g)) for s, g in zip(opt_state, het.groups))`"
+                )
             raise ValueError(
                 f"Hyperparameter {name!r} is injected in several places "
                 f"({[path for path, _ in owners]}); set them on the optimizer itself"
@@ -378,8 +431,8 @@ def check_opt_state(
         ):
             try:
                 check_opt_state(optimizer, group, group_state)
-            except ValueError as error:
-                raise ValueError(f"group {index}: {error}") from None
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"group {index}: {error}") from None
         return
     size = len(ens)
     expected = eqx.filter_eval_shape(

@@ -76,12 +76,24 @@ def start_record(trees: list[tuple[str, Any]]) -> dict[str, Any] | None:
     return record or None
 
 
-def hyperparams_record(opt_state: PyTree[Any]) -> dict[str, Any] | None:
-    """The injected hyperparameters of an optimizer state, as `start_record`."""
+def hyperparams_record(
+    opt_state: PyTree[Any], groups: int | None = None
+) -> dict[str, Any] | None:
+    """The injected hyperparameters of an optimizer state, as `start_record`;
+    of an `ee.Heterogeneous`'s (a tuple of `groups` states), each group's under
+    its own prefix `[g]`."""
+    states = (
+        [("", opt_state)]
+        if groups is None
+        else [
+            (f"[{index}]", group_state) for index, group_state in enumerate(opt_state)
+        ]
+    )
     return start_record(
         [
-            ("", dict(node.hyperparams))
-            for _, node in hyperparam_nodes(members_opt_state(opt_state))
+            (prefix, dict(node.hyperparams))
+            for prefix, state in states
+            for _, node in hyperparam_nodes(members_opt_state(state))
         ]
     )
 

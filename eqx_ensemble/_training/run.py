@@ -24,7 +24,6 @@ from .._core.heterogeneous import (
     Heterogeneous,
     check_group_states,
     is_heterogeneous,
-    per_group,
 )
 from .._core.sharding import check_fit_mesh, on_mesh, place_state
 from .._execution.compile import (
@@ -40,7 +39,7 @@ from .._execution.layout import (
     check_member_chunk,
     choose_layout,
 )
-from .._execution.profile import StepProfile, first_member, signature
+from .._execution.profile import StepProfile, signature
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.keys import check_key
 from .._internal.tree import first_difference
@@ -51,10 +50,9 @@ from .history import Recorder
 from .loggers import LogEntry, Logger, LogWriter, RunInfo
 from .loop import Chunk, copy, runner_for
 from .loss import (
+    LossFn,
     check_hyper,
-    check_loss_signature,
     check_optimizer,
-    profile_step,
 )
 from .optim import check_opt_state, member_hparams
 from .progress import ProgressBar, ProgressMeter
@@ -68,7 +66,12 @@ from .record import (
 from .result import EnsembleDivergedError, FitResult, make_result
 from .sampling import Sampling, as_sampling
 from .source import ArraySource, Batches, DataSource, StreamSource
-from .step import check_chunkable, check_heterogeneous_run
+from .step import (
+    check_chunkable,
+    check_heterogeneous_run,
+    check_losses,
+    ensemble_profile,
+)
 from .stream import check_data, is_array_data
 from .train_state import TrainState, start_state
 
@@ -146,7 +149,7 @@ def split_callbacks(callbacks: Sequence[Any] | None) -> Callbacks:
 
 def prepare(
     ens: Any,
-    loss_fn: Callable[..., Any],
+    loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     data: Any,
     *,
@@ -202,7 +205,7 @@ def prepare(
             "called as `fn(ensemble, batch, keys)`; drop `state=`, or write the "
             "objective per member"
         )
-    check_loss_signature(loss_fn, state is not None, hyper is not None)
+    check_losses(loss_fn, ens, state is not None, hyper is not None)
     if evaluate is not None:
         evaluate.check(state is not None)
     if hyper is not None:
@@ -292,6 +295,7 @@ def prepare(
         loggers=loggers,
         functions=functions,
         resumed_from=None if history is None else done,
+        groups=ens.bounds if is_heterogeneous(ens) else None,
         hparams={
             "members": size,
             "steps": steps,
@@ -326,7 +330,11 @@ def run_record(
         key=key_record(key),
         eval_every=None if evaluate is None else evaluate.every,
         track=[repr(tracker) for tracker in track],
-        hyperparams=None if opt_state is None else hyperparams_record(opt_state),
+        hyperparams=None
+        if opt_state is None
+        else hyperparams_record(
+            opt_state, len(ens.groups) if is_heterogeneous(ens) else None
+        ),
         hyper=start_record([("", hyper)] if hyper is not None else []),
         optimizer=optimizer_record(optimizer, train_state.opt_state),
     )
@@ -369,7 +377,7 @@ class FitPlan:
 
 def plan_fit(
     execution: Execution,
-    loss_fn: Callable[..., Any],
+    loss_fn: LossFn,
     ens: Ensemble | Heterogeneous,
     source: DataSource,
     state: PyTree[Any],
@@ -414,7 +422,7 @@ _PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, FitPlan]]" = (
 
 def _plan_fit(
     execution: Execution,
-    loss_fn: Callable[..., Any],
+    loss_fn: LossFn,
     ens: Ensemble | Heterogeneous,
     source: DataSource,
     member_batch: PyTree[Any],
@@ -426,7 +434,7 @@ def _plan_fit(
     size = len(ens)
     profile = StepProfile()
     if mesh is None and jax.default_backend() == "cpu":
-        profile = _profile_groups(loss_fn, ens, member_batch, state, hyper)
+        profile = ensemble_profile(loss_fn, ens, member_batch, state, hyper)
     unroll = execution.unroll
     if unroll is None:
         unroll = profile.convolutions
@@ -465,42 +473,6 @@ def _plan_fit(
     return FitPlan(per_dispatch, unroll, layout, options)
 
 
-def _profile_groups(
-    loss_fn: Callable[..., Any],
-    ens: Any,
-    member_batch: PyTree[Any],
-    state: PyTree[Any],
-    hyper: PyTree[Any],
-) -> StepProfile:
-    """The step's profile from one member; of a heterogeneous ensemble, from one
-    member per group (a group that convolves makes the step convolve)."""
-    if not is_heterogeneous(ens):
-        return profile_step(
-            loss_fn,
-            ens.member(first_member(ens.members)),
-            member_batch,
-            first_member(state),
-            first_member(hyper),
-        )
-    profiles = [
-        profile_step(
-            loss_fn,
-            group.member(first_member(group.members)),
-            member_batch,
-            first_member(group_state),
-            first_member(hyper),
-        )
-        for group, group_state in zip(
-            ens.groups, per_group(ens, state, "`state`"), strict=True
-        )
-    ]
-    return StepProfile(
-        convolutions=any(p.convolutions for p in profiles),
-        batched_dots=any(p.batched_dots for p in profiles),
-        convolution_flops=sum(p.convolution_flops for p in profiles),
-    )
-
-
 def _skips_conditional(chunk: Chunk) -> bool:
     """Whether a dispatch known to be full may run a program compiled without the
     per-step conditional. Not on a CPU: there the conditional costs nothing
@@ -534,6 +506,7 @@ class Run:
     functions: tuple[Callable[[FitResult], Any], ...] = ()
     resumed_from: int | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
+    groups: tuple[tuple[int, int], ...] | None = None  # a heterogeneous run's
 
     def __post_init__(self):
         leaves, treedef = jax.tree_util.tree_flatten(self.train_state)
@@ -619,7 +592,7 @@ class Run:
         ]
         self._logged_evaluations = len(self.recorder.eval_steps)
         self._logged_diverged = self._diverged_at.copy()
-        start_hparams = member_hparams(self.train_state)
+        start_hparams = member_hparams(self.train_state, self.groups)
         self._hparams = bool(start_hparams)  # none at the start: none later
         return LogWriter(
             self.loggers,
@@ -658,7 +631,9 @@ class Run:
             eval_steps=np.asarray(recorded, np.int64),
             eval_scores=np.asarray(scores, np.float32).reshape(len(recorded), size),
             diverged_at=self._diverged_at.copy(),
-            member_hparams=member_hparams(self.train_state) if self._hparams else {},
+            member_hparams=member_hparams(self.train_state, self.groups)
+            if self._hparams
+            else {},
             events=tuple(events),
         )
         try:

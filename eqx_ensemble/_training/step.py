@@ -40,10 +40,12 @@ from .._execution.execution import (
     refuses_moved,
 )
 from .._execution.layout import Layout, choose_layout, member_map
+from .._execution.profile import StepProfile, first_member
 from .._internal.keys import check_key, optimizer_key
 from .._internal.tree import keystr
 from .coupled import Coupled, coupled_losses
 from .loss import (
+    LossFn,
     call_loss,
     check_hyper,
     check_loss_signature,
@@ -398,7 +400,8 @@ def check_chunkable(loss_fn: Any, ens: Any) -> None:
 def check_heterogeneous_run(loss_fn: Any, execution: Any, where: str) -> None:
     """What a heterogeneous ensemble does not (yet) train with, refused by name
     before any work: an `ee.Coupled` loss, a mesh, member chunks."""
-    if isinstance(loss_fn, Coupled):
+    losses = loss_fn if isinstance(loss_fn, tuple) else (loss_fn,)
+    if any(isinstance(fn, Coupled) for fn in losses):
         raise ValueError(
             f"`{where}` of an `ee.Heterogeneous` takes a loss of ONE model; an "
             "`ee.Coupled` loss (a function of the whole ensemble) needs every member "
@@ -418,8 +421,37 @@ def check_heterogeneous_run(loss_fn: Any, execution: Any, where: str) -> None:
         )
 
 
+def check_losses(loss_fn: LossFn, ens: Any, stateful: bool, with_hyper: bool) -> None:
+    """`check_loss_signature` for the loss, or for each group's of a tuple of
+    losses (one per group of an `ee.Heterogeneous`, which only it takes)."""
+    if not isinstance(loss_fn, tuple):
+        check_loss_signature(loss_fn, stateful, with_hyper)
+        return
+    if not is_heterogeneous(ens):
+        raise TypeError(
+            f"`loss_fn` is a tuple of {len(loss_fn)}: a loss per group, which only "
+            "an `ee.Heterogeneous` takes; pass one loss function"
+        )
+    if len(loss_fn) != len(ens.groups):
+        raise ValueError(
+            f"`loss_fn` is a tuple of {len(loss_fn)} losses but the "
+            f"`ee.Heterogeneous` has {len(ens.groups)} groups: give one loss per "
+            "group, in the groups' order (or one loss for all)"
+        )
+    for index, fn in enumerate(loss_fn):
+        try:
+            check_loss_signature(fn, stateful, with_hyper)
+        except TypeError as error:
+            raise TypeError(f"`loss_fn[{index}]` (group {index}): {error}") from None
+
+
+def group_loss(loss_fn: LossFn, index: int) -> Callable[..., Any]:
+    """Group `index`'s loss: `loss_fn` itself, or its entry of a tuple."""
+    return loss_fn[index] if isinstance(loss_fn, tuple) else loss_fn
+
+
 def vmapped_update(
-    loss_fn: Callable[..., Any],
+    loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     per_member_batch: bool,
     mesh: Mesh | None = None,
@@ -440,10 +472,25 @@ def vmapped_update(
 
     def update(ens, opt_state, batch, keys, state, frozen, hyper):
         if is_heterogeneous(ens):
+            updates = (
+                [
+                    vmapped_update(
+                        fn, optimizer, per_member_batch, mesh, layout, member_chunk
+                    )
+                    for fn in loss_fn
+                ]
+                if isinstance(loss_fn, tuple)
+                else [update] * len(ens.groups)
+            )
             return _update_groups(
-                update, per_member_batch, ens, opt_state, batch, keys, state, frozen,
+                updates, per_member_batch, ens, opt_state, batch, keys, state, frozen,
                 hyper,
             )  # fmt: skip
+        if isinstance(loss_fn, tuple):
+            raise TypeError(
+                "`loss_fn` is a tuple (a loss per group), which only an "
+                "`ee.Heterogeneous` takes; pass one loss function"
+            )
         check_shared_shapes(ens)
         if member_chunk is not None:
             check_chunkable(loss_fn, ens)
@@ -465,10 +512,12 @@ def vmapped_update(
                 hyper,
             )
 
+        single = loss_fn
+
         def one(member, opt_state, batch, key, state, frozen, hyper):
             def compute(state):
                 return member_update(
-                    loss_fn,
+                    single,
                     optimizer,
                     member,
                     opt_state,
@@ -505,7 +554,7 @@ def vmapped_update(
 
 
 def _update_groups(
-    update: Callable[..., Any],
+    updates: list[Callable[..., Any]],
     per_member_batch: bool,
     het: Heterogeneous,
     opt_state: Any,
@@ -515,14 +564,16 @@ def _update_groups(
     frozen: Any,
     hyper: Any,
 ) -> tuple:
-    """`update` of a heterogeneous ensemble: each group updated on its own slice
-    of the per-member inputs (keys, frozen flags, `hyper`, a per-member batch)
-    with its own optimizer and model state; per-member outputs joined along the
-    member axis (the loss's `aux` must agree across groups)."""
+    """The update of a heterogeneous ensemble: each group updated (by its own
+    `updates` entry: its loss) on its own slice of the per-member inputs (keys,
+    frozen flags, `hyper`, a per-member batch) with its own optimizer and model
+    state; per-member outputs joined along the member axis (the loss's `aux`
+    must agree across groups)."""
     n = len(het.groups)
     outputs = [
         update(group, *inputs)
-        for group, *inputs in zip(
+        for update, group, *inputs in zip(
+            updates,
             het.groups,
             per_group(het, opt_state, "The optimizer state"),
             split_by_group(het, batch) if per_member_batch else (batch,) * n,
@@ -577,7 +628,7 @@ class Step(eqx.Module):
     ```
     """
 
-    loss_fn: Callable[..., Any]
+    loss_fn: LossFn
     optimizer: optax.GradientTransformation
     per_member_batch: bool = False
     mesh: Mesh | None = None
@@ -632,7 +683,7 @@ class Step(eqx.Module):
         # (see `_xla`): traced once per input signature, only where it matters.
         if self.compiler_options is not None:
             return self.compiler_options
-        if not isinstance(ens, Ensemble):
+        if not isinstance(ens, Ensemble | Heterogeneous):
             return ()
         examples = _examples(batch, self.per_member_batch)
         # Decided once per members' structure and shapes, batch size and mesh
@@ -646,8 +697,7 @@ class Step(eqx.Module):
         )
         options = _SIZE_OPTIONS.get(plan_key)
         if options is None:
-            size = next((leaf.shape[0] for leaf in leaves if eqx.is_array(leaf)), 0)
-            options = step_compiler_options(None, leaves, examples, size, self.mesh)
+            options = step_compiler_options(None, leaves, examples, len(ens), self.mesh)
             if len(_SIZE_OPTIONS) > 256:
                 _SIZE_OPTIONS.clear()
             _SIZE_OPTIONS[plan_key] = options
@@ -665,7 +715,7 @@ class Step(eqx.Module):
         # where the rule could pick "sequential" (one CPU device).
         if self.member_chunk is not None:  # chunks of vectorised members
             return "vmap"
-        if self.layout != "auto" or not isinstance(ens, Ensemble):
+        if self.layout != "auto" or not isinstance(ens, Ensemble | Heterogeneous):
             return "sequential" if self.layout == "sequential" else "vmap"
         if self.mesh is not None or jax.default_backend() != "cpu":
             return "vmap"
@@ -711,16 +761,44 @@ class _LoweredStep:
 
 
 def _profile_of(step: "Step", inputs: Any) -> Any:
-    from .._execution.profile import first_member
-
     ens, batch, state, hyper = inputs
     member_batch = first_member(batch) if step.per_member_batch else batch
-    return profile_step(
-        step.loss_fn,
-        ens.member(first_member(ens.members)),
-        member_batch,
-        first_member(state),
-        first_member(hyper),
+    return ensemble_profile(step.loss_fn, ens, member_batch, state, hyper)
+
+
+def ensemble_profile(
+    loss_fn: LossFn,
+    ens: "Ensemble | Heterogeneous",
+    member_batch: PyTree[Any],
+    state: PyTree[Any],
+    hyper: PyTree[Any],
+) -> StepProfile:
+    """The step's profile from one member; of a heterogeneous ensemble, from one
+    member per group (a group that convolves makes the step convolve)."""
+    if not is_heterogeneous(ens):
+        return profile_step(
+            group_loss(loss_fn, 0),
+            ens.member(first_member(ens.members)),
+            member_batch,
+            first_member(state),
+            first_member(hyper),
+        )
+    profiles = [
+        profile_step(
+            group_loss(loss_fn, index),
+            group.member(first_member(group.members)),
+            member_batch,
+            first_member(group_state),
+            first_member(hyper),
+        )
+        for index, (group, group_state) in enumerate(
+            zip(ens.groups, per_group(ens, state, "`state`"), strict=True)
+        )
+    ]
+    return StepProfile(
+        convolutions=any(p.convolutions for p in profiles),
+        batched_dots=any(p.batched_dots for p in profiles),
+        convolution_flops=sum(p.convolution_flops for p in profiles),
     )
 
 
@@ -740,7 +818,7 @@ def _step_impl(
         )
     check_key(key)
     size = len(ens)
-    check_loss_signature(step.loss_fn, state is not None, hyper is not None)
+    check_losses(step.loss_fn, ens, state is not None, hyper is not None)
     if hyper is not None:
         check_hyper(hyper, size)
     check_opt_state(step.optimizer, ens, opt_state)
@@ -823,7 +901,7 @@ _compiled_generic = CompiledFunctions(_make_compiled_generic)
 
 @refuses_moved("make_step")
 def make_step(
-    loss_fn: Callable[..., Any],
+    loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     *,
     per_member_batch: bool = False,
@@ -841,7 +919,9 @@ def make_step(
     - `loss_fn`: the loss of ONE model: `loss_fn(model, batch, key) -> loss` or
       `-> (loss, aux)`. For models with `eqx.nn.State` (e.g. BatchNorm):
       `loss_fn(model, state, batch, key) -> (loss, new_state)` or
-      `(loss, new_state, aux)`. The loss must be a scalar.
+      `(loss, new_state, aux)`. The loss must be a scalar. For an
+      [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous], a tuple with one loss
+      per group may be given.
     - `optimizer`: an `optax.GradientTransformation`; its state comes from
       [`init_optimizer`][eqx_ensemble.init_optimizer].
     - `per_member_batch`: `False`: every member gets the same `batch`; `True`: every
