@@ -1,8 +1,15 @@
-"""Meshes and placement: the member axis and the data axis across devices and hosts.
+"""Meshes and placement: the member axis, the data axis and the inside of a member
+across devices and hosts.
 
-Two mesh axes, with fixed names: `"members"` splits the leading member axis of an
+Three mesh axes, with fixed names: `"members"` splits the leading member axis of an
 ensemble (its optimizer and model states too); `"data"` splits the example axis of
-data and batches. Everything else is replicated. A mesh may have either axis or both.
+data and batches; `"model"` splits the inside of a member (its weights' own axes,
+as `ee.shard(ens, mesh, model=spec_fn)` places them: tensor-parallel or FSDP-style
+splits), and a shared part's. The library places the member and data axes; a
+leaf's `"model"` placement is the user's, and every placement the library makes
+keeps it (outside `jit` by reading it from the array, inside by leaving those
+array axes to the compiler on Auto meshes and by carrying them over on Explicit
+ones). A mesh may have any of the axes.
 
 The same helpers work for `AxisType.Auto` meshes (the compiler propagates shardings;
 we pin them with `with_sharding_constraint`) and `AxisType.Explicit` meshes (shardings
@@ -35,7 +42,8 @@ _R = TypeVar("_R")
 
 MEMBERS = "members"
 DATA = "data"
-_AXIS_NAMES = (MEMBERS, DATA)
+MODEL = "model"
+_AXIS_NAMES = (MEMBERS, DATA, MODEL)
 
 
 def _check_axis_size(value: Any, name: str) -> int | None:
@@ -51,11 +59,13 @@ def _check_axis_size(value: Any, name: str) -> int | None:
 def make_mesh(
     members: int | None = None,
     data: int | None = None,
+    model: int | None = None,
     *,
     devices: Sequence[Any] | None = None,
     axis_types: AxisType = AxisType.Auto,
 ) -> Mesh:
-    """A device mesh with a `"members"` axis, a `"data"` axis, or both.
+    """A device mesh with a `"members"` axis, a `"data"` axis, a `"model"` axis,
+    or several of them.
 
     **Arguments:**
 
@@ -63,10 +73,15 @@ def make_mesh(
       into this many equal groups. `None`: no member axis.
     - `data`: devices along the data axis: every batch's examples are split into
       this many equal parts. `None`: no data axis.
-      With neither given, every device goes on the member axis.
-    - `devices`: the devices to use, `members * data` of them (default: the first
-      `members * data` of `jax.devices()`, which in a multi-process run must be all
-      of them).
+    - `model`: devices along the model axis: each member's (and a shared
+      part's) weights are split over them where
+      [`shard(..., model=)`][eqx_ensemble.shard] says (for members too large
+      for one device). `None`: no model axis.
+      With none given, every device goes on the member axis.
+    - `devices`: the devices to use, `members * data * model` of them (default:
+      the first that many of `jax.devices()`, which in a multi-process run must
+      be all of them). The model axis is the innermost: its devices are
+      adjacent (the fastest links between them for a split member's traffic).
     - `axis_types`: `jax.sharding.AxisType.Auto` (the default: the compiler
       propagates shardings through your loss; the library pins the member and
       data axes) or `AxisType.Explicit` (shardings are part of the array types, as
@@ -74,8 +89,9 @@ def make_mesh(
 
     **Returns:**
 
-    A `jax.sharding.Mesh` with axes `("members",)`, `("data",)` or
-    `("members", "data")`, for [`shard`][eqx_ensemble.shard] and `fit(..., mesh=)`.
+    A `jax.sharding.Mesh` with the axes given, in the order `("members",
+    "data", "model")`, for [`shard`][eqx_ensemble.shard] and
+    `ee.Execution(mesh=...)`.
 
     **Example:**
 
@@ -84,10 +100,13 @@ def make_mesh(
     mesh.shape                                   # {'members': 4, 'data': 2}
     members_only = ee.make_mesh(members=2)       # the first 2 devices
     explicit = ee.make_mesh(data=2, axis_types=jax.sharding.AxisType.Explicit)
+    three = ee.make_mesh(members=2, data=2, model=2)
+    three.axis_names                             # ('members', 'data', 'model')
     ```
     """
     members = _check_axis_size(members, "members")
     data = _check_axis_size(data, "data")
+    model = _check_axis_size(model, "model")
     if not isinstance(axis_types, AxisType):
         raise TypeError(
             "`axis_types` must be a `jax.sharding.AxisType` (Auto or Explicit), "
@@ -108,11 +127,12 @@ def make_mesh(
             f"`devices` lists {', '.join(repeated)} more than once; a mesh places "
             "each device once"
         )
-    if members is None and data is None:
+    if members is None and data is None and model is None:
         members = len(available)
-    shape = tuple(size for size in (members, data) if size is not None)
+    sizes = (members, data, model)
+    shape = tuple(size for size in sizes if size is not None)
     names = tuple(
-        name for name, size in zip(_AXIS_NAMES, (members, data)) if size is not None
+        name for name, size in zip(_AXIS_NAMES, sizes, strict=True) if size is not None
     )
     needed = math.prod(shape)
     if devices is None and needed < len(available):
@@ -146,7 +166,7 @@ def _check_mesh(mesh: Any) -> Mesh:
         raise ValueError(
             f"The mesh has axes {tuple(mesh.axis_names)} but eqx_ensemble places "
             f"arrays on axes named {_AXIS_NAMES!r}; build it with `ee.make_mesh` or "
-            "name your axes 'members' and/or 'data'"
+            "name your axes 'members', 'data' and/or 'model'"
         )
     kinds = {name: _axis_type(mesh, name) for name in ours}
     if AxisType.Manual in kinds.values() or len(set(kinds.values())) > 1:
@@ -188,9 +208,10 @@ def _check_axes(axes: Any) -> tuple[str, ...]:
     if isinstance(axes, str):
         axes = (axes,)
     axes = tuple(axes)
-    if any(name not in _AXIS_NAMES for name in axes) or len(set(axes)) != len(axes):
+    leading = (MEMBERS, DATA)
+    if any(name not in leading for name in axes) or len(set(axes)) != len(axes):
         raise ValueError(
-            f"`axes` must name the leading array axes, each one of {_AXIS_NAMES!r} "
+            f"`axes` must name the leading array axes, each one of {leading!r} "
             f"(at most once), e.g. 'members', 'data' or ('members', 'data'); got "
             f"{axes!r}"
         )
@@ -277,6 +298,7 @@ def shard(
     mesh: Mesh,
     *,
     axes: str | Sequence[str] = MEMBERS,
+    model: Callable[[Any], PyTree[PartitionSpec | None]] | None = None,
     process_local: bool = False,
 ) -> PyTree[Any]:
     """Place every array leaf of `tree` on `mesh`: leading axes split, rest replicated.
@@ -297,6 +319,17 @@ def shard(
     - `mesh`: a mesh from [`make_mesh`][eqx_ensemble.make_mesh] (or any
       `jax.sharding.Mesh` with axes named `"members"` and/or `"data"`).
     - `axes`: which mesh axes the leading array axes are split over, in order.
+    - `model`: for an ensemble on a mesh with a `"model"` axis, a function
+      `spec_fn(member) -> specs`: given one member (its leaves
+      `jax.ShapeDtypeStruct`s without the member axis; a shared part's leaves
+      in their place), a PyTree of `jax.sharding.PartitionSpec`s over the
+      member's own array axes naming `"model"` where a leaf splits, or `None`
+      (replicated); a prefix of the member's structure is fine (one spec for a
+      whole layer). Each member's leaf is then split `("members", *spec)`, a
+      shared part's leaf `spec` (replicated over `"members"`).
+      `ee.fit`, `ee.make_step`, `ee.init_optimizer` and the placements of the
+      library keep a leaf's `"model"` split; an optimizer state's leaves
+      follow the weights they belong to (matched by path and shape).
     - `process_local`: in a multi-process run, `tree` holds only THIS process's
       part of the global arrays (e.g. its rows of the data, see
       [`process_rows`][eqx_ensemble.process_rows]); the global arrays are assembled
@@ -324,10 +357,29 @@ def shard(
     ens.members.layers[0].weight.sharding.spec   # PartitionSpec('members',)
     x = ee.shard(jnp.ones((32, 3)), mesh, axes="data")
     x.sharding.spec                           # PartitionSpec('data',)
+
+    # Inside each member (Megatron-style): the first layer split by rows, the
+    # second by columns, over the 2 devices of the "model" axis.
+    mesh = ee.make_mesh(members=2, data=2, model=2)
+    P = jax.sharding.PartitionSpec
+
+    def spec_fn(member):
+        specs = eqx.tree_at(
+            lambda m: (m.layers[0].weight, m.layers[0].bias, m.layers[1].weight),
+            member, (P("model", None), P("model"), P(None, "model")))
+        return jax.tree.map(lambda s: s if isinstance(s, P) else None, specs)
+
+    big = ee.ensemble(lambda k: eqx.nn.MLP(3, 1, 16, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    big = ee.shard(big, mesh, model=spec_fn)
+    big.members.layers[0].weight.sharding.spec   # P('members', 'model')
+    big.members.layers[1].weight.sharding.spec   # P('members', None, 'model')
     ```
     """
     mesh = _check_mesh(mesh)
     axes = _check_axes(axes)
+    if model is not None:
+        return _shard_model(tree, mesh, axes, model, process_local)
     spec = _spec(mesh, axes)
     sharding = NamedSharding(mesh, spec)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -346,6 +398,21 @@ def shard(
                 )
             if not process_local and split:
                 _check_leaf(path, leaf, mesh, axes, what)
+    if MODEL in mesh.axis_names:
+        # A leaf already split over "model" keeps that split (see the module).
+        return jax.tree.map(
+            lambda leaf, split: (
+                _place(
+                    leaf,
+                    _with_inner(mesh, axes if split else (), leaf),
+                    process_local,
+                )
+                if eqx.is_array(leaf)
+                else leaf
+            ),
+            tree,
+            per_member,
+        )
     return jax.tree.map(
         lambda leaf, split: (
             _place(leaf, sharding if split else replicated, process_local)
@@ -355,6 +422,237 @@ def shard(
         tree,
         per_member,
     )
+
+
+def _inner_of(leaf: Any, mesh: Mesh) -> tuple[Any, ...] | None:
+    """The `"model"` entries of a placed leaf's spec (others `None`), or `None`
+    when it is not placed on `mesh` or not split over `"model"`."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+        return None
+    entries = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+    inner = tuple(entry if entry == MODEL else None for entry in entries)
+    return inner if MODEL in inner else None
+
+
+def _with_inner(mesh: Mesh, axes: Sequence[str], leaf: Any) -> NamedSharding:
+    """`leaf`'s leading axes over `axes`, and the `"model"` split it already has
+    on its other axes."""
+    leading = [name if name in mesh.axis_names else None for name in axes]
+    inner = _inner_of(leaf, mesh)
+    entries = list(leading)
+    if inner is not None:
+        entries += list(inner[len(leading) :])
+    while entries and entries[-1] is None:
+        entries.pop()
+    return NamedSharding(mesh, PartitionSpec(*entries))
+
+
+def _check_inner_spec(
+    path: Any, spec: Any, shape: tuple[int, ...], mesh: Mesh, where: str
+) -> tuple[Any, ...]:
+    name = f"{where} leaf `{keystr(path)}`"
+    if spec is None:
+        return ()
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(
+            f"`model=` gave {type(spec).__name__} for {name}; give a "
+            "`jax.sharding.PartitionSpec` (over the member's own axes) or None"
+        )
+    entries = tuple(spec)
+    for entry in entries:
+        if entry is not None and entry != MODEL:
+            raise ValueError(
+                f"`model=` gave {spec} for {name}: inside a member only the mesh "
+                f"axis '{MODEL}' may split a leaf ('members' and 'data' are placed by "
+                "the library); use P('model', ...) or None"
+            )
+    if entries.count(MODEL) > 1:
+        raise ValueError(f"`model=` names '{MODEL}' twice in {spec} for {name}")
+    if len(entries) > len(shape):
+        raise ValueError(
+            f"`model=` gave {spec} ({len(entries)} axes) for {name}, which has "
+            f"shape {shape} ({len(shape)} axes of its own)"
+        )
+    devices = _axis_size(mesh, MODEL)
+    for axis, entry in enumerate(entries):
+        if entry == MODEL and shape[axis] % devices:
+            raise ValueError(
+                f"{name} has shape {shape}; its axis {axis} ({shape[axis]}) does not "
+                f"split evenly over the {devices} devices of the mesh axis "
+                f"'{MODEL}'; choose a leaf axis that is a multiple of {devices}, "
+                "or leave this leaf replicated (None)"
+            )
+    return entries
+
+
+def _shard_model(
+    tree: Any, mesh: Mesh, axes: tuple[str, ...], spec_fn: Any, process_local: bool
+) -> Any:
+    """`shard(ens, mesh, model=spec_fn)`: each member leaf split over `"members"`
+    and its own axes as `spec_fn(member)` says; a shared part's leaves over their
+    axes only."""
+    from .ensemble import Ensemble
+
+    if not isinstance(tree, Ensemble):
+        raise TypeError(
+            "`model=` places the inside of an ensemble's members: pass an "
+            f"`ee.Ensemble`, got {type(tree).__name__} (an optimizer state made by "
+            "`ee.init_optimizer` follows its ensemble's placement)"
+        )
+    if MODEL not in mesh.axis_names:
+        raise ValueError(
+            f"`model=` splits leaves over the mesh axis '{MODEL}', which this mesh "
+            f"(axes {tuple(mesh.axis_names)}) does not have; build it with "
+            "`ee.make_mesh(..., model=n)`"
+        )
+    if axes != (MEMBERS,):
+        raise ValueError("`model=` places an ensemble: leave `axes` at 'members'")
+    if not callable(spec_fn):
+        raise TypeError(
+            f"`model` must be a function member -> PartitionSpecs, got {spec_fn!r}"
+        )
+    member = eqx.filter_eval_shape(lambda ens: ens.member(_first(ens.members)), tree)
+    try:
+        prefix = spec_fn(member)
+    except Exception as error:
+        raise ValueError(
+            f"`model=` failed on a member (its leaves are ShapeDtypeStructs): {error!r}"
+        ) from error
+
+    def is_spec(x: Any) -> bool:
+        return x is None or isinstance(x, PartitionSpec)
+
+    try:
+        full = jax.tree.map(
+            lambda spec, sub: jax.tree.map(lambda _: spec, sub),
+            prefix,
+            member,
+            is_leaf=is_spec,
+        )
+    except ValueError as error:
+        raise ValueError(
+            "`model=` must return a PyTree of PartitionSpecs (or None) whose "
+            f"structure is a prefix of the member's: {error}"
+        ) from None
+    member_paths = jtu.tree_flatten_with_path(member)[0]
+    specs = jtu.tree_leaves(full, is_leaf=is_spec)
+    is_none = lambda x: x is None  # noqa: E731
+    members_leaves = jtu.tree_leaves(tree.members, is_leaf=is_none)
+    shared_leaves = (
+        jtu.tree_leaves(tree.shared, is_leaf=is_none)
+        if tree.shared is not None
+        else [None] * len(members_leaves)
+    )
+    members_out, shared_out = [], []
+    for (path, shape_leaf), spec, stacked, held in zip(
+        member_paths, specs, members_leaves, shared_leaves, strict=True
+    ):
+        if not isinstance(shape_leaf, jax.ShapeDtypeStruct):  # not an array
+            members_out.append(stacked)
+            shared_out.append(held)
+            continue
+        where = "the shared part" if eqx.is_array(held) else "the members"
+        entries = _check_inner_spec(path, spec, tuple(shape_leaf.shape), mesh, where)
+        if eqx.is_array(stacked):
+            if not process_local:
+                _check_leaf(path, stacked, mesh, (MEMBERS,), "the ensemble")
+            sharding = NamedSharding(mesh, _spec(mesh, (MEMBERS, *entries)))
+            members_out.append(_place(stacked, sharding, process_local))
+        else:
+            members_out.append(stacked)
+        if eqx.is_array(held):
+            sharding = NamedSharding(mesh, _spec(mesh, entries))
+            shared_out.append(_place(held, sharding, process_local))
+        else:
+            shared_out.append(held)
+    members = jtu.tree_unflatten(
+        jtu.tree_structure(tree.members, is_leaf=is_none), members_out
+    )
+    shared = (
+        None
+        if tree.shared is None
+        else jtu.tree_unflatten(
+            jtu.tree_structure(tree.shared, is_leaf=is_none), shared_out
+        )
+    )
+    return Ensemble(members, shared, train_shared=tree.train_shared)
+
+
+def _first(members: Any) -> Any:
+    return jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, members)
+
+
+def follow_model(tree: PyTree[Any], ens: Any, mesh: Mesh | None) -> PyTree[Any]:
+    """`tree` (an optimizer state, a tracker's state: leaves shaped like an
+    ensemble's weights) placed so that each leaf matching a weight of `ens` by
+    path suffix and shape keeps that weight's `"model"` split (outside `jit`).
+    Unchanged without a `"model"` axis or with no split weight."""
+    if mesh is None or MODEL not in mesh.axis_names:
+        return tree
+    table = _model_table(ens, mesh)
+    if not table:
+        return tree
+    flags = member_axis_mask(tree)
+
+    def place(path: Any, leaf: Any, stacked: bool) -> Any:
+        if not eqx.is_array(leaf) or is_traced(leaf):
+            return leaf
+        inner = _lookup(table, tuple(path), leaf.shape, stacked)
+        if inner is None:
+            return leaf
+        leading = (MEMBERS,) if stacked else ()
+        entries = [name if name in mesh.axis_names else None for name in leading]
+        entries += list(inner)
+        return _place(leaf, NamedSharding(mesh, _spec(mesh, entries)), False)
+
+    return jtu.tree_map_with_path(place, tree, flags)
+
+
+def model_mesh(ens: Any) -> Mesh | None:
+    """The mesh of an ensemble whose weights are split over a `"model"` axis
+    (read from its leaves), else `None`."""
+    for leaf in jtu.tree_leaves((ens.members, ens.shared)):
+        sharding = getattr(leaf, "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if (
+            isinstance(mesh, Mesh)
+            and MODEL in mesh.axis_names
+            and not is_traced(leaf)
+            and _inner_of(leaf, mesh) is not None
+        ):
+            return mesh
+    return None
+
+
+def _model_table(ens: Any, mesh: Mesh) -> dict[Any, tuple[Any, ...]]:
+    # (path within a member, whether stacked, the member's own shape) -> inner
+    # spec entries, for every weight of `ens` split over "model".
+    table: dict[Any, tuple[Any, ...]] = {}
+    for part, stacked in ((ens.members, True), (ens.shared, False)):
+        if part is None:
+            continue
+        for path, leaf in jtu.tree_flatten_with_path(part)[0]:
+            inner = _inner_of(leaf, mesh) if eqx.is_array(leaf) else None
+            if inner is None:
+                continue
+            own = tuple(leaf.shape[1:] if stacked else leaf.shape)
+            table[(tuple(path), stacked, own)] = inner[1:] if stacked else inner
+    return table
+
+
+def _lookup(
+    table: dict[Any, tuple[Any, ...]],
+    path: tuple[Any, ...],
+    shape: tuple[int, ...],
+    stacked: bool,
+) -> tuple[Any, ...] | None:
+    own = tuple(shape[1:] if stacked else shape)
+    for start in range(len(path)):  # the longest suffix first
+        inner = table.get((path[start:], stacked, own))
+        if inner is not None:
+            return inner
+    return None
 
 
 def _per_member_flags(tree: PyTree[Any], axes: Sequence[str | None]) -> PyTree[Any]:
@@ -413,23 +711,50 @@ def process_rows(mesh: Mesh, num_examples: int) -> slice:
 # Inside compiled code (private: used by `fit` and `make_step`).
 
 
-def constrain(tree: PyTree[Any], mesh: Mesh | None, axes: Sequence[str | None]) -> Any:
-    """Pin the sharding of every array leaf of `tree` (inside or outside `jit`)."""
+def constrain(
+    tree: PyTree[Any],
+    mesh: Mesh | None,
+    axes: Sequence[str | None],
+    *,
+    weights: bool = False,
+) -> Any:
+    """Pin the sharding of every array leaf of `tree` (inside or outside `jit`).
+    `weights=True` (weights and the states that follow them) on a mesh with a
+    `"model"` axis: pin only the leading axes and keep the rest of each leaf's
+    placement (Auto: those axes left to the compiler, which propagates the
+    inputs' split; Explicit: carried over from the leaf's type)."""
     if mesh is None:
         return tree
     sharding = NamedSharding(mesh, _spec(mesh, axes))
     replicated = NamedSharding(mesh, PartitionSpec())
     explicit = _is_explicit(mesh)
+    inner = weights and MODEL in mesh.axis_names
 
     def pin(leaf, split):
         if not eqx.is_array(leaf):
             return leaf
         target = sharding if split else replicated
+        if inner:
+            target = _keep_inner_target(leaf, mesh, axes if split else (), explicit)
         if explicit:
             return jax.sharding.reshard(leaf, target)
         return jax.lax.with_sharding_constraint(leaf, target)
 
     return jax.tree.map(pin, tree, _per_member_flags(tree, axes))
+
+
+def _keep_inner_target(
+    leaf: Any, mesh: Mesh, axes: Sequence[str | None], explicit: bool
+) -> NamedSharding:
+    leading = [name if name in mesh.axis_names else None for name in axes]
+    rest = leaf.ndim - len(leading)
+    if explicit:
+        current = tuple(jax.typeof(leaf).sharding.spec)
+        current += (None,) * (leaf.ndim - len(current))
+        entries = leading + [e if e == MODEL else None for e in current[len(leading) :]]
+    else:
+        entries = leading + [PartitionSpec.UNCONSTRAINED] * rest
+    return NamedSharding(mesh, PartitionSpec(*entries))
 
 
 def replicate(tree: PyTree[Any], mesh: Mesh | None) -> Any:
@@ -474,19 +799,74 @@ def on_mesh(tree: PyTree[Any], mesh: Mesh | None) -> Any:
     return jax.tree.map(put, tree)
 
 
+def model_placement(state: Any, mesh: Mesh | None) -> Any:
+    """On a mesh with a `"model"` axis, the shardings of every array leaf of a
+    training state's weight fields (those whose metadata says `"stacked"`:
+    the ensemble and what follows its weights), read outside `jit`, as a
+    hashable record `((path, sharding), ...)` for `place_state` to pin them
+    exactly inside `jit`; `None` otherwise."""
+    if mesh is None or MODEL not in mesh.axis_names:
+        return None
+    placed = []
+    for field in dataclasses.fields(state):
+        if field.metadata.get("member_axis") != "stacked":
+            continue
+        value = getattr(state, field.name)
+        for path, leaf in jtu.tree_flatten_with_path(value)[0]:
+            sharding = getattr(leaf, "sharding", None)
+            if eqx.is_array(leaf) and isinstance(sharding, NamedSharding):
+                key = (jtu.GetAttrKey(field.name), *path)
+                placed.append((key, sharding))
+    return tuple(placed) or None
+
+
+def restore_placement(tree: PyTree[Any], placement: Any) -> Any:
+    """`tree` (outside `jit`) with the leaves `placement` records put back where
+    they were (e.g. after a controller rebuilt some on the host)."""
+    if placement is None:
+        return tree
+    table = dict(placement)
+
+    def put(path, leaf):
+        sharding = table.get(tuple(path))
+        if sharding is None or not eqx.is_array(leaf):
+            return leaf
+        return _place(leaf, sharding, False)
+
+    return jtu.tree_map_with_path(put, tree)
+
+
+def _pin_placement(tree: PyTree[Any], placement: Any, mesh: Mesh) -> Any:
+    table = dict(placement)
+    explicit = _is_explicit(mesh)
+
+    def pin(path, leaf):
+        sharding = table.get(tuple(path))
+        if sharding is None or not eqx.is_array(leaf):
+            return leaf
+        if explicit:
+            return jax.sharding.reshard(leaf, sharding)
+        return jax.lax.with_sharding_constraint(leaf, sharding)
+
+    return jtu.tree_map_with_path(pin, tree)
+
+
 def place_state(
     state: Any,
     mesh: Mesh | None,
     *,
     inside_jit: bool = False,
     in_loop: bool = False,
+    placement: Any = None,
 ) -> Any:
     """A training state (a dataclass such as `fit`'s `TrainState`) on `mesh`. Each
     field declares its member axis in its metadata (`"member_axis"`):
     `"stacked"` fields are split over `"members"`; `"bookkeeping"` fields (small
     per-member arrays) are split over `"members"` inside the compiled loop
     (`in_loop=True`, so that a step needs no collective) and replicated outside
-    it (readable from every process); other fields are replicated."""
+    it (readable from every process); other fields are replicated. Inside
+    `jit`, `placement` (from `model_placement` of the state outside it) pins
+    the leaves split over `"model"` exactly where they were."""
     if mesh is None:
         return state
     changes = {}
@@ -495,11 +875,17 @@ def place_state(
         per_member = kind == "stacked" or (in_loop and kind == "bookkeeping")
         axes = (MEMBERS,) if per_member else ()
         value = getattr(state, field.name)
+        weights = kind == "stacked"
         if inside_jit:
-            changes[field.name] = constrain(value, mesh, axes)
+            changes[field.name] = constrain(value, mesh, axes, weights=weights)
         else:
+            if weights and field.name != "ensemble":
+                value = follow_model(value, getattr(state, "ensemble", None), mesh)
             changes[field.name] = shard(value, mesh, axes=axes)
-    return dataclasses.replace(state, **changes)
+    state = dataclasses.replace(state, **changes)
+    if inside_jit and placement is not None:
+        state = _pin_placement(state, placement, mesh)
+    return state
 
 
 def check_mesh(mesh: Any) -> Mesh:
@@ -572,10 +958,13 @@ def sharded_update(
 
     def update(members, opt_state, batch, keys, state, frozen, hyper):
         members, opt_state, keys, state, frozen, hyper = constrain(
-            (members, opt_state, keys, state, frozen, hyper), mesh, (MEMBERS,)
+            (members, opt_state, keys, state, frozen, hyper),
+            mesh,
+            (MEMBERS,),
+            weights=True,
         )
         batch = constrain(batch, mesh, batch_axes)
         outputs = vmapped(members, opt_state, batch, keys, state, frozen, hyper)
-        return constrain(outputs, mesh, (MEMBERS,))
+        return constrain(outputs, mesh, (MEMBERS,), weights=True)
 
     return update

@@ -68,6 +68,8 @@ class Chunk(eqx.Module):
     full: bool = False
     layout: Layout = "vmap"  # the members vectorised, or one after another
     member_chunk: int | None = None  # vectorised members per group (`Execution`)
+    # The train state's leaves split over a "model" mesh axis, kept exactly.
+    placement: Any = None
 
 
 def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
@@ -210,7 +212,9 @@ def run_chunk(
         ts = eqx.combine(carry, static)
         batch = batch_of(ts.step, scanned)
         ts, losses, scores = _train_step(chunk, ts, batch)
-        ts = place_state(ts, mesh, inside_jit=True, in_loop=True)
+        ts = place_state(
+            ts, mesh, inside_jit=True, in_loop=True, placement=chunk.placement
+        )
         return eqx.filter(ts, eqx.is_array), (losses, scores)
 
     def inactive(carry, scanned):
@@ -222,14 +226,16 @@ def run_chunk(
             return active(carry, scanned)
         return jax.lax.cond(carry.step < chunk.end, active, inactive, carry, scanned)
 
-    dynamic = place_state(dynamic, mesh, inside_jit=True, in_loop=True)
+    dynamic = place_state(
+        dynamic, mesh, inside_jit=True, in_loop=True, placement=chunk.placement
+    )
     if chunk.unrolled:
         dynamic, losses, scores = _unrolled(chunk, dynamic, static, batch_of)
     else:
         dynamic, (losses, scores) = jax.lax.scan(
             body, dynamic, chunk.batches.scanned(), length=chunk.length
         )
-    dynamic = place_state(dynamic, mesh, inside_jit=True)
+    dynamic = place_state(dynamic, mesh, inside_jit=True, placement=chunk.placement)
     losses, scores = replicate((losses, scores), mesh)
     return eqx.combine(dynamic, static), losses, scores
 
@@ -252,7 +258,9 @@ def _unrolled(
         ts, step_losses, step_scores = _train_step(
             chunk, ts, batch, evaluate=last and chunk.evaluate_last
         )
-        ts = place_state(ts, chunk.mesh, inside_jit=True, in_loop=True)
+        ts = place_state(
+            ts, chunk.mesh, inside_jit=True, in_loop=True, placement=chunk.placement
+        )
         losses.append(step_losses)
         scores.append(step_scores)
     return eqx.filter(ts, eqx.is_array), jnp.stack(losses), jnp.stack(scores)

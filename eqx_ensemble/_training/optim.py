@@ -13,6 +13,7 @@ from jaxtyping import ArrayLike, Float, PyTree
 
 from .._core.ensemble import Ensemble, SharedOptState
 from .._core.heterogeneous import Heterogeneous, is_heterogeneous, per_group
+from .._core.sharding import follow_model, model_mesh
 from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
 from .loss import check_optimizer
@@ -344,7 +345,7 @@ def init_optimizer(
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
         check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
-    return opt_state
+    return follow_model(opt_state, ens, model_mesh(ens))
 
 
 def _group_hyperparams(

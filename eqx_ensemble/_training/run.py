@@ -25,7 +25,13 @@ from .._core.heterogeneous import (
     check_group_states,
     is_heterogeneous,
 )
-from .._core.sharding import check_fit_mesh, on_mesh, place_state
+from .._core.sharding import (
+    check_fit_mesh,
+    model_placement,
+    on_mesh,
+    place_state,
+    restore_placement,
+)
 from .._execution.compile import (
     Options,
     default_steps_per_dispatch,
@@ -261,6 +267,7 @@ def prepare(
         source.start(keys.data, keys.bootstrap, mesh)
 
     plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
+    train_state = place_state(train_state, mesh)
     chunk = Chunk(
         loss_fn=loss_fn,
         optimizer=optimizer,
@@ -277,11 +284,12 @@ def prepare(
         unrolled=plan.unroll,
         layout=plan.layout,
         member_chunk=execution.member_chunk,
+        placement=model_placement(train_state, mesh),
     )
     return Run(
         chunk=on_mesh(chunk, mesh),
         options=plan.compiler_options,
-        train_state=place_state(train_state, mesh),
+        train_state=train_state,
         recorder=Recorder(size, history),
         steps=steps,
         source=source,
@@ -729,6 +737,9 @@ class Run:
                     f"step {self.done}: {difference}. A controller may change values "
                     "only; the run up to this step is `error.result`",
                 )
+            # A controller's host-side edits (PBT's copies) may move leaves; put
+            # a "model"-split state back where it was.
+            new_state = restore_placement(new_state, self.chunk.placement)
             self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
 
     def finished(self) -> bool:
