@@ -10,15 +10,16 @@ variant); speed is the median wall time of a step, the variants timed
 round-robin. The issue's targets: chunks of 1/8 of the members hold at most 1/4
 of the unchunked step's temporaries and run at least 0.7x as fast.
 
-Part 2, the model axis (`--mesh`, on 8 virtual CPU devices): a training step
-of 4 MLPs 256-1024-1024-10 (Adam, batch 256) on a members 2 x data 4 mesh
-against a members 2 x data 2 x model 2 mesh whose members are split
-Megatron-style (first layer by rows, second by columns, the head replicated).
-Per device: the bytes of the weights and the optimizer state (their
-addressable shards), of the model-split leaves alone, and XLA's account of the
-compiled step (arguments + temporaries). The issue's target: the model-split
-leaves at most 1/2 per device of the members x data run. (Virtual devices share
-one CPU: their times say nothing about a real mesh and are not printed.)
+Part 2, memory per device on a mesh (`--mesh`, 8 virtual CPU devices): a
+training step (`ee.make_step`, Adam, batch 256) of 8 MLPs 256-1024-1024-10 on
+one device and on meshes of members, data and model axes
+(members split Megatron-style over "model": first layer by rows, second by
+columns, the head replicated). Per device: the bytes of the weights and the
+optimizer state it holds (their addressable shards), and XLA's account of the
+compiled step's temporaries (activations, gradients, the update). The issue's
+target: the model-split leaves at most 1/2 per device of the members x data
+run. (Virtual devices share one CPU: their times say nothing about a real mesh
+and are not printed.)
 
 Run: `python benchmarks/bench_scale.py` (`--quick` for a smoke run),
 `python benchmarks/bench_scale.py --mesh` for part 2.
@@ -117,9 +118,12 @@ def model_axis(args) -> None:
 
     import eqx_ensemble as ee
 
+    members = 8
     width, batch = (128, 64) if args.quick else (1024, 256)
     ens = ee.ensemble(
-        lambda k: eqx.nn.MLP(256, 10, width, 2, key=k), size=4, key=jax.random.key(0)
+        lambda k: eqx.nn.MLP(256, 10, width, 2, key=k),
+        size=members,
+        key=jax.random.key(0),
     )
     x = jax.random.normal(jax.random.key(1), (batch, 256))
     y = jax.random.randint(jax.random.key(2), (batch,), 0, 10)
@@ -137,53 +141,61 @@ def model_axis(args) -> None:
         return jax.tree.map(lambda s: s if isinstance(s, P) else None, specs)
 
     optimizer = optax.adam(1e-3)
+    configurations = [
+        ("1 device", None, None, None),
+        ("members 8", dict(members=8), None, None),
+        ("members 4 x data 2", dict(members=4, data=2), None, None),
+        ("members 4 x model 2", dict(members=4, model=2), megatron, None),
+        (
+            "members 2 x data 2 x model 2",
+            dict(members=2, data=2, model=2),
+            megatron,
+            None,
+        ),
+        ("members 2 x model 4", dict(members=2, model=4), megatron, None),
+    ]
     rows = {}
-    for name, mesh, spec_fn in (
-        ("members 2 x data 4", ee.make_mesh(members=2, data=4), None),
-        ("members 2 x data 2 x model 2", ee.make_mesh(2, 2, 2), megatron),
-    ):
-        placed = (
-            ee.shard(ens, mesh)
-            if spec_fn is None
-            else ee.shard(ens, mesh, model=spec_fn)
-        )
-        opt_state = ee.shard(ee.init_optimizer(optimizer, placed), mesh)
-        data = ee.shard((x, y), mesh, axes="data")
-        step = ee.make_step(loss, optimizer, execution=ee.Execution(mesh=mesh))
+    for name, axes, spec_fn, chunk in configurations:
+        mesh = None if axes is None else ee.make_mesh(**axes)
+        if mesh is None:
+            placed, data = ens, (x, y)
+        else:
+            placed = (
+                ee.shard(ens, mesh)
+                if spec_fn is None
+                else ee.shard(ens, mesh, model=spec_fn)
+            )
+            data = ee.shard((x, y), mesh, axes="data")
+        opt_state = ee.init_optimizer(optimizer, placed)
+        if mesh is not None:
+            opt_state = ee.shard(opt_state, mesh)
+        execution = ee.Execution(mesh=mesh, member_chunk=chunk, layout="vmap")
+        step = ee.make_step(loss, optimizer, execution=execution)
         compiled = step.lower(placed, opt_state, data, jax.random.key(3)).compile()
         stats = compiled.compiled.memory_analysis()
-        device = mesh.devices.flat[0]
-
-        def on_device(tree, only=None):
-            total = 0
-            for path, leaf in jax.tree_util.tree_flatten_with_path(
-                eqx.filter(tree, eqx.is_array)
-            )[0]:
-                if only is not None and not only(jax.tree_util.keystr(path)):
-                    continue
-                for shard in leaf.addressable_shards:
-                    if shard.device == device:
-                        total += shard.data.nbytes
-            return total
-
-        split = lambda path: any(  # noqa: E731 - the leaves Megatron splits
-            key in path for key in ("layers[0]", "layers[1].weight")
-        )
+        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+        held = 0
+        for leaf in jax.tree.leaves(eqx.filter((placed, opt_state), eqx.is_array)):
+            for shard in leaf.addressable_shards:
+                if shard.device == device:
+                    held += shard.data.nbytes
         rows[name] = {
-            "weights_and_opt_state": on_device((placed, opt_state)),
-            "split_leaves": on_device((placed, opt_state), split),
-            "compiled_step": stats.argument_size_in_bytes + stats.temp_size_in_bytes,
+            "weights_and_opt_state": held,
+            "temporaries": stats.temp_size_in_bytes,
         }
-    base = rows["members 2 x data 4"]
-    print(f"   4 members, MLP 256-{width}-{width}-10, batch {batch}, Adam; per device:")
+    base = rows["1 device"]
+    print(
+        f"   {members} members, MLP 256-{width}-{width}-10, batch {batch}, Adam; "
+        "per device (device 0):"
+    )
+    print(f"   {'':32} {'weights+Adam':>20} {'step temporaries':>22}")
     for name, row in rows.items():
+        held, temp = row["weights_and_opt_state"], row["temporaries"]
+        held_ratio = held / base["weights_and_opt_state"]
+        temp_ratio = temp / base["temporaries"]
         print(
-            f"   {name:30} weights+Adam {row['weights_and_opt_state'] / 2**20:7.2f} MiB"
-            f" ({row['weights_and_opt_state'] / base['weights_and_opt_state']:4.2f}x)"
-            f"  split leaves {row['split_leaves'] / 2**20:7.2f} MiB"
-            f" ({row['split_leaves'] / base['split_leaves']:4.2f}x)"
-            f"  compiled step {row['compiled_step'] / 2**20:7.2f} MiB"
-            f" ({row['compiled_step'] / base['compiled_step']:4.2f}x)"
+            f"   {name:32} {held / 2**20:9.2f} MiB ({held_ratio:4.2f}x)"
+            f" {temp / 2**20:10.2f} MiB ({temp_ratio:4.2f}x)"
         )
     _common.emit_summary("bench_scale_model", {"machine": info, **rows}, args.json)
 

@@ -292,3 +292,54 @@ def test_trackers_evaluation_and_pbt_keep_the_split():
         if hasattr(exploited.opt_state, "members")
         else exploited.opt_state.inner_state[0].mu
     )
+
+
+MESHES = {
+    "one device": lambda: (None, None),
+    "members 4 x data 2 (8 devices)": lambda: (ee.make_mesh(members=4, data=2), None),
+    "members 2 (4 devices)": lambda: (ee.make_mesh(members=2), None),
+    "members 2 x data 2 x model 2": lambda: (
+        ee.make_mesh(members=2, data=2, model=2),
+        megatron,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ("members 4 x data 2 (8 devices)", "members 2 (4 devices)"),
+        ("members 2 x data 2 x model 2", "one device"),
+        ("one device", "members 2 x data 2 x model 2"),
+    ],
+)
+def test_a_run_resumes_on_another_mesh(before, after, tmp_path):
+    # A checkpoint holds whole arrays: the resumed run places them on its own
+    # mesh (its own "model" split included) and continues the same run.
+    opt = optax.adam(1e-2)
+    common = dict(batch_size=16, key=jax.random.key(1), callbacks=())
+    straight = ee.fit(ensemble(), loss, opt, (X, Y), steps=8, **common)
+
+    def placed(name):
+        mesh, spec_fn = MESHES[name]()
+        ens = ensemble()
+        if mesh is not None:
+            ens = ee.shard(ens, mesh, model=spec_fn) if spec_fn else ee.shard(ens, mesh)
+        return ens, ee.Execution(mesh=mesh, steps_per_dispatch=2)
+
+    run = ee.Checkpoints(tmp_path / "run", every=2)
+    ens, execution = placed(before)
+    ee.fit(
+        ens, loss, opt, (X, Y), steps=4, checkpoints=run, execution=execution, **common
+    )
+    ens, execution = placed(after)
+    resumed = ee.fit(
+        ens, loss, opt, (X, Y), steps=8, checkpoints=run, execution=execution, **common
+    )
+    assert resumed.resumed_from == 4
+    assert_close(resumed.ensemble, straight.ensemble, atol=1e-6)
+    weight = resumed.ensemble.members.layers[1].weight
+    if MESHES[after]()[1] is not None:
+        assert_megatron(resumed.ensemble.members)
+    elif MESHES[after]()[0] is not None:
+        assert entries(weight) == ("members", None, None)
