@@ -592,6 +592,46 @@ cases["metrics"] += [
     ("energy_score temperature 0", lambda: ee.metrics.energy_score(
         LOGITS, temperature=0.0)),
 ]  # fmt: skip
+P = jax.sharding.PartitionSpec
+HET = ee.Heterogeneous(
+    [ENS, ee.ensemble(lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k), size=2, key=K)]
+)
+
+
+def _head_spec(spec):
+    def spec_fn(member):
+        specs = eqx.tree_at(lambda m: m.layers[1].weight, member, spec)
+        return jax.tree.map(lambda s: s if isinstance(s, P) else None, specs)
+
+    return spec_fn
+
+
+cases["shard (model axis)"] = [
+    ("'members' inside a member", lambda: ee.shard(
+        ENS, ee.make_mesh(model=1), model=_head_spec(P("members")))),
+    ("more axes than the leaf", lambda: ee.shard(
+        ENS, ee.make_mesh(model=1), model=_head_spec(P(None, "model", None)))),
+    ("a mesh without 'model'", lambda: ee.shard(
+        ENS, ee.make_mesh(members=1), model=_head_spec(P("model")))),
+    ("data instead of an ensemble", lambda: ee.shard(
+        (X, Y), ee.make_mesh(model=1), model=_head_spec(P("model")))),
+    ("not a prefix of the member", lambda: ee.shard(
+        ENS, ee.make_mesh(model=1), model=lambda m: [P("model")] * 3)),
+]  # fmt: skip
+cases["Heterogeneous"] = [
+    ("3 losses for 2 groups", lambda: ee.fit(
+        HET, (LOSS, LOSS, LOSS), optax.sgd(0.1), (X, Y), steps=2, batch_size=4,
+        key=K, callbacks=())),
+    ("a loss tuple for an Ensemble", lambda: ee.fit(
+        ENS, (LOSS,), optax.sgd(0.1), (X, Y), steps=2, batch_size=4, key=K,
+        callbacks=())),
+    ("a state for one group only", lambda: ee.fit(
+        HET, LOSS, optax.sgd(0.1), (X, Y), steps=2, batch_size=4, key=K,
+        state=({"s": jnp.zeros(3)}, None), callbacks=())),
+    ("a boolean mask of the wrong length", lambda: HET[np.array([True, False])]),
+    ("chunk_size above the members", lambda: ee.map(
+        lambda m, x: m(x), HET, X[0], chunk_size=6)),
+]  # fmt: skip
 for fn, rows in cases.items():
     for label, call in rows:
         print(f"| `{fn}` | {label} | {run(fn, call)} |")
