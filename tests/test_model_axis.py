@@ -343,3 +343,31 @@ def test_a_run_resumes_on_another_mesh(before, after, tmp_path):
         assert_megatron(resumed.ensemble.members)
     elif MESHES[after]()[0] is not None:
         assert entries(weight) == ("members", None, None)
+
+
+def test_a_trained_shared_part_and_its_optimizer_state_keep_the_split():
+    mesh = mesh_of(AxisType.Auto)
+    shared = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, W, 2, key=k),
+        size=4,
+        key=jax.random.key(0),
+        shared=lambda m: m.layers[0],
+        train_shared=True,
+    )
+    placed = ee.shard(shared, mesh, model=megatron)
+    opt = optax.adam(1e-2)
+    assert entries(ee.init_optimizer(opt, placed).shared[0].mu.layers[0].weight) == (
+        "model",
+        None,
+    )
+    kwargs = dict(steps=6, batch_size=16, key=jax.random.key(1), callbacks=())
+    want = ee.fit(shared, loss, opt, (X, Y), **kwargs)
+    got = ee.fit(placed, loss, opt, (X, Y), execution=ee.Execution(mesh=mesh), **kwargs)
+    assert_close(got.ensemble, want.ensemble)
+    assert entries(got.ensemble.shared.layers[0].weight) == ("model", None)
+    assert entries(got.opt_state.shared[0].mu.layers[0].weight) == ("model", None)
+    assert entries(got.opt_state.members[0].mu.layers[1].weight) == (
+        "members",
+        None,
+        "model",
+    )
