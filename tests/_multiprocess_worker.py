@@ -4,7 +4,9 @@
 
 LAYOUT `members`: the member axis spans the processes (each process holds half
 of the members and every row); `data`: the data axis spans the processes (each
-process holds half of the rows and feeds only those).
+process holds half of the rows and feeds only those); `model`: a `"model"` axis
+spans the processes (each member's hidden layer split Megatron-style over the
+two processes: each holds half of every member's weights and every row).
 
 Every process runs the same user code: initialise JAX's distributed runtime (gloo
 CPU collectives, 2 CPU devices per process), build a mesh over all devices, feed
@@ -53,29 +55,42 @@ def main() -> None:
     assert jax.process_count() == num_processes
     assert jax.local_device_count() == 2
     devices = np.array(jax.devices()).reshape(num_processes, 2)
-    if layout == "data":
+    if layout in ("data", "model"):
         devices = devices.T
+    axes = {"members": devices.shape[0]}
+    axes["model" if layout == "model" else "data"] = devices.shape[1]
     mesh = ee.make_mesh(
-        members=devices.shape[0],
-        data=devices.shape[1],
+        **axes,
         devices=list(devices.ravel()),
         axis_types=getattr(jax.sharding.AxisType, axis_type),
     )
     ens, data = make_problem()
-    ens = ee.shard(ens, mesh)  # optional (fit places it), exercised here
+    if layout == "model":
+        ens = ee.shard(ens, mesh, model=_megatron)
+    else:
+        ens = ee.shard(ens, mesh)  # optional (fit places it), exercised here
     # Each process feeds only its rows of the data.
     rows = ee.process_rows(mesh, NUM_EXAMPLES)
     local = jax.tree.map(lambda x: np.asarray(x)[rows], data)
     data = ee.shard(local, mesh, axes="data", process_local=True)
     result = train(ens, data, mesh)
 
-    # The results stay sharded like the inputs: members split over "members".
+    # The results stay sharded like the inputs: members split over "members"
+    # (and, with a model axis, the hidden layer over "model").
     expected = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("members"))
-    placed = [
-        leaf.sharding.is_equivalent_to(expected, leaf.ndim)
-        for leaf in jax.tree.leaves((result.ensemble, result.opt_state))
-        if isinstance(leaf, jax.Array)
-    ]
+    if layout == "model":
+        first = result.ensemble.members.layers[0].weight
+        moment = result.opt_state[0].mu.layers[0].weight
+        placed = [
+            tuple(leaf.sharding.spec)[:2] == ("members", "model")
+            for leaf in (first, moment)
+        ]
+    else:
+        placed = [
+            leaf.sharding.is_equivalent_to(expected, leaf.ndim)
+            for leaf in jax.tree.leaves((result.ensemble, result.opt_state))
+            if isinstance(leaf, jax.Array)
+        ]
     ee.save(os.path.join(out_dir, "ensemble.eqx"), result.ensemble)
     members = multihost_utils.process_allgather(
         eqx.filter(result.ensemble.members, eqx.is_array), tiled=True
@@ -91,6 +106,18 @@ def main() -> None:
         )
     multihost_utils.sync_global_devices("done")
     jax.distributed.shutdown()
+
+
+def _megatron(member):
+    import equinox as eqx
+
+    P = jax.sharding.PartitionSpec
+    specs = eqx.tree_at(
+        lambda m: (m.layers[0].weight, m.layers[0].bias, m.layers[1].weight),
+        member,
+        (P("model", None), P("model"), P(None, "model")),
+    )
+    return jax.tree.map(lambda s: s if isinstance(s, P) else None, specs)
 
 
 if __name__ == "__main__":

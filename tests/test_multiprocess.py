@@ -144,3 +144,10 @@ def test_two_processes_data_axis_across_processes_explicit(tmp_path):
 def test_two_processes_member_axis_across_processes_auto(tmp_path):
     _run_workers(tmp_path, "Auto", "members")
     _check_against_single_process(tmp_path, "members")
+
+
+def test_two_processes_model_axis_across_processes_auto(tmp_path):
+    # Each member's hidden layer is split over the two processes (tensor
+    # parallel across hosts, gloo collectives); the run equals one process's.
+    _run_workers(tmp_path, "Auto", "model")
+    _check_against_single_process(tmp_path, "model")

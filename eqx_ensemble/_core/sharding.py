@@ -588,7 +588,7 @@ def follow_model(tree: PyTree[Any], ens: Any, mesh: Mesh | None) -> PyTree[Any]:
     ensemble's weights) placed so that each leaf matching a weight of `ens` by
     path suffix and shape keeps that weight's `"model"` split (outside `jit`).
     Unchanged without a `"model"` axis or with no split weight."""
-    if mesh is None or MODEL not in mesh.axis_names:
+    if mesh is None or MODEL not in mesh.axis_names or not hasattr(ens, "shared"):
         return tree
     table = _model_table(ens, mesh)
     if not table:
