@@ -371,3 +371,97 @@ def test_a_trained_shared_part_and_its_optimizer_state_keep_the_split():
         None,
         "model",
     )
+
+
+def fsdp(member):
+    """Every leaf whose first axis is the hidden width split over "model"."""
+    return jax.tree.map(
+        lambda leaf: P("model") if getattr(leaf, "shape", (0,))[:1] == (W,) else None,
+        member,
+    )
+
+
+def test_swag_buffers_members_without_biases_and_other_meshes_keep_the_split():
+    mesh = mesh_of(AxisType.Auto)
+    opt = optax.adam(1e-2)
+    kwargs = dict(steps=8, batch_size=16, key=jax.random.key(1), callbacks=())
+    placed = ee.shard(ensemble(), mesh, model=megatron)
+    swag = ee.fit(
+        placed, loss, opt, (X, Y), track=[ee.SWAG(start=2, every=2, rank=2)],
+        execution=ee.Execution(mesh=mesh), **kwargs,
+    )  # fmt: skip
+    tracked = swag.tracked[0]
+    # A deviation buffer has a rank axis before the weight's own axes.
+    assert entries(tracked.deviations.layers[1].weight) == (
+        "members", None, None, "model",
+    )  # fmt: skip
+    assert entries(tracked.variance.layers[1].weight) == ("members", None, "model")
+    # A member with no biases (None fields).
+    plain = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, W, 2, use_bias=False, key=k),
+        size=4,
+        key=jax.random.key(0),
+    )
+    split = ee.shard(
+        plain, mesh, model=only(lambda m: m.layers[1].weight, P(None, "model"))
+    )
+    assert entries(split.members.layers[1].weight) == ("members", None, "model")
+    # A run on another mesh with a "model" axis keeps the members' split.
+    other = ee.make_mesh(members=2, model=4)
+    moved = ee.fit(
+        placed, loss, opt, (X, Y), execution=ee.Execution(mesh=other), **kwargs
+    )
+    weight = moved.ensemble.members.layers[1].weight
+    assert weight.sharding.mesh == other
+    assert entries(weight) == ("members", None, "model")
+    # P(("model",)) is the same split as P("model").
+    tupled = ee.shard(
+        ensemble(), mesh, model=only(lambda m: m.layers[0].weight, P(("model",)))
+    )
+    assert entries(tupled.members.layers[0].weight) == ("members", "model", None)
+
+
+def test_make_step_returns_every_weight_where_it_was():
+    # On an Auto mesh the compiler could move an unconstrained output (e.g. a
+    # replicated bias onto "model"); the step pins its outputs to its inputs'.
+    mesh = mesh_of(AxisType.Auto)
+    opt = optax.adam(1e-2)
+    ens = ee.shard(ensemble(), mesh, model=fsdp)
+    opt_state = ee.shard(ee.init_optimizer(opt, ens), mesh)
+    step = ee.make_step(loss, opt, execution=ee.Execution(mesh=mesh))
+    out = step(
+        ens, opt_state, ee.shard((X[:16], Y[:16]), mesh, axes="data"), jax.random.key(0)
+    )
+    before = jax.tree.leaves(eqx.filter((ens, opt_state), eqx.is_array))
+    after = jax.tree.leaves(eqx.filter((out.ensemble, out.opt_state), eqx.is_array))
+    for a, b in zip(before, after, strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+
+
+def test_an_optimizer_state_follows_the_right_weight_of_equal_shape():
+    # Two weights of one shape, only one split: the moment of the unsplit one
+    # must not take the other's split (matched by the longest path suffix).
+    class Inner(eqx.Module):
+        a: jax.Array
+
+    class Two(eqx.Module):
+        a: jax.Array
+        inner: Inner
+
+        def __init__(self, key):
+            self.a = jax.random.normal(key, (8, 8))
+            self.inner = Inner(jax.random.normal(jax.random.fold_in(key, 1), (8, 8)))
+
+        def __call__(self, x):
+            return jnp.sum(self.a @ self.inner.a) * x[:1]
+
+    mesh = mesh_of(AxisType.Auto)
+    two = ee.shard(
+        ee.ensemble(Two, size=2, key=jax.random.key(0)),
+        mesh,
+        model=only(lambda m: m.a, P("model")),
+    )
+    state = ee.init_optimizer(optax.adam(1e-2), two)
+    assert entries(state[0].mu.a) == ("members", "model", None)
+    unsplit = state[0].mu.inner.a.sharding
+    assert "model" not in tuple(getattr(unsplit, "spec", ()))

@@ -426,11 +426,15 @@ def shard(
 
 def _inner_of(leaf: Any, mesh: Mesh) -> tuple[Any, ...] | None:
     """The `"model"` entries of a placed leaf's spec (others `None`), or `None`
-    when it is not placed on `mesh` or not split over `"model"`."""
+    when it is not split over `"model"`. A split made on another mesh with a
+    `"model"` axis carries over to `mesh` when it has one too (a run moved to
+    another mesh keeps its members' split)."""
+    del mesh
     sharding = getattr(leaf, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+    if not isinstance(sharding, NamedSharding) or MODEL not in sharding.mesh.axis_names:
         return None
     entries = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
+    entries = tuple(_single(entry) for entry in entries)
     inner = tuple(entry if entry == MODEL else None for entry in entries)
     return inner if MODEL in inner else None
 
@@ -459,7 +463,7 @@ def _check_inner_spec(
             f"`model=` gave {type(spec).__name__} for {name}; give a "
             "`jax.sharding.PartitionSpec` (over the member's own axes) or None"
         )
-    entries = tuple(spec)
+    entries = tuple(_single(entry) for entry in spec)
     for entry in entries:
         if entry is not None and entry != MODEL:
             raise ValueError(
@@ -535,37 +539,41 @@ def _shard_model(
             "`model=` must return a PyTree of PartitionSpecs (or None) whose "
             f"structure is a prefix of the member's: {error}"
         ) from None
-    member_paths = jtu.tree_flatten_with_path(member)[0]
-    specs = jtu.tree_leaves(full, is_leaf=is_spec)
     is_none = lambda x: x is None  # noqa: E731
+    member_paths = jtu.tree_flatten_with_path(member, is_leaf=is_none)[0]
+    specs = jtu.tree_leaves(full, is_leaf=is_spec)
     members_leaves = jtu.tree_leaves(tree.members, is_leaf=is_none)
     shared_leaves = (
         jtu.tree_leaves(tree.shared, is_leaf=is_none)
         if tree.shared is not None
         else [None] * len(members_leaves)
     )
-    members_out, shared_out = [], []
+    # Every leaf is checked before any is placed: a bad spec transfers nothing.
+    plan: list[tuple[Any, Any]] = []
     for (path, shape_leaf), spec, stacked, held in zip(
         member_paths, specs, members_leaves, shared_leaves, strict=True
     ):
         if not isinstance(shape_leaf, jax.ShapeDtypeStruct):  # not an array
-            members_out.append(stacked)
-            shared_out.append(held)
+            plan.append((None, None))
             continue
         where = "the shared part" if eqx.is_array(held) else "the members"
         entries = _check_inner_spec(path, spec, tuple(shape_leaf.shape), mesh, where)
+        member_sharding = shared_sharding = None
         if eqx.is_array(stacked):
             if not process_local:
                 _check_leaf(path, stacked, mesh, (MEMBERS,), "the ensemble")
-            sharding = NamedSharding(mesh, _spec(mesh, (MEMBERS, *entries)))
-            members_out.append(_place(stacked, sharding, process_local))
-        else:
-            members_out.append(stacked)
+            member_sharding = NamedSharding(mesh, _spec(mesh, (MEMBERS, *entries)))
         if eqx.is_array(held):
-            sharding = NamedSharding(mesh, _spec(mesh, entries))
-            shared_out.append(_place(held, sharding, process_local))
-        else:
-            shared_out.append(held)
+            shared_sharding = NamedSharding(mesh, _spec(mesh, entries))
+        plan.append((member_sharding, shared_sharding))
+    members_out = [
+        leaf if sharding is None else _place(leaf, sharding, process_local)
+        for leaf, (sharding, _) in zip(members_leaves, plan, strict=True)
+    ]
+    shared_out = [
+        leaf if sharding is None else _place(leaf, sharding, process_local)
+        for leaf, (_, sharding) in zip(shared_leaves, plan, strict=True)
+    ]
     members = jtu.tree_unflatten(
         jtu.tree_structure(tree.members, is_leaf=is_none), members_out
     )
@@ -591,7 +599,7 @@ def follow_model(tree: PyTree[Any], ens: Any, mesh: Mesh | None) -> PyTree[Any]:
     if mesh is None or MODEL not in mesh.axis_names or not hasattr(ens, "shared"):
         return tree
     table = _model_table(ens, mesh)
-    if not table:
+    if table is None:
         return tree
     flags = member_axis_mask(tree)
 
@@ -625,33 +633,56 @@ def model_mesh(ens: Any) -> Mesh | None:
     return None
 
 
-def _model_table(ens: Any, mesh: Mesh) -> dict[Any, tuple[Any, ...]]:
-    # (path within a member, whether stacked, the member's own shape) -> inner
-    # spec entries, for every weight of `ens` split over "model".
-    table: dict[Any, tuple[Any, ...]] = {}
+def _single(entry: Any) -> Any:
+    # `P(("model",))` names the same split as `P("model")`.
+    if isinstance(entry, tuple) and len(entry) == 1:
+        return entry[0]
+    return entry
+
+
+def _model_table(ens: Any, mesh: Mesh) -> dict[Any, Any] | None:
+    # (path within a member, whether stacked) -> (the weight's own shape, its
+    # inner spec entries), for EVERY weight of `ens` (unsplit ones with no
+    # "model" entry), so that the longest path suffix finds the right weight;
+    # `None` when no weight is split.
+    table: dict[Any, Any] = {}
+    split = False
     for part, stacked in ((ens.members, True), (ens.shared, False)):
         if part is None:
             continue
         for path, leaf in jtu.tree_flatten_with_path(part)[0]:
-            inner = _inner_of(leaf, mesh) if eqx.is_array(leaf) else None
-            if inner is None:
+            if not eqx.is_array(leaf):
                 continue
             own = tuple(leaf.shape[1:] if stacked else leaf.shape)
-            table[(tuple(path), stacked, own)] = inner[1:] if stacked else inner
-    return table
+            inner = _inner_of(leaf, mesh)
+            split = split or inner is not None
+            entries = (None,) * len(own) if inner is None else inner[-len(own) :]
+            table[(tuple(path), stacked)] = (own, entries if own else ())
+    return table if split else None
 
 
 def _lookup(
-    table: dict[Any, tuple[Any, ...]],
+    table: dict[Any, Any],
     path: tuple[Any, ...],
     shape: tuple[int, ...],
     stacked: bool,
 ) -> tuple[Any, ...] | None:
+    """The inner spec for a state leaf at `path`: that of the weight whose path
+    is the longest suffix of `path`, if the leaf's own axes end with the
+    weight's shape (an optimizer moment: equal; a SWAG deviation or a
+    snapshot buffer: extra leading axes, unsplit)."""
     own = tuple(shape[1:] if stacked else shape)
     for start in range(len(path)):  # the longest suffix first
-        inner = table.get((path[start:], stacked, own))
-        if inner is not None:
-            return inner
+        found = table.get((path[start:], stacked))
+        if found is None:
+            continue
+        weight_shape, entries = found
+        if not weight_shape or MODEL not in entries:
+            return None
+        extra = len(own) - len(weight_shape)
+        if extra < 0 or own[extra:] != weight_shape:
+            return None
+        return (None,) * extra + tuple(entries)
     return None
 
 
@@ -818,6 +849,28 @@ def model_placement(state: Any, mesh: Mesh | None) -> Any:
                 key = (jtu.GetAttrKey(field.name), *path)
                 placed.append((key, sharding))
     return tuple(placed) or None
+
+
+def tree_placement(tree: PyTree[Any], mesh: Mesh | None) -> Any:
+    """On a mesh with a `"model"` axis, the shardings of every placed array leaf
+    of `tree` (outside `jit`), as `model_placement` records them; else `None`."""
+    if mesh is None or MODEL not in mesh.axis_names:
+        return None
+    placed = tuple(
+        (tuple(path), leaf.sharding)
+        for path, leaf in jtu.tree_flatten_with_path(tree)[0]
+        if eqx.is_array(leaf)
+        and not is_traced(leaf)
+        and isinstance(getattr(leaf, "sharding", None), NamedSharding)
+    )
+    return placed or None
+
+
+def pin_placement(tree: PyTree[Any], placement: Any, mesh: Mesh | None) -> Any:
+    """Inside `jit`: `tree`'s leaves recorded in `placement` pinned there."""
+    if placement is None or mesh is None:
+        return tree
+    return _pin_placement(tree, placement, mesh)
 
 
 def restore_placement(tree: PyTree[Any], placement: Any) -> Any:

@@ -1,5 +1,6 @@
 """`make_step`: one compiled optimisation step for every member at once."""
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,8 +26,10 @@ from .._core.mapping import check_per_member_args
 from .._core.sharding import (
     check_step_mesh,
     mesh_context,
+    pin_placement,
     replicate,
     sharded_update,
+    tree_placement,
 )
 from .._execution.compile import (
     CompiledFunctions,
@@ -635,6 +638,15 @@ class Step(eqx.Module):
     compiler_options: Options | None = None
     layout: str = "auto"
     member_chunk: int | None = None
+    # On a mesh with a "model" axis: where the call's weights and states lived
+    # (set per call by `_placed`), so that the outputs are pinned there.
+    placement: Any = None
+
+    def _placed(self, ens: Any, opt_state: Any, state: Any) -> "Step":
+        placement = tree_placement((ens, opt_state, state), self.mesh)
+        if placement is None or placement == self.placement:
+            return self
+        return dataclasses.replace(self, placement=placement)
 
     def __call__(
         self,
@@ -648,9 +660,11 @@ class Step(eqx.Module):
     ) -> StepOutput:
         # The member layout is chosen while tracing (nothing per call); the XLA
         # options, which the compilation needs, from the inputs' sizes.
-        compiled = _compiled_step(self, self._options(ens, batch, state, hyper))
         if self.mesh is None:
+            compiled = _compiled_step(self, self._options(ens, batch, state, hyper))
             return compiled(ens, opt_state, batch, key, state, hyper)
+        step = self._placed(ens, opt_state, state)
+        compiled = _compiled_step(step, step._options(ens, batch, state, hyper))
         with mesh_context(self.mesh):
             return compiled(ens, opt_state, batch, key, state, hyper)
 
@@ -665,14 +679,15 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
+        step = self if self.mesh is None else self._placed(ens, opt_state, state)
         with mesh_context(self.mesh):
             compiled: Any = _compiled_step(
-                self, self._options(ens, batch, state, hyper)
+                step, step._options(ens, batch, state, hyper)
             )
             if isinstance(compiled, functools.partial):  # a step holding arrays
                 generic: Any = compiled.func
-                lowered = generic.lower(self, ens, opt_state, batch, key, state, hyper)
-                return _LoweredStep(lowered, self)
+                lowered = generic.lower(step, ens, opt_state, batch, key, state, hyper)
+                return _LoweredStep(lowered, step)
             lowered = compiled.lower(ens, opt_state, batch, key, state, hyper)
             return _LoweredStep(lowered, None)
 
@@ -847,6 +862,9 @@ def _step_impl(
         ens, opt_state, batch, member_keys, state, frozen, hyper
     )
     losses = replicate(losses, step.mesh)
+    new_ens, new_opt_state, new_state = pin_placement(
+        (new_ens, new_opt_state, new_state), step.placement, step.mesh
+    )
     return StepOutput(new_ens, new_opt_state, losses, aux, new_state)
 
 
