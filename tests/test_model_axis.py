@@ -225,6 +225,8 @@ def test_bad_model_specs_are_refused_naming_the_leaf():
         ee.shard(ensemble(), ee.make_mesh(members=2), model=megatron)
     with pytest.raises(TypeError, match="pass an `ee.Ensemble`"):
         ee.shard((X, Y), mesh, model=megatron)
+    with pytest.raises(ValueError, match="process_local"):
+        ee.shard(ensemble(), mesh, model=megatron, process_local=True)
     with pytest.raises(ValueError, match="prefix"):
         ee.shard(ensemble(), mesh, model=lambda m: [P("model")] * 3)
 

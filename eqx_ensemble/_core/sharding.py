@@ -512,6 +512,12 @@ def _shard_model(
         )
     if axes != (MEMBERS,):
         raise ValueError("`model=` places an ensemble: leave `axes` at 'members'")
+    if process_local:
+        raise ValueError(
+            "`model=` takes the whole ensemble in every process (as `ee.ensemble` "
+            "builds it from the same key everywhere); `process_local=True` is for "
+            "each process's rows of the data"
+        )
     if not callable(spec_fn):
         raise TypeError(
             f"`model` must be a function member -> PartitionSpecs, got {spec_fn!r}"
