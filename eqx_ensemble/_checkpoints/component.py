@@ -70,6 +70,11 @@ class Checkpoints(eqx.Module):
     - `on_corrupt`: what resuming does when the newest checkpoint cannot be
       read: `"raise"` (default) or `"previous"`: fall back to the newest intact
       one (the skipped files are left in place and named in a message).
+    - `sharded`: the format of the checkpoints written, as for
+      [`ee.save`][eqx_ensemble.save]: `None` (default) writes sharded folders
+      (each process writes only its shards) when `jax.process_count() > 1` and
+      single files otherwise; `True`/`False` force one. Resuming reads either,
+      onto any mesh and number of processes.
 
     **Example:**
 
@@ -91,6 +96,7 @@ class Checkpoints(eqx.Module):
     every: int | None = eqx.field(static=True, default=None)
     keep: int | None = eqx.field(static=True, default=3)
     on_corrupt: str = eqx.field(static=True, default="raise")
+    sharded: bool | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         if not isinstance(self.directory, str | os.PathLike):
@@ -106,6 +112,11 @@ class Checkpoints(eqx.Module):
             raise ValueError(
                 f"`Checkpoints.on_corrupt` must be one of {_ON_CORRUPT}, got "
                 f"{self.on_corrupt!r}"
+            )
+        if self.sharded is not None and not isinstance(self.sharded, bool):
+            raise TypeError(
+                "`Checkpoints.sharded` must be True, False or None, got "
+                f"{self.sharded!r}"
             )
 
     def prepare(self) -> None:
@@ -149,6 +160,7 @@ class Checkpoints(eqx.Module):
                 "data": data,
             },
             keep=self.keep,
+            sharded=self.sharded,
         )
 
     def resume(

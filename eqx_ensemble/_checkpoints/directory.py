@@ -4,6 +4,7 @@
 import contextlib
 import errno
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ from jaxtyping import Array, Int, PyTree
 from .file import (
     CHECKPOINT_NAME,
     CheckpointError,
-    CheckpointFile,
     as_path,
     fsync_directory,
     remove_abandoned,
@@ -24,7 +24,8 @@ from .file import (
     temporary_name,
     write_file,
 )
-from .io import checked_records, save_tree
+from .io import checked_records, open_manifest, save_tree
+from .sharded import MANIFEST, PARTIAL_SUFFIX, ShardedReader, _remove_tree, is_sharded
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
 __all__ = [
@@ -36,6 +37,9 @@ __all__ = [
 
 # Left behind by a writer killed mid-save (see `_checkpoint_file.write_file`).
 _TEMPORARY_NAME = temporary_name(r"step_[0-9]+\.ckpt")
+_PARTIAL_FOLDER = re.compile(
+    r"^\.step_[0-9]+\.ckpt(\.[0-9a-f]{16}\.old)?" + re.escape(PARTIAL_SUFFIX) + "$"
+)
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -47,8 +51,8 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     """The checkpoints [`ee.save_checkpoint`][eqx_ensemble.save_checkpoint] wrote in a
     folder, as `(step, path)` pairs sorted by step.
 
-    Only complete checkpoints are listed: the temporary files of an interrupted
-    write are never picked.
+    Only complete checkpoints are listed: the temporary files (and a sharded
+    checkpoint's temporary folder) of an interrupted write are never picked.
 
     **Arguments:**
 
@@ -74,9 +78,12 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     found = []
     for name in names:
         match = CHECKPOINT_NAME.match(name)
-        if match is not None and (directory / name).is_file():
-            # (a folder or a named pipe under a checkpoint's name is not one)
-            found.append((int(match.group(1)), directory / name))
+        path = directory / name
+        committed = is_sharded(path) and (path / MANIFEST).is_file()
+        if match is not None and (path.is_file() or committed):
+            # (a named pipe under a checkpoint's name is not one; a folder is a
+            # sharded checkpoint, committed by its rename)
+            found.append((int(match.group(1)), path))
     return sorted(found)
 
 
@@ -118,8 +125,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     (read in chunks, not held in memory). For a file named like
     [`ee.save_checkpoint`][eqx_ensemble.save_checkpoint]'s `step_<n>.ckpt`, also
     that the manifest records step `n` (a renamed or copied checkpoint is
-    refused). Use it to check a file before relying on it, e.g. the newest of a
-    folder, without building the model.
+    refused). For a sharded checkpoint (a folder), every stored shard is read and
+    checked against its sha256, one at a time. Use it to check a file before
+    relying on it, e.g. the newest of a folder, without building the model.
 
     **Arguments:**
 
@@ -143,9 +151,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     manifest["step"]   # 7
     ```
     """
-    with CheckpointFile(as_path(path, "path")) as file:
+    with open_manifest(as_path(path, "path")) as file:
         try:
-            checked_records(file)
+            records = checked_records(file)
             step = file.manifest.get("step")
         except (TypeError, ValueError, KeyError, AttributeError) as error:
             raise file.error(f"the manifest is malformed ({error!r})") from None
@@ -153,7 +161,8 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             not isinstance(step, int) or isinstance(step, bool) or step < 0
         ):
             raise file.error(f"the manifest's step {step!r} is not a step number")
-        named = CHECKPOINT_NAME.match(file.path.name)
+        folder = file.path.parent if file.sharded else file.path
+        named = CHECKPOINT_NAME.match(folder.name)
         if named is not None and step is not None and int(named.group(1)) != step:
             raise file.error(
                 f"its manifest records step {step} but its name says step "
@@ -161,6 +170,8 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"back to step_{step:010d}.ckpt or remove it"
             )
         file.verify_data()
+        if file.sharded:
+            ShardedReader(folder, file).verify_all(records)
         return file.manifest
 
 
@@ -171,6 +182,7 @@ def save_checkpoint(
     *,
     metadata: dict[str, Any] | None = None,
     keep: int | np.integer | None = None,
+    sharded: bool | None = None,
 ) -> Path:
     """Save `tree` as checkpoint number `step` in a folder, keeping the last `keep`.
 
@@ -180,7 +192,8 @@ def save_checkpoint(
     beyond the `keep` highest steps, and leftover temporary files of interrupted
     writes. The checkpoint just written is never deleted. Find the newest with
     [`ee.latest_checkpoint`][eqx_ensemble.latest_checkpoint]. Assumes one writer per
-    folder; in a multi-host run every process calls it and process 0 writes.
+    folder; in a multi-host run every process calls it (see `ee.save` for what
+    each writes).
 
     **Arguments:**
 
@@ -189,6 +202,8 @@ def save_checkpoint(
     - `tree`: the PyTree to save (ensemble, optimizer state, keys, counters...).
     - `metadata`: optional JSON-serialisable dict stored in the manifest.
     - `keep`: how many checkpoints to keep (at least 1); `None` keeps all.
+    - `sharded`: the format, as for [`ee.save`][eqx_ensemble.save] (`None`: a
+      sharded folder when `jax.process_count() > 1`, else one file).
 
     **Returns:**
 
@@ -217,7 +232,9 @@ def save_checkpoint(
     def prune() -> None:
         _prune(directory, keep=keep, written=path)
 
-    return save_tree(path, tree, metadata=metadata, step=step, after_write=prune)
+    return save_tree(
+        path, tree, metadata=metadata, step=step, after_write=prune, sharded=sharded
+    )
 
 
 def _step_number(step: Any) -> int:
@@ -239,18 +256,21 @@ def _step_number(step: Any) -> int:
 def _prune(directory: Path, *, keep: int | None, written: Path) -> None:
     """Remove abandoned temporaries of this folder's checkpoints (never a live
     writer's, see `remove_abandoned`), then all but the `keep` newest."""
-    remove_abandoned(
-        directory / name
-        for name in os.listdir(directory)
-        if _TEMPORARY_NAME.match(name)
-    )
+    names = os.listdir(directory)
+    remove_abandoned(directory / name for name in names if _TEMPORARY_NAME.match(name))
+    # Sharded checkpoints' temporary folders left by an interrupted write (one
+    # writer per folder: the one just written has been renamed).
+    for name in names:
+        if _PARTIAL_FOLDER.match(name):
+            with contextlib.suppress(OSError):
+                _remove_tree(directory / name)
     if keep is None:
         return
     newest_first = [path for _, path in reversed(list_checkpoints(directory))]
     doomed = [path for path in newest_first[keep:] if path != written]
     for path in doomed:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+            _remove_tree(path)
     if doomed:
         fsync_directory(directory)
 

@@ -312,6 +312,7 @@ class CheckpointFile:
 
     def __init__(self, path: Path):
         self.path = path
+        self.sharded = False  # the manifest of a sharded checkpoint's folder
         try:
             mode = os.stat(path).st_mode
         except FileNotFoundError:

@@ -24,6 +24,7 @@ from .._internal.tree import is_traced, keystr
 from .file import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    CheckpointError,
     CheckpointFile,
     as_path,
     remove_stale_temporaries,
@@ -33,7 +34,18 @@ from .leaves import (
     decode_leaf,
     encode_leaves,
     key_impl_shapes,
+    place_array,
+    place_key,
     record_error,
+)
+from .sharded import (
+    MANIFEST,
+    LazyLeaf,
+    ShardedReader,
+    _remove_tree,
+    is_sharded,
+    store_error,
+    write_sharded,
 )
 from .structure import (
     classify,
@@ -56,6 +68,7 @@ def save(
     tree: PyTree,
     *,
     metadata: dict[str, Any] | None = None,
+    sharded: bool | None = None,
 ) -> Path:
     """Save a PyTree (an ensemble, an optimizer state, a PRNG key...) to one file.
 
@@ -78,11 +91,24 @@ def save(
     the size of every `ee.Ensemble` in the tree (`ensemble_size` for the first),
     the data's length and sha256, and your `metadata`.
 
-    **Multi-host** (`jax.process_count() > 1`): every process must call `save` with
-    its part of the same global tree; arrays that are not fully addressable are
-    gathered with `jax.experimental.multihost_utils.process_allgather`, process 0
-    writes the file (on a file system every process can read), and all processes
-    return once it is written. In one process nothing is gathered or synchronised.
+    **Sharded** (`sharded=True`; the default when `jax.process_count() > 1`):
+    `path` becomes a folder in which each process writes, in parallel, only the
+    shards of the `jax.Array` leaves its devices own (zarr v3 arrays written with
+    tensorstore, one chunk file per shard; a shard replicated on several processes
+    is written once, the bytes balanced among them): nothing is gathered, so an
+    ensemble larger than one host's memory can be saved. A manifest like the
+    single file's, with a sha256 per stored shard, commits the folder: it is
+    written to `.<name>.sharded.tmp/` and renamed into place by process 0 once
+    every process has written its shards. `load` reads only the shards the loading
+    devices need, checks each against its sha256, and places them on any mesh
+    (saved by 2 processes, loaded by 1, and the other way round). Needs
+    `tensorstore` (`pip install 'eqx_ensemble[distributed]'`); the layout is in the
+    checkpoints guide. Every process must call `save` with its part of the same
+    global tree, on a file system every process can read; all return once the
+    folder is in place. `sharded=False` on several processes writes the single
+    file: arrays that are not fully addressable are gathered to every process
+    (`process_allgather`) and process 0 writes it. In one process the default is
+    the single file, and nothing is synchronised.
 
     **Arguments:**
 
@@ -90,6 +116,8 @@ def save(
     - `tree`: any PyTree; its arrays must be concrete (not traced).
     - `metadata`: an optional JSON-serialisable dict (string keys) stored in the
       manifest; read it back with [`ee.load_manifest`][eqx_ensemble.load_manifest].
+    - `sharded`: write the sharded folder format (`True`), the single file
+      (`False`), or choose (`None`: sharded when `jax.process_count() > 1`).
 
     **Returns:**
 
@@ -108,7 +136,7 @@ def save(
     ee.load_manifest("ensemble.ckpt")["metadata"]   # {'epoch': 3}
     ```
     """
-    return save_tree(as_path(path, "path"), tree, metadata=metadata)
+    return save_tree(as_path(path, "path"), tree, metadata=metadata, sharded=sharded)
 
 
 def save_tree(
@@ -118,12 +146,27 @@ def save_tree(
     metadata: dict[str, Any] | None,
     step: int | None = None,
     after_write: Callable[[], None] | None = None,
+    sharded: bool | None = None,
 ) -> Path:
     """`save`, also recording a training `step` and running `after_write` on the
     writing process once the file is in place (used to prune old checkpoints)."""
     metadata = _checked_metadata(metadata)
+    if sharded is not None and not isinstance(sharded, bool):
+        raise TypeError(f"`sharded` must be True, False or None, got {sharded!r}")
+    if sharded is None:
+        sharded = jax.process_count() > 1
     leaves, treedef = jtu.tree_flatten_with_path(tree)
-    records, chunks = encode_leaves(leaves)
+    if sharded:
+        for leaf_path, leaf in leaves:
+            if is_traced(leaf):
+                raise TypeError(
+                    f"Cannot save leaf `{keystr(leaf_path)}`: it is traced (inside "
+                    "`jit`, `vmap`, `grad`...). Call `ee.save` outside transformed "
+                    "code."
+                )
+        records, chunks = [], []
+    else:
+        records, chunks = encode_leaves(leaves)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -140,6 +183,12 @@ def save_tree(
     }
     if manifest["ensembles"]:
         manifest["ensemble_size"] = manifest["ensembles"][0]["size"]
+    if sharded:
+        write_sharded(path, leaves, manifest, after_write)
+        return path
+    if path.is_dir() and not path.is_symlink() and (path / MANIFEST).is_file():
+        # Replacing a sharded checkpoint with a single file.
+        _remove_tree(path)
 
     def write() -> None:
         try:
@@ -258,6 +307,8 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
                 f"`like`'s leaf `{keystr(leaf_path)}` is traced (inside `jit`, "
                 "`vmap`...): call `ee.load` outside transformed code."
             )
+    if is_sharded(path):
+        return _load_sharded(path, like_leaves, like_treedef, like)
     with CheckpointFile(path) as file:
         records = _verified_records(file, like, like_leaves)
         data = file.read_data()
@@ -266,6 +317,47 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
         for record, (_, like_leaf) in zip(records, like_leaves, strict=True)
     ]
     return jtu.tree_unflatten(like_treedef, leaves)
+
+
+def _load_sharded(
+    folder: Path, like_leaves: list[tuple[Any, Any]], like_treedef: Any, like: Any
+) -> Any:
+    """`load` of a sharded checkpoint: each process reads the chunks its devices
+    need (verified one by one)."""
+    with open_manifest(folder) as file:
+        records = _verified_records(file, like, like_leaves)
+        data = file.read_data()
+        reader = ShardedReader(folder, file)
+        leaves = []
+        for index, (record, (_, like_leaf)) in enumerate(
+            zip(records, like_leaves, strict=True)
+        ):
+            if "store" not in record:
+                leaves.append(decode_leaf(record, like_leaf, data))
+                continue
+            lazy = LazyLeaf(reader, index, record)
+            if record["kind"] == "key":
+                leaves.append(place_key(lazy, record["impl"], like_leaf))
+            else:
+                leaves.append(place_array(lazy, like_leaf))
+    return jtu.tree_unflatten(like_treedef, leaves)
+
+
+def open_manifest(path: Path) -> CheckpointFile:
+    """The verified manifest file of a checkpoint: the file itself, or a sharded
+    checkpoint's `manifest.ckpt`."""
+    if not is_sharded(path):
+        return CheckpointFile(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(
+            f"Checkpoint {path}: not a regular file (a directory without a "
+            f"{MANIFEST}); a checkpoint is a file written by `ee.save`, or a folder "
+            "written by `ee.save(..., sharded=True)` and committed by its manifest"
+        )
+    file = CheckpointFile(manifest)
+    file.sharded = True
+    return file
 
 
 def _verified_records(
@@ -343,6 +435,14 @@ def checked_records(file: CheckpointFile) -> list[dict[str, Any]]:
         raise file.error("the manifest is malformed (no list of leaves)")
     for record in records:
         problem = record_error(record, file.data_bytes)
+        if problem is None and isinstance(record, dict) and "store" in record:
+            where = f"the manifest entry of leaf `{record['path']}`"
+            if not file.sharded:
+                problem = f"{where} names stored shards, which a single file has not"
+            elif record["kind"] in ("array", "key"):
+                problem = store_error(record, where)
+            else:
+                problem = f"{where} has a malformed store entry"
         if problem is not None:
             raise file.error(problem)
     return records
@@ -387,5 +487,5 @@ def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     # ({'a': 1}, ["['key']", "['lr']"])
     ```
     """
-    with CheckpointFile(as_path(path, "path")) as file:
+    with open_manifest(as_path(path, "path")) as file:
         return file.manifest

@@ -151,7 +151,30 @@ def _place_array(host: np.ndarray, like_leaf: Any) -> Any:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def _place_key(host: np.ndarray, impl: str, like_leaf: Any) -> Any:
+def _whole(lazy: Any, like_leaf: Any) -> bool:
+    """Whether a lazily read leaf is needed whole here (`like`'s leaf is on this
+    process's devices only, or on the host)."""
+    if isinstance(like_leaf, np.ndarray | np.generic):
+        return True
+    sharding, _ = _placement(like_leaf)
+    return sharding is None or sharding.is_fully_addressable
+
+
+def place_array(lazy: Any, like_leaf: Any) -> Any:
+    """`_place_array` for a leaf read lazily (`lazy[index]` reads that part,
+    `lazy.full()` all of it): across processes, each reads only its devices' parts."""
+    if _whole(lazy, like_leaf):
+        return _place_array(lazy.full(), like_leaf)
+    sharding, _ = _placement(like_leaf)
+    return jax.make_array_from_callback(lazy.shape, sharding, lambda i: lazy[i])
+
+
+def place_key(lazy: Any, impl: str, like_leaf: Any) -> Any:
+    """`_place_key` for a key leaf's data read lazily (see `place_array`)."""
+    return _place_key(lazy.full() if _whole(lazy, like_leaf) else lazy, impl, like_leaf)
+
+
+def _place_key(host: Any, impl: str, like_leaf: Any) -> Any:
     sharding, _ = _placement(like_leaf)
     if sharding is None or sharding.is_fully_addressable:
         keys = jax.random.wrap_key_data(jnp.asarray(host), impl=impl)
@@ -196,6 +219,8 @@ def record_error(record: Any, data_bytes: int) -> str | None:
         problem = _key_record_error(record, shape)
         if problem is not None:
             return f"{where} {problem}"
+    if "store" in record:
+        return None  # a sharded checkpoint's stored array: see `sharded.store_error`
     offset, nbytes = record.get("offset"), record.get("nbytes")
     if not (_is_int(offset) and _is_int(nbytes)):
         return (

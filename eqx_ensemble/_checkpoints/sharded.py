@@ -1,0 +1,623 @@
+"""Sharded checkpoints: a folder per checkpoint, each process writing the shards it
+owns with tensorstore, committed by a verified manifest.
+
+Layout of a sharded checkpoint `<name>/` (written as `.<name>.sharded.tmp/`, then
+renamed into place by process 0):
+
+- `manifest.ckpt`: the single-file container of `file.py` (header, the
+  manifest's sha256, the manifest, a data section). The manifest is the one of a
+  single-file checkpoint, except that the record of each `jax.Array` leaf has a
+  `"store"` entry in place of `offset`/`nbytes`; the data section holds the leaves
+  that are not `jax.Array`s (NumPy arrays), written by process 0.
+- `arrays/<n>/`: the `n`-th leaf of the tree (a typed PRNG key as its key data) as a
+  zarr v3 array written with tensorstore: a regular chunk grid whose chunk is the
+  leaf's shard (so every stored shard is one chunk file `c/<i>/<j>...`), raw
+  little-endian bytes (`bytes` codec), every chunk stored (also one equal to the
+  fill value). The `"store"` entry records the stored dtype and shape, the chunk
+  shape, and per chunk its grid position, the process that wrote it and the sha256
+  of its bytes (C order, little-endian).
+
+Writing, on every process: process 0 creates the temporary folder and each array's
+`zarr.json`; a barrier; each process writes the chunks it owns (a shard held by
+several devices is written once, by one of its holders' processes, chosen to
+balance the bytes each process writes; nothing is gathered), hashes them, and
+writes a part file listing its chunks' digests; a barrier; process 0 checks that
+the parts cover every chunk, writes `manifest.ckpt` (atomically, fsynced), and
+renames the folder into place (atomic: a folder is either absent or complete);
+a barrier. On loading, each process reads only the chunks that overlap the parts
+of the arrays its devices hold, and checks each chunk it reads against the
+manifest's sha256 before using it. Nothing in the files selects code: the
+tensorstore spec is built here from the manifest (driver, path, dtype).
+"""
+
+import contextlib
+import hashlib
+import itertools
+import math
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._internal.tree import is_traced, keystr
+from .file import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointFile,
+    fsync_directory,
+    write_file,
+)
+from .leaves import encode_leaves, stored_dtype
+from .structure import classify, is_key_dtype
+
+MANIFEST = "manifest.ckpt"
+ARRAYS = "arrays"
+PARTIAL_SUFFIX = ".sharded.tmp"
+_PART_FORMAT = "eqx_ensemble.checkpoint-part"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _tensorstore() -> Any:
+    try:
+        import tensorstore
+    except ImportError:
+        raise ImportError(
+            "Sharded checkpoints are written and read with tensorstore, which is "
+            "not installed: `pip install 'eqx_ensemble[distributed]'` (or "
+            "`pip install tensorstore`). To write the single-file format instead, "
+            "pass `sharded=False`."
+        ) from None
+    return tensorstore
+
+
+def is_sharded(path: Path) -> bool:
+    """Whether `path` is a sharded checkpoint's folder (a folder, not a link)."""
+    return path.is_dir() and not path.is_symlink()
+
+
+def partial_folder(path: Path) -> Path:
+    """Where the shards of the checkpoint `path` are written before the commit."""
+    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+
+
+# -- writing -------------------------------------------------------------------
+
+
+class _Leaf:
+    """A `jax.Array` leaf to store: its stored array and chunk plan."""
+
+    def __init__(self, index: int, where: str, array: jax.Array):
+        self.index = index
+        self.where = where
+        self.array = array  # key data for a key leaf
+        dtype = np.dtype(array.dtype)
+        self.dtype = dtype
+        self.raw = not _tensorstore_supports(dtype)
+        self.shape = list(array.shape) + ([dtype.itemsize] if self.raw else [])
+        self.stored_dtype = "uint8" if self.raw else dtype.name
+        self.chunk, self.owners = _chunk_plan(array, where)
+        if self.raw:
+            self.chunk = [*self.chunk, dtype.itemsize]
+
+    def store_record(self) -> dict[str, Any]:
+        return {"dtype": self.stored_dtype, "shape": self.shape, "chunk": self.chunk}
+
+
+def _tensorstore_supports(dtype: np.dtype) -> bool:
+    ts = _tensorstore()
+    try:
+        ts.dtype(dtype.name)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _chunk_plan(
+    array: jax.Array, where: str
+) -> tuple[list[int], dict[tuple[int, ...], Any]]:
+    """The chunk shape (a shard's) and, per chunk start, the device whose shard is
+    written. From the global sharding only, so every process computes the same."""
+    shape = array.shape
+    indices = array.sharding.devices_indices_map(shape)
+    starts: dict[tuple[int, ...], list[Any]] = {}
+    extents = [1] * len(shape)
+    for device in sorted(indices, key=lambda d: d.id):
+        bounds = [slot.indices(size) for slot, size in zip(indices[device], shape)]
+        start = tuple(begin for begin, _, _ in bounds)
+        for axis, (begin, end, _) in enumerate(bounds):
+            extents[axis] = max(extents[axis], end - begin)
+        starts.setdefault(start, []).append(device)
+    if math.prod(shape) == 0:
+        return extents, {}
+    for start in starts:
+        if any(begin % extent for begin, extent in zip(start, extents)):
+            raise ValueError(
+                f"Cannot save leaf `{where}` sharded: its sharding "
+                f"{array.sharding} splits shape {tuple(shape)} into shards that do "
+                "not form a regular grid; reshard it (e.g. with `ee.shard`) or pass "
+                "`sharded=False`"
+            )
+    return extents, {start: holders[0] for start, holders in starts.items()}
+
+
+def _balance(leaves: list[_Leaf]) -> dict[tuple[int, tuple[int, ...]], int]:
+    """The process that writes each chunk `(leaf, start)`: among the processes of
+    the devices holding it, the one that has written the fewest bytes so far (then
+    the lowest index). Deterministic, so every process agrees."""
+    written: dict[int, int] = {}
+    writers: dict[tuple[int, tuple[int, ...]], int] = {}
+    for leaf in leaves:
+        indices = leaf.array.sharding.devices_indices_map(leaf.array.shape)
+        holders: dict[tuple[int, ...], set[int]] = {}
+        for device, slots in indices.items():
+            start = tuple(
+                slot.indices(size)[0] for slot, size in zip(slots, leaf.array.shape)
+            )
+            holders.setdefault(start, set()).add(device.process_index)
+        nbytes = math.prod(leaf.chunk) * (1 if leaf.raw else leaf.dtype.itemsize)
+        for start in leaf.owners:
+            process = min(holders[start], key=lambda p: (written.get(p, 0), p))
+            written[process] = written.get(process, 0) + nbytes
+            writers[(leaf.index, start)] = process
+    return writers
+
+
+def _spec(folder: Path, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(folder)},
+        # Every chunk is a file, also one equal to the fill value (zeros).
+        "store_data_equal_to_fill_value": True,
+    }
+    if metadata is not None:
+        spec["metadata"] = metadata
+    return spec
+
+
+def _grid_position(start: tuple[int, ...], chunk: list[int]) -> list[int]:
+    return [begin // extent for begin, extent in zip(start, chunk)]
+
+
+def _chunk_file(folder: Path, position: list[int]) -> Path:
+    # zarr v3's default chunk key encoding: c/<i>/<j>...; a 0-d array's chunk is c.
+    return folder.joinpath("c", *map(str, position))
+
+
+def _little_endian(host: np.ndarray) -> np.ndarray:
+    if host.dtype.byteorder == ">":
+        host = host.astype(host.dtype.newbyteorder("<"))
+    return np.asarray(host, order="C")  # (`ascontiguousarray` makes 0-d 1-d)
+
+
+def _digest(host: np.ndarray) -> str:
+    return hashlib.sha256(
+        _little_endian(host).reshape(-1).view(np.uint8).data
+    ).hexdigest()
+
+
+def write_sharded(
+    path: Path,
+    leaves: list[tuple[Any, Any]],
+    manifest: dict[str, Any],
+    after_write: Callable[[], None] | None,
+) -> None:
+    """Write the flattened tree `leaves` as a sharded checkpoint at `path` (every
+    process calls it with its part of the same global tree)."""
+    ts = _tensorstore()
+    process, count = jax.process_index(), jax.process_count()
+    stored: list[_Leaf] = []
+    records: list[dict[str, Any] | None] = []
+    inline: list[tuple[int, tuple[Any, Any]]] = []
+    for index, (key_path, leaf) in enumerate(leaves):
+        where = keystr(key_path)
+        if isinstance(leaf, jax.Array) and not is_traced(leaf):
+            record = {"path": where, **classify(leaf)}
+            array = leaf
+            if is_key_dtype(leaf.dtype):
+                record["impl"] = str(jax.random.key_impl(leaf))
+                array = jax.random.key_data(leaf)
+                record["data_dtype"] = np.dtype(array.dtype).name
+                record["data_shape"] = list(array.shape)
+            if stored_dtype(np.dtype(array.dtype).name) is None:
+                raise TypeError(
+                    f"Cannot save leaf `{where}`: arrays of dtype {array.dtype} are "
+                    "not supported (use numeric, boolean or ML dtypes such as "
+                    "bfloat16)."
+                )
+            stored.append(_Leaf(index, where, array))
+            records.append(record)
+        else:
+            inline.append((index, (key_path, leaf)))
+            records.append(None)
+    # NumPy arrays and Python numbers: in the manifest's data section, as in the
+    # single-file format (process 0's values).
+    inline_records, chunks = encode_leaves([pair for _, pair in inline])
+    for (index, _), record in zip(inline, inline_records, strict=True):
+        records[index] = record
+    writers = _balance(stored)
+    partial = partial_folder(path)
+
+    def create() -> None:
+        # Process 0: a fresh temporary folder (a leftover of an interrupted write
+        # of the same checkpoint is removed) and every array's metadata.
+        _make_parent(path)
+        _remove_tree(partial)
+        (partial / ARRAYS).mkdir(parents=True)
+        for leaf in stored:
+            metadata = {
+                "shape": leaf.shape,
+                "data_type": leaf.stored_dtype,
+                "chunk_grid": {
+                    "name": "regular",
+                    "configuration": {"chunk_shape": leaf.chunk},
+                },
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            }
+            ts.open(
+                _spec(partial / ARRAYS / str(leaf.index), metadata),
+                create=True,
+            ).result()
+
+    def write_own() -> None:
+        # Every process: the chunks it owns, in parallel; their digests to a part file.
+        futures = []
+        digests: dict[str, list[dict[str, Any]]] = {}
+        for leaf in stored:
+            mine = {
+                start: device
+                for start, device in leaf.owners.items()
+                if writers[(leaf.index, start)] == process
+            }
+            if not mine:
+                continue
+            store = ts.open(
+                _spec(partial / ARRAYS / str(leaf.index)), open=True
+            ).result()
+            shards = {shard.device: shard for shard in leaf.array.addressable_shards}
+            for start, holder in sorted(mine.items()):
+                device = holder if holder in shards else _local_holder(leaf, start)
+                host = _little_endian(np.asarray(shards[device].data))
+                if leaf.raw:
+                    host = host.view(np.uint8).reshape(*host.shape, -1)
+                domain = tuple(
+                    slice(begin, begin + extent)
+                    for begin, extent in zip(start, host.shape)
+                )
+                futures.append(store[domain].write(host))
+                digests.setdefault(str(leaf.index), []).append(
+                    {
+                        "at": _grid_position(start, leaf.chunk),
+                        "sha256": _digest(host),
+                        "process": process,
+                    }
+                )
+        for future in futures:
+            future.result()
+        write_file(
+            partial / f"part_{process}.ckpt",
+            {
+                "format": FORMAT_NAME,
+                "format_version": FORMAT_VERSION,
+                "part": _PART_FORMAT,
+                "process": process,
+                "chunks": digests,
+            },
+            [],
+        )
+
+    def commit() -> None:
+        # Process 0: every chunk accounted for, the manifest, the rename.
+        chunk_records: dict[int, list[dict[str, Any]]] = {
+            leaf.index: [] for leaf in stored
+        }
+        for part in range(count):
+            part_path = partial / f"part_{part}.ckpt"
+            with CheckpointFile(part_path) as file:
+                for index, entries in file.manifest["chunks"].items():
+                    chunk_records[int(index)].extend(entries)
+            os.unlink(part_path)
+        for leaf in stored:
+            found = sorted(tuple(entry["at"]) for entry in chunk_records[leaf.index])
+            expected = sorted(
+                tuple(_grid_position(start, leaf.chunk)) for start in leaf.owners
+            )
+            if found != expected:
+                raise OSError(
+                    f"the shards written of leaf `{leaf.where}` do not cover it "
+                    f"({len(found)} of {len(expected)} chunks)"
+                )
+            record = records[leaf.index]
+            assert record is not None
+            record["store"] = {
+                **leaf.store_record(),
+                "chunks": sorted(chunk_records[leaf.index], key=lambda e: e["at"]),
+            }
+        write_file(partial / MANIFEST, {**manifest, "leaves": records}, chunks)
+        fsync_directory(partial)
+        _replace(partial, path)
+        if after_write is not None:
+            after_write()
+
+    _on_every_process(create if process == 0 else None, path)
+    _on_every_process(write_own, path)
+    _on_every_process(commit if process == 0 else None, path)
+
+
+def _local_holder(leaf: _Leaf, start: tuple[int, ...]) -> Any:
+    """An addressable device of this process holding the shard at `start`."""
+    indices = leaf.array.sharding.devices_indices_map(leaf.array.shape)
+    for shard in leaf.array.addressable_shards:
+        slots = indices[shard.device]
+        if (
+            tuple(slot.indices(size)[0] for slot, size in zip(slots, leaf.array.shape))
+            == start
+        ):
+            return shard.device
+    raise AssertionError(f"no local shard of `{leaf.where}` at {start}")
+
+
+def _make_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"cannot create the folder {str(path.parent)!r} for the checkpoint "
+            f"({error.strerror or error}); nothing was written",
+            str(path),
+        ) from error
+
+
+def _remove_tree(folder: Path) -> None:
+    if folder.is_symlink() or folder.is_file():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder)
+
+
+def _replace(partial: Path, path: Path) -> None:
+    """Rename the complete folder `partial` to `path`. A checkpoint already there
+    (a folder or a single file) is first moved aside and removed after the rename:
+    a crash in between leaves the new checkpoint or the moved-aside old one."""
+    aside = None
+    if path.exists() or path.is_symlink():
+        aside = path.parent / f".{path.name}.{secrets.token_hex(8)}.old{PARTIAL_SUFFIX}"
+        os.rename(path, aside)
+    os.rename(partial, path)
+    fsync_directory(path.parent)
+    if aside is not None:
+        _remove_tree(aside)
+
+
+def _on_every_process(work: Callable[[], None] | None, path: Path) -> None:
+    """Run `work` (on the processes given one) and wait for every process; an
+    error on any process is raised on all of them (nothing is left half done:
+    the temporary folder is removed)."""
+    failure: BaseException | None = None
+    if work is not None:
+        try:
+            work()
+        except Exception as error:
+            failure = error
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = np.asarray(multihost_utils.process_allgather(np.asarray(failure is None)))
+        failed = [int(p) for p in np.flatnonzero(~ok.astype(bool))]
+    else:
+        failed = [] if failure is None else [0]
+    if not failed:
+        return
+    if jax.process_index() == 0:
+        with contextlib.suppress(OSError):
+            _remove_tree(partial_folder(path))
+    if failure is not None:
+        if isinstance(failure, OSError) and failure.filename is None:
+            raise OSError(
+                failure.errno,
+                f"{failure.strerror or failure}; the checkpoint was not written (a "
+                "previous one at that path, if any, is intact)",
+                str(path),
+            ) from failure
+        raise failure
+    raise OSError(
+        f"process(es) {failed} failed to write their shards of the checkpoint "
+        f"{path}; it was not written (a previous one at that path, if any, is intact)"
+    )
+
+
+# -- reading -------------------------------------------------------------------
+
+
+def store_error(record: dict[str, Any], where: str) -> str | None:
+    """What is wrong with a sharded leaf's `"store"` entry on its own, or `None`:
+    a supported dtype and a shape agreeing with the leaf's, a positive chunk shape,
+    and chunk entries that cover the grid exactly once, each with a sha256."""
+    store = record["store"]
+    if not isinstance(store, dict):
+        return f"{where} has a malformed store entry"
+    key = record["kind"] == "key"
+    shape = record["data_shape" if key else "shape"]
+    dtype_name = record["data_dtype" if key else "dtype"]
+    stored, chunk, entries = store.get("shape"), store.get("chunk"), store.get("chunks")
+    if store.get("dtype") == dtype_name:
+        expected = list(shape)
+    elif store.get("dtype") == "uint8":
+        dtype = stored_dtype(dtype_name)
+        expected = [*shape, dtype.itemsize if dtype is not None else -1]
+    else:
+        return f"{where} stores a dtype {store.get('dtype')!r} for {dtype_name}"
+    if stored != expected:
+        return f"{where} stores shape {stored!r} for {expected}"
+    if (
+        not isinstance(chunk, list)
+        or len(chunk) != len(expected)
+        or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in chunk
+        )
+    ):
+        return f"{where} has a malformed chunk shape {chunk!r}"
+    grid = [-(-size // extent) for size, extent in zip(expected, chunk)]
+    if not isinstance(entries, list) or len(entries) != math.prod(grid):
+        count = len(entries) if isinstance(entries, list) else "no"
+        return (
+            f"{where}: the checkpoint's shards do not cover the array ({count} "
+            f"chunks recorded, {math.prod(grid)} needed for shape {tuple(expected)} "
+            f"in chunks of {tuple(chunk)})"
+        )
+    seen = set()
+    for entry in entries:
+        position = entry.get("at") if isinstance(entry, dict) else None
+        if (
+            not isinstance(position, list)
+            or len(position) != len(grid)
+            or not all(
+                isinstance(i, int) and 0 <= i < n for i, n in zip(position, grid)
+            )
+            or not isinstance(entry.get("sha256"), str)
+            or not _SHA256.match(entry["sha256"])
+        ):
+            return f"{where} has a malformed chunk entry {str(entry)[:80]}"
+        seen.add(tuple(position))
+    if len(seen) != len(entries):
+        return (
+            f"{where}: the checkpoint's shards do not cover the array (a chunk is "
+            "recorded twice, another is missing)"
+        )
+    return None
+
+
+class ShardedReader:
+    """The stored arrays of a sharded checkpoint, read a chunk at a time, each
+    chunk checked against the manifest before it is used."""
+
+    def __init__(self, folder: Path, file: CheckpointFile):
+        self.folder = folder
+        self.file = file
+        self._stores: dict[int, Any] = {}
+        self._chunks: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+
+    def error(self, message: str) -> CheckpointError:
+        return CheckpointError(f"Checkpoint {self.folder}: {message}")
+
+    def _store(self, index: int, record: dict[str, Any]) -> Any:
+        if index in self._stores:
+            return self._stores[index]
+        ts = _tensorstore()
+        folder = self.folder / ARRAYS / str(index)
+        spec = record["store"]
+        try:
+            store = ts.open(_spec(folder), open=True, read=True).result()
+            grid = store.spec().to_json()["metadata"]["chunk_grid"]
+            layout = list(grid["configuration"]["chunk_shape"])
+        except (ValueError, RuntimeError, OSError, KeyError, TypeError) as error:
+            raise self.error(
+                f"the array of leaf `{record['path']}` ({folder / 'zarr.json'}) "
+                f"cannot be opened: {error}"
+            ) from None
+        found = (np.dtype(store.dtype.numpy_dtype).name, list(store.shape), layout)
+        if found != (spec["dtype"], spec["shape"], spec["chunk"]):
+            raise self.error(
+                f"the array of leaf `{record['path']}` ({folder / 'zarr.json'}) holds "
+                f"{found[0]}{tuple(found[1])} in chunks of {tuple(found[2])}, the "
+                f"manifest records {spec['dtype']}{tuple(spec['shape'])} in chunks "
+                f"of {tuple(spec['chunk'])}: the file was altered or swapped"
+            )
+        self._stores[index] = store
+        return store
+
+    def chunk(self, index: int, record: dict[str, Any], position: tuple[int, ...]):
+        """One stored chunk, verified (cached for the rest of this load)."""
+        cached = self._chunks.get((index, position))
+        if cached is not None:
+            return cached
+        store = self._store(index, record)
+        spec = record["store"]
+        entry = next(e for e in spec["chunks"] if tuple(e["at"]) == position)
+        path = _chunk_file(self.folder / ARRAYS / str(index), list(position))
+        where = f"the chunk file {path} (leaf `{record['path']}`)"
+        if not path.is_file():
+            raise self.error(f"{where} is missing")
+        domain = tuple(
+            slice(i * extent, min((i + 1) * extent, size))
+            for i, extent, size in zip(position, spec["chunk"], spec["shape"])
+        )
+        try:
+            host = np.asarray(store[domain].read().result())
+        except (ValueError, RuntimeError, OSError) as error:
+            raise self.error(
+                f"{where} cannot be read (truncated or corrupt): {error}"
+            ) from None
+        if _digest(host) != entry["sha256"]:
+            raise self.error(
+                f"{where} is corrupt or was swapped with another: its sha256 does "
+                "not match the manifest's"
+            )
+        self._chunks[(index, position)] = host
+        return host
+
+    def read(
+        self, index: int, record: dict[str, Any], region: Any = None
+    ) -> np.ndarray:
+        """The leaf's stored values in `region` (a tuple of slices over its own
+        axes; `None`: all), from the chunks overlapping it."""
+        spec = record["store"]
+        shape, chunk = spec["shape"], spec["chunk"]
+        region = tuple(region or ()) + (slice(None),) * (len(shape) - len(region or ()))
+        bounds = [slot.indices(size)[:2] for slot, size in zip(region, shape)]
+        out = np.empty(
+            [end - begin for begin, end in bounds], stored_dtype(spec["dtype"])
+        )
+        if out.size:
+            ranges = [
+                range(begin // extent, (end - 1) // extent + 1)
+                for (begin, end), extent in zip(bounds, chunk)
+            ]
+            for position in itertools.product(*ranges):
+                data = self.chunk(index, record, position)
+                source, target = [], []
+                for i, extent, (begin, end) in zip(position, chunk, bounds):
+                    low, high = max(begin, i * extent), min(end, (i + 1) * extent)
+                    source.append(slice(low - i * extent, high - i * extent))
+                    target.append(slice(low - begin, high - begin))
+                out[tuple(target)] = data[tuple(source)]
+        dtype_name = record["data_dtype" if record["kind"] == "key" else "dtype"]
+        if spec["dtype"] != dtype_name:  # stored as bytes (a trailing axis)
+            dtype = stored_dtype(dtype_name)
+            assert dtype is not None
+            out = np.ascontiguousarray(out).view(dtype).reshape(out.shape[:-1])
+        return out
+
+    def verify_all(self, records: list[dict[str, Any]]) -> None:
+        """Read and check every chunk, one at a time (nothing held)."""
+        for index, record in enumerate(records):
+            if "store" not in record:
+                continue
+            for entry in record["store"]["chunks"]:
+                self.chunk(index, record, tuple(entry["at"]))
+                self._chunks.clear()
+
+
+class LazyLeaf:
+    """A stored leaf that `jax.make_array_from_callback` slices: each slice reads
+    only the chunks it overlaps."""
+
+    def __init__(self, reader: ShardedReader, index: int, record: dict[str, Any]):
+        self.reader, self.index, self.record = reader, index, record
+        key = record["kind"] == "key"
+        self.shape = tuple(record["data_shape" if key else "shape"])
+
+    def __getitem__(self, region: Any) -> np.ndarray:
+        if not isinstance(region, tuple):
+            region = (region,)
+        return self.reader.read(self.index, self.record, region)
+
+    def full(self) -> np.ndarray:
+        return self.reader.read(self.index, self.record)

@@ -1,0 +1,329 @@
+"""Sharded checkpoints (issue 27, item 2): a folder per checkpoint, each shard one
+chunk of a tensorstore zarr array with its sha256 in the manifest. One process
+with 8 virtual CPU devices here; tests/test_multiprocess.py writes and reads them
+from 2 processes."""
+
+import json
+import shutil
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+import eqx_ensemble as ee
+from eqx_ensemble._checkpoints.file import write_file
+from eqx_ensemble._checkpoints.io import open_manifest
+from eqx_ensemble._checkpoints.sharded import LazyLeaf, ShardedReader
+
+W = 16
+X = jnp.stack([jnp.linspace(-1, 1, 64), jnp.cos(jnp.linspace(0, 3, 64))], axis=1)
+Y = jnp.sin(X[:, :1]) + X[:, 1:]
+
+
+def ensemble(size=4, key=0):
+    return ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, W, 2, key=k), size=size, key=jax.random.key(key)
+    )
+
+
+def megatron(member):
+    specs = eqx.tree_at(
+        lambda m: (m.layers[0].weight, m.layers[0].bias, m.layers[1].weight),
+        member,
+        (P("model", None), P("model"), P(None, "model")),
+    )
+    return jax.tree.map(lambda s: s if isinstance(s, P) else None, specs)
+
+
+def loss(model, batch, key):
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def bits(tree):
+    """Every array leaf as NumPy (typed keys as their key data), for bitwise checks."""
+
+    def host(leaf):
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(
+            leaf.dtype, jax.dtypes.prng_key
+        ):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(leaf)
+
+    return [host(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def assert_bitwise(got, want):
+    got, want = bits(got), bits(want)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(
+            a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
+        )
+
+
+def mixed_tree():
+    return {
+        "ens": ensemble(),
+        "keys": jax.random.split(jax.random.key(1), 4),
+        "raw_key": jax.random.PRNGKey(3),
+        "numpy": np.arange(5.0),
+        "float": 1.5,
+        "bf16": jnp.linspace(0, 1, 15, dtype=jnp.bfloat16).reshape(3, 5),
+        "int4": jnp.arange(-4, 4, dtype=jnp.int4),
+        "empty": jnp.zeros((0, 3)),
+        "scalar": jnp.int32(7),
+        "bool": jnp.array([True, False]),
+    }
+
+
+def chunk_files(path):
+    return sorted(
+        p for p in (path / "arrays").rglob("*") if p.is_file() and "c" in p.parts
+    )
+
+
+def test_round_trip_of_every_kind_of_leaf(tmp_path):
+    tree = mixed_tree()
+    path = ee.save(tmp_path / "tree.ckpt", tree, sharded=True, metadata={"a": 1})
+    assert path.is_dir() and (path / "manifest.ckpt").is_file()
+    restored = ee.load(path, tree)
+    assert_bitwise(restored, tree)
+    assert restored["float"] == 1.5 and type(restored["numpy"]) is np.ndarray
+    manifest = ee.verify_checkpoint(path)
+    assert manifest["metadata"] == {"a": 1}
+    stored = [leaf for leaf in manifest["leaves"] if "store" in leaf]
+    # Every jax.Array is stored in chunks (the empty one has none), NumPy inline.
+    assert len(stored) == sum(isinstance(x, jax.Array) for x in jax.tree.leaves(tree))
+    assert all(
+        len(leaf["store"]["chunks"]) == 1 for leaf in stored if leaf["shape"] != [0, 3]
+    )
+    # Through `eval_shape` structs too (no real `like` needed).
+    like = {**tree, "ens": eqx.filter_eval_shape(ensemble)}
+    assert_bitwise(ee.load(path, like)["ens"], tree["ens"])
+
+
+def test_each_shard_is_one_chunk_written_once_and_loads_on_any_mesh(tmp_path):
+    mesh = ee.make_mesh(members=2, data=2, model=2, axis_types=AxisType.Auto)
+    ens = ee.shard(ensemble(), mesh, model=megatron)
+    path = ee.save(tmp_path / "ens.ckpt", ens, sharded=True)
+    manifest = ee.load_manifest(path)
+    total = 0
+    stored = [record for record in manifest["leaves"] if "store" in record]
+    for record, leaf in zip(
+        stored, jax.tree.leaves(eqx.filter(ens, eqx.is_array)), strict=True
+    ):
+        store = record["store"]
+        shard = leaf.addressable_shards[0].data.shape
+        assert tuple(store["chunk"]) == shard  # the chunk is the shard
+        # One chunk per distinct shard: replicas ("data") are written once.
+        distinct = {str(s.index) for s in leaf.addressable_shards}
+        assert len(store["chunks"]) == len(distinct)
+        total += len(store["chunks"]) * int(np.prod(shard)) * leaf.dtype.itemsize
+    stored_bytes = sum(p.stat().st_size for p in chunk_files(path))
+    assert stored_bytes == total == sum(x.nbytes for x in bits(ens))
+    # The same mesh: every leaf back on its shards.
+    like = ee.shard(ensemble(key=9), mesh, model=megatron)
+    back = ee.load(path, like)
+    assert_bitwise(back, ens)
+    arrays = [eqx.filter(tree, eqx.is_array) for tree in (back, ens)]
+    for got, want in zip(*map(jax.tree.leaves, arrays), strict=True):
+        assert got.sharding == want.sharding
+    # One device, and 4 devices (members 2 x model 2).
+    assert_bitwise(ee.load(path, ensemble(key=9)), ens)
+    small = ee.make_mesh(members=2, model=2, devices=jax.devices()[:4])
+    back = ee.load(path, ee.shard(ensemble(key=9), small, model=megatron))
+    assert_bitwise(back, ens)
+    assert back.members.layers[1].weight.sharding.mesh.devices.size == 4
+
+
+def test_a_region_reads_only_the_chunks_it_overlaps(tmp_path):
+    mesh = ee.make_mesh(members=4, devices=jax.devices()[:4])
+    ens = ee.shard(ensemble(), mesh)
+    path = ee.save(tmp_path / "ens.ckpt", ens, sharded=True)
+    weight_index = 0  # layers[0].weight, (4, 16, 2) in chunks of (1, 16, 2)
+    (path / "arrays" / "0" / "c" / "3" / "0" / "0").unlink()  # member 3's chunk
+    with open_manifest(path) as file:
+        record = file.manifest["leaves"][weight_index]
+        lazy = LazyLeaf(ShardedReader(path, file), weight_index, record)
+        part = lazy[(slice(0, 3),)]  # members 0-2: never touches member 3's chunk
+        np.testing.assert_array_equal(
+            part, np.asarray(ens.members.layers[0].weight[:3])
+        )
+        with pytest.raises(ee.CheckpointError, match=r"c/3/0/0 .* is missing"):
+            lazy.full()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "remove", "grow"])
+def test_a_damaged_chunk_is_refused_naming_its_file(tmp_path, damage):
+    mesh = ee.make_mesh(members=4, devices=jax.devices()[:4])
+    ens = ee.shard(ensemble(), mesh)
+    path = ee.save(tmp_path / "ens.ckpt", ens, sharded=True)
+    chunk = path / "arrays" / "2" / "c" / "1" / "0" / "0"  # layers[1].weight, member 1
+    other = path / "arrays" / "2" / "c" / "2" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    if damage == "flip":
+        data[17] ^= 0x40
+        chunk.write_bytes(bytes(data))
+    elif damage == "truncate":
+        chunk.write_bytes(bytes(data[:-4]))
+    elif damage == "grow":
+        chunk.write_bytes(bytes(data) + b"\0")
+    elif damage == "swap":
+        chunk.write_bytes(other.read_bytes())
+        other.write_bytes(bytes(data))
+    else:
+        chunk.unlink()
+    pattern = r"c/1/0/0 \(leaf `\.members\.layers\[1\]\.weight`\)"
+    with pytest.raises(ee.CheckpointError, match=pattern):
+        ee.load(path, ensemble(key=9))
+    with pytest.raises(ee.CheckpointError, match=pattern):
+        ee.verify_checkpoint(path)
+
+
+def _rewrite_manifest(path, change):
+    with open_manifest(path) as file:
+        manifest = dict(file.manifest)
+        data = bytes(file.read_data())
+    manifest.pop("data")
+    change(manifest)
+    write_file(path / "manifest.ckpt", manifest, [data] if data else [])
+
+
+def test_a_forged_manifest_or_array_is_refused(tmp_path):
+    mesh = ee.make_mesh(members=4, devices=jax.devices()[:4])
+    path = ee.save(tmp_path / "ens.ckpt", ee.shard(ensemble(), mesh), sharded=True)
+    backup = tmp_path / "backup"
+    shutil.copytree(path, backup)
+
+    def drop_a_chunk(manifest):
+        manifest["leaves"][0]["store"]["chunks"].pop()
+
+    def duplicate_a_chunk(manifest):
+        chunks = manifest["leaves"][0]["store"]["chunks"]
+        chunks[1] = dict(chunks[0])
+
+    def outside_the_grid(manifest):
+        manifest["leaves"][0]["store"]["chunks"][0]["at"] = [9, 0, 0]
+
+    for change, message in (
+        (drop_a_chunk, r"shards do not cover the array \(3 chunks recorded, 4 needed"),
+        (duplicate_a_chunk, "a chunk is recorded twice"),
+        (outside_the_grid, "malformed chunk entry"),
+    ):
+        _rewrite_manifest(path, change)
+        with pytest.raises(ee.CheckpointError, match=message):
+            ee.load(path, ensemble(key=9))
+        with pytest.raises(ee.CheckpointError, match=message):
+            ee.verify_checkpoint(path)
+        shutil.rmtree(path)
+        shutil.copytree(backup, path)
+    # An array's metadata altered: its shape no longer the manifest's.
+    meta = path / "arrays" / "0" / "zarr.json"
+    spec = json.loads(meta.read_text())
+    spec["shape"] = [8, 16, 2]
+    meta.write_text(json.dumps(spec))
+    with pytest.raises(ee.CheckpointError, match=r"arrays/0/zarr.json\) holds"):
+        ee.load(path, ensemble(key=9))
+    # A folder that is no checkpoint; a single file that claims stored chunks.
+    (tmp_path / "empty.ckpt").mkdir()
+    with pytest.raises(
+        ee.CheckpointError, match=r"a directory without a manifest.ckpt"
+    ):
+        ee.load(tmp_path / "empty.ckpt", ensemble())
+    single = ee.save(tmp_path / "single.ckpt", ensemble())
+    with open_manifest(path) as file:
+        forged = dict(file.manifest)
+    forged.pop("data")
+    write_file(single, forged, [])
+    with pytest.raises(ee.CheckpointError, match="names stored shards, which a single"):
+        ee.load(single, ensemble())
+
+
+def test_fit_resumes_a_sharded_run_bit_for_bit_keeping_the_split(tmp_path):
+    mesh = ee.make_mesh(members=2, data=2, model=2, axis_types=AxisType.Auto)
+    opt = optax.adam(1e-2)
+    kwargs = dict(
+        batch_size=16,
+        key=jax.random.key(1),
+        callbacks=(),
+        execution=ee.Execution(mesh=mesh),
+    )
+    straight = ee.fit(
+        ee.shard(ensemble(), mesh, model=megatron), loss, opt, (X, Y), steps=8, **kwargs
+    )
+    run = ee.Checkpoints(tmp_path / "run", every=2, keep=2, sharded=True)
+    ens = ee.shard(ensemble(), mesh, model=megatron)
+    ee.fit(ens, loss, opt, (X, Y), steps=4, checkpoints=run, **kwargs)
+    listed = ee.list_checkpoints(tmp_path / "run")
+    assert [step for step, _ in listed] == [2, 4]  # keep=2 removed step 2's folder
+    assert all(p.is_dir() for _, p in listed)
+    resumed = ee.fit(ens, loss, opt, (X, Y), steps=8, checkpoints=run, **kwargs)
+    assert resumed.resumed_from == 4
+    assert_bitwise(resumed.ensemble, straight.ensemble)
+    np.testing.assert_array_equal(resumed.history.losses, straight.history.losses)
+    weight = resumed.ensemble.members.layers[1].weight
+    assert tuple(weight.sharding.spec)[:3] == ("members", None, "model")
+    # A damaged newest checkpoint: refused by default, skipped with "previous".
+    newest = ee.latest_checkpoint(tmp_path / "run")
+    assert newest is not None and newest.name == "step_0000000008.ckpt"
+    victim = next(p for p in chunk_files(newest) if p.stat().st_size > 64)
+    data = bytearray(victim.read_bytes())
+    data[5] ^= 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ee.CheckpointError, match="is corrupt or was swapped"):
+        ee.fit(ens, loss, opt, (X, Y), steps=8, checkpoints=run, **kwargs)
+    fallback = ee.Checkpoints(
+        tmp_path / "run", every=2, sharded=True, on_corrupt="previous"
+    )
+    with pytest.warns(UserWarning, match="step_0000000008.ckpt"):
+        again = ee.fit(ens, loss, opt, (X, Y), steps=8, checkpoints=fallback, **kwargs)
+    assert again.resumed_from == 6
+    assert_bitwise(again.ensemble, straight.ensemble)
+
+
+def test_an_interrupted_write_is_never_listed_and_is_cleaned_up(tmp_path, monkeypatch):
+    from eqx_ensemble._checkpoints import sharded
+
+    state = {"w": jnp.arange(4.0)}
+    ee.save_checkpoint(tmp_path, 1, state, sharded=True)
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sharded, "write_file", fail)
+    with pytest.raises(OSError, match="the checkpoint was not written"):
+        ee.save_checkpoint(tmp_path, 2, state, sharded=True)
+    monkeypatch.undo()
+    assert [step for step, _ in ee.list_checkpoints(tmp_path)] == [1]
+    assert not list(tmp_path.glob(".*.tmp"))  # the failed write removed its folder
+    # A folder left by a killed writer is not a checkpoint, and the next save
+    # removes it.
+    (tmp_path / ".step_0000000003.ckpt.sharded.tmp" / "arrays").mkdir(parents=True)
+    assert [step for step, _ in ee.list_checkpoints(tmp_path)] == [1]
+    ee.save_checkpoint(tmp_path, 4, state, sharded=True)
+    assert not list(tmp_path.glob(".*.tmp"))
+    # A checkpoint of the same step is replaced, in either format.
+    ee.save_checkpoint(tmp_path, 4, {"w": jnp.ones(4)}, sharded=False)
+    assert (tmp_path / "step_0000000004.ckpt").is_file()
+    ee.save_checkpoint(tmp_path, 4, {"w": jnp.zeros(4)}, sharded=True)
+    path = ee.latest_checkpoint(tmp_path)
+    assert path is not None and path.is_dir()
+    np.testing.assert_array_equal(ee.load(path, state)["w"], np.zeros(4))
+
+
+def test_bad_arguments_and_a_missing_tensorstore_are_named(tmp_path, monkeypatch):
+    with pytest.raises(TypeError, match="sharded"):
+        ee.save(tmp_path / "a.ckpt", {"w": jnp.ones(2)}, sharded="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="sharded"):
+        ee.Checkpoints(tmp_path, sharded=1)  # type: ignore[arg-type]
+    monkeypatch.setitem(sys.modules, "tensorstore", None)
+    with pytest.raises(ImportError, match=r"eqx_ensemble\[distributed\]"):
+        ee.save(tmp_path / "b.ckpt", {"w": jnp.ones(2)}, sharded=True)
+    assert not (tmp_path / "b.ckpt").exists()
