@@ -15,11 +15,11 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/activate
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate
-	$(PY) -m pip install -q -e ".[dev,docs,loaders,data]"
+	$(PY) -m pip install -q -e ".[dev,docs,loaders,data,distributed]"
 	touch $@
 
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/activate
-	$(PY) -m pip install -q -e ".[dev,loaders,bench]"
+	$(PY) -m pip install -q -e ".[dev,loaders,bench,distributed]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -26,13 +26,14 @@ def loss_fn(model, batch, key):
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
-def train(ens, data, mesh):
+def train(ens, data, mesh, *, steps=STEPS, checkpoints=None):
     return ee.fit(
         ens,
         loss_fn,
         optax.adam(1e-2),
         data,
-        steps=STEPS,
+        steps=steps,
+        checkpoints=checkpoints,
         batch_size=16,
         key=jax.random.key(1),
         sampling="independent",

@@ -1,6 +1,13 @@
 """One process of the multi-process test (run by tests/test_multiprocess.py).
 
-`python _multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR AXIS_TYPE LAYOUT`
+`python _multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR AXIS_TYPE LAYOUT
+[PHASE]`
+
+PHASE `train` (default): train and save as below. `checkpoint`: train with sharded
+checkpoints (`ee.Checkpoints`, the default format on several processes): the
+whole run into OUT_DIR/full (a checkpoint halfway and at the end), and a run
+stopped halfway into OUT_DIR/half. `resume`: fresh processes resume OUT_DIR/half
+(written by 2 processes) and OUT_DIR/single (written by 1) to the end.
 
 LAYOUT `members`: the member axis spans the processes (each process holds half
 of the members and every row); `data`: the data axis spans the processes (each
@@ -73,6 +80,12 @@ def main() -> None:
     rows = ee.process_rows(mesh, NUM_EXAMPLES)
     local = jax.tree.map(lambda x: np.asarray(x)[rows], data)
     data = ee.shard(local, mesh, axes="data", process_local=True)
+    phase = sys.argv[7] if len(sys.argv) > 7 else "train"
+    if phase != "train":
+        _checkpoint_phase(phase, out_dir, ens, data, mesh)
+        multihost_utils.sync_global_devices("done")
+        jax.distributed.shutdown()
+        return
     result = train(ens, data, mesh)
 
     # The results stay sharded like the inputs: members split over "members"
@@ -106,6 +119,54 @@ def main() -> None:
         )
     multihost_utils.sync_global_devices("done")
     jax.distributed.shutdown()
+
+
+def _checkpoint_phase(phase, out_dir, ens, data, mesh):
+    import equinox as eqx
+    import numpy as np
+    from _multiprocess_problem import STEPS
+    from jax.experimental import multihost_utils
+
+    import eqx_ensemble as ee
+
+    half = STEPS // 2
+
+    def gathered(result):
+        members = multihost_utils.process_allgather(
+            eqx.filter(result.ensemble.members, eqx.is_array), tiled=True
+        )
+        leaves = {
+            f"leaf{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(members))
+        }
+        return {**leaves, "losses": result.history.losses}
+
+    saved = {}
+    if phase == "checkpoint":
+        full = train(
+            ens,
+            data,
+            mesh,
+            checkpoints=ee.Checkpoints(
+                os.path.join(out_dir, "full"), every=half, keep=None
+            ),
+        )
+        saved["full"] = gathered(full)
+        train(
+            ens,
+            data,
+            mesh,
+            steps=half,
+            checkpoints=ee.Checkpoints(os.path.join(out_dir, "half"), every=half),
+        )
+    else:
+        for name in ("half", "single"):
+            run = ee.Checkpoints(os.path.join(out_dir, name), every=half)
+            result = train(ens, data, mesh, checkpoints=run)
+            assert result.resumed_from == half, result.resumed_from
+            saved[name] = gathered(result)
+    if jax.process_index() == 0:
+        for name, arrays in saved.items():
+            np.savez(os.path.join(out_dir, f"{name}.npz"), **arrays)
 
 
 def _megatron(member):

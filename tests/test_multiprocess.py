@@ -7,6 +7,8 @@ process feeding only its own rows of the data. Their trained ensemble, history a
 """
 
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,8 +17,9 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 import pytest
-from _multiprocess_problem import NUM_EXAMPLES, make_problem, train
+from _multiprocess_problem import NUM_EXAMPLES, STEPS, make_problem, train
 from conftest import assert_tree_allclose
 
 import eqx_ensemble as ee
@@ -33,9 +36,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_workers(out_dir: Path, axis_type: str, layout: str) -> None:
+def _run_workers(
+    out_dir: Path, axis_type: str, layout: str, phase: str = "train"
+) -> None:
     for attempt in range(3):
-        codes = _start_and_wait(out_dir, axis_type, layout, _free_port())
+        codes = _start_and_wait(out_dir, axis_type, layout, _free_port(), phase)
         if codes == [0] * NUM_PROCESSES:
             return
         # The free port can be taken between choosing and binding it: retry.
@@ -45,7 +50,7 @@ def _run_workers(out_dir: Path, axis_type: str, layout: str) -> None:
 
 
 def _start_and_wait(
-    out_dir: Path, axis_type: str, layout: str, port: int
+    out_dir: Path, axis_type: str, layout: str, port: int, phase: str
 ) -> list[int | None]:
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     processes = []
@@ -65,6 +70,7 @@ def _start_and_wait(
                         str(out_dir),
                         axis_type,
                         layout,
+                        phase,
                     ],
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -110,7 +116,9 @@ def _check_against_single_process(out_dir: Path, layout: str) -> None:
     # Process 0 fed only its own rows when the data axis spans the processes.
     rows = NUM_EXAMPLES // NUM_PROCESSES if layout == "data" else NUM_EXAMPLES
     assert result["rows"].tolist() == [0, rows]
-    # The checkpoint written by the processes equals the single-process one.
+    # The checkpoint written by the processes (a sharded folder: the default on
+    # several processes) equals the single-process one.
+    assert (out_dir / "ensemble.eqx" / "manifest.ckpt").is_file()
     loaded = ee.load(out_dir / "ensemble.eqx", reference.ensemble)
     assert_tree_allclose(loaded, reference.ensemble)
     single = out_dir / "single.eqx"
@@ -119,8 +127,12 @@ def _check_against_single_process(out_dir: Path, layout: str) -> None:
         ee.load_manifest(out_dir / "ensemble.eqx"),
         ee.load_manifest(single),
     )
-    for key in ("treedef", "nodes", "leaves", "ensembles", "ensemble_size"):
+    for key in ("treedef", "nodes", "ensembles", "ensemble_size"):
         assert _without_hashes(manifest[key]) == _without_hashes(single_manifest[key])
+    fields = ("path", "kind", "shape", "dtype")
+    assert [{f: leaf.get(f) for f in fields} for leaf in manifest["leaves"]] == [
+        {f: leaf.get(f) for f in fields} for leaf in single_manifest["leaves"]
+    ]
 
 
 def _without_hashes(value):
@@ -151,3 +163,92 @@ def test_two_processes_model_axis_across_processes_auto(tmp_path):
     # parallel across hosts, gloo collectives); the run equals one process's.
     _run_workers(tmp_path, "Auto", "model")
     _check_against_single_process(tmp_path, "model")
+
+
+def _bytes_per_process(folder: Path) -> dict[int, int]:
+    """What each process wrote of a sharded checkpoint (from its manifest)."""
+    written: dict[int, int] = {}
+    for leaf in ee.load_manifest(folder)["leaves"]:
+        store = leaf.get("store")
+        if store is None:
+            continue
+        itemsize = np.dtype(jax.numpy.dtype(store["dtype"])).itemsize
+        for chunk in store["chunks"]:
+            extents = [
+                min(extent, size - i * extent)
+                for i, extent, size in zip(chunk["at"], store["chunk"], store["shape"])
+            ]
+            nbytes = int(np.prod(extents)) * itemsize
+            written[chunk["process"]] = written.get(chunk["process"], 0) + nbytes
+    return written
+
+
+def test_sharded_checkpoints_of_two_processes_resume_on_one_and_on_two(tmp_path):
+    # Members split over the 2 processes; each process writes only its shards.
+    _run_workers(tmp_path, "Auto", "members", "checkpoint")
+    half = STEPS // 2
+    ens, data = make_problem()
+    reference = train(ens, data, None)
+    full = np.load(tmp_path / "full.npz")
+    np.testing.assert_allclose(full["losses"], reference.history.losses, rtol=1e-5)
+    checkpoint = tmp_path / "half" / f"step_{half:010d}.ckpt"
+    assert checkpoint.is_dir() and ee.verify_checkpoint(checkpoint)["step"] == half
+    # No gather: each process wrote about half of the bytes (at most 1/2 + 5%).
+    written = _bytes_per_process(checkpoint)
+    assert sorted(written) == [0, 1]
+    total = sum(written.values())
+    assert max(written.values()) <= (1 / NUM_PROCESSES + 0.05) * total, written
+    # The stopped run's shards equal the whole run's at the same step, bit for bit
+    # (the sha256 of every chunk), and one process reads them.
+    halfway = tmp_path / "full" / checkpoint.name
+
+    def digests(folder):
+        return [
+            [chunk["sha256"] for chunk in leaf["store"]["chunks"]]
+            for leaf in ee.load_manifest(folder)["leaves"]
+            if "store" in leaf
+        ]
+
+    assert digests(checkpoint) == digests(halfway)
+    stopped = ee.Checkpoints(tmp_path / "half").latest(ens, optax.adam(1e-2))
+    assert stopped is not None and stopped.step == half
+    at_half = train(ens, data, None, steps=half)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(stopped.ensemble, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(at_half.ensemble, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # Resumed on one process: the rest of the run, to the rounding of the
+    # different reductions.
+    shutil.copytree(tmp_path / "half", tmp_path / "on_one")
+    resumed = train(ens, data, None, checkpoints=ee.Checkpoints(tmp_path / "on_one"))
+    assert resumed.resumed_from == half
+    np.testing.assert_allclose(resumed.history.losses, full["losses"], rtol=1e-5)
+    # A corrupted shard is refused, naming its file.
+    damaged = tmp_path / "on_one" / checkpoint.name
+    victim = sorted(p for p in (damaged / "arrays").rglob("*") if p.is_file())[-1]
+    content = bytearray(victim.read_bytes())
+    content[0] ^= 0x01
+    victim.write_bytes(bytes(content))
+    with pytest.raises(ee.CheckpointError, match=re.escape(str(victim))):
+        ee.verify_checkpoint(damaged)
+    # One process writes, two resume; and two resume two processes' checkpoint:
+    # bit for bit the uninterrupted two-process run.
+    train(
+        ens,
+        data,
+        None,
+        steps=half,
+        checkpoints=ee.Checkpoints(tmp_path / "single", every=half, sharded=True),
+    )
+    _run_workers(tmp_path, "Auto", "members", "resume")
+    _assert_equal_npz(np.load(tmp_path / "half.npz"), full)
+    single = np.load(tmp_path / "single.npz")
+    np.testing.assert_allclose(single["losses"], reference.history.losses, rtol=1e-5)
+
+
+def _assert_equal_npz(got, want) -> None:
+    assert sorted(got.files) == sorted(want.files)
+    for name in want.files:
+        np.testing.assert_array_equal(got[name], want[name])
