@@ -159,11 +159,28 @@ def _checkpoint_phase(phase, out_dir, ens, data, mesh):
             checkpoints=ee.Checkpoints(os.path.join(out_dir, "half"), every=half),
         )
     else:
+        # Count the bytes of the chunks this process reads (each read once).
+        from eqx_ensemble._checkpoints.sharded import ShardedReader
+
+        read = {"bytes": 0}
+        chunk = ShardedReader.chunk
+
+        def counted(self, index, record, position):
+            new = (index, position) not in self._chunks
+            host = chunk(self, index, record, position)
+            read["bytes"] += host.nbytes if new else 0
+            return host
+
+        ShardedReader.chunk = counted
         for name in ("half", "single"):
+            read["bytes"] = 0
             run = ee.Checkpoints(os.path.join(out_dir, name), every=half)
             result = train(ens, data, mesh, checkpoints=run)
             assert result.resumed_from == half, result.resumed_from
             saved[name] = gathered(result)
+            saved[name]["read_bytes"] = np.asarray(
+                multihost_utils.process_allgather(np.asarray(read["bytes"]))
+            )
     if jax.process_index() == 0:
         for name, arrays in saved.items():
             np.savez(os.path.join(out_dir, f"{name}.npz"), **arrays)

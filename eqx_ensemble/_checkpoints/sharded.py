@@ -150,7 +150,8 @@ def _chunk_plan(
 def _balance(leaves: list[_Leaf]) -> dict[tuple[int, tuple[int, ...]], int]:
     """The process that writes each chunk `(leaf, start)`: among the processes of
     the devices holding it, the one that has written the fewest bytes so far (then
-    the lowest index). Deterministic, so every process agrees."""
+    the lowest index). Deterministic, so every process agrees. An array that is not
+    global (on one process's devices only) is written by process 0."""
     written: dict[int, int] = {}
     writers: dict[tuple[int, tuple[int, ...]], int] = {}
     for leaf in leaves:
@@ -162,8 +163,12 @@ def _balance(leaves: list[_Leaf]) -> dict[tuple[int, tuple[int, ...]], int]:
             )
             holders.setdefault(start, set()).add(device.process_index)
         nbytes = math.prod(leaf.chunk) * (1 if leaf.raw else leaf.dtype.itemsize)
+        # An array on this process's devices only holds this process's value
+        # (each process has its own): process 0's is saved, as in one file.
+        local = leaf.array.is_fully_addressable
         for start in leaf.owners:
-            process = min(holders[start], key=lambda p: (written.get(p, 0), p))
+            candidates = {0} if local else holders[start]
+            process = min(candidates, key=lambda p: (written.get(p, 0), p))
             written[process] = written.get(process, 0) + nbytes
             writers[(leaf.index, start)] = process
     return writers

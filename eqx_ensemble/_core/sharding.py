@@ -639,6 +639,18 @@ def model_mesh(ens: Any) -> Mesh | None:
     return None
 
 
+def members_mesh(ens: Any) -> Mesh | None:
+    """The mesh an ensemble's members were placed on (`ee.shard`, a mesh with a
+    `"members"` axis; read from its leaves outside `jit`), else `None`."""
+    for leaf in jtu.tree_leaves(getattr(ens, "members", None)):
+        if not eqx.is_array(leaf) or is_traced(leaf):
+            continue
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if isinstance(mesh, Mesh) and MEMBERS in mesh.axis_names:
+            return mesh
+    return None
+
+
 def _single(entry: Any) -> Any:
     # `P(("model",))` names the same split as `P("model")`.
     if isinstance(entry, tuple) and len(entry) == 1:

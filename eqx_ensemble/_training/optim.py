@@ -13,7 +13,7 @@ from jaxtyping import ArrayLike, Float, PyTree
 
 from .._core.ensemble import Ensemble, SharedOptState
 from .._core.heterogeneous import Heterogeneous, is_heterogeneous, per_group
-from .._core.sharding import follow_model, model_mesh
+from .._core.sharding import follow_model, members_mesh, model_mesh, shard
 from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
 from .loss import check_optimizer
@@ -345,7 +345,14 @@ def init_optimizer(
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
         check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
-    return follow_model(opt_state, ens, model_mesh(ens))
+    opt_state = follow_model(opt_state, ens, model_mesh(ens))
+    mesh = members_mesh(ens)
+    if mesh is not None:
+        # Beside its weights, as `fit` places it: global arrays split over
+        # "members" (so that every process of a multi-process run holds, and
+        # saves, only its members' part), not copies on each default device.
+        opt_state = shard(opt_state, mesh)
+    return opt_state
 
 
 def _group_hyperparams(

@@ -253,7 +253,12 @@ def prepare(
             key, evaluate, track, hyper,
         )  # fmt: skip
         checkpoints.prepare()
-        resumed = checkpoints.resume(train_state, record, steps)
+        template = train_state
+        if mesh is not None:
+            # Loaded straight onto the mesh: from a sharded checkpoint, each
+            # process reads only the shards its devices hold.
+            template = place_state(train_state, check_fit_mesh(mesh, size, 0))
+        resumed = checkpoints.resume(template, record, steps)
         if resumed is not None:
             train_state, history, saved_data = resumed
     done = int(train_state.step)
