@@ -6,8 +6,9 @@
 PHASE `train` (default): train and save as below. `checkpoint`: train with sharded
 checkpoints (`ee.Checkpoints`, the default format on several processes): the
 whole run into OUT_DIR/full (a checkpoint halfway and at the end), and a run
-stopped halfway into OUT_DIR/half. `resume`: fresh processes resume OUT_DIR/half
-(written by 2 processes) and OUT_DIR/single (written by 1) to the end.
+stopped halfway into OUT_DIR/half (asynchronous checkpoints). `resume`: fresh
+processes resume OUT_DIR/half (written by 2 processes) and OUT_DIR/single
+(written by 1) to the end.
 
 LAYOUT `members`: the member axis spans the processes (each process holds half
 of the members and every row); `data`: the data axis spans the processes (each
@@ -156,7 +157,10 @@ def _checkpoint_phase(phase, out_dir, ens, data, mesh):
             data,
             mesh,
             steps=half,
-            checkpoints=ee.Checkpoints(os.path.join(out_dir, "half"), every=half),
+            # Written in the background (committed when `fit` ends).
+            checkpoints=ee.Checkpoints(
+                os.path.join(out_dir, "half"), every=half, asynchronous=True
+            ),
         )
     else:
         # Count the bytes of the chunks this process reads (each read once).

@@ -6,6 +6,7 @@ from 2 processes."""
 import json
 import shutil
 import sys
+import threading
 
 import equinox as eqx
 import jax
@@ -327,3 +328,106 @@ def test_bad_arguments_and_a_missing_tensorstore_are_named(tmp_path, monkeypatch
     with pytest.raises(ImportError, match=r"eqx_ensemble\[distributed\]"):
         ee.save(tmp_path / "b.ckpt", {"w": jnp.ones(2)}, sharded=True)
     assert not (tmp_path / "b.ckpt").exists()
+
+
+# -- asynchronous checkpoints ---------------------------------------------------
+
+
+def _fit(ens, folder=None, steps=6, callbacks=(), per_dispatch=2, **checkpoints):
+    return ee.fit(
+        ens,
+        loss,
+        optax.adam(1e-2),
+        (X, Y),
+        steps=steps,
+        batch_size=16,
+        key=jax.random.key(1),
+        callbacks=callbacks,
+        checkpoints=None
+        if folder is None
+        else ee.Checkpoints(folder, every=2, keep=None, **checkpoints),
+        execution=ee.Execution(steps_per_dispatch=per_dispatch),
+    )
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_asynchronous_checkpoints_equal_synchronous_ones_and_resume(tmp_path, sharded):
+    sync = _fit(ensemble(), tmp_path / "sync", sharded=sharded)
+    run = _fit(ensemble(), tmp_path / "async", sharded=sharded, asynchronous=True)
+    assert_bitwise(run.ensemble, sync.ensemble)
+    steps = [
+        [s for s, _ in ee.list_checkpoints(tmp_path / f)] for f in ("sync", "async")
+    ]
+    assert (
+        steps == [[2, 4, 6]] * 2
+    )  # every one committed (the last before fit returned)
+    opt = optax.adam(1e-2)
+    for (_, a), (_, b) in zip(
+        ee.list_checkpoints(tmp_path / "sync"),
+        ee.list_checkpoints(tmp_path / "async"),
+        strict=True,
+    ):
+        assert a.is_dir() == b.is_dir() == sharded
+        ee.verify_checkpoint(b)
+    shutil.rmtree(tmp_path / "async" / "step_0000000006.ckpt", ignore_errors=True)
+    (tmp_path / "async" / "step_0000000006.ckpt").unlink(missing_ok=True)
+    resumed = _fit(ensemble(), tmp_path / "async", sharded=sharded, asynchronous=True)
+    assert resumed.resumed_from == 4
+    assert_bitwise(resumed.ensemble, sync.ensemble)
+    latest = ee.Checkpoints(tmp_path / "async").latest(ensemble(), opt)
+    assert latest is not None and latest.step == 6
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_training_goes_on_while_a_checkpoint_is_written(tmp_path, monkeypatch, sharded):
+    from eqx_ensemble._checkpoints import io, sharded as sharded_module
+
+    module = sharded_module if sharded else io
+    release = threading.Event()
+    log = []
+    real = module.write_file
+
+    def slow(path, manifest, chunks):
+        if manifest.get("step") == 2:  # the checkpoint of step 2 waits...
+            release.wait(timeout=20)
+            log.append("step 2 written")
+        return real(path, manifest, chunks)
+
+    def callback(result):
+        log.append(f"dispatch to {result.step}")
+        if result.step == 3:  # ...until training has gone on to step 3
+            release.set()
+
+    monkeypatch.setattr(module, "write_file", slow)
+    _fit(
+        ensemble(),
+        tmp_path / "run",
+        steps=5,
+        per_dispatch=1,
+        callbacks=(callback,),
+        sharded=sharded,
+        asynchronous=True,
+    )
+    # (a synchronous save would block at step 2 until the 20 s timeout)
+    expected = ["dispatch to 1", "dispatch to 2", "dispatch to 3", "step 2 written"]
+    assert log[:4] == expected, log
+
+
+def test_a_failed_background_write_is_raised_with_the_run(tmp_path, monkeypatch):
+    from eqx_ensemble._checkpoints import io
+
+    real = io.write_file
+
+    def failing(path, manifest, chunks):
+        if manifest.get("step") == 2:
+            raise OSError(28, "No space left on device")
+        return real(path, manifest, chunks)
+
+    monkeypatch.setattr(io, "write_file", failing)
+    with pytest.raises(ee.CheckpointError, match="in the background failed") as caught:
+        _fit(ensemble(), tmp_path / "run", asynchronous=True)
+    result = caught.value.result  # type: ignore[attr-defined]
+    assert result.step == 4  # raised at the next checkpoint, the run attached
+    assert ee.list_checkpoints(tmp_path / "run") == []
+    with pytest.raises(TypeError, match="asynchronous"):
+        ee.Checkpoints(tmp_path, asynchronous=None)  # type: ignore[arg-type]

@@ -24,13 +24,14 @@ from .._training.result import FitResult, make_result
 from .._training.sampling import as_sampling
 from .._training.train_state import TrainState, initial_state
 from .directory import (
+    _save_checkpoint,
     check_writable_directory,
     list_checkpoints,
     newest_intact_checkpoint,
-    save_checkpoint,
 )
 from .file import CheckpointError
 from .io import load, load_manifest
+from .sharded import PendingSave
 
 _KIND = "eqx_ensemble.fit"
 _ON_CORRUPT = ("raise", "previous")
@@ -75,6 +76,15 @@ class Checkpoints(eqx.Module):
       (each process writes only its shards) when `jax.process_count() > 1` and
       single files otherwise; `True`/`False` force one. Resuming reads either,
       onto any mesh and number of processes.
+    - `asynchronous`: write each checkpoint in the background while training
+      goes on (`False`: `fit` waits for each). The arrays are copied to the
+      host when the checkpoint is due (that much `fit` waits for); a thread
+      hashes and writes them, committing atomically as a synchronous save
+      does. The next checkpoint, and the end of `fit`, wait for the previous
+      one (a failed write is raised there, with the run attached). On several
+      processes the commit (a barrier, then process 0's rename) happens at
+      that next wait: a run killed before it resumes from the checkpoint
+      before.
 
     **Example:**
 
@@ -97,6 +107,7 @@ class Checkpoints(eqx.Module):
     keep: int | None = eqx.field(static=True, default=3)
     on_corrupt: str = eqx.field(static=True, default="raise")
     sharded: bool | None = eqx.field(static=True, default=None)
+    asynchronous: bool = eqx.field(static=True, default=False)
 
     def __check_init__(self):
         if not isinstance(self.directory, str | os.PathLike):
@@ -112,6 +123,11 @@ class Checkpoints(eqx.Module):
             raise ValueError(
                 f"`Checkpoints.on_corrupt` must be one of {_ON_CORRUPT}, got "
                 f"{self.on_corrupt!r}"
+            )
+        if not isinstance(self.asynchronous, bool):
+            raise TypeError(
+                "`Checkpoints.asynchronous` must be True or False, got "
+                f"{self.asynchronous!r}"
             )
         if self.sharded is not None and not isinstance(self.sharded, bool):
             raise TypeError(
@@ -139,11 +155,12 @@ class Checkpoints(eqx.Module):
         history: History,
         run: dict[str, Any],
         data: dict[str, Any] | None = None,
-    ) -> Path:
+    ) -> "Path | PendingSave":
         """Write the run at its current step (`data`: what the data source
-        records of its position there, JSON)."""
+        records of its position there, JSON). Asynchronous: a `PendingSave`
+        whose `wait()` the caller calls before the next save."""
         step = int(train_state.step)
-        return save_checkpoint(
+        return _save_checkpoint(
             self.directory,
             step,
             {
@@ -161,6 +178,7 @@ class Checkpoints(eqx.Module):
             },
             keep=self.keep,
             sharded=self.sharded,
+            asynchronous=self.asynchronous,
         )
 
     def resume(

@@ -25,7 +25,14 @@ from .file import (
     write_file,
 )
 from .io import checked_records, open_manifest, save_tree
-from .sharded import MANIFEST, PARTIAL_SUFFIX, ShardedReader, _remove_tree, is_sharded
+from .sharded import (
+    MANIFEST,
+    PARTIAL_SUFFIX,
+    PendingSave,
+    ShardedReader,
+    _remove_tree,
+    is_sharded,
+)
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
 __all__ = [
@@ -218,6 +225,24 @@ def save_checkpoint(
     [step for step, _ in ee.list_checkpoints("run")]   # [300, 400]
     ```
     """
+    path = _save_checkpoint(
+        directory, step, tree, metadata=metadata, keep=keep, sharded=sharded
+    )
+    assert isinstance(path, Path)
+    return path
+
+
+def _save_checkpoint(
+    directory: Any,
+    step: Any,
+    tree: Any,
+    *,
+    metadata: dict[str, Any] | None,
+    keep: Any,
+    sharded: bool | None,
+    asynchronous: bool = False,
+) -> "Path | PendingSave":
+    """`save_checkpoint`; `asynchronous`: written on a thread (a `PendingSave`)."""
     step = _step_number(step)
     if keep is not None and (
         isinstance(keep, bool | np.bool_)
@@ -233,7 +258,13 @@ def save_checkpoint(
         _prune(directory, keep=keep, written=path)
 
     return save_tree(
-        path, tree, metadata=metadata, step=step, after_write=prune, sharded=sharded
+        path,
+        tree,
+        metadata=metadata,
+        step=step,
+        after_write=prune,
+        sharded=sharded,
+        asynchronous=asynchronous,
     )
 
 

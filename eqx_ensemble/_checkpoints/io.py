@@ -41,7 +41,9 @@ from .leaves import (
 from .sharded import (
     MANIFEST,
     LazyLeaf,
+    PendingSave,
     ShardedReader,
+    _agree as agree,
     _remove_tree,
     is_sharded,
     store_error,
@@ -136,7 +138,9 @@ def save(
     ee.load_manifest("ensemble.ckpt")["metadata"]   # {'epoch': 3}
     ```
     """
-    return save_tree(as_path(path, "path"), tree, metadata=metadata, sharded=sharded)
+    written = save_tree(as_path(path, "path"), tree, metadata=metadata, sharded=sharded)
+    assert isinstance(written, Path)
+    return written
 
 
 def save_tree(
@@ -147,9 +151,12 @@ def save_tree(
     step: int | None = None,
     after_write: Callable[[], None] | None = None,
     sharded: bool | None = None,
-) -> Path:
+    asynchronous: bool = False,
+) -> "Path | PendingSave":
     """`save`, also recording a training `step` and running `after_write` on the
-    writing process once the file is in place (used to prune old checkpoints)."""
+    writing process once the file is in place (used to prune old checkpoints).
+    `asynchronous`: copy the arrays to the host now, write them on a thread, and
+    return a `PendingSave` (see `Checkpoints(asynchronous=True)`)."""
     metadata = _checked_metadata(metadata)
     if sharded is not None and not isinstance(sharded, bool):
         raise TypeError(f"`sharded` must be True, False or None, got {sharded!r}")
@@ -184,8 +191,7 @@ def save_tree(
     if manifest["ensembles"]:
         manifest["ensemble_size"] = manifest["ensembles"][0]["size"]
     if sharded:
-        write_sharded(path, leaves, manifest, after_write)
-        return path
+        return write_sharded(path, leaves, manifest, after_write, asynchronous)
     if path.is_dir() and not path.is_symlink() and (path / MANIFEST).is_file():
         # Replacing a sharded checkpoint with a single file.
         _remove_tree(path)
@@ -205,6 +211,19 @@ def save_tree(
         if after_write is not None:
             after_write()
 
+    if asynchronous:
+        # The host copies must not alias device buffers the run will reuse.
+        chunks = [
+            np.array(chunk, copy=True) if isinstance(chunk, np.ndarray) else chunk
+            for chunk in chunks
+        ]
+        if jax.process_count() == 1:
+            return PendingSave(path, write)
+        return PendingSave(
+            path,
+            write if jax.process_index() == 0 else (lambda: None),
+            lambda failure: agree(failure, path),
+        )
     if jax.process_count() == 1:
         write()
     else:

@@ -38,6 +38,7 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,12 @@ def write_sharded(
     leaves: list[tuple[Any, Any]],
     manifest: dict[str, Any],
     after_write: Callable[[], None] | None,
-) -> None:
+    asynchronous: bool = False,
+) -> "Path | PendingSave":
     """Write the flattened tree `leaves` as a sharded checkpoint at `path` (every
-    process calls it with its part of the same global tree)."""
+    process calls it with its part of the same global tree). `asynchronous`:
+    copy this process's shards to its host, then write them on a thread and
+    return a `PendingSave` (its `wait()` commits on several processes)."""
     ts = _tensorstore()
     process, count = jax.process_index(), jax.process_count()
     stored: list[_Leaf] = []
@@ -244,6 +248,10 @@ def write_sharded(
     # NumPy arrays and Python numbers: in the manifest's data section, as in the
     # single-file format (process 0's values).
     inline_records, chunks = encode_leaves([pair for _, pair in inline])
+    if asynchronous:
+        chunks = [
+            np.array(c, copy=True) if isinstance(c, np.ndarray) else c for c in chunks
+        ]
     for (index, _), record in zip(inline, inline_records, strict=True):
         records[index] = record
     writers = _balance(stored)
@@ -270,27 +278,35 @@ def write_sharded(
                 create=True,
             ).result()
 
+    # This process's shards on its host now (the run may overwrite the device
+    # buffers as soon as `save` returns, when the write goes on in the background).
+    own: list[tuple[_Leaf, list[tuple[tuple[int, ...], np.ndarray]]]] = []
+    for leaf in stored:
+        mine = [
+            start for start in leaf.owners if writers[(leaf.index, start)] == process
+        ]
+        if not mine:
+            continue
+        shards = {shard.device: shard for shard in leaf.array.addressable_shards}
+        hosts = []
+        for start in sorted(mine):
+            holder = leaf.owners[start]
+            device = holder if holder in shards else _local_holder(leaf, start)
+            host = np.array(_little_endian(np.asarray(shards[device].data)), copy=True)
+            if leaf.raw:
+                host = host.view(np.uint8).reshape(*host.shape, -1)
+            hosts.append((start, host))
+        own.append((leaf, hosts))
+
     def write_own() -> None:
         # Every process: the chunks it owns, in parallel; their digests to a part file.
         futures = []
         digests: dict[str, list[dict[str, Any]]] = {}
-        for leaf in stored:
-            mine = {
-                start: device
-                for start, device in leaf.owners.items()
-                if writers[(leaf.index, start)] == process
-            }
-            if not mine:
-                continue
+        for leaf, hosts in own:
             store = ts.open(
                 _spec(partial / ARRAYS / str(leaf.index)), open=True
             ).result()
-            shards = {shard.device: shard for shard in leaf.array.addressable_shards}
-            for start, holder in sorted(mine.items()):
-                device = holder if holder in shards else _local_holder(leaf, start)
-                host = _little_endian(np.asarray(shards[device].data))
-                if leaf.raw:
-                    host = host.view(np.uint8).reshape(*host.shape, -1)
+            for start, host in hosts:
                 domain = tuple(
                     slice(begin, begin + extent)
                     for begin, extent in zip(start, host.shape)
@@ -351,8 +367,24 @@ def write_sharded(
             after_write()
 
     _on_every_process(create if process == 0 else None, path)
-    _on_every_process(write_own, path)
-    _on_every_process(commit if process == 0 else None, path)
+    if not asynchronous:
+        _on_every_process(write_own, path)
+        _on_every_process(commit if process == 0 else None, path)
+        return path
+    if count == 1:  # the background thread commits too
+
+        def write_and_commit() -> None:
+            _on_every_process(write_own, path)
+            _on_every_process(commit, path)
+
+        return PendingSave(path, write_and_commit)
+
+    def agree_and_commit(failure: BaseException | None) -> None:
+        # On the main thread (collectives stay in program order on every process).
+        _agree(failure, path)
+        _on_every_process(commit if process == 0 else None, path)
+
+    return PendingSave(path, write_own, agree_and_commit)
 
 
 def _local_holder(leaf: _Leaf, start: tuple[int, ...]) -> Any:
@@ -411,6 +443,13 @@ def _on_every_process(work: Callable[[], None] | None, path: Path) -> None:
             work()
         except Exception as error:
             failure = error
+    _agree(failure, path)
+
+
+def _agree(failure: BaseException | None, path: Path) -> None:
+    """Wait for every process (a barrier on several) and raise on all of them
+    if any failed (`failure`: this process's error), after process 0 removed
+    the temporary folder."""
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -436,6 +475,62 @@ def _on_every_process(work: Callable[[], None] | None, path: Path) -> None:
         f"process(es) {failed} failed to write their shards of the checkpoint "
         f"{path}; it was not written (a previous one at that path, if any, is intact)"
     )
+
+
+class PendingSave:
+    """A checkpoint being written in the background (`ee.save(...,
+    asynchronous=True)`, `ee.Checkpoints(asynchronous=True)`): the arrays were
+    copied to the host when the save was asked for; a thread writes them.
+    `wait()` blocks until the checkpoint is committed (in place, atomically) and
+    raises the write's error, if any; on several processes, every process must
+    call it (a barrier, then process 0 commits)."""
+
+    def __init__(
+        self,
+        path: Path,
+        work: Callable[[], None],
+        commit: Callable[[BaseException | None], None] | None = None,
+    ):
+        self.path = path
+        self._commit = commit
+        self._failure: BaseException | None = None
+        self._waited = False
+        # Not a daemon: a checkpoint being written is finished before the
+        # interpreter exits (a killed process leaves only a temporary folder).
+        self._thread = threading.Thread(
+            target=self._run, args=(work,), name=f"eqx_ensemble save {path.name}"
+        )
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 - raised by `wait`
+            self._failure = error
+
+    def done(self) -> bool:
+        """Whether the background write has ended (committed, on one process)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is committed; raise the write's error."""
+        self._thread.join()
+        if self._waited:
+            return self.path
+        self._waited = True
+        if self._commit is not None:
+            self._commit(self._failure)
+        elif self._failure is not None:
+            raise self._failure
+        return self.path
+
+    def abandon(self) -> BaseException | None:
+        """Let the write end without committing it on several processes (for an
+        error path, where the other processes may not reach a barrier): joins
+        the thread, returns its error. On one process the write commits itself."""
+        self._thread.join()
+        self._waited = True
+        return self._failure
 
 
 # -- reading -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from .._checkpoints.component import Checkpoints
 from .._checkpoints.file import CheckpointError
+from .._checkpoints.sharded import PendingSave
 from .._controllers.base import Controller
 from .._controllers.early_stopping import EarlyStopping
 from .._controllers.pbt import PBT
@@ -532,6 +533,7 @@ class Run:
         )
         self.done = int(self.train_state.step)
         self._diverged_at = np.asarray(self.train_state.diverged_at)
+        self._pending: PendingSave | None = None  # an asynchronous checkpoint
 
     def run(self) -> FitResult:
         """Drive the run to its last step: one dispatch, then the host's work
@@ -575,8 +577,14 @@ class Run:
                     attached: Any = read_error
                     attached.result = self.result()
                     raise read_error
+            self.wait_for_checkpoint()
         except BaseException as error:
-            # The run's own error wins; the components are closed quietly.
+            # The run's own error wins; the components are closed quietly. A
+            # checkpoint being written ends (on one process it commits).
+            if self._pending is not None:
+                failed = self._pending.abandon()
+                if failed is not None:
+                    error.add_note(f"(the checkpoint being written failed: {failed})")
             for meter, handle in zip(self.meters, handles, strict=False):
                 try:
                     meter.close(handle)
@@ -593,6 +601,23 @@ class Run:
         if writer is not None:
             self.close_loggers(writer)
         return self.result()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until an asynchronous checkpoint is committed; its failure is
+        raised with the run attached."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except (OSError, CheckpointError) as error:
+            assert self.checkpoints is not None
+            self.fail(
+                CheckpointError,
+                f"Writing the checkpoint {pending.path.name} to "
+                f"{self.checkpoints.directory} in the background failed ({error}); "
+                "the trained run is attached to this error as `error.result`",
+            )
 
     def open_loggers(self) -> LogWriter | None:
         if not self.loggers:
@@ -769,13 +794,16 @@ class Run:
             except Exception as error:  # noqa: BLE001 - raised with the run
                 self._attach(error)
                 raise
+        self.wait_for_checkpoint()
         try:
-            self.checkpoints.save(
+            saved = self.checkpoints.save(
                 self.train_state,
                 self.recorder.history(),
                 self.record.as_json(),
                 self.source.position(self.done),
             )
+            if isinstance(saved, PendingSave):
+                self._pending = saved
         except (OSError, CheckpointError) as error:
             self.fail(
                 CheckpointError,
