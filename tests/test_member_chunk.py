@@ -144,6 +144,96 @@ def test_chunked_step_holds_fewer_intermediates():
     assert chunked < whole / 3, (chunked, whole)
 
 
+# ------------------------------------------------------------ chunks on a mesh
+
+
+def test_fit_on_a_mesh_chunks_within_each_device(problem):
+    # 8 members over the 4 devices of "members" (2 each), batch over 2 "data"
+    # devices; chunks of 1: each device computes one of its members at a time.
+    ens, state, data = problem
+    mesh = ee.make_mesh(members=4, data=2)
+
+    def run(execution, ens=ens):
+        return ee.fit(
+            ens, loss, optax.sgd(0.05), data, steps=20, batch_size=16,
+            key=jax.random.key(2), state=state, sampling="independent",
+            callbacks=(), execution=execution,
+            evaluate=ee.Evaluate(loss, data, every=10),
+        )  # fmt: skip
+
+    plain = run(None)
+    chunked = run(ee.Execution(mesh=mesh, member_chunk=1), ee.shard(ens, mesh))
+    _close(chunked.ensemble, plain.ensemble)
+    _close(chunked.state, plain.state)
+    np.testing.assert_allclose(chunked.history.losses, plain.history.losses, rtol=1e-5)
+    np.testing.assert_allclose(
+        chunked.history.eval_scores, plain.history.eval_scores, rtol=1e-5
+    )
+    weight = chunked.ensemble.members.first.weight
+    assert tuple(weight.sharding.spec)[0] == "members"
+    # make_step too.
+    opt = optax.sgd(0.1)
+    opt_state = ee.init_optimizer(opt, ens)
+    want = ee.make_step(loss, opt)(ens, opt_state, data, jax.random.key(3), state)
+    step = ee.make_step(loss, opt, execution=ee.Execution(mesh=mesh, member_chunk=1))
+    placed = ee.shard(ens, mesh)
+    got = step(placed, ee.init_optimizer(opt, placed), data, jax.random.key(3), state)
+    _close(got, want)
+
+
+def test_chunks_on_an_explicit_mesh_equal_the_unchunked_run():
+    # Explicit axes: every reshape of a split axis says where its output goes.
+    mesh = ee.make_mesh(members=4, data=2, axis_types=jax.sharding.AxisType.Explicit)
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, 16, 2, key=k), size=8, key=jax.random.key(0)
+    )
+    x = jnp.stack([jnp.linspace(-1, 1, 64), jnp.cos(jnp.linspace(0, 3, 64))], axis=1)
+    data = (x, jnp.sin(x[:, :1]))
+    mse = lambda m, b, k: jnp.mean((jax.vmap(m)(b[0]) - b[1]) ** 2)  # noqa: E731
+
+    def run(execution, ens=ens):
+        return ee.fit(
+            ens, mse, optax.adam(1e-2), data, steps=6, batch_size=16,
+            key=jax.random.key(1), callbacks=(), execution=execution,
+            evaluate=ee.Evaluate(mse, data, every=2),
+        )  # fmt: skip
+
+    plain = run(None)
+    chunked = run(ee.Execution(mesh=mesh, member_chunk=1), ee.shard(ens, mesh))
+    _close(chunked.ensemble, plain.ensemble)
+    np.testing.assert_allclose(
+        chunked.history.eval_scores, plain.history.eval_scores, rtol=1e-5
+    )
+    assert tuple(chunked.ensemble.members.layers[0].weight.sharding.spec)[0] == (
+        "members"
+    )
+
+
+def test_chunks_on_a_mesh_hold_fewer_intermediates_per_device():
+    """Per device (XLA's memory analysis of the SPMD step): the temporaries of
+    one of its members at a time, not of its 4."""
+    mesh = ee.make_mesh(members=4, devices=jax.devices()[:4])
+    ens = ee.shard(
+        ee.ensemble(
+            lambda k: eqx.nn.MLP(64, 64, 256, 3, key=k), size=16, key=jax.random.key(0)
+        ),
+        mesh,
+    )
+    mse = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)  # noqa: E731
+    x = jnp.ones((2048, 64))  # activations dominate (measured: 52.0 -> 19.1 MiB)
+    opt = optax.sgd(0.1)
+    opt_state = ee.init_optimizer(opt, ens)
+
+    def temp_bytes(chunk):
+        execution = ee.Execution(mesh=mesh, member_chunk=chunk, compiler_options={})
+        step = ee.make_step(mse, opt, execution=execution)
+        compiled = step.lower(ens, opt_state, x, jax.random.key(0)).compile()
+        return compiled.compiled.memory_analysis().temp_size_in_bytes
+
+    whole, chunked = temp_bytes(None), temp_bytes(1)
+    assert chunked < whole / 2, (chunked, whole)
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -162,11 +252,22 @@ def test_chunk_must_divide_the_members(problem):
         )
 
 
+def test_chunk_must_divide_each_devices_members(problem):
+    ens, state, data = problem
+    mesh = ee.make_mesh(members=4, data=2)
+    with pytest.raises(
+        ValueError, match=r"per device \(8 members over the 4 .* 2 each"
+    ):
+        ee.fit(
+            ee.shard(ens, mesh), loss, optax.sgd(0.1), data, steps=2, batch_size=8,
+            key=jax.random.key(0), state=state, callbacks=(),
+            execution=ee.Execution(mesh=mesh, member_chunk=4),
+        )  # fmt: skip
+
+
 def test_chunk_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="one member at a time"):
         ee.Execution(member_chunk=2, layout="sequential")
-    with pytest.raises(ValueError, match="mesh"):
-        ee.Execution(member_chunk=2, mesh=ee.make_mesh(members=1))
     with pytest.raises(ValueError, match="member_chunk"):
         ee.Execution(member_chunk=0)
     ens = ee.ensemble(

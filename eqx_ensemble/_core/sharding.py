@@ -639,6 +639,13 @@ def model_mesh(ens: Any) -> Mesh | None:
     return None
 
 
+def members_devices(mesh: Mesh | None) -> int:
+    """The number of devices of a mesh's `"members"` axis (1: no mesh or axis)."""
+    if mesh is None or MEMBERS not in mesh.axis_names:
+        return 1
+    return _axis_size(mesh, MEMBERS)
+
+
 def members_mesh(ens: Any) -> Mesh | None:
     """The mesh an ensemble's members were placed on (`ee.shard`, a mesh with a
     `"members"` axis; read from its leaves outside `jit`), else `None`."""

@@ -66,8 +66,10 @@ class Execution(eqx.Module):
       members at a time inside the compiled step (a `jax.lax.map` over groups
       of `k` vectorised members), so the step holds the activations of `k`
       members, not of all: ensembles larger than memory. It must divide the
-      number of members; vectorised layout only; not yet with a `mesh`, a
-      trained shared part or an `ee.Coupled` loss. `None`: all members at once.
+      number of members; on a `mesh`, the number of each device's members
+      (each device computes `k` of its own members at a time, no transfer).
+      Vectorised layout only; not yet with a trained shared part or an
+      `ee.Coupled` loss. `None`: all members at once.
 
     The results are the same whatever these say, to floating-point rounding;
     on a CPU, a run resumed from a checkpoint with the same `Execution` is bit
@@ -134,12 +136,6 @@ class Execution(eqx.Module):
                     "`Execution(layout='sequential')` already computes one member at "
                     "a time; `member_chunk` chunks the vectorised layout: pass one "
                     "or the other"
-                )
-            if mesh is not None:
-                raise ValueError(
-                    "`Execution(member_chunk=...)` does not yet combine with a "
-                    "`mesh` (chunks within each device's members): split the "
-                    "members over more devices instead, or leave `mesh` out"
                 )
         self.member_chunk = member_chunk
         self.steps_per_dispatch = steps_per_dispatch

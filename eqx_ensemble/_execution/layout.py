@@ -137,18 +137,20 @@ def member_map(
     layout: Layout,
     size: int,
     chunk: int | None = None,
+    devices: int = 1,
 ) -> Callable[..., Any]:
     """`eqx.filter_vmap(fn, in_axes=in_axes)`, or the same mapping run member by
     member and stacked. Each entry of `in_axes` is `None` (shared), a filter such
     as `eqx.if_array(0)` (every array leaf per member), or a PyTree prefix of
     `0`/`None` over its argument. With `chunk` (the vectorised layout, entries
     `None` or a filter): `chunk` members at a time, a `jax.lax.map` over groups
-    (`Execution.member_chunk`)."""
+    (`Execution.member_chunk`); with the members split over `devices` devices
+    (a mesh's `"members"` axis), `chunk` of each device's members at a time."""
     if layout == "vmap":
         vmapped = eqx.filter_vmap(fn, in_axes=in_axes)
-        if chunk is None or chunk == size:
+        if chunk is None or chunk * devices == size:
             return vmapped
-        return _chunked_vmap(vmapped, in_axes, size, chunk)
+        return _chunked_vmap(vmapped, in_axes, size, chunk, devices)
 
     def sequential(*args: Any) -> Any:
         outputs = []
@@ -163,8 +165,19 @@ def member_map(
     return sequential
 
 
-def check_member_chunk(chunk: int, size: int) -> None:
-    """`chunk` divides the number of members, or an error naming both."""
+def check_member_chunk(chunk: int, size: int, devices: int = 1) -> None:
+    """`chunk` divides the number of members (of each device's, on a mesh whose
+    `"members"` axis has `devices` devices), or an error naming both."""
+    if devices > 1 and size % devices == 0:
+        local = size // devices
+        if local % chunk:
+            divisors = [k for k in range(1, local + 1) if local % k == 0]
+            raise ValueError(
+                f"`Execution.member_chunk={chunk}` must divide the number of "
+                f"members per device ({size} members over the {devices} devices of "
+                f"the mesh axis 'members': {local} each): choose one of {divisors}"
+            )
+        return
     if size % chunk:
         divisors = [k for k in range(1, size + 1) if size % k == 0]
         raise ValueError(
@@ -174,24 +187,46 @@ def check_member_chunk(chunk: int, size: int) -> None:
 
 
 def _chunked_vmap(
-    vmapped: Callable[..., Any], in_axes: tuple[Any, ...], size: int, chunk: int
+    vmapped: Callable[..., Any],
+    in_axes: tuple[Any, ...],
+    size: int,
+    chunk: int,
+    devices: int = 1,
 ) -> Callable[..., Any]:
     """`vmapped` over `chunk` members at a time: the per-member arrays are split
     into `size // chunk` groups and `jax.lax.map` runs one group after another,
     so only one group's intermediate values are alive at once. Shared arguments
-    (`None` axes) are closed over."""
-    check_member_chunk(chunk, size)
+    (`None` axes) are closed over. With the members split in blocks over
+    `devices` devices, group `g` holds the `g`-th `chunk` of every device's
+    block (`devices * chunk` members, still split over the devices): each
+    device computes `chunk` of its own members at a time, with no transfer."""
+    check_member_chunk(chunk, size, devices)
     if any(axes is not None and not callable(axes) for axes in in_axes):
         raise NotImplementedError("member chunks take per-argument filters only")
-    groups = size // chunk
+    groups = size // (chunk * devices)
     mapped = [i for i, axes in enumerate(in_axes) if axes is not None]
+
+    def to_groups(x: Any) -> Any:
+        # (devices * groups * chunk, ...) -> (groups, devices * chunk, ...)
+        split, rest = _explicit_spec(x)
+        x = _reshape(
+            x, (devices, groups, chunk, *x.shape[1:]), (split, None, None), rest
+        )
+        x = jnp.swapaxes(x, 0, 1)
+        return _reshape(x, (groups, devices * chunk, *x.shape[3:]), (None, split), rest)
+
+    def from_groups(x: Any) -> Any:
+        # (groups, devices * chunk, ...) -> (devices * groups * chunk, ...)
+        split, rest = _explicit_spec(x, axis=1)
+        x = _reshape(
+            x, (groups, devices, chunk, *x.shape[2:]), (None, split, None), rest
+        )
+        x = jnp.swapaxes(x, 0, 1)
+        return _reshape(x, (size, *x.shape[3:]), (split,), rest)
 
     def run(*args: Any) -> Any:
         parts = [eqx.partition(args[i], eqx.is_array) for i in mapped]
-        split = tuple(
-            jax.tree.map(lambda x: x.reshape(groups, chunk, *x.shape[1:]), dynamic)
-            for dynamic, _ in parts
-        )
+        split = tuple(jax.tree.map(to_groups, dynamic) for dynamic, _ in parts)
 
         def group(dynamic_group: Any) -> Any:
             full = list(args)
@@ -205,10 +240,39 @@ def _chunked_vmap(
             lambda x: not isinstance(x, jax.ShapeDtypeStruct),
         )
         outputs = jax.lax.map(lambda g: eqx.filter(group(g), eqx.is_array), split)
-        outputs = jax.tree.map(lambda x: x.reshape(size, *x.shape[2:]), outputs)
+        outputs = jax.tree.map(from_groups, outputs)
         return eqx.combine(outputs, static)
 
     return run
+
+
+def _explicit_spec(x: Any, axis: int = 0) -> tuple[Any, Any]:
+    """On a mesh with Explicit axes (where a reshape of a split axis must say
+    where its output goes): the mesh axis splitting `x`'s member axis (`axis`)
+    and the entries of its trailing axes; `(None, None)` otherwise."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not any(
+        kind == jax.sharding.AxisType.Explicit
+        for kind in getattr(mesh, "axis_types", ())
+    ):
+        return None, None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return spec[axis], (mesh, spec[axis + 1 :])
+
+
+def _reshape(
+    x: Any, shape: tuple[int, ...], leading: tuple[Any, ...], rest: Any
+) -> Any:
+    """`x.reshape(shape)`; on an Explicit mesh (`rest` = (mesh, trailing
+    entries)) with its output split `(*leading, *trailing)`."""
+    if rest is None:
+        return x.reshape(shape)
+    mesh, trailing = rest
+    spec = jax.sharding.PartitionSpec(*leading, *trailing)
+    return jax.lax.reshape(
+        x, shape, out_sharding=jax.sharding.NamedSharding(mesh, spec)
+    )
 
 
 def _member_slice(axes: Any, arg: Any, i: int) -> Any:

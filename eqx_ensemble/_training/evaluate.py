@@ -103,15 +103,17 @@ class Evaluate(eqx.Module):
         member_keys: Key[Array, " members"] | UInt32[Array, " members 2"],
         layout: Layout = "vmap",
         member_chunk: int | None = None,
+        devices: int = 1,
     ) -> Float[Array, " members"]:
         """Every member's score, member `i` called with `member_keys[i]`; the
         members vectorised or one after another (`layout`: the training step's,
-        see `_layout`), `member_chunk` at a time if given. A heterogeneous
+        see `_layout`), `member_chunk` at a time if given (of each of the
+        `devices` devices' members, on a mesh). A heterogeneous
         ensemble is scored group by group (its `model_state`: one per group)."""
         if is_heterogeneous(ensemble):
             return jnp.concatenate(
                 [
-                    self.scores(group, group_state, keys, layout, member_chunk)
+                    self.scores(group, group_state, keys, layout, member_chunk, devices)
                     for group, group_state, keys in zip(
                         ensemble.groups,
                         per_group(ensemble, model_state, "`state`"),
@@ -138,9 +140,9 @@ class Evaluate(eqx.Module):
             return jnp.asarray(score, dtype=jnp.float32)
 
         in_axes = (eqx.if_array(0),) * 3
-        return member_map(one, in_axes, layout, len(member_keys), member_chunk)(
-            ensemble.members, model_state, member_keys
-        )
+        return member_map(
+            one, in_axes, layout, len(member_keys), member_chunk, devices
+        )(ensemble.members, model_state, member_keys)
 
 
 def eval_member_keys(key: PRNGKeyArray, done: Int[Array, ""], size: int) -> Any:

@@ -28,6 +28,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 from .._core.sharding import (
     MEMBERS,
     constrain,
+    members_devices,
     place_state,
     replicate,
 )
@@ -180,6 +181,7 @@ def _evaluate(
             member_keys,
             chunk.layout,
             chunk.member_chunk,
+            members_devices(chunk.mesh),
         )
         return constrain(scores, chunk.mesh, (MEMBERS,))
 

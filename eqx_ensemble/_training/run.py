@@ -28,6 +28,7 @@ from .._core.heterogeneous import (
 )
 from .._core.sharding import (
     check_fit_mesh,
+    members_devices,
     model_placement,
     on_mesh,
     place_state,
@@ -460,7 +461,7 @@ def _plan_fit(
         steps=steps,
     )
     if execution.member_chunk is not None:  # chunks of vectorised members
-        check_member_chunk(execution.member_chunk, size)
+        check_member_chunk(execution.member_chunk, size, members_devices(mesh))
         check_chunkable(loss_fn, ens)
         layout = "vmap"
     per_dispatch = execution.steps_per_dispatch

@@ -25,6 +25,7 @@ from .._core.heterogeneous import (
 from .._core.mapping import check_per_member_args
 from .._core.sharding import (
     check_step_mesh,
+    members_devices,
     mesh_context,
     pin_placement,
     replicate,
@@ -550,6 +551,7 @@ def vmapped_update(
             layout,
             len(ens),
             member_chunk,
+            members_devices(mesh),
         )(ens.members, opt_state, batch, keys, state, frozen, hyper)
         return (with_members(ens, members), *rest)
 
