@@ -257,7 +257,8 @@ def _explicit_spec(x: Any, axis: int = 0) -> tuple[Any, Any]:
         for kind in getattr(mesh, "axis_types", ())
     ):
         return None, None
-    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    entries = tuple(getattr(sharding, "spec", ()))
+    spec = entries + (None,) * (x.ndim - len(entries))
     return spec[axis], (mesh, spec[axis + 1 :])
 
 
