@@ -78,6 +78,9 @@ def mixed_tree():
         "float": 1.5,
         "bf16": jnp.linspace(0, 1, 15, dtype=jnp.bfloat16).reshape(3, 5),
         "int4": jnp.arange(-4, 4, dtype=jnp.int4),
+        # Dtypes tensorstore does not store: kept as bytes (a trailing axis).
+        "uint4": jnp.arange(4, dtype=jnp.uint4).reshape(2, 2),
+        "float8": jnp.linspace(-1, 1, 6).astype(jnp.float8_e4m3),
         "empty": jnp.zeros((0, 3)),
         "scalar": jnp.int32(7),
         "bool": jnp.array([True, False]),
@@ -431,3 +434,75 @@ def test_a_failed_background_write_is_raised_with_the_run(tmp_path, monkeypatch)
     assert ee.list_checkpoints(tmp_path / "run") == []
     with pytest.raises(TypeError, match="asynchronous"):
         ee.Checkpoints(tmp_path, asynchronous=None)  # type: ignore[arg-type]
+
+
+def test_a_folder_that_is_no_checkpoint_is_never_replaced(tmp_path):
+    folder = tmp_path / "results"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "important.txt").write_text("keep me")
+    for sharded in (True, False):
+        with pytest.raises(OSError, match="not a checkpoint is in the way"):
+            ee.save(folder, {"w": jnp.ones(2)}, sharded=sharded)
+        assert (folder / "sub" / "important.txt").read_text() == "keep me"
+    # A sharded checkpoint and a single file replace each other.
+    path = tmp_path / "a.ckpt"
+    ee.save(path, {"w": jnp.ones(2)}, sharded=True)
+    ee.save(path, {"w": jnp.zeros(2)}, sharded=False)
+    assert path.is_file()
+    ee.save(path, {"w": jnp.full(2, 2.0)}, sharded=True)
+    np.testing.assert_array_equal(ee.load(path, {"w": jnp.ones(2)})["w"], [2.0, 2.0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "results"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_tensorstore_failure_is_a_checkpoint_error_with_the_run(
+    tmp_path, monkeypatch, asynchronous
+):
+    from eqx_ensemble._checkpoints import sharded
+
+    real = sharded._on_every_process
+
+    def in_the_way(work, path):
+        real(work, path)
+        if work is not None and work.__name__ == "create":
+            # A file where the first array's chunk folder goes: tensorstore's
+            # write fails (it reports a ValueError).
+            arrays = sorted((sharded.partial_folder(path) / "arrays").iterdir())
+            (arrays[0] / "c").write_text("x")
+
+    monkeypatch.setattr(sharded, "_on_every_process", in_the_way)
+    with pytest.raises(OSError, match="tensorstore could not write"):
+        ee.save(tmp_path / "a.ckpt", {"w": jnp.ones(3)}, sharded=True)
+    assert not list(tmp_path.iterdir())  # nothing left behind
+    folder = tmp_path / "run"
+    with pytest.raises(
+        ee.CheckpointError, match="tensorstore could not write"
+    ) as caught:
+        _fit(ensemble(), folder, sharded=True, asynchronous=asynchronous)
+    assert caught.value.result.step in (2, 4)  # type: ignore[attr-defined]
+    assert ee.list_checkpoints(folder) == []
+
+
+def test_a_checkpoint_set_aside_by_a_killed_writer_comes_back(tmp_path):
+    from eqx_ensemble._checkpoints.sharded import set_aside
+
+    state = {"w": jnp.arange(3.0)}
+    ee.save_checkpoint(tmp_path, 5, state, sharded=True)
+    # A writer replacing step 5 died between its two renames: step 5 is aside.
+    set_aside(tmp_path / "step_0000000005.ckpt")
+    assert ee.list_checkpoints(tmp_path) == []
+    ee.save_checkpoint(tmp_path, 6, state, sharded=True)  # the next save restores it
+    assert [step for step, _ in ee.list_checkpoints(tmp_path)] == [5, 6]
+    assert not list(tmp_path.glob(".*"))
+    # Pruned folders leave the listing before they are removed.
+    ee.save_checkpoint(tmp_path, 7, state, sharded=True, keep=1)
+    assert [step for step, _ in ee.list_checkpoints(tmp_path)] == [7]
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_a_sharded_checkpoint_through_a_symlink(tmp_path):
+    path = ee.save(tmp_path / "real.ckpt", {"w": jnp.ones(2)}, sharded=True)
+    link = tmp_path / "link.ckpt"
+    link.symlink_to(path)
+    np.testing.assert_array_equal(ee.load(link, {"w": jnp.zeros(2)})["w"], [1, 1])
+    assert ee.verify_checkpoint(link)["step"] is None

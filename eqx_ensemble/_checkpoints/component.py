@@ -139,6 +139,10 @@ class Checkpoints(eqx.Module):
         """Create the folder and check it is writable (before any training)."""
         check_writable_directory(self.directory)
 
+    def has_checkpoints(self) -> bool:
+        """Whether the folder holds a checkpoint (`fit` would resume)."""
+        return bool(list_checkpoints(self.directory))
+
     def next_stop(self, done: int) -> int | None:
         """The first step after `done` at which a checkpoint is due (`None`:
         only at the end); a dispatch ends there."""

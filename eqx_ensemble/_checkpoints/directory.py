@@ -32,6 +32,7 @@ from .sharded import (
     ShardedReader,
     _remove_tree,
     is_sharded,
+    set_aside,
 )
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
@@ -45,7 +46,9 @@ __all__ = [
 # Left behind by a writer killed mid-save (see `_checkpoint_file.write_file`).
 _TEMPORARY_NAME = temporary_name(r"step_[0-9]+\.ckpt")
 _PARTIAL_FOLDER = re.compile(
-    r"^\.step_[0-9]+\.ckpt(\.[0-9a-f]{16}\.old)?" + re.escape(PARTIAL_SUFFIX) + "$"
+    r"^\.(step_[0-9]+\.ckpt)(?:\.[0-9a-f]{16}\.(old|deleted))?"
+    + re.escape(PARTIAL_SUFFIX)
+    + "$"
 )
 
 
@@ -290,18 +293,28 @@ def _prune(directory: Path, *, keep: int | None, written: Path) -> None:
     names = os.listdir(directory)
     remove_abandoned(directory / name for name in names if _TEMPORARY_NAME.match(name))
     # Sharded checkpoints' temporary folders left by an interrupted write (one
-    # writer per folder: the one just written has been renamed).
+    # writer per folder: the one just written has been renamed). A checkpoint
+    # set aside for its replacement by a writer that died before the
+    # replacement was in place goes back; anything else is removed.
     for name in names:
-        if _PARTIAL_FOLDER.match(name):
-            with contextlib.suppress(OSError):
+        match = _PARTIAL_FOLDER.match(name)
+        if match is None:
+            continue
+        target = directory / match.group(1)
+        with contextlib.suppress(OSError):
+            if match.group(2) == "old" and not (target.exists() or target.is_symlink()):
+                os.rename(directory / name, target)
+            else:
                 _remove_tree(directory / name)
     if keep is None:
         return
     newest_first = [path for _, path in reversed(list_checkpoints(directory))]
     doomed = [path for path in newest_first[keep:] if path != written]
     for path in doomed:
-        with contextlib.suppress(FileNotFoundError):
-            _remove_tree(path)
+        # Out of the listing first: a half-removed folder is never listed.
+        with contextlib.suppress(OSError):
+            aside = set_aside(path, doomed=True) if is_sharded(path) else path
+            _remove_tree(aside)
     if doomed:
         fsync_directory(directory)
 

@@ -8,6 +8,7 @@ non-array leaves taken from `like`) and adds a verified manifest; the layout is
 documented in `_checkpoint_file.py` and in `ee.save`'s docstring.
 """
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -45,7 +46,9 @@ from .sharded import (
     ShardedReader,
     _agree as agree,
     _remove_tree,
+    check_replaceable,
     is_sharded,
+    set_aside,
     store_error,
     write_sharded,
 )
@@ -192,9 +195,6 @@ def save_tree(
         manifest["ensemble_size"] = manifest["ensembles"][0]["size"]
     if sharded:
         return write_sharded(path, leaves, manifest, after_write, asynchronous)
-    if path.is_dir() and not path.is_symlink() and (path / MANIFEST).is_file():
-        # Replacing a sharded checkpoint with a single file.
-        _remove_tree(path)
 
     def write() -> None:
         try:
@@ -207,7 +207,19 @@ def save_tree(
                 str(path),
             ) from error
         remove_stale_temporaries(path)
-        write_file(path, manifest, chunks)
+        check_replaceable(path)
+        aside = None
+        if is_sharded(path):  # a sharded checkpoint replaced by a single file
+            aside = set_aside(path)
+        try:
+            write_file(path, manifest, chunks)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, path)  # the previous checkpoint back in place
+            raise
+        if aside is not None:
+            with contextlib.suppress(OSError):
+                _remove_tree(aside)
         if after_write is not None:
             after_write()
 
@@ -343,22 +355,41 @@ def _load_sharded(
 ) -> Any:
     """`load` of a sharded checkpoint: each process reads the chunks its devices
     need (verified one by one)."""
-    with open_manifest(folder) as file:
-        records = _verified_records(file, like, like_leaves)
-        data = file.read_data()
-        reader = ShardedReader(folder, file)
-        leaves = []
-        for index, (record, (_, like_leaf)) in enumerate(
-            zip(records, like_leaves, strict=True)
-        ):
-            if "store" not in record:
-                leaves.append(decode_leaf(record, like_leaf, data))
-                continue
-            lazy = LazyLeaf(reader, index, record)
-            if record["kind"] == "key":
-                leaves.append(place_key(lazy, record["impl"], like_leaf))
-            else:
-                leaves.append(place_array(lazy, like_leaf))
+    failure: BaseException | None = None
+    leaves = []
+    try:
+        with open_manifest(folder) as file:
+            records = _verified_records(file, like, like_leaves)
+            data = file.read_data()
+            reader = ShardedReader(folder, file)
+            for index, (record, (_, like_leaf)) in enumerate(
+                zip(records, like_leaves, strict=True)
+            ):
+                if "store" not in record:
+                    leaves.append(decode_leaf(record, like_leaf, data))
+                    continue
+                lazy = LazyLeaf(reader, index, record)
+                if record["kind"] == "key":
+                    leaves.append(place_key(lazy, record["impl"], like_leaf))
+                else:
+                    leaves.append(place_array(lazy, like_leaf))
+                reader.forget()
+    except (CheckpointError, OSError) as error:
+        failure = error
+    if jax.process_count() > 1:
+        # Each process read only its chunks: all must have succeeded, or all
+        # refuse the checkpoint (a resume then falls back, or fails, together).
+        from jax.experimental import multihost_utils
+
+        ok = multihost_utils.process_allgather(np.asarray(failure is None))
+        failed = [int(p) for p in np.flatnonzero(~np.asarray(ok).astype(bool))]
+        if failed and failure is None:
+            raise CheckpointError(
+                f"Checkpoint {folder}: process(es) {failed} could not read their "
+                "shards (their error names the file); refused on every process"
+            )
+    if failure is not None:
+        raise failure
     return jtu.tree_unflatten(like_treedef, leaves)
 
 

@@ -26,11 +26,14 @@ the parts cover every chunk, writes `manifest.ckpt` (atomically, fsynced), and
 renames the folder into place (atomic: a folder is either absent or complete);
 a barrier. On loading, each process reads only the chunks that overlap the parts
 of the arrays its devices hold, and checks each chunk it reads against the
-manifest's sha256 before using it. Nothing in the files selects code: the
-tensorstore spec is built here from the manifest (driver, path, dtype).
+manifest's sha256 before using it. No code is executed on load: the
+tensorstore spec is built here (driver, path), the files choose only among
+tensorstore's built-in decoders, and every chunk's bytes are checked against
+the manifest's sha256.
 """
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import math
@@ -39,7 +42,7 @@ import re
 import secrets
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +82,8 @@ def _tensorstore() -> Any:
 
 
 def is_sharded(path: Path) -> bool:
-    """Whether `path` is a sharded checkpoint's folder (a folder, not a link)."""
-    return path.is_dir() and not path.is_symlink()
+    """Whether `path` is a sharded checkpoint's folder (or a link to one)."""
+    return path.is_dir()
 
 
 def partial_folder(path: Path) -> Path:
@@ -109,6 +112,10 @@ class _Leaf:
 
     def store_record(self) -> dict[str, Any]:
         return {"dtype": self.stored_dtype, "shape": self.shape, "chunk": self.chunk}
+
+    def position(self, start: tuple[int, ...]) -> list[int]:
+        """The grid position of the chunk at `start` (a raw leaf's byte axis: 0)."""
+        return _grid_position((*start, 0) if self.raw else start, self.chunk)
 
 
 def _tensorstore_supports(dtype: np.dtype) -> bool:
@@ -148,14 +155,24 @@ def _chunk_plan(
     return extents, {start: holders[0] for start, holders in starts.items()}
 
 
-def _balance(leaves: list[_Leaf]) -> dict[tuple[int, tuple[int, ...]], int]:
+def _balance(
+    leaves: list[_Leaf], local: list[bool]
+) -> dict[tuple[int, tuple[int, ...]], int]:
     """The process that writes each chunk `(leaf, start)`: among the processes of
     the devices holding it, the one that has written the fewest bytes so far (then
-    the lowest index). Deterministic, so every process agrees. An array that is not
-    global (on one process's devices only) is written by process 0."""
+    the lowest index). Deterministic, so every process agrees. An array that each
+    process holds on its own devices (`local`: fully addressable on every
+    process, agreed beforehand) holds each process's own value: process 0's is
+    saved, as in one file."""
     written: dict[int, int] = {}
     writers: dict[tuple[int, tuple[int, ...]], int] = {}
-    for leaf in leaves:
+    for leaf, own in zip(leaves, local, strict=True):
+        if own:  # process 0 writes it; its bytes counted the same on every process
+            size = math.prod(leaf.shape) * (1 if leaf.raw else leaf.dtype.itemsize)
+            written[0] = written.get(0, 0) + size
+            for start in leaf.owners:
+                writers[(leaf.index, start)] = 0
+            continue
         indices = leaf.array.sharding.devices_indices_map(leaf.array.shape)
         holders: dict[tuple[int, ...], set[int]] = {}
         for device, slots in indices.items():
@@ -164,12 +181,8 @@ def _balance(leaves: list[_Leaf]) -> dict[tuple[int, tuple[int, ...]], int]:
             )
             holders.setdefault(start, set()).add(device.process_index)
         nbytes = math.prod(leaf.chunk) * (1 if leaf.raw else leaf.dtype.itemsize)
-        # An array on this process's devices only holds this process's value
-        # (each process has its own): process 0's is saved, as in one file.
-        local = leaf.array.is_fully_addressable
         for start in leaf.owners:
-            candidates = {0} if local else holders[start]
-            process = min(candidates, key=lambda p: (written.get(p, 0), p))
+            process = min(holders[start], key=lambda p: (written.get(p, 0), p))
             written[process] = written.get(process, 0) + nbytes
             writers[(leaf.index, start)] = process
     return writers
@@ -254,12 +267,20 @@ def write_sharded(
         ]
     for (index, _), record in zip(inline, inline_records, strict=True):
         records[index] = record
-    writers = _balance(stored)
+    addressable = np.asarray([leaf.array.is_fully_addressable for leaf in stored])
+    if count > 1 and stored:
+        # Held whole by every process (each its own value), or a global array.
+        from jax.experimental import multihost_utils
+
+        every = np.asarray(multihost_utils.process_allgather(addressable))
+        addressable = np.all(every.reshape(count, -1), axis=0)
+    writers = _balance(stored, [bool(x) for x in np.atleast_1d(addressable)])
     partial = partial_folder(path)
 
     def create() -> None:
         # Process 0: a fresh temporary folder (a leftover of an interrupted write
         # of the same checkpoint is removed) and every array's metadata.
+        check_replaceable(path)
         _make_parent(path)
         _remove_tree(partial)
         (partial / ARRAYS).mkdir(parents=True)
@@ -273,39 +294,47 @@ def write_sharded(
                 },
                 "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
             }
-            ts.open(
-                _spec(partial / ARRAYS / str(leaf.index), metadata),
-                create=True,
-            ).result()
+            with _as_os_error():
+                ts.open(
+                    _spec(partial / ARRAYS / str(leaf.index), metadata),
+                    create=True,
+                ).result()
 
     # This process's shards on its host now (the run may overwrite the device
     # buffers as soon as `save` returns, when the write goes on in the background).
     own: list[tuple[_Leaf, list[tuple[tuple[int, ...], np.ndarray]]]] = []
-    for leaf in stored:
-        mine = [
-            start for start in leaf.owners if writers[(leaf.index, start)] == process
-        ]
-        if not mine:
-            continue
-        shards = {shard.device: shard for shard in leaf.array.addressable_shards}
-        hosts = []
-        for start in sorted(mine):
-            holder = leaf.owners[start]
-            device = holder if holder in shards else _local_holder(leaf, start)
-            host = np.array(_little_endian(np.asarray(shards[device].data)), copy=True)
-            if leaf.raw:
-                host = host.view(np.uint8).reshape(*host.shape, -1)
-            hosts.append((start, host))
-        own.append((leaf, hosts))
+
+    def copy_own() -> None:
+        for leaf in stored:
+            mine = [
+                start
+                for start in leaf.owners
+                if writers[(leaf.index, start)] == process
+            ]
+            if not mine:
+                continue
+            shards = {shard.device: shard for shard in leaf.array.addressable_shards}
+            hosts = []
+            for start in sorted(mine):
+                holder = leaf.owners[start]
+                device = holder if holder in shards else _local_holder(leaf, start)
+                host = np.array(
+                    _little_endian(np.asarray(shards[device].data)), copy=True
+                )
+                if leaf.raw:
+                    host = host.view(np.uint8).reshape(*host.shape, -1)
+                hosts.append((start, host))
+            own.append((leaf, hosts))
 
     def write_own() -> None:
         # Every process: the chunks it owns, in parallel; their digests to a part file.
         futures = []
         digests: dict[str, list[dict[str, Any]]] = {}
         for leaf, hosts in own:
-            store = ts.open(
-                _spec(partial / ARRAYS / str(leaf.index)), open=True
-            ).result()
+            with _as_os_error():
+                store = ts.open(
+                    _spec(partial / ARRAYS / str(leaf.index)), open=True
+                ).result()
             for start, host in hosts:
                 domain = tuple(
                     slice(begin, begin + extent)
@@ -314,13 +343,14 @@ def write_sharded(
                 futures.append(store[domain].write(host))
                 digests.setdefault(str(leaf.index), []).append(
                     {
-                        "at": _grid_position(start, leaf.chunk),
+                        "at": leaf.position(start),
                         "sha256": _digest(host),
                         "process": process,
                     }
                 )
-        for future in futures:
-            future.result()
+        with _as_os_error():
+            for future in futures:
+                future.result()
         write_file(
             partial / f"part_{process}.ckpt",
             {
@@ -346,9 +376,7 @@ def write_sharded(
             os.unlink(part_path)
         for leaf in stored:
             found = sorted(tuple(entry["at"]) for entry in chunk_records[leaf.index])
-            expected = sorted(
-                tuple(_grid_position(start, leaf.chunk)) for start in leaf.owners
-            )
+            expected = sorted(tuple(leaf.position(start)) for start in leaf.owners)
             if found != expected:
                 raise OSError(
                     f"the shards written of leaf `{leaf.where}` do not cover it "
@@ -367,6 +395,7 @@ def write_sharded(
             after_write()
 
     _on_every_process(create if process == 0 else None, path)
+    _on_every_process(copy_own, path)
     if not asynchronous:
         _on_every_process(write_own, path)
         _on_every_process(commit if process == 0 else None, path)
@@ -400,6 +429,27 @@ def _local_holder(leaf: _Leaf, start: tuple[int, ...]) -> Any:
     raise AssertionError(f"no local shard of `{leaf.where}` at {start}")
 
 
+@contextlib.contextmanager
+def _as_os_error() -> Iterator[None]:
+    """Tensorstore reports I/O failures (a full disk, a file in the way) as
+    `ValueError`s: raise them as the `OSError`s every other write raises."""
+    try:
+        yield
+    except ValueError as error:
+        raise OSError(errno.EIO, f"tensorstore could not write: {error}") from error
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse to replace anything at `path` but a checkpoint (a file, or a
+    folder committed by its manifest): a folder of the user's is never removed."""
+    if path.is_dir() and not (path / MANIFEST).is_file():
+        raise IsADirectoryError(
+            errno.EISDIR,
+            "a folder that is not a checkpoint is in the way (nothing was removed)",
+            str(path),
+        )
+
+
 def _make_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -425,12 +475,28 @@ def _replace(partial: Path, path: Path) -> None:
     a crash in between leaves the new checkpoint or the moved-aside old one."""
     aside = None
     if path.exists() or path.is_symlink():
-        aside = path.parent / f".{path.name}.{secrets.token_hex(8)}.old{PARTIAL_SUFFIX}"
-        os.rename(path, aside)
-    os.rename(partial, path)
+        aside = set_aside(path)
+    try:
+        os.rename(partial, path)
+    except OSError:
+        if aside is not None:
+            os.rename(aside, path)  # the previous checkpoint back in place
+        raise
     fsync_directory(path.parent)
     if aside is not None:
-        _remove_tree(aside)
+        with contextlib.suppress(OSError):
+            _remove_tree(aside)
+
+
+def set_aside(path: Path, *, doomed: bool = False) -> Path:
+    """Rename the checkpoint at `path` out of the listing: to be restored by the
+    next save if a crash comes before its replacement is in place (`.old`), or
+    removed (`doomed`, `.deleted`: pruning renames first, so a half-removed
+    folder is never listed)."""
+    kind = "deleted" if doomed else "old"
+    aside = path.parent / f".{path.name}.{secrets.token_hex(8)}.{kind}{PARTIAL_SUFFIX}"
+    os.rename(path, aside)
+    return aside
 
 
 def _on_every_process(work: Callable[[], None] | None, path: Path) -> None:
@@ -516,6 +582,8 @@ class PendingSave:
         """Block until the checkpoint is committed; raise the write's error."""
         self._thread.join()
         if self._waited:
+            if self._failure is not None:
+                raise self._failure
             return self.path
         self._waited = True
         if self._commit is not None:
@@ -530,6 +598,10 @@ class PendingSave:
         the thread, returns its error. On one process the write commits itself."""
         self._thread.join()
         self._waited = True
+        if self._commit is not None and self._failure is None:
+            self._failure = RuntimeError(
+                f"the checkpoint {self.path} was abandoned before its commit"
+            )
         return self._failure
 
 
@@ -602,7 +674,13 @@ class ShardedReader:
         self.folder = folder
         self.file = file
         self._stores: dict[int, Any] = {}
+        self._entries: dict[int, dict[tuple[int, ...], dict[str, Any]]] = {}
         self._chunks: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
+
+    def forget(self) -> None:
+        """Drop the chunks read so far (after each leaf: a load holds one
+        leaf's chunks at a time)."""
+        self._chunks.clear()
 
     def error(self, message: str) -> CheckpointError:
         return CheckpointError(f"Checkpoint {self.folder}: {message}")
@@ -640,11 +718,13 @@ class ShardedReader:
             return cached
         store = self._store(index, record)
         spec = record["store"]
-        entry = next(e for e in spec["chunks"] if tuple(e["at"]) == position)
-        path = _chunk_file(self.folder / ARRAYS / str(index), list(position))
+        entries = self._entries.get(index)
+        if entries is None:
+            entries = {tuple(e["at"]): e for e in spec["chunks"]}
+            self._entries[index] = entries
+        entry = entries[position]
+        path = self.check_file(index, record, position)
         where = f"the chunk file {path} (leaf `{record['path']}`)"
-        if not path.is_file():
-            raise self.error(f"{where} is missing")
         domain = tuple(
             slice(i * extent, min((i + 1) * extent, size))
             for i, extent, size in zip(position, spec["chunk"], spec["shape"])
@@ -663,6 +743,31 @@ class ShardedReader:
         self._chunks[(index, position)] = host
         return host
 
+    def check_file(
+        self, index: int, record: dict[str, Any], position: tuple[int, ...]
+    ) -> Path:
+        """The chunk's file, once it is known to exist with the size its raw
+        bytes have (before anything is allocated for it)."""
+        spec = record["store"]
+        path = _chunk_file(self.folder / ARRAYS / str(index), list(position))
+        where = f"the chunk file {path} (leaf `{record['path']}`)"
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise self.error(f"{where} is missing") from None
+        except OSError as error:
+            raise self.error(f"{where} cannot be read: {error}") from None
+        dtype = stored_dtype(spec["dtype"])
+        assert dtype is not None
+        expected = math.prod(spec["chunk"]) * dtype.itemsize
+        if not path.is_file() or size != expected:
+            raise self.error(
+                f"{where} has {size} bytes, a chunk of {tuple(spec['chunk'])} "
+                f"{dtype.name} has {expected}: it is truncated, padded or was "
+                "replaced"
+            )
+        return path
+
     def read(
         self, index: int, record: dict[str, Any], region: Any = None
     ) -> np.ndarray:
@@ -672,14 +777,16 @@ class ShardedReader:
         shape, chunk = spec["shape"], spec["chunk"]
         region = tuple(region or ()) + (slice(None),) * (len(shape) - len(region or ()))
         bounds = [slot.indices(size)[:2] for slot, size in zip(region, shape)]
+        ranges = [
+            range(begin // extent, (end - 1) // extent + 1) if end > begin else range(0)
+            for (begin, end), extent in zip(bounds, chunk)
+        ]
+        for position in itertools.product(*ranges):
+            self.check_file(index, record, position)
         out = np.empty(
             [end - begin for begin, end in bounds], stored_dtype(spec["dtype"])
         )
         if out.size:
-            ranges = [
-                range(begin // extent, (end - 1) // extent + 1)
-                for (begin, end), extent in zip(bounds, chunk)
-            ]
             for position in itertools.product(*ranges):
                 data = self.chunk(index, record, position)
                 source, target = [], []
@@ -702,7 +809,7 @@ class ShardedReader:
                 continue
             for entry in record["store"]["chunks"]:
                 self.chunk(index, record, tuple(entry["at"]))
-                self._chunks.clear()
+                self.forget()
 
 
 class LazyLeaf:

@@ -256,7 +256,7 @@ def prepare(
         )  # fmt: skip
         checkpoints.prepare()
         template = train_state
-        if mesh is not None:
+        if mesh is not None and checkpoints.has_checkpoints():
             # Loaded straight onto the mesh: from a sharded checkpoint, each
             # process reads only the shards its devices hold.
             template = place_state(train_state, check_fit_mesh(mesh, size, 0))
