@@ -26,7 +26,7 @@ def loss_fn(model, batch, key):
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
-def train(ens, data, mesh, *, steps=STEPS, checkpoints=None):
+def train(ens, data, mesh, *, steps=STEPS, checkpoints=None, callbacks=()):
     return ee.fit(
         ens,
         loss_fn,
@@ -37,6 +37,6 @@ def train(ens, data, mesh, *, steps=STEPS, checkpoints=None):
         batch_size=16,
         key=jax.random.key(1),
         sampling="independent",
-        callbacks=(),
+        callbacks=callbacks,
         execution=ee.Execution(steps_per_dispatch=5, mesh=mesh),
     )

@@ -5,8 +5,9 @@
 
 PHASE `train` (default): train and save as below. `checkpoint`: train with sharded
 checkpoints (`ee.Checkpoints`, the default format on several processes): the
-whole run into OUT_DIR/full (a checkpoint halfway and at the end), and a run
-stopped halfway into OUT_DIR/half (asynchronous checkpoints). `resume`: fresh
+whole run into OUT_DIR/full (asynchronous checkpoints, halfway and at the end).
+`kill`: the same run into OUT_DIR/half, both processes killed with SIGKILL
+once the halfway checkpoint is written. `resume`: fresh
 processes resume OUT_DIR/half (written by 2 processes) and OUT_DIR/single
 (written by 1) to the end.
 
@@ -23,6 +24,7 @@ with `ee.save`. Process 0 also writes the gathered parameters and history.
 """
 
 import os
+import signal
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -143,25 +145,33 @@ def _checkpoint_phase(phase, out_dir, ens, data, mesh):
 
     saved = {}
     if phase == "checkpoint":
+        # The whole run, its checkpoints written in the background (on several
+        # processes each is committed at the next checkpoint, the last when
+        # `fit` ends).
         full = train(
             ens,
             data,
             mesh,
             checkpoints=ee.Checkpoints(
-                os.path.join(out_dir, "full"), every=half, keep=None
+                os.path.join(out_dir, "full"), every=half, keep=None, asynchronous=True
             ),
         )
         saved["full"] = gathered(full)
+    elif phase == "kill":
+        # The same run, killed (SIGKILL, both processes) once its halfway
+        # checkpoint is written.
+        def kill(result):
+            if result.step >= half:
+                os.kill(os.getpid(), signal.SIGKILL)
+
         train(
             ens,
             data,
             mesh,
-            steps=half,
-            # Written in the background (committed when `fit` ends).
-            checkpoints=ee.Checkpoints(
-                os.path.join(out_dir, "half"), every=half, asynchronous=True
-            ),
+            checkpoints=ee.Checkpoints(os.path.join(out_dir, "half"), every=half),
+            callbacks=(kill,),
         )
+        raise AssertionError("not killed")
     else:
         # Count the bytes of the chunks this process reads (each read once).
         from eqx_ensemble._checkpoints.sharded import ShardedReader

@@ -639,7 +639,7 @@ def test_failed_checkpoint_write_keeps_the_result(ens, tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_fit_checkpoints, "save_checkpoint", full_disk)
+    monkeypatch.setattr(_fit_checkpoints, "_save_checkpoint", full_disk)
     with pytest.raises(ee.CheckpointError, match="error.result") as info:
         ee.fit(
             ens,

@@ -9,6 +9,7 @@ process feeding only its own rows of the data. Their trained ensemble, history a
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -39,9 +40,11 @@ def _free_port() -> int:
 def _run_workers(
     out_dir: Path, axis_type: str, layout: str, phase: str = "train"
 ) -> None:
+    # The "kill" phase ends by SIGKILL (exit code -9) on purpose.
+    expected = [-signal.SIGKILL if phase == "kill" else 0] * NUM_PROCESSES
     for attempt in range(3):
         codes = _start_and_wait(out_dir, axis_type, layout, _free_port(), phase)
-        if codes == [0] * NUM_PROCESSES:
+        if codes == expected:
             return
         # The free port can be taken between choosing and binding it: retry.
         if "already in use" not in _logs(out_dir) or attempt == 2:
@@ -185,7 +188,10 @@ def _bytes_per_process(folder: Path) -> dict[int, int]:
 
 def test_sharded_checkpoints_of_two_processes_resume_on_one_and_on_two(tmp_path):
     # Members split over the 2 processes; each process writes only its shards.
+    # The whole run (asynchronous checkpoints), then the same run killed
+    # (SIGKILL) once its halfway checkpoint is in place.
     _run_workers(tmp_path, "Auto", "members", "checkpoint")
+    _run_workers(tmp_path, "Auto", "members", "kill")
     half = STEPS // 2
     ens, data = make_problem()
     reference = train(ens, data, None)
@@ -193,6 +199,7 @@ def test_sharded_checkpoints_of_two_processes_resume_on_one_and_on_two(tmp_path)
     np.testing.assert_allclose(full["losses"], reference.history.losses, rtol=1e-5)
     checkpoint = tmp_path / "half" / f"step_{half:010d}.ckpt"
     assert checkpoint.is_dir() and ee.verify_checkpoint(checkpoint)["step"] == half
+    assert [step for step, _ in ee.list_checkpoints(tmp_path / "half")] == [half]
     # No gather: each process wrote about half of the bytes (at most 1/2 + 5%).
     written = _bytes_per_process(checkpoint)
     assert sorted(written) == [0, 1]
