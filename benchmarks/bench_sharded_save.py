@@ -49,7 +49,6 @@ def worker(process_id: int, port: int, folder: str, quick: bool, repeats: int) -
         initialization_timeout=60,
     )
     import equinox as eqx
-    import numpy as np
     import optax
     from jax.experimental import multihost_utils
 
@@ -88,19 +87,10 @@ def worker(process_id: int, port: int, folder: str, quick: bool, repeats: int) -
             jax.block_until_ready(back)
             loads.append(time.perf_counter() - start)
         if sharded:
-            written = {0: 0, 1: 0}
-            for leaf in ee.load_manifest(path)["leaves"]:
-                store = leaf.get("store")
-                if store is None:
-                    continue
-                itemsize = np.dtype(jax.numpy.dtype(store["dtype"])).itemsize
-                for chunk in store["chunks"]:
-                    extents = [
-                        min(c, n - i * c)
-                        for i, c, n in zip(chunk["at"], store["chunk"], store["shape"])
-                    ]
-                    written[chunk["process"]] += int(np.prod(extents)) * itemsize
-            mine = written[process_id]
+            from eqx_ensemble._checkpoints.sharded import written_bytes
+
+            written = written_bytes(ee.load_manifest(path))
+            mine = written.get(process_id, 0)
             host = own
         else:
             mine = os.path.getsize(path) if process_id == 0 else 0

@@ -24,6 +24,7 @@ from _multiprocess_problem import NUM_EXAMPLES, STEPS, make_problem, train
 from conftest import assert_tree_allclose
 
 import eqx_ensemble as ee
+from eqx_ensemble._checkpoints.sharded import written_bytes
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "_multiprocess_worker.py"
@@ -168,24 +169,6 @@ def test_two_processes_model_axis_across_processes_auto(tmp_path):
     _check_against_single_process(tmp_path, "model")
 
 
-def _bytes_per_process(folder: Path) -> dict[int, int]:
-    """What each process wrote of a sharded checkpoint (from its manifest)."""
-    written: dict[int, int] = {}
-    for leaf in ee.load_manifest(folder)["leaves"]:
-        store = leaf.get("store")
-        if store is None:
-            continue
-        itemsize = np.dtype(jax.numpy.dtype(store["dtype"])).itemsize
-        for chunk in store["chunks"]:
-            extents = [
-                min(extent, size - i * extent)
-                for i, extent, size in zip(chunk["at"], store["chunk"], store["shape"])
-            ]
-            nbytes = int(np.prod(extents)) * itemsize
-            written[chunk["process"]] = written.get(chunk["process"], 0) + nbytes
-    return written
-
-
 def test_sharded_checkpoints_of_two_processes_resume_on_one_and_on_two(tmp_path):
     # Members split over the 2 processes; each process writes only its shards.
     # The whole run (asynchronous checkpoints), then the same run killed
@@ -201,7 +184,7 @@ def test_sharded_checkpoints_of_two_processes_resume_on_one_and_on_two(tmp_path)
     assert checkpoint.is_dir() and ee.verify_checkpoint(checkpoint)["step"] == half
     assert [step for step, _ in ee.list_checkpoints(tmp_path / "half")] == [half]
     # No gather: each process wrote about half of the bytes (at most 1/2 + 5%).
-    written = _bytes_per_process(checkpoint)
+    written = written_bytes(ee.load_manifest(checkpoint))
     assert sorted(written) == [0, 1]
     total = sum(written.values())
     assert max(written.values()) <= (1 / NUM_PROCESSES + 0.05) * total, written

@@ -45,10 +45,10 @@ from .sharded import (
     PendingSave,
     ShardedReader,
     _agree as agree,
-    _remove_tree,
     check_replaceable,
     is_sharded,
-    set_aside,
+    make_parent,
+    replacing,
     store_error,
     write_sharded,
 )
@@ -197,29 +197,13 @@ def save_tree(
         return write_sharded(path, leaves, manifest, after_write, asynchronous)
 
     def write() -> None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise OSError(
-                error.errno,
-                f"cannot create the folder {str(path.parent)!r} for the checkpoint "
-                f"({error.strerror or error}); nothing was written",
-                str(path),
-            ) from error
+        make_parent(path)
         remove_stale_temporaries(path)
         check_replaceable(path)
-        aside = None
-        if is_sharded(path):  # a sharded checkpoint replaced by a single file
-            aside = set_aside(path)
-        try:
+        # A file replaces a file atomically (`os.replace`); a sharded checkpoint
+        # (a folder) is moved aside first.
+        with replacing(path) if is_sharded(path) else contextlib.nullcontext():
             write_file(path, manifest, chunks)
-        except BaseException:
-            if aside is not None:
-                os.rename(aside, path)  # the previous checkpoint back in place
-            raise
-        if aside is not None:
-            with contextlib.suppress(OSError):
-                _remove_tree(aside)
         if after_write is not None:
             after_write()
 

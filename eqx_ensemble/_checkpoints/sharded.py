@@ -281,7 +281,7 @@ def write_sharded(
         # Process 0: a fresh temporary folder (a leftover of an interrupted write
         # of the same checkpoint is removed) and every array's metadata.
         check_replaceable(path)
-        _make_parent(path)
+        make_parent(path)
         _remove_tree(partial)
         (partial / ARRAYS).mkdir(parents=True)
         for leaf in stored:
@@ -450,7 +450,7 @@ def check_replaceable(path: Path) -> None:
         )
 
 
-def _make_parent(path: Path) -> None:
+def make_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -470,22 +470,50 @@ def _remove_tree(folder: Path) -> None:
 
 
 def _replace(partial: Path, path: Path) -> None:
-    """Rename the complete folder `partial` to `path`. A checkpoint already there
-    (a folder or a single file) is first moved aside and removed after the rename:
-    a crash in between leaves the new checkpoint or the moved-aside old one."""
-    aside = None
-    if path.exists() or path.is_symlink():
-        aside = set_aside(path)
-    try:
+    """Rename the complete folder `partial` to `path` (see `replacing`)."""
+    with replacing(path):
         os.rename(partial, path)
-    except OSError:
+        fsync_directory(path.parent)
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[None]:
+    """Put a new checkpoint at `path` inside the block (a rename). A checkpoint
+    already there (a folder or a file) is first moved aside, put back if the
+    block fails, and removed once it succeeds: a crash in between leaves the
+    moved-aside one, which the next save restores (`directory._prune`)."""
+    aside = set_aside(path) if path.exists() or path.is_symlink() else None
+    try:
+        yield
+    except BaseException:
         if aside is not None:
             os.rename(aside, path)  # the previous checkpoint back in place
         raise
-    fsync_directory(path.parent)
     if aside is not None:
         with contextlib.suppress(OSError):
             _remove_tree(aside)
+
+
+def written_bytes(manifest: dict[str, Any]) -> dict[int, int]:
+    """The bytes of stored chunks each process wrote, from a sharded
+    checkpoint's manifest (a partial last chunk counted at its real extent)."""
+    written: dict[int, int] = {}
+    for leaf in manifest["leaves"]:
+        store = leaf.get("store")
+        if store is None:
+            continue
+        dtype = stored_dtype(store["dtype"])
+        assert dtype is not None
+        for chunk in store["chunks"]:
+            extents = [
+                min(extent, size - i * extent)
+                for i, extent, size in zip(chunk["at"], store["chunk"], store["shape"])
+            ]
+            process = chunk["process"]
+            written[process] = (
+                written.get(process, 0) + math.prod(extents) * dtype.itemsize
+            )
+    return written
 
 
 def set_aside(path: Path, *, doomed: bool = False) -> Path:
