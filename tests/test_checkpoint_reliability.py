@@ -579,6 +579,30 @@ def test_check_writable_directory(tmp_path):
         check_writable_directory(3)
 
 
+def test_check_writable_directory_by_writers_at_once(tmp_path):
+    # The processes of a multi-process run check the same folder at the same
+    # time: one's probe must not be taken for, or removed as, another's.
+    folder = tmp_path / "run"
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def writer():
+        start.wait()
+        try:
+            for _ in range(50):
+                check_writable_directory(folder)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert os.listdir(folder) == []  # every probe is gone
+
+
 def test_check_writable_directory_reports_an_unwritable_folder(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")

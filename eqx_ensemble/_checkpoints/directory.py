@@ -5,6 +5,7 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -327,7 +328,9 @@ def check_writable_directory(directory: str | os.PathLike[str]) -> Path:
     that save after long work (`fit`): call it before the work, so a bad path
     costs nothing. Returns the folder as a `Path`."""
     path = as_path(directory, "directory")
-    probe = path / ".eqx_ensemble_write_probe"
+    # A name of this writer's own: the processes of a multi-process run probe
+    # the same folder at the same time (one's probe must not be another's).
+    probe = path / f".eqx_ensemble_write_probe-p{os.getpid()}-{secrets.token_hex(4)}"
     try:
         if path.exists() and not path.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "it exists and is not a folder")
