@@ -1115,3 +1115,92 @@ def test_swa_that_starts_after_the_last_step_is_refused(ens):
             track=[ee.SWA(start=20)],
             callbacks=(),
         )
+
+
+# -------------------------------------------------------------------------------
+# The host path of a fit call (issue 25: nothing on it but the work)
+# -------------------------------------------------------------------------------
+
+
+def test_a_fit_call_builds_no_bound_method_modules(ens, tmp_path, monkeypatch):
+    # Equinox builds a `BoundMethod` module for every method read on a module
+    # (about 17 us each on a CPU); fit reads its components' methods (sampling,
+    # evaluation, trackers, controllers, progress, loggers, checkpoints) as plain
+    # methods, several times per call and per dispatch.
+    from equinox._module._prebuilt import BoundMethod
+
+    built = []
+    original = BoundMethod.__post_init__
+
+    def record(self):
+        built.append(self.__func__.__qualname__)
+        original(self)
+
+    monkeypatch.setattr(BoundMethod, "__post_init__", record)
+
+    def run(folder):
+        return ee.fit(
+            ens,
+            mse_loss,
+            ADAM,
+            (X, Y),
+            steps=6,
+            batch_size=BATCH,
+            key=KEY,
+            sampling=ee.Bootstrap(),
+            evaluate=ee.Evaluate(mse_loss, (X[:16], Y[:16]), every=2),
+            track=[ee.EMA(0.9)],
+            checkpoints=ee.Checkpoints(tmp_path / folder, every=3),
+            callbacks=[
+                ee.ProgressBar(),
+                ee.CSVLogger(tmp_path / folder / "logs"),
+                ee.EarlyStopping(2, patience=100),
+            ],
+            execution=ee.Execution(steps_per_dispatch=2),
+        )
+
+    run("first")  # traces and compiles (tracing may read methods: once)
+    built.clear()
+    result = run("second")
+    assert result.step == 6
+    assert built == [], built
+    # The components are modules still: pytrees with Equinox's fields.
+    component = ee.Evaluate(mse_loss, (X[:16], Y[:16]), every=2)
+    assert isinstance(component, eqx.Module)
+    assert len(jax.tree.leaves(eqx.filter(component, eqx.is_array))) == 2
+    assert isinstance(ee.Shared().check, type(component.check))
+
+
+def test_a_loss_checked_once_is_still_checked_for_other_calls(ens, bn):
+    # A loss's signature is read once per way of calling it (stateful, hyper):
+    # a loss accepted without a state is still refused with one.
+    ee.fit(
+        ens, mse_loss, ADAM, (X, Y), steps=1, batch_size=BATCH, key=KEY, callbacks=()
+    )
+    _, state = bn
+    for _ in range(2):
+        with pytest.raises(TypeError, match="A model state was given"):
+            ee.fit(
+                ens,
+                mse_loss,
+                ADAM,
+                (X, Y),
+                steps=1,
+                batch_size=BATCH,
+                key=KEY,
+                state=state,
+                callbacks=(),
+            )
+    for _ in range(2):
+        with pytest.raises(TypeError, match="`hyper=` was given"):
+            ee.fit(
+                ens,
+                mse_loss,
+                ADAM,
+                (X, Y),
+                steps=1,
+                batch_size=BATCH,
+                key=KEY,
+                hyper={"decay": jnp.zeros(SIZE)},
+                callbacks=(),
+            )

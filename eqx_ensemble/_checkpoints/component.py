@@ -16,6 +16,7 @@ from .._controllers.base import Controller
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import Heterogeneous
 from .._internal.checks import MAX_INT32, check_positive_int
+from .._internal.component import Component
 from .._trackers.base import Tracker
 from .._training.evaluate import Evaluate
 from .._training.history import History
@@ -50,7 +51,7 @@ class RunMismatchError(CheckpointError):
     """An intact checkpoint of another run (never a reason to fall back)."""
 
 
-class Checkpoints(eqx.Module):
+class Checkpoints(Component):
     """Save a [`fit`][eqx_ensemble.fit] run to a folder, and resume it from there.
 
     Every `every` steps, and at the end, the whole run (ensemble, optimizer and

@@ -20,11 +20,12 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
+from .._internal.component import Component
 from .._training.history import History
 from .._training.train_state import TrainState
 
 
-class Controller(eqx.Module):
+class Controller(Component):
     """Changes a [`fit`][eqx_ensemble.fit] run between dispatches (abstract): see
     the module docs above and the training guide. Subclasses set `every` and
     implement `__call__`.

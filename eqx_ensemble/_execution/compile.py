@@ -64,30 +64,38 @@ class Jit:
             compiler_options=dict(options) or None,
         )
 
-    def _split(self, args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
-        first, first_def = jax.tree_util.tree_flatten(args[:1])
-        rest, rest_def = jax.tree_util.tree_flatten(args[1:])
-        static = (
-            first_def,
-            rest_def,
-            tuple(None if eqx.is_array(leaf) else leaf for leaf in first),
-            tuple(None if eqx.is_array(leaf) else leaf for leaf in rest),
-        )
-        return (
-            static,
-            [leaf for leaf in first if eqx.is_array(leaf)],
-            [leaf for leaf in rest if eqx.is_array(leaf)],
-        )
-
     def __call__(self, *args: Any) -> Any:
-        static, first, rest = self._split(args)
+        return self.call_split(*split_arguments(args))
+
+    def call_split(self, static: Hashable, first: list[Any], rest: list[Any]) -> Any:
+        """The call on arguments already split by `split_arguments` (a caller
+        that keys something on `static` splits once)."""
         arrays, static_out = self._jitted(static, first, rest)
         return static_out.unflatten(arrays)
 
     def lower(self, *args: Any) -> "Lowered":
         """Ahead-of-time lowering for these arguments (as `jax.jit(...).lower`)."""
-        static, first, rest = self._split(args)
+        static, first, rest = split_arguments(args)
         return Lowered(self, static, self._jitted.lower(static, first, rest))
+
+
+def split_arguments(args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
+    """A `Jit`'s arguments as (their structure and non-array leaves: hashable,
+    what a program is compiled for; the first argument's arrays; the other
+    arguments' arrays)."""
+    first, first_def = jax.tree_util.tree_flatten(args[:1])
+    rest, rest_def = jax.tree_util.tree_flatten(args[1:])
+    static = (
+        first_def,
+        rest_def,
+        tuple(None if eqx.is_array(leaf) else leaf for leaf in first),
+        tuple(None if eqx.is_array(leaf) else leaf for leaf in rest),
+    )
+    return (
+        static,
+        [leaf for leaf in first if eqx.is_array(leaf)],
+        [leaf for leaf in rest if eqx.is_array(leaf)],
+    )
 
 
 class Lowered:
@@ -111,7 +119,7 @@ class Compiled:
         self._owner, self._static, self.compiled = owner, static, compiled
 
     def __call__(self, *args: Any) -> Any:
-        static, first, rest = self._owner._split(args)
+        static, first, rest = split_arguments(args)
         if static != self._static:
             raise TypeError(
                 "the arguments' structure or static leaves differ from those this "

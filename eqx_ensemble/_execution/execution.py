@@ -13,11 +13,11 @@ import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
-import equinox as eqx
 from jax.sharding import Mesh
 
 from .._core.sharding import check_mesh
 from .._internal.checks import MAX_INT32, check_positive_int
+from .._internal.component import Component
 from .compile import check_compiler_options
 
 LayoutChoice = Literal["auto", "vmap", "sequential"]
@@ -32,7 +32,7 @@ _FIELDS = (
 )
 
 
-class Execution(eqx.Module):
+class Execution(Component):
     """How a run executes: speed, memory and placement, never the result.
 
     **Arguments (all optional; `None` lets the library choose):**

@@ -114,7 +114,7 @@ def signature(tree: Any) -> Any:
     when a non-array leaf is unhashable)."""
     leaves, treedef = jax.tree.flatten(tree)
     record = tuple(
-        (tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape") else leaf
+        (tuple(leaf.shape), leaf.dtype) if hasattr(leaf, "shape") else leaf
         for leaf in leaves
     )
     hash(record)

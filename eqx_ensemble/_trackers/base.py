@@ -25,9 +25,10 @@ from jaxtyping import Array, Int, PyTree
 
 from .._core.ensemble import Ensemble
 from .._internal.checks import check_int
+from .._internal.component import Component
 
 
-class Tracker(eqx.Module):
+class Tracker(Component):
     """A weight-trajectory method run inside [`fit`][eqx_ensemble.fit]'s compiled
     loop (abstract). See [`ee.EMA`][eqx_ensemble.EMA] for a complete example and
     the training guide for the protocol: `init`, `update`, `result`, `check`.

@@ -12,9 +12,10 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 from .._core.heterogeneous import is_heterogeneous, per_group, split_by_group
 from .._execution.layout import Layout, member_map
 from .._internal.checks import MAX_INT32, check_positive_int
+from .._internal.component import Component
 
 
-class Evaluate(eqx.Module):
+class Evaluate(Component):
     """Evaluate every member every `every` steps, inside the compiled loop.
 
     `fn` has the loss's signature: `fn(model, data, key)`, or with a model state

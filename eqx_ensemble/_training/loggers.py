@@ -12,8 +12,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import numpy as np
+
+from .._internal.component import Component
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ class LogEntry:
     events: tuple[dict[str, Any], ...]
 
 
-class Logger(eqx.Module):
+class Logger(Component):
     """Writes a [`fit`][eqx_ensemble.fit] run's record somewhere (abstract).
     Passed in `fit(..., callbacks=[...])`;
     [`ee.CSVLogger`][eqx_ensemble.CSVLogger] and

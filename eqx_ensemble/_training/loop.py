@@ -32,7 +32,12 @@ from .._core.sharding import (
     place_state,
     replicate,
 )
-from .._execution.compile import CompiledFunctions, Options, filter_jit
+from .._execution.compile import (
+    CompiledFunctions,
+    Options,
+    filter_jit,
+    split_arguments,
+)
 from .._execution.layout import Layout
 from .._trackers.base import Tracker
 from .evaluate import Evaluate, eval_member_keys
@@ -43,9 +48,14 @@ from .step import vmapped_update
 from .train_state import TrainState, member_select, track_update
 
 
-class Chunk(eqx.Module):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class Chunk:
     """Everything one dispatch reads (the train state is passed, and donated,
-    separately). Non-array fields are static: changing them recompiles."""
+    separately). Non-array fields are static: changing them recompiles. A plain
+    dataclass registered as a pytree (every field a child, as in an
+    `eqx.Module`): it is made and replaced on the host for every dispatch, where
+    a module's construction and attribute reads cost tens of microseconds."""
 
     loss_fn: LossFn
     optimizer: optax.GradientTransformation
@@ -85,24 +95,23 @@ def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., An
 
 
 # `run_chunk` compiled with XLA `options`, one function per program (the
-# chunk's static configuration and the state's shapes: `runner_for`), at most
+# chunk's static configuration and the state's shapes: `dispatch_chunk`), at most
 # `compile.MAX_PROGRAMS` kept; the state is donated.
 chunk_runner = CompiledFunctions(_make_chunk_runner)
 
 
-def runner_for(
-    options: Options, chunk: Chunk, state_shapes: Hashable
-) -> Callable[..., Any]:
-    """The compiled dispatch for `chunk`: one function per XLA options, static
-    configuration of the chunk (loss, optimizer, components, lengths) and shapes
-    of the train state, so that a loop of `fit` calls with new optimizers or
-    models keeps a bounded number of programs."""
-    try:
-        key = (options, eqx.partition(chunk, eqx.is_array)[1], state_shapes)
-        hash(key)
-    except TypeError:  # an unhashable static part: one function for all
-        key = (options,)
-    return chunk_runner(*key)
+def dispatch_chunk(
+    options: Options, chunk: Chunk, train_state: TrainState
+) -> tuple[TrainState, Any, Any]:
+    """One compiled dispatch of `chunk` from `train_state` (donated). The
+    program is looked up by what it is compiled for (one function per XLA
+    options, static configuration of the chunk: loss, optimizer, components,
+    lengths; and shapes of the train state), so that a loop of `fit` calls with
+    new optimizers or models keeps a bounded number of programs. The arguments
+    are flattened once, for the lookup and the call."""
+    static, first, rest = split_arguments((chunk, train_state))
+    shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
+    return chunk_runner(options, static, shapes).call_split(static, first, rest)
 
 
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:

@@ -2,6 +2,7 @@
 any work, the call for one member, and the split of what it returns."""
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -84,12 +85,35 @@ def call_loss(
     return _split_loss_output(out, stateful)
 
 
+# The (stateful, with_hyper) calls each loss was found to take: a `fit` loop
+# reads a loss's signature once, not per call. Weak keys: the entry goes with
+# the loss.
+_CHECKED: "weakref.WeakKeyDictionary[Any, set[tuple[bool, bool]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def check_loss_signature(
     loss_fn: Callable[..., Any], stateful: bool, with_hyper: bool = False
 ) -> None:
     """Raise before any work if `loss_fn` cannot be called the way the library
     calls it: `(model, batch, key)`, or `(model, state, batch, key)` with a model
     state, plus the keyword `hyper=` when per-member hyperparameters are given."""
+    try:
+        if (stateful, with_hyper) in _CHECKED.get(loss_fn, ()):
+            return
+    except TypeError:  # not weakly referable, or unhashable
+        pass
+    _check_loss_signature(loss_fn, stateful, with_hyper)
+    try:
+        _CHECKED.setdefault(loss_fn, set()).add((stateful, with_hyper))
+    except TypeError:
+        pass
+
+
+def _check_loss_signature(
+    loss_fn: Callable[..., Any], stateful: bool, with_hyper: bool
+) -> None:
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}")
     try:

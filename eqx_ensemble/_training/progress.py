@@ -5,11 +5,12 @@ ends; the meter decides how to show it."""
 import abc
 from typing import Any
 
-import equinox as eqx
 import numpy as np
 
+from .._internal.component import Component
 
-class ProgressMeter(eqx.Module):
+
+class ProgressMeter(Component):
     """Shows a [`fit`][eqx_ensemble.fit] run's progress (abstract). Passed in
     `fit(..., callbacks=[...])`; [`ee.ProgressBar`][eqx_ensemble.ProgressBar]
     is the default. Called on the host between dispatches, never inside

@@ -82,9 +82,17 @@ def make_result(
     key: PRNGKeyArray | None = None,
     num_examples: int | None = None,
     resumed_from: int | None = None,
+    read: tuple[np.ndarray, np.ndarray, int] | None = None,
 ) -> FitResult:
-    """A `FitResult` from a run's state."""
-    diverged_at = np.asarray(train_state.diverged_at)
+    """A `FitResult` from a run's state; `read`: its `diverged_at`, `stopped_at`
+    and `step` already on the host (read from the state otherwise)."""
+    if read is None:
+        read = (
+            np.asarray(train_state.diverged_at),
+            np.asarray(train_state.stopped_at),
+            int(train_state.step),
+        )
+    diverged_at, stopped_at, step = read
     best_step = train_state.best_step
     return FitResult(
         ensemble=train_state.ensemble,
@@ -98,7 +106,7 @@ def make_result(
         },
         best_ensemble=train_state.best_ensemble,
         best_step=None if best_step is None else np.asarray(best_step),
-        step=int(train_state.step),
+        step=step,
         tracked=tuple(
             track_result(tracker, state, train_state.ensemble)
             for tracker, state in zip(track, train_state.tracked, strict=True)
@@ -106,7 +114,7 @@ def make_result(
         train_state=train_state,
         stopped={
             int(member): int(step)
-            for member, step in enumerate(np.asarray(train_state.stopped_at))
+            for member, step in enumerate(stopped_at)
             if step >= 0
         },
         sampling=sampling,

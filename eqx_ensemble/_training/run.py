@@ -56,7 +56,7 @@ from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
 from .loggers import LogEntry, Logger, LogWriter, RunInfo
-from .loop import Chunk, copy, runner_for
+from .loop import Chunk, copy, dispatch_chunk
 from .loss import (
     LossFn,
     check_hyper,
@@ -405,12 +405,12 @@ def plan_fit(
     same shapes looks its plan up). The step's profile (does the loss
     convolve? batched matmuls?) is read on one CPU device only, where
     something depends on it."""
-    member_batch = source.member_batch()
     try:
         table = _PLANS.setdefault(loss_fn, {})
         key = (
             execution,
-            signature((ens.members, member_batch, state, hyper)),
+            signature((ens.members, state, hyper)),
+            source.batch_signature(),
             mesh,
             jax.default_backend(),
             steps >= SEQUENTIAL_MIN_STEPS_PER_MEMBER * len(ens),
@@ -420,7 +420,15 @@ def plan_fit(
     plan = None if table is None else table.get(key)
     if plan is None:
         plan = _plan_fit(
-            execution, loss_fn, ens, source, member_batch, state, hyper, mesh, steps
+            execution,
+            loss_fn,
+            ens,
+            source,
+            source.member_batch(),
+            state,
+            hyper,
+            mesh,
+            steps,
         )
         if table is not None:
             if len(table) > 64:
@@ -524,16 +532,9 @@ class Run:
     groups: tuple[tuple[int, int], ...] | None = None  # a heterogeneous run's
 
     def __post_init__(self):
-        leaves, treedef = jax.tree_util.tree_flatten(self.train_state)
-        self._state_shapes = (
-            treedef,
-            tuple(
-                (leaf.shape, leaf.dtype) if eqx.is_array(leaf) else leaf
-                for leaf in leaves
-            ),
-        )
         self.done = int(self.train_state.step)
         self._diverged_at = np.asarray(self.train_state.diverged_at)
+        self._stopped_at = np.asarray(self.train_state.stopped_at)
         self._pending: PendingSave | None = None  # an asynchronous checkpoint
 
     def run(self) -> FitResult:
@@ -730,21 +731,30 @@ class Run:
                 length=end - self.done,
                 evaluate_last=every is not None and end % every == 0,
             )
-        runner = runner_for(self.options, chunk, self._state_shapes)
-        self.train_state, losses, scores = runner(chunk, self.train_state)
+        self.train_state, losses, scores = dispatch_chunk(
+            self.options, chunk, self.train_state
+        )
         return losses, scores
 
     def record_dispatch(self, outputs: tuple[Any, Any], end: int) -> np.ndarray:
         """The dispatch's history; returns its `(steps, members)` losses."""
         active = end - self.done
-        losses = np.asarray(outputs[0])[:active]
-        scores = None
-        if self.chunk.evaluate is not None:
-            scores = np.asarray(outputs[1])[:active]
+        evaluated = self.chunk.evaluate is not None
+        # One read of everything the host needs from the dispatch.
+        losses, scores, self._diverged_at, self._stopped_at = jax.device_get(
+            (
+                outputs[0],
+                outputs[1] if evaluated else None,
+                self.train_state.diverged_at,
+                self.train_state.stopped_at,
+            )
+        )
+        losses = losses[:active]
+        if scores is not None:
+            scores = scores[:active]
         every = None if self.chunk.evaluate is None else self.chunk.evaluate.every
         self.recorder.record(losses, scores, self.done, every)
         self.done = end
-        self._diverged_at = np.asarray(self.train_state.diverged_at)
         return losses
 
     def control(self) -> None:
@@ -772,6 +782,9 @@ class Run:
             # a "model"-split state back where it was.
             new_state = restore_placement(new_state, self.chunk.placement)
             self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
+            # A controller may stop members (or revive them).
+            self._diverged_at = np.asarray(self.train_state.diverged_at)
+            self._stopped_at = np.asarray(self.train_state.stopped_at)
 
     def finished(self) -> bool:
         """Whether every member has stopped or diverged, at least one stopped
@@ -779,7 +792,7 @@ class Run:
         controllers, so without one there is nothing to read."""
         if not self.controllers:
             return False
-        stopped = np.asarray(self.train_state.stopped_at) >= 0
+        stopped = self._stopped_at >= 0
         return bool(stopped.any() and (stopped | (self._diverged_at >= 0)).all())
 
     def checkpoint(self, writer: LogWriter | None = None, last: int = -1) -> None:
@@ -823,6 +836,7 @@ class Run:
             key=self.key,
             num_examples=self.source.num_examples,
             resumed_from=self.resumed_from,
+            read=(self._diverged_at, self._stopped_at, self.done),
         )
 
     def fail(self, cls: type[Exception], message: str) -> NoReturn:

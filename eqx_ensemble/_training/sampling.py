@@ -16,12 +16,12 @@ import abc
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from .._core.data import bootstrap_resamples, epoch_indices
+from .._internal.component import Component
 from .._internal.keys import run_keys
 
 # Above this many precomputed indices (int32) per chunk, compute the permutation
@@ -31,7 +31,7 @@ _MAX_PRECOMPUTED = 2**26
 MAX_INDICES = 2**31 - 1
 
 
-class Sampling(eqx.Module):
+class Sampling(Component):
     """How each member's minibatch is drawn from array data (abstract).
 
     The built-in samplings are [`ee.Shared`][eqx_ensemble.Shared],

@@ -10,24 +10,24 @@ else in the loop asks which kind of data it has.
 
 import abc
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
-import equinox as eqx
 import jax
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core.data import num_examples
 from .._core.sharding import DATA, MEMBERS, constrain, gather_batch, on_mesh
-from .._execution.profile import example_structs, first_member
+from .._execution.profile import example_structs, first_member, signature
 from .._internal.checks import check_positive_int
+from .._internal.component import Component
 from .epochs import EpochIterator, Epochs
 from .sampling import MAX_INDICES, Bootstrap, Sampling
 from .stream import BatchGroups, batch_digest, example_count, open_stream
 
 
-class Batches(eqx.Module):
+class Batches(Component):
     """What a compiled dispatch reads to make each step's batch (abstract)."""
 
     @abc.abstractmethod
@@ -96,6 +96,11 @@ class DataSource(abc.ABC):
     def member_batch(self) -> PyTree[Any]:
         """One member's batch of one step, as shapes (for the step's profile)."""
 
+    def batch_signature(self) -> Hashable:
+        """A hashable record of `member_batch()`'s structure, shapes and dtypes
+        (a key of the run's execution plan)."""
+        return signature(self.member_batch())
+
     @abc.abstractmethod
     def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
         """Read the next `count` steps' batches (padded to `length`), placed on
@@ -138,6 +143,15 @@ class ArraySource(DataSource):
 
     def member_batch(self) -> PyTree[Any]:
         return example_structs(self.data, self.batch_size)
+
+    def batch_signature(self) -> Hashable:
+        # `member_batch()`'s, without making its shapes: looked up per `fit` call.
+        leaves, treedef = jax.tree.flatten(self.data)
+        return (
+            self.batch_size,
+            treedef,
+            tuple((leaf.shape[1:], leaf.dtype) for leaf in leaves),
+        )
 
     def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
         del length, mesh
