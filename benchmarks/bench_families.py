@@ -1,9 +1,10 @@
 """Every model family: `fit` vs a `make_step` loop vs a hand-written step vs torch.
 
-Per training step, in one process, variants timed round-robin, on five families:
-an MLP, a CNN (8x8 images, digits-sized), the same CNN with BatchNorm (model
-state), a small transformer (one attention block over 16 tokens) and a GRU (16
-time steps). For each:
+Per training step, in one process, variants timed round-robin, on seven families:
+an MLP, a CNN (8x8 images, digits-sized), the same CNN on 16x16 and 32x32 images
+(`cnn16`, `cnn32`: 8 members), the 8x8 CNN with BatchNorm (model state), a small
+transformer (one attention block over 16 tokens) and a GRU (16 time steps). For
+each:
 
 - `ee.fit` with shared and with bootstrap sampling (a second call, once
   compiled; `steps` steps per call, the library's default dispatch),
@@ -11,7 +12,7 @@ time steps). For each:
 - a hand-written step: `eqx.filter_jit` of `eqx.filter_vmap` over members of
   `eqx.filter_value_and_grad` + optax, with donation, one step per call,
 - `torch.func` (`stack_module_state` + `functional_call` + `vmap(grad)`, Adam on
-  the stacked parameters) for the MLP and the CNN, when torch is installed. By
+  the stacked parameters) for the MLP and the CNNs, when torch is installed. By
   default torch is timed in a process of its own, after the JAX variants of the
   family (`--torch process`): torch's OpenMP threads spin after each call and
   would take a core from the JAX variant timed next, and telling them to sleep
@@ -45,11 +46,11 @@ def _families(jax, jnp, eqx):
         conv2: eqx.nn.Conv2d
         out: eqx.nn.Linear
 
-        def __init__(self, key):
+        def __init__(self, key, side=8):
             k1, k2, k3 = jax.random.split(key, 3)
             self.conv1 = eqx.nn.Conv2d(1, 16, 3, padding=1, key=k1)
             self.conv2 = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
-            self.out = eqx.nn.Linear(32 * 8 * 8, 10, key=k3)
+            self.out = eqx.nn.Linear(32 * side * side, 10, key=k3)
 
         def __call__(self, x):
             x = jax.nn.relu(self.conv1(x))
@@ -139,13 +140,31 @@ def _families(jax, jnp, eqx):
             labels,
         ),
         "cnn": (CNN, plain_loss, False, images, labels),
+        # The same CNN on larger images (issue 28: where XLA's CPU convolutions
+        # fall behind PyTorch's).
+        **{
+            f"cnn{side}": (
+                lambda k, side=side: CNN(k, side),
+                plain_loss,
+                False,
+                jax.random.normal(key, (n, 1, side, side)),
+                labels,
+            )
+            for side in CNN_SIDES
+        },
         "cnn_bn": (eqx.nn.make_with_state(BNCNN), stateful_loss, True, images, labels),
         "transformer": (Transformer, plain_loss, False, sequences, labels),
         "gru": (GRU, plain_loss, False, sequences, labels),
     }
 
 
-TORCH_FAMILIES = ("mlp", "cnn")
+CNN_SIDES = (16, 32)  # the "cnn16" and "cnn32" families: 8 members by default
+TORCH_FAMILIES = ("mlp", "cnn") + tuple(f"cnn{side}" for side in CNN_SIDES)
+
+
+def _side(family: str) -> int:
+    """The image side of a CNN family ("cnn": 8, "cnn16": 16...)."""
+    return int(family[3:] or 8)
 
 
 def _torch_func_step(name, members, x, y, lr, device):
@@ -166,7 +185,8 @@ def _torch_func_step(name, members, x, y, lr, device):
                 nn.ReLU(),
                 nn.Linear(256, 10),
             )
-    elif name == "cnn":
+    elif name.startswith("cnn") and name in TORCH_FAMILIES:
+        side = _side(name)
 
         def make():
             return nn.Sequential(
@@ -175,7 +195,7 @@ def _torch_func_step(name, members, x, y, lr, device):
                 nn.Conv2d(16, 32, 3, padding=1),
                 nn.ReLU(),
                 nn.Flatten(),
-                nn.Linear(32 * 8 * 8, 10),
+                nn.Linear(32 * side * side, 10),
             )
     else:
         return None
@@ -215,7 +235,8 @@ def torch_worker(family, members, batch, steps, repeats, device, passive):
     import numpy as np
 
     rng = np.random.default_rng(0)
-    shape = (batch, 64) if family == "mlp" else (batch, 1, 8, 8)
+    side = 8 if family == "mlp" else _side(family)
+    shape = (batch, 64) if family == "mlp" else (batch, 1, side, side)
     x = rng.standard_normal(shape, dtype=np.float32)
     y = rng.integers(0, 10, size=batch)
     run = _torch_func_step(family, members, x, y, 1e-3, device)
@@ -236,7 +257,7 @@ def main() -> None:
         "with OMP_WAIT_POLICY=PASSIVE ('passive': threads sleep, torch slower); "
         "or not at all",
     )
-    p.add_argument("--families", default="mlp,cnn,cnn_bn,transformer,gru")
+    p.add_argument("--families", default="mlp,cnn,cnn16,cnn32,cnn_bn,transformer,gru")
     p.add_argument("--members", type=int, default=None)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--no-torch", action="store_true", help="same as --torch none")
@@ -279,7 +300,7 @@ def main() -> None:
     families = _families(jax, jnp, eqx)
     for name in args.families.split(","):
         make, loss_fn, stateful, x_all, y_all = families[name]
-        members = args.members or (8 if name == "mlp" else 5)
+        members = args.members or (8 if name == "mlp" or name[3:].isdigit() else 5)
         built = ee.ensemble(make, size=members, key=jax.random.key(2))
         ens, state = built if stateful else (built, None)
         data = (x_all, y_all)

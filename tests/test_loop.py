@@ -1178,29 +1178,79 @@ def test_a_loss_checked_once_is_still_checked_for_other_calls(ens, bn):
         ens, mse_loss, ADAM, (X, Y), steps=1, batch_size=BATCH, key=KEY, callbacks=()
     )
     _, state = bn
-    for _ in range(2):
-        with pytest.raises(TypeError, match="A model state was given"):
-            ee.fit(
-                ens,
-                mse_loss,
-                ADAM,
-                (X, Y),
-                steps=1,
-                batch_size=BATCH,
-                key=KEY,
-                state=state,
-                callbacks=(),
-            )
-    for _ in range(2):
-        with pytest.raises(TypeError, match="`hyper=` was given"):
-            ee.fit(
-                ens,
-                mse_loss,
-                ADAM,
-                (X, Y),
-                steps=1,
-                batch_size=BATCH,
-                key=KEY,
-                hyper={"decay": jnp.zeros(SIZE)},
-                callbacks=(),
-            )
+    for extra, message in (
+        ({"state": state}, "A model state was given"),
+        ({"hyper": {"decay": jnp.zeros(SIZE)}}, "`hyper=` was given"),
+    ):
+        for _ in range(2):
+            with pytest.raises(TypeError, match=message):
+                ee.fit(
+                    ens,
+                    mse_loss,
+                    ADAM,
+                    (X, Y),
+                    steps=1,
+                    batch_size=BATCH,
+                    key=KEY,
+                    callbacks=(),
+                    **extra,
+                )
+
+
+def test_a_run_of_one_dispatch_makes_its_state_in_that_dispatch(
+    ens, tmp_path, monkeypatch
+):
+    # One compiled call instead of two (the start state's, then the dispatch's);
+    # the same bits as a run that makes its start state first (a checkpointed
+    # run does), and the caller's arrays are not donated.
+    from eqx_ensemble._training import run as run_module
+
+    made = []
+    original = run_module.start_state
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "start_state", counted)
+    opt_state = ee.init_optimizer(
+        optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+        ens,
+        hyperparams={"learning_rate": jnp.array([1e-2, 2e-2, 5e-3])},
+    )
+
+    def run(**kwargs):
+        return ee.fit(
+            ens,
+            mse_loss,
+            optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+            (X, Y),
+            steps=6,
+            batch_size=BATCH,
+            key=KEY,
+            sampling=ee.Bootstrap(),
+            opt_state=opt_state,
+            evaluate=ee.Evaluate(mse_loss, (X[:16], Y[:16]), every=2),
+            track=[ee.EMA(0.9)],
+            callbacks=(),
+            **kwargs,
+        )
+
+    merged = run()
+    assert made == []
+    separate = run(checkpoints=ee.Checkpoints(tmp_path / "run", every=6))
+    assert made == [1]
+    for name in ("ensemble", "opt_state", "best_ensemble", "tracked"):
+        for a, b in zip(
+            jax.tree.leaves(getattr(merged, name)),
+            jax.tree.leaves(getattr(separate, name)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(merged.history.losses, separate.history.losses)
+    np.testing.assert_array_equal(
+        merged.history.eval_scores, separate.history.eval_scores
+    )
+    # Nothing given was donated: the ensemble and optimizer state still read.
+    assert np.isfinite(np.asarray(ens.members.layers[0].weight)).all()
+    assert np.isfinite(np.asarray(jax.tree.leaves(opt_state)[0])).all()

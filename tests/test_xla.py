@@ -291,17 +291,20 @@ def test_fit_and_make_step_with_new_optimizers_keep_memory_maps_bounded(monkeypa
 
     def one_round(i):
         adam = optax.adam(1e-3 * (i + 1))
-        ee.fit(
-            ens,
-            xent,
-            adam,
-            (X, Y),
-            steps=2,
-            batch_size=8,
-            key=jax.random.key(i),
-            callbacks=(),
-            execution=ee.Execution(compiler_options={}),
-        )
+        for per_dispatch in (1, 2):  # two dispatches; one (its start state in it)
+            ee.fit(
+                ens,
+                xent,
+                adam,
+                (X, Y),
+                steps=2,
+                batch_size=8,
+                key=jax.random.key(i),
+                callbacks=(),
+                execution=ee.Execution(
+                    compiler_options={}, steps_per_dispatch=per_dispatch
+                ),
+            )
         sgd = optax.sgd(1e-3 * (i + 1))
         step = ee.make_step(xent, sgd, execution=ee.Execution(compiler_options={}))
         step(ens, ee.init_optimizer(sgd, ens), (X[:8], Y[:8]), jax.random.key(i))
@@ -317,6 +320,7 @@ def test_fit_and_make_step_with_new_optimizers_keep_memory_maps_bounded(monkeypa
         for i in range(3, 13):
             one_round(i)
             assert len(_loop.chunk_runner) <= 3
+            assert len(_loop.start_runner) <= 3
             assert len(_step._compiled_for) <= 3
     finally:
         gc.enable()

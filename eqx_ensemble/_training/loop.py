@@ -45,7 +45,7 @@ from .loss import LossFn
 from .sampling import Sampling
 from .source import Batches
 from .step import vmapped_update
-from .train_state import TrainState, member_select, track_update
+from .train_state import StartInputs, TrainState, member_select, track_update
 
 
 @jax.tree_util.register_dataclass
@@ -112,6 +112,31 @@ def dispatch_chunk(
     static, first, rest = split_arguments((chunk, train_state))
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
     return chunk_runner(options, static, shapes).call_split(static, first, rest)
+
+
+def _make_start_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
+    del program
+
+    def run(chunk: Chunk, start: StartInputs) -> Any:
+        return run_chunk(chunk, start.state())
+
+    return filter_jit(run, options)  # nothing donated: the inputs are the caller's
+
+
+# `run_chunk` from the state before the first step, made in the same program:
+# for a run of one dispatch (bounded like `chunk_runner`).
+start_runner = CompiledFunctions(_make_start_runner)
+
+
+def dispatch_start(
+    options: Options, chunk: Chunk, start: StartInputs
+) -> tuple[TrainState, Any, Any]:
+    """`dispatch_chunk` of the first dispatch of a run whose state it also makes
+    (`StartInputs.state`): one compiled call where a run of one dispatch made
+    two (the start state's, then the dispatch's)."""
+    static, first, rest = split_arguments((chunk, start))
+    shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
+    return start_runner(options, static, shapes).call_split(static, first, rest)
 
 
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:

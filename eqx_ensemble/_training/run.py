@@ -56,7 +56,7 @@ from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
 from .loggers import LogEntry, Logger, LogWriter, RunInfo
-from .loop import Chunk, copy, dispatch_chunk
+from .loop import Chunk, copy, dispatch_chunk, dispatch_start
 from .loss import (
     LossFn,
     check_hyper,
@@ -81,7 +81,7 @@ from .step import (
     ensemble_profile,
 )
 from .stream import check_data, is_array_data
-from .train_state import TrainState, start_state
+from .train_state import StartInputs, TrainState, start_keys, start_state
 
 
 def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple, tuple]:
@@ -227,19 +227,39 @@ def prepare(
             mesh = check_fit_mesh(mesh, size, source.batch_size)
     if opt_state is not None:
         check_opt_state(optimizer, ens, opt_state)
-    # The start state (a fresh optimizer state unless one is given, every leaf
-    # a new buffer: the loop donates its state) and the run's keys, in one call.
-    train_state, keys = start_state(
-        ens,
-        optimizer,
-        opt_state,
-        state,
-        hyper=hyper,
-        track=track,
-        with_eval=evaluate is not None,
-        key=key,
-    )
+    start: StartInputs | None = None
+    train_state: TrainState | None = None
+    if (
+        isinstance(source, ArraySource)
+        and mesh is None
+        and checkpoints is None
+        and not controllers
+        and not loggers
+        and steps
+        <= plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps).length
+    ):
+        # A run of one dispatch makes its start state in that dispatch (one
+        # compiled call instead of two); only the run's keys come first.
+        keys = start_keys(key)
+        start = StartInputs(
+            ens, opt_state, state, hyper, optimizer, track, evaluate is not None
+        )
+    else:
+        # The start state (a fresh optimizer state unless one is given, every
+        # leaf a new buffer: the loop donates its state) and the run's keys, in
+        # one call.
+        train_state, keys = start_state(
+            ens,
+            optimizer,
+            opt_state,
+            state,
+            hyper=hyper,
+            track=track,
+            with_eval=evaluate is not None,
+            key=key,
+        )
     if controllers:
+        assert train_state is not None
         train_state = dataclasses.replace(
             train_state,
             controlled=tuple(
@@ -250,6 +270,7 @@ def prepare(
     history = None
     saved_data = None
     if checkpoints is not None:
+        assert train_state is not None
         record = run_record(
             ens, optimizer, opt_state, train_state, source, sampling, batch_size,
             key, evaluate, track, hyper,
@@ -263,7 +284,7 @@ def prepare(
         resumed = checkpoints.resume(template, record, steps)
         if resumed is not None:
             train_state, history, saved_data = resumed
-    done = int(train_state.step)
+    done = 0 if train_state is None else int(train_state.step)
     if source is None:
         source = StreamSource(
             data, sampling, batch_size, size, start=done, saved=saved_data
@@ -274,7 +295,8 @@ def prepare(
         source.start(keys.data, keys.bootstrap, mesh)
 
     plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
-    train_state = place_state(train_state, mesh)
+    if train_state is not None:
+        train_state = place_state(train_state, mesh)
     chunk = Chunk(
         loss_fn=loss_fn,
         optimizer=optimizer,
@@ -291,12 +313,13 @@ def prepare(
         unrolled=plan.unroll,
         layout=plan.layout,
         member_chunk=execution.member_chunk,
-        placement=model_placement(train_state, mesh),
+        placement=None if train_state is None else model_placement(train_state, mesh),
     )
     return Run(
         chunk=on_mesh(chunk, mesh),
         options=plan.compiler_options,
         train_state=train_state,
+        start=start,
         recorder=Recorder(size, history),
         steps=steps,
         source=source,
@@ -514,7 +537,8 @@ class Run:
 
     chunk: Chunk
     options: Options
-    train_state: TrainState
+    # `None` until the first dispatch when that dispatch makes it from `start`.
+    train_state: TrainState | None
     recorder: Recorder
     steps: int
     source: DataSource
@@ -530,11 +554,17 @@ class Run:
     resumed_from: int | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     groups: tuple[tuple[int, int], ...] | None = None  # a heterogeneous run's
+    start: StartInputs | None = None  # what the first dispatch makes its state of
 
     def __post_init__(self):
-        self.done = int(self.train_state.step)
-        self._diverged_at = np.asarray(self.train_state.diverged_at)
-        self._stopped_at = np.asarray(self.train_state.stopped_at)
+        if self.train_state is None:  # fresh: the first dispatch makes it
+            self.done = 0
+            self._diverged_at = np.full((self.chunk.size,), -1, np.int32)
+            self._stopped_at = np.full((self.chunk.size,), -1, np.int32)
+        else:
+            self.done = int(self.train_state.step)
+            self._diverged_at = np.asarray(self.train_state.diverged_at)
+            self._stopped_at = np.asarray(self.train_state.stopped_at)
         self._pending: PendingSave | None = None  # an asynchronous checkpoint
 
     def run(self) -> FitResult:
@@ -627,12 +657,12 @@ class Run:
         self._logged_events = [  # a resumed run's earlier events were logged
             len(controller.events(state))
             for controller, state in zip(
-                self.controllers, self.train_state.controlled, strict=True
+                self.controllers, self.state().controlled, strict=True
             )
         ]
         self._logged_evaluations = len(self.recorder.eval_steps)
         self._logged_diverged = self._diverged_at.copy()
-        start_hparams = member_hparams(self.train_state, self.groups)
+        start_hparams = member_hparams(self.state(), self.groups)
         self._hparams = bool(start_hparams)  # none at the start: none later
         return LogWriter(
             self.loggers,
@@ -655,7 +685,7 @@ class Run:
             events.append({"step": step, "event": "diverged", "member": int(member)})
         self._logged_diverged = self._diverged_at.copy()
         for position, controller in enumerate(self.controllers):
-            made = controller.events(self.train_state.controlled[position])
+            made = controller.events(self.state().controlled[position])
             events += made[self._logged_events[position] :]
             self._logged_events[position] = len(made)
         for tracker in self.track:
@@ -671,7 +701,7 @@ class Run:
             eval_steps=np.asarray(recorded, np.int64),
             eval_scores=np.asarray(scores, np.float32).reshape(len(recorded), size),
             diverged_at=self._diverged_at.copy(),
-            member_hparams=member_hparams(self.train_state, self.groups)
+            member_hparams=member_hparams(self.state(), self.groups)
             if self._hparams
             else {},
             events=tuple(events),
@@ -731,9 +761,16 @@ class Run:
                 length=end - self.done,
                 evaluate_last=every is not None and end % every == 0,
             )
-        self.train_state, losses, scores = dispatch_chunk(
-            self.options, chunk, self.train_state
-        )
+        if self.train_state is None:
+            assert self.start is not None
+            start, self.start = self.start, None
+            self.train_state, losses, scores = dispatch_start(
+                self.options, chunk, start
+            )
+        else:
+            self.train_state, losses, scores = dispatch_chunk(
+                self.options, chunk, self.train_state
+            )
         return losses, scores
 
     def record_dispatch(self, outputs: tuple[Any, Any], end: int) -> np.ndarray:
@@ -745,8 +782,8 @@ class Run:
             (
                 outputs[0],
                 outputs[1] if evaluated else None,
-                self.train_state.diverged_at,
-                self.train_state.stopped_at,
+                self.state().diverged_at,
+                self.state().stopped_at,
             )
         )
         losses = losses[:active]
@@ -762,12 +799,12 @@ class Run:
         for position, controller in enumerate(self.controllers):
             if not controller.due(self.done):
                 continue
-            states = list(self.train_state.controlled)
+            states = list(self.state().controlled)
             new_state, states[position] = controller(
-                self.train_state, states[position], self.recorder.history()
+                self.state(), states[position], self.recorder.history()
             )
             difference = first_difference(
-                jax.tree.map(_spec, eqx.filter(self.train_state, eqx.is_array)),
+                jax.tree.map(_spec, eqx.filter(self.state(), eqx.is_array)),
                 jax.tree.map(_spec, eqx.filter(new_state, eqx.is_array)),
             )
             if difference is not None:
@@ -783,8 +820,8 @@ class Run:
             new_state = restore_placement(new_state, self.chunk.placement)
             self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
             # A controller may stop members (or revive them).
-            self._diverged_at = np.asarray(self.train_state.diverged_at)
-            self._stopped_at = np.asarray(self.train_state.stopped_at)
+            self._diverged_at = np.asarray(self.state().diverged_at)
+            self._stopped_at = np.asarray(self.state().stopped_at)
 
     def finished(self) -> bool:
         """Whether every member has stopped or diverged, at least one stopped
@@ -811,7 +848,7 @@ class Run:
         self.wait_for_checkpoint()
         try:
             saved = self.checkpoints.save(
-                self.train_state,
+                self.state(),
                 self.recorder.history(),
                 self.record.as_json(),
                 self.source.position(self.done),
@@ -826,8 +863,26 @@ class Run:
                 "attached to this error as `error.result`",
             )
 
+    def state(self) -> TrainState:
+        """The run's state (made now if the first dispatch has not run yet)."""
+        if self.train_state is None:
+            assert self.start is not None
+            start = self.start
+            self.train_state, _ = start_state(
+                start.ens,
+                start.optimizer,
+                start.opt_state,
+                start.model_state,
+                hyper=start.hyper,
+                track=start.track,
+                with_eval=start.with_eval,
+                key=self.key,
+            )
+            self.start = None
+        return self.train_state
+
     def result(self, copy_state: bool = False) -> FitResult:
-        state = copy(self.train_state) if copy_state else self.train_state
+        state = copy(self.state()) if copy_state else self.state()
         return make_result(
             state,
             self.recorder.history(),

@@ -164,6 +164,27 @@ def initial_state(
     return dataclasses.replace(train_state, controlled=controlled)
 
 
+def fresh_state(
+    optimizer: Any,
+    track: tuple[Any, ...],
+    with_eval: bool,
+    ens: Ensemble | Heterogeneous,
+    opt_state: PyTree[Any],
+    model_state: PyTree[Any],
+    hyper: PyTree[Any],
+) -> TrainState:
+    """The state before the first step (traced: inside a compiled call), a fresh
+    optimizer state when `opt_state` is `None`."""
+    if opt_state is None:
+        opt_state = init_state(optimizer, ens)
+    train_state = initial_state(
+        ens, opt_state, model_state, hyper=hyper, track=track, with_eval=with_eval
+    )
+    # New buffers for every leaf, also where leaves alias each other or the
+    # caller's arrays: the loop donates its state.
+    return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, train_state)
+
+
 def _start(
     optimizer: Any,
     track: tuple[Any, ...],
@@ -174,17 +195,39 @@ def _start(
     hyper: PyTree[Any],
     key: PRNGKeyArray,
 ) -> tuple[TrainState, RunKeys]:
-    if opt_state is None:
-        opt_state = init_state(optimizer, ens)
-    train_state = initial_state(
-        ens, opt_state, model_state, hyper=hyper, track=track, with_eval=with_eval
-    )
-    # New buffers for every leaf, also where leaves alias each other or the
-    # caller's arrays: the loop donates its state.
-    train_state = jax.tree.map(
-        lambda x: jnp.copy(x) if eqx.is_array(x) else x, train_state
-    )
-    return train_state, run_keys(key)
+    state = fresh_state(optimizer, track, with_eval, ens, opt_state, model_state, hyper)
+    return state, run_keys(key)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class StartInputs:
+    """What the state before the first step is made of, for a run whose only
+    dispatch makes it (`loop.dispatch_start`: one compiled call, not two).
+    Non-array fields are static."""
+
+    ens: Any
+    opt_state: PyTree[Any]
+    model_state: PyTree[Any]
+    hyper: PyTree[Any]
+    optimizer: Any
+    track: tuple[Any, ...]
+    with_eval: bool
+
+    def state(self) -> TrainState:
+        return fresh_state(
+            self.optimizer,
+            self.track,
+            self.with_eval,
+            self.ens,
+            self.opt_state,
+            self.model_state,
+            self.hyper,
+        )
+
+
+# The run's keys alone (`run_keys`), for a run whose dispatch makes its state.
+start_keys = jax.jit(run_keys)
 
 
 def _make_start(optimizer: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
