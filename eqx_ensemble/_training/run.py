@@ -227,16 +227,19 @@ def prepare(
             mesh = check_fit_mesh(mesh, size, source.batch_size)
     if opt_state is not None:
         check_opt_state(optimizer, ens, opt_state)
+    # Array data: the plan is known now (a stream's needs its first batch).
+    plan = None
+    if isinstance(source, ArraySource):
+        plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
     start: StartInputs | None = None
     train_state: TrainState | None = None
     if (
-        isinstance(source, ArraySource)
+        plan is not None
+        and steps <= plan.length
         and mesh is None
         and checkpoints is None
         and not controllers
         and not loggers
-        and steps
-        <= plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps).length
     ):
         # A run of one dispatch makes its start state in that dispatch (one
         # compiled call instead of two); only the run's keys come first.
@@ -293,8 +296,8 @@ def prepare(
             mesh = check_fit_mesh(mesh, size, source.batch_size)
     else:
         source.start(keys.data, keys.bootstrap, mesh)
-
-    plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
+    if plan is None:
+        plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
     if train_state is not None:
         train_state = place_state(train_state, mesh)
     chunk = Chunk(

@@ -9,6 +9,7 @@ else in the loop asks which kind of data it has.
 """
 
 import abc
+import dataclasses
 import os
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
@@ -21,14 +22,16 @@ from .._core.data import num_examples
 from .._core.sharding import DATA, MEMBERS, constrain, gather_batch, on_mesh
 from .._execution.profile import example_structs, first_member, signature
 from .._internal.checks import check_positive_int
-from .._internal.component import Component
 from .epochs import EpochIterator, Epochs
 from .sampling import MAX_INDICES, Bootstrap, Sampling
 from .stream import BatchGroups, batch_digest, example_count, open_stream
 
 
-class Batches(Component):
-    """What a compiled dispatch reads to make each step's batch (abstract)."""
+class Batches(abc.ABC):
+    """What a compiled dispatch reads to make each step's batch (abstract). The
+    implementations are dataclasses registered as pytrees (every field a child;
+    non-array fields static): made per run or per dispatch on the host, where
+    an `eqx.Module`'s construction costs tens of microseconds."""
 
     @abc.abstractmethod
     def scanned(self) -> PyTree[Any]:
@@ -43,6 +46,8 @@ class Batches(Component):
         done once, here)."""
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class SampledBatches(Batches):
     """Array data, sampled inside compiled code by the run's `Sampling`."""
 
@@ -70,6 +75,8 @@ class SampledBatches(Batches):
         return lambda step, _: gather_batch(self.data, indices_of(step), mesh)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class StreamedBatches(Batches):
     """A stream's group of batches, stacked on the host along a leading step axis."""
 
