@@ -206,6 +206,64 @@ def test_sequential_layout_skips_a_stopped_members_step():
         assert np.isfinite(result.history.losses[:step, member]).all()
 
 
+def test_sequential_layout_runs_a_convolving_step_without_a_conditional():
+    """A step that convolves is not put under a per-member conditional (XLA's
+    CPU backend runs a convolution inside one in a slow layout): every member's
+    loss runs at every step, and a stopped member still keeps its best weights
+    and reports NaN losses, exactly as in the vectorised layout."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 1, 4, 4)).astype(np.float32)
+    y = (x.mean(axis=(1, 2, 3)) + 0.3 * rng.normal(size=64)).astype(np.float32)
+    val = (x[:32] + 0.1, y[:32])
+
+    class Small(eqx.Module):
+        conv: eqx.nn.Conv2d
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.conv = eqx.nn.Conv2d(1, 2, 3, padding=1, key=k1)
+            self.out = eqx.nn.Linear(32, 1, key=k2)
+
+        def __call__(self, image):
+            return self.out(jax.nn.relu(self.conv(image)).reshape(-1))[0]
+
+    def loss(model, batch, key):
+        xb, yb = batch
+        return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+    calls = []
+
+    def counted(model, batch, key):
+        jax.debug.callback(lambda: calls.append(1))
+        return loss(model, batch, key)
+
+    ens = ee.ensemble(Small, size=4, key=jax.random.key(0))
+
+    def fit(loss_fn, layout):
+        return ee.fit(
+            ens, loss_fn, optax.adam(3e-2), (x, y), steps=60, batch_size=8,
+            key=jax.random.key(1), sampling="independent",
+            evaluate=ee.Evaluate(loss, val, every=EVERY),
+            callbacks=[ee.EarlyStopping(EVERY, patience=2)],
+            execution=ee.Execution(layout=layout),
+        )  # fmt: skip
+
+    sequential = fit(counted, "sequential")
+    jax.effects_barrier()
+    vectorised = fit(loss, "vmap")
+    assert sequential.stopped and sequential.stopped == vectorised.stopped
+    assert len(calls) == 4 * sequential.step
+    for member, step in sequential.stopped.items():
+        assert np.isnan(sequential.history.losses[step:, member]).all()
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(sequential.ensemble, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(vectorised.ensemble, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_pbt_and_early_stopping_are_refused_together():
     ens, loss, data, val = problem()
     with pytest.raises(ValueError, match=r"ee\.PBT.*ee\.EarlyStopping"):
