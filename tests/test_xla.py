@@ -59,8 +59,9 @@ def test_flop_estimate_matches_closed_form():
 def test_automatic_choice():
     small = _members(8, 1, 32, 1)  # the dispatch-bound regime: ~1 MFLOP per step
     big = _members(64, 32, 128, 10)  # the compute-bound regime: ~2 GFLOP per step
-    assert _xla.step_compiler_options(None, small, 16, 8, None) == ()
-    expected = tuple(sorted(EIGEN.items()))
+    fast = tuple(sorted(_xla.FAST_CODEGEN.items()))
+    assert _xla.step_compiler_options(None, small, 16, 8, None) == fast
+    expected = tuple(sorted((EIGEN | _xla.FAST_CODEGEN).items()))
     assert _xla.step_compiler_options(None, big, 256, 64, None) == expected
     # The user's options always win, `{}` included.
     assert _xla.step_compiler_options((), big, 256, 64, None) == ()
@@ -71,7 +72,9 @@ def test_automatic_choice():
     threshold_batch = int(_xla.MIN_STEP_FLOPS / _xla.step_matmul_flops(big, 1, 64))
     batch = 2 * threshold_batch  # above the threshold alone, below it per device
     assert _xla.step_compiler_options(None, big, batch, 64, None) == expected
-    assert _xla.step_compiler_options(None, big, batch, 64, mesh) == ()
+    assert _xla.step_compiler_options(None, big, batch, 64, mesh) == fast
+    # Attention heads' batched matmuls keep YNNPACK (Eigen runs them slower).
+    assert _xla.step_compiler_options(None, big, 256, 64, None, True) == fast
 
 
 def test_options_reach_xla():
@@ -87,6 +90,35 @@ def test_options_reach_xla():
         pytest.skip("this jaxlib does not use YNNPACK for batched matmuls")
     eigen = _xla.filter_jit(batched, tuple(EIGEN.items())).lower(a).compile()
     assert "ynn" not in eigen.compiled.as_text()
+
+
+def test_fast_codegen_reaches_xla_and_changes_no_result():
+    """LLVM level 1 gives the same bits as XLA's default level on a small
+    function and on a tiny `fit` run (the dispatch-bound regime it is for)."""
+    a = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
+
+    def f(a):
+        return jnp.tanh(a) @ a + jnp.exp(-a)
+
+    fast = tuple(sorted(_xla.FAST_CODEGEN.items()))
+    compiled = _xla.filter_jit(f, fast).lower(a).compile()
+    default = _xla.filter_jit(f, ()).lower(a).compile()
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 2, key=k), size=3,
+                      key=jax.random.key(0))  # fmt: skip
+    x = jnp.linspace(-1, 1, 32)[:, None]
+
+    def mse(model, batch, key):
+        return jnp.mean((jax.vmap(model)(batch) - jnp.sin(batch)) ** 2)
+
+    runs = [
+        ee.fit(ens, mse, optax.adam(1e-2), x, steps=30, batch_size=8,
+               key=jax.random.key(1), callbacks=(),
+               execution=ee.Execution(compiler_options=options)).ensemble
+        for options in ({}, dict(fast))
+    ]  # fmt: skip
+    for a_leaf, b_leaf in zip(*map(jax.tree.leaves, runs), strict=True):
+        np.testing.assert_array_equal(a_leaf, b_leaf)
+    np.testing.assert_array_equal(compiled(a), default(a))
 
 
 def _fit(ens, options, loss=xent, steps_per_dispatch=10, **kwargs):

@@ -35,8 +35,10 @@ from .._core.sharding import (
 from .._execution.compile import (
     CompiledFunctions,
     Options,
+    cpu_codegen_options,
     filter_jit,
     step_compiler_options,
+    with_eigen_dots,
 )
 from .._execution.execution import (
     Execution,
@@ -727,11 +729,11 @@ class Step(eqx.Module):
             if len(_SIZE_OPTIONS) > 256:
                 _SIZE_OPTIONS.clear()
             _SIZE_OPTIONS[plan_key] = options
-        if not options:
+        if not with_eigen_dots(options):
             return options
         profile = _profile_of(self, (ens, batch, state, hyper))
         if profile.batched_dots:
-            return ()
+            return cpu_codegen_options()
         return options
 
     def _layout(
