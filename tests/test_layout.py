@@ -19,8 +19,10 @@ import eqx_ensemble as ee
 from eqx_ensemble._execution import layout as _layout
 from eqx_ensemble._execution.layout import (
     SEQUENTIAL_MAX_MEMBERS,
+    SEQUENTIAL_MIN_RUN_FLOPS,
     choose_layout,
     choose_map_layout,
+    run_length_class,
 )
 from eqx_ensemble._execution.profile import profile_call
 
@@ -141,6 +143,31 @@ def test_rule():
         choose_layout("sequential", convolutions=False, size=64, mesh=None)
         == "sequential"
     )
+
+
+@cpu_only
+def test_rule_for_a_run_weighs_its_convolutions():
+    """A run of `fit` goes member by member once its forward convolutions add
+    up to `SEQUENTIAL_MIN_RUN_FLOPS` (steps rounded down to a power of two)."""
+
+    def rule(steps, flops, size=5):
+        return choose_layout(
+            "auto", convolutions=True, size=size, mesh=None, steps=steps,
+            convolution_flops=flops,
+        )  # fmt: skip
+
+    small, large = 78e6, 311e6  # 8x8 and 16x16 CNNs, batch 128, per member
+    assert [run_length_class(s) for s in (1, 2, 3, 511, 512, 1000)] == [
+        1, 2, 2, 256, 512, 512,
+    ]  # fmt: skip
+    # 5 small CNNs: even at about 385 steps; 511 steps count as 256.
+    assert rule(511, small) == "vmap" and rule(512, small) == "sequential"
+    assert SEQUENTIAL_MIN_RUN_FLOPS <= 512 * 5 * small
+    assert 256 * 5 * small < SEQUENTIAL_MIN_RUN_FLOPS
+    # 8 larger CNNs: from 64 steps.
+    assert rule(63, large, 8) == "vmap" and rule(64, large, 8) == "sequential"
+    # No convolutions counted: never, however long the run.
+    assert rule(10**9, 0.0) == "vmap"
 
 
 @pytest.mark.parametrize("sampling", ["shared", "bootstrap"])

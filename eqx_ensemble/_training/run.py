@@ -42,10 +42,10 @@ from .._execution.compile import (
 )
 from .._execution.execution import Execution
 from .._execution.layout import (
-    SEQUENTIAL_MIN_STEPS_PER_MEMBER,
     Layout,
     check_member_chunk,
     choose_layout,
+    run_length_class,
 )
 from .._execution.profile import StepProfile, signature
 from .._internal.checks import MAX_INT32, check_positive_int
@@ -439,7 +439,7 @@ def plan_fit(
             source.batch_signature(),
             mesh,
             jax.default_backend(),
-            steps >= SEQUENTIAL_MIN_STEPS_PER_MEMBER * len(ens),
+            run_length_class(steps),
         )
     except TypeError:  # not weakly referable, or an unhashable leaf
         table, key = None, None
@@ -493,6 +493,7 @@ def _plan_fit(
         size=size,
         mesh=mesh,
         steps=steps,
+        convolution_flops=profile.convolution_flops,
     )
     if execution.member_chunk is not None:  # chunks of vectorised members
         check_member_chunk(execution.member_chunk, size, members_devices(mesh))
