@@ -48,8 +48,9 @@ class Execution(Component):
       member count), or `"auto"` (the default: sequential on one CPU device for
       a function that convolves and at most 16 members, where XLA's CPU
       backend runs a member-batched convolution as a slow grouped convolution;
-      for `fit`, only in runs of at least 100 steps per member, long enough to
-      repay compiling one copy of the step per member; vectorised otherwise).
+      for `fit`, only in runs whose forward convolutions add up to 1.5e11
+      FLOPs, long enough to repay compiling one copy of the step per member;
+      vectorised otherwise).
       Coupled losses and a trained shared part are always vectorised.
     - `unroll`: `fit` only: run each dispatch's steps as straight-line code
       instead of a `lax.scan` loop. `None`: unrolled on one CPU device when the
@@ -57,7 +58,8 @@ class Execution(Component):
       slow layout).
     - `compiler_options`: XLA options for the compiled step (a dict of option
       name -> str, bool, int or float). `None`: the library's choice (on a
-      multi-core CPU, big steps' matmuls on every core); `{}`: XLA's defaults.
+      CPU, LLVM at optimisation level 1, and on a multi-core CPU big steps'
+      matmuls on every core); `{}`: XLA's defaults.
     - `mesh`: `fit` and `make_step`: a device mesh from
       [`ee.make_mesh`][eqx_ensemble.make_mesh]; the member axis is split over
       its `"members"` axis and each batch over `"data"`. Results equal the
