@@ -55,10 +55,10 @@ def problem():
     return ens, state, (x, y)
 
 
-def _close(a, b):
+def _close(a, b, atol=1e-6):
     a, b = eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 4])
@@ -163,8 +163,10 @@ def test_fit_on_a_mesh_chunks_within_each_device(problem):
 
     plain = run(None)
     chunked = run(ee.Execution(mesh=mesh, member_chunk=1), ee.shard(ens, mesh))
-    _close(chunked.ensemble, plain.ensemble)
-    _close(chunked.state, plain.state)
+    # A mesh run equals the one-device run to rounding, which 20 steps grow to
+    # about 2e-6 here (the sharding guide measures it).
+    _close(chunked.ensemble, plain.ensemble, atol=1e-5)
+    _close(chunked.state, plain.state, atol=1e-5)
     np.testing.assert_allclose(chunked.history.losses, plain.history.losses, rtol=1e-5)
     np.testing.assert_allclose(
         chunked.history.eval_scores, plain.history.eval_scores, rtol=1e-5

@@ -121,6 +121,26 @@ def test_fast_codegen_reaches_xla_and_changes_no_result():
     np.testing.assert_array_equal(compiled(a), default(a))
 
 
+def test_a_step_with_options_runs_inside_the_users_jit():
+    """JAX refuses compiler options on a nested `jax.jit`: a step with options
+    called inside the user's own `jax.jit` runs under the outer program's and
+    computes the same as when called on its own."""
+    ens = ee.ensemble(make_mlp, size=4, key=jax.random.key(5))
+    opt_state = ee.init_optimizer(SGD, ens)
+    for options in (
+        EIGEN,
+        dict(_xla.FAST_CODEGEN),
+        {"xla_cpu_enable_fast_math": False},
+    ):
+        step = ee.make_step(xent, SGD, execution=ee.Execution(compiler_options=options))
+        alone = step(ens, opt_state, (X, Y), jax.random.key(6))
+        inside = eqx.filter_jit(step)(ens, opt_state, (X, Y), jax.random.key(6))
+        assert_tree_allclose(inside.ensemble, alone.ensemble, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(inside.losses, alone.losses, rtol=1e-5)
+        jaxpr = eqx.filter_make_jaxpr(step)(ens, opt_state, (X, Y), jax.random.key(6))
+        assert jaxpr[0].jaxpr.eqns
+
+
 def _fit(ens, options, loss=xent, steps_per_dispatch=10, **kwargs):
     kwargs = dict(steps=20, batch_size=32, callbacks=()) | kwargs
     return ee.fit(

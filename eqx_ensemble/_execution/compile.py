@@ -72,6 +72,15 @@ class Jit:
             donate_argnums=(2,) if donate else (),
             compiler_options=dict(options) or None,
         )
+        # Called inside a trace of the user's own (`jax.jit`, `eqx.filter_jit`,
+        # `jax.make_jaxpr`...), the function is inlined into that program,
+        # which JAX refuses for a `jax.jit` carrying compiler options: there it
+        # is called without them (the outer program's options apply).
+        self._nested = (
+            jax.jit(functools.partial(_traced, fn), static_argnums=0)
+            if options
+            else self._jitted
+        )
 
     def __call__(self, *args: Any) -> Any:
         return self.call_split(*split_arguments(args))
@@ -79,13 +88,26 @@ class Jit:
     def call_split(self, static: Hashable, first: list[Any], rest: list[Any]) -> Any:
         """The call on arguments already split by `split_arguments` (a caller
         that keys something on `static` splits once)."""
-        arrays, static_out = self._jitted(static, first, rest)
+        try:
+            arrays, static_out = self._jitted(static, first, rest)
+        except ValueError:
+            # Raised while tracing, before anything ran: only retried when
+            # the arguments are another trace's and the options are the cause.
+            if self._nested is self._jitted or not _any_tracer(first, rest):
+                raise
+            arrays, static_out = self._nested(static, first, rest)
         return static_out.unflatten(arrays)
 
     def lower(self, *args: Any) -> "Lowered":
         """Ahead-of-time lowering for these arguments (as `jax.jit(...).lower`)."""
         static, first, rest = split_arguments(args)
         return Lowered(self, static, self._jitted.lower(static, first, rest))
+
+
+def _any_tracer(*leaf_lists: list[Any]) -> bool:
+    return any(
+        isinstance(leaf, jax.core.Tracer) for leaves in leaf_lists for leaf in leaves
+    )
 
 
 def split_arguments(args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
