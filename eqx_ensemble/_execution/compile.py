@@ -25,6 +25,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
+from .._internal.tree import is_traced
+
 # Turning off YNNPACK's dot/elementwise fusions on the CPU (XLA >= 0.8).
 EIGEN_DOTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
 # LLVM's optimisation level for the code XLA's CPU backend generates: 1 instead
@@ -105,9 +107,7 @@ class Jit:
 
 
 def _any_tracer(*leaf_lists: list[Any]) -> bool:
-    return any(
-        isinstance(leaf, jax.core.Tracer) for leaves in leaf_lists for leaf in leaves
-    )
+    return any(is_traced(leaf) for leaves in leaf_lists for leaf in leaves)
 
 
 def split_arguments(args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
