@@ -38,6 +38,7 @@ from .._execution.compile import (
     filter_jit,
     split_arguments,
 )
+from .._execution.guard import FiniteCheck
 from .._execution.layout import Layout
 from .._trackers.base import Tracker
 from .evaluate import Evaluate, eval_member_keys
@@ -79,6 +80,7 @@ class Chunk:
     full: bool = False
     layout: Layout = "vmap"  # the members vectorised, or one after another
     member_chunk: int | None = None  # vectorised members per group (`Execution`)
+    check: FiniteCheck = "per_leaf"  # the guard's form (`_execution.guard`)
     # The train state's leaves split over a "model" mesh axis, kept exactly.
     placement: Any = None
 
@@ -158,6 +160,7 @@ def _train_step(
         chunk.mesh,
         chunk.layout,
         chunk.member_chunk,
+        chunk.check,
     )
     step = ts.step
     member_keys = jax.random.split(

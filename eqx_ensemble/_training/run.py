@@ -37,10 +37,12 @@ from .._core.sharding import (
 from .._execution.compile import (
     Options,
     default_steps_per_dispatch,
+    is_tiny_step,
     platform_of,
     step_compiler_options,
 )
 from .._execution.execution import Execution
+from .._execution.guard import FiniteCheck, choose_finite_check
 from .._execution.layout import (
     Layout,
     check_member_chunk,
@@ -315,6 +317,7 @@ def prepare(
         mesh=mesh,
         unrolled=plan.unroll,
         layout=plan.layout,
+        check=plan.check,
         member_chunk=execution.member_chunk,
         placement=None if train_state is None else model_placement(train_state, mesh),
     )
@@ -407,13 +410,16 @@ def _check_periods(
 @dataclasses.dataclass(frozen=True)
 class FitPlan:
     """How a `fit` run executes, resolved from its `Execution` (see there):
-    steps compiled per dispatch, unrolled or scanned, the member layout, and
-    the XLA options."""
+    steps compiled per dispatch, unrolled or scanned, the member layout, the
+    XLA options, and the form of the divergence guard's finiteness check
+    (`_execution.guard`: the library's choice, by the step's size and the run's
+    length)."""
 
     length: int
     unroll: bool
     layout: Layout
     compiler_options: Options
+    check: FiniteCheck = "per_leaf"
 
 
 def plan_fit(
@@ -520,7 +526,11 @@ def _plan_fit(
         mesh,
         profile.batched_dots,
     )
-    return FitPlan(per_dispatch, unroll, layout, options)
+    check = choose_finite_check(
+        tiny=is_tiny_step(ens.members, source.batch_size, size, mesh),
+        platform=platform_of(mesh),
+    )
+    return FitPlan(per_dispatch, unroll, layout, options, check)
 
 
 def _skips_conditional(chunk: Chunk) -> bool:

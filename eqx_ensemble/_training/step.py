@@ -37,6 +37,8 @@ from .._execution.compile import (
     Options,
     cpu_codegen_options,
     filter_jit,
+    is_tiny_step,
+    platform_of,
     step_compiler_options,
     with_eigen_dots,
 )
@@ -45,6 +47,7 @@ from .._execution.execution import (
     as_execution,
     refuses_moved,
 )
+from .._execution.guard import FiniteCheck, choose_finite_check
 from .._execution.layout import Layout, choose_layout, member_map
 from .._execution.profile import StepProfile, first_member, profile_jaxpr
 from .._internal.keys import check_key, optimizer_key
@@ -86,15 +89,23 @@ class StepOutput(NamedTuple):
     state: PyTree[Any]
 
 
-def _all_finite(tree: PyTree[Any]) -> Bool[Array, ""]:
-    leaves = [
-        jnp.all(jnp.isfinite(leaf))
-        for leaf in jax.tree.leaves(tree)
-        if eqx.is_inexact_array(leaf)
-    ]
+def all_finite(*trees: PyTree[Any], check: FiniteCheck) -> Bool[Array, ""]:
+    """Whether every floating-point element of `trees` is finite, in the form
+    `check` names (the same answer in either; see `_execution.guard`)."""
+    leaves = [leaf for leaf in jax.tree.leaves(trees) if eqx.is_inexact_array(leaf)]
     if not leaves:
         return jnp.array(True)
-    return jnp.all(jnp.stack(leaves))
+    if check == "per_leaf":
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+    # By shape: `x * 0` is (+-)0 for a finite x and NaN for an infinite or NaN
+    # one, so a sum of such terms is finite exactly when every term's x is (and
+    # it cannot overflow). One reduction per shape and dtype.
+    groups: dict[Any, Any] = {}
+    for leaf in leaves:
+        key = (leaf.shape, leaf.dtype)
+        zero = leaf * jnp.zeros((), leaf.dtype)
+        groups[key] = zero if key not in groups else groups[key] + zero
+    return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(g)) for g in groups.values()]))
 
 
 def _select(keep_new: Bool[Array, ""], new: Any, old: Any) -> Any:
@@ -117,6 +128,8 @@ def member_update(
     frozen: Any,
     hyper: Any = None,
     shared: Any = None,
+    *,
+    check: FiniteCheck = "per_leaf",
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """One step for ONE member (vmapped over members by the callers).
 
@@ -124,6 +137,7 @@ def member_update(
     is `frozen`, keeps its parameters, optimizer state and model state;
     `diverged` reports the former. `shared`: a frozen shared part (closed over,
     not differentiated), completing `member` (the stacked part) into a model.
+    `check`: the form of the finiteness check (`_execution.guard`).
     """
     stateful = state is not None
     # `loss_fn` may consume the state it is given (`state.set` returns a new state
@@ -139,7 +153,16 @@ def member_update(
         member
     )
     new_member, new_opt_state, new_state, diverged = apply_member(
-        optimizer, member, opt_state, grads, loss, new_state, kept_state, frozen, key
+        optimizer,
+        member,
+        opt_state,
+        grads,
+        loss,
+        new_state,
+        kept_state,
+        frozen,
+        key,
+        check=check,
     )
     # A frozen member (diverged or stopped) does not train: no loss to report.
     loss = jnp.where(frozen, jnp.nan, loss)
@@ -156,6 +179,8 @@ def apply_member(
     kept_state: Any,
     frozen: Any,
     key: Any,
+    *,
+    check: FiniteCheck = "per_leaf",
 ) -> tuple[Any, Any, Any, Any]:
     """ONE member's optimizer update from its gradients, kept only if everything
     is finite and the member is not `frozen`. An optimizer that takes extra
@@ -166,11 +191,8 @@ def apply_member(
     new_member = eqx.apply_updates(member, updates)
     # The update is checked too: a finite gradient times a huge (or non-finite)
     # per-member learning rate still gives non-finite parameters.
-    finite = (
-        jnp.isfinite(loss)
-        & _all_finite(grads)
-        & _all_finite(trainable(new_member))
-        & _all_finite(new_opt_state)
+    finite = jnp.isfinite(loss) & all_finite(
+        grads, trainable(new_member), new_opt_state, check=check
     )
     keep_new = finite & jnp.logical_not(frozen)
     new_member = _select(keep_new, new_member, member)
@@ -210,6 +232,7 @@ def _coupled_update(
     state: Any,
     frozen: Any,
     hyper: Any,
+    check: FiniteCheck,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """One step of an ensemble whose shared part is trained: the members' summed
     loss is differentiated once, which gives every member its own gradient and
@@ -248,7 +271,7 @@ def _coupled_update(
     )((ens.members, ens.shared))
     losses = jnp.where(frozen, jnp.nan, losses)  # a stand-in's, not the member's
     members, members_opt, new_state, diverged = eqx.filter_vmap(
-        functools.partial(apply_member, optimizer),
+        functools.partial(apply_member, optimizer, check=check),
         in_axes=(member_axis,) * 8,
     )(
         ens.members,
@@ -266,11 +289,7 @@ def _coupled_update(
         optimizer, shared_grads, opt_state.shared, trainable(shared)
     )
     new_shared = eqx.apply_updates(shared, updates)
-    keep = (
-        _all_finite(shared_grads)
-        & _all_finite(trainable(new_shared))
-        & _all_finite(new_shared_opt)
-    )
+    keep = all_finite(shared_grads, trainable(new_shared), new_shared_opt, check=check)
     new_shared = _select(keep, new_shared, shared)
     new_shared_opt = _select(keep, new_shared_opt, opt_state.shared)
     return (
@@ -293,6 +312,7 @@ def _joint_update(
     state: Any,
     frozen: Any,
     hyper: Any,
+    check: FiniteCheck,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
     """One step with a loss over all members at once (`ee.Coupled`): the sum of
     the members' losses is differentiated jointly; each member then takes its
@@ -320,7 +340,7 @@ def _joint_update(
     )((ens.members, shared))
     members_opt = opt_state.members if train_shared else opt_state
     members, new_members_opt, _, diverged = eqx.filter_vmap(
-        functools.partial(apply_member, optimizer),
+        functools.partial(apply_member, optimizer, check=check),
         in_axes=(member_axis,) * 8,
     )(ens.members, members_opt, grads, losses, None, None, frozen, keys)
     new_ens = with_members(ens, members)
@@ -330,10 +350,8 @@ def _joint_update(
             optimizer, shared_grads, opt_state.shared, trainable(ens.shared)
         )
         new_shared = eqx.apply_updates(ens.shared, updates)
-        keep = (
-            _all_finite(shared_grads)
-            & _all_finite(trainable(new_shared))
-            & _all_finite(new_shared_opt)
+        keep = all_finite(
+            shared_grads, trainable(new_shared), new_shared_opt, check=check
         )
         new_shared = _select(keep, new_shared, ens.shared)
         new_shared_opt = _select(keep, new_shared_opt, opt_state.shared)
@@ -472,12 +490,14 @@ def vmapped_update(
     mesh: Mesh | None = None,
     layout: Layout = "vmap",
     member_chunk: int | None = None,
+    check: FiniteCheck = "per_leaf",
 ) -> Callable[..., Any]:
     """`(ens, opt_state, batch, keys, state, frozen, hyper) -> (ens, opt_state,
     losses, aux, state, diverged)`: `member_update` under `eqx.filter_vmap` over
     the member axis (on `mesh`: members split over its `"members"` axis, the
     batch over `"data"`), `member_chunk` members at a time if given, or member
-    by member with `layout="sequential"` (see `_layout`). A frozen shared part
+    by member with `layout="sequential"` (see `_layout`), the finiteness
+    check in the form `check` names (`_execution.guard`). A frozen shared part
     is closed over (one copy for every member); a trained one goes through
     `_coupled_update`."""
     # A shared batch is not mapped: it stays one array inside the member `vmap`,
@@ -490,7 +510,13 @@ def vmapped_update(
             updates = (
                 [
                     vmapped_update(
-                        fn, optimizer, per_member_batch, mesh, layout, member_chunk
+                        fn,
+                        optimizer,
+                        per_member_batch,
+                        mesh,
+                        layout,
+                        member_chunk,
+                        check,
                     )
                     for fn in loss_fn
                 ]
@@ -511,7 +537,16 @@ def vmapped_update(
             check_chunkable(loss_fn, ens)
         if isinstance(loss_fn, Coupled):
             return _joint_update(
-                loss_fn, optimizer, ens, opt_state, batch, keys, state, frozen, hyper
+                loss_fn,
+                optimizer,
+                ens,
+                opt_state,
+                batch,
+                keys,
+                state,
+                frozen,
+                hyper,
+                check,
             )
         if ens.train_shared:
             return _coupled_update(
@@ -525,6 +560,7 @@ def vmapped_update(
                 state,
                 frozen,
                 hyper,
+                check,
             )
 
         single = loss_fn
@@ -542,6 +578,7 @@ def vmapped_update(
                     frozen,
                     hyper,
                     ens.shared,
+                    check=check,
                 )
 
             if layout != "sequential":
@@ -861,6 +898,12 @@ def _step_impl(
     if step.mesh is not None:
         check_step_mesh(step.mesh, size, batch, step.per_member_batch)
     layout = step._layout(ens, batch, state, hyper)  # shapes only: at trace time
+    check = choose_finite_check(
+        tiny=is_tiny_step(
+            ens.members, _examples(batch, step.per_member_batch), size, step.mesh
+        ),
+        platform=platform_of(step.mesh),
+    )
     member_keys = jax.random.split(key, size)
     frozen = jnp.zeros((size,), dtype=bool)
     update = vmapped_update(
@@ -870,6 +913,7 @@ def _step_impl(
         step.mesh,
         layout,
         step.member_chunk,
+        check,
     )
     new_ens, new_opt_state, losses, aux, new_state, _ = update(
         ens, opt_state, batch, member_keys, state, frozen, hyper

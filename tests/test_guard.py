@@ -1,0 +1,184 @@
+"""The divergence guard's two forms of the finiteness check (`_execution.guard`):
+the same answer, element for element, and the rule that picks one."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+from eqx_ensemble._execution.guard import choose_finite_check
+from eqx_ensemble._training import run as run_module, step as step_module
+from eqx_ensemble._training.step import all_finite
+
+FORMS = ("per_leaf", "by_shape")
+DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.complex64)
+
+
+def _tree(rng, members):
+    # Leaves of repeated and distinct shapes and dtypes (a weight, its gradient
+    # and two moments share a shape), an integer leaf and a non-array.
+    shapes = [(3, 4), (3, 4), (4,), (3, 4), (), (2, 2, 2)]
+    leaves = {}
+    for i, shape in enumerate(shapes):
+        dtype = DTYPES[i % len(DTYPES)] if i != 1 else jnp.float32
+        values = rng.standard_normal((members, *shape)) * 1e3
+        leaves[f"leaf{i}"] = jnp.asarray(values, dtype)
+    leaves["count"] = jnp.arange(members, dtype=jnp.int32)
+    leaves["name"] = "not an array"
+    return leaves
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan, "max"])
+def test_both_forms_agree_with_numpy_member_by_member(bad):
+    rng = np.random.default_rng(0)
+    members = 6
+    tree = _tree(rng, members)
+    names = [k for k, v in tree.items() if eqx.is_inexact_array(v)]
+    # Member m gets a bad value in leaf (m % len), at a random position; member
+    # members-1 stays finite everywhere.
+    for m in range(members - 1):
+        name = names[m % len(names)]
+        leaf = tree[name]
+        index = (m, *(int(rng.integers(0, s)) for s in leaf.shape[1:]))
+        if bad == "max":  # the largest finite value: still finite
+            value = jnp.finfo(leaf.dtype).max
+        else:
+            value = bad
+        tree[name] = leaf.at[index].set(jnp.asarray(value).astype(leaf.dtype))
+    reference = [
+        all(
+            np.isfinite(np.asarray(tree[name][m], np.complex128)).all()
+            for name in names
+        )
+        for m in range(members)
+    ]
+    assert reference[-1]
+    if bad != "max":
+        assert not any(reference[:-1])
+    for form in FORMS:
+
+        def member_check(t, form=form):
+            first, second = t
+            return all_finite(first, second, check=form)
+
+        # Split into two trees, as the guard passes (gradients, weights, state).
+        first = {k: tree[k] for k in list(tree)[:3]}
+        second = {k: tree[k] for k in list(tree)[3:]}
+        flags = eqx.filter_vmap(member_check)((first, second))
+        np.testing.assert_array_equal(np.asarray(flags), reference, err_msg=form)
+
+
+def test_no_floating_point_leaf_is_finite():
+    for form in FORMS:
+        assert bool(all_finite({"n": jnp.arange(3)}, None, check=form))
+
+
+def test_the_rule():
+    assert choose_finite_check(tiny=True, platform="cpu") == "per_leaf"
+    assert choose_finite_check(tiny=False, platform="cpu") == "by_shape"
+    for platform in ("gpu", "tpu"):
+        for tiny in (True, False):
+            assert choose_finite_check(tiny=tiny, platform=platform) == "per_leaf"
+
+
+def test_fit_and_make_step_choose_by_the_steps_size(monkeypatch):
+    chosen = []
+
+    def spy(**kwargs):
+        chosen.append((kwargs["tiny"], choose_finite_check(**kwargs)))
+        return chosen[-1][1]
+
+    monkeypatch.setattr(run_module, "choose_finite_check", spy)
+    monkeypatch.setattr(step_module, "choose_finite_check", spy)
+    optimizer = optax.adam(1e-3)
+    # 6 x 64 examples x 2 members x weights: 13 kFLOP, or 205 MFLOP (tiny:
+    # under `MIN_STEP_FLOPS`, 16 MFLOP).
+    for width, tiny in ((4, True), (512, False)):
+        ens = ee.ensemble(
+            lambda k, w=width: eqx.nn.MLP(8, 1, w, 2, key=k),
+            size=2,
+            key=jax.random.key(0),
+        )
+        x = jnp.ones((64, 8))
+        batch = (x, x[:, :1])
+        loss = _new_loss()
+        chosen.clear()
+        ee.fit(ens, loss, optimizer, batch, steps=2, batch_size=64, key=KEY)
+        ee.make_step(loss, optimizer)(
+            ens, ee.init_optimizer(optimizer, ens), batch, KEY
+        )
+        form = "per_leaf" if tiny else "by_shape"
+        assert chosen == [(tiny, form), (tiny, form)]
+
+
+KEY = jax.random.key(3)
+
+
+def _new_loss():
+    # A new function each time: `fit` caches its plan per loss function.
+    def mse(model, batch, key):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    return mse
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def test_an_overflowing_update_is_caught_in_either_form(monkeypatch):
+    # Per-member learning rates: member 1's update overflows (its loss and
+    # gradients stay finite). Each form, forced in place of the rule's choice,
+    # freezes member 1 at its last finite weights (those of the run stopped
+    # just before) and leaves the others training; the two forms' runs are
+    # equal bit for bit.
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k), size=3, key=jax.random.key(0)
+    )
+    x = jax.random.normal(jax.random.key(1), (32, 2))
+    y = jnp.sin(x[:, :1])
+    optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
+    rates = jnp.array([0.01, 3e38, 0.02])
+    forced = []
+    monkeypatch.setattr(run_module, "choose_finite_check", lambda **_: forced[-1])
+
+    def fit(steps):
+        return ee.fit(
+            ens,
+            loss,
+            optimizer,
+            (x, y),
+            steps=steps,
+            batch_size=8,
+            key=jax.random.key(2),
+            opt_state=ee.init_optimizer(
+                optimizer, ens, hyperparams={"learning_rate": rates}
+            ),
+            callbacks=(),
+        )
+
+    results = {}
+    for form in FORMS:
+        forced.append(form)
+        loss = _new_loss()
+        result = fit(6)
+        assert set(result.diverged) == {1}
+        before = fit(result.diverged[1])
+        assert before.diverged == {}
+        for got, want in zip(
+            _leaves(result.ensemble[1]), _leaves(before.ensemble[1]), strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
+        assert all(np.isfinite(leaf).all() for leaf in _leaves(result.ensemble))
+        assert np.isfinite(np.delete(result.history.losses, 1, axis=1)).all()
+        results[form] = result
+    for got, want in zip(
+        _leaves(results["per_leaf"].ensemble),
+        _leaves(results["by_shape"].ensemble),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
