@@ -156,6 +156,29 @@ def _fit(ens, options, loss=xent, steps_per_dispatch=10, **kwargs):
     )
 
 
+def test_one_probe_answers_for_every_subset_of_the_librarys_options(monkeypatch):
+    # Whether this jaxlib knows an option is a compile; the library's options are
+    # probed together once, and each subset of them needs no probe of its own.
+    probes = []
+    jit = jax.jit
+
+    def counting(fn, **kwargs):
+        probes.append(tuple(sorted(kwargs.get("compiler_options", {}).items())))
+        return jit(fn, **kwargs)
+
+    monkeypatch.setattr(_xla.jax, "jit", counting)
+    _xla._supported.cache_clear()
+    try:
+        fast = tuple(sorted(_xla.FAST_CODEGEN.items()))
+        both = tuple(sorted((_xla.FAST_CODEGEN | _xla.EIGEN_DOTS).items()))
+        assert _xla._supported(fast) and _xla._supported(both)
+        assert probes == [both]
+        assert not _xla._supported((("xla_no_such_option_here", 1),))
+        assert probes == [both, (("xla_no_such_option_here", 1),)]
+    finally:
+        _xla._supported.cache_clear()
+
+
 def test_fit_results_do_not_depend_on_options():
     ens = ee.ensemble(make_mlp, size=4, key=jax.random.key(4))
     default = _fit(ens, {})
