@@ -51,14 +51,14 @@ from .._execution.layout import (
 )
 from .._execution.profile import StepProfile, signature
 from .._internal.checks import MAX_INT32, check_positive_int
-from .._internal.keys import check_key
+from .._internal.keys import RunKeys, check_key
 from .._internal.tree import first_difference
 from .._trackers.base import Tracker
 from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
 from .loggers import LogEntry, Logger, LogWriter, RunInfo
-from .loop import Chunk, copy, dispatch_chunk, dispatch_start
+from .loop import Chunk, copy, dispatch_chunk, dispatch_start, with_run_keys
 from .loss import (
     LossFn,
     check_hyper,
@@ -244,10 +244,21 @@ def prepare(
         and not loggers
     ):
         # A run of one dispatch makes its start state in that dispatch (one
-        # compiled call instead of two); only the run's keys come first.
-        keys = start_keys(key)
+        # compiled call instead of two), and its keys too where the sampling
+        # needs none on the host (a bootstrap's draws do: then they come
+        # first). Until that dispatch the chunk and the data source hold `key`
+        # as a stand-in for each (`Run.use_keys` puts the real ones in).
+        derive = type(sampling).prepare is Sampling.prepare
+        keys = RunKeys(key, key, key, key) if derive else start_keys(key)
         start = StartInputs(
-            ens, opt_state, state, hyper, optimizer, track, evaluate is not None
+            ens,
+            opt_state,
+            state,
+            hyper,
+            optimizer,
+            track,
+            evaluate is not None,
+            key if derive else None,
         )
     else:
         # The start state (a fresh optimizer state unless one is given, every
@@ -778,9 +789,11 @@ class Run:
         if self.train_state is None:
             assert self.start is not None
             start, self.start = self.start, None
-            self.train_state, losses, scores = dispatch_start(
+            self.train_state, losses, scores, keys = dispatch_start(
                 self.options, chunk, start
             )
+            if keys is not None:
+                self.use_keys(keys)
         else:
             self.train_state, losses, scores = dispatch_chunk(
                 self.options, chunk, self.train_state
@@ -877,12 +890,19 @@ class Run:
                 "attached to this error as `error.result`",
             )
 
+    def use_keys(self, keys: RunKeys) -> None:
+        """The run's keys in place of the stand-ins the chunk and the data
+        source held until the first dispatch derived them (see `prepare`)."""
+        self.chunk = with_run_keys(self.chunk, keys)
+        assert isinstance(self.source, ArraySource)
+        self.source.use_data_key(keys.data)
+
     def state(self) -> TrainState:
         """The run's state (made now if the first dispatch has not run yet)."""
         if self.train_state is None:
             assert self.start is not None
             start = self.start
-            self.train_state, _ = start_state(
+            self.train_state, keys = start_state(
                 start.ens,
                 start.optimizer,
                 start.opt_state,
@@ -893,6 +913,8 @@ class Run:
                 key=self.key,
             )
             self.start = None
+            if start.key is not None:
+                self.use_keys(keys)
         return self.train_state
 
     def result(self, copy_state: bool = False) -> FitResult:

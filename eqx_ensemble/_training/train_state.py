@@ -213,6 +213,9 @@ class StartInputs:
     optimizer: Any
     track: tuple[Any, ...]
     with_eval: bool
+    # The run's key where the dispatch derives the run's keys from it too
+    # (`run_keys`, in place of the chunk's stand-ins), else `None`.
+    key: PRNGKeyArray | None = None
 
     def state(self) -> TrainState:
         return fresh_state(
