@@ -9,7 +9,9 @@ import optax
 import pytest
 
 import eqx_ensemble as ee
-from eqx_ensemble._execution.guard import choose_finite_check
+from eqx_ensemble._execution.compile import MIN_STEP_FLOPS
+from eqx_ensemble._execution.guard import choose_finite_check, step_flops
+from eqx_ensemble._execution.profile import StepProfile, profile_jaxpr
 from eqx_ensemble._training import run as run_module, step as step_module
 from eqx_ensemble._training.step import all_finite
 
@@ -77,26 +79,73 @@ def test_no_floating_point_leaf_is_finite():
 
 
 def test_the_rule():
-    assert choose_finite_check(tiny=True, platform="cpu") == "per_leaf"
-    assert choose_finite_check(tiny=False, platform="cpu") == "by_shape"
+    small, big = MIN_STEP_FLOPS / 2, MIN_STEP_FLOPS * 2
+    assert choose_finite_check(flops=small, platform="cpu") == "per_leaf"
+    assert choose_finite_check(flops=big, platform="cpu") == "by_shape"
     for platform in ("gpu", "tpu"):
-        for tiny in (True, False):
-            assert choose_finite_check(tiny=tiny, platform=platform) == "per_leaf"
+        for flops in (small, big):
+            assert choose_finite_check(flops=flops, platform=platform) == "per_leaf"
+
+
+def test_matmul_flops_are_read_from_the_jaxpr_scans_included():
+    def f(a, b, xs):
+        def body(carry, x):
+            return carry, carry @ x
+
+        _, ys = jax.lax.scan(body, a, xs)
+        return (a @ b).sum() + ys.sum()
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 5)), jnp.ones((5, 6)), jnp.ones((7, 5, 3)))
+    profile = profile_jaxpr(jaxpr.jaxpr)
+    assert profile.dot_flops == 2 * 4 * 6 * 5 + 7 * (2 * 4 * 3 * 5)
+
+
+def test_a_sequence_models_tokens_count_toward_its_steps_size():
+    # 2 members of a linear map applied to each of 64 tokens of 16 examples:
+    # the weights' estimate sees 16 examples, the jaxpr's every token.
+    ens = ee.ensemble(
+        lambda k: eqx.nn.Linear(64, 64, key=k), size=2, key=jax.random.key(0)
+    )
+    member = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, ens.members)
+
+    def forward(model, batch):
+        return jax.vmap(jax.vmap(model))(batch)
+
+    batch = jnp.ones((16, 64, 64))
+    profile = profile_jaxpr(jax.make_jaxpr(forward)(member, batch).jaxpr)
+    forward_flops = 2.0 * 16 * 64 * 64 * 64
+    assert profile.dot_flops == forward_flops
+    weights_only = step_flops(ens.members, 16, 2, 1, StepProfile())
+    assert weights_only == 6.0 * 16 * 64 * 64 * 2
+    assert step_flops(ens.members, 16, 2, 1, profile) == 3 * forward_flops * 2
+    assert step_flops(ens.members, 16, 2, 4, profile) == 3 * forward_flops * 2 / 4
+
+
+KEY = jax.random.key(3)
+
+
+def _new_loss():
+    # A new function each time: `fit` caches its plan per loss function.
+    def mse(model, batch, key):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    return mse
 
 
 def test_fit_and_make_step_choose_by_the_steps_size(monkeypatch):
     chosen = []
 
     def spy(**kwargs):
-        chosen.append((kwargs["tiny"], choose_finite_check(**kwargs)))
-        return chosen[-1][1]
+        chosen.append(choose_finite_check(**kwargs))
+        return chosen[-1]
 
     monkeypatch.setattr(run_module, "choose_finite_check", spy)
     monkeypatch.setattr(step_module, "choose_finite_check", spy)
     optimizer = optax.adam(1e-3)
-    # 6 x 64 examples x 2 members x weights: 13 kFLOP, or 205 MFLOP (tiny:
-    # under `MIN_STEP_FLOPS`, 16 MFLOP).
-    for width, tiny in ((4, True), (512, False)):
+    # 2 members, 64 examples: about 13 kFLOP per step, or 205 MFLOP (tiny: under
+    # `MIN_STEP_FLOPS`, 16 MFLOP).
+    for width, form in ((4, "per_leaf"), (512, "by_shape")):
         ens = ee.ensemble(
             lambda k, w=width: eqx.nn.MLP(8, 1, w, 2, key=k),
             size=2,
@@ -110,20 +159,7 @@ def test_fit_and_make_step_choose_by_the_steps_size(monkeypatch):
         ee.make_step(loss, optimizer)(
             ens, ee.init_optimizer(optimizer, ens), batch, KEY
         )
-        form = "per_leaf" if tiny else "by_shape"
-        assert chosen == [(tiny, form), (tiny, form)]
-
-
-KEY = jax.random.key(3)
-
-
-def _new_loss():
-    # A new function each time: `fit` caches its plan per loss function.
-    def mse(model, batch, key):
-        x, y = batch
-        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
-
-    return mse
+        assert chosen == [form, form]
 
 
 def _leaves(tree):

@@ -19,21 +19,38 @@ Measured on 2 cores, both forms in one process (docs/benchmarks.md, session
 per-leaf, 70 us by shape, compile 0.9 vs 0.7-0.9 s; 64 MLPs 32-128-128-10,
 batch 256 (compute-bound): 24.5 vs 24.2 ms per step, a scan of it compiled in
 3.8 vs 3.4 s; the first call of `fit` (20 steps) on the transformer family 3.1-3.2 vs
-2.4 s, the CNN 1.7 vs 1.6 s. So: per leaf where the step is tiny (its time is
+2.4 s, the CNN 1.7 vs 1.6 s. So: per leaf where the step is tiny (`step_flops`
+under `MIN_STEP_FLOPS`) (its time is
 kernels, not arithmetic: the form that runs fastest), by shape elsewhere (as
 fast or faster to run, sooner to compile).
 """
 
-from typing import Literal
+from typing import Any, Literal
+
+from .compile import MIN_STEP_FLOPS, step_matmul_flops
+from .profile import StepProfile
 
 FiniteCheck = Literal["per_leaf", "by_shape"]
 
 
-def choose_finite_check(*, tiny: bool, platform: str) -> FiniteCheck:
-    """The check's form for a step on `platform`: on a CPU, `"per_leaf"` for a
-    `tiny` step (see `is_tiny_step`) and `"by_shape"` for any other; elsewhere
-    `"per_leaf"` (the form measured there in round 2; `"by_shape"` is not
-    measured off the CPU)."""
-    if platform != "cpu" or tiny:
+def step_flops(
+    members: Any, examples: int, size: int, devices: int, profile: StepProfile
+) -> float:
+    """A training step's matmul FLOPs per device, as the rule below reads it:
+    the larger of two estimates, every weight once per example
+    (`step_matmul_flops`) and three times the members' forward matmuls read
+    from a member's jaxpr (`profile.dot_flops`: it counts every token of a
+    sequence, which the first does not; 0 where no profile was read)."""
+    by_weights = step_matmul_flops(members, examples, size)
+    return max(by_weights, 3.0 * profile.dot_flops * size) / max(devices, 1)
+
+
+def choose_finite_check(*, flops: float, platform: str) -> FiniteCheck:
+    """The check's form for a step of `flops` (see `step_flops`) on
+    `platform`: on a CPU, `"per_leaf"` for a tiny step (under
+    `MIN_STEP_FLOPS`) and `"by_shape"` for any other; elsewhere `"per_leaf"`
+    (the form measured there in round 2; `"by_shape"` is not measured off the
+    CPU)."""
+    if platform != "cpu" or flops < MIN_STEP_FLOPS:
         return "per_leaf"
     return "by_shape"

@@ -20,32 +20,46 @@ class StepProfile(NamedTuple):
     (attention heads), which Eigen's dot kernels run slower than XLA's default
     path (a small transformer: 33 vs 17 ms per step); `convolution_flops`: the
     FLOPs of the convolutions as written (each counted once, even inside a
-    loop; a differentiated loss includes its backward convolutions)."""
+    loop; a differentiated loss includes its backward convolutions);
+    `dot_flops`: the FLOPs of its matmuls, a `scan`'s body counted as many
+    times as it runs (a `while` loop's once)."""
 
     convolutions: bool = False
     batched_dots: bool = False
     convolution_flops: float = 0.0
+    dot_flops: float = 0.0
 
 
 def profile_jaxpr(jaxpr: Any) -> StepProfile:
     convolutions = batched_dots = False
-    convolution_flops = 0.0
+    convolution_flops = dot_flops = 0.0
 
-    def search(inner: Any) -> None:
-        nonlocal convolutions, batched_dots, convolution_flops
+    def search(inner: Any, times: float) -> None:
+        nonlocal convolutions, batched_dots, convolution_flops, dot_flops
         for equation in inner.eqns:
             name = equation.primitive.name
             if name == "conv_general_dilated":
                 convolutions = True
                 convolution_flops += _convolution_flops(equation)
             elif name == "dot_general":
-                (_, _), (batch_lhs, _) = equation.params["dimension_numbers"]
+                (contract_lhs, _), (batch_lhs, _) = equation.params["dimension_numbers"]
                 batched_dots = batched_dots or len(batch_lhs) > 0
+                dot_flops += times * _dot_flops(equation, contract_lhs)
+            repeat = (
+                times * equation.params.get("length", 1) if name == "scan" else times
+            )
             for sub in jax.extend.core.jaxprs_in_params(equation.params):
-                search(sub)
+                search(sub, repeat)
 
-    search(jaxpr)
-    return StepProfile(convolutions, batched_dots, convolution_flops)
+    search(jaxpr, 1.0)
+    return StepProfile(convolutions, batched_dots, convolution_flops, dot_flops)
+
+
+def _dot_flops(equation: Any, contracting: Any) -> float:
+    # 2 x (output elements) x (the contracted size).
+    lhs_shape = equation.invars[0].aval.shape
+    inner = float(np.prod([lhs_shape[axis] for axis in contracting]))
+    return 2.0 * float(np.prod(equation.outvars[0].aval.shape)) * inner
 
 
 def _convolution_flops(equation: Any) -> float:

@@ -37,12 +37,11 @@ from .._core.sharding import (
 from .._execution.compile import (
     Options,
     default_steps_per_dispatch,
-    is_tiny_step,
     platform_of,
     step_compiler_options,
 )
 from .._execution.execution import Execution
-from .._execution.guard import FiniteCheck, choose_finite_check
+from .._execution.guard import FiniteCheck, choose_finite_check, step_flops
 from .._execution.layout import (
     Layout,
     check_member_chunk,
@@ -537,8 +536,9 @@ def _plan_fit(
         mesh,
         profile.batched_dots,
     )
+    devices = 1 if mesh is None else mesh.size
     check = choose_finite_check(
-        tiny=is_tiny_step(ens.members, source.batch_size, size, mesh),
+        flops=step_flops(ens.members, source.batch_size, size, devices, profile),
         platform=platform_of(mesh),
     )
     return FitPlan(per_dispatch, unroll, layout, options, check)

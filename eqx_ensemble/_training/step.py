@@ -37,7 +37,6 @@ from .._execution.compile import (
     Options,
     cpu_codegen_options,
     filter_jit,
-    is_tiny_step,
     platform_of,
     step_compiler_options,
     with_eigen_dots,
@@ -47,7 +46,7 @@ from .._execution.execution import (
     as_execution,
     refuses_moved,
 )
-from .._execution.guard import FiniteCheck, choose_finite_check
+from .._execution.guard import FiniteCheck, choose_finite_check, step_flops
 from .._execution.layout import Layout, choose_layout, member_map
 from .._execution.profile import StepProfile, first_member, profile_jaxpr
 from .._internal.keys import check_key, optimizer_key
@@ -864,6 +863,7 @@ def ensemble_profile(
         convolutions=any(p.convolutions for p in profiles),
         batched_dots=any(p.batched_dots for p in profiles),
         convolution_flops=sum(p.convolution_flops for p in profiles),
+        dot_flops=sum(p.dot_flops for p in profiles),
     )
 
 
@@ -898,11 +898,19 @@ def _step_impl(
     if step.mesh is not None:
         check_step_mesh(step.mesh, size, batch, step.per_member_batch)
     layout = step._layout(ens, batch, state, hyper)  # shapes only: at trace time
+    platform = platform_of(step.mesh)
+    profile = StepProfile()
+    if platform == "cpu" and step.mesh is None:
+        profile = _profile_of(step, (ens, batch, state, hyper))
     check = choose_finite_check(
-        tiny=is_tiny_step(
-            ens.members, _examples(batch, step.per_member_batch), size, step.mesh
+        flops=step_flops(
+            ens.members,
+            _examples(batch, step.per_member_batch),
+            size,
+            1 if step.mesh is None else step.mesh.size,
+            profile,
         ),
-        platform=platform_of(step.mesh),
+        platform=platform,
     )
     member_keys = jax.random.split(key, size)
     frozen = jnp.zeros((size,), dtype=bool)
