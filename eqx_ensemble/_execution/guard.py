@@ -15,14 +15,14 @@ form below; what differs is what XLA makes of it on a CPU:
   optimizer's elementwise update inside the reductions' loops).
 
 Measured on 2 cores, both forms in one process (docs/benchmarks.md, session
-18), `fit` on 8 MLPs 1-32-32-1, batch 16 (a tiny step): 56 us per step
-per-leaf, 70 us by shape, compile 0.9 vs 0.7-0.9 s; 64 MLPs 32-128-128-10,
-batch 256 (compute-bound): 24.5 vs 24.2 ms per step, a scan of it compiled in
-3.8 vs 3.4 s; the first call of `fit` (20 steps) on the transformer family 3.1-3.2 vs
-2.4 s, the CNN 1.7 vs 1.6 s. So: per leaf where the step is tiny (`step_flops`
-under `MIN_STEP_FLOPS`) (its time is
-kernels, not arithmetic: the form that runs fastest), by shape elsewhere (as
-fast or faster to run, sooner to compile).
+18), `fit` on 8 MLPs 1-32-32-1, batch 16 (a tiny step): 56 us per step per
+leaf, 70 us by shape, compile 0.9 vs 0.7-0.9 s; 64 MLPs 32-128-128-10, batch
+256 (compute-bound): 24.5 vs 24.2 ms per step, a scan of it compiled in 3.8 vs
+3.4 s; the first call of `fit` (20 steps) on the transformer family 3.1-3.3 vs
+2.4-2.5 s, the CNN 1.7 vs 1.6 s. So: per leaf where the step is tiny
+(`step_flops` under `MIN_STEP_FLOPS`: its time is kernels, not arithmetic, and
+that form runs fastest there), by shape elsewhere (as fast or faster to run,
+sooner to compile).
 """
 
 from typing import Any, Literal
