@@ -26,6 +26,7 @@ SCRIPTS = {
     "xla_options": "bench_xla_options.py",
     "families": "bench_families.py",
     "loop": "bench_loop.py",
+    "guard": "bench_guard.py",
     "trackers": "bench_trackers.py",
     "overhead": "bench_overhead.py",
     "logging": "bench_logging.py",
