@@ -119,6 +119,10 @@ def test_a_sequence_models_tokens_count_toward_its_steps_size():
     assert weights_only == 6.0 * 16 * 64 * 64 * 2
     assert step_flops(ens.members, 16, 2, 1, profile) == 3 * forward_flops * 2
     assert step_flops(ens.members, 16, 2, 4, profile) == 3 * forward_flops * 2 / 4
+    with_convolutions = profile._replace(convolution_flops=1e9)
+    assert step_flops(ens.members, 16, 2, 1, with_convolutions) == (
+        3 * (forward_flops + 1e9) * 2
+    )
 
 
 KEY = jax.random.key(3)

@@ -1036,7 +1036,10 @@ def test_step_profile_reads_convolutions_and_batched_matmuls():
     profile = profile_step(attention_loss, attention, jnp.ones((5, 4)))
     assert profile.batched_dots and not profile.convolutions
     mlp = ee.ensemble(make_mlp, size=2, key=jax.random.key(3))
-    assert profile_step(mse_loss, mlp[0], (X, Y)) == (False, False, 0.0)
+    # No convolution, no batched matmul; the matmuls' FLOPs in closed form (a
+    # 2-8-1 MLP on N examples).
+    dot_flops = 2.0 * N * (2 * 8 + 8 * 1)
+    assert profile_step(mse_loss, mlp[0], (X, Y)) == (False, False, 0.0, dot_flops)
 
 
 def test_batched_matmuls_keep_xla_defaults():

@@ -36,13 +36,16 @@ FiniteCheck = Literal["per_leaf", "by_shape"]
 def step_flops(
     members: Any, examples: int, size: int, devices: int, profile: StepProfile
 ) -> float:
-    """A training step's matmul FLOPs per device, as the rule below reads it:
-    the larger of two estimates, every weight once per example
-    (`step_matmul_flops`) and three times the members' forward matmuls read
-    from a member's jaxpr (`profile.dot_flops`: it counts every token of a
-    sequence, which the first does not; 0 where no profile was read)."""
+    """A training step's matmul and convolution FLOPs per device, as the rule
+    below reads it: the larger of two estimates, every weight once per example
+    (`step_matmul_flops`) and three times the members' forward matmuls and
+    convolutions read from a member's jaxpr (`profile.dot_flops`,
+    `profile.convolution_flops`: they count every token of a sequence and
+    every position of an image, which the first does not; 0 where no profile
+    was read)."""
     by_weights = step_matmul_flops(members, examples, size)
-    return max(by_weights, 3.0 * profile.dot_flops * size) / max(devices, 1)
+    forward = profile.dot_flops + profile.convolution_flops
+    return max(by_weights, 3.0 * forward * size) / max(devices, 1)
 
 
 def choose_finite_check(*, flops: float, platform: str) -> FiniteCheck:
