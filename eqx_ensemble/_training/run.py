@@ -422,8 +422,7 @@ class FitPlan:
     """How a `fit` run executes, resolved from its `Execution` (see there):
     steps compiled per dispatch, unrolled or scanned, the member layout, the
     XLA options, and the form of the divergence guard's finiteness check
-    (`_execution.guard`: the library's choice, by the step's size and the run's
-    length)."""
+    (`_execution.guard`: the library's choice, by the step's size)."""
 
     length: int
     unroll: bool
