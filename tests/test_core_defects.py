@@ -132,3 +132,33 @@ def test_stack_says_when_it_narrows_64_bit_leaves():
     assert ens.members[0].dtype == jnp.float32
     # 32-bit leaves: nothing to say.
     ee.stack([(np.ones(3, np.float32),) for _ in range(2)])
+
+
+# --- The member and example counts take a path-free fast route; their errors
+# still name the leaves (the route with paths runs only on bad input).
+
+
+def test_member_count_errors_name_the_leaves_and_shapes():
+    good = {"a": jnp.zeros((3, 2)), "b": jnp.zeros((3,))}
+    assert len(ee.Ensemble(good)) == 3
+    with pytest.raises(ValueError, match=r"leaf `\['a'\]` has shape \(3, 2\).*"
+                       r"leaf `\['b'\]` has shape \(4,\)"):  # fmt: skip
+        ee.Ensemble({"a": jnp.zeros((3, 2)), "b": jnp.zeros((4,))})
+    with pytest.raises(ValueError, match=r"leaf `\['b'\]` is a scalar"):
+        ee.Ensemble({"b": jnp.zeros(()), "c": jnp.zeros((3,))})
+    with pytest.raises(ValueError, match=r"`\['c'\]` has shape \(\)"):
+        ee.Ensemble({"b": jnp.zeros((3,)), "c": jnp.zeros(())})
+    with pytest.raises(ValueError, match="no array leaves"):
+        ee.Ensemble({"f": jax.nn.relu})
+
+
+def test_example_count_errors_name_the_leaves():
+    from eqx_ensemble._core.data import num_examples
+
+    assert num_examples((np.zeros((5, 2)), jnp.zeros((5,)))) == 5
+    with pytest.raises(ValueError, match=r"`\[0\]`: 5, `\[1\]`: 4"):
+        num_examples((np.zeros((5, 2)), jnp.zeros((4,))))
+    with pytest.raises(ValueError, match=r"leaf `\[1\]` is a scalar"):
+        num_examples((np.zeros((5, 2)), jnp.zeros(())))
+    with pytest.raises(ValueError, match="0 examples"):
+        num_examples((np.zeros((0, 2)),))

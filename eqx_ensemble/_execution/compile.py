@@ -116,17 +116,23 @@ def split_arguments(args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
     arguments' arrays)."""
     first, first_def = jax.tree_util.tree_flatten(args[:1])
     rest, rest_def = jax.tree_util.tree_flatten(args[1:])
-    static = (
-        first_def,
-        rest_def,
-        tuple(None if eqx.is_array(leaf) else leaf for leaf in first),
-        tuple(None if eqx.is_array(leaf) else leaf for leaf in rest),
-    )
-    return (
-        static,
-        [leaf for leaf in first if eqx.is_array(leaf)],
-        [leaf for leaf in rest if eqx.is_array(leaf)],
-    )
+    first_arrays, first_static = _split_leaves(first)
+    rest_arrays, rest_static = _split_leaves(rest)
+    return (first_def, rest_def, first_static, rest_static), first_arrays, rest_arrays
+
+
+def _split_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[Any, ...]]:
+    # One pass (this is on every dispatch's path): the arrays, and the leaves
+    # with `None` in each array's place.
+    arrays: list[Any] = []
+    static: list[Any] = []
+    for leaf in leaves:
+        if eqx.is_array(leaf):
+            arrays.append(leaf)
+            static.append(None)
+        else:
+            static.append(leaf)
+    return arrays, tuple(static)
 
 
 class Lowered:

@@ -153,6 +153,13 @@ def array_leaves_with_path(tree: Any) -> list[tuple[str, jax.Array]]:
 
 def leading_size(tree: Any, *, what: str = "ensemble") -> int:
     """The common leading-axis size of every array leaf; a clear error otherwise."""
+    # The usual case without the leaves' paths (`len(ens)` is on every call's
+    # path); they are made for the error only.
+    arrays = [leaf for leaf in jtu.tree_leaves(tree) if eqx.is_array(leaf)]
+    if arrays and arrays[0].ndim > 0:
+        size = arrays[0].shape[0]
+        if all(leaf.ndim > 0 and leaf.shape[0] == size for leaf in arrays):
+            return size
     leaves = array_leaves_with_path(tree)
     if not leaves:
         raise ValueError(

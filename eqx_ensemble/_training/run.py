@@ -81,7 +81,7 @@ from .step import (
     check_losses,
     ensemble_profile,
 )
-from .stream import check_data, is_array_data
+from .stream import check_data
 from .train_state import StartInputs, TrainState, start_keys, start_state
 
 
@@ -219,10 +219,10 @@ def prepare(
         evaluate.check(state is not None)
     if hyper is not None:
         check_hyper(hyper, size)
-    check_data(data)
+    arrays = check_data(data)
     # Arrays are checked now; a stream is opened where the run starts (below).
     source: DataSource | None = None
-    if is_array_data(data):
+    if arrays:
         source = ArraySource(data, sampling, batch_size, size)
         if mesh is not None:
             mesh = check_fit_mesh(mesh, size, source.batch_size)
@@ -246,7 +246,8 @@ def prepare(
         # compiled call instead of two), and its keys too where the sampling
         # needs none on the host (a bootstrap's draws do: then they come
         # first). Until that dispatch the chunk and the data source hold `key`
-        # as a stand-in for each (`Run.use_keys` puts the real ones in).
+        # as a stand-in for each (`Run.use_keys` puts the real ones in, if a
+        # dispatch follows: evaluation can split an unrolled run).
         derive = type(sampling).prepare is Sampling.prepare
         keys = RunKeys(key, key, key, key) if derive else start_keys(key)
         start = StartInputs(
@@ -791,7 +792,9 @@ class Run:
             self.train_state, losses, scores, keys = dispatch_start(
                 self.options, chunk, start
             )
-            if keys is not None:
+            # The real keys replace the stand-ins where a later dispatch reads
+            # them (a run that ends here has no use for them).
+            if keys is not None and end < self.steps:
                 self.use_keys(keys)
         else:
             self.train_state, losses, scores = dispatch_chunk(
@@ -804,13 +807,12 @@ class Run:
         active = end - self.done
         evaluated = self.chunk.evaluate is not None
         # One read of everything the host needs from the dispatch.
-        losses, scores, self._diverged_at, self._stopped_at = jax.device_get(
-            (
-                outputs[0],
-                outputs[1] if evaluated else None,
-                self.state().diverged_at,
-                self.state().stopped_at,
-            )
+        losses, scores, self._diverged_at, self._stopped_at = _to_host(
+            outputs[0],
+            outputs[1] if evaluated else None,
+            self.state().diverged_at,
+            self.state().stopped_at,
+            cpu=self.chunk.mesh is None and jax.default_backend() == "cpu",
         )
         losses = losses[:active]
         if scores is not None:
@@ -947,6 +949,16 @@ class Run:
             f"{self.steps}`; give `steps` at most the number of batches, or a "
             "stream that does not end. The run so far is `error.result`"
         )
+
+
+def _to_host(*values: Any, cpu: bool) -> tuple[Any, ...]:
+    """`jax.device_get` of a few arrays (or `None`s), without its per-call tree
+    work: off the CPU every copy is started before the first is waited for."""
+    if not cpu:
+        for value in values:
+            if isinstance(value, jax.Array):
+                value.copy_to_host_async()
+    return tuple(None if value is None else np.asarray(value) for value in values)
 
 
 def _spec(x: Any) -> str:

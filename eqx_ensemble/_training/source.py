@@ -10,6 +10,7 @@ else in the loop asks which kind of data it has.
 
 import abc
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
@@ -298,6 +299,15 @@ class StreamSource(DataSource):
         return self._batches
 
 
+@functools.cache
+def _physical_memory() -> int:
+    """This machine's memory in bytes (read once: two system calls)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**63
+
+
 def _check_batch_memory(data: PyTree[Any], batch_size: int, members: int) -> None:
     # A step's batch must fit in memory (and XLA's int32 dimensions) before it
     # reaches XLA, which aborts the process on an impossible shape.
@@ -307,10 +317,7 @@ def _check_batch_memory(data: PyTree[Any], batch_size: int, members: int) -> Non
         if hasattr(leaf, "nbytes") and getattr(leaf, "ndim", 0) > 0
     )
     total = per_example * batch_size * members
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        memory = 2**63
+    memory = _physical_memory()
     if total > memory or batch_size * members > MAX_INDICES:
         raise ValueError(
             f"A batch of {batch_size} examples for {members} member(s) needs "

@@ -39,15 +39,15 @@ def _is_source(x: Any) -> bool:
     )
 
 
-def check_data(data: Any) -> None:
+def check_data(data: Any) -> bool:
     """Array data, an iterable of batches or a factory `step -> iterator`, or a
-    clear error before any work."""
+    clear error before any work. Returns whether it is array data."""
     if is_array_data(data):
-        return
+        return True
     if isinstance(data, str | bytes):
         raise TypeError("`data` is a string; pass arrays or an iterable of batches")
     if callable(data) or isinstance(data, Iterable):
-        return
+        return False
     leaves = jax.tree.leaves(data, is_leaf=_is_source)
     kinds = sorted({type(x).__name__ for x in leaves}) or ["nothing"]
     raise TypeError(
