@@ -282,15 +282,9 @@ def _coupled_update(
         frozen,
         keys,
     )
-    shared = ens.shared
-    # The shared part is one model, not a member: no member key for it.
-    updates, new_shared_opt = optimizer_update(
-        optimizer, shared_grads, opt_state.shared, trainable(shared)
+    new_shared, new_shared_opt = _shared_update(
+        optimizer, ens.shared, shared_grads, opt_state.shared, check
     )
-    new_shared = eqx.apply_updates(shared, updates)
-    keep = all_finite(shared_grads, trainable(new_shared), new_shared_opt, check=check)
-    new_shared = _select(keep, new_shared, shared)
-    new_shared_opt = _select(keep, new_shared_opt, opt_state.shared)
     return (
         with_members(eqx.tree_at(lambda e: e.shared, ens, new_shared), members),
         SharedOptState(members_opt, new_shared_opt),
@@ -299,6 +293,24 @@ def _coupled_update(
         new_state,
         diverged,
     )
+
+
+def _shared_update(
+    optimizer: optax.GradientTransformation,
+    shared: Any,
+    grads: Any,
+    opt_state: Any,
+    check: FiniteCheck,
+) -> tuple[Any, Any]:
+    """The shared part's optimizer step, kept only if its gradients, new weights
+    and new optimizer state are all finite (else the old ones stay). The shared
+    part is one model, not a member: no member key for it."""
+    updates, new_opt_state = optimizer_update(
+        optimizer, grads, opt_state, trainable(shared)
+    )
+    new_shared = eqx.apply_updates(shared, updates)
+    keep = all_finite(grads, trainable(new_shared), new_opt_state, check=check)
+    return _select(keep, new_shared, shared), _select(keep, new_opt_state, opt_state)
 
 
 def _joint_update(
@@ -345,15 +357,9 @@ def _joint_update(
     new_ens = with_members(ens, members)
     new_opt = new_members_opt
     if train_shared:
-        updates, new_shared_opt = optimizer_update(
-            optimizer, shared_grads, opt_state.shared, trainable(ens.shared)
+        new_shared, new_shared_opt = _shared_update(
+            optimizer, ens.shared, shared_grads, opt_state.shared, check
         )
-        new_shared = eqx.apply_updates(ens.shared, updates)
-        keep = all_finite(
-            shared_grads, trainable(new_shared), new_shared_opt, check=check
-        )
-        new_shared = _select(keep, new_shared, ens.shared)
-        new_shared_opt = _select(keep, new_shared_opt, opt_state.shared)
         new_ens = with_members(
             eqx.tree_at(lambda e: e.shared, ens, new_shared), members
         )
