@@ -165,12 +165,56 @@ def test_no_library_private_attributes():
 @pytest.mark.parametrize("family", ["_core", "_training", "_metrics", "_checkpoints"])
 def test_each_family_imports_alone(family):
     # Every module of a family imports on its own in a fresh interpreter (no
-    # module relies on another having been imported first).
-    for path in sorted((PACKAGE / family).glob("*.py")):
-        module = _module_name(path)
-        subprocess.run(
-            [sys.executable, "-c", f"import {module}"], check=True, timeout=120
-        )
+    # module relies on another having been imported first). One interpreter
+    # per family loads the third-party libraries once (most of an import's
+    # time), then forks a child per module, which imports it with nothing of
+    # this package loaded.
+    modules = [_module_name(p) for p in sorted((PACKAGE / family).glob("*.py"))]
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH_ALONE, *modules],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == [f"imported:{m}" for m in modules]
+
+
+def test_the_import_check_catches_a_module_that_fails_alone():
+    result = subprocess.run(
+        [sys.executable, "-c", _IMPORT_EACH_ALONE, "eqx_ensemble._no_such_module"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "eqx_ensemble._no_such_module" in result.stderr
+
+
+_IMPORT_EACH_ALONE = """
+import os, sys, traceback
+import equinox, jax, jaxtyping, numpy, optax
+assert not [m for m in sys.modules if m.startswith("eqx_ensemble")]
+failed = []
+for module in sys.argv[1:]:
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            __import__(module)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        print(f"imported:{module}")
+        sys.stdout.flush()
+        os._exit(0)
+    if os.waitpid(pid, 0)[1] != 0:
+        failed.append(module)
+if failed:
+    print("failed alone:", *failed, file=sys.stderr)
+sys.exit(1 if failed else 0)
+"""
 
 
 def test_lower_layers_do_not_import_upper_ones():
