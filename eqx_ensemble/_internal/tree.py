@@ -159,7 +159,7 @@ def leading_size(tree: Any, *, what: str = "ensemble") -> int:
     if arrays and arrays[0].ndim > 0:
         size = arrays[0].shape[0]
         if all(leaf.ndim > 0 and leaf.shape[0] == size for leaf in arrays):
-            return size
+            return int(size)
     leaves = array_leaves_with_path(tree)
     if not leaves:
         raise ValueError(

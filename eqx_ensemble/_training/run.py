@@ -952,12 +952,13 @@ class Run:
 
 
 def _to_host(*values: Any, cpu: bool) -> tuple[Any, ...]:
-    """`jax.device_get` of a few arrays (or `None`s), without its per-call tree
-    work: off the CPU every copy is started before the first is waited for."""
+    """`jax.device_get` of a few arrays (or `None`s). On a CPU without its
+    per-call tree work (`np.asarray` of a CPU array is no transfer, so no
+    transfer guard applies); elsewhere `jax.device_get` itself, an explicit
+    transfer that `jax.transfer_guard("disallow")` allows, each copy started
+    before the first is waited for."""
     if not cpu:
-        for value in values:
-            if isinstance(value, jax.Array):
-                value.copy_to_host_async()
+        return tuple(jax.device_get(values))
     return tuple(None if value is None else np.asarray(value) for value in values)
 
 
