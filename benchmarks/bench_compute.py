@@ -5,10 +5,10 @@ machine's load hits them alike):
 
 - `ee.fit` (a second call, once compiled; all steps fused into one dispatch),
   with the library's automatic XLA options and, for comparison, with XLA's
-  defaults (`compiler_options={}`),
+  defaults (`ee.Execution(compiler_options={})`),
 - `ee.fit` with the member axis split over `--cpu-devices` virtual CPU devices
-  (`mesh=ee.make_mesh(members=N)`; default N = the number of cores), the way to
-  put every core on the member axis,
+  (`ee.Execution(mesh=ee.make_mesh(members=N))`; default N = the number of
+  cores), the way to put every core on the member axis,
 - `ee.make_step` (one step per call),
 - a hand-written `eqx.filter_vmap` step, jitted with donation, one step per call,
 - the same hand-written step fused with `jax.lax.scan` (as `fit` fuses steps),
@@ -229,7 +229,8 @@ def main() -> None:
     matmul_gflops = {"jax": 2 * n**3 / _common.median(mm_times) / 1e9}
 
     # -- the library: fit ---------------------------------------------------------
-    def fit_variant(ens, data, **kwargs):
+    def fit_variant(ens, data, **execution):
+        # `execution`: fields of `ee.Execution` besides the steps per dispatch.
         state = {"ens": ens}
 
         def run_fit():
@@ -241,9 +242,8 @@ def main() -> None:
                 steps=steps,
                 batch_size=batch,
                 key=jax.random.key(1),
-                **kwargs,
                 callbacks=(),
-                execution=ee.Execution(steps_per_dispatch=steps),
+                execution=ee.Execution(steps_per_dispatch=steps, **execution),
             )
             jax.block_until_ready(result.ensemble)
             state["ens"] = result.ensemble
@@ -252,7 +252,7 @@ def main() -> None:
 
     variants["ee.fit (scan-fused)"] = fit_variant(fresh_ensemble(), (x_all, y_all))
     variants["ee.fit (XLA default options)"] = fit_variant(
-        fresh_ensemble(), (x_all, y_all), execution=ee.Execution(compiler_options={})
+        fresh_ensemble(), (x_all, y_all), compiler_options={}
     )
     if cpu_devices > 1 and members % cpu_devices == 0:
         mesh = ee.make_mesh(members=cpu_devices)
@@ -308,9 +308,7 @@ def main() -> None:
     hand_scan_options = eqx.filter_jit(
         hand_scan,
         donate="all-except-first",
-        execution=ee.Execution(
-            compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""}
-        ),
+        compiler_options={"xla_cpu_experimental_ynn_fusion_type": ""},
     )
 
     def hand_init():

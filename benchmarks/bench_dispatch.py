@@ -88,7 +88,7 @@ def main() -> None:
         extra = (
             {}
             if steps_per_dispatch is None
-            else {"steps_per_dispatch": steps_per_dispatch}
+            else {"execution": ee.Execution(steps_per_dispatch=steps_per_dispatch)}
         )
 
         def run_fit():
