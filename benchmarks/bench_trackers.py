@@ -37,7 +37,7 @@ def main() -> None:
     }[args.workload]
     steps = 200
     if args.quick:
-        members, width, steps = 4, 64, 50
+        members, width, steps = 4, 64, 100  # SWAG every 10 steps needs 10 collected
     repeats = args.repeats or (3 if args.quick else 7)
     key = jax.random.key(0)
     x = jax.random.normal(key, (4096, inputs))
