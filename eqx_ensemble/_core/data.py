@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._internal.tree import keystr
+from .._internal.tree import agreed_leading_size, keystr
 
 
 def check_leading(tree: PyTree[Any], size: int, what: str) -> None:
@@ -21,12 +21,9 @@ def check_leading(tree: PyTree[Any], size: int, what: str) -> None:
 
 def num_examples(data: PyTree[Any], what: str = "data") -> int:
     """The common leading (example) axis of every array leaf of `data`."""
-    # The usual case without the leaves' paths; they are made for an error.
-    arrays = [leaf for leaf in jax.tree_util.tree_leaves(data) if eqx.is_array(leaf)]
-    if arrays and arrays[0].ndim > 0 and arrays[0].shape[0] > 0:
-        n = arrays[0].shape[0]
-        if all(leaf.ndim > 0 and leaf.shape[0] == n for leaf in arrays):
-            return int(n)
+    n = agreed_leading_size(data)
+    if n:  # else an error, with the leaves' paths (0 examples is one too)
+        return n
     leaves = [
         (keystr(path), leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(data)[0]

@@ -151,15 +151,25 @@ def array_leaves_with_path(tree: Any) -> list[tuple[str, jax.Array]]:
     ]
 
 
+def agreed_leading_size(tree: Any) -> int | None:
+    """The leading-axis size every array leaf of `tree` shares, or `None` (no
+    arrays, a scalar, or sizes that differ). Without the leaves' paths: the
+    usual case on every call's path (`len(ens)`, the example count); the
+    callers build paths only for their error messages."""
+    arrays = [leaf for leaf in jtu.tree_leaves(tree) if eqx.is_array(leaf)]
+    if not arrays or arrays[0].ndim == 0:
+        return None
+    size = arrays[0].shape[0]
+    if all(leaf.ndim > 0 and leaf.shape[0] == size for leaf in arrays):
+        return int(size)
+    return None
+
+
 def leading_size(tree: Any, *, what: str = "ensemble") -> int:
     """The common leading-axis size of every array leaf; a clear error otherwise."""
-    # The usual case without the leaves' paths (`len(ens)` is on every call's
-    # path); they are made for the error only.
-    arrays = [leaf for leaf in jtu.tree_leaves(tree) if eqx.is_array(leaf)]
-    if arrays and arrays[0].ndim > 0:
-        size = arrays[0].shape[0]
-        if all(leaf.ndim > 0 and leaf.shape[0] == size for leaf in arrays):
-            return int(size)
+    size = agreed_leading_size(tree)
+    if size is not None:
+        return size
     leaves = array_leaves_with_path(tree)
     if not leaves:
         raise ValueError(
