@@ -1264,3 +1264,28 @@ def test_a_run_of_one_dispatch_makes_its_state_in_that_dispatch(
     # Nothing given was donated: the ensemble and optimizer state still read.
     assert np.isfinite(np.asarray(ens.members.layers[0].weight)).all()
     assert np.isfinite(np.asarray(jax.tree.leaves(opt_state)[0])).all()
+
+
+@pytest.mark.parametrize("evaluated", [False, True])
+def test_readout_round_trip_is_exact(evaluated):
+    """The one array the host reads after a dispatch gives back the losses,
+    scores and the members' step counts exactly: integers bit-cast, not
+    converted (2**24 + 1 has no float32, -1 marks "not yet")."""
+    from eqx_ensemble._training.loop import readout, unpack_readout
+
+    steps, size = 3, 4
+    losses = jax.random.normal(jax.random.key(0), (steps, size))
+    scores = jax.random.normal(jax.random.key(1), (steps, size)) if evaluated else None
+    diverged = jnp.array([-1, 0, 2**24 + 1, 2**31 - 1], jnp.int32)
+    stopped = jnp.array([7, -1, -1, 123_456_789], jnp.int32)
+    values = np.asarray(jax.jit(readout)(losses, scores, diverged, stopped))
+    assert values.dtype == np.float32 and values.ndim == 1
+    got = unpack_readout(values, size, evaluated)
+    np.testing.assert_array_equal(got[0], np.asarray(losses))
+    if evaluated:
+        np.testing.assert_array_equal(got[1], np.asarray(scores))
+    else:
+        assert got[1] is None
+    for have, want in zip(got[2:], (diverged, stopped), strict=True):
+        assert have.dtype == np.int32
+        np.testing.assert_array_equal(have, np.asarray(want))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ON_CPU, needs_devices
+from conftest import MEMBERWISE_TOL, ON_CPU, needs_devices
 
 import eqx_ensemble as ee
 
@@ -57,9 +57,13 @@ def problem():
 
 
 def _close(a, b, atol=1e-6):
+    # Off the CPU a chunk's kernels round differently (up to 8e-5 relative on
+    # an H100 at the highest matmul precision, session 21).
+    rtol = 1e-5 if ON_CPU else MEMBERWISE_TOL["rtol"]
+    atol = atol if ON_CPU else max(atol, MEMBERWISE_TOL["atol"])
     a, b = eqx.filter(a, eqx.is_array), eqx.filter(b, eqx.is_array)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(u, v, rtol=1e-5, atol=atol)
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 4])
@@ -80,9 +84,10 @@ def test_fit_equals_the_unchunked_run(problem, chunk):
     _close(chunked.ensemble, plain.ensemble)
     _close(chunked.state, plain.state)
     _close(chunked.opt_state, plain.opt_state)
-    np.testing.assert_allclose(chunked.history.losses, plain.history.losses, rtol=1e-5)
+    rtol = 1e-5 if ON_CPU else MEMBERWISE_TOL["rtol"]
+    np.testing.assert_allclose(chunked.history.losses, plain.history.losses, rtol=rtol)
     np.testing.assert_allclose(
-        chunked.history.eval_scores, plain.history.eval_scores, rtol=1e-5
+        chunked.history.eval_scores, plain.history.eval_scores, rtol=rtol
     )
 
 

@@ -57,7 +57,14 @@ from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
 from .loggers import LogEntry, Logger, LogWriter, RunInfo
-from .loop import Chunk, copy, dispatch_chunk, dispatch_start, with_run_keys
+from .loop import (
+    Chunk,
+    copy,
+    dispatch_chunk,
+    dispatch_start,
+    unpack_readout,
+    with_run_keys,
+)
 from .loss import (
     LossFn,
     check_hyper,
@@ -610,13 +617,13 @@ class Run:
                 if group[1] == 0:
                     self.fail(ValueError, self.stream_ended_message())
                 end = self.dispatch_end(self.done, group[1])
-                outputs = self.dispatch(group[0], end)  # asynchronous: overlaps
+                values = self.dispatch(group[0], end)  # asynchronous: overlaps
                 read_error = None
                 try:  # the next group, read while the dispatch runs
                     group = self.read_group(end) if end < self.steps else (None, 0)
                 except Exception as error:  # noqa: BLE001 - raised below, with the run
                     read_error = error
-                losses = self.record_dispatch(outputs, end)
+                losses = self.record_dispatch(values, end)
                 for meter, handle in zip(self.meters, handles, strict=True):
                     meter.update(handle, self.done, losses, self._diverged_at)
                 if (self._diverged_at >= 0).all():
@@ -771,7 +778,7 @@ class Run:
         real = self.source.next_group(count, length, self.chunk.mesh)
         return (self.source.batches() if real else None), real
 
-    def dispatch(self, batches: Batches | None, end: int) -> tuple[Any, Any]:
+    def dispatch(self, batches: Batches | None, end: int) -> Any:
         chunk = dataclasses.replace(
             self.chunk,
             end=np.int32(end),
@@ -789,30 +796,27 @@ class Run:
         if self.train_state is None:
             assert self.start is not None
             start, self.start = self.start, None
-            self.train_state, losses, scores, keys = dispatch_start(
-                self.options, chunk, start
-            )
+            self.train_state, values, keys = dispatch_start(self.options, chunk, start)
             # The real keys replace the stand-ins where a later dispatch reads
             # them (a run that ends here has no use for them).
             if keys is not None and end < self.steps:
                 self.use_keys(keys)
         else:
-            self.train_state, losses, scores = dispatch_chunk(
+            self.train_state, values = dispatch_chunk(
                 self.options, chunk, self.train_state
             )
-        return losses, scores
+        return values
 
-    def record_dispatch(self, outputs: tuple[Any, Any], end: int) -> np.ndarray:
-        """The dispatch's history; returns its `(steps, members)` losses."""
+    def record_dispatch(self, values: Any, end: int) -> np.ndarray:
+        """The dispatch's history from its `loop.readout` (`values`, one read of
+        everything the host needs); returns its `(steps, members)` losses."""
         active = end - self.done
         evaluated = self.chunk.evaluate is not None
-        # One read of everything the host needs from the dispatch.
-        losses, scores, self._diverged_at, self._stopped_at = _to_host(
-            outputs[0],
-            outputs[1] if evaluated else None,
-            self.state().diverged_at,
-            self.state().stopped_at,
-            cpu=self.chunk.mesh is None and jax.default_backend() == "cpu",
+        (values,) = _to_host(
+            values, cpu=self.chunk.mesh is None and jax.default_backend() == "cpu"
+        )
+        losses, scores, self._diverged_at, self._stopped_at = unpack_readout(
+            values, self.chunk.size, evaluated
         )
         losses = losses[:active]
         if scores is not None:
