@@ -18,6 +18,8 @@ from conftest import MEMBERWISE_TOL, assert_tree_allclose, needs_devices
 import eqx_ensemble as ee
 from eqx_ensemble._execution import layout as _layout
 from eqx_ensemble._execution.layout import (
+    GPU_SEQUENTIAL_MIN_FLOPS,
+    GPU_SEQUENTIAL_MIN_RUN_FLOPS,
     SEQUENTIAL_MAX_MEMBERS,
     SEQUENTIAL_MIN_RUN_FLOPS,
     choose_layout,
@@ -168,6 +170,60 @@ def test_rule_for_a_run_weighs_its_convolutions():
     assert rule(63, large, 8) == "vmap" and rule(64, large, 8) == "sequential"
     # No convolutions counted: never, however long the run.
     assert rule(10**9, 0.0) == "vmap"
+
+
+def test_rule_on_a_gpu():
+    """On a GPU a run of `fit` goes member by member only for large
+    convolutions (per member and step) over a long run; `make_step` (no
+    `steps`), a mesh, many members or a loss without convolutions: never."""
+
+    def rule(steps, flops, size=8, mesh=None, convolutions=True):
+        return choose_layout(
+            "auto", convolutions=convolutions, size=size, mesh=mesh, steps=steps,
+            convolution_flops=flops, platform="gpu",
+        )  # fmt: skip
+
+    # Per member and step, batch 128 (session 21's sweep on an H100): a 32x32
+    # CNN with 1 input channel (1.25 GFLOP; sequential 1.61x faster there) and
+    # a 24x24 one (0.70 GFLOP; vectorised faster).
+    cnn32, cnn24 = 1.246e9, 0.701e9
+    assert cnn24 < GPU_SEQUENTIAL_MIN_FLOPS <= cnn32
+    # 8 members: 8,192 steps are enough, 8,191 count as 4,096 and are not.
+    assert 4096 * 8 * cnn32 < GPU_SEQUENTIAL_MIN_RUN_FLOPS <= 8192 * 8 * cnn32
+    assert rule(8192, cnn32) == "sequential" and rule(8191, cnn32) == "vmap"
+    assert rule(10**9, cnn24) == "vmap"  # small convolutions: never
+    assert rule(None, cnn32 * 100) == "vmap"  # make_step
+    assert rule(10**9, cnn32, size=SEQUENTIAL_MAX_MEMBERS + 1) == "vmap"
+    assert rule(10**9, cnn32, convolutions=False) == "vmap"
+    mesh = jax.make_mesh((1,), ("members",))
+    assert rule(10**9, cnn32, mesh=mesh) == "vmap"
+    # The user's choice stands on every platform.
+    for layout in ("vmap", "sequential"):
+        assert (
+            choose_layout(
+                layout,
+                convolutions=True,
+                size=8,
+                mesh=None,
+                steps=10**9,
+                convolution_flops=cnn32,
+                platform="gpu",
+            )  # fmt: skip
+            == layout
+        )
+    # Other platforms (a TPU): vectorised.
+    assert (
+        choose_layout(
+            "auto",
+            convolutions=True,
+            size=8,
+            mesh=None,
+            steps=10**9,
+            convolution_flops=cnn32,
+            platform="tpu",
+        )  # fmt: skip
+        == "vmap"
+    )
 
 
 @pytest.mark.parametrize("sampling", ["shared", "bootstrap"])

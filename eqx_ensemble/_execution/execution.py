@@ -50,7 +50,10 @@ class Execution(Component):
       backend runs a member-batched convolution as a slow grouped convolution;
       for `fit`, only in runs whose forward convolutions add up to 1.5e11
       FLOPs, long enough to repay compiling one copy of the step per member;
-      vectorised otherwise).
+      on one GPU, for `fit` only, when a member convolves at least 1 GFLOP
+      per step and the run 8e13 FLOPs, where cuDNN's grouped convolution
+      falls behind the members' own (measured on an H100); vectorised
+      otherwise).
       Coupled losses and a trained shared part are always vectorised.
     - `unroll`: `fit` only: run each dispatch's steps as straight-line code
       instead of a `lax.scan` loop. `None`: unrolled on one CPU device when the

@@ -15,8 +15,10 @@ vectorised step's to floating-point rounding.
 The cost of `"sequential"` is the one thing `"vmap"` never has: the compiled
 step holds one copy of the member's computation per member, so trace and
 compile time grow with the ensemble. The automatic rule therefore picks it only
-on a CPU, without a mesh, for a loss that convolves, and for at most
-`SEQUENTIAL_MAX_MEMBERS` members.
+without a mesh, for a loss that convolves, and for at most
+`SEQUENTIAL_MAX_MEMBERS` members: on a CPU (for `fit`, once the run is long
+enough), and on a GPU for `fit` only, once a member's convolutions are large
+(`GPU_SEQUENTIAL_MIN_FLOPS`) and the run long (`GPU_SEQUENTIAL_MIN_RUN_FLOPS`).
 """
 
 from collections.abc import Callable
@@ -77,6 +79,19 @@ def check_layout(layout: Any, mesh: Mesh | None) -> str:
 SEQUENTIAL_MIN_RUN_FLOPS = 1.5e11
 
 
+# On a GPU (one H100, session 21; docs/benchmarks.md) the vectorised members'
+# convolutions are one grouped convolution too, which cuDNN runs well on small
+# images and far below the card on larger ones. `fit` on 9 CNNs of 8 members
+# (two 3x3 convolutions, 1 or 3 input channels, 8x8 to 48x48 images, batch 32
+# to 128): under 1 GFLOP of forward convolutions per member and step (0.31-0.70)
+# the vectorised step was as fast or faster (sequential 1.06-1.64x its time);
+# from 1.25 GFLOP the sequential step was faster in 5 of 6 (1.02-2.17x; one
+# 24x24 CNN at batch 64 0.91x). The sequential step compiled 5-7 s longer,
+# repaid after 3.5e13-8.5e13 FLOPs of forward convolutions over the run.
+GPU_SEQUENTIAL_MIN_FLOPS = 1e9
+GPU_SEQUENTIAL_MIN_RUN_FLOPS = 8e13
+
+
 def run_length_class(steps: int) -> int:
     """`steps` rounded down to a power of two: what the layout rule reads of a
     run's length (so that runs of similar lengths share a plan)."""
@@ -91,25 +106,38 @@ def choose_layout(
     mesh: Mesh | None,
     steps: int | None = None,
     convolution_flops: float = 0.0,
+    platform: str | None = None,
 ) -> Layout:
     """The layout a step runs with: the user's choice, else `"sequential"` for a
-    convolving loss on one CPU device with at most `SEQUENTIAL_MAX_MEMBERS`
-    members (and, for a run of `steps` steps, whose members' forward
-    convolutions, `convolution_flops` per member and step, add up to
-    `SEQUENTIAL_MIN_RUN_FLOPS` over `run_length_class(steps)` steps), else
-    `"vmap"`."""
+    convolving loss on one device with at most `SEQUENTIAL_MAX_MEMBERS` members
+    where the platform's rule says so, else `"vmap"`. `convolution_flops`: the
+    members' forward convolutions per member and step; `steps`: the run's
+    length (`None` for one step per call), read as `run_length_class(steps)`;
+    `platform`: JAX's default backend unless given.
+
+    - CPU: a run whose forward convolutions add up to
+      `SEQUENTIAL_MIN_RUN_FLOPS` over the run (always for `steps=None`).
+    - GPU: a run of `fit` (`steps` given) whose member convolves at least
+      `GPU_SEQUENTIAL_MIN_FLOPS` per step and `GPU_SEQUENTIAL_MIN_RUN_FLOPS`
+      over the run.
+    """
     if layout == "vmap" or layout == "sequential":
         return layout
+    if not convolutions or mesh is not None or size > SEQUENTIAL_MAX_MEMBERS:
+        return "vmap"
+    platform = jax.default_backend() if platform is None else platform
+    run_flops = (
+        None if steps is None else run_length_class(steps) * size * convolution_flops
+    )
+    if platform == "cpu" and (
+        run_flops is None or run_flops >= SEQUENTIAL_MIN_RUN_FLOPS
+    ):
+        return "sequential"
     if (
-        convolutions
-        and mesh is None
-        and jax.default_backend() == "cpu"
-        and size <= SEQUENTIAL_MAX_MEMBERS
-        and (
-            steps is None
-            or run_length_class(steps) * size * convolution_flops
-            >= SEQUENTIAL_MIN_RUN_FLOPS
-        )
+        platform == "gpu"
+        and run_flops is not None
+        and convolution_flops >= GPU_SEQUENTIAL_MIN_FLOPS
+        and run_flops >= GPU_SEQUENTIAL_MIN_RUN_FLOPS
     ):
         return "sequential"
     return "vmap"

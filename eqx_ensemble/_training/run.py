@@ -505,11 +505,14 @@ def _plan_fit(
 ) -> FitPlan:
     size = len(ens)
     profile = StepProfile()
-    if mesh is None and jax.default_backend() == "cpu":
+    platform = jax.default_backend()
+    # The loss's profile, where a choice reads it: the CPU's unrolling and
+    # layout, a GPU's layout (never on a mesh).
+    if mesh is None and platform in ("cpu", "gpu"):
         profile = ensemble_profile(loss_fn, ens, member_batch, state, hyper)
     unroll = execution.unroll
     if unroll is None:
-        unroll = profile.convolutions
+        unroll = profile.convolutions and platform == "cpu"
     layout = choose_layout(
         execution.layout,
         convolutions=profile.convolutions,
@@ -517,6 +520,7 @@ def _plan_fit(
         mesh=mesh,
         steps=steps,
         convolution_flops=profile.convolution_flops,
+        platform=platform,
     )
     if execution.member_chunk is not None:  # chunks of vectorised members
         check_member_chunk(execution.member_chunk, size, members_devices(mesh))
