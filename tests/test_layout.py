@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import MEMBERWISE_TOL, assert_tree_allclose, needs_devices
+from conftest import MEMBERWISE_TOL, ON_CPU, assert_tree_allclose, needs_devices
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution import layout as _layout
@@ -110,9 +110,7 @@ def test_sequential_step_equals_vmap_and_members_alone(data):
         assert_tree_allclose(sequential.ensemble[i], alone, **MEMBERWISE_TOL)
 
 
-cpu_only = pytest.mark.skipif(
-    jax.default_backend() != "cpu", reason="the automatic rule is a CPU rule"
-)
+cpu_only = pytest.mark.skipif(not ON_CPU, reason="the automatic rule is a CPU rule")
 
 
 @cpu_only

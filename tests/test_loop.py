@@ -1266,26 +1266,44 @@ def test_a_run_of_one_dispatch_makes_its_state_in_that_dispatch(
     assert np.isfinite(np.asarray(jax.tree.leaves(opt_state)[0])).all()
 
 
+@pytest.mark.parametrize("mesh_kind", [None, "Auto", "Explicit"])
 @pytest.mark.parametrize("evaluated", [False, True])
-def test_readout_round_trip_is_exact(evaluated):
-    """The one array the host reads after a dispatch gives back the losses,
-    scores and the members' step counts exactly: integers bit-cast, not
-    converted (2**24 + 1 has no float32, -1 marks "not yet")."""
+def test_readout_round_trip_is_exact(evaluated, mesh_kind):
+    """The one array the host reads after a dispatch gives back the losses
+    (NaN and inf included), scores and the members' step counts exactly, and
+    is replicated on a mesh whatever the parts' placement (members split)."""
+    from eqx_ensemble._core.sharding import mesh_context
     from eqx_ensemble._training.loop import readout, unpack_readout
 
     steps, size = 3, 4
     losses = jax.random.normal(jax.random.key(0), (steps, size))
+    losses = losses.at[0, 1].set(jnp.nan).at[2, 3].set(-jnp.inf)
     scores = jax.random.normal(jax.random.key(1), (steps, size)) if evaluated else None
     diverged = jnp.array([-1, 0, 2**24 + 1, 2**31 - 1], jnp.int32)
     stopped = jnp.array([7, -1, -1, 123_456_789], jnp.int32)
-    values = np.asarray(jax.jit(readout)(losses, scores, diverged, stopped))
-    assert values.dtype == np.float32 and values.ndim == 1
-    got = unpack_readout(values, size, evaluated)
-    np.testing.assert_array_equal(got[0], np.asarray(losses))
+    mesh = None
+    if mesh_kind is not None:
+        axis_type = getattr(jax.sharding.AxisType, mesh_kind)
+        mesh = jax.make_mesh((4,), ("members",), axis_types=(axis_type,))
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("members"))
+        diverged, stopped = jax.device_put((diverged, stopped), split)
+        rows = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(None, "members")
+        )
+        losses, scores = jax.device_put((losses, scores), rows)
+    with mesh_context(mesh):
+        out = jax.jit(readout, static_argnums=4)(
+            losses, scores, diverged, stopped, mesh
+        )
+    assert out.dtype == jnp.int32 and out.ndim == 1
+    assert out.sharding.is_fully_replicated
+    got = unpack_readout(np.asarray(out), size, evaluated)
+    np.testing.assert_array_equal(got.losses, np.asarray(losses))
+    assert got.losses.dtype == np.float32
     if evaluated:
-        np.testing.assert_array_equal(got[1], np.asarray(scores))
+        np.testing.assert_array_equal(got.scores, np.asarray(scores))
     else:
-        assert got[1] is None
-    for have, want in zip(got[2:], (diverged, stopped), strict=True):
+        assert got.scores is None
+    for have, want in ((got.diverged_at, diverged), (got.stopped_at, stopped)):
         assert have.dtype == np.int32
         np.testing.assert_array_equal(have, np.asarray(want))

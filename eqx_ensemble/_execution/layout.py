@@ -86,8 +86,9 @@ SEQUENTIAL_MIN_RUN_FLOPS = 1.5e11
 # to 128): under 1 GFLOP of forward convolutions per member and step (0.31-0.70)
 # the vectorised step was as fast or faster (sequential 1.06-1.64x its time);
 # from 1.25 GFLOP the sequential step was faster in 5 of 6 (1.02-2.17x; one
-# 24x24 CNN at batch 64 0.91x). The sequential step compiled 5-7 s longer,
-# repaid after 3.5e13-8.5e13 FLOPs of forward convolutions over the run.
+# 24x24 CNN at batch 64 0.91x). The sequential step compiled 4.8-7.5 s longer,
+# repaid after 3.5e13-8.6e13 FLOPs of forward convolutions over the run in 4
+# of those 5 (the fifth, 1.02x, never in practice).
 GPU_SEQUENTIAL_MIN_FLOPS = 1e9
 GPU_SEQUENTIAL_MIN_RUN_FLOPS = 8e13
 

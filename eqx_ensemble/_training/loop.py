@@ -16,7 +16,7 @@ step on the carry; nothing inside the step names a mesh axis but the update.
 
 import dataclasses
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -107,7 +107,7 @@ chunk_runner = CompiledFunctions(_make_chunk_runner)
 
 def dispatch_chunk(
     options: Options, chunk: Chunk, train_state: TrainState
-) -> tuple[TrainState, Float[Array, " n"]]:
+) -> tuple[TrainState, Int[Array, " n"]]:
     """One compiled dispatch of `chunk` from `train_state` (donated), returning
     the new state and the dispatch's `readout` for the host. The
     program is looked up by what it is compiled for (one function per XLA
@@ -151,7 +151,7 @@ start_runner = CompiledFunctions(_make_start_runner)
 
 def dispatch_start(
     options: Options, chunk: Chunk, start: StartInputs
-) -> tuple[TrainState, Float[Array, " n"], RunKeys | None]:
+) -> tuple[TrainState, Int[Array, " n"], RunKeys | None]:
     """`dispatch_chunk` of the first dispatch of a run whose state it also makes
     (`StartInputs.state`): one compiled call where a run of one dispatch made
     two (the start state's, then the dispatch's), or three (the run's keys
@@ -168,19 +168,25 @@ def readout(
     diverged_at: Int[Array, " members"],
     stopped_at: Int[Array, " members"],
     mesh: Mesh | None = None,
-) -> Float[Array, " n"]:
-    """Everything the host reads after a dispatch, in one float32 vector: the
-    losses, the scores (where the chunk evaluates; `None` otherwise), then the
-    members' `diverged_at` and `stopped_at` (int32) bit-cast to float32, exact
-    (`unpack_readout` casts them back). One array is one transfer and one wait
+) -> Int[Array, " n"]:
+    """Everything the host reads after a dispatch, in one int32 vector,
+    replicated over `mesh`: the float32 losses and the scores (where the chunk
+    evaluates; `None` otherwise) bit-cast to int32, then the members'
+    `diverged_at` and `stopped_at`; `unpack_readout` casts back, exactly.
+    Integers, so that no float operation can touch the values on the way (a
+    NaN's payload may not survive one). One array is one transfer and one wait
     for the host: on a GPU each array read is its own device-to-host copy and
     completion callback (0.1-0.3 ms each on an H100 machine, session 21)."""
-    parts = [losses.reshape(-1)]
-    if scores is not None:
-        parts.append(scores.astype(jnp.float32).reshape(-1))
-    steps = replicate((diverged_at, stopped_at), mesh)
-    parts += [jax.lax.bitcast_convert_type(s, jnp.float32) for s in steps]
-    return jnp.concatenate(parts)
+    floats = [losses] if scores is None else [losses, scores]
+    *floats, diverged_at, stopped_at = replicate(
+        [*floats, diverged_at, stopped_at], mesh
+    )
+    ints = [
+        jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32).reshape(-1)
+        for x in floats
+    ]
+    ints += [diverged_at.astype(jnp.int32), stopped_at.astype(jnp.int32)]
+    return jnp.concatenate(ints)
 
 
 def _readout(chunk: Chunk, ts: TrainState, losses: Any, scores: Any) -> Any:
@@ -188,18 +194,28 @@ def _readout(chunk: Chunk, ts: TrainState, losses: Any, scores: Any) -> Any:
     return readout(losses, scores, ts.diverged_at, ts.stopped_at, chunk.mesh)
 
 
-def unpack_readout(
-    values: np.ndarray, size: int, evaluated: bool
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray]:
-    """`readout`'s parts on the host, as views of `values`: `(steps, size)`
-    losses, the scores (`None` unless `evaluated`), `diverged_at` and
-    `stopped_at` (int32)."""
+class Readout(NamedTuple):
+    """A dispatch's `readout` on the host, as views of the one array read."""
+
+    losses: np.ndarray  # (steps, members) float32
+    scores: np.ndarray | None  # (steps, members) float32, where evaluated
+    diverged_at: np.ndarray  # (members,) int32
+    stopped_at: np.ndarray  # (members,) int32
+
+
+def unpack_readout(values: np.ndarray, size: int, evaluated: bool) -> Readout:
+    """`readout`'s parts from the host's copy of it (`size` members; the number
+    of steps follows from the length, so a dispatch of any length reads)."""
     steps = (len(values) - 2 * size) // (size * (2 if evaluated else 1))
     cut = steps * size
-    losses = values[:cut].reshape(steps, size)
-    scores = values[cut : 2 * cut].reshape(steps, size) if evaluated else None
-    rest = values[len(values) - 2 * size :].view(np.int32)
-    return losses, scores, rest[:size], rest[size:]
+    floats = values[: len(values) - 2 * size].view(np.float32)
+    marks = values[len(values) - 2 * size :]
+    return Readout(
+        losses=floats[:cut].reshape(steps, size),
+        scores=floats[cut : 2 * cut].reshape(steps, size) if evaluated else None,
+        diverged_at=marks[:size],
+        stopped_at=marks[size:],
+    )
 
 
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:

@@ -43,6 +43,7 @@ from .._execution.compile import (
 from .._execution.execution import Execution
 from .._execution.guard import FiniteCheck, choose_finite_check, step_flops
 from .._execution.layout import (
+    SEQUENTIAL_MAX_MEMBERS,
     Layout,
     check_member_chunk,
     choose_layout,
@@ -452,7 +453,7 @@ def plan_fit(
     """`execution`'s choices, with the library's where it leaves them open,
     computed once per loss, execution, input structure and mesh (a run of the
     same shapes looks its plan up). The step's profile (does the loss
-    convolve? batched matmuls?) is read on one CPU device only, where
+    convolve? batched matmuls?) is read on one CPU or GPU device only, where
     something depends on it."""
     try:
         table = _PLANS.setdefault(loss_fn, {})
@@ -506,9 +507,14 @@ def _plan_fit(
     size = len(ens)
     profile = StepProfile()
     platform = jax.default_backend()
-    # The loss's profile, where a choice reads it: the CPU's unrolling and
-    # layout, a GPU's layout (never on a mesh).
-    if mesh is None and platform in ("cpu", "gpu"):
+    # The loss's profile, where a choice reads it: the CPU's unrolling,
+    # options, guard and layout; a GPU's automatic layout (never on a mesh).
+    automatic_layout = (
+        execution.layout not in ("vmap", "sequential")
+        and execution.member_chunk is None
+        and size <= SEQUENTIAL_MAX_MEMBERS
+    )
+    if mesh is None and (platform == "cpu" or (platform == "gpu" and automatic_layout)):
         profile = ensemble_profile(loss_fn, ens, member_batch, state, hyper)
     unroll = execution.unroll
     if unroll is None:
