@@ -175,10 +175,18 @@ def test_rule_on_a_gpu():
     convolutions (per member and step) over a long run; `make_step` (no
     `steps`), a mesh, many members or a loss without convolutions: never."""
 
-    def rule(steps, flops, size=8, mesh=None, convolutions=True):
+    def rule(
+        steps,
+        flops,
+        size=8,
+        mesh=None,
+        convolutions=True,
+        layout="auto",
+        platform="gpu",
+    ):
         return choose_layout(
-            "auto", convolutions=convolutions, size=size, mesh=mesh, steps=steps,
-            convolution_flops=flops, platform="gpu",
+            layout, convolutions=convolutions, size=size, mesh=mesh, steps=steps,
+            convolution_flops=flops, platform=platform,
         )  # fmt: skip
 
     # Per member and step, batch 128 (session 21's sweep on an H100): a 32x32
@@ -195,33 +203,10 @@ def test_rule_on_a_gpu():
     assert rule(10**9, cnn32, convolutions=False) == "vmap"
     mesh = jax.make_mesh((1,), ("members",))
     assert rule(10**9, cnn32, mesh=mesh) == "vmap"
-    # The user's choice stands on every platform.
+    # The user's choice stands; another platform (a TPU) stays vectorised.
     for layout in ("vmap", "sequential"):
-        assert (
-            choose_layout(
-                layout,
-                convolutions=True,
-                size=8,
-                mesh=None,
-                steps=10**9,
-                convolution_flops=cnn32,
-                platform="gpu",
-            )  # fmt: skip
-            == layout
-        )
-    # Other platforms (a TPU): vectorised.
-    assert (
-        choose_layout(
-            "auto",
-            convolutions=True,
-            size=8,
-            mesh=None,
-            steps=10**9,
-            convolution_flops=cnn32,
-            platform="tpu",
-        )  # fmt: skip
-        == "vmap"
-    )
+        assert rule(10**9, cnn32, layout=layout) == layout
+    assert rule(10**9, cnn32, platform="tpu") == "vmap"
 
 
 @pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
