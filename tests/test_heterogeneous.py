@@ -725,3 +725,40 @@ def test_bad_losses_per_group_are_refused_naming_them(het):
     ens = het.groups[0]
     with pytest.raises(TypeError, match="only an `ee.Heterogeneous`"):
         ee.fit(ens, (loss,), optax.sgd(0.1), (X, Y), **kwargs)
+
+
+def test_the_steps_profile_counts_a_member_on_average():
+    """The layout and guard rules multiply a member's FLOPs by the member count:
+    a heterogeneous step's profile is the size-weighted mean of its groups'
+    (each group's read as an ordinary ensemble's), not their sum, which would
+    count the run's FLOPs once per group."""
+    from eqx_ensemble._training.step import ensemble_profile
+
+    def cnn(key):
+        conv_key, out_key = jax.random.split(key)
+        return eqx.nn.Sequential(
+            [
+                eqx.nn.Lambda(lambda x: x.reshape(1, 4, 4)),
+                eqx.nn.Conv2d(1, 3, 3, padding=1, key=conv_key),
+                eqx.nn.Lambda(jnp.ravel),
+                eqx.nn.Linear(48, 1, key=out_key),
+            ]
+        )
+
+    def xy(batch):
+        return jnp.ones((batch, 16)), jnp.ones((batch, 1))
+
+    groups = [
+        ee.ensemble(cnn, size=3, key=jax.random.key(0)),
+        ee.ensemble(
+            lambda k: eqx.nn.MLP(16, 1, 8, 1, key=k), size=1, key=jax.random.key(1)
+        ),
+    ]
+    batch = xy(5)
+    alone = [ensemble_profile(loss, group, batch, None, None) for group in groups]
+    assert alone[0].convolution_flops > 0 and alone[1].convolution_flops == 0
+    got = ensemble_profile(loss, ee.Heterogeneous(groups), batch, None, None)
+    assert got.convolutions
+    assert got.convolution_flops == pytest.approx(3 * alone[0].convolution_flops / 4)
+    want_dots = (3 * alone[0].dot_flops + alone[1].dot_flops) / 4
+    assert got.dot_flops == pytest.approx(want_dots)

@@ -844,7 +844,11 @@ def ensemble_profile(
     hyper: PyTree[Any],
 ) -> StepProfile:
     """The step's profile from one member; of a heterogeneous ensemble, from one
-    member per group (a group that convolves makes the step convolve)."""
+    member per group: a group that convolves (or has batched matmuls) makes the
+    step do so, and the FLOPs are a member's on average (each group's weighted
+    by its size), so that the rules' "per member" and "times the member count"
+    read what the step does (a plain sum over groups would over-count the
+    run's FLOPs by up to the number of groups)."""
     if not is_heterogeneous(ens):
         return profile_step(
             group_loss(loss_fn, 0),
@@ -865,11 +869,17 @@ def ensemble_profile(
             zip(ens.groups, per_group(ens, state, "`state`"), strict=True)
         )
     ]
+    sizes = ens.sizes
+
+    def per_member(flops: Callable[[StepProfile], float]) -> float:
+        total = sum(size * flops(p) for size, p in zip(sizes, profiles, strict=True))
+        return total / sum(sizes)
+
     return StepProfile(
         convolutions=any(p.convolutions for p in profiles),
         batched_dots=any(p.batched_dots for p in profiles),
-        convolution_flops=sum(p.convolution_flops for p in profiles),
-        dot_flops=sum(p.dot_flops for p in profiles),
+        convolution_flops=per_member(lambda p: p.convolution_flops),
+        dot_flops=per_member(lambda p: p.dot_flops),
     )
 
 
