@@ -202,9 +202,22 @@ def test_mixture_is_each_member_fitted_alone(small):
     probs = together.predict(x)
     for i in range(len(ens)):
         alone = ee.laplace(ens[i : i + 1], (x, labels), likelihood="classification")
-        # The prior precision is searched in float32 on a flat optimum.
+        # Member i's objective is the member's own: the same log marginal
+        # likelihood at the same prior precision.
+        at = together.prior_precision[i]
         np.testing.assert_allclose(
-            together.prior_precision[i], alone.prior_precision[0], rtol=1e-3
+            together.log_marginal_likelihood()[i],
+            alone.log_marginal_likelihood(at)[0],
+            rtol=1e-5,
+        )
+        # Its maximiser is searched in float32 on a flat optimum: the two
+        # searches end within 0.1-0.2% of each other (CPUs differ in rounding),
+        # at the same height.
+        np.testing.assert_allclose(at, alone.prior_precision[0], rtol=5e-3)
+        np.testing.assert_allclose(
+            together.log_marginal_likelihood()[i],
+            alone.log_marginal_likelihood()[0],
+            rtol=1e-5,
         )
         np.testing.assert_allclose(probs[i], alone.predict(x)[0], rtol=1e-4, atol=1e-5)
     # The mixture's predictive, as the metrics read it, is the members' mean.

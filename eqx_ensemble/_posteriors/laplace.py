@@ -159,7 +159,11 @@ class LaplacePosterior(eqx.Module):
     # ------------------------------------------------------------ evidence
 
     def log_marginal_likelihood(
-        self, prior_precision: Float[ArrayLike, " members"] | float | None = None
+        self,
+        prior_precision: Float[ArrayLike, " members"]
+        | Float[ArrayLike, ""]
+        | float
+        | None = None,
     ) -> Float[Array, " members"]:
         """Each member's Laplace approximation of the log marginal likelihood,
         `log p(D | theta) - prior/2 |theta|^2 + P/2 log(prior) - 1/2 log det(H +
@@ -440,7 +444,10 @@ def laplace(
     likelihood: Likelihood,
     part: Callable[[Any], Any] | None = None,
     curvature: Curvature = "kfac",
-    prior_precision: Float[ArrayLike, " members"] | float | None = None,
+    prior_precision: Float[ArrayLike, " members"]
+    | Float[ArrayLike, ""]
+    | float
+    | None = None,
     sigma_noise: float | int = 1.0,
     batch_size: int = 256,
 ) -> LaplacePosterior:
