@@ -1266,18 +1266,29 @@ def test_a_run_of_one_dispatch_makes_its_state_in_that_dispatch(
     assert np.isfinite(np.asarray(jax.tree.leaves(opt_state)[0])).all()
 
 
-@pytest.mark.parametrize("mesh_kind", [None, "Auto", "Explicit"])
+@pytest.mark.parametrize(
+    "mesh_kind",
+    [
+        None,
+        pytest.param("Auto", marks=needs_devices(4)),
+        pytest.param("Explicit", marks=needs_devices(4)),
+    ],
+)
 @pytest.mark.parametrize("evaluated", [False, True])
 def test_readout_round_trip_is_exact(evaluated, mesh_kind):
     """The one array the host reads after a dispatch gives back the losses
-    (NaN and inf included), scores and the members' step counts exactly, and
-    is replicated on a mesh whatever the parts' placement (members split)."""
+    (NaN, a NaN with a payload and inf included: bit for bit), scores and the
+    members' step counts exactly, and is replicated on a mesh whatever the
+    parts' placement (members split)."""
     from eqx_ensemble._core.sharding import mesh_context
     from eqx_ensemble._training.loop import readout, unpack_readout
 
     steps, size = 3, 4
     losses = jax.random.normal(jax.random.key(0), (steps, size))
+    payload = jnp.asarray(np.int32(0x7FC00123).view(np.float32))
     losses = losses.at[0, 1].set(jnp.nan).at[2, 3].set(-jnp.inf)
+    losses = losses.at[1, 0].set(payload)
+    assert np.asarray(losses)[1, 0].view(np.int32) == 0x7FC00123
     scores = jax.random.normal(jax.random.key(1), (steps, size)) if evaluated else None
     diverged = jnp.array([-1, 0, 2**24 + 1, 2**31 - 1], jnp.int32)
     stopped = jnp.array([7, -1, -1, 123_456_789], jnp.int32)
@@ -1298,8 +1309,10 @@ def test_readout_round_trip_is_exact(evaluated, mesh_kind):
     assert out.dtype == jnp.int32 and out.ndim == 1
     assert out.sharding.is_fully_replicated
     got = unpack_readout(np.asarray(out), size, evaluated)
-    np.testing.assert_array_equal(got.losses, np.asarray(losses))
     assert got.losses.dtype == np.float32
+    np.testing.assert_array_equal(
+        got.losses.view(np.int32), np.asarray(losses).view(np.int32)
+    )
     if evaluated:
         np.testing.assert_array_equal(got.scores, np.asarray(scores))
     else:
@@ -1307,3 +1320,9 @@ def test_readout_round_trip_is_exact(evaluated, mesh_kind):
     for have, want in ((got.diverged_at, diverged), (got.stopped_at, stopped)):
         assert have.dtype == np.int32
         np.testing.assert_array_equal(have, np.asarray(want))
+    # A length that is not whole steps of this many members is refused.
+    with pytest.raises(ValueError, match="readout of"):
+        unpack_readout(np.asarray(out)[1:], size, evaluated)
+    if not evaluated:  # (read as evaluated, 20 values are 1.5 steps)
+        with pytest.raises(ValueError, match="readout of"):
+            unpack_readout(np.asarray(out), size, True)

@@ -3,8 +3,9 @@
 The data path, in order: the sampling's indices (array data) or the stacked group
 of streamed batches -> the step's batch (one per member, or one shared batch that
 stays unbatched inside the member `vmap`) -> the member-vmapped
-`filter_value_and_grad` + optax update -> trackers -> evaluation -> the per-step
-losses and scores returned to the host. The chunk has a fixed length (one
+`filter_value_and_grad` + optax update -> trackers -> evaluation -> one int32
+vector returned to the host (`readout`: the per-step losses and scores, the
+members' divergence and stop steps). The chunk has a fixed length (one
 compilation per configuration); steps past `end` are skipped with `lax.cond`,
 compiled into every dispatch on a CPU (one program for full and partial
 dispatches keeps resumed runs bitwise equal to uninterrupted ones); elsewhere a
@@ -186,7 +187,7 @@ def readout(
         for x in floats
     ]
     ints += [diverged_at.astype(jnp.int32), stopped_at.astype(jnp.int32)]
-    return jnp.concatenate(ints)
+    return replicate(jnp.concatenate(ints), mesh)
 
 
 def _readout(chunk: Chunk, ts: TrainState, losses: Any, scores: Any) -> Any:
@@ -206,7 +207,15 @@ class Readout(NamedTuple):
 def unpack_readout(values: np.ndarray, size: int, evaluated: bool) -> Readout:
     """`readout`'s parts from the host's copy of it (`size` members; the number
     of steps follows from the length, so a dispatch of any length reads)."""
-    steps = (len(values) - 2 * size) // (size * (2 if evaluated else 1))
+    per_step = size * (2 if evaluated else 1)
+    steps, rest = divmod(len(values) - 2 * size, per_step)
+    if steps < 0 or rest:
+        raise ValueError(
+            f"a readout of {len(values)} values is not {2 * size} step counts "
+            f"plus whole steps of {per_step} ({size} members"
+            f"{', evaluated' if evaluated else ''}): the dispatch and the host "
+            "disagree on what it holds"
+        )
     cut = steps * size
     floats = values[: len(values) - 2 * size].view(np.float32)
     marks = values[len(values) - 2 * size :]

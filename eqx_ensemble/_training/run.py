@@ -822,7 +822,7 @@ class Run:
         everything the host needs); returns its `(steps, members)` losses."""
         active = end - self.done
         evaluated = self.chunk.evaluate is not None
-        (values,) = _to_host(
+        values = _to_host(
             values, cpu=self.chunk.mesh is None and jax.default_backend() == "cpu"
         )
         losses, scores, self._diverged_at, self._stopped_at = unpack_readout(
@@ -965,15 +965,12 @@ class Run:
         )
 
 
-def _to_host(*values: Any, cpu: bool) -> tuple[Any, ...]:
-    """`jax.device_get` of a few arrays (or `None`s). On a CPU without its
-    per-call tree work (`np.asarray` of a CPU array is no transfer, so no
-    transfer guard applies); elsewhere `jax.device_get` itself, an explicit
-    transfer that `jax.transfer_guard("disallow")` allows, each copy started
-    before the first is waited for."""
-    if not cpu:
-        return tuple(jax.device_get(values))
-    return tuple(None if value is None else np.asarray(value) for value in values)
+def _to_host(value: Any, cpu: bool) -> np.ndarray:
+    """`jax.device_get` of one array. On a CPU without its per-call tree work
+    (`np.asarray` of a CPU array is no transfer, so no transfer guard
+    applies); elsewhere `jax.device_get` itself, an explicit transfer that
+    `jax.transfer_guard("disallow")` allows."""
+    return np.asarray(value) if cpu else jax.device_get(value)
 
 
 def _spec(x: Any) -> str:

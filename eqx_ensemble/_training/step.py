@@ -848,7 +848,9 @@ def ensemble_profile(
     step do so, and the FLOPs are a member's on average (each group's weighted
     by its size), so that the rules' "per member" and "times the member count"
     read what the step does (a plain sum over groups would over-count the
-    run's FLOPs by up to the number of groups)."""
+    run's FLOPs by up to the number of groups). The GPU layout rule's
+    per-member threshold reads this mean too: a group of large CNNs beside
+    members that do not convolve counts as smaller CNNs there."""
     if not is_heterogeneous(ens):
         return profile_step(
             group_loss(loss_fn, 0),
