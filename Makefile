@@ -26,11 +26,11 @@ demo: $(VENV)/.installed
 	$(PY) -m eqx_ensemble demo
 
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0
+	$(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 --durations=15
 	$(BIN)/mkdocs build --strict -q
 
 test-all: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 -m ""
+	$(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 -m ""
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -44,4 +44,4 @@ bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) site .pytest_cache
+	rm -rf $(VENV) site .pytest_cache .cache

@@ -41,6 +41,7 @@ from ._core.sharding import (
     shard as shard,
 )
 from ._core.stack import concatenate as concatenate, stack as stack, unstack as unstack
+from ._execution.disk_cache import compilation_cache as compilation_cache
 from ._execution.execution import Execution as Execution
 from ._loggers.files import CSVLogger as CSVLogger
 from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger

@@ -7,6 +7,18 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One on-disk compilation cache for the whole test run, shared by the xdist
+# workers and every process the tests start (multi-process runs, killed and
+# resumed runs, notebooks inherit the environment): a program that one test
+# compiled is read back by the next that compiles the same computation. Kept
+# between runs in `.cache/xla-tests` (`make clean` removes it); a damaged entry
+# is compiled again (JAX warns, pyproject's filterwarnings lets that through).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache", "xla-tests"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import gc  # noqa: E402
 import itertools  # noqa: E402
@@ -44,6 +56,48 @@ def _bounded_memory_maps():
     if count is not None and count > MAX_MAPS:
         jax.clear_caches()
         gc.collect()
+
+
+# How `make test` spreads the tests over its xdist workers (`--dist loadgroup`):
+# a test file is one group (its module fixtures built once), except in the
+# files below, where every test is a group of its own: each docs page,
+# notebook and docstring compiles programs of its own, and a file of them on
+# one worker would outlast the rest of the suite. Those come first, so that
+# the long ones start first and the short files fill in around them.
+_SPLIT_FILES = ("test_docs.py", "test_docstrings.py", "test_notebooks.py",
+                "test_notebooks_more.py", "test_multiprocess.py")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        path = item.nodeid.split("::")[0]
+        return item.nodeid if path.endswith(_SPLIT_FILES) else path
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: not item.nodeid.split("::")[0].endswith(_SPLIT_FILES))
+
+
+_CACHE_OPTIONS = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_compilation_cache():
+    """A test or an example that calls `ee.compilation_cache(folder)` moves
+    the process's cache there; put the suite's back after it."""
+    before = [getattr(jax.config, name) for name in _CACHE_OPTIONS]
+    yield
+    after = [getattr(jax.config, name) for name in _CACHE_OPTIONS]
+    if after != before:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        for name, value in zip(_CACHE_OPTIONS, before, strict=True):
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def needs_devices(n: int) -> pytest.MarkDecorator:
@@ -91,3 +145,55 @@ def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
             )
         else:
             assert x == y, f"leaf {jax.tree_util.keystr(path)}: {x!r} != {y!r}"
+
+
+# Where a test's time goes: with EE_COMPILE_LOG=FILE, every worker appends one
+# line per test (id, wall seconds, XLA compilations and their seconds, tracing
+# and lowering seconds) to FILE.<worker>; `tests/compile_report.py FILE` sums it.
+_COMPILE_LOG = os.environ.get("EE_COMPILE_LOG")
+_SPENT = {"compiles": 0, "compile": 0.0, "trace": 0.0, "lower": 0.0}
+_EVENTS = {
+    "/jax/core/compile/backend_compile_duration": "compile",
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+}
+
+
+_BY_PROGRAM: dict[str, list[float]] = {}
+
+
+def _on_duration(
+    event: str, duration: float, fun_name: str = "?", **_: object
+) -> None:
+    name = _EVENTS.get(event)
+    if name is not None:
+        _SPENT[name] += duration
+        if name == "compile":
+            _SPENT["compiles"] += 1
+            spent = _BY_PROGRAM.setdefault(fun_name, [0, 0.0])
+            spent[0] += 1
+            spent[1] += duration
+
+
+if _COMPILE_LOG:
+    import json
+    import time
+
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+    @pytest.fixture(autouse=True)
+    def _compile_log(request):
+        before = dict(_SPENT)
+        start = time.perf_counter()
+        yield
+        row = {k: _SPENT[k] - before[k] for k in _SPENT}
+        row["wall"] = time.perf_counter() - start
+        row["test"] = request.node.nodeid
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_COMPILE_LOG}.{worker}", "a") as log:
+            log.write(json.dumps(row) + "\n")
+
+    def pytest_sessionfinish(session):
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{_COMPILE_LOG}-programs.{worker}", "w") as log:
+            json.dump(_BY_PROGRAM, log)

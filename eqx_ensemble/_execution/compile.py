@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._internal.tree import is_traced
+from .intern import canonical
 
 # Turning off YNNPACK's dot/elementwise fusions on the CPU (XLA >= 0.8).
 EIGEN_DOTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -123,7 +124,8 @@ def split_arguments(args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
 
 def _split_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[Any, ...]]:
     # One pass (this is on every dispatch's path): the arrays, and the leaves
-    # with `None` in each array's place.
+    # with `None` in each array's place; functions interned, so that a program
+    # is keyed by what they compute (`intern.canonical`).
     arrays: list[Any] = []
     static: list[Any] = []
     for leaf in leaves:
@@ -131,7 +133,7 @@ def _split_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[Any, ...]]:
             arrays.append(leaf)
             static.append(None)
         else:
-            static.append(leaf)
+            static.append(canonical(leaf))
     return arrays, tuple(static)
 
 

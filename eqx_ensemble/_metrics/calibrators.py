@@ -178,7 +178,9 @@ def _ensemble_nll(logits: Array, labels: Array) -> Array:
     )
 
 
-def _lbfgs(objective, init: Any, iterations: int, tolerance: float) -> Any:
+def _lbfgs(
+    objective, init: Any, iterations: Int[Array, ""] | int, tolerance: float
+) -> Any:
     """Minimise a smooth `objective(params)` with L-BFGS and a zoom line search
     (`optax.lbfgs`), until the gradient norm is below `tolerance` or after
     `iterations` steps."""
@@ -224,9 +226,12 @@ def _fit_affine(
     members, batch, classes = predictions.shape
     parameters = classes * classes + classes if full_matrix else 2 * classes
     _check_enough_examples(batch, parameters, cls.__name__)
+    # `l2` and `iterations` as arrays: one program per shape, whatever their
+    # values (a search over `l2` compiles once).
     weight, bias = _fit_affine_compiled(
-        cls, predictions, labels, per_member, l2, iterations, full_matrix,
-        off_diagonal_only,
+        cls, predictions, labels, per_member,
+        jnp.asarray(l2, predictions.dtype), jnp.asarray(iterations, jnp.int32),
+        full_matrix, off_diagonal_only,
     )  # fmt: skip
     return cls(weight, bias, per_member)
 

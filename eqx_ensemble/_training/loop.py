@@ -81,6 +81,10 @@ class Chunk:
     evaluate_last: bool = False
     # Every one of the `length` steps runs (known on the host): no conditional.
     full: bool = False
+    # A loop of a traced trip count (`end` - the first step) and no conditional:
+    # one program for any dispatch up to `length` steps (CPU; a GPU's loop
+    # would wait for each trip's predicate on the host).
+    counted: bool = False
     layout: Layout = "vmap"  # the members vectorised, or one after another
     member_chunk: int | None = None  # vectorised members per group (`Execution`)
     check: FiniteCheck = "per_leaf"  # the guard's form (`_execution.guard`)
@@ -356,6 +360,8 @@ def run_chunk(
     )
     if chunk.unrolled:
         dynamic, losses, scores = _unrolled(chunk, dynamic, static, batch_of)
+    elif chunk.counted:
+        dynamic, losses, scores = _counted(chunk, active, dynamic, nan_row)
     else:
         dynamic, (losses, scores) = jax.lax.scan(
             body, dynamic, chunk.batches.scanned(), length=chunk.length
@@ -363,6 +369,37 @@ def run_chunk(
     dynamic = place_state(dynamic, mesh, inside_jit=True, placement=chunk.placement)
     losses, scores = replicate((losses, scores), mesh)
     return eqx.combine(dynamic, static), losses, scores
+
+
+def _counted(
+    chunk: Chunk, active: Callable[..., Any], dynamic: Any, nan_row: Array
+) -> tuple[Any, Array, Array]:
+    """The steps before `chunk.end` in a loop whose trip count is a traced
+    value: one program for a dispatch of any length up to `chunk.length` (a run
+    of any `steps=` reuses it), and no conditional per step. The rows of steps
+    not run stay NaN (the host reads only the rows it ran)."""
+    scanned = chunk.batches.scanned() if chunk.batches is not None else None
+    count = chunk.end - dynamic.step
+    rows = constrain(
+        jnp.broadcast_to(nan_row, (chunk.length, chunk.size)),
+        chunk.mesh,
+        (None, MEMBERS),
+    )
+
+    def body(loop):
+        position, carry, losses, scores = loop
+        inputs = jax.tree.map(
+            lambda x: jax.lax.dynamic_index_in_dim(x, position, keepdims=False),
+            scanned,
+        )
+        carry, (step_losses, step_scores) = active(carry, inputs)
+        losses = losses.at[position].set(step_losses)
+        return position + 1, carry, losses, scores.at[position].set(step_scores)
+
+    _, dynamic, losses, scores = jax.lax.while_loop(
+        lambda loop: loop[0] < count, body, (jnp.int32(0), dynamic, rows, rows)
+    )
+    return dynamic, losses, scores
 
 
 def _unrolled(

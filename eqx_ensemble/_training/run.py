@@ -42,6 +42,7 @@ from .._execution.compile import (
 )
 from .._execution.execution import Execution
 from .._execution.guard import FiniteCheck, choose_finite_check, step_flops
+from .._execution.intern import canonical_tree
 from .._execution.layout import (
     SEQUENTIAL_MAX_MEMBERS,
     Layout,
@@ -193,6 +194,8 @@ def prepare(
         )
     size = len(ens)
     check_optimizer(optimizer)
+    # Equal losses and optimizers are one program (`_execution.intern`).
+    loss_fn, optimizer = canonical_tree(loss_fn), canonical_tree(optimizer)
     steps = check_positive_int(steps, "steps", high=MAX_INT32)
     check_key(key)
     sampling = as_sampling(sampling)
@@ -337,6 +340,7 @@ def prepare(
         unrolled=plan.unroll,
         layout=plan.layout,
         check=plan.check,
+        counted=plan.counted,
         member_chunk=execution.member_chunk,
         placement=None if train_state is None else model_placement(train_state, mesh),
     )
@@ -438,6 +442,8 @@ class FitPlan:
     layout: Layout
     compiler_options: Options
     check: FiniteCheck = "per_leaf"
+    # Dispatches loop over a traced number of steps (`loop.Chunk.counted`).
+    counted: bool = False
 
 
 def plan_fit(
@@ -484,6 +490,8 @@ def plan_fit(
             if len(table) > 64:
                 table.clear()
             table[key] = plan
+    if plan.counted:
+        return plan
     return dataclasses.replace(plan, length=min(plan.length, steps))
 
 
@@ -558,7 +566,11 @@ def _plan_fit(
         flops=step_flops(ens.members, source.batch_size, size, devices, profile),
         platform=platform_of(mesh),
     )
-    return FitPlan(per_dispatch, unroll, layout, options, check)
+    # On a CPU a scanned dispatch is a loop of a traced trip count, compiled
+    # for `per_dispatch` steps whatever the run's length (array data: a
+    # stream's group is padded on the host, so it stays as short as the run).
+    counted = platform_of(mesh) == "cpu" and not unroll and not source.pads_on_host
+    return FitPlan(per_dispatch, unroll, layout, options, check, counted)
 
 
 def _skips_conditional(chunk: Chunk) -> bool:
@@ -812,9 +824,16 @@ class Run:
             if keys is not None and end < self.steps:
                 self.use_keys(keys)
         else:
-            self.train_state, values = dispatch_chunk(
-                self.options, chunk, self.train_state
+            # The controllers' states stay on the host side of the run (they
+            # run between dispatches): the program is the same with or without
+            # controllers.
+            controlled = self.train_state.controlled
+            state, values = dispatch_chunk(
+                self.options,
+                chunk,
+                dataclasses.replace(self.train_state, controlled=()),
             )
+            self.train_state = dataclasses.replace(state, controlled=controlled)
         return values
 
     def record_dispatch(self, values: Any, end: int) -> np.ndarray:

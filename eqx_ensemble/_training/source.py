@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 from jax.sharding import Mesh
@@ -99,6 +99,9 @@ class DataSource(abc.ABC):
     per_member: bool
     batch_size: int
     num_examples: int | None
+    # Whether a dispatch's group of batches is read and padded on the host
+    # (a stream), so that it costs host work per compiled step.
+    pads_on_host: ClassVar[bool] = False
 
     @abc.abstractmethod
     def member_batch(self) -> PyTree[Any]:
@@ -202,6 +205,8 @@ class StreamSource(DataSource):
     """An iterable of batches, or a function `step -> iterator` (resumable):
     groups of batches are read and stacked on the host, the next while the
     current dispatch runs."""
+
+    pads_on_host: ClassVar[bool] = True
 
     def __init__(
         self,

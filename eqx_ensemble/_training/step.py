@@ -47,6 +47,7 @@ from .._execution.execution import (
     refuses_moved,
 )
 from .._execution.guard import FiniteCheck, choose_finite_check, step_flops
+from .._execution.intern import canonical_tree
 from .._execution.layout import Layout, choose_layout, member_map
 from .._execution.profile import StepProfile, first_member, profile_jaxpr
 from .._internal.keys import check_key, optimizer_key
@@ -1083,8 +1084,8 @@ def make_step(
             f"`per_member_batch` must be a bool, got {type(per_member_batch).__name__}"
         )
     return Step(
-        loss_fn,
-        optimizer,
+        canonical_tree(loss_fn),  # equal losses and optimizers: one program
+        canonical_tree(optimizer),
         per_member_batch=per_member_batch,
         mesh=execution.mesh,
         compiler_options=execution.compiler_options,

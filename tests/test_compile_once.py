@@ -1,0 +1,177 @@
+"""Compile once: equal optimizers and losses, another `steps=`, a progress bar
+reuse the compiled program (counted through `jax.monitoring`); functions that
+compute different things never share one (checked against separate runs)."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+from eqx_ensemble._execution.intern import canonical, structural_key
+
+_COMPILES = [0]
+
+
+def _count(event: str, duration: float, **_: object) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+def compilations(run) -> int:
+    before = _COMPILES[0]
+    run()
+    return _COMPILES[0] - before
+
+
+X = jnp.linspace(-1, 1, 48)[:, None]
+DATA = (X, X**3)
+ENS = ee.ensemble(
+    lambda k: eqx.nn.MLP(1, 1, 8, 1, key=k), size=3, key=jax.random.key(0)
+)
+
+
+def make_loss(scale=1.0):
+    # A new function object each call, computing the same thing for one scale.
+    def loss_fn(model, batch, key):
+        xb, yb = batch
+        return scale * jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+    return loss_fn
+
+
+def fit(optimizer, steps=40, loss_fn=None, **kwargs):
+    kwargs.setdefault("callbacks", ())
+    return ee.fit(
+        ENS,
+        loss_fn or make_loss(),
+        optimizer,
+        DATA,
+        steps=steps,
+        batch_size=12,
+        key=jax.random.key(1),
+        **kwargs,
+    )
+
+
+def test_equal_optimizer_loss_steps_and_progress_bar_compile_nothing(capsys):
+    first = fit(optax.adam(1e-3))
+    assert compilations(lambda: fit(optax.adam(1e-3))) == 0  # new, equal objects
+    chain = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))  # noqa: E731
+    fit(chain())
+    assert compilations(lambda: fit(chain())) == 0
+    # Another length: the same program (on the CPU a dispatch's trip count is
+    # an input), and its history is the longer run's first rows.
+    shorter = []
+    assert compilations(lambda: shorter.append(fit(optax.adam(1e-3), 25))) == 0
+    np.testing.assert_array_equal(
+        np.asarray(shorter[0].history.losses), np.asarray(first.history.losses)[:25]
+    )
+    assert compilations(lambda: fit(optax.adam(1e-3), callbacks=None)) == 0
+    capsys.readouterr()
+
+
+def test_different_computations_do_not_share_a_program():
+    # Another learning rate, another closure constant: each run equals the
+    # same run made first in a fresh cache key (its own program).
+    slow = fit(optax.adam(1e-3))
+    fast = fit(optax.adam(1e-2))
+    assert not np.allclose(slow.history.losses, fast.history.losses)
+    scaled = fit(optax.sgd(1e-2), loss_fn=make_loss(2.0))
+    plain = fit(optax.sgd(1e-2), loss_fn=make_loss(1.0))
+    # Same weights at the first step: the scaled loss reports twice the loss,
+    # and then trains faster (twice the gradient).
+    np.testing.assert_allclose(
+        scaled.history.losses[0], 2 * plain.history.losses[0], rtol=1e-6
+    )
+    assert not np.allclose(scaled.history.losses[1:], 2 * plain.history.losses[1:])
+
+
+def test_make_step_with_an_equal_optimizer_compiles_nothing():
+    batch = (X, X**3)
+    step = ee.make_step(make_loss(), optax.adam(1e-3))
+    step(ENS, ee.init_optimizer(optax.adam(1e-3), ENS), batch, jax.random.key(0))
+    again = ee.make_step(make_loss(), optax.adam(1e-3))
+    opt_state = ee.init_optimizer(optax.adam(1e-3), ENS)
+    assert (
+        compilations(lambda: again(ENS, opt_state, batch, jax.random.key(0))) == 0
+    )
+
+
+SCALE = 2.0
+
+
+def uses_global(x):
+    return SCALE * x
+
+
+def test_structural_keys():
+    def make(c):
+        return lambda x: c * x
+
+    assert canonical(make(1.0)) is canonical(make(1.0))
+    assert canonical(make(1.0)) is not canonical(make(2.0))
+    assert canonical(make(np.float32(1))) is not canonical(make(np.float64(1)))
+    small = jnp.arange(3.0)
+    assert structural_key(make(small)) == structural_key(make(jnp.arange(3.0)))
+    assert structural_key(make(small)) != structural_key(make(jnp.arange(1.0, 4.0)))
+    big = jnp.zeros(10_000)  # by identity
+    assert structural_key(make(big)) == structural_key(make(big))
+    assert structural_key(make(big)) != structural_key(make(jnp.zeros(10_000)))
+    # Partials, bound methods, defaults, and the globals a function names.
+    assert structural_key(functools.partial(make, 1.0)) == structural_key(
+        functools.partial(make, 1.0)
+    )
+    assert structural_key(functools.partial(make, 1.0)) != structural_key(
+        functools.partial(make, 3.0)
+    )
+    key = structural_key(uses_global)
+    global SCALE
+    SCALE = 3.0
+    try:
+        assert structural_key(uses_global) != key
+    finally:
+        SCALE = 2.0
+    assert structural_key(optax.adam(1e-3)) == structural_key(optax.adam(1e-3))
+    assert structural_key(optax.adam(1e-3)) != structural_key(optax.adam(2e-3))
+    assert structural_key(optax.adam(1e-3)) != structural_key(optax.adamw(1e-3))
+
+
+def test_one_function_written_twice_is_one_function():
+    def first(model, batch):
+        return jnp.mean((model(batch) - 1.5) ** 2)
+
+    def second(model, batch):
+        return jnp.mean((model(batch) - 1.5) ** 2)
+
+    def other(model, batch):
+        return jnp.mean((model(batch) - 2.5) ** 2)
+
+    assert canonical(first) is canonical(second)
+    assert canonical(other) is not canonical(first)
+
+
+def test_recursive_and_unusual_functions_are_keyed():
+    def recursive(n):
+        return 1 if n == 0 else n * recursive(n - 1)
+
+    assert structural_key(recursive) == structural_key(recursive)
+    assert canonical(print) is print  # a builtin: by identity, returned as is
+    nan = lambda x: x * float("nan")  # noqa: E731
+    assert structural_key(nan) == structural_key(nan)
+
+
+def test_compilation_cache_writes_programs(tmp_path):
+    # (conftest puts the suite's own cache back after the test)
+    folder = ee.compilation_cache(tmp_path / "cache")
+    jax.jit(lambda x: jnp.sin(x) * 3.25 + 1)(jnp.ones(7)).block_until_ready()
+    assert any(folder.iterdir()), "no program was written to the cache folder"
+    with pytest.raises(ValueError, match="min_compile_seconds"):
+        ee.compilation_cache(tmp_path, min_compile_seconds=-1.0)
