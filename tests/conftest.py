@@ -162,9 +162,7 @@ _EVENTS = {
 _BY_PROGRAM: dict[str, list[float]] = {}
 
 
-def _on_duration(
-    event: str, duration: float, fun_name: str = "?", **_: object
-) -> None:
+def _on_duration(event: str, duration: float, fun_name: str = "?", **_: object) -> None:
     name = _EVENTS.get(event)
     if name is not None:
         _SPENT[name] += duration

@@ -100,9 +100,7 @@ def test_make_step_with_an_equal_optimizer_compiles_nothing():
     step(ENS, ee.init_optimizer(optax.adam(1e-3), ENS), batch, jax.random.key(0))
     again = ee.make_step(make_loss(), optax.adam(1e-3))
     opt_state = ee.init_optimizer(optax.adam(1e-3), ENS)
-    assert (
-        compilations(lambda: again(ENS, opt_state, batch, jax.random.key(0))) == 0
-    )
+    assert compilations(lambda: again(ENS, opt_state, batch, jax.random.key(0))) == 0
 
 
 SCALE = 2.0
