@@ -34,6 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._internal.tree import is_traced
+
 # Arrays with at most this many elements are keyed by value; larger by identity.
 MAX_ARRAY = 4096
 # Tuples, lists and dicts with at most this many items are keyed by contents.
@@ -122,7 +124,7 @@ def _is_pytree_node(obj: Any) -> bool:
 
 
 def _array_key(array: Any) -> Hashable:
-    if isinstance(array, jax.core.Tracer) or array.size > MAX_ARRAY:
+    if is_traced(array) or array.size > MAX_ARRAY:
         return _Identity(array)
     if isinstance(array, jax.Array) and not array.is_fully_addressable:
         return _Identity(array)
