@@ -42,6 +42,8 @@ class Execution(Component):
       for unrolled steps (each dispatch then compiles one step and is the same
       program, so a resumed run is bit for bit the uninterrupted one).
       Progress, callbacks, controllers and checkpoints run between dispatches.
+      On a CPU (array data) a dispatch is compiled for this many steps and
+      runs any number up to it: a run of any `steps=` reuses the program.
     - `layout`: how a step computes the member axis: `"vmap"` (one vectorised
       computation), `"sequential"` (members one after another inside the
       compiled step: straight-line code whose compile time grows with the

@@ -335,7 +335,8 @@ def run_chunk(
     dynamic, static = eqx.partition(train_state, eqx.is_array)
     nan_row = _nan_row(chunk)
     assert chunk.batches is not None, "a dispatch is given its data"
-    batch_of = chunk.batches.maker(train_state.step, chunk.length, mesh)
+    count = chunk.end - train_state.step if chunk.counted else None
+    batch_of = chunk.batches.maker(train_state.step, chunk.length, mesh, count)
 
     def active(carry, scanned):
         ts = eqx.combine(carry, static)
@@ -360,8 +361,8 @@ def run_chunk(
     )
     if chunk.unrolled:
         dynamic, losses, scores = _unrolled(chunk, dynamic, static, batch_of)
-    elif chunk.counted:
-        dynamic, losses, scores = _counted(chunk, active, dynamic, nan_row)
+    elif count is not None:
+        dynamic, losses, scores = _counted(chunk, active, dynamic, nan_row, count)
     else:
         dynamic, (losses, scores) = jax.lax.scan(
             body, dynamic, chunk.batches.scanned(), length=chunk.length
@@ -372,14 +373,18 @@ def run_chunk(
 
 
 def _counted(
-    chunk: Chunk, active: Callable[..., Any], dynamic: Any, nan_row: Array
+    chunk: Chunk,
+    active: Callable[..., Any],
+    dynamic: Any,
+    nan_row: Array,
+    count: Int[Array, ""],
 ) -> tuple[Any, Array, Array]:
-    """The steps before `chunk.end` in a loop whose trip count is a traced
-    value: one program for a dispatch of any length up to `chunk.length` (a run
-    of any `steps=` reuses it), and no conditional per step. The rows of steps
-    not run stay NaN (the host reads only the rows it ran)."""
+    """The `count` steps before `chunk.end` in a loop whose trip count is a
+    traced value: one program for a dispatch of any length up to
+    `chunk.length` (a run of any `steps=` reuses it), and no conditional per
+    step. The rows of steps not run stay NaN (the host reads only the rows it
+    ran)."""
     scanned = chunk.batches.scanned() if chunk.batches is not None else None
-    count = chunk.end - dynamic.step
     rows = constrain(
         jnp.broadcast_to(nan_row, (chunk.length, chunk.size)),
         chunk.mesh,

@@ -95,10 +95,12 @@ class Sampling(Component):
         batch_size: int,
         size: int,
         chunk: int,
+        count: Int[Array, ""] | None = None,
     ) -> Callable[[Int[Array, ""]], Array]:
         """`indices` for the steps `[first_step, first_step + chunk)`, with any
-        work shared by those steps done once."""
-        del first_step, chunk
+        work shared by those steps done once (for the first `count` of them
+        only, where `count` is given: a dispatch that runs fewer)."""
+        del first_step, chunk, count
         return lambda step: self.indices(
             data_key, prepared, step, n=n, batch_size=batch_size, size=size
         )
@@ -128,8 +130,9 @@ class _WithoutReplacement(Sampling):
         return epoch_indices(keys, step, n, batch_size)
 
     def chunk_indices(
-        self, data_key, prepared, first_step, *, n, batch_size, size, chunk
-    ):
+        self, data_key, prepared, first_step, *, n, batch_size, size, chunk,
+        count=None,
+    ):  # fmt: skip
         steps_per_epoch = n // batch_size
         num_epochs = -(-chunk // steps_per_epoch) + 1  # most epochs a chunk touches
         streams = size if self.per_member else 1
@@ -142,14 +145,30 @@ class _WithoutReplacement(Sampling):
                 batch_size=batch_size,
                 size=size,
                 chunk=chunk,
+                count=count,
             )
         first_epoch = first_step // steps_per_epoch
         epochs = first_epoch + jnp.arange(num_epochs, dtype=first_epoch.dtype)
 
-        def permutations(key):  # exactly `epoch_indices`' permutations
-            return jax.vmap(
-                lambda epoch: jax.random.permutation(jax.random.fold_in(key, epoch), n)
-            )(epochs)
+        def permutation(key, epoch):  # exactly `epoch_indices`' permutation
+            return jax.random.permutation(jax.random.fold_in(key, epoch), n)
+
+        def permutations(key):
+            if count is None:
+                return jax.vmap(lambda epoch: permutation(key, epoch))(epochs)
+            # Only the epochs the dispatch's `count` steps touch (a run shorter
+            # than the compiled dispatch length makes no more than it needs).
+            last = (first_step + jnp.maximum(count, 1) - 1) // steps_per_epoch
+            needed = jnp.minimum(last - first_epoch + 1, num_epochs)
+            empty = jnp.zeros((num_epochs, n), jnp.int32)
+            return jax.lax.fori_loop(
+                0,
+                needed,
+                lambda i, perms: perms.at[i].set(
+                    permutation(key, first_epoch + i).astype(jnp.int32)
+                ),
+                empty,
+            )
 
         def take(perms, step):
             epoch = step // steps_per_epoch - first_epoch

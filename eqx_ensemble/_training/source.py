@@ -40,11 +40,15 @@ class Batches(abc.ABC):
 
     @abc.abstractmethod
     def maker(
-        self, first_step: Int[Array, ""], length: int, mesh: Mesh | None
+        self,
+        first_step: Int[Array, ""],
+        length: int,
+        mesh: Mesh | None,
+        count: Int[Array, ""] | None = None,
     ) -> Callable[[Int[Array, ""], Any], PyTree[Any]]:
         """`batch(step, scanned_slice)` for the steps of a dispatch that starts at
-        `first_step` and compiles `length` steps (work shared by those steps is
-        done once, here)."""
+        `first_step` and compiles `length` steps, of which it runs `count`
+        (`None`: all); work shared by those steps is done once, here."""
 
 
 @jax.tree_util.register_dataclass
@@ -63,7 +67,7 @@ class SampledBatches(Batches):
     def scanned(self) -> PyTree[Any]:
         return None
 
-    def maker(self, first_step, length, mesh):
+    def maker(self, first_step, length, mesh, count=None):
         indices_of = self.sampling.chunk_indices(
             self.data_key,
             self.prepared,
@@ -72,6 +76,7 @@ class SampledBatches(Batches):
             batch_size=self.batch_size,
             size=self.size,
             chunk=length,
+            count=count,
         )
         return lambda step, _: gather_batch(self.data, indices_of(step), mesh)
 
@@ -87,8 +92,8 @@ class StreamedBatches(Batches):
     def scanned(self) -> PyTree[Any]:
         return self.group
 
-    def maker(self, first_step, length, mesh):
-        del first_step, length
+    def maker(self, first_step, length, mesh, count=None):
+        del first_step, length, count
         axes = (MEMBERS, DATA) if self.per_member else (DATA,)
         return lambda step, batch: constrain(batch, mesh, axes)
 
