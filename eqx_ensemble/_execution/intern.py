@@ -203,10 +203,29 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 _INTERNABLE = (types.FunctionType, functools.partial, types.MethodType)
 
 # Structural key -> the first function seen with it (least recently used last).
-_CANONICAL: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+_CANONICAL: "collections.OrderedDict[_Key, Any]" = collections.OrderedDict()
 # A function seen before -> its key (held weakly: the entry goes with the
 # function).
-_SEEN: "weakref.WeakKeyDictionary[Any, Hashable]" = weakref.WeakKeyDictionary()
+_SEEN: "weakref.WeakKeyDictionary[Any, _Key]" = weakref.WeakKeyDictionary()
+
+
+class _Key:
+    """A structural key with its hash computed once: a lookup on the hot path
+    (every `fit` call, every dispatch's static leaves) hashes no nested tuple,
+    and finds the stored key by identity."""
+
+    __slots__ = ("value", "hash")
+
+    def __init__(self, value: Hashable):
+        self.value, self.hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and (
+            other is self or (other.hash == self.hash and other.value == self.value)
+        )
 
 
 def canonical(obj: Any) -> Any:
@@ -220,10 +239,9 @@ def canonical(obj: Any) -> Any:
     except TypeError:  # not weakly referable
         key = None
     if key is None:
-        key = structural_key(obj)
         try:
-            hash(key)
-        except TypeError:
+            key = _Key(structural_key(obj))
+        except TypeError:  # a part that cannot be hashed
             return obj
         try:
             _SEEN[obj] = key

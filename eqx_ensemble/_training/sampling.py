@@ -27,6 +27,10 @@ from .._internal.keys import run_keys
 # Above this many precomputed indices (int32) per chunk, compute the permutation
 # at every step rather than holding all of them at once.
 _MAX_PRECOMPUTED = 2**26
+# A dispatch that runs fewer steps than it is compiled for (`count`) still makes
+# all the epoch permutations it could touch when they are this few (one
+# vectorised call); more, and it makes only those its steps touch, in a loop.
+_ALL_EPOCHS = 8
 # Index arrays and batch axes are int32 in XLA: nothing may reach 2**31 elements.
 MAX_INDICES = 2**31 - 1
 
@@ -154,7 +158,7 @@ class _WithoutReplacement(Sampling):
             return jax.random.permutation(jax.random.fold_in(key, epoch), n)
 
         def permutations(key):
-            if count is None:
+            if count is None or num_epochs <= _ALL_EPOCHS:
                 return jax.vmap(lambda epoch: permutation(key, epoch))(epochs)
             # Only the epochs the dispatch's `count` steps touch (a run shorter
             # than the compiled dispatch length makes no more than it needs).
