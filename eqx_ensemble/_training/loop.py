@@ -335,7 +335,7 @@ def run_chunk(
     dynamic, static = eqx.partition(train_state, eqx.is_array)
     nan_row = _nan_row(chunk)
     assert chunk.batches is not None, "a dispatch is given its data"
-    count = chunk.end - train_state.step if chunk.counted else None
+    count = jnp.asarray(chunk.end - train_state.step) if chunk.counted else None
     batch_of = chunk.batches.maker(train_state.step, chunk.length, mesh, count)
 
     def active(carry, scanned):
