@@ -130,13 +130,14 @@ def test_structural_keys():
     assert structural_key(functools.partial(make, 1.0)) != structural_key(
         functools.partial(make, 3.0)
     )
-    key = structural_key(uses_global)
-    global SCALE
-    SCALE = 3.0
-    try:
-        assert structural_key(uses_global) != key
-    finally:
-        SCALE = 2.0
+    # A script's (or notebook's) function is keyed by its code and the globals
+    # it names; a module's own global function by identity.
+    script = {"__name__": "__main__", "SCALE": 2.0}
+    exec("def uses_global(x):\n    return SCALE * x\n", script)
+    key = structural_key(script["uses_global"])
+    script["SCALE"] = 3.0
+    assert structural_key(script["uses_global"]) != key
+    assert canonical(uses_global) is uses_global
     assert structural_key(optax.adam(1e-3)) == structural_key(optax.adam(1e-3))
     assert structural_key(optax.adam(1e-3)) != structural_key(optax.adam(2e-3))
     assert structural_key(optax.adam(1e-3)) != structural_key(optax.adamw(1e-3))

@@ -15,7 +15,9 @@ What counts as "the same" (`structural_key`): numbers, strings and other plain
 values by value; tuples, lists and dicts by their contents (up to
 `MAX_CONTAINER` items); NumPy and JAX arrays by shape, dtype and contents (up
 to `MAX_ARRAY` elements); functions, `functools.partial`s and bound methods by
-their code and what they close over, recursively; pytrees (`eqx.Module`s,
+their code and what they close over, recursively (a function that is its
+module's own global, such as a library's, by identity: it is the same object
+while the module is loaded); pytrees (`eqx.Module`s,
 optax's named tuples) by their structure and leaves. Anything else (modules,
 classes, jitted functions, large arrays, objects of other types) by identity:
 where equality cannot be proven, the cache falls back to identity, as JAX does.
@@ -26,6 +28,7 @@ first seen is not noticed for that same function object.
 import collections
 import enum
 import functools
+import sys
 import types
 import weakref
 from collections.abc import Hashable
@@ -132,9 +135,26 @@ def _array_key(array: Any) -> Hashable:
     return (type(array), values.shape, str(values.dtype), values.tobytes())
 
 
+def _is_module_global(fn: types.FunctionType) -> bool:
+    # A function that is its module's own global (a library's function, a
+    # test module's helper): the same object for as long as the module is
+    # loaded, so its identity says what it computes, and the walk stops there
+    # (walking every global it names would walk a library's whole call graph).
+    # A script's or notebook's `__main__` functions are keyed by their code: a
+    # re-run cell defines them again.
+    if fn.__module__ in (None, "__main__") or "<locals>" in fn.__qualname__:
+        return False
+    found: Any = sys.modules.get(fn.__module__)
+    for part in fn.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is fn
+
+
 def _function_key(fn: types.FunctionType, visiting: set[int]) -> Hashable:
     if id(fn) in visiting:  # recursion (a function naming itself): its name
         return ("recursive", fn.__module__, fn.__qualname__)
+    if _is_module_global(fn):
+        return _Identity(fn)
     visiting.add(id(fn))
     try:
         closure = tuple(_cell_key(cell, visiting) for cell in (fn.__closure__ or ()))
