@@ -3,6 +3,8 @@ reuse the compiled program (counted through `jax.monitoring`); functions that
 compute different things never share one (checked against separate runs)."""
 
 import functools
+import logging
+import re
 
 import equinox as eqx
 import jax
@@ -29,6 +31,30 @@ def compilations(run) -> int:
     before = _COMPILES[0]
     run()
     return _COMPILES[0] - before
+
+
+class _Names(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        match = re.match(r"Compiling (\S+)", record.getMessage())
+        if match:
+            self.names.append(match[1])
+
+
+def compiled_programs(run) -> list[str]:
+    """The names of the programs XLA compiled during `run()` (JAX's log)."""
+    handler = _Names()
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            run()
+    finally:
+        logger.removeHandler(handler)
+    return handler.names
 
 
 X = jnp.linspace(-1, 1, 48)[:, None]
@@ -76,6 +102,26 @@ def test_equal_optimizer_loss_steps_and_progress_bar_compile_nothing(capsys):
     )
     assert compilations(lambda: fit(optax.adam(1e-3), callbacks=None)) == 0
     capsys.readouterr()
+
+
+def test_runs_of_one_and_of_many_dispatches_share_one_program(tmp_path):
+    # A run of one dispatch, a run of many (a `steps=` past the dispatch
+    # length), a checkpointed run and a run with a controller: one program for
+    # the dispatch and one for the start state, compiled by the first.
+    fit(optax.adam(1e-3), 5)
+    assert compilations(lambda: fit(optax.adam(1e-3), 2500)) == 0
+    every = ee.Checkpoints(tmp_path / "run", every=10)
+    assert compilations(lambda: fit(optax.adam(1e-3), 30, checkpoints=every)) == 0
+    stop = ee.EarlyStopping(5, patience=3)
+    evaluate = ee.Evaluate(make_loss(), DATA, every=5)
+    fit(optax.adam(1e-3), 10, evaluate=evaluate)  # evaluation: another program
+    # The controller's own state is made by a few eager operations (compiled
+    # once per shape); the training programs are not compiled again.
+    names = compiled_programs(
+        lambda: fit(optax.adam(1e-3), 20, evaluate=evaluate, callbacks=(stop,))
+    )
+    assert "jit(_traced)" not in names, names
+    assert len(names) <= 6, names
 
 
 def test_different_computations_do_not_share_a_program():

@@ -447,13 +447,13 @@ def test_steps_per_dispatch_does_not_change_the_result(mlp_ens):
 
 
 @pytest.mark.parametrize("sampling", ["shared", "independent", "bootstrap"])
-def test_a_first_dispatch_that_derives_the_runs_keys_hands_them_on(mlp_ens, sampling):
-    # A run planned as one dispatch (array data, no checkpoints or controllers)
-    # derives its keys inside that dispatch (bootstrap: on the host, its draws
-    # need one). Unrolled with evaluation every 3 steps, it runs as two
-    # dispatches: the second must draw its batches and member keys from the
-    # same keys. Reference: the same dispatches in a run planned as two (keys
-    # made before the first).
+def test_a_run_split_into_more_dispatches_draws_the_same_batches_and_keys(
+    mlp_ens, sampling
+):
+    # Unrolled with evaluation every 3 steps, a run of 6 steps per dispatch
+    # runs as two dispatches, as does one of 3 steps per dispatch: the second
+    # dispatch must draw its batches and member keys from the run's keys in
+    # both (bootstrap: its draws are made on the host).
     def run(per_dispatch):
         return fit(
             mlp_ens,
@@ -468,9 +468,9 @@ def test_a_first_dispatch_that_derives_the_runs_keys_hands_them_on(mlp_ens, samp
         )
 
     one, two = run(6), run(3)
-    # Equal to rounding: the first dispatch is another program in each run
-    # (with and without the start state; up to 3e-8 here). Batches or member
-    # keys from other keys would differ at the first step of the second.
+    # Equal to rounding: each unrolled dispatch is a program of its own length
+    # (up to 3e-8 here). Batches or member keys from other keys would differ
+    # at the first step of the second.
     assert_tree_allclose(one.ensemble, two.ensemble, rtol=1e-6, atol=1e-7)
     assert_tree_allclose(one.opt_state, two.opt_state, rtol=1e-6, atol=1e-7)
     for name in ("losses", "eval_scores"):

@@ -42,14 +42,13 @@ from .._execution.compile import (
 )
 from .._execution.guard import FiniteCheck
 from .._execution.layout import Layout
-from .._internal.keys import RunKeys, run_keys
 from .._trackers.base import Tracker
 from .evaluate import Evaluate, eval_member_keys
 from .loss import LossFn
 from .sampling import Sampling
-from .source import Batches, SampledBatches
+from .source import Batches
 from .step import vmapped_update
-from .train_state import StartInputs, TrainState, member_select, track_update
+from .train_state import TrainState, member_select, track_update
 
 
 @jax.tree_util.register_dataclass
@@ -123,48 +122,6 @@ def dispatch_chunk(
     static, first, rest = split_arguments((chunk, train_state))
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
     return chunk_runner(options, static, shapes).call_split(static, first, rest)
-
-
-def _make_start_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
-    del program
-
-    def run(chunk: Chunk, start: StartInputs) -> Any:
-        keys = None if start.key is None else run_keys(start.key)
-        if keys is not None:
-            chunk = with_run_keys(chunk, keys)
-        train_state, losses, scores = run_chunk(chunk, start.state())
-        return train_state, _readout(chunk, train_state, losses, scores), keys
-
-    return filter_jit(run, options)  # nothing donated: the inputs are the caller's
-
-
-def with_run_keys(chunk: Chunk, keys: RunKeys) -> Chunk:
-    """`chunk` drawing from the run's `keys`: its training and evaluation keys
-    and, for sampled array data, its data key."""
-    batches = chunk.batches
-    if isinstance(batches, SampledBatches):
-        batches = dataclasses.replace(batches, data_key=keys.data)
-    return dataclasses.replace(
-        chunk, batches=batches, train_key=keys.train, eval_key=keys.eval
-    )
-
-
-# `run_chunk` from the state before the first step, made in the same program:
-# for a run of one dispatch (bounded like `chunk_runner`).
-start_runner = CompiledFunctions(_make_start_runner)
-
-
-def dispatch_start(
-    options: Options, chunk: Chunk, start: StartInputs
-) -> tuple[TrainState, Int[Array, " n"], RunKeys | None]:
-    """`dispatch_chunk` of the first dispatch of a run whose state it also makes
-    (`StartInputs.state`): one compiled call where a run of one dispatch made
-    two (the start state's, then the dispatch's), or three (the run's keys
-    first). With `start.key`, the run's keys are derived in the same call (the
-    chunk's keys are stand-ins until then) and returned, else `None`."""
-    static, first, rest = split_arguments((chunk, start))
-    shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
-    return start_runner(options, static, shapes).call_split(static, first, rest)
 
 
 def readout(

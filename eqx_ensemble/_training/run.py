@@ -52,7 +52,7 @@ from .._execution.layout import (
 )
 from .._execution.profile import StepProfile, signature
 from .._internal.checks import MAX_INT32, check_positive_int
-from .._internal.keys import RunKeys, check_key
+from .._internal.keys import check_key
 from .._internal.tree import first_difference
 from .._trackers.base import Tracker
 from .coupled import Coupled
@@ -63,9 +63,7 @@ from .loop import (
     Chunk,
     copy,
     dispatch_chunk,
-    dispatch_start,
     unpack_readout,
-    with_run_keys,
 )
 from .loss import (
     LossFn,
@@ -91,7 +89,7 @@ from .step import (
     ensemble_profile,
 )
 from .stream import check_data
-from .train_state import StartInputs, TrainState, start_keys, start_state
+from .train_state import TrainState, start_state
 
 
 def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple, tuple]:
@@ -243,50 +241,22 @@ def prepare(
     plan = None
     if isinstance(source, ArraySource):
         plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
-    start: StartInputs | None = None
-    train_state: TrainState | None = None
-    if (
-        plan is not None
-        and steps <= plan.length
-        and mesh is None
-        and checkpoints is None
-        and not controllers
-        and not loggers
-    ):
-        # A run of one dispatch makes its start state in that dispatch (one
-        # compiled call instead of two), and its keys too where the sampling
-        # needs none on the host (a bootstrap's draws do: then they come
-        # first). Until that dispatch the chunk and the data source hold `key`
-        # as a stand-in for each (`Run.use_keys` puts the real ones in, if a
-        # dispatch follows: evaluation can split an unrolled run).
-        derive = type(sampling).prepare is Sampling.prepare
-        keys = RunKeys(key, key, key, key) if derive else start_keys(key)
-        start = StartInputs(
-            ens,
-            opt_state,
-            state,
-            hyper,
-            optimizer,
-            track,
-            evaluate is not None,
-            key if derive else None,
-        )
-    else:
-        # The start state (a fresh optimizer state unless one is given, every
-        # leaf a new buffer: the loop donates its state) and the run's keys, in
-        # one call.
-        train_state, keys = start_state(
-            ens,
-            optimizer,
-            opt_state,
-            state,
-            hyper=hyper,
-            track=track,
-            with_eval=evaluate is not None,
-            key=key,
-        )
+    # The start state (a fresh optimizer state unless one is given, every leaf
+    # a new buffer: the loop donates its state) and the run's keys, in one
+    # call: a separate program from the dispatch, so that a run of one
+    # dispatch and a run of many (checkpoints, controllers, loggers, a longer
+    # `steps=`) share the dispatch's program.
+    train_state, keys = start_state(
+        ens,
+        optimizer,
+        opt_state,
+        state,
+        hyper=hyper,
+        track=track,
+        with_eval=evaluate is not None,
+        key=key,
+    )
     if controllers:
-        assert train_state is not None
         train_state = dataclasses.replace(
             train_state,
             controlled=tuple(
@@ -297,7 +267,6 @@ def prepare(
     history = None
     saved_data = None
     if checkpoints is not None:
-        assert train_state is not None
         record = run_record(
             ens, optimizer, opt_state, train_state, source, sampling, batch_size,
             key, evaluate, track, hyper,
@@ -311,7 +280,7 @@ def prepare(
         resumed = checkpoints.resume(template, record, steps)
         if resumed is not None:
             train_state, history, saved_data = resumed
-    done = 0 if train_state is None else int(train_state.step)
+    done = int(train_state.step)
     if source is None:
         source = StreamSource(
             data, sampling, batch_size, size, start=done, saved=saved_data
@@ -322,8 +291,7 @@ def prepare(
         source.start(keys.data, keys.bootstrap, mesh)
     if plan is None:
         plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
-    if train_state is not None:
-        train_state = place_state(train_state, mesh)
+    train_state = place_state(train_state, mesh)
     chunk = Chunk(
         loss_fn=loss_fn,
         optimizer=optimizer,
@@ -342,13 +310,12 @@ def prepare(
         check=plan.check,
         counted=plan.counted,
         member_chunk=execution.member_chunk,
-        placement=None if train_state is None else model_placement(train_state, mesh),
+        placement=model_placement(train_state, mesh),
     )
     return Run(
         chunk=on_mesh(chunk, mesh),
         options=plan.compiler_options,
         train_state=train_state,
-        start=start,
         recorder=Recorder(size, history),
         steps=steps,
         source=source,
@@ -591,8 +558,7 @@ class Run:
 
     chunk: Chunk
     options: Options
-    # `None` until the first dispatch when that dispatch makes it from `start`.
-    train_state: TrainState | None
+    train_state: TrainState
     recorder: Recorder
     steps: int
     source: DataSource
@@ -608,10 +574,9 @@ class Run:
     resumed_from: int | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     groups: tuple[tuple[int, int], ...] | None = None  # a heterogeneous run's
-    start: StartInputs | None = None  # what the first dispatch makes its state of
 
     def __post_init__(self):
-        if self.train_state is None:  # fresh: the first dispatch makes it
+        if self.resumed_from is None:  # fresh: known without reading the state
             self.done = 0
             self._diverged_at = np.full((self.chunk.size,), -1, np.int32)
             self._stopped_at = np.full((self.chunk.size,), -1, np.int32)
@@ -815,25 +780,16 @@ class Run:
                 length=end - self.done,
                 evaluate_last=every is not None and end % every == 0,
             )
-        if self.train_state is None:
-            assert self.start is not None
-            start, self.start = self.start, None
-            self.train_state, values, keys = dispatch_start(self.options, chunk, start)
-            # The real keys replace the stand-ins where a later dispatch reads
-            # them (a run that ends here has no use for them).
-            if keys is not None and end < self.steps:
-                self.use_keys(keys)
-        else:
-            # The controllers' states stay on the host side of the run (they
-            # run between dispatches): the program is the same with or without
-            # controllers.
-            controlled = self.train_state.controlled
-            state, values = dispatch_chunk(
-                self.options,
-                chunk,
-                dataclasses.replace(self.train_state, controlled=()),
-            )
-            self.train_state = dataclasses.replace(state, controlled=controlled)
+        # The controllers' states stay on the host side of the run (they run
+        # between dispatches): the program is the same with or without
+        # controllers.
+        controlled = self.train_state.controlled
+        state, values = dispatch_chunk(
+            self.options,
+            chunk,
+            dataclasses.replace(self.train_state, controlled=()),
+        )
+        self.train_state = dataclasses.replace(state, controlled=controlled)
         return values
 
     def record_dispatch(self, values: Any, end: int) -> np.ndarray:
@@ -924,31 +880,8 @@ class Run:
                 "attached to this error as `error.result`",
             )
 
-    def use_keys(self, keys: RunKeys) -> None:
-        """The run's keys in place of the stand-ins the chunk and the data
-        source held until the first dispatch derived them (see `prepare`)."""
-        self.chunk = with_run_keys(self.chunk, keys)
-        assert isinstance(self.source, ArraySource)
-        self.source.use_data_key(keys.data)
-
     def state(self) -> TrainState:
-        """The run's state (made now if the first dispatch has not run yet)."""
-        if self.train_state is None:
-            assert self.start is not None
-            start = self.start
-            self.train_state, keys = start_state(
-                start.ens,
-                start.optimizer,
-                start.opt_state,
-                start.model_state,
-                hyper=start.hyper,
-                track=start.track,
-                with_eval=start.with_eval,
-                key=self.key,
-            )
-            self.start = None
-            if start.key is not None:
-                self.use_keys(keys)
+        """The run's train state."""
         return self.train_state
 
     def result(self, copy_state: bool = False) -> FitResult:

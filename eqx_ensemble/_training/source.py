@@ -193,12 +193,6 @@ class ArraySource(DataSource):
         )
         self._batches = on_mesh(batches, mesh)
 
-    def use_data_key(self, data_key: PRNGKeyArray) -> None:
-        """Sampling from `data_key` from now on (it replaces the stand-in a run
-        whose first dispatch derives its keys started with)."""
-        assert isinstance(self._batches, SampledBatches)
-        self._batches = dataclasses.replace(self._batches, data_key=data_key)
-
 
 # A stream's group is cut short once reading it has taken this long, so that a
 # slow stream's run reports progress (and reaches its callbacks) about once a

@@ -199,40 +199,6 @@ def _start(
     return state, run_keys(key)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, eq=False)
-class StartInputs:
-    """What the state before the first step is made of, for a run whose only
-    dispatch makes it (`loop.dispatch_start`: one compiled call, not two).
-    Non-array fields are static."""
-
-    ens: Any
-    opt_state: PyTree[Any]
-    model_state: PyTree[Any]
-    hyper: PyTree[Any]
-    optimizer: Any
-    track: tuple[Any, ...]
-    with_eval: bool
-    # The run's key where the dispatch derives the run's keys from it too
-    # (`run_keys`, in place of the chunk's stand-ins), else `None`.
-    key: PRNGKeyArray | None = None
-
-    def state(self) -> TrainState:
-        return fresh_state(
-            self.optimizer,
-            self.track,
-            self.with_eval,
-            self.ens,
-            self.opt_state,
-            self.model_state,
-            self.hyper,
-        )
-
-
-# The run's keys alone (`run_keys`), for a run whose dispatch makes its state.
-start_keys = jax.jit(run_keys)
-
-
 def _make_start(optimizer: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
     # A function of its own: JAX's caches keyed on it go when it is dropped.
     def start(*args: Any) -> tuple[TrainState, RunKeys]:
