@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 --durations=15
-	$(BIN)/mkdocs build --strict -q
+	$(BIN)/mkdocs build --strict
 
 test-all: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 -m ""

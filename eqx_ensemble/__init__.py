@@ -100,4 +100,4 @@ from ._training.step import (
 )
 from ._training.train_state import TrainState as TrainState
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -762,3 +762,31 @@ def test_the_steps_profile_counts_a_member_on_average():
     assert got.convolution_flops == pytest.approx(3 * alone[0].convolution_flops / 4)
     want_dots = (3 * alone[0].dot_flops + alone[1].dot_flops) / 4
     assert got.dot_flops == pytest.approx(want_dots)
+
+
+def test_unstack_distillation_and_laplace_take_a_heterogeneous(het):
+    # Issue 47, item 5. unstack: member i is `het[i]`, in member order.
+    models = ee.unstack(het)
+    assert len(models) == len(het)
+    for i, model in enumerate(models):
+        assert eqx.tree_equal(model, het[i])
+    # Distillation: the teacher's mean prediction over all groups' members,
+    # written by hand from the members one by one.
+    classes = lambda w: lambda k: eqx.nn.MLP(2, 3, w, 1, key=k)  # noqa: E731
+    teacher = ee.Heterogeneous(
+        [ee.ensemble(classes(w), size=2, key=jax.random.key(w)) for w in WIDTHS]
+    )
+    student = eqx.nn.MLP(2, 3, 4, 1, key=jax.random.key(9))
+    t = 2.0
+    got = ee.distillation_loss(teacher, temperature=t)(student, (X, Y), None)
+    probs = jnp.stack(
+        [jax.nn.softmax(jax.vmap(teacher[i])(X) / t, axis=-1) for i in range(4)]
+    ).mean(0)
+    student_log_probs = jax.nn.log_softmax(jax.vmap(student)(X) / t, axis=-1)
+    kl = jnp.sum(probs * (jnp.log(probs) - student_log_probs), axis=-1)
+    np.testing.assert_allclose(float(got), float(t**2 * kl.mean()), rtol=1e-5)
+    # Laplace: one per group, said so (also without the tests' type-checking
+    # hook, whose own error names the parameter).
+    laplace = getattr(ee.laplace, "__wrapped__", ee.laplace)
+    with pytest.raises(TypeError, match=r"one per group.*het\.groups"):
+        laplace(het, (X, Y), likelihood="regression")

@@ -83,6 +83,55 @@ def test_csv_after_a_resume_equals_the_uninterrupted_history(tmp_path):
     np.testing.assert_array_equal(losses[:, 1:].astype(np.float32), full.history.losses)
 
 
+def test_a_kill_while_a_resumed_run_reopens_its_csv_loses_no_row(tmp_path, monkeypatch):
+    # Issue 47, item 1: the resumed run's rewrite of the kept rows is killed
+    # (every write of the files the logger opens dies); the rows up to the
+    # checkpoint must survive, and a resume after it must complete the file.
+    from eqx_ensemble._loggers import files
+
+    full = _fit((), steps=30)
+    logs, run = tmp_path / "logs", ee.Checkpoints(tmp_path / "ckpt", every=10)
+    with pytest.raises(RuntimeError, match="stop"):
+        _fit([ee.CSVLogger(logs), _stop_after(14)], checkpoints=run)
+
+    class Killed(BaseException):
+        pass
+
+    class Dying:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, text):
+            self.handle.close()
+            raise Killed
+
+        writelines = write
+
+    def dying_open(path, mode="r", *args, **kwargs):
+        handle = open(path, mode, *args, **kwargs)
+        return Dying(handle) if set(mode) & set("wa") else handle
+
+    monkeypatch.setattr(files, "open", dying_open, raising=False)
+    with pytest.raises(Killed):
+        _fit([ee.CSVLogger(logs)], checkpoints=run)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(_csv(logs / "losses.csv")[:10, 0], np.arange(1, 11))
+    _fit([ee.CSVLogger(logs)], checkpoints=run)
+    losses = _csv(logs / "losses.csv")
+    np.testing.assert_array_equal(losses[:, 0], np.arange(1, 31))
+    np.testing.assert_array_equal(losses[:, 1:].astype(np.float32), full.history.losses)
+    assert not list(logs.glob(".*.tmp"))
+
+
 def _stop_after(step):
     def stop(result):
         if result.step >= step:

@@ -229,6 +229,15 @@ def test_bad_model_specs_are_refused_naming_the_leaf():
         ee.shard(ensemble(), mesh, model=megatron, process_local=True)
     with pytest.raises(ValueError, match="prefix"):
         ee.shard(ensemble(), mesh, model=lambda m: [P("model")] * 3)
+    # Issue 47, item 4: the natural Equinox spelling filters every leaf out
+    # (they are ShapeDtypeStructs), so nothing would split: refused.
+    filtered = lambda m: jax.tree.map(  # noqa: E731
+        lambda _: P("model"), eqx.filter(m, eqx.is_array)
+    )
+    with pytest.raises(ValueError, match="split no leaf.*ShapeDtypeStruct"):
+        ee.shard(ensemble(), mesh, model=filtered)
+    with pytest.raises(ValueError, match="split no leaf"):
+        ee.shard(ensemble(), mesh, model=lambda m: None)
 
 
 def test_resume_keeps_the_split_and_is_bit_exact(tmp_path):

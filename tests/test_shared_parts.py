@@ -648,3 +648,79 @@ def test_fit_on_a_mesh_and_from_a_stream_with_a_shared_part(getkey, data):
     )
     assert sharded.ensemble.shared.layers[0].weight.sharding.is_fully_replicated
     assert_tree_allclose(sharded.ensemble, expected, rtol=1e-4, atol=1e-5)
+
+
+def _failing_loss(kind):
+    """`loss_fn`, and for the member whose `hyper` is 1: a NaN loss, a forward
+    pass that overflows, or a finite loss whose gradient is NaN (the
+    unselected branch of a `where`: `0 * nan`), at every step."""
+
+    def loss(model, batch, key, hyper):
+        x, y = batch
+        out = jax.vmap(model)(x)
+        if kind == "overflow":
+            out = (
+                out * jnp.where(hyper > 0, 1e38, 1.0) * jnp.where(hyper > 0, 1e38, 1.0)
+            )
+        base = jnp.mean((out - y) ** 2)
+        if kind == "nan_loss":
+            return jnp.where(hyper > 0, jnp.nan, base)
+        if kind == "nan_gradient":
+            s = jnp.sum(out)
+            bad = jnp.sqrt(hyper * (-1.0 - s**2) + (1 - hyper))
+            return base + jnp.where(True, 0.0, bad)
+        return base
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["nan_loss", "overflow", "nan_gradient"])
+def test_a_diverged_member_drops_out_of_the_shared_gradient(getkey, data, kind):
+    # Issue 47, item 13: against a loop BY HAND over the healthy members (the
+    # shared part gets the sum of their gradients, from the step the failing
+    # member diverges at, that step included).
+    ens = ee.ensemble(make, size=SIZE, key=getkey(), shared=backbone, train_shared=True)
+    flags = jnp.array([0.0, 0.0, 1.0, 0.0])
+    loss = _failing_loss(kind)
+    opt = optax.sgd(0.05)
+    steps = 6
+    result = ee.fit(
+        ens, loss, opt, data, steps=steps, batch_size=32, key=getkey(),
+        hyper=flags, callbacks=(),
+    )  # fmt: skip
+    assert set(result.diverged) == {2}
+    healthy = [0, 1, 3]
+    own = [  # member i's own leaves (None where the shared part goes)
+        jax.tree.map(lambda leaf: leaf[i] if eqx.is_array(leaf) else leaf, ens.members)
+        for i in healthy
+    ]
+    parts = [eqx.filter(member, eqx.is_inexact_array) for member in own]
+    statics = [eqx.filter(member, eqx.is_inexact_array, inverse=True) for member in own]
+    shared, shared_static = eqx.partition(ens.shared, eqx.is_inexact_array)
+
+    def total(parts, shared):
+        backbone = eqx.combine(shared, shared_static)
+        return sum(
+            loss_fn(eqx.combine(eqx.combine(p, s), backbone), data, None)
+            for p, s in zip(parts, statics, strict=True)
+        )
+
+    for _ in range(steps):
+        grads, shared_grads = jax.grad(total, argnums=(0, 1))(parts, shared)
+        parts = jax.tree.map(lambda p, g: p - 0.05 * g, parts, grads)
+        shared = jax.tree.map(lambda p, g: p - 0.05 * g, shared, shared_grads)
+    got_shared = eqx.filter(result.ensemble.shared, eqx.is_inexact_array)
+    assert_tree_allclose(got_shared, shared, rtol=1e-5, atol=1e-6)
+    for position, i in enumerate(healthy):
+        got = jax.tree.map(
+            lambda leaf: leaf[i] if eqx.is_array(leaf) else leaf,
+            eqx.filter(result.ensemble.members, eqx.is_inexact_array),
+        )
+        assert_tree_allclose(got, parts[position], rtol=1e-5, atol=1e-6)
+    # The diverged member keeps the weights it had before its first step.
+    for got, start in zip(
+        jax.tree.leaves(eqx.filter(result.ensemble.members, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(ens.members, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(start[2]))

@@ -325,8 +325,11 @@ def shard(
       in their place), a PyTree of `jax.sharding.PartitionSpec`s over the
       member's own array axes naming `"model"` where a leaf splits, or `None`
       (replicated); a prefix of the member's structure is fine (one spec for a
-      whole layer). Each member's leaf is then split `("members", *spec)`, a
-      shared part's leaf `spec` (replicated over `"members"`).
+      whole layer). The leaves are `ShapeDtypeStruct`s, not arrays:
+      `eqx.is_array` is `False` for them. A spec that splits no leaf over a
+      `"model"` axis of more than one device is refused. Each member's leaf
+      is then split `("members", *spec)`, a shared part's leaf `spec`
+      (replicated over `"members"`).
       `ee.fit`, `ee.make_step`, `ee.init_optimizer` and the placements of the
       library keep a leaf's `"model"` split; an optimizer state's leaves
       follow the weights they belong to (matched by path and shape).
@@ -556,6 +559,7 @@ def _shard_model(
     )
     # Every leaf is checked before any is placed: a bad spec transfers nothing.
     plan: list[tuple[Any, Any]] = []
+    splits = False
     for (path, shape_leaf), spec, stacked, held in zip(
         member_paths, specs, members_leaves, shared_leaves, strict=True
     ):
@@ -572,6 +576,18 @@ def _shard_model(
         if eqx.is_array(held):
             shared_sharding = NamedSharding(mesh, _spec(mesh, entries))
         plan.append((member_sharding, shared_sharding))
+        splits = splits or MODEL in entries
+    if not splits and mesh.shape[MODEL] > 1:
+        raise ValueError(
+            f"`model=` split no leaf over the mesh's '{MODEL}' axis (of "
+            f"{mesh.shape[MODEL]} devices): every spec it returned is `None` or "
+            f"names no '{MODEL}', so each weight would stay whole on every one of "
+            "those devices. `spec_fn` receives the member with "
+            "`jax.ShapeDtypeStruct` leaves, which `eqx.is_array` does not count "
+            "(`eqx.filter(member, eqx.is_array)` filters out everything): select "
+            "leaves with `eqx.tree_at` or `lambda x: isinstance(x, "
+            "jax.ShapeDtypeStruct)`. A mesh without a model split needs no `model=`."
+        )
     members_out = [
         leaf if sharding is None else _place(leaf, sharding, process_local)
         for leaf, (sharding, _) in zip(members_leaves, plan, strict=True)

@@ -2,7 +2,7 @@
 
 import warnings
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -18,6 +18,7 @@ from .ensemble import (
     shared_filter,
     with_members,
 )
+from .heterogeneous import Heterogeneous, is_heterogeneous
 
 Member = TypeVar("Member")
 
@@ -88,6 +89,7 @@ def stack(
     if len(models) == 0:
         raise ValueError("`ee.stack` got an empty list; an ensemble needs a member")
     check_same_structure(models, "models")
+    _refuse_overflow(models)
     _warn_if_narrowed(models[0])
     shared_part = None
     if shared is not None:
@@ -129,6 +131,35 @@ def check_same_shared(parts: Sequence[tuple[str, Any]]) -> None:
                     "shared part is held once, so it must be identical in every "
                     "model. Stack the differing part instead (leave it out of "
                     "`shared`)."
+                )
+
+
+def _refuse_overflow(models: Sequence[Any]) -> None:
+    """JAX without x64 stores 64-bit integer leaves in 32 bits, wrapping what
+    does not fit (3e9 -> -1294967296): refuse, naming the model and the leaf."""
+    for position, model in enumerate(models):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+            dtype = getattr(leaf, "dtype", None)
+            if (
+                not isinstance(leaf, np.ndarray | np.integer)
+                or dtype is None
+                or not np.issubdtype(dtype, np.integer)
+                or leaf.size == 0
+            ):
+                continue
+            narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+            if narrowed == dtype:
+                continue
+            bounds = np.iinfo(narrowed)
+            low, high = leaf.min(), leaf.max()
+            if low < bounds.min or high > bounds.max:
+                bad = high if high > bounds.max else low
+                raise ValueError(
+                    f"`ee.stack`: leaf `{keystr(path)}` of model {position} is "
+                    f"{dtype} and holds {bad}, which {narrowed} (what JAX stores "
+                    f"it as without `jax_enable_x64`) cannot hold: it would wrap. "
+                    "Enable x64 (`jax.config.update('jax_enable_x64', True)`) or "
+                    "store the value as a float."
                 )
 
 
@@ -176,8 +207,18 @@ def _member_leaves(leaves: list[Any], index: Any) -> list[Any]:
     return [leaf[index] for leaf in leaves]
 
 
-def unstack(ens: Ensemble[Member]) -> list[Member]:
-    """Split an ensemble into a list of plain models, one per member.
+@overload
+def unstack(ens: Ensemble[Member]) -> list[Member]: ...
+
+
+@overload
+def unstack(ens: Heterogeneous) -> list[Any]: ...
+
+
+def unstack(ens: Ensemble[Member] | Heterogeneous) -> list[Any]:
+    """Split an ensemble into a list of plain models, one per member (an
+    [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous]: its members in member
+    order, each of its group's architecture).
 
     The inverse of [`stack`][eqx_ensemble.stack]: `unstack(stack(ms))` equals `ms`
     leaf for leaf and `stack(unstack(ens))` equals `ens`.
@@ -191,9 +232,12 @@ def unstack(ens: Ensemble[Member]) -> list[Member]:
     models[1].weight.shape             # (2, 3)
     ```
     """
+    if is_heterogeneous(ens):  # each group's members, in member order
+        return [model for group in ens.groups for model in unstack(group)]
     if not isinstance(ens, Ensemble):
         raise TypeError(
-            f"`ee.unstack` takes an `ee.Ensemble`, got {type(ens).__name__}"
+            "`ee.unstack` takes an `ee.Ensemble` or an `ee.Heterogeneous`, got "
+            f"{type(ens).__name__}"
         )
     size = len(ens)
     dynamic, static = eqx.partition(ens.members, eqx.is_array)

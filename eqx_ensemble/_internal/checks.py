@@ -5,6 +5,7 @@ Each check names the argument it refuses (as the user wrote it: `steps`,
 given, and returns the value normalised (a NumPy integer becomes an `int`).
 """
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -58,3 +59,31 @@ def check_positive_int(value: Any, name: str, *, high: int | None = None) -> int
             f"compiled code), got {value}"
         )
     return int(value)
+
+
+def real_array(value: Any, name: str) -> Any:
+    """`value` as a JAX array of real numbers (integers, floats or bools), or a
+    `TypeError` naming `name` and what was given: a string, a list holding
+    one, an object (JAX's own message names no argument)."""
+    import jax
+    import jax.numpy as jnp
+
+    if isinstance(value, str | bytes):
+        raise TypeError(f"`{name}` must be real numbers, got the string {value!r}")
+    if isinstance(value, jax.Array):
+        kind = value.dtype.kind
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # NumPy's on a list of strings
+            try:
+                kind = np.asarray(value).dtype.kind
+            except (TypeError, ValueError):
+                kind = "O"
+    if kind == "c":
+        raise TypeError(f"`{name}` must be real, got complex values {value!r:.80}")
+    if kind not in "biuf":
+        raise TypeError(
+            f"`{name}` must be real numbers (an array, a number or a list of "
+            f"numbers), got {type(value).__name__} {value!r:.80}"
+        )
+    return jnp.asarray(value)

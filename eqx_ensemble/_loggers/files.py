@@ -1,6 +1,7 @@
 """`CSVLogger`: a run's record as CSV and JSON Lines files (no extra package)."""
 
 import csv
+import io
 import json
 import os
 import time
@@ -38,7 +39,8 @@ class CSVLogger(Logger):
 
     Files are flushed after a dispatch once a second at most, before every
     checkpoint (so a run killed and resumed from it loses no row), and at the
-    end.
+    end. A resumed run rewrites each file aside and renames it into place, so
+    a kill during that rewrite leaves the earlier file whole.
     A resumed run (from
     `ee.Checkpoints`) drops the rows after the step it resumes from (the part
     of the cut-off run that is redone) and appends; a new run replaces the
@@ -88,12 +90,11 @@ class CSVLogger(Logger):
         ):
             path = folder / name
             kept = _rows_up_to(path, run.start, step_of) if run.resumed else []
-            handle = open(path, "w", newline="")
             if header is not None and not kept:
-                csv.writer(handle).writerow(header)
-            handle.writelines(kept)
-            handle.flush()
-            files[name] = handle
+                line = io.StringIO()
+                csv.writer(line).writerow(header)
+                kept = [line.getvalue()]
+            files[name] = _reopen(path, kept)
         description = {
             **run.hparams,
             "member_hparams": {k: v.tolist() for k, v in run.member_hparams.items()},
@@ -137,6 +138,21 @@ class CSVLogger(Logger):
             if last is None or not np.array_equal(last, value):
                 writer.writerow([step, name, *(_number(v) for v in value)])
         handle["hparams"] = dict(values)
+
+
+def _reopen(path: Path, lines: list[str]) -> Any:
+    """`path` holding exactly `lines`, open for appending. Written aside and
+    renamed over `path`, so a kill at any moment leaves either the old file
+    or the new one whole (a resumed run's earlier rows are never lost)."""
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a killed open's
+        stale.unlink(missing_ok=True)
+    aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(aside, "w", newline="") as file:
+        file.writelines(lines)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(aside, path)
+    return open(path, "a", newline="")
 
 
 def _number(value: Any) -> str:

@@ -12,6 +12,7 @@ from jaxtyping import ArrayLike, PyTree, Real
 
 from .._core.ensemble import Ensemble
 from .._core.stack import check_same_structure
+from .._internal.checks import real_array
 from .._internal.tree import is_traced, keystr
 
 T = TypeVar("T")
@@ -53,7 +54,7 @@ def tree_weighted_sum(
         )
     if len(trees) == 0:
         raise ValueError("`tree_weighted_sum` got an empty list of trees")
-    weights = jnp.asarray(weights)
+    weights = real_array(weights, "weights")
     if weights.ndim != 1 or weights.shape[0] != len(trees):
         raise ValueError(
             f"`weights` must have one entry per tree: got {len(trees)} trees and "
@@ -123,7 +124,7 @@ def average(
     if weights is None:
         normalised = jnp.full((size,), 1.0 / size)
     else:
-        weights = jnp.asarray(weights)
+        weights = real_array(weights, "weights")
         if weights.ndim != 1 or weights.shape[0] != size:
             raise ValueError(
                 f"`weights` must have one entry per member: the ensemble has {size} "

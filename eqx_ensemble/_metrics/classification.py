@@ -22,9 +22,14 @@ Reduction = Literal["mean", "sum", "none"]
 def prepare_predictions(
     probs: ArrayLike, *, from_logits: bool, name: str = "probs"
 ) -> Array:
-    """Validated `(members, batch, classes)` predictions as a float array."""
+    """Validated `(members, batch, classes)` predictions as a float array of at
+    least 32 bits (every metric, calibrator and conformal method computes in
+    float32 or wider, whatever the predictions' precision)."""
+    given = getattr(probs, "dtype", None)
     array = as_float_array(probs, name)
-    check_classification_predictions(array, from_logits=from_logits, name=name)
+    check_classification_predictions(
+        array, from_logits=from_logits, name=name, given=given
+    )
     return array
 
 

@@ -17,6 +17,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 from .._core.ensemble import Ensemble, with_members
 from .._internal.checks import check_positive_int
 from .._internal.keys import check_key
+from .._internal.tree import keystr
 
 Likelihood = Literal["classification", "regression"]
 Curvature = Literal["diagonal", "kfac", "full"]
@@ -519,6 +520,13 @@ def laplace(
     ```
     """
     if not isinstance(ens, Ensemble):
+        if type(ens).__name__ == "Heterogeneous":
+            raise TypeError(
+                "`ee.laplace` takes one `ee.Ensemble` (one architecture: the "
+                "curvature is computed for all members at once); for an "
+                "`ee.Heterogeneous`, fit one per group: "
+                "`[ee.laplace(group, data, ...) for group in het.groups]`"
+            )
         raise TypeError(f"`ens` must be an `ee.Ensemble`, got {type(ens).__name__}")
     likelihood = _check_choice(
         likelihood, "likelihood", ("classification", "regression")
@@ -607,6 +615,24 @@ def _check_data(data: Any, likelihood: str) -> tuple[Any, Array, int]:
         raise TypeError(
             f"classification targets `y` must be integer labels, got dtype {y.dtype}"
         )
+    # A NaN or infinity would reach the curvature and the prior's fit, and come
+    # back as a posterior whose every prediction is NaN: refuse it here.
+    named = [
+        (f"x{keystr(path)}" if path else "x", leaf)
+        for path, leaf in jtu.tree_flatten_with_path(x)[0]
+    ]
+    for name, values in [*named, ("y", y)]:
+        host = np.asarray(values)
+        if not np.issubdtype(host.dtype, np.inexact):
+            continue
+        bad = ~np.isfinite(host)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"`data`'s `{name}` (shape {tuple(host.shape)}) holds {host[where]} "
+                f"at index {where} (example {where[0]}); the Laplace "
+                "approximation needs finite inputs and targets"
+            )
     return x, y, count
 
 

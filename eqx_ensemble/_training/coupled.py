@@ -107,7 +107,8 @@ def distillation_loss(
 
     **Arguments:**
 
-    - `teacher`: the [`Ensemble`][eqx_ensemble.Ensemble] whose members return
+    - `teacher`: the [`Ensemble`][eqx_ensemble.Ensemble] (or
+      [`Heterogeneous`][eqx_ensemble.Heterogeneous]) whose members return
       logits.
     - `temperature`: softens both distributions, `> 0`.
     - `inputs`: picks the inputs from a batch (default: `batch[0]` for a tuple,
@@ -133,11 +134,13 @@ def distillation_loss(
     ```
     """
     from .._core.ensemble import Ensemble
+    from .._core.heterogeneous import is_heterogeneous
     from .._core.predict import predict
 
-    if not isinstance(teacher, Ensemble):
+    if not isinstance(teacher, Ensemble) and not is_heterogeneous(teacher):
         raise TypeError(
-            f"`teacher` must be an `ee.Ensemble`, got {type(teacher).__name__}"
+            "`teacher` must be an `ee.Ensemble` or an `ee.Heterogeneous`, got "
+            f"{type(teacher).__name__}"
         )
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         raise TypeError(f"`temperature` must be a number, got {temperature!r}")
@@ -155,7 +158,14 @@ def distillation_loss(
     def loss(student, batch, key):
         del key
         x = pick(batch)
-        teacher_logits = jax.lax.stop_gradient(predict(teacher, x, state=state))
+        teacher_logits = predict(teacher, x, state=state)
+        if isinstance(teacher_logits, tuple):  # a Heterogeneous's groups disagree
+            raise ValueError(
+                "the teacher's groups return logits of different shapes "
+                f"{[tuple(g.shape) for g in teacher_logits]}; every member of a "
+                "teacher must return `(batch, classes)` logits for the same classes"
+            )
+        teacher_logits = jax.lax.stop_gradient(teacher_logits)
         teacher_log_probs = jax.nn.log_softmax(teacher_logits / t, axis=-1)
         # The teacher's prediction: the mean of its members' probabilities.
         target = jax.nn.logsumexp(teacher_log_probs, axis=0) - jnp.log(

@@ -1,6 +1,7 @@
 """`init_optimizer`: one optax state per member, per-member hyperparameters."""
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -14,6 +15,7 @@ from jaxtyping import ArrayLike, Float, PyTree
 from .._core.ensemble import Ensemble, SharedOptState
 from .._core.heterogeneous import Heterogeneous, is_heterogeneous, per_group
 from .._core.sharding import follow_model, members_mesh, model_mesh, shard
+from .._internal.checks import real_array
 from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
 from .loss import check_optimizer
@@ -148,6 +150,19 @@ def map_hyperparam_nodes(fn: Any, opt_state: PyTree[Any]) -> PyTree[Any]:
     )
 
 
+def check_hyperparams_mapping(hyperparams: Any) -> None:
+    """Refuse `hyperparams` that is not a mapping from names to values."""
+    if not isinstance(hyperparams, Mapping) or not all(
+        isinstance(name, str) for name in hyperparams
+    ):
+        raise TypeError(
+            "`hyperparams` must be a dict from hyperparameter names to one value "
+            'per member (or one for all), e.g. `{"learning_rate": '
+            f"jnp.array([1e-3, 1e-2])}}`; got {type(hyperparams).__name__} "
+            f"{hyperparams!r:.80}"
+        )
+
+
 def set_hyperparams(
     opt_state: PyTree[Any],
     hyperparams: Mapping[str, Float[ArrayLike, " members"] | Sequence[float] | float],
@@ -178,6 +193,7 @@ def set_hyperparams(
     state.hyperparams["learning_rate"]      # [0.1, 0.01, 0.0]
     ```
     """
+    check_hyperparams_mapping(hyperparams)
     if isinstance(opt_state, SharedOptState):
         # The shared part has ONE state: it keeps the optimizer's own values.
         members = set_hyperparams(opt_state.members, hyperparams, size)
@@ -232,7 +248,7 @@ def set_hyperparams(
                 f"members (hyperparameter {name!r} has shape {tuple(current.shape)}); "
                 "pass the ensemble size the state was made for"
             )
-        array = jnp.asarray(value)
+        array = real_array(value, f"hyperparams[{name!r}]")
         if jnp.issubdtype(array.dtype, jnp.complexfloating) or array.dtype == bool:
             raise TypeError(
                 f"Hyperparameter {name!r} must be real numbers, got dtype {array.dtype}"
@@ -325,6 +341,8 @@ def init_optimizer(
                               hyperparams={"learning_rate": jnp.logspace(-4, -1, 4)})
     ```
     """
+    if hyperparams is not None:
+        check_hyperparams_mapping(hyperparams)
     if is_heterogeneous(ens):
         check_optimizer(optimizer)
         return tuple(
@@ -492,3 +510,84 @@ def _as_struct(x: Any) -> Any:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return _Spec(x.shape, x.dtype)
     return _Spec(np.shape(x), jnp.result_type(x))
+
+
+# The names under which optax's transformations close over a learning-rate
+# schedule (`sgd`'s and `adam`'s `learning_rate`, `inject_hyperparams`'
+# schedules). Not `scale_by_schedule`'s `step_size_fn`: `sgd` hands it the
+# negated schedule, negative by design.
+_SCHEDULE_NAMES = ("learning_rate",)
+
+
+def _schedules(optimizer: Any) -> list[tuple[str, Callable[[Any], Any]]]:
+    """The learning-rate schedules an optax optimizer closes over (found by
+    name in the closures of its `init` and `update`, recursively)."""
+    found: list[tuple[str, Callable[[Any], Any]]] = []
+    seen: set[int] = set()
+
+    def named(name: Any, value: Any, depth: int) -> None:
+        if name in _SCHEDULE_NAMES and callable(value):
+            if all(value is not known for _, known in found):
+                found.append((name, value))
+        visit(value, depth + 1)
+
+    def visit(value: Any, depth: int) -> None:
+        if depth > 12 or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, optax.GradientTransformation):
+            visit(value.init, depth + 1)
+            visit(value.update, depth + 1)
+        elif isinstance(value, tuple | list):
+            for item in value:
+                visit(item, depth + 1)
+        elif isinstance(value, dict):
+            for name, item in value.items():
+                named(name, item, depth)
+        elif isinstance(value, functools.partial):
+            visit(value.func, depth + 1)
+            visit(value.args, depth + 1)
+            visit(value.keywords, depth + 1)
+        else:
+            code = getattr(value, "__code__", None)
+            cells = getattr(value, "__closure__", None) or ()
+            if code is None:
+                return
+            for name, cell in zip(code.co_freevars, cells, strict=True):
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                named(name, content, depth)
+
+    visit(optimizer, 0)
+    return found
+
+
+def schedule_problem(optimizer: Any, steps: Sequence[int]) -> str | None:
+    """A sentence naming a step-size schedule of `optimizer` that is negative
+    or not finite at a step up to the last of `steps` (optax's count: the
+    update of step `s` reads the schedule at `s`), else `None`. For the
+    message of a run whose members diverged: gradient ascent diverges with no
+    NaN in sight."""
+    last = max((int(s) for s in steps), default=-1)
+    if last < 0:
+        return None
+    counts = jnp.arange(last + 1, dtype=jnp.int32)
+    for name, schedule in _schedules(optimizer):
+        try:
+            values = np.asarray(jax.vmap(schedule)(counts), dtype=np.float64)
+        except Exception:  # noqa: BLE001 - not a schedule of the step count
+            continue
+        if values.shape != counts.shape:
+            continue
+        bad = ~np.isfinite(values) | (values < 0)
+        if bad.any():
+            first = int(np.argmax(bad))
+            what = "negative" if values[first] < 0 else "not finite"
+            return (
+                f"the optimizer's `{name}` schedule is {what} from step {first} "
+                f"({values[first]:.6g}): a negative step size climbs the loss. "
+                "Fix the schedule"
+            )
+    return None

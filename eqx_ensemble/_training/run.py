@@ -70,7 +70,7 @@ from .loss import (
     check_hyper,
     check_optimizer,
 )
-from .optim import check_opt_state, member_hparams
+from .optim import check_opt_state, member_hparams, schedule_problem
 from .progress import ProgressBar, ProgressMeter
 from .record import (
     RunRecord,
@@ -903,10 +903,16 @@ class Run:
         raise error
 
     def diverged_message(self) -> str:
+        steps = self._diverged_at.tolist()
+        problem = schedule_problem(self.chunk.optimizer, steps)
+        advice = (
+            problem
+            if problem is not None
+            else "lower the learning rate or check the loss"
+        )
         return (
             f"All {len(self._diverged_at)} members diverged (non-finite loss, "
-            f"gradient or update) at steps {self._diverged_at.tolist()}; lower the "
-            "learning rate or check the loss"
+            f"gradient or update) at steps {steps}; {advice}"
         )
 
     def stream_ended_message(self) -> str:

@@ -203,6 +203,18 @@ def apply_member(
     return new_member, new_opt_state, new_state, diverged
 
 
+def _gate(shared: Any, drop: Bool[Array, ""]) -> Any:
+    """`shared` (the same values), whose gradient is exactly zero where `drop`
+    (a select, not a product: a NaN or infinite cotangent does not pass)."""
+
+    def gate(leaf: Any) -> Any:
+        if not eqx.is_inexact_array(leaf):
+            return leaf
+        return jnp.where(drop, jax.lax.stop_gradient(leaf), leaf)
+
+    return jax.tree.map(gate, shared)
+
+
 def _stand_ins(members: Any, frozen: Bool[Array, " members"]) -> Any:
     """`members` with every frozen member's floating-point arrays set to zero:
     a stand-in whose forward and backward passes are finite wherever the shared
@@ -243,32 +255,43 @@ def _coupled_update(
     gradient: each computes with zeros in place of its own weights
     (`_stand_ins`), so that those weights (which may overflow the forward pass
     at every step) put no NaN into the shared part's gradient; its loss is
-    reported as NaN. If the shared part's gradient or update is not finite
-    (a member diverging in this very step), the shared part skips this step
-    (and the members' own isolation works as without a shared part)."""
+    reported as NaN. A member that diverges at this step (its loss, gradient
+    or update not finite), or a frozen one whose stand-in's backward pass is
+    still not finite (`where`'s unselected branch: `0 * nan`), drops out of
+    the shared gradient: then the shared part's gradient is computed again
+    with each dropped member's part selected away (`_gate`), as a loop over
+    the healthy members sums it (a conditional: the common step pays nothing
+    more). If even that is not finite, the shared part skips the step."""
     member_axis = eqx.if_array(0)
     stateful = state is not None
     kept_state = jax.tree.map(lambda x: x, state) if stateful else None
 
-    def total_loss(parts):
-        members, shared = parts
-        members = _stand_ins(members, frozen)
+    # The loss may consume the state it is given (`state.set`): a copy for
+    # the second pass below.
+    redo_state = jax.tree.map(lambda x: x, state) if stateful else None
 
-        def one(member, member_batch, key, member_state, member_hyper):
-            model = eqx.combine(member, shared)
+    def total_loss(parts, dropped, gated, state):
+        members, shared = parts
+        members = _stand_ins(members, dropped)
+
+        def one(member, member_batch, key, member_state, member_hyper, drop):
+            # Gated: a dropped member's part of the shared gradient is selected
+            # away (exactly 0, even where its backward pass made 0 * inf).
+            own = _gate(shared, drop) if gated else shared
+            model = eqx.combine(member, own)
             return call_loss(
                 loss_fn, model, member_state, member_batch, key, member_hyper
             )
 
         losses, aux, new_state = eqx.filter_vmap(
             one,
-            in_axes=(member_axis, batch_axes, member_axis, member_axis, member_axis),
-        )(members, batch, keys, state, hyper)
-        return jnp.sum(jnp.where(frozen, 0.0, losses)), (losses, aux, new_state)
+            in_axes=(member_axis, batch_axes) + (member_axis,) * 4,
+        )(members, batch, keys, state, hyper, dropped)
+        return jnp.sum(jnp.where(dropped, 0.0, losses)), (losses, aux, new_state)
 
     (_, (losses, aux, new_state)), (grads, shared_grads) = eqx.filter_value_and_grad(
         total_loss, has_aux=True
-    )((ens.members, ens.shared))
+    )((ens.members, ens.shared), frozen, False, state)
     losses = jnp.where(frozen, jnp.nan, losses)  # a stand-in's, not the member's
     members, members_opt, new_state, diverged = eqx.filter_vmap(
         functools.partial(apply_member, optimizer, check=check),
@@ -283,6 +306,20 @@ def _coupled_update(
         frozen,
         keys,
     )
+
+    # A member that diverges at this step, or whose frozen stand-in's backward
+    # pass is not finite, drops out of the shared gradient: only then (rare)
+    # is the shared part's gradient computed again with every dropped member
+    # selected away, as a loop over the healthy members would sum it.
+    def healthy_sum() -> Any:
+        dropped = frozen | diverged
+        (_, gated), _ = eqx.filter_grad(
+            lambda parts: total_loss(parts, dropped, True, redo_state), has_aux=True
+        )((ens.members, ens.shared))
+        return gated
+
+    redo = jnp.any(diverged) | ~all_finite(shared_grads, check=check)
+    shared_grads = jax.lax.cond(redo, healthy_sum, lambda: shared_grads)
     new_shared, new_shared_opt = _shared_update(
         optimizer, ens.shared, shared_grads, opt_state.shared, check
     )

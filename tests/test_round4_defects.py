@@ -1,0 +1,163 @@
+"""Issue 47 (round 4): what broke from outside, each with a test that failed
+before its fix. Items are numbered as in the issue."""
+
+import re
+import tomllib
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = jax.random.key(0)
+X = jnp.linspace(-1, 1, 32)[:, None]
+Y = jnp.sin(3 * X)
+ENS = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 1, key=k), size=3, key=KEY)
+
+
+def mse(model, batch, key):
+    xb, yb = batch
+    return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+
+# 2. Laplace refuses non-finite data, naming the argument and the index.
+
+
+@pytest.mark.parametrize("where", ["x", "y"])
+def test_laplace_refuses_a_nan_in_the_data(where):
+    x, y = np.asarray(X).copy(), np.asarray(Y).copy()
+    (x if where == "x" else y)[5, 0] = np.nan
+    with pytest.raises(ValueError, match=rf"`{where}`.*nan at index \(5, 0\)"):
+        ee.laplace(ENS, (x, y), likelihood="regression", curvature="diagonal")
+
+
+# 3. A schedule that turns negative is named in the divergence error.
+
+
+def test_a_schedule_that_turns_negative_is_named_when_the_members_diverge():
+    schedule = optax.linear_schedule(0.05, -5.0, transition_steps=40)
+    steep = lambda model, batch, key: jnp.sum(  # noqa: E731
+        jax.vmap(model)(batch[0]) ** 2
+    )
+    with pytest.raises(ee.EnsembleDivergedError) as caught:
+        ee.fit(
+            ENS, steep, optax.sgd(schedule), (X, Y), steps=400, batch_size=8,
+            key=KEY, callbacks=(),
+        )  # fmt: skip
+    message = str(caught.value)
+    # The first negative value of the schedule, computed independently:
+    first = next(step for step in range(400) if float(schedule(step)) < 0)
+    assert f"`learning_rate` schedule is negative from step {first}" in message
+    assert "lower the learning rate" not in message
+
+
+def test_a_constant_learning_rate_keeps_the_usual_advice():
+    def explode(model, batch, key):
+        return jnp.mean(jax.vmap(model)(batch[0])) * jnp.inf
+
+    with pytest.raises(ee.EnsembleDivergedError, match="lower the learning rate"):
+        ee.fit(
+            ENS, explode, optax.sgd(0.1), (X, Y), steps=3, batch_size=8, key=KEY,
+            callbacks=(),
+        )  # fmt: skip
+
+
+# 10. (tests/test_docs.py::test_no_page_writes_a_keyword_the_library_no_longer_takes)
+
+# 11. One version: the package's, the metadata's and the one the errors name.
+
+
+def test_the_version_the_errors_name_is_the_package_version():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["version"] == ee.__version__
+    with pytest.raises(TypeError) as caught:
+        ee.fit(ENS, mse, optax.sgd(0.1), (X, Y), steps=1, key=KEY, unroll=True)
+    named = re.search(r"version (\d+\.\d+)", str(caught.value))
+    assert named is not None
+    assert ee.__version__.startswith(named[1] + ".")
+
+
+# 14. Bad weights and hyperparameters are named; `ee.stack` refuses to wrap.
+
+
+def _unchecked(function):
+    # The function without the test run's jaxtyping/beartype hook (its error
+    # names the parameter too): what a user without the hook calls.
+    return getattr(function, "__wrapped__", function)
+
+
+@pytest.mark.parametrize("weights", ["abc", ["a", "b", "c"], [1.0, None, 2.0]])
+def test_weights_that_are_not_numbers_are_named(weights):
+    trees = [{"w": jnp.ones(2)}] * 3
+    for call in (
+        lambda: _unchecked(ee.average)(ENS, weights),
+        lambda: _unchecked(ee.tree_weighted_sum)(trees, weights),
+    ):
+        with pytest.raises(TypeError, match="`weights` must be real numbers"):
+            call()
+    with pytest.raises(TypeError, match="weights"):  # with the hook, if any
+        ee.average(ENS, weights)
+
+
+def test_hyperparams_that_are_not_a_dict_of_numbers_are_named():
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    init = _unchecked(ee.init_optimizer)
+    with pytest.raises(TypeError, match="`hyperparams` must be a dict"):
+        init(opt, ENS, hyperparams=[0.1, 0.2, 0.3])
+    state = ee.init_optimizer(opt, ENS)
+    with pytest.raises(TypeError, match=r"`hyperparams\['learning_rate'\]` must be"):
+        _unchecked(ee.set_hyperparams)(state, {"learning_rate": "abc"}, size=3)
+    with pytest.raises(TypeError, match="`hyperparams` must be a dict"):
+        _unchecked(ee.set_hyperparams)(state, [("learning_rate", 0.1)], size=3)
+
+
+def test_stack_refuses_integers_that_would_wrap():
+    assert not jax.config.jax_enable_x64
+    fine = [{"w": np.ones(2, np.float32), "n": np.array([7], np.int64)}] * 2
+    with pytest.warns(UserWarning, match="stores it as int32"):
+        assert int(ee.stack(fine).members["n"][1, 0]) == 7
+    big = [
+        {"w": np.ones(2, np.float32), "n": np.array([7], np.int64)},
+        {"w": np.ones(2, np.float32), "n": np.array([3_000_000_000], np.int64)},
+    ]
+    with pytest.raises(ValueError, match=r"leaf `\['n'\]` of model 1.*3000000000"):
+        ee.stack(big)
+
+
+# 6. Metrics on 16-bit predictions compute in float32.
+
+
+def test_metrics_of_bfloat16_predictions_are_computed_in_float32():
+    from sklearn.metrics import accuracy_score
+
+    rng = np.random.default_rng(0)
+    n = 497
+    labels = rng.integers(0, 2, n)
+    # Two classes, confidences exact in bfloat16 (and summing to exactly 1), so
+    # the same values held in float32 are an exact reference.
+    confidence = rng.choice([0.5625, 0.625, 0.75, 0.875, 0.9375], size=(2, n))
+    right = rng.permutation(n) < 468  # 468 of 497 right (the issue's numbers)
+    top = np.where(right, labels, 1 - labels)
+    probs = np.empty((2, n, 2), np.float32)
+    probs[:, np.arange(n), top] = confidence
+    probs[:, np.arange(n), 1 - top] = 1 - confidence
+    narrow = jnp.asarray(probs, jnp.bfloat16)
+    wide = jnp.asarray(probs)
+    assert (np.asarray(narrow.astype(jnp.float32)) == probs).all()
+    exact = accuracy_score(labels, probs.mean(0).argmax(-1))
+    assert exact == pytest.approx(468 / 497)
+    assert float(ee.metrics.accuracy(narrow, labels)) == pytest.approx(exact, abs=1e-6)
+    for metric in (
+        ee.metrics.expected_calibration_error,
+        ee.metrics.nll,
+        ee.metrics.brier_score,
+    ):
+        value = metric(narrow, labels)
+        assert value.dtype == jnp.float32, metric
+        assert float(value) == pytest.approx(float(metric(wide, labels)), abs=1e-6)
