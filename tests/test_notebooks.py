@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -81,16 +82,36 @@ SECOND_FILE = {
 }
 
 
+# The notebooks read this variable (the first cell): "test" runs the same code
+# at a tenth of its steps, so the default tier executes every cell in seconds;
+# `make test-all` also runs each at its published size (`full`, marked slow).
+SIZE_VARIABLE = "EQX_ENSEMBLE_EXAMPLE_SIZE"
+
+
+def sized(paths: list[Path], slow: set[str] = frozenset()) -> list[Any]:
+    """`(path, size)` parameters: each notebook at test size (slow if its name
+    is in `slow`), and at full size (slow) where it reads `SIZE_VARIABLE`."""
+    params = []
+    for path in paths:
+        marks = [pytest.mark.slow] if path.name in slow else []
+        params.append(pytest.param(path, "test", id=path.name, marks=marks))
+        if SIZE_VARIABLE in path.read_text():
+            params.append(
+                pytest.param(
+                    path, "full", id=f"{path.name}-full", marks=pytest.mark.slow
+                )
+            )
+    return params
+
+
 @pytest.mark.parametrize(
-    "path",
-    [path for path in NOTEBOOKS if path.name not in SECOND_FILE],
-    ids=lambda path: path.name,
+    ("path", "size"), sized([p for p in NOTEBOOKS if p.name not in SECOND_FILE])
 )
-def test_notebook_runs(path: Path, tmp_path: Path):
-    run_notebook(path, tmp_path)
+def test_notebook_runs(path: Path, tmp_path: Path, size: str):
+    run_notebook(path, tmp_path, size)
 
 
-def run_notebook(path: Path, tmp_path: Path) -> None:
+def run_notebook(path: Path, tmp_path: Path, size: str = "full") -> None:
     """Execute `path` in a fresh kernel of this interpreter; fail on a cell error."""
     notebook = nbformat.read(path, as_version=4)
     assert notebook.cells, f"{path.name} has no cells"
@@ -98,7 +119,15 @@ def run_notebook(path: Path, tmp_path: Path) -> None:
     notebook.cells.insert(0, nbformat.v4.new_code_cell(_PROBE))
     workdir = tmp_path / "work"
     workdir.mkdir()
-    execute(notebook, workdir, tmp_path / "kernels")
+    previous = os.environ.get(SIZE_VARIABLE)
+    os.environ[SIZE_VARIABLE] = size  # the kernel inherits the environment
+    try:
+        execute(notebook, workdir, tmp_path / "kernels")
+    finally:
+        if previous is None:
+            del os.environ[SIZE_VARIABLE]
+        else:
+            os.environ[SIZE_VARIABLE] = previous
     probe_output = "".join(
         output.get("text", "") for output in notebook.cells[0].outputs
     ).strip()
@@ -127,6 +156,7 @@ def test_committed_notebooks_carry_their_outputs():
 
 
 def _refresh(paths: list[Path]) -> None:
+    os.environ.pop(SIZE_VARIABLE, None)  # the published outputs: full size
     for path in paths:
         notebook = nbformat.read(path, as_version=4)
         with tempfile.TemporaryDirectory() as scratch:

@@ -4,7 +4,7 @@ a separate file so that `--dist loadfile` runs it on another worker."""
 from pathlib import Path
 
 import pytest
-from test_notebooks import NOTEBOOKS, SECOND_FILE, run_notebook
+from test_notebooks import NOTEBOOKS, SECOND_FILE, run_notebook, sized
 
 # The longest notebooks (about 75, 55 and 60 s on 2 cores) run with `-m slow`
 # (`make test-all`) only: their guides (docs/guides/shared-parts.md,
@@ -15,13 +15,7 @@ SLOW = {"shared_parts.ipynb", "sweeps.ipynb", "implicit_ensembles.ipynb"}
 
 
 @pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(path, marks=[pytest.mark.slow] if path.name in SLOW else [])
-        for path in NOTEBOOKS
-        if path.name in SECOND_FILE
-    ],
-    ids=lambda path: path.name,
+    ("path", "size"), sized([p for p in NOTEBOOKS if p.name in SECOND_FILE], SLOW)
 )
-def test_notebook_runs(path: Path, tmp_path: Path):
-    run_notebook(path, tmp_path)
+def test_notebook_runs(path: Path, tmp_path: Path, size: str):
+    run_notebook(path, tmp_path, size)
