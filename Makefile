@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 --durations=15
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test-all: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 -m ""
@@ -38,7 +38,7 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/pyright
 
 docs: $(VENV)/.installed-dev
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run_all.py

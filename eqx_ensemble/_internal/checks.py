@@ -8,6 +8,7 @@ given, and returns the value normalised (a NumPy integer becomes an `int`).
 import warnings
 from typing import Any
 
+import jax
 import numpy as np
 
 # The largest step count or period the library accepts: steps are counted in
@@ -61,11 +62,10 @@ def check_positive_int(value: Any, name: str, *, high: int | None = None) -> int
     return int(value)
 
 
-def real_array(value: Any, name: str) -> Any:
+def real_array(value: Any, name: str) -> jax.Array:
     """`value` as a JAX array of real numbers (integers, floats or bools), or a
     `TypeError` naming `name` and what was given: a string, a list holding
     one, an object (JAX's own message names no argument)."""
-    import jax
     import jax.numpy as jnp
 
     if isinstance(value, str | bytes):

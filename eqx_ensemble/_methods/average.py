@@ -54,14 +54,14 @@ def tree_weighted_sum(
         )
     if len(trees) == 0:
         raise ValueError("`tree_weighted_sum` got an empty list of trees")
-    weights = real_array(weights, "weights")
-    if weights.ndim != 1 or weights.shape[0] != len(trees):
+    array = real_array(weights, "weights")
+    if array.ndim != 1 or array.shape[0] != len(trees):
         raise ValueError(
             f"`weights` must have one entry per tree: got {len(trees)} trees and "
-            f"weights of shape {tuple(weights.shape)}"
+            f"weights of shape {tuple(array.shape)}"
         )
-    if not is_traced(weights) and not np.isfinite(np.asarray(weights)).all():
-        raise ValueError(f"`weights` must be finite, got {np.asarray(weights)}")
+    if not is_traced(array) and not np.isfinite(np.asarray(array)).all():
+        raise ValueError(f"`weights` must be finite, got {np.asarray(array)}")
     check_same_structure(list(trees), "trees", numbers_are_data=True)
 
     for path, leaf in jtu.tree_flatten_with_path(trees[0])[0]:
@@ -78,11 +78,11 @@ def tree_weighted_sum(
         stacked = jnp.stack([jnp.asarray(leaf) for leaf in leaves])
         if jnp.issubdtype(stacked.dtype, jnp.inexact):
             dtype = stacked.dtype
-        elif jnp.issubdtype(weights.dtype, jnp.inexact):
-            dtype = weights.dtype
+        elif jnp.issubdtype(array.dtype, jnp.inexact):
+            dtype = array.dtype
         else:
             dtype = jnp.float32
-        return jnp.tensordot(weights.astype(dtype), stacked.astype(dtype), axes=1)
+        return jnp.tensordot(array.astype(dtype), stacked.astype(dtype), axes=1)
 
     return jax.tree.map(combine, *trees)
 
@@ -124,27 +124,27 @@ def average(
     if weights is None:
         normalised = jnp.full((size,), 1.0 / size)
     else:
-        weights = real_array(weights, "weights")
-        if weights.ndim != 1 or weights.shape[0] != size:
+        array = real_array(weights, "weights")
+        if array.ndim != 1 or array.shape[0] != size:
             raise ValueError(
                 f"`weights` must have one entry per member: the ensemble has {size} "
-                f"members, weights have shape {tuple(weights.shape)}"
+                f"members, weights have shape {tuple(array.shape)}"
             )
-        if jnp.issubdtype(weights.dtype, jnp.complexfloating):
-            raise TypeError(f"`weights` must be real, got dtype {weights.dtype}")
-        if not is_traced(weights):
+        if jnp.issubdtype(array.dtype, jnp.complexfloating):
+            raise TypeError(f"`weights` must be real, got dtype {array.dtype}")
+        if not is_traced(array):
             # Normalised in float64 on the host: integer weights must not overflow
             # (2**31 - 1 twice summed to -2 in int32) and float16 ones must not
             # round to infinity (60000 + 60000).
-            host = np.asarray(weights, dtype=np.float64)
+            host = np.asarray(array, dtype=np.float64)
             if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
                 raise ValueError(
                     f"`weights` must be finite and non-negative with a positive sum, "
-                    f"got {np.asarray(weights)}"
+                    f"got {np.asarray(array)}"
                 )
             normalised = jnp.asarray(host / host.sum(), dtype=jnp.float32)
         else:
-            wide = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
+            wide = array.astype(jnp.promote_types(array.dtype, jnp.float32))
             normalised = wide / wide.sum()
 
     def mean_leaf(leaf):
