@@ -18,6 +18,7 @@ import optax
 import optax.tree_utils as otu
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from .._internal.tree import is_traced
 from .classification import (
     ensemble_log_probs,
     label_log_probs,
@@ -37,9 +38,16 @@ def _check_count(value: Any, name: str, *, low: int, high: int) -> int:
     return int(value)
 
 
-def _check_l2(l2: Any) -> float:
+# The penalties `l2="cv"` (the default) chooses from, by cross-validation.
+L2_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+CV_FOLDS = 5
+
+
+def _check_l2(l2: Any) -> float | str:
+    if isinstance(l2, str) and l2 == "cv":
+        return l2
     if isinstance(l2, bool) or not isinstance(l2, (int, float, np.floating)):
-        raise TypeError(f"`l2` must be a Python float, got {l2!r}")
+        raise TypeError(f'`l2` must be a Python float or "cv", got {l2!r}')
     if not 0 <= l2 < float("inf"):
         raise ValueError(f"`l2` must be non-negative and finite, got {l2}")
     return float(l2)
@@ -170,12 +178,16 @@ class DirichletScaling(_Affine):
         return logits @ weight.T + _lead(bias, logits)
 
 
-def _ensemble_nll(logits: Array, labels: Array) -> Array:
-    """The NLL of the mean of the members' softmaxes, `logits` `(M, B, C)`."""
+def _ensemble_nll(logits: Array, labels: Array, weights: Array | None = None) -> Array:
+    """The NLL of the mean of the members' softmaxes, `logits` `(M, B, C)`;
+    with `weights` `(B,)`, their weighted mean over the examples."""
     probs, log_probs = member_log_probs(logits, from_logits=True)
-    return -jnp.mean(
-        label_log_probs(ensemble_log_probs(probs, log_probs, from_logits=True), labels)
+    per_example = label_log_probs(
+        ensemble_log_probs(probs, log_probs, from_logits=True), labels
     )
+    if weights is None:
+        return -jnp.mean(per_example)
+    return -jnp.sum(weights * per_example) / jnp.sum(weights)
 
 
 def _lbfgs(
@@ -213,10 +225,9 @@ def _fit_affine(
     labels: ArrayLike,
     *,
     per_member: bool,
-    l2: float,
+    l2: float | str,
     iterations: int,
     full_matrix: bool,
-    off_diagonal_only: bool,
 ) -> Any:
     per_member = _check_per_member(per_member)
     l2 = _check_l2(l2)
@@ -228,18 +239,79 @@ def _fit_affine(
     _check_enough_examples(batch, parameters, cls.__name__)
     # `l2` and `iterations` as arrays: one program per shape, whatever their
     # values (a search over `l2` compiles once).
+    options = (full_matrix,)
+    if l2 == "cv":
+        if is_traced(predictions):
+            raise ValueError(
+                '`l2="cv"` (the default) chooses the penalty from the logits\' '
+                "values, which are not known inside `jax.jit`: pass a number "
+                "(e.g. `l2=1e-2`) to fit a calibrator in compiled code"
+            )
+        l2 = _cross_validated_l2(
+            cls, predictions, labels, per_member, iterations, options
+        )
     weight, bias = _fit_affine_compiled(
         cls, predictions, labels, per_member,
         jnp.asarray(l2, predictions.dtype), jnp.asarray(iterations, jnp.int32),
-        full_matrix, off_diagonal_only,
+        *options, jnp.ones(labels.shape, predictions.dtype),
     )  # fmt: skip
     return cls(weight, bias, per_member)
 
 
+def _cross_validated_l2(
+    cls: type[_Affine],
+    predictions: Array,
+    labels: Array,
+    per_member: bool,
+    iterations: int,
+    options: tuple[bool],
+) -> Any:
+    """The `L2_GRID` penalty with the lowest held-out NLL over `CV_FOLDS`
+    folds of the calibration split (Kull et al. 2019 choose their penalty
+    so), one per member when fitted per member. Folds are fixed (a
+    permutation seeded by 0) and given as weights: every fit of every penalty
+    and fold runs the final fit's compiled program (30 short calls)."""
+    batch = labels.shape[0]
+    fold = np.empty(batch, np.int64)
+    for index, part in enumerate(
+        np.array_split(np.random.default_rng(0).permutation(batch), CV_FOLDS)
+    ):
+        fold[part] = index
+    scores = np.zeros((len(L2_GRID), *((predictions.shape[0],) if per_member else ())))
+    for k in range(CV_FOLDS):
+        weights = jnp.asarray(fold != k, predictions.dtype)
+        for position, l2 in enumerate(L2_GRID):
+            # The final fit's own program (`l2` and the weights are traced).
+            weight, bias = _fit_affine_compiled(
+                cls, predictions, labels, per_member,
+                jnp.asarray(l2, predictions.dtype), jnp.asarray(iterations, jnp.int32),
+                *options, weights,
+            )  # fmt: skip
+            scores[position] += np.asarray(
+                _held_out_nll(
+                    cls, weight, bias, predictions, labels, per_member, weights
+                )
+            )
+    chosen = np.asarray(L2_GRID)[np.argmin(scores, axis=0)]
+    return chosen if per_member else float(chosen)
+
+
 @eqx.filter_jit
-def _fit_affine_compiled(
+def _held_out_nll(cls, weight, bias, predictions, labels, per_member, weights):
+    """The NLL on the examples `weights` leaves out (per member: each
+    member's own)."""
+    template = cls(weight, bias, per_member)
+    inputs = template._inputs(predictions)
+    held = 1.0 - weights
+    if per_member:
+        out = jax.vmap(template._transform)(weight, bias, inputs)
+        return jax.vmap(lambda one: _ensemble_nll(one[None], labels, held))(out)
+    return _ensemble_nll(template._transform(weight, bias, inputs), labels, held)
+
+
+def _fit_affine_params(
     cls, predictions, labels, per_member, l2, iterations, full_matrix,
-    off_diagonal_only,
+    weights,
 ):  # fmt: skip
     classes = predictions.shape[-1]
     dtype = predictions.dtype
@@ -250,29 +322,35 @@ def _fit_affine_compiled(
     template = cls(identity, init[1], False)
     inputs = template._inputs(predictions)
 
-    def penalty(params):
+    def penalty(params, l2):
         weight, bias = params
-        deviation = weight - identity
-        if off_diagonal_only:  # ODIR (Kull et al. 2019): the diagonal is free
-            deviation = deviation * (1.0 - jnp.eye(classes, dtype=dtype))
+        # The distance to temperature scaling's family (`c * identity`, any
+        # scale `c`): the mean of the diagonal is free, so a strong penalty
+        # gives temperature scaling, not the uncalibrated identity.
+        diagonal = weight if not full_matrix else jnp.diagonal(weight)
+        deviation = weight - jnp.mean(diagonal) * identity
         return l2 * (jnp.sum(deviation**2) + jnp.sum(bias**2))
 
-    if per_member:
+    if per_member:  # `l2`: one value, or one per member
 
-        def fit_one(member_inputs):
+        def fit_one(member_inputs, member_l2):
             def objective(params):
                 out = template._transform(*params, member_inputs)[None]
-                return _ensemble_nll(out, labels) + penalty(params)
+                return _ensemble_nll(out, labels, weights) + penalty(params, member_l2)
 
             return _lbfgs(objective, init, iterations, 1e-6)
 
-        return jax.vmap(fit_one)(inputs)
+        l2s = jnp.broadcast_to(l2, inputs.shape[:1])
+        return jax.vmap(fit_one)(inputs, l2s)
 
     def objective(params):
         out = template._transform(*params, inputs)
-        return _ensemble_nll(out, labels) + penalty(params)
+        return _ensemble_nll(out, labels, weights) + penalty(params, l2)
 
     return _lbfgs(objective, init, iterations, 1e-6)
+
+
+_fit_affine_compiled = eqx.filter_jit(_fit_affine_params)
 
 
 _AFFINE_ARGS = """
@@ -286,9 +364,15 @@ _AFFINE_ARGS = """
       prediction (as `ee.metrics.fit_temperature`); `True`: one per member, each
       fitted to minimise its own member's NLL (its parameters get a leading member
       axis).
-    - `l2`: the weight of an L2 penalty pulling the parameters to the identity
-      map, added to the mean NLL; it keeps the fit finite on a calibration split
-      the logits separate perfectly. `0` fits the NLL alone.
+    - `l2`: the weight of an L2 penalty pulling the parameters to temperature
+      scaling's family (the weight a multiple of the identity, whatever the
+      multiple; the bias zero), added to the mean NLL: a strong penalty gives
+      temperature scaling, and it keeps the fit finite on a calibration split
+      the logits separate perfectly. `0` fits the NLL alone. Default `"cv"`:
+      chosen from `1e-4, 1e-3, ..., 10` by 5-fold cross-validation on the
+      calibration split (the held-out NLL; Kull et al. 2019 choose their
+      penalty so): a small split gets a strong pull (close to temperature
+      scaling), a large one a weak one.
     - `iterations`: the most L-BFGS steps (`optax.lbfgs`, zoom line search); the
       fit stops earlier when the gradient norm falls below `1e-6`. The objective
       is convex for one member (softmax regression on fixed features), so the
@@ -301,7 +385,7 @@ def fit_vector_scaling(
     labels: Int[ArrayLike, " batch"],
     *,
     per_member: bool = False,
-    l2: float | int = 1e-4,
+    l2: float | int | str = "cv",
     iterations: int = 500,
 ) -> VectorScaling:
     """Fit vector scaling (Guo et al. 2017, "On calibration of modern neural
@@ -330,7 +414,7 @@ def fit_vector_scaling(
     """
     return _fit_affine(
         VectorScaling, logits, labels, per_member=per_member, l2=l2,
-        iterations=iterations, full_matrix=False, off_diagonal_only=False,
+        iterations=iterations, full_matrix=False,
     )  # fmt: skip
 
 
@@ -339,12 +423,13 @@ def fit_matrix_scaling(
     labels: Int[ArrayLike, " batch"],
     *,
     per_member: bool = False,
-    l2: float | int = 1e-4,
+    l2: float | int | str = "cv",
     iterations: int = 500,
 ) -> MatrixScaling:
     """Fit matrix scaling (Guo et al. 2017): calibrated logits `W z + b`,
     `classes**2 + classes` parameters; prone to overfit with many classes (use
-    `l2`, or Dirichlet scaling with its off-diagonal penalty).
+    the default `l2="cv"`, which pulls it towards temperature scaling on a small
+    split).
 
     {args}
     Raises `ValueError` when the split holds fewer examples than the calibrator
@@ -367,7 +452,7 @@ def fit_matrix_scaling(
     """
     return _fit_affine(
         MatrixScaling, logits, labels, per_member=per_member, l2=l2,
-        iterations=iterations, full_matrix=True, off_diagonal_only=False,
+        iterations=iterations, full_matrix=True,
     )  # fmt: skip
 
 
@@ -376,14 +461,16 @@ def fit_dirichlet_scaling(
     labels: Int[ArrayLike, " batch"],
     *,
     per_member: bool = False,
-    l2: float | int = 1e-4,
+    l2: float | int | str = "cv",
     iterations: int = 500,
 ) -> DirichletScaling:
     """Fit Dirichlet calibration (Kull et al. 2019, "Beyond temperature scaling:
     obtaining well-calibrated multiclass probabilities with Dirichlet
     calibration"): calibrated logits `W log p + b` on the log probabilities,
-    `classes**2 + classes` parameters, with the paper's ODIR penalty: `l2` weighs
-    the off-diagonal entries of `W` and the bias (the diagonal is free).
+    `classes**2 + classes` parameters. The penalty is the others' (towards
+    temperature scaling's family, the diagonal's deviations included), so a
+    strong penalty is temperature scaling; the paper's ODIR leaves the
+    diagonal free.
 
     {args}
     Raises `ValueError` when the split holds fewer examples than the calibrator
@@ -405,7 +492,7 @@ def fit_dirichlet_scaling(
     """
     return _fit_affine(
         DirichletScaling, logits, labels, per_member=per_member, l2=l2,
-        iterations=iterations, full_matrix=True, off_diagonal_only=True,
+        iterations=iterations, full_matrix=True,
     )  # fmt: skip
 
 
@@ -414,6 +501,26 @@ for _fn in (fit_vector_scaling, fit_matrix_scaling, fit_dirichlet_scaling):
 
 
 # ----------------------------------------------------------- non-parametric maps
+
+
+def _floored(probs: Array, floor: float) -> Array:
+    """Rows normalised, every class at least `floor` before normalising (a
+    class the calibration split never saw in a bin gets `floor`, not 0: a
+    probability of 0 for a class that occurs costs an infinite NLL)."""
+    return _normalise(jnp.clip(probs, floor, 1.0 - floor) if floor > 0 else probs)
+
+
+def _check_floor(floor: Any, batch: int) -> float:
+    """`floor=None`: 1 / (2 (batch + 1)), half of the smallest frequency the
+    calibration split can tell from zero (Laplace's rule of succession gives
+    1 / (batch + 2) to a class never seen); else a number in [0, 0.5)."""
+    if floor is None:
+        return 1.0 / (2 * (batch + 1))
+    if isinstance(floor, bool) or not isinstance(floor, int | float):
+        raise TypeError(f"`floor` must be a number or None, got {floor!r}")
+    if not 0 <= floor < 0.5:
+        raise ValueError(f"`floor` must be in [0, 0.5), got {floor}")
+    return float(floor)
 
 
 def _normalise(probs: Array) -> Array:
@@ -467,6 +574,7 @@ class HistogramBinning(eqx.Module):
 
     values: Float[Array, "fits classes bins"]
     per_member: bool = eqx.field(static=True)
+    floor: float = eqx.field(static=True, default=0.0)
 
     def __call__(
         self,
@@ -484,7 +592,7 @@ class HistogramBinning(eqx.Module):
         picked = jnp.take_along_axis(
             self.values[:, None, :, :], index[..., None], axis=-1
         )[..., 0]
-        return _normalise(picked.astype(p.dtype))
+        return _floored(picked.astype(p.dtype), self.floor)
 
 
 def fit_histogram_binning(
@@ -494,6 +602,7 @@ def fit_histogram_binning(
     n_bins: int = 15,
     per_member: bool = False,
     from_logits: bool = False,
+    floor: float | int | None = None,
 ) -> HistogramBinning:
     """Fit histogram binning (Zadrozny and Elkan 2001; the multiclass
     one-vs-rest form of Guo et al. 2017) on a calibration split.
@@ -512,6 +621,11 @@ def fit_histogram_binning(
     - `per_member`: `False` (default): fit the ensemble's mean prediction;
       `True`: one map per member.
     - `from_logits`: whether `probs` holds logits.
+    - `floor`: the least probability a class is given before each row is
+      normalised. Default `None`: `1 / (2 (batch + 1))` for a calibration
+      split of `batch` examples (a class never seen in a bin is not called
+      impossible: its probability 0 would cost an infinite NLL on the first
+      test example of that class); `0` keeps the raw map (scikit-learn's).
 
     **Returns:**
 
@@ -542,7 +656,9 @@ def fit_histogram_binning(
             hits = np.bincount(index[f, :, c], positive[0, :, c], minlength=n_bins)
             values[f, c] = np.where(counts > 0, hits / np.maximum(counts, 1), midpoints)
     dtype = prepare_predictions(probs, from_logits=from_logits).dtype
-    return HistogramBinning(jnp.asarray(values, dtype), per_member)
+    return HistogramBinning(
+        jnp.asarray(values, dtype), per_member, _check_floor(floor, batch)
+    )
 
 
 def _pool_adjacent_violators(y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -587,6 +703,7 @@ class IsotonicCalibration(eqx.Module):
     x: Float[Array, "fits classes points"]
     y: Float[Array, "fits classes points"]
     per_member: bool = eqx.field(static=True)
+    floor: float = eqx.field(static=True, default=0.0)
 
     def __call__(
         self,
@@ -604,7 +721,7 @@ class IsotonicCalibration(eqx.Module):
         calibrated = jax.vmap(per_class)(
             p, self.x.astype(p.dtype), self.y.astype(p.dtype)
         )
-        return _normalise(calibrated)
+        return _floored(calibrated, self.floor)
 
 
 def fit_isotonic_regression(
@@ -613,6 +730,7 @@ def fit_isotonic_regression(
     *,
     per_member: bool = False,
     from_logits: bool = False,
+    floor: float | int | None = None,
 ) -> IsotonicCalibration:
     """Fit isotonic regression (Zadrozny and Elkan 2002) one-vs-rest per class on
     a calibration split: for class `c`, the non-decreasing function of `p_c`
@@ -632,6 +750,11 @@ def fit_isotonic_regression(
     - `per_member`: `False` (default): fit the ensemble's mean prediction;
       `True`: one map per member.
     - `from_logits`: whether `probs` holds logits.
+    - `floor`: the least probability a class is given before each row is
+      normalised. Default `None`: `1 / (2 (batch + 1))` for a calibration
+      split of `batch` examples (a class never seen in a bin is not called
+      impossible: its probability 0 would cost an infinite NLL on the first
+      test example of that class); `0` keeps the raw map (scikit-learn's).
 
     **Returns:**
 
@@ -671,5 +794,8 @@ def fit_isotonic_regression(
     ys = np.stack([np.stack([padded(v) for _, v in row]) for row in points])
     dtype = prepare_predictions(probs, from_logits=from_logits).dtype
     return IsotonicCalibration(
-        jnp.asarray(xs, dtype), jnp.asarray(ys, dtype), per_member
+        jnp.asarray(xs, dtype),
+        jnp.asarray(ys, dtype),
+        per_member,
+        _check_floor(floor, batch),
     )
