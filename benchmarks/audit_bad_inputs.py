@@ -632,6 +632,30 @@ cases["Heterogeneous"] = [
     ("chunk_size above the members", lambda: ee.map(
         lambda m, x: m(x), HET, X[0], chunk_size=6)),
 ]  # fmt: skip
+# Round 4 (issue 47): what an outside review found unclear or silent.
+cases["laplace"] += [
+    ("a NaN in x", lambda: ee.laplace(
+        ENS, (X.at[1, 0].set(jnp.nan), Y), likelihood="regression",
+        curvature="diagonal")),
+]  # fmt: skip
+cases["average"] = cases.get("average", []) + [
+    ("string weights", lambda: ee.average(ENS, "abc")),
+]
+cases["tree_weighted_sum"] += [
+    ("strings in weights", lambda: ee.tree_weighted_sum([X, X], ["a", "b"])),
+]
+cases["init_optimizer"] = cases.get("init_optimizer", []) + [
+    ("hyperparams a list", lambda: ee.init_optimizer(
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), ENS,
+        hyperparams=[0.1])),
+]  # fmt: skip
+cases["stack"] += [
+    ("int64 beyond int32", lambda: ee.stack([{"n": np.array([3_000_000_000])}] * 2)),
+]
+cases["calibration"] += [
+    ("isotonic floor 0.7", lambda: ee.calibration.fit_isotonic_regression(
+        PROBS, LAB, floor=0.7)),
+]  # fmt: skip
 for fn, rows in cases.items():
     for label, call in rows:
         print(f"| `{fn}` | {label} | {run(fn, call)} |")
