@@ -87,3 +87,17 @@ def real_array(value: Any, name: str) -> jax.Array:
             f"numbers), got {type(value).__name__} {value!r:.80}"
         )
     return jnp.asarray(value)
+
+
+def first_non_finite(values: Any) -> tuple[tuple[int, ...], Any] | None:
+    """`(index, value)` of the first NaN or infinity of a concrete array (on
+    the host), or `None` when every element is finite (or it holds no
+    floating-point numbers)."""
+    host = np.asarray(values)
+    if not np.issubdtype(host.dtype, np.inexact):
+        return None
+    bad = ~np.isfinite(host)
+    if not bad.any():
+        return None
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    return where, host[where]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from .._internal.checks import first_non_finite
 from .._internal.tree import is_traced
 
 _SINGLE_MODEL_HINT = (
@@ -185,12 +186,11 @@ def check_regression(
     ):
         if values is None or is_traced(values):
             continue
-        host = np.asarray(values)
-        bad = ~np.isfinite(host)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
+        found = first_non_finite(values)
+        if found is not None:
+            where, value = found
             raise ValueError(
-                f"`{name}` (shape {tuple(host.shape)}) holds {host[where]} at index "
+                f"`{name}` (shape {tuple(np.shape(values))}) holds {value} at index "
                 f"{where}; regression metrics need finite predictions and targets"
             )
     if means.ndim not in (2, 3):

@@ -15,7 +15,7 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, with_members
-from .._internal.checks import check_positive_int
+from .._internal.checks import check_positive_int, first_non_finite
 from .._internal.keys import check_key
 from .._internal.tree import keystr
 
@@ -622,14 +622,11 @@ def _check_data(data: Any, likelihood: str) -> tuple[Any, Array, int]:
         for path, leaf in jtu.tree_flatten_with_path(x)[0]
     ]
     for name, values in [*named, ("y", y)]:
-        host = np.asarray(values)
-        if not np.issubdtype(host.dtype, np.inexact):
-            continue
-        bad = ~np.isfinite(host)
-        if bad.any():
-            where = tuple(int(i) for i in np.argwhere(bad)[0])
+        found = first_non_finite(values)
+        if found is not None:
+            where, value = found
             raise ValueError(
-                f"`data`'s `{name}` (shape {tuple(host.shape)}) holds {host[where]} "
+                f"`data`'s `{name}` (shape {tuple(np.shape(values))}) holds {value} "
                 f"at index {where} (example {where[0]}); the Laplace "
                 "approximation needs finite inputs and targets"
             )
