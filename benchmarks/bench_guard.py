@@ -10,7 +10,8 @@ medians of interleaved calls and ratios to the unchecked scan. Workloads:
 `dispatch` (8 MLPs 1-32-32-1, batch 16, 1000 steps: a tiny step, the plan's
 per-leaf case) and `compute` (64 MLPs 32-128-128-10, batch 256, 100 steps).
 
-    python benchmarks/bench_guard.py [--quick] [--repeats N] [--workload compute]
+    python benchmarks/bench_guard.py [--quick] [--repeats N] [--fit]
+        [--workload compute]
 """
 
 import os
@@ -25,6 +26,7 @@ import _common  # noqa: E402
 def main() -> None:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--workload", choices=("dispatch", "compute"), default="dispatch")
+    p.add_argument("--fit", action="store_true", help="also time `ee.fit` itself")
     args = p.parse_args()
     import equinox as eqx
     import jax
@@ -111,6 +113,15 @@ def main() -> None:
             jax.block_until_ready(losses)
 
         variants[name] = go
+    if args.fit:
+        import eqx_ensemble as ee
+
+        stacked = ee.ensemble(
+            lambda k: eqx.nn.MLP(sizes[0], sizes[-1], sizes[1], len(sizes) - 2, key=k),
+            size=members,
+            key=key,
+        )
+        _fit_variants(variants, compile_s, stacked, x_all, y_all, batch, steps, loss_fn)
     times = _common.interleaved(variants, repeats=repeats, warmup=1)
     base = _common.median(times["no check"])
     print(
@@ -131,6 +142,57 @@ def main() -> None:
             "the unchecked scan's time"
         )
     _common.emit_summary("guard", results, args.json)
+
+
+def _fit_variants(variants, compile_s, ens, x_all, y_all, batch, steps, loss_fn):
+    """`ee.fit` of the same workload (Adam, its own batch sampling): the
+    optimistic guard (the default: a dispatch checks its end state once), the
+    guarded step at every step (as forced for an optimizer that hides
+    non-finite gradients), and a bare dispatch (the optimistic one without its
+    end-of-dispatch check and restore of frozen members)."""
+    import jax
+    import optax
+
+    import eqx_ensemble as ee
+    from eqx_ensemble._training import loop as loop_module, run as run_module
+
+    optimizer = optax.adam(1e-3)
+    hides = run_module.hides_non_finite
+
+    def fit_loss(model, b, key):
+        del key
+        return loss_fn(model, *b)
+
+    def bare_loss(model, b, key):  # other code: a program of its own
+        del key
+        return loss_fn(model, *b) + 0.0
+
+    for name, loss, guarded, bare in (
+        ("fit optimistic", fit_loss, False, False),
+        ("fit guarded", fit_loss, True, False),
+        ("fit bare", bare_loss, False, True),
+    ):
+        state = {"ens": ens, "opt": ee.init_optimizer(optimizer, ens)}
+
+        def go(loss=loss, guarded=guarded, state=state):
+            run_module.hides_non_finite = (lambda _: True) if guarded else hides
+            result = ee.fit(
+                state["ens"], loss, optimizer, (x_all, y_all), steps=steps,
+                batch_size=batch, key=jax.random.key(0), callbacks=(),
+                opt_state=state["opt"],
+            )  # fmt: skip
+            jax.block_until_ready(result.ensemble)
+            state["ens"], state["opt"] = result.ensemble, result.opt_state
+            run_module.hides_non_finite = hides
+
+        settle = loop_module._settle_members
+        if bare:  # traced at the first call only
+            loop_module._settle_members = lambda start, end, mesh: end
+        start = time.perf_counter()
+        go()
+        compile_s[name] = time.perf_counter() - start
+        loop_module._settle_members = settle
+        variants[name] = go
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ from typing import Any, Literal
 from .compile import MIN_STEP_FLOPS, step_matmul_flops
 from .profile import StepProfile
 
-FiniteCheck = Literal["per_leaf", "by_shape"]
+# `"deferred"`: no check and no select in the step (`fit`'s optimistic
+# dispatch on a CPU, `_training.loop._settle_members`): the dispatch checks its
+# end state once, and `Run._settle` finds the step a member failed at.
+FiniteCheck = Literal["per_leaf", "by_shape", "deferred"]
 
 
 def step_flops(

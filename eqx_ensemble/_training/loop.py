@@ -48,7 +48,13 @@ from .loss import LossFn
 from .sampling import Sampling
 from .source import Batches
 from .step import vmapped_update
-from .train_state import TrainState, member_select, track_update
+from .train_state import (
+    TrainState,
+    member_select,
+    members_finite,
+    per_member_select,
+    track_update,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +98,9 @@ class Chunk:
 
 
 def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
-    del program  # what the program is compiled for: the key, not an input
+    # What the program is compiled for: the key, not an input; its last entry
+    # says whether the dispatch is optimistic (its check deferred).
+    deferred = program[-1]
 
     # A function of its own (not `run_chunk` itself): JAX's caches keyed on the
     # function then go with this one when it is dropped.
@@ -100,7 +108,9 @@ def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., An
         train_state, losses, scores = run_chunk(chunk, train_state)
         return train_state, _readout(chunk, train_state, losses, scores)
 
-    return filter_jit(run, options, donate="all-except-first")
+    # The optimistic dispatch keeps its start state (not donated): the host
+    # replays the dispatch from it where a member was not finite.
+    return filter_jit(run, options, donate=None if deferred else "all-except-first")
 
 
 # `run_chunk` compiled with XLA `options`, one function per program (the
@@ -121,7 +131,9 @@ def dispatch_chunk(
     are flattened once, for the lookup and the call."""
     static, first, rest = split_arguments((chunk, train_state))
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
-    return chunk_runner(options, static, shapes).call_split(static, first, rest)
+    deferred = chunk.check == "deferred"
+    runner = chunk_runner(options, static, shapes, deferred)
+    return runner.call_split(static, first, rest)
 
 
 def readout(
@@ -195,11 +207,17 @@ def _nan_row(chunk: Chunk) -> Float[Array, " members"]:
 
 
 def _train_step(
-    chunk: Chunk, ts: TrainState, batch: PyTree[Any], evaluate: Any = "due"
+    chunk: Chunk,
+    ts: TrainState,
+    batch: PyTree[Any],
+    evaluate: Any = "due",
+    kept: TrainState | None = None,
 ) -> tuple:
     """One step of every member, then trackers, evaluation (`"due"`: when the
     step count says so, decided in compiled code; `True`/`False`: decided here)
-    and best members."""
+    and best members. `kept`: an optimistic dispatch's start state, whose
+    frozen members' weights and model states the trackers and the evaluation
+    see (those members compute along unchecked; `_settle_members`)."""
     update = vmapped_update(
         chunk.loss_fn,
         chunk.optimizer,
@@ -223,13 +241,19 @@ def _train_step(
         ts.hyper,
     )
     done = step + 1
+    seen_ens, seen_state = new_ens, model_state
+    if kept is not None and (chunk.track or chunk.evaluate is not None):
+        training = (ts.diverged_at < 0) & (ts.stopped_at < 0)
+        training = constrain(training, chunk.mesh, (MEMBERS,))
+        seen_ens = member_select(training, new_ens, kept.ensemble)
+        seen_state = per_member_select(training, model_state, kept.model_state, new_ens)
     ts = dataclasses.replace(
         ts,
-        ensemble=new_ens,
+        ensemble=seen_ens,
         opt_state=opt_state,
-        model_state=model_state,
+        model_state=seen_state,
         tracked=tuple(
-            track_update(tracker, state, new_ens, done)
+            track_update(tracker, state, seen_ens, done)
             for tracker, state in zip(chunk.track, ts.tracked, strict=True)
         ),
         step=done,
@@ -239,6 +263,8 @@ def _train_step(
     scores = nan_row
     if chunk.evaluate is not None and evaluate is not False:
         scores, ts = _evaluate(chunk, chunk.evaluate, ts, nan_row, evaluate == "due")
+    if seen_ens is not new_ens:
+        ts = dataclasses.replace(ts, ensemble=new_ens, model_state=model_state)
     losses = constrain(jnp.asarray(losses, jnp.float32), chunk.mesh, (MEMBERS,))
     return ts, losses, constrain(scores, chunk.mesh, (MEMBERS,))
 
@@ -295,10 +321,12 @@ def run_chunk(
     count = jnp.asarray(chunk.end - train_state.step) if chunk.counted else None
     batch_of = chunk.batches.maker(train_state.step, chunk.length, mesh, count)
 
+    kept = train_state if chunk.check == "deferred" else None
+
     def active(carry, scanned):
         ts = eqx.combine(carry, static)
         batch = batch_of(ts.step, scanned)
-        ts, losses, scores = _train_step(chunk, ts, batch)
+        ts, losses, scores = _train_step(chunk, ts, batch, kept=kept)
         ts = place_state(
             ts, mesh, inside_jit=True, in_loop=True, placement=chunk.placement
         )
@@ -326,7 +354,42 @@ def run_chunk(
         )
     dynamic = place_state(dynamic, mesh, inside_jit=True, placement=chunk.placement)
     losses, scores = replicate((losses, scores), mesh)
-    return eqx.combine(dynamic, static), losses, scores
+    state = eqx.combine(dynamic, static)
+    if chunk.check == "deferred":
+        state = _settle_members(train_state, state, mesh)
+    return state, losses, scores
+
+
+def _settle_members(
+    start: TrainState, end: TrainState, mesh: Mesh | None
+) -> TrainState:
+    """The end of an optimistic dispatch (`Run.dispatch`): the members frozen
+    at its start (diverged or stopped: they computed along, unchecked) get
+    back their start weights, optimizer and model states, and every other
+    member whose weights, optimizer or model state is not finite is marked
+    `NOT_FINITE` in `diverged_at` for the host, which then finds the step it
+    failed at. That check is enough: a non-finite weight stays non-finite
+    under `apply_updates` (an addition), and a non-finite gradient makes the
+    weights or the optimizer state non-finite under any optimizer that does
+    not replace it (those that do run the guarded step: `hides_non_finite`);
+    a non-finite loss the host reads from the losses."""
+    frozen = (start.diverged_at >= 0) | (start.stopped_at >= 0)
+    frozen = constrain(frozen, mesh, (MEMBERS,))
+    ens, opt_state, model_state = end.ensemble, end.opt_state, end.model_state
+    finite = constrain(members_finite(ens, opt_state, model_state), mesh, (MEMBERS,))
+    return dataclasses.replace(
+        end,
+        ensemble=member_select(~frozen, ens, start.ensemble),
+        opt_state=per_member_select(~frozen, opt_state, start.opt_state, ens),
+        model_state=per_member_select(~frozen, model_state, start.model_state, ens),
+        diverged_at=jnp.where(
+            frozen | finite, end.diverged_at, jnp.int32(NOT_FINITE)
+        ).astype(end.diverged_at.dtype),
+    )
+
+
+# `diverged_at` of a member an optimistic dispatch found not finite at its end.
+NOT_FINITE = -2
 
 
 def _counted(

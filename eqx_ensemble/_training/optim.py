@@ -60,6 +60,18 @@ def members_opt_state(opt_state: Any) -> Any:
     return opt_state.members if isinstance(opt_state, SharedOptState) else opt_state
 
 
+def hides_non_finite(opt_state: PyTree[Any]) -> bool:
+    """Whether the optimizer state shows a transformation that replaces or
+    skips non-finite gradients itself (`optax.zero_nans`,
+    `optax.apply_if_finite`): its weights and state stay finite where the
+    gradient was not, so `fit` checks every step rather than the end of each
+    dispatch (`Run.dispatch`). (`optax.MultiSteps` with a skip function
+    accumulates the gradient first: its state shows it.)"""
+    kinds = (optax.ZeroNansState, optax.ApplyIfFiniteState)
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+    return any(isinstance(x, kinds) for x in nodes)
+
+
 def is_hyperparam_node(x: Any) -> bool:
     """Whether `x` is the state of an `optax.inject_hyperparams` transformation
     (a named tuple with a `hyperparams` dict)."""

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -60,7 +61,9 @@ from .evaluate import Evaluate
 from .history import Recorder
 from .loggers import LogEntry, Logger, LogWriter, RunInfo
 from .loop import (
+    NOT_FINITE,
     Chunk,
+    Readout,
     copy,
     dispatch_chunk,
     unpack_readout,
@@ -70,7 +73,12 @@ from .loss import (
     check_hyper,
     check_optimizer,
 )
-from .optim import check_opt_state, member_hparams, schedule_problem
+from .optim import (
+    check_opt_state,
+    hides_non_finite,
+    member_hparams,
+    schedule_problem,
+)
 from .progress import ProgressBar, ProgressMeter
 from .record import (
     RunRecord,
@@ -585,6 +593,18 @@ class Run:
             self._diverged_at = np.asarray(self.train_state.diverged_at)
             self._stopped_at = np.asarray(self.train_state.stopped_at)
         self._pending: PendingSave | None = None  # an asynchronous checkpoint
+        # The optimistic guard (`dispatch`): on a CPU's counted dispatches,
+        # not where the optimizer replaces non-finite gradients itself (the
+        # end-of-dispatch check could not see them), nor where members
+        # share anything trained (a trained shared part, a coupled loss: a
+        # frozen member must drop out of those at every step).
+        self._optimistic = (
+            self.chunk.counted
+            and not isinstance(self.chunk.loss_fn, Coupled)
+            and not _trains_shared(self.train_state.ensemble)
+            and not hides_non_finite(self.train_state.opt_state)
+        )
+        self._replay: tuple[Chunk, TrainState, np.ndarray] | None = None
 
     def run(self) -> FitResult:
         """Drive the run to its last step: one dispatch, then the host's work
@@ -780,6 +800,21 @@ class Run:
                 length=end - self.done,
                 evaluate_last=every is not None and end % every == 0,
             )
+        # The optimistic guard: the dispatch runs the step with no finiteness
+        # check or select per step (frozen members compute along and get
+        # their weights back at its end) and checks every member's state
+        # once, at its end. Where a member was not finite, `record_dispatch`
+        # runs the dispatch again from its start state (kept: an optimistic
+        # dispatch donates nothing) with the same program, in parts, to find
+        # the step it failed at and freeze it there (`_settle`).
+        self._replay = None
+        if self._optimistic:
+            chunk = dataclasses.replace(chunk, check="deferred")
+            frozen = _frozen(self._diverged_at, self._stopped_at)
+            self._replay = (chunk, self.train_state, frozen)
+        return self._run_dispatch(chunk)
+
+    def _run_dispatch(self, chunk: Chunk) -> Any:
         # The controllers' states stay on the host side of the run (they run
         # between dispatches): the program is the same with or without
         # controllers.
@@ -803,6 +838,13 @@ class Run:
         losses, scores, self._diverged_at, self._stopped_at = unpack_readout(
             values, self.chunk.size, evaluated
         )
+        replay, self._replay = self._replay, None
+        if replay is not None:
+            chunk, start, frozen = replay
+            readout = Readout(losses, scores, self._diverged_at, self._stopped_at)
+            if _failing(readout, active, frozen).any():
+                readout = self._settle(chunk, start, frozen, self.done, end, readout)
+                losses, scores, self._diverged_at, self._stopped_at = readout
         losses = losses[:active]
         if scores is not None:
             scores = scores[:active]
@@ -810,6 +852,83 @@ class Run:
         self.recorder.record(losses, scores, self.done, every)
         self.done = end
         return losses
+
+    def _part(self, chunk: Chunk, state: TrainState, end: int) -> Readout:
+        """Steps `state.step` to `end` of an optimistic dispatch, from
+        `state` (kept), as one dispatch of the same program."""
+        chunk = dataclasses.replace(chunk, end=np.int32(end))
+        self.train_state = state
+        values = _to_host(
+            self._run_dispatch(chunk),
+            cpu=self.chunk.mesh is None and jax.default_backend() == "cpu",
+        )
+        return unpack_readout(values, self.chunk.size, self.chunk.evaluate is not None)
+
+    def _settle(
+        self,
+        chunk: Chunk,
+        state: TrainState,
+        frozen: np.ndarray,
+        start: int,
+        end: int,
+        first: Readout,
+    ) -> Readout:
+        """An optimistic dispatch in which a member was not finite, run again
+        from its start `state` in parts of the same program (a CPU's counted
+        loop: a step computes the same bits in a dispatch of any length, as a
+        resumed run does): up to just before the first non-finite loss in
+        one part, then step by step up to the failing step. There the failing
+        members are marked diverged (at that step's index, as the guarded
+        step marks them) and the step is run again with them frozen: they
+        keep their last finite weights, trackers and evaluation see those,
+        and their loss of that step is the one computed. Then the rest of
+        the dispatch, in the same way. `frozen`: the members frozen at its
+        start. Returns the dispatch's readout. (The members' marks are read
+        from the readouts only: replicated on every process.)"""
+        size, evaluated = self.chunk.size, self.chunk.evaluate is not None
+        losses = np.full((end - start, size), np.nan, np.float32)
+        scores = np.full((end - start, size), np.nan, np.float32)
+        position, readout, stepwise, last = start, first, False, first
+        marks = first.diverged_at.copy()
+        marks[marks == NOT_FINITE] = -1
+        while position < end:
+            if not stepwise:
+                if readout is None:
+                    readout = self._part(chunk, state, end)
+                bad = _failing(readout, end - position, frozen)
+                if not bad.any():  # the rest ran clean: take it
+                    _rows(losses, scores, readout, position - start, end - position)
+                    state, last = self.train_state, readout
+                    break
+                rows = ~np.isfinite(readout.losses[: end - position][:, bad])
+                hint = int(np.flatnonzero(rows.any(axis=1))[0]) if rows.any() else 0
+                if hint > 1:  # clean up to just before the first NaN loss?
+                    part = self._part(chunk, state, position + hint - 1)
+                    if _failing(part, hint - 1, frozen).any():
+                        stepwise = True  # it failed earlier: step by step
+                    else:
+                        _rows(losses, scores, part, position - start, hint - 1)
+                        state, position = self.train_state, position + hint - 1
+                readout = None
+            one = self._part(chunk, state, position + 1)
+            failed = _failing(one, 1, frozen)
+            if failed.any():
+                marks = np.where(failed, position, marks).astype(np.int32)
+                frozen = frozen | failed
+                state = dataclasses.replace(
+                    state, diverged_at=jnp.asarray(marks, jnp.int32)
+                )
+                state = restore_placement(state, self.chunk.placement)
+                again = self._part(chunk, state, position + 1)
+                row = again.losses[:1].copy()
+                row[0, failed] = one.losses[0, failed]
+                one, stepwise = again._replace(losses=row), False
+            _rows(losses, scores, one, position - start, 1)
+            state, position, last = self.train_state, position + 1, one
+        self.train_state = state
+        return Readout(
+            losses, scores if evaluated else None, last.diverged_at, last.stopped_at
+        )
 
     def control(self) -> None:
         """Run the controllers due at this step."""
@@ -921,6 +1040,32 @@ class Run:
             f"{self.steps}`; give `steps` at most the number of batches, or a "
             "stream that does not end. The run so far is `error.result`"
         )
+
+
+def _trains_shared(ens: Any) -> bool:
+    groups = ens.groups if is_heterogeneous(ens) else (ens,)
+    return any(getattr(group, "train_shared", False) for group in groups)
+
+
+def _frozen(diverged_at: np.ndarray, stopped_at: np.ndarray) -> np.ndarray:
+    return (diverged_at >= 0) | (stopped_at >= 0)
+
+
+def _failing(readout: Readout, steps: int, frozen: np.ndarray) -> np.ndarray:
+    """The members an optimistic dispatch's `readout` (of `steps` steps) shows
+    not finite: a non-finite loss, or the end check's mark; frozen members
+    (their losses NaN, their state restored) are not failing."""
+    bad = readout.diverged_at == NOT_FINITE
+    bad |= ~np.isfinite(readout.losses[:steps]).all(axis=0)
+    return bad & ~frozen
+
+
+def _rows(
+    losses: np.ndarray, scores: np.ndarray, readout: Readout, at: int, steps: int
+) -> None:
+    losses[at : at + steps] = readout.losses[:steps]
+    if readout.scores is not None:
+        scores[at : at + steps] = readout.scores[:steps]
 
 
 def _to_host(value: Any, cpu: bool) -> np.ndarray:

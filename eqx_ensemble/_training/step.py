@@ -189,6 +189,8 @@ def apply_member(
         optimizer, grads, opt_state, trainable(member), optimizer_key(key)
     )
     new_member = eqx.apply_updates(member, updates)
+    if check == "deferred":  # checked once per dispatch (`loop.run_chunk`)
+        return new_member, new_opt_state, new_state, jnp.zeros((), bool)
     # The update is checked too: a finite gradient times a huge (or non-finite)
     # per-member learning rate still gives non-finite parameters.
     finite = jnp.isfinite(loss) & all_finite(

@@ -101,6 +101,62 @@ def member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any
     return jax.tree.map(pick, new, old, member_axis_mask(new))
 
 
+def per_member_select(
+    keep_new: Any, new: PyTree[Any], old: PyTree[Any], ens: Any
+) -> PyTree[Any]:
+    """`member_select` for a tree every array leaf of which carries the member
+    axis (the members' optimizer or model states; of a heterogeneous `ens`: a
+    tuple per group). `None` stays `None`."""
+    if new is None:
+        return None
+    if is_heterogeneous(ens):
+        return tuple(
+            per_member_select(group_keep, group_new, group_old, group)
+            for group_keep, group_new, group_old, group in zip(
+                split_by_group(ens, keep_new), new, old, ens.groups, strict=True
+            )
+        )
+
+    def pick(n, o):
+        if not eqx.is_array(n):
+            return n
+        mask = keep_new.reshape(keep_new.shape + (1,) * (n.ndim - 1))
+        return jnp.where(mask, n, o)
+
+    return jax.tree.map(pick, new, old)
+
+
+def members_finite(ens: Any, opt_state: Any, model_state: Any) -> Any:
+    """Per member: whether its own weights (not a shared part), optimizer state
+    and model state are all finite (trees as `per_member_select` takes them)."""
+    if is_heterogeneous(ens):
+        return jnp.concatenate(
+            [
+                members_finite(group, group_opt, group_state)
+                for group, group_opt, group_state in zip(
+                    ens.groups,
+                    opt_state,
+                    model_state or (None,) * len(ens.groups),
+                    strict=True,
+                )
+            ]
+        )
+    # By shape (as `step.all_finite`): `x * 0` is 0 for a finite x and NaN
+    # otherwise, so one sum per shape and dtype is finite exactly when every
+    # element summed is: few reductions to compile.
+    groups: dict[Any, Any] = {}
+    for leaf in jax.tree.leaves((ens.members, opt_state, model_state)):
+        if eqx.is_inexact_array(leaf):
+            key = (leaf.shape, leaf.dtype)
+            zero = leaf * jnp.zeros((), leaf.dtype)
+            groups[key] = zero if key not in groups else groups[key] + zero
+    finite = jnp.ones((len(ens),), bool)
+    for total in groups.values():
+        flat = jnp.reshape(total, (total.shape[0], -1))
+        finite = finite & jnp.isfinite(jnp.sum(flat, axis=1))
+    return finite
+
+
 def track_init(tracker: Any, ens: Any) -> Any:
     """`tracker`'s first state (of a heterogeneous ensemble: a tuple, one state
     per group)."""

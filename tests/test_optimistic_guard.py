@@ -1,0 +1,247 @@
+"""`fit`'s optimistic divergence guard (`Run.dispatch`, `Run._settle`,
+`loop._settle_members`).
+
+On a CPU a dispatch runs the step with no per-step finiteness check or select;
+frozen members compute along and get their weights back at its end, and every
+member's state is checked once, at its end. Where a member was not finite, the
+dispatch runs again from its start, in parts of the same program, to freeze it
+at the step it failed at. References: the run where nothing diverges (the other
+members bit for bit), the same run stopped just before the failing step (the
+frozen member bit for bit), SWA's mean by hand, and the guarded step forced for
+the whole run (the step each member diverged at)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+from eqx_ensemble._training import loop as loop_module, run as run_module
+
+SIZE = 4
+X = jax.random.normal(jax.random.key(1), (48, 2))
+Y = jnp.sin(X[:, :1])
+# Members 1 and 3's learning rates make SGD blow up geometrically on this
+# problem: their weights overflow at two different steps in the middle of the
+# first dispatch (40 steps): member 1 at step 11, member 3 at step 15.
+WILD = jnp.array([0.01, 0.63, 0.02, 0.65])
+TAME = jnp.array([0.01, 0.01, 0.02, 0.01])
+OPTIMIZER = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
+STEPS, PER_DISPATCH = 60, 40
+SWA = ee.SWA(start=5, every=3)
+
+
+def loss(model, batch, key):
+    del key
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def _fit(ens, rates, steps=STEPS, layout="vmap", **kwargs):
+    return ee.fit(
+        ens,
+        loss,
+        OPTIMIZER,
+        (X, Y),
+        steps=steps,
+        batch_size=8,
+        key=jax.random.key(2),
+        opt_state=ee.init_optimizer(
+            OPTIMIZER, ens, hyperparams={"learning_rate": rates}
+        ),
+        execution=ee.Execution(layout=layout, steps_per_dispatch=PER_DISPATCH),
+        callbacks=(),
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """The finiteness check of every dispatch `fit` runs, in order."""
+    seen = []
+    original = loop_module.dispatch_chunk
+
+    def spy(options, chunk, train_state):
+        seen.append(chunk.check)
+        return original(options, chunk, train_state)
+
+    monkeypatch.setattr(run_module, "dispatch_chunk", spy)
+    return seen
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def _assert_same(a, b):
+    for x, y in zip(_leaves(a), _leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def _member(tree, i):
+    return jax.tree.map(lambda x: x[i] if eqx.is_array(x) else x, tree)
+
+
+def _ensemble():
+    return ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k), size=SIZE, key=jax.random.key(0)
+    )
+
+
+@pytest.mark.parametrize("layout", ["vmap", "sequential"])
+def test_members_diverging_mid_dispatch_are_frozen_at_their_step(
+    monkeypatch, checks, layout
+):
+    ens = _ensemble()
+    wild = _fit(ens, WILD, layout=layout, track=[SWA])
+    assert set(checks) == {"deferred"}  # one program, every dispatch
+    assert set(wild.diverged) == {1, 3}
+    assert 1 < wild.diverged[1] < wild.diverged[3] < PER_DISPATCH
+    tame = _fit(ens, TAME, layout=layout, track=[SWA])
+    assert tame.diverged == {}
+    mean = wild.tracked[0]
+    for i in (0, 2):  # the others: bit for bit the run where nothing diverged
+        _assert_same(wild.ensemble[i], tame.ensemble[i])
+        _assert_same(_member(wild.opt_state, i), _member(tame.opt_state, i))
+        _assert_same(mean[i], tame.tracked[0][i])
+        np.testing.assert_array_equal(
+            wild.history.losses[:, i], tame.history.losses[:, i]
+        )
+    for i in (1, 3):
+        step = wild.diverged[i]
+        # Frozen at its last finite weights: the same run stopped just before.
+        before = _fit(ens, WILD, steps=step, layout=layout, track=[SWA])
+        assert i not in before.diverged
+        _assert_same(wild.ensemble[i], before.ensemble[i])
+        _assert_same(_member(wild.opt_state, i), _member(before.opt_state, i))
+        losses = wild.history.losses[:, i]
+        np.testing.assert_array_equal(losses[:step], before.history.losses[:, i])
+        assert np.isnan(losses[step + 1 :]).all()
+        # SWA keeps averaging what the member holds: its frozen weights.
+        averaged = [done for done in range(5, STEPS + 1, 3)]
+        early = sum(done <= step for done in averaged)
+        late = len(averaged) - early
+        for got, partial, frozen in zip(
+            _leaves(mean[i]),
+            _leaves(before.tracked[0][i]),
+            _leaves(before.ensemble[i]),
+            strict=True,
+        ):
+            want = (partial * early + frozen * late) / len(averaged)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert all(np.isfinite(leaf).all() for leaf in _leaves(wild.ensemble))
+
+    # The guarded step, checked at every step, freezes them at the same steps.
+    checks.clear()
+    monkeypatch.setattr(run_module, "hides_non_finite", lambda _: True)
+    guarded = _fit(ens, WILD, layout=layout, track=[SWA])
+    assert "deferred" not in checks
+    assert guarded.diverged == wild.diverged
+    for got, want in zip(
+        _leaves(wild.ensemble), _leaves(guarded.ensemble), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_trained_shared_part_keeps_the_guarded_step(checks):
+    # A frozen member must drop out of the shared gradient at every step: the
+    # step checks, as before (test_shared_parts.py tests what it does).
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k),
+        size=SIZE,
+        key=jax.random.key(0),
+        shared=lambda m: m.layers[0],
+        train_shared=True,
+    )
+    _fit(ens, TAME, steps=5)
+    assert checks and "deferred" not in checks
+
+
+def test_a_member_whose_optimizer_state_alone_overflows_is_found_step_by_step(
+    checks,
+):
+    # Adam's second moment overflows (g ** 2 > 3e38) while its update, weights
+    # and loss stay finite: only the end-of-dispatch check sees it, with no
+    # non-finite loss to start the search from. The guarded step freezes the
+    # member at step 0, before any update; so does the optimistic dispatch.
+    ens = _ensemble()
+    adam = optax.adam(1e-3)
+
+    def scaled(model, batch, key, hyper):
+        del key
+        x, y = batch
+        return hyper * jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    result = ee.fit(
+        ens,
+        scaled,
+        adam,
+        (X, Y),
+        steps=10,
+        batch_size=8,
+        key=jax.random.key(2),
+        hyper=jnp.array([1.0, 1.0, 1e30, 1.0]),
+        callbacks=(),
+    )
+    assert set(checks) == {"deferred"}
+    assert result.diverged == {2: 0}
+    _assert_same(result.ensemble[2], ens[2])
+    assert np.isfinite(np.delete(result.history.losses, 2, axis=1)).all()
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: optax.chain(optax.zero_nans(), optax.sgd(0.01)),
+        lambda: optax.apply_if_finite(optax.sgd(0.01), 3),
+        lambda: optax.MultiSteps(
+            optax.sgd(0.01), 1, optax.skip_not_finite
+        ).gradient_transformation(),
+    ],
+    ids=["zero_nans", "apply_if_finite", "multisteps_skip"],
+)
+def test_an_optimizer_that_hides_non_finite_gradients_keeps_the_guarded_step(
+    checks, make_optimizer, request
+):
+    # Such an optimizer keeps the weights finite where a gradient was not: the
+    # end-of-dispatch check could not see it, so every step is checked, and a
+    # member whose gradient alone is NaN is frozen at its start weights.
+    # (`MultiSteps` with a skip function accumulates the NaN gradient in its
+    # state first: the end-of-dispatch check sees it and replays.)
+    optimizer = make_optimizer()
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k), size=SIZE, key=jax.random.key(0)
+    )
+    # Member 1 is marked by a last bias below -10 (set here).
+    ens = eqx.tree_at(
+        lambda e: e.members.layers[-1].bias,
+        ens,
+        ens.members.layers[-1].bias.at[1].set(-20.0),
+    )
+
+    def nan_gradient_when_marked(model, batch, key):
+        # A finite loss whose gradient is NaN (sqrt at 0) for the marked member.
+        del key
+        x, y = batch
+        marked = model.layers[-1].bias[0] < -10.0
+        w = model.layers[0].bias[0]
+        at_zero = jnp.where(marked, jnp.abs(w - w), 1.0)
+        extra = jnp.where(marked, jnp.sqrt(at_zero), 0.0)
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2) + extra
+
+    result = ee.fit(
+        ens,
+        nan_gradient_when_marked,
+        optimizer,
+        (X, Y),
+        steps=5,
+        batch_size=8,
+        key=jax.random.key(2),
+        callbacks=(),
+    )
+    hidden = request.node.callspec.id != "multisteps_skip"
+    assert checks and ("deferred" not in checks) == hidden
+    assert set(result.diverged) == {1}
+    _assert_same(result.ensemble[1], ens[1])
