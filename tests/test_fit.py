@@ -401,7 +401,7 @@ def test_diverging_member_is_reported_and_isolated(mlp_ens):
     )
     first_bad = int(np.argmax(~np.isfinite(solo_losses)))
     assert not np.isfinite(solo_losses[first_bad])
-    assert result.diverged == {1: first_bad}
+    assert result.diverged == {1: first_bad + 1}  # steps count from 1
     assert not np.all(np.isfinite(result.history.losses[:, 1]))
     assert np.all(np.isfinite(result.history.losses[:, [0, 2]]))
     # The healthy members are bit-identical to a run without the diverging one:

@@ -270,7 +270,7 @@ def test_divergence_is_isolated_to_its_member(het):
     clean = ee.fit(het, poisoned, opt, (X, Y), hyper=jnp.zeros(5), **kwargs)
     flag = jnp.zeros(5).at[3].set(1.0)
     bad = ee.fit(het, poisoned, opt, (X, Y), hyper=flag, **kwargs)
-    assert bad.diverged == {3: 0}
+    assert bad.diverged == {3: 1}  # its first step (steps count from 1)
     assert clean.diverged == {}
     assert_close(bad.ensemble[3], het[3], atol=0)
     for i in (0, 1, 2, 4):

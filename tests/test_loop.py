@@ -355,7 +355,7 @@ def test_huge_learning_rate_member_keeps_last_finite_parameters(ens):
     )
     # Reference: member 1 alone, plain SGD, stopped at its first non-finite step.
     model, diverged_at = ens[1], None
-    for step, batch in enumerate(batches):
+    for step, batch in enumerate(batches, start=1):  # steps count from 1
         loss, grads = eqx.filter_value_and_grad(mse_loss)(model, batch, None)
         new = eqx.apply_updates(model, jax.tree.map(lambda g: -lr * g, grads))
         new_leaves = jax.tree.leaves(eqx.filter(new, eqx.is_inexact_array))

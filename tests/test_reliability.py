@@ -183,7 +183,7 @@ def test_one_diverging_member_is_isolated_reported_and_frozen(optimizer, samplin
     assert tame.diverged == {}
     # Exactly that member, at one step in the middle of the run.
     assert set(wild.diverged) == {WILD}
-    step = wild.diverged[WILD]
+    step = wild.diverged[WILD] - 1  # the steps done before it (counted from 1)
     assert PER_DISPATCH <= step < STEPS - 2, step
 
     # The others are bit-identical to the run where nothing diverged: parameters,
@@ -257,7 +257,7 @@ def test_divergence_record_survives_interrupt_and_resume(
     optimizer = OPTIMIZERS[optimizer]
     every = 4
     straight = run(optimizer, sampling, WILD_LR)
-    step = straight.diverged[WILD]
+    step = straight.diverged[WILD] - 1  # the steps done before it (counted from 1)
     # Interrupt at the last checkpoint before the divergence, or one after it.
     stop = (
         (step - 1) // every * every if when == "before" else (step // every + 1) * every
@@ -284,7 +284,7 @@ def test_divergence_record_survives_interrupt_and_resume(
         optimizer, sampling, WILD_LR, checkpoints=ee.Checkpoints(folder, every=every)
     )
     assert resumed.step == STEPS
-    assert resumed.diverged == straight.diverged == {WILD: step}
+    assert resumed.diverged == straight.diverged == {WILD: step + 1}
     assert_bitwise_equal(resumed.ensemble, straight.ensemble)
     assert_bitwise_equal(resumed.opt_state, straight.opt_state)
     np.testing.assert_array_equal(resumed.history.losses, straight.history.losses)
@@ -296,7 +296,7 @@ def test_divergence_record_survives_interrupt_and_resume(
         steps=STEPS + PER_DISPATCH,
         checkpoints=ee.Checkpoints(folder, every=every),
     )
-    assert extended.diverged == {WILD: step}
+    assert extended.diverged == {WILD: step + 1}
     assert_bitwise_equal(extended.ensemble[WILD], straight.ensemble[WILD])
     assert np.isnan(extended.history.losses[STEPS:, WILD]).all()
 

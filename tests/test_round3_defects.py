@@ -455,7 +455,7 @@ def test_a_member_whose_forward_overflows_drops_out_of_the_shared_gradient():
         ens, loss, optax.sgd(rate), data, steps=steps, batch_size=N, key=KEY,
         callbacks=(),
     )  # fmt: skip
-    assert result.diverged == {2: 0}
+    assert result.diverged == {2: 1}  # its first step (steps count from 1)
     # By hand: the healthy members train from step 0, and so does the shared
     # part, with the sum of the HEALTHY members' gradients (member 2 drops out
     # at the step it diverges at, that step included: issue 47, item 13; it

@@ -51,9 +51,10 @@ def test_a_schedule_that_turns_negative_is_named_when_the_members_diverge():
             key=KEY, callbacks=(),
         )  # fmt: skip
     message = str(caught.value)
-    # The first negative value of the schedule, computed independently:
-    first = next(step for step in range(400) if float(schedule(step)) < 0)
-    assert f"`learning_rate` schedule is negative from step {first}" in message
+    # The first negative value of the schedule, computed independently (optax
+    # reads it at the count of steps done; the message counts steps from 1):
+    first = next(count for count in range(400) if float(schedule(count)) < 0)
+    assert f"`learning_rate` schedule is negative from step {first + 1}" in message
     assert "lower the learning rate" not in message
 
 
@@ -233,3 +234,71 @@ def test_parametric_calibrators_do_not_lose_to_temperature_scaling_by_default(fi
     )
     assert default <= reference + 0.01, (default, reference)
     assert weak > default, (weak, default)
+
+
+# 12. One step numbering: every step number counts from 1.
+
+
+def test_every_step_number_counts_from_one(tmp_path):
+    # Member 1's learning rate blows SGD up after a few steps. Its divergence
+    # step is the same number in the result, the log's event, the progress
+    # meter and (when every member diverges) the error; it is the first row of
+    # the log whose loss column is NaN from then on, and the log's step column,
+    # the evaluations and the checkpoints count the same way (step t: the
+    # t-th update, after which t steps are done).
+    sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    rates = jnp.array([0.1, 6.0, 0.1])
+    seen = []
+
+    class Meter(ee.ProgressMeter):
+        def start(self, total, done, resumed):
+            return None
+
+        def update(self, handle, done, losses, diverged_at):
+            seen.append(diverged_at.copy())
+
+        def close(self, handle):
+            pass
+
+    result = ee.fit(
+        ENS, mse, sgd, (X, Y), steps=20, batch_size=8, key=KEY,
+        opt_state=ee.init_optimizer(sgd, ENS, hyperparams={"learning_rate": rates}),
+        evaluate=ee.Evaluate(mse, (X, Y), every=5),
+        checkpoints=ee.Checkpoints(tmp_path / "ckpt", every=10),
+        callbacks=[ee.CSVLogger(tmp_path / "logs"), Meter()],
+        execution=ee.Execution(steps_per_dispatch=5),
+    )  # fmt: skip
+    assert set(result.diverged) == {1}
+    t = result.diverged[1]
+    assert 1 <= t <= 20
+    table = np.loadtxt(tmp_path / "logs" / "losses.csv", delimiter=",", skiprows=1)
+    np.testing.assert_array_equal(table[:, 0], np.arange(1, 21))
+    column = table[:, 2]  # member 1
+    assert np.isfinite(column[: t - 1]).all() and np.isnan(column[t:]).all()
+    np.testing.assert_allclose(column, result.history.losses[:, 1], rtol=1e-6)
+    events = (tmp_path / "logs" / "events.jsonl").read_text()
+    assert f'{{"step": {t}, "event": "diverged", "member": 1}}' in events
+    assert int(seen[-1][1]) == t and (np.delete(seen[-1], 1) == -1).all()
+    # Member 1 keeps its weights after step t - 1: a run of t - 1 steps.
+    before = ee.fit(
+        ENS, mse, sgd, (X, Y), steps=t - 1, batch_size=8, key=KEY,
+        opt_state=ee.init_optimizer(sgd, ENS, hyperparams={"learning_rate": rates}),
+        callbacks=(),
+    ) if t > 1 else None  # fmt: skip
+    if before is not None:
+        assert before.diverged == {}
+        assert eqx.tree_equal(result.ensemble[1], before.ensemble[1])
+    np.testing.assert_array_equal(result.history.eval_steps, [5, 10, 15, 20])
+    assert [step for step, _ in ee.list_checkpoints(tmp_path / "ckpt")] == [10, 20]
+
+    # Every member diverging: the error names the same numbers.
+    with pytest.raises(ee.EnsembleDivergedError) as caught:
+        ee.fit(
+            ENS, mse, sgd, (X, Y), steps=20, batch_size=8, key=KEY,
+            opt_state=ee.init_optimizer(sgd, ENS, hyperparams={"learning_rate": 6.0}),
+            callbacks=(),
+        )  # fmt: skip
+    steps = caught.value.result.diverged  # pyright: ignore[reportAttributeAccessIssue]
+    listed = [steps[member] for member in range(3)]
+    assert f"at steps {listed}" in str(caught.value)
+    assert min(listed) >= 1

@@ -130,8 +130,9 @@ def fit(
     ended early) carry the run so far as `error.result`.
 
     **Randomness (exact and documented, so runs are reproducible):**
-    `data_key, bootstrap_key, train_key = jax.random.split(key, 3)`. At step `s`
-    (from 0) member `i`'s `loss_fn` gets key
+    `data_key, bootstrap_key, train_key = jax.random.split(key, 3)`. Steps
+    count from 1 everywhere (the logs, `FitResult.diverged`, checkpoints); at
+    step `s + 1` (`s` steps done before it) member `i`'s `loss_fn` gets key
     `jax.random.split(jax.random.fold_in(train_key, s), len(ens))[i]`. Batches
     of array data are drawn from `data_key` (and `bootstrap_key`) as each
     sampling documents. Evaluations use `jax.random.fold_in(key, 3)`. An

@@ -10,7 +10,8 @@ class History:
     """Per-member training history.
 
     - `losses`: `(steps, members)` training loss of every member at every step
-      (NaN once a member has diverged or been stopped: it no longer trains).
+      (row `t - 1` is step `t`: steps count from 1, as everywhere; NaN once a
+      member has diverged or been stopped: it no longer trains).
     - `eval_steps`: `(evaluations,)` the step count after which each evaluation ran.
     - `eval_scores`: `(evaluations, members)` each member's evaluation score.
 

@@ -61,7 +61,8 @@ class LogEntry:
     - `steps`: `(n,)` the steps it ran (1-based: the step count after each).
     - `losses`: `(n, members)` every member's training loss at those steps.
     - `eval_steps`, `eval_scores`: `(e,)` and `(e, members)`: evaluations it ran.
-    - `diverged_at`: `(members,)` each member's divergence step (`-1`: healthy).
+    - `diverged_at`: `(members,)` each member's divergence step, counted like
+      `steps` (`-1`: healthy), as in `FitResult.diverged`.
     - `member_hparams`: each member's injected hyperparameters after it
       (controllers such as PBT change them).
     - `events`: what happened in it, as records with `"step"` (counted like

@@ -578,8 +578,9 @@ def _schedules(optimizer: Any) -> list[tuple[str, Callable[[Any], Any]]]:
 
 def schedule_problem(optimizer: Any, steps: Sequence[int]) -> str | None:
     """A sentence naming a step-size schedule of `optimizer` that is negative
-    or not finite at a step up to the last of `steps` (optax's count: the
-    update of step `s` reads the schedule at `s`), else `None`. For the
+    or not finite at a step up to the last of `steps` (steps' indices, from 0:
+    optax's count, the update of step `s + 1` reads the schedule at `s`), else
+    `None`; the sentence counts steps from 1, as every step number users read. For the
     message of a run whose members diverged: gradient ascent diverges with no
     NaN in sight."""
     last = max((int(s) for s in steps), default=-1)
@@ -598,7 +599,7 @@ def schedule_problem(optimizer: Any, steps: Sequence[int]) -> str | None:
             first = int(np.argmax(bad))
             what = "negative" if values[first] < 0 else "not finite"
             return (
-                f"the optimizer's `{name}` schedule is {what} from step {first} "
+                f"the optimizer's `{name}` schedule is {what} from step {first + 1} "
                 f"({values[first]:.6g}): a negative step size climbs the loss. "
                 "Fix the schedule"
             )

@@ -20,7 +20,8 @@ class ProgressMeter(Component):
       (`done` steps are already done when the run `resumed` from a checkpoint).
     - `update(handle, done, losses, diverged_at) -> None`: after each dispatch,
       with the steps done so far, the dispatch's `(steps, members)` losses and
-      each member's divergence step (`-1`: healthy).
+      each member's divergence step, counted from 1 as in
+      `FitResult.diverged` (`-1`: healthy).
     - `close(handle) -> None`: when the run ends, also on an error.
 
     **Example:**

@@ -22,11 +22,13 @@ class FitResult:
     - `state`: the stacked model state (`eqx.nn.State`) or `None`.
     - `history`: a [`History`][eqx_ensemble.History] of per-member losses and scores.
     - `diverged`: `{member: step}` for members whose loss, gradient or update
-      became non-finite; from that step on they were frozen (the others trained
-      on) and they keep their last finite parameters.
+      became non-finite at that step (steps count from 1, as everywhere: the
+      logs, `steps=`, checkpoints); the member keeps its parameters after the
+      step before (its last finite ones) and trains no more, the others train
+      on. Its losses from that step on are NaN: `history.losses[step - 1:]`.
     - `stopped`: `{member: step}` for members stopped before the end (by
-      [`ee.EarlyStopping`][eqx_ensemble.EarlyStopping]), with the step count at
-      which each stopped; from then on they were frozen. When every member has
+      [`ee.EarlyStopping`][eqx_ensemble.EarlyStopping]): the last step each
+      trained; from then on they were frozen. When every member has
       stopped (or diverged), the run ends there: `step` is less than `steps`.
     - `best_ensemble`: with `evaluate=`, each member at its best evaluation score
       (lowest), else `None`; `best_step` holds the step of each member's best.
@@ -99,8 +101,8 @@ def make_result(
         opt_state=train_state.opt_state,
         state=train_state.model_state,
         history=history,
-        diverged={
-            int(member): int(step)
+        diverged={  # counted from 1: `diverged_at` is the step's index
+            int(member): int(step) + 1
             for member, step in enumerate(diverged_at)
             if step >= 0
         },

@@ -632,7 +632,7 @@ class Run:
                     read_error = error
                 losses = self.record_dispatch(values, end)
                 for meter, handle in zip(self.meters, handles, strict=True):
-                    meter.update(handle, self.done, losses, self._diverged_at)
+                    meter.update(handle, self.done, losses, self.diverged_steps())
                 if (self._diverged_at >= 0).all():
                     if writer is not None:
                         self.log(writer, losses, end)
@@ -739,7 +739,7 @@ class Run:
             losses=np.asarray(losses, np.float32),
             eval_steps=np.asarray(recorded, np.int64),
             eval_scores=np.asarray(scores, np.float32).reshape(len(recorded), size),
-            diverged_at=self._diverged_at.copy(),
+            diverged_at=self.diverged_steps(),
             member_hparams=member_hparams(self.state(), self.groups)
             if self._hparams
             else {},
@@ -1021,9 +1021,14 @@ class Run:
         error.result = self.result()
         raise error
 
+    def diverged_steps(self) -> np.ndarray:
+        """Each member's divergence step counted from 1, as every step number
+        users read (`-1`: healthy); `diverged_at` holds the step's index."""
+        return np.where(self._diverged_at >= 0, self._diverged_at + 1, -1)
+
     def diverged_message(self) -> str:
-        steps = self._diverged_at.tolist()
-        problem = schedule_problem(self.chunk.optimizer, steps)
+        steps = self.diverged_steps().tolist()
+        problem = schedule_problem(self.chunk.optimizer, self._diverged_at.tolist())
         advice = (
             problem
             if problem is not None
