@@ -302,3 +302,59 @@ def test_every_step_number_counts_from_one(tmp_path):
     listed = [steps[member] for member in range(3)]
     assert f"at steps {listed}" in str(caught.value)
     assert min(listed) >= 1
+
+
+# 7. Laplace's prior: tuned on a validation split when one is given.
+
+
+def test_laplace_tuned_on_validation_does_not_lose_to_the_members_on_digits():
+    # Members trained without weight decay (as usual): the marginal likelihood
+    # picks a far too weak prior for them (underconfident); the validation
+    # split's prior must give a mixture no worse than the members themselves
+    # (their mean test NLL), and it is the one `validation=` selects.
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    order = np.random.default_rng(0).permutation(len(digits.target))
+    images = digits.data[order].astype(np.float32)
+    labels = digits.target[order].astype(np.int32)
+    mean, std = images[:1000].mean(0), images[:1000].std(0) + 1e-3
+    x = jnp.asarray((images - mean) / std)
+    y = jnp.asarray(labels)
+    train, val, test = (
+        (x[:1000], y[:1000]),
+        (x[1000:1300], y[1000:1300]),
+        (x[1300:], y[1300:]),
+    )
+
+    def cross_entropy(model, batch, key):
+        xs, ys = batch
+        logits = jax.vmap(model)(xs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, ys).mean()
+
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(64, 10, 64, 2, key=k), size=3, key=jax.random.key(0)
+    )
+    deep = ee.fit(
+        ens, cross_entropy, optax.sgd(0.05, momentum=0.9), train, steps=600,
+        batch_size=64, key=jax.random.key(1), callbacks=(),
+    ).ensemble  # fmt: skip
+
+    def nll(probs):  # the mixture's, and each member's, by hand
+        probs = np.asarray(probs, np.float64)
+        rows = np.arange(len(test[1]))
+        picked = probs[:, rows, np.asarray(test[1])]
+        return -np.log(picked.mean(0)).mean(), -np.log(picked).mean(1)
+
+    _, members_own = nll(jax.nn.softmax(ee.predict(deep, test[0]), axis=-1))
+    posterior = ee.laplace(deep, train, likelihood="classification", validation=val)
+    mixture, _ = nll(posterior.predict(test[0]))
+    assert mixture <= members_own.mean(), (mixture, members_own)
+    by_hand = ee.laplace(deep, train, likelihood="classification")
+    tuned = by_hand.optimize_prior_precision(val)
+    np.testing.assert_array_equal(posterior.prior_precision, tuned.prior_precision)
+    with pytest.raises(ValueError, match="pass one of them"):
+        ee.laplace(
+            deep, train, likelihood="classification", validation=val,
+            prior_precision=1.0,
+        )  # fmt: skip
