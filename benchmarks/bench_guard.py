@@ -157,7 +157,7 @@ def _fit_variants(variants, compile_s, ens, x_all, y_all, batch, steps, loss_fn)
     from eqx_ensemble._training import loop as loop_module, run as run_module
 
     optimizer = optax.adam(1e-3)
-    hides = run_module.hides_non_finite
+    hides = run_module._hides_non_finite
 
     def fit_loss(model, b, key):
         del key
@@ -175,7 +175,7 @@ def _fit_variants(variants, compile_s, ens, x_all, y_all, batch, steps, loss_fn)
         state = {"ens": ens, "opt": ee.init_optimizer(optimizer, ens)}
 
         def go(loss=loss, guarded=guarded, state=state):
-            run_module.hides_non_finite = (lambda _: True) if guarded else hides
+            run_module._hides_non_finite = (lambda *_: True) if guarded else hides
             result = ee.fit(
                 state["ens"], loss, optimizer, (x_all, y_all), steps=steps,
                 batch_size=batch, key=jax.random.key(0), callbacks=(),
@@ -183,7 +183,7 @@ def _fit_variants(variants, compile_s, ens, x_all, y_all, batch, steps, loss_fn)
             )  # fmt: skip
             jax.block_until_ready(result.ensemble)
             state["ens"], state["opt"] = result.ensemble, result.opt_state
-            run_module.hides_non_finite = hides
+            run_module._hides_non_finite = hides
 
         settle = loop_module._settle_members
         if bare:  # traced at the first call only

@@ -135,7 +135,7 @@ def test_members_diverging_mid_dispatch_are_frozen_at_their_step(
 
     # The guarded step, checked at every step, freezes them at the same steps.
     checks.clear()
-    monkeypatch.setattr(run_module, "hides_non_finite", lambda _: True)
+    monkeypatch.setattr(run_module, "_hides_non_finite", lambda *_: True)
     guarded = _fit(ens, WILD, layout=layout, track=[SWA])
     assert "deferred" not in checks
     assert guarded.diverged == wild.diverged

@@ -602,8 +602,10 @@ class Run:
             self.chunk.counted
             and not isinstance(self.chunk.loss_fn, Coupled)
             and not _trains_shared(self.train_state.ensemble)
-            and not hides_non_finite(self.train_state.opt_state)
+            and not _hides_non_finite(self.chunk.optimizer, self.train_state)
         )
+        if self._optimistic:
+            self.chunk = dataclasses.replace(self.chunk, check="deferred")
         self._replay: tuple[Chunk, TrainState, np.ndarray] | None = None
 
     def run(self) -> FitResult:
@@ -809,7 +811,6 @@ class Run:
         # the step it failed at and freeze it there (`_settle`).
         self._replay = None
         if self._optimistic:
-            chunk = dataclasses.replace(chunk, check="deferred")
             frozen = _frozen(self._diverged_at, self._stopped_at)
             self._replay = (chunk, self.train_state, frozen)
         return self._run_dispatch(chunk)
@@ -1045,6 +1046,26 @@ class Run:
             f"{self.steps}`; give `steps` at most the number of batches, or a "
             "stream that does not end. The run so far is `error.result`"
         )
+
+
+# `hides_non_finite` per optimizer (its state's kinds follow from it): a
+# tree walk of the state is tens of microseconds, on every `fit` call.
+_HIDES: dict[Any, bool] = {}
+
+
+def _hides_non_finite(optimizer: Any, train_state: TrainState) -> bool:
+    try:
+        return _HIDES[optimizer]
+    except (KeyError, TypeError):
+        pass
+    hides = hides_non_finite(train_state.opt_state)
+    try:
+        if len(_HIDES) > 64:
+            _HIDES.clear()
+        _HIDES[optimizer] = hides
+    except TypeError:  # unhashable
+        pass
+    return hides
 
 
 def _trains_shared(ens: Any) -> bool:
