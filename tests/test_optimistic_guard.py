@@ -31,6 +31,7 @@ TAME = jnp.array([0.01, 0.01, 0.02, 0.01])
 OPTIMIZER = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
 STEPS, PER_DISPATCH = 60, 40
 SWA = ee.SWA(start=5, every=3)
+KEY0 = jax.random.key(0)
 
 
 def loss(model, batch, key):
@@ -245,3 +246,84 @@ def test_an_optimizer_that_hides_non_finite_gradients_keeps_the_guarded_step(
     assert checks and ("deferred" not in checks) == hidden
     assert set(result.diverged) == {1}
     _assert_same(result.ensemble[1], ens[1])
+
+
+def test_the_search_runs_each_step_at_most_a_few_times(checks):
+    # Two failures in one 40-step dispatch: the first try, then per failure
+    # one part up to just before its first NaN loss, at most two single
+    # steps, the failing step again, and the rest of the dispatch; then the
+    # run's second dispatch. Not a full re-run per step.
+    _fit(_ensemble(), WILD)
+    assert len(checks) <= 1 + 2 * 5 + 1, len(checks)
+
+
+class RunningMax(eqx.Module):
+    """A linear model whose state keeps the largest output seen, starting at
+    -inf, beside a -inf it never updates: a model state that is not finite by
+    design."""
+
+    linear: eqx.nn.Linear
+    index: eqx.nn.StateIndex
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(2, 1, key=key)
+        self.index = eqx.nn.StateIndex(jnp.full((2,), -jnp.inf, jnp.float32))
+
+
+def test_a_model_state_that_holds_an_infinity_is_not_a_divergence(checks):
+    # The guarded step checks the loss, gradients, weights and optimizer
+    # state, never the model state; neither does the end-of-dispatch check.
+    ens, state = ee.ensemble(
+        lambda k: eqx.nn.make_with_state(RunningMax)(k), size=SIZE, key=KEY0
+    )
+
+    def stateful_loss(model, state, batch, key):
+        del key
+        x, y = batch
+        out = jax.vmap(model.linear)(x)
+        seen = state.get(model.index).at[0].max(jnp.max(out))
+        return jnp.mean((out - y) ** 2), state.set(model.index, seen)
+
+    results = {}
+    for guard in ("auto", "step"):
+        results[guard] = ee.fit(
+            ens, stateful_loss, OPTIMIZER, (X, Y), steps=10, batch_size=8,
+            key=jax.random.key(2), state=state, callbacks=(),
+            opt_state=ee.init_optimizer(
+                OPTIMIZER, ens, hyperparams={"learning_rate": TAME}
+            ),
+            execution=ee.Execution(guard=guard),
+        )  # fmt: skip
+    assert results["auto"].diverged == results["step"].diverged == {}
+    assert "deferred" in checks
+    assert np.isneginf(np.asarray(results["auto"].state.get(ens[0].index))[:, 1]).all()
+
+
+def test_guard_step_checks_every_step_and_freezes_at_the_same_step(checks):
+    # For a loss that checks its own inputs (`eqx.error_if`): with the check at
+    # every step a failed member never computes with non-finite weights.
+    def checked(model, batch, key):
+        x, y = batch
+        weights = model.layers[0].weight
+        model = eqx.tree_at(
+            lambda m: m.layers[0].weight,
+            model,
+            eqx.error_if(weights, ~jnp.isfinite(weights), "non-finite weights"),
+        )
+        return loss(model, (x, y), key)
+
+    result = ee.fit(
+        _ensemble(), checked, OPTIMIZER, (X, Y), steps=STEPS, batch_size=8,
+        key=jax.random.key(2),
+        opt_state=ee.init_optimizer(
+            OPTIMIZER, _ensemble(), hyperparams={"learning_rate": WILD}
+        ),
+        execution=ee.Execution(steps_per_dispatch=PER_DISPATCH, guard="step"),
+        callbacks=(),
+    )  # fmt: skip
+    assert checks and "deferred" not in checks
+    assert result.diverged == _fit(_ensemble(), WILD).diverged
+    with pytest.raises(ValueError, match="Execution.guard"):
+        ee.Execution(guard="never")
+    with pytest.raises(ValueError, match="does not use `Execution.guard`"):
+        ee.make_step(loss, OPTIMIZER, execution=ee.Execution(guard="step"))

@@ -29,7 +29,9 @@ _FIELDS = (
     "compiler_options",
     "mesh",
     "member_chunk",
+    "guard",
 )
+_GUARDS = ("auto", "step")
 
 
 class Execution(Component):
@@ -77,6 +79,19 @@ class Execution(Component):
       (each device computes `k` of its own members at a time, no transfer).
       Vectorised layout only; not yet with a trained shared part or an
       `ee.Coupled` loss. `None`: all members at once.
+    - `guard`: `fit` only: where the divergence guard checks that every member
+      is finite. `"auto"` (the default): on a CPU (array data), once at the end
+      of each dispatch, and a dispatch in which a member failed is run again
+      in parts to freeze it at its step (the training guide); every step
+      elsewhere, and for an optimizer that replaces non-finite gradients
+      (`optax.zero_nans`, `optax.apply_if_finite`), a trained shared part or
+      an `ee.Coupled` loss. `"step"`: at every step, as `make_step` does: for
+      a loss that checks its own inputs at run time (`eqx.error_if`, a
+      `diffrax` solve that throws), which a failed member would reach with
+      non-finite weights before its dispatch ends, or an optimizer that makes
+      a non-finite gradient finite some other way (`optax.clip` of an
+      infinite one, a `nan_to_num`), which the end-of-dispatch check cannot
+      see. Both freeze a member at the same step.
 
     The results are the same whatever these say, to floating-point rounding;
     on a CPU, a run resumed from a checkpoint with the same `Execution` is bit
@@ -101,6 +116,7 @@ class Execution(Component):
     compiler_options: tuple[tuple[str, Any], ...] | None
     mesh: Mesh | None
     member_chunk: int | None
+    guard: str
 
     def __init__(
         self,
@@ -111,6 +127,7 @@ class Execution(Component):
         compiler_options: dict[str, Any] | None = None,
         mesh: Mesh | None = None,
         member_chunk: int | None = None,
+        guard: str | None = None,
     ):
         if steps_per_dispatch is not None:
             steps_per_dispatch = check_positive_int(
@@ -144,6 +161,14 @@ class Execution(Component):
                     "a time; `member_chunk` chunks the vectorised layout: pass one "
                     "or the other"
                 )
+        if guard is None:
+            guard = "auto"
+        if not isinstance(guard, str) or guard not in _GUARDS:
+            raise ValueError(
+                f"`Execution.guard` must be one of {_GUARDS} (or None for 'auto'), "
+                f"got {guard!r}"
+            )
+        self.guard = guard
         self.member_chunk = member_chunk
         self.steps_per_dispatch = steps_per_dispatch
         self.layout = layout
@@ -159,7 +184,7 @@ class Execution(Component):
             if name in fields:
                 continue
             value = getattr(self, name)
-            if value is not None and not (name == "layout" and value == "auto"):
+            if value is not None and value != "auto":  # layout's, guard's
                 raise ValueError(
                     f"`{function}` does not use `Execution.{name}` (it uses "
                     f"{', '.join(f'`{f}`' for f in fields) or 'no field'}); "

@@ -186,4 +186,5 @@ FIT_FIELDS = (
     "compiler_options",
     "mesh",
     "member_chunk",
+    "guard",
 )

@@ -366,7 +366,7 @@ def _settle_members(
     """The end of an optimistic dispatch (`Run.dispatch`): the members frozen
     at its start (diverged or stopped: they computed along, unchecked) get
     back their start weights, optimizer and model states, and every other
-    member whose weights, optimizer or model state is not finite is marked
+    member whose weights or optimizer state is not finite is marked
     `NOT_FINITE` in `diverged_at` for the host, which then finds the step it
     failed at. That check is enough: a non-finite weight stays non-finite
     under `apply_updates` (an addition), and a non-finite gradient makes the
@@ -376,7 +376,7 @@ def _settle_members(
     frozen = (start.diverged_at >= 0) | (start.stopped_at >= 0)
     frozen = constrain(frozen, mesh, (MEMBERS,))
     ens, opt_state, model_state = end.ensemble, end.opt_state, end.model_state
-    finite = constrain(members_finite(ens, opt_state, model_state), mesh, (MEMBERS,))
+    finite = constrain(members_finite(ens, opt_state), mesh, (MEMBERS,))
     return dataclasses.replace(
         end,
         ensemble=member_select(~frozen, ens, start.ensemble),

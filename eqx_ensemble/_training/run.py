@@ -338,6 +338,7 @@ def prepare(
         functions=functions,
         resumed_from=None if history is None else done,
         groups=ens.bounds if is_heterogeneous(ens) else None,
+        guard=execution.guard,
         hparams={
             "members": size,
             "steps": steps,
@@ -582,6 +583,7 @@ class Run:
     resumed_from: int | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     groups: tuple[tuple[int, int], ...] | None = None  # a heterogeneous run's
+    guard: str = "auto"  # `Execution.guard`
 
     def __post_init__(self):
         if self.resumed_from is None:  # fresh: known without reading the state
@@ -599,7 +601,8 @@ class Run:
         # share anything trained (a trained shared part, a coupled loss: a
         # frozen member must drop out of those at every step).
         self._optimistic = (
-            self.chunk.counted
+            self.guard == "auto"
+            and self.chunk.counted
             and not isinstance(self.chunk.loss_fn, Coupled)
             and not _trains_shared(self.train_state.ensemble)
             and not _hides_non_finite(self.chunk.optimizer, self.train_state)
@@ -905,12 +908,12 @@ class Run:
                 hint = int(np.flatnonzero(rows.any(axis=1))[0]) if rows.any() else 0
                 if hint > 1:  # clean up to just before the first NaN loss?
                     part = self._part(chunk, state, position + hint - 1)
-                    if _failing(part, hint - 1, frozen).any():
-                        stepwise = True  # it failed earlier: step by step
-                    else:
+                    if not _failing(part, hint - 1, frozen).any():
                         _rows(losses, scores, part, position - start, hint - 1)
                         state, position = self.train_state, position + hint - 1
-                readout = None
+                # Then (or where it failed earlier, or no loss says where)
+                # step by step up to the failing step.
+                stepwise, readout = True, None
             one = self._part(chunk, state, position + 1)
             failed = _failing(one, 1, frozen)
             if failed.any():
@@ -921,6 +924,11 @@ class Run:
                 )
                 state = restore_placement(state, self.chunk.placement)
                 again = self._part(chunk, state, position + 1)
+                if _failing(again, 1, frozen).any():  # the same step, determined
+                    raise RuntimeError(
+                        f"internal error: step {position + 1} failed again with "
+                        "its failing members frozen; please report it"
+                    )
                 row = again.losses[:1].copy()
                 row[0, failed] = one.losses[0, failed]
                 one, stepwise = again._replace(losses=row), False

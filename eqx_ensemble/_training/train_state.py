@@ -126,26 +126,23 @@ def per_member_select(
     return jax.tree.map(pick, new, old)
 
 
-def members_finite(ens: Any, opt_state: Any, model_state: Any) -> Any:
-    """Per member: whether its own weights (not a shared part), optimizer state
-    and model state are all finite (trees as `per_member_select` takes them)."""
+def members_finite(ens: Any, opt_state: Any) -> Any:
+    """Per member: whether its own weights (not a shared part) and optimizer
+    state are all finite (the optimizer state as `per_member_select` takes it),
+    what the guarded step checks of the state (`step.apply_member`; a model
+    state may hold infinities by design, a running maximum's start)."""
     if is_heterogeneous(ens):
         return jnp.concatenate(
             [
-                members_finite(group, group_opt, group_state)
-                for group, group_opt, group_state in zip(
-                    ens.groups,
-                    opt_state,
-                    model_state or (None,) * len(ens.groups),
-                    strict=True,
-                )
+                members_finite(group, group_opt)
+                for group, group_opt in zip(ens.groups, opt_state, strict=True)
             ]
         )
     # By shape (as `step.all_finite`): `x * 0` is 0 for a finite x and NaN
     # otherwise, so one sum per shape and dtype is finite exactly when every
     # element summed is: few reductions to compile.
     groups: dict[Any, Any] = {}
-    for leaf in jax.tree.leaves((ens.members, opt_state, model_state)):
+    for leaf in jax.tree.leaves((ens.members, opt_state)):
         if eqx.is_inexact_array(leaf):
             key = (leaf.shape, leaf.dtype)
             zero = leaf * jnp.zeros((), leaf.dtype)
