@@ -27,6 +27,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
+from .._core.heterogeneous import is_heterogeneous
 from .._core.sharding import (
     MEMBERS,
     constrain,
@@ -47,11 +48,10 @@ from .evaluate import Evaluate, eval_member_keys
 from .loss import LossFn
 from .sampling import Sampling
 from .source import Batches
-from .step import vmapped_update
+from .step import all_finite, vmapped_update
 from .train_state import (
     TrainState,
     member_select,
-    members_finite,
     per_member_select,
     track_update,
 )
@@ -376,7 +376,7 @@ def _settle_members(
     frozen = (start.diverged_at >= 0) | (start.stopped_at >= 0)
     frozen = constrain(frozen, mesh, (MEMBERS,))
     ens, opt_state, model_state = end.ensemble, end.opt_state, end.model_state
-    finite = constrain(members_finite(ens, opt_state), mesh, (MEMBERS,))
+    finite = constrain(_members_finite(ens, opt_state), mesh, (MEMBERS,))
     return dataclasses.replace(
         end,
         ensemble=member_select(~frozen, ens, start.ensemble),
@@ -385,6 +385,23 @@ def _settle_members(
         diverged_at=jnp.where(
             frozen | finite, end.diverged_at, jnp.int32(NOT_FINITE)
         ).astype(end.diverged_at.dtype),
+    )
+
+
+def _members_finite(ens: Any, opt_state: Any) -> Any:
+    """Per member: whether its own weights (not a shared part) and optimizer
+    state are all finite (the optimizer state as `per_member_select` takes it),
+    what the guarded step checks of the state (`step.apply_member`; a model
+    state may hold infinities by design, a running maximum's start)."""
+    if is_heterogeneous(ens):
+        return jnp.concatenate(
+            [
+                _members_finite(group, group_opt)
+                for group, group_opt in zip(ens.groups, opt_state, strict=True)
+            ]
+        )
+    return eqx.filter_vmap(lambda *trees: all_finite(*trees, check="by_shape"))(
+        ens.members, opt_state
     )
 
 

@@ -126,34 +126,6 @@ def per_member_select(
     return jax.tree.map(pick, new, old)
 
 
-def members_finite(ens: Any, opt_state: Any) -> Any:
-    """Per member: whether its own weights (not a shared part) and optimizer
-    state are all finite (the optimizer state as `per_member_select` takes it),
-    what the guarded step checks of the state (`step.apply_member`; a model
-    state may hold infinities by design, a running maximum's start)."""
-    if is_heterogeneous(ens):
-        return jnp.concatenate(
-            [
-                members_finite(group, group_opt)
-                for group, group_opt in zip(ens.groups, opt_state, strict=True)
-            ]
-        )
-    # By shape (as `step.all_finite`): `x * 0` is 0 for a finite x and NaN
-    # otherwise, so one sum per shape and dtype is finite exactly when every
-    # element summed is: few reductions to compile.
-    groups: dict[Any, Any] = {}
-    for leaf in jax.tree.leaves((ens.members, opt_state)):
-        if eqx.is_inexact_array(leaf):
-            key = (leaf.shape, leaf.dtype)
-            zero = leaf * jnp.zeros((), leaf.dtype)
-            groups[key] = zero if key not in groups else groups[key] + zero
-    finite = jnp.ones((len(ens),), bool)
-    for total in groups.values():
-        flat = jnp.reshape(total, (total.shape[0], -1))
-        finite = finite & jnp.isfinite(jnp.sum(flat, axis=1))
-    return finite
-
-
 def track_init(tracker: Any, ens: Any) -> Any:
     """`tracker`'s first state (of a heterogeneous ensemble: a tuple, one state
     per group)."""
