@@ -30,7 +30,7 @@ test: $(VENV)/.installed-dev
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test-all: $(VENV)/.installed-dev
-	$(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 -m ""
+	EE_TEST_XLA_DEFAULTS=1 $(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 -m ""
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

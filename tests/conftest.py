@@ -11,8 +11,15 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # LLVM without optimisation compile them in about half the time (test_loop.py:
 # 51 -> 24 s of compilation). `EE_TEST_XLA_DEFAULTS=1` (set by `make test-all`)
 # runs the suite with XLA's defaults, the programs users run.
+# A test whose claim is about XLA's own output (a demo's numbers, "these options
+# change no bits") runs its code in a process with the defaults:
+# `run_with_xla_defaults`.
+FAST_COMPILE_FLAGS = (
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_backend_optimization_level=0",
+)
 if not os.environ.get("EE_TEST_XLA_DEFAULTS"):
-    for _flag in ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0"):
+    for _flag in FAST_COMPILE_FLAGS:
         if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
             os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -31,6 +38,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import gc  # noqa: E402
 import itertools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -65,6 +74,25 @@ def _bounded_memory_maps():
     if count is not None and count > MAX_MAPS:
         jax.clear_caches()
         gc.collect()
+
+
+def run_with_xla_defaults(code: str, *args: str, timeout: float = 300) -> str:
+    """Run `code` (a Python script) with `args` in a fresh process compiling with
+    XLA's default flags (and this suite's device count); its standard output.
+    """
+    env = dict(os.environ, EE_TEST_XLA_DEFAULTS="1")
+    env["XLA_FLAGS"] = " ".join(
+        flag for flag in env["XLA_FLAGS"].split() if flag not in FAST_COMPILE_FLAGS
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
 
 
 # How `make test` spreads the tests over its xdist workers (`--dist loadgroup`):

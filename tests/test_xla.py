@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, run_with_xla_defaults
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution import compile as _xla
@@ -92,33 +92,48 @@ def test_options_reach_xla():
     assert "ynn" not in eigen.compiled.as_text()
 
 
+_FAST_CODEGEN_BITS = """
+import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
+import eqx_ensemble as ee
+from eqx_ensemble._execution import compile as _xla
+
+a = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
+
+
+def f(a):
+    return jnp.tanh(a) @ a + jnp.exp(-a)
+
+
+fast = tuple(sorted(_xla.FAST_CODEGEN.items()))
+compiled = _xla.filter_jit(f, fast).lower(a).compile()
+default = _xla.filter_jit(f, ()).lower(a).compile()
+ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 2, key=k), size=3,
+                  key=jax.random.key(0))
+x = jnp.linspace(-1, 1, 32)[:, None]
+
+
+def mse(model, batch, key):
+    return jnp.mean((jax.vmap(model)(batch) - jnp.sin(batch)) ** 2)
+
+
+runs = [
+    ee.fit(ens, mse, optax.adam(1e-2), x, steps=30, batch_size=8,
+           key=jax.random.key(1), callbacks=(),
+           execution=ee.Execution(compiler_options=options)).ensemble
+    for options in ({}, dict(fast))
+]
+for a_leaf, b_leaf in zip(*map(jax.tree.leaves, runs), strict=True):
+    np.testing.assert_array_equal(a_leaf, b_leaf)
+np.testing.assert_array_equal(compiled(a), default(a))
+print("same bits")
+"""
+
+
 def test_fast_codegen_changes_no_bits_of_tiny_programs():
     """LLVM level 1 gives the same bits as XLA's default level on a small
-    function and on a tiny `fit` run (the dispatch-bound regime it is for)."""
-    a = jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)
-
-    def f(a):
-        return jnp.tanh(a) @ a + jnp.exp(-a)
-
-    fast = tuple(sorted(_xla.FAST_CODEGEN.items()))
-    compiled = _xla.filter_jit(f, fast).lower(a).compile()
-    default = _xla.filter_jit(f, ()).lower(a).compile()
-    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 2, key=k), size=3,
-                      key=jax.random.key(0))  # fmt: skip
-    x = jnp.linspace(-1, 1, 32)[:, None]
-
-    def mse(model, batch, key):
-        return jnp.mean((jax.vmap(model)(batch) - jnp.sin(batch)) ** 2)
-
-    runs = [
-        ee.fit(ens, mse, optax.adam(1e-2), x, steps=30, batch_size=8,
-               key=jax.random.key(1), callbacks=(),
-               execution=ee.Execution(compiler_options=options)).ensemble
-        for options in ({}, dict(fast))
-    ]  # fmt: skip
-    for a_leaf, b_leaf in zip(*map(jax.tree.leaves, runs), strict=True):
-        np.testing.assert_array_equal(a_leaf, b_leaf)
-    np.testing.assert_array_equal(compiled(a), default(a))
+    function and on a tiny `fit` run (the dispatch-bound regime it is for), in
+    a process compiling with XLA's defaults (not this suite's faster flags)."""
+    assert run_with_xla_defaults(_FAST_CODEGEN_BITS).strip() == "same bits"
 
 
 def test_a_step_with_options_runs_inside_the_users_jit():

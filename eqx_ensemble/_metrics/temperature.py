@@ -1,10 +1,10 @@
 """Temperature scaling (Guo et al. 2017): one temperature fitted on held-out data."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from .._internal.search import golden_section
 from .._internal.tree import is_traced
 from .classification import (
     compiled,
@@ -97,43 +97,9 @@ def _fit_temperature(
         log_mean = ensemble_log_probs(probs, log_probs, from_logits=True)
         return -jnp.mean(label_log_probs(log_mean, labels))
 
-    inverse_golden = (np.sqrt(5.0) - 1.0) / 2.0
     low = jnp.asarray(np.log(bounds[0]), dtype)
     high = jnp.asarray(np.log(bounds[1]), dtype)
-    inner_low = high - inverse_golden * (high - low)
-    inner_high = low + inverse_golden * (high - low)
-
-    def step(_, state):
-        low, high, inner_low, inner_high, value_low, value_high = state
-        keep_left = value_low < value_high
-        # Keep the bracket around the better interior point; reuse its value and
-        # evaluate the objective once, at the new interior point.
-        low = jnp.where(keep_left, low, inner_low)
-        high = jnp.where(keep_left, inner_high, high)
-        new_point = jnp.where(
-            keep_left,
-            high - inverse_golden * (high - low),
-            low + inverse_golden * (high - low),
-        )
-        value_new = objective(new_point)
-        inner_low, inner_high, value_low, value_high = (
-            jnp.where(keep_left, new_point, inner_high),
-            jnp.where(keep_left, inner_low, new_point),
-            jnp.where(keep_left, value_new, value_high),
-            jnp.where(keep_left, value_low, value_new),
-        )
-        return low, high, inner_low, inner_high, value_low, value_high
-
-    state = (
-        low,
-        high,
-        inner_low,
-        inner_high,
-        objective(inner_low),
-        objective(inner_high),
-    )
-    low, high, *_ = jax.lax.fori_loop(0, iterations, step, state)
-    return jnp.exp((low + high) / 2)
+    return jnp.exp(golden_section(objective, low, high, iterations))
 
 
 def apply_temperature(

@@ -17,6 +17,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 from .._core.ensemble import Ensemble, with_members
 from .._internal.checks import check_positive_int, first_non_finite
 from .._internal.keys import check_key
+from .._internal.search import golden_section
 from .._internal.tree import keystr
 
 Likelihood = Literal["classification", "regression"]
@@ -876,46 +877,13 @@ def _log_marginal_likelihood(posterior: LaplacePosterior, prior: Array) -> Array
 @eqx.filter_jit
 def _optimize_prior(posterior: LaplacePosterior) -> Array:
     size = posterior.mean.shape[0]
-    inverse_golden = (math.sqrt(5.0) - 1.0) / 2.0
 
     def objective(log_prior):
         return -_log_marginal_likelihood(posterior, jnp.exp(log_prior))
 
     low = jnp.full((size,), math.log(PRIOR_BOUNDS[0]), jnp.float32)
     high = jnp.full((size,), math.log(PRIOR_BOUNDS[1]), jnp.float32)
-    inner_low = high - inverse_golden * (high - low)
-    inner_high = low + inverse_golden * (high - low)
-
-    def step(_, state):
-        low, high, inner_low, inner_high, value_low, value_high = state
-        keep_left = value_low < value_high
-        low = jnp.where(keep_left, low, inner_low)
-        high = jnp.where(keep_left, inner_high, high)
-        new_point = jnp.where(
-            keep_left,
-            high - inverse_golden * (high - low),
-            low + inverse_golden * (high - low),
-        )
-        value_new = objective(new_point)
-        return (
-            low,
-            high,
-            jnp.where(keep_left, new_point, inner_high),
-            jnp.where(keep_left, inner_low, new_point),
-            jnp.where(keep_left, value_new, value_high),
-            jnp.where(keep_left, value_low, value_new),
-        )
-
-    state = (
-        low,
-        high,
-        inner_low,
-        inner_high,
-        objective(inner_low),
-        objective(inner_high),
-    )
-    low, high, *_ = jax.lax.fori_loop(0, PRIOR_ITERATIONS, step, state)
-    return jnp.exp((low + high) / 2)
+    return jnp.exp(golden_section(objective, low, high, PRIOR_ITERATIONS))
 
 
 def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -> Array:
