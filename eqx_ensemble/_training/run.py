@@ -20,11 +20,9 @@ from .._checkpoints.sharded import PendingSave
 from .._controllers.base import Controller
 from .._controllers.early_stopping import EarlyStopping
 from .._controllers.pbt import PBT
-from .._core.data import check_leading
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import (
     Heterogeneous,
-    check_group_states,
     is_heterogeneous,
 )
 from .._core.sharding import (
@@ -53,12 +51,12 @@ from .._execution.layout import (
 )
 from .._execution.profile import StepProfile, signature
 from .._internal.checks import MAX_INT32, check_positive_int
-from .._internal.keys import check_key
 from .._internal.tree import first_difference
 from .._trackers.base import Tracker
 from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
+from .inputs import check_chunkable, check_inputs
 from .loggers import LogEntry, Logger, LogWriter, RunInfo
 from .loop import (
     NOT_FINITE,
@@ -70,11 +68,9 @@ from .loop import (
 )
 from .loss import (
     LossFn,
-    check_hyper,
     check_optimizer,
 )
 from .optim import (
-    check_opt_state,
     hides_non_finite,
     member_hparams,
     schedule_problem,
@@ -90,12 +86,7 @@ from .record import (
 from .result import EnsembleDivergedError, FitResult, make_result
 from .sampling import Sampling, as_sampling
 from .source import ArraySource, Batches, DataSource, StreamSource
-from .step import (
-    check_chunkable,
-    check_heterogeneous_run,
-    check_losses,
-    ensemble_profile,
-)
+from .step import ensemble_profile
 from .stream import check_data
 from .train_state import TrainState, start_state
 
@@ -193,17 +184,14 @@ def prepare(
     """Every check `fit` makes, in order, before any work; then the first state
     (or the resumed one), the data source, the execution plan and the compiled
     loop's inputs."""
-    if not isinstance(ens, Ensemble | Heterogeneous):
-        raise TypeError(
-            "`fit` expects an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
-            f"{type(ens).__name__}"
-        )
-    size = len(ens)
     check_optimizer(optimizer)
     # Equal losses and optimizers are one program (`_execution.intern`).
     loss_fn, optimizer = canonical_tree(loss_fn), canonical_tree(optimizer)
+    size = check_inputs(
+        ens, loss_fn, optimizer, key, state=state, hyper=hyper, opt_state=opt_state,
+        runner=execution, where="fit",
+    )  # fmt: skip
     steps = check_positive_int(steps, "steps", high=MAX_INT32)
-    check_key(key)
     sampling = as_sampling(sampling)
     mesh = execution.mesh
     meters, controllers, loggers, functions = split_callbacks(callbacks)
@@ -213,29 +201,14 @@ def prepare(
     for tracker in track:
         tracker.check(steps)
     _check_periods(evaluate, controllers, steps)
-    if is_heterogeneous(ens):
-        check_heterogeneous_run(loss_fn, execution, "fit")
-        if any(isinstance(controller, PBT) for controller in controllers):
-            raise ValueError(
-                "`ee.PBT` copies one member's weights into another, which members "
-                "of different architectures cannot take: run PBT on each group of "
-                "the `ee.Heterogeneous` on its own"
-            )
-        if state is not None:
-            check_group_states(ens, state, "`state`")
-    elif state is not None:
-        check_leading(state, size, "`state`")
-    if isinstance(loss_fn, Coupled) and state is not None:
-        raise TypeError(
-            "an `ee.Coupled` loss does not take a model state (`state=`): it is "
-            "called as `fn(ensemble, batch, keys)`; drop `state=`, or write the "
-            "objective per member"
+    if is_heterogeneous(ens) and any(isinstance(c, PBT) for c in controllers):
+        raise ValueError(
+            "`ee.PBT` copies one member's weights into another, which members "
+            "of different architectures cannot take: run PBT on each group of "
+            "the `ee.Heterogeneous` on its own"
         )
-    check_losses(loss_fn, ens, state is not None, hyper is not None)
     if evaluate is not None:
         evaluate.check(state is not None)
-    if hyper is not None:
-        check_hyper(hyper, size)
     arrays = check_data(data)
     # Arrays are checked now; a stream is opened where the run starts (below).
     source: DataSource | None = None
@@ -243,8 +216,6 @@ def prepare(
         source = ArraySource(data, sampling, batch_size, size)
         if mesh is not None:
             mesh = check_fit_mesh(mesh, size, source.batch_size)
-    if opt_state is not None:
-        check_opt_state(optimizer, ens, opt_state)
     # Array data: the plan is known now (a stream's needs its first batch).
     plan = None
     if isinstance(source, ArraySource):

@@ -12,12 +12,10 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
-from .._core.data import check_leading
 from .._core.ensemble import Ensemble, check_shared_shapes, with_members
 from .._core.groups import join_members
 from .._core.heterogeneous import (
     Heterogeneous,
-    check_group_states,
     is_heterogeneous,
     per_group,
     split_by_group,
@@ -50,18 +48,17 @@ from .._execution.guard import FiniteCheck, choose_finite_check, step_flops
 from .._execution.intern import canonical_tree
 from .._execution.layout import Layout, choose_layout, member_map
 from .._execution.profile import StepProfile, first_member, profile_jaxpr
-from .._internal.keys import check_key, optimizer_key
+from .._internal.keys import optimizer_key
 from .._internal.tree import keystr
 from .coupled import Coupled, coupled_losses
+from .inputs import check_chunkable, check_inputs
 from .loss import (
     LossFn,
     call_loss,
-    check_hyper,
-    check_loss_signature,
     check_optimizer,
     profile_step,
 )
-from .optim import SharedOptState, check_opt_state, optimizer_update, trainable
+from .optim import SharedOptState, optimizer_update, trainable
 
 
 class StepOutput(NamedTuple):
@@ -457,70 +454,6 @@ def _skip_if_frozen(
 
     dynamic = jax.lax.cond(frozen, skip, run, None)
     return eqx.combine(dynamic, static)
-
-
-def check_chunkable(loss_fn: Any, ens: Any) -> None:
-    """`Execution.member_chunk` applies to members trained on their own: refuse
-    a coupled loss and a trained shared part by name."""
-    if isinstance(loss_fn, Coupled):
-        raise ValueError(
-            "`Execution(member_chunk=...)` does not yet apply to an `ee.Coupled` "
-            "loss (it needs every member at once); leave `member_chunk` out"
-        )
-    if getattr(ens, "train_shared", False):
-        raise ValueError(
-            "`Execution(member_chunk=...)` does not yet apply to a trained shared "
-            "part (its gradient sums over every member); leave `member_chunk` out "
-            "or freeze the shared part"
-        )
-
-
-def check_heterogeneous_run(loss_fn: Any, execution: Any, where: str) -> None:
-    """What a heterogeneous ensemble does not (yet) train with, refused by name
-    before any work: an `ee.Coupled` loss, a mesh, member chunks."""
-    losses = loss_fn if isinstance(loss_fn, tuple) else (loss_fn,)
-    if any(isinstance(fn, Coupled) for fn in losses):
-        raise ValueError(
-            f"`{where}` of an `ee.Heterogeneous` takes a loss of ONE model; an "
-            "`ee.Coupled` loss (a function of the whole ensemble) needs every member "
-            "to have one structure"
-        )
-    if getattr(execution, "mesh", None) is not None:
-        raise ValueError(
-            f"`{where}` of an `ee.Heterogeneous` does not yet run on a mesh "
-            "(`Execution(mesh=...)`); shard each group's run on its own, or leave "
-            "`mesh` out"
-        )
-    if getattr(execution, "member_chunk", None) is not None:
-        raise ValueError(
-            f"`{where}` of an `ee.Heterogeneous` does not yet take "
-            "`Execution(member_chunk=...)`; leave it out (each group is vectorised "
-            "on its own already)"
-        )
-
-
-def check_losses(loss_fn: LossFn, ens: Any, stateful: bool, with_hyper: bool) -> None:
-    """`check_loss_signature` for the loss, or for each group's of a tuple of
-    losses (one per group of an `ee.Heterogeneous`, which only it takes)."""
-    if not isinstance(loss_fn, tuple):
-        check_loss_signature(loss_fn, stateful, with_hyper)
-        return
-    if not is_heterogeneous(ens):
-        raise TypeError(
-            f"`loss_fn` is a tuple of {len(loss_fn)}: a loss per group, which only "
-            "an `ee.Heterogeneous` takes; pass one loss function"
-        )
-    if len(loss_fn) != len(ens.groups):
-        raise ValueError(
-            f"`loss_fn` is a tuple of {len(loss_fn)} losses but the "
-            f"`ee.Heterogeneous` has {len(ens.groups)} groups: give one loss per "
-            "group, in the groups' order (or one loss for all)"
-        )
-    for index, fn in enumerate(loss_fn):
-        try:
-            check_loss_signature(fn, stateful, with_hyper)
-        except TypeError as error:
-            raise TypeError(f"`loss_fn[{index}]` (group {index}): {error}") from None
 
 
 def group_loss(loss_fn: LossFn, index: int) -> Callable[..., Any]:
@@ -934,22 +867,10 @@ def _step_impl(
     state: PyTree[Any] = None,
     hyper: PyTree[Any] = None,
 ) -> StepOutput:
-    if not isinstance(ens, Ensemble | Heterogeneous):
-        raise TypeError(
-            "expected an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
-            f"{type(ens).__name__}"
-        )
-    check_key(key)
-    size = len(ens)
-    check_losses(step.loss_fn, ens, state is not None, hyper is not None)
-    if hyper is not None:
-        check_hyper(hyper, size)
-    check_opt_state(step.optimizer, ens, opt_state)
-    if is_heterogeneous(ens):
-        check_heterogeneous_run(step.loss_fn, step, "make_step")
-        check_group_states(ens, state, "`state`")
-    elif state is not None:
-        check_leading(state, size, "`state`")
+    size = check_inputs(
+        ens, step.loss_fn, step.optimizer, key, state=state, hyper=hyper,
+        opt_state=opt_state, runner=step, where="make_step",
+    )  # fmt: skip
     if step.per_member_batch:
         check_per_member_args((batch,), (0,), size)
     _check_not_empty(batch, step.per_member_batch)

@@ -1,0 +1,119 @@
+"""The input checks `fit` and `make_step` share, in one order, before any work."""
+
+from typing import Any
+
+from .._core.data import check_leading
+from .._core.ensemble import Ensemble
+from .._core.heterogeneous import Heterogeneous, check_group_states, is_heterogeneous
+from .._internal.keys import check_key
+from .coupled import Coupled
+from .loss import LossFn, check_hyper, check_loss_signature
+from .optim import check_opt_state
+
+
+def check_inputs(
+    ens: Any,
+    loss_fn: LossFn,
+    optimizer: Any,
+    key: Any,
+    *,
+    state: Any,
+    hyper: Any,
+    opt_state: Any,
+    runner: Any,
+    where: str,
+) -> int:
+    """The checks of a training call (`where`: "fit" or "make_step"; `runner`: its
+    `Execution` or `Step`): the ensemble, the key, what a heterogeneous run
+    refuses, the model state, the loss's signature, the hyperparameters, a given
+    optimizer state (`make_step` always has one: `None` there is refused by
+    the same check). Returns the number of members."""
+    if not isinstance(ens, Ensemble | Heterogeneous):
+        raise TypeError(
+            f"`{where}` expects an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
+            f"{type(ens).__name__}"
+        )
+    check_key(key)
+    size = len(ens)
+    if is_heterogeneous(ens):
+        check_heterogeneous_run(loss_fn, runner, where)
+        if state is not None:
+            check_group_states(ens, state, "`state`")
+    elif state is not None:
+        check_leading(state, size, "`state`")
+    if isinstance(loss_fn, Coupled) and state is not None:
+        raise TypeError(
+            "an `ee.Coupled` loss does not take a model state (`state=`): it is "
+            "called as `fn(ensemble, batch, keys)`; drop `state=`, or write the "
+            "objective per member"
+        )
+    check_losses(loss_fn, ens, state is not None, hyper is not None)
+    if hyper is not None:
+        check_hyper(hyper, size)
+    if opt_state is not None or where == "make_step":
+        check_opt_state(optimizer, ens, opt_state)
+    return size
+
+
+def check_chunkable(loss_fn: Any, ens: Any) -> None:
+    """`Execution.member_chunk` applies to members trained on their own: refuse
+    a coupled loss and a trained shared part by name."""
+    if isinstance(loss_fn, Coupled):
+        raise ValueError(
+            "`Execution(member_chunk=...)` does not yet apply to an `ee.Coupled` "
+            "loss (it needs every member at once); leave `member_chunk` out"
+        )
+    if getattr(ens, "train_shared", False):
+        raise ValueError(
+            "`Execution(member_chunk=...)` does not yet apply to a trained shared "
+            "part (its gradient sums over every member); leave `member_chunk` out "
+            "or freeze the shared part"
+        )
+
+
+def check_heterogeneous_run(loss_fn: Any, execution: Any, where: str) -> None:
+    """What a heterogeneous ensemble does not (yet) train with, refused by name
+    before any work: an `ee.Coupled` loss, a mesh, member chunks."""
+    losses = loss_fn if isinstance(loss_fn, tuple) else (loss_fn,)
+    if any(isinstance(fn, Coupled) for fn in losses):
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` takes a loss of ONE model; an "
+            "`ee.Coupled` loss (a function of the whole ensemble) needs every member "
+            "to have one structure"
+        )
+    if getattr(execution, "mesh", None) is not None:
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` does not yet run on a mesh "
+            "(`Execution(mesh=...)`); shard each group's run on its own, or leave "
+            "`mesh` out"
+        )
+    if getattr(execution, "member_chunk", None) is not None:
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` does not yet take "
+            "`Execution(member_chunk=...)`; leave it out (each group is vectorised "
+            "on its own already)"
+        )
+
+
+def check_losses(loss_fn: LossFn, ens: Any, stateful: bool, with_hyper: bool) -> None:
+    """`check_loss_signature` for the loss, or for each group's of a tuple of
+    losses (one per group of an `ee.Heterogeneous`, which only it takes)."""
+    if not isinstance(loss_fn, tuple):
+        check_loss_signature(loss_fn, stateful, with_hyper)
+        return
+    if not is_heterogeneous(ens):
+        raise TypeError(
+            f"`loss_fn` is a tuple of {len(loss_fn)}: a loss per group, which only "
+            "an `ee.Heterogeneous` takes; pass one loss function"
+        )
+    if len(loss_fn) != len(ens.groups):
+        raise ValueError(
+            f"`loss_fn` is a tuple of {len(loss_fn)} losses but the "
+            f"`ee.Heterogeneous` has {len(ens.groups)} groups: give one loss per "
+            "group, in the groups' order (or one loss for all)"
+        )
+    for index, fn in enumerate(loss_fn):
+        try:
+            check_loss_signature(fn, stateful, with_hyper)
+        except TypeError as error:
+            raise TypeError(f"`loss_fn[{index}]` (group {index}): {error}") from None
