@@ -13,7 +13,7 @@ import eqx_ensemble as ee
 from eqx_ensemble._execution.compile import MIN_STEP_FLOPS
 from eqx_ensemble._execution.guard import choose_finite_check, step_flops
 from eqx_ensemble._execution.profile import StepProfile, profile_jaxpr
-from eqx_ensemble._training import run as run_module, step as step_module
+from eqx_ensemble._execution import plan as plan_module
 from eqx_ensemble._training.step import all_finite
 
 FORMS = ("per_leaf", "by_shape")
@@ -147,8 +147,7 @@ def test_fit_and_make_step_choose_by_the_steps_size(monkeypatch):
         chosen.append(choose_finite_check(**kwargs))
         return chosen[-1]
 
-    monkeypatch.setattr(run_module, "choose_finite_check", spy)
-    monkeypatch.setattr(step_module, "choose_finite_check", spy)
+    monkeypatch.setattr(plan_module, "choose_finite_check", spy)
     optimizer = optax.adam(1e-3)
     # 2 members, 64 examples: about 13 kFLOP per step, or 205 MFLOP (tiny: under
     # `MIN_STEP_FLOPS`, 16 MFLOP).
@@ -188,7 +187,7 @@ def test_an_overflowing_update_is_caught_in_either_form(monkeypatch):
     optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
     rates = jnp.array([0.01, 3e38, 0.02])
     forced = []
-    monkeypatch.setattr(run_module, "choose_finite_check", lambda **_: forced[-1])
+    monkeypatch.setattr(plan_module, "choose_finite_check", lambda **_: forced[-1])
 
     def fit(steps):
         return ee.fit(

@@ -673,9 +673,9 @@ def test_make_step_chooses_the_layout_and_options_fit_would():
     images = jnp.ones((4, 1, 6, 6))
     batch = (images, jnp.ones((4, 1)))
     step = ee.make_step(loss, optax.sgd(0.1))
-    for_group = step._layout(groups[0], batch)
-    assert step._layout(het, batch) == for_group == "sequential"
-    assert step._options(het, batch) == step._options(groups[0], batch)
+    for_group = step._plan(groups[0], batch)
+    assert step._plan(het, batch).layout == for_group.layout == "sequential"
+    assert step._plan(het, batch).compiler_options == for_group.compiler_options
 
 
 def test_a_loss_per_group_trains_each_group_as_its_loss_alone(het):

@@ -52,7 +52,6 @@ from .step import all_finite, vmapped_update
 from .train_state import (
     TrainState,
     member_select,
-    per_member_select,
     track_update,
 )
 
@@ -246,7 +245,7 @@ def _train_step(
         training = (ts.diverged_at < 0) & (ts.stopped_at < 0)
         training = constrain(training, chunk.mesh, (MEMBERS,))
         seen_ens = member_select(training, new_ens, kept.ensemble)
-        seen_state = per_member_select(training, model_state, kept.model_state, new_ens)
+        seen_state = member_select(training, model_state, kept.model_state, new_ens)
     ts = dataclasses.replace(
         ts,
         ensemble=seen_ens,
@@ -380,8 +379,8 @@ def _settle_members(
     return dataclasses.replace(
         end,
         ensemble=member_select(~frozen, ens, start.ensemble),
-        opt_state=per_member_select(~frozen, opt_state, start.opt_state, ens),
-        model_state=per_member_select(~frozen, model_state, start.model_state, ens),
+        opt_state=member_select(~frozen, opt_state, start.opt_state, ens),
+        model_state=member_select(~frozen, model_state, start.model_state, ens),
         diverged_at=jnp.where(
             frozen | finite, end.diverged_at, jnp.int32(NOT_FINITE)
         ).astype(end.diverged_at.dtype),
@@ -390,7 +389,7 @@ def _settle_members(
 
 def _members_finite(ens: Any, opt_state: Any) -> Any:
     """Per member: whether its own weights (not a shared part) and optimizer
-    state are all finite (the optimizer state as `per_member_select` takes it),
+    state are all finite (the optimizer state as `member_select` takes it with `ens`),
     what the guarded step checks of the state (`step.apply_member`; a model
     state may hold infinities by design, a running maximum's start)."""
     if is_heterogeneous(ens):

@@ -2,7 +2,6 @@
 dispatches (history, controllers, checkpoints, results)."""
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
@@ -35,21 +34,15 @@ from .._core.sharding import (
 )
 from .._execution.compile import (
     Options,
-    default_steps_per_dispatch,
     platform_of,
-    step_compiler_options,
 )
 from .._execution.execution import Execution
-from .._execution.guard import FiniteCheck, choose_finite_check, step_flops
 from .._execution.intern import canonical_tree
 from .._execution.layout import (
-    SEQUENTIAL_MAX_MEMBERS,
-    Layout,
     check_member_chunk,
-    choose_layout,
-    run_length_class,
 )
-from .._execution.profile import StepProfile, signature
+from .._execution.plan import Plan, plan_step
+from .._execution.profile import signature
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.tree import first_difference
 from .._trackers.base import Tracker
@@ -377,22 +370,6 @@ def _check_periods(
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class FitPlan:
-    """How a `fit` run executes, resolved from its `Execution` (see there):
-    steps compiled per dispatch, unrolled or scanned, the member layout, the
-    XLA options, and the form of the divergence guard's finiteness check
-    (`_execution.guard`: the library's choice, by the step's size)."""
-
-    length: int
-    unroll: bool
-    layout: Layout
-    compiler_options: Options
-    check: FiniteCheck = "per_leaf"
-    # Dispatches loop over a traced number of steps (`loop.Chunk.counted`).
-    counted: bool = False
-
-
 def plan_fit(
     execution: Execution,
     loss_fn: LossFn,
@@ -402,122 +379,32 @@ def plan_fit(
     hyper: PyTree[Any],
     mesh: Mesh | None,
     steps: int,
-) -> FitPlan:
-    """`execution`'s choices, with the library's where it leaves them open,
-    computed once per loss, execution, input structure and mesh (a run of the
-    same shapes looks its plan up). The step's profile (does the loss
-    convolve? batched matmuls?) is read on one CPU or GPU device only, where
-    something depends on it."""
+) -> Plan:
+    """`execution`'s choices, with the library's where it leaves them open
+    (`_execution.plan`), looked up per loss, execution, input structure, mesh
+    and run length class."""
+    if execution.member_chunk is not None:
+        check_member_chunk(execution.member_chunk, len(ens), members_devices(mesh))
+        check_chunkable(loss_fn, ens)
     try:
-        table = _PLANS.setdefault(loss_fn, {})
-        key = (
-            execution,
+        structure: Any = (
             signature((ens.members, state, hyper)),
             source.batch_signature(),
-            mesh,
-            jax.default_backend(),
-            run_length_class(steps),
         )
-    except TypeError:  # not weakly referable, or an unhashable leaf
-        table, key = None, None
-    plan = None if table is None else table.get(key)
-    if plan is None:
-        plan = _plan_fit(
-            execution,
-            loss_fn,
-            ens,
-            source,
-            source.member_batch(),
-            state,
-            hyper,
-            mesh,
-            steps,
-        )
-        if table is not None:
-            if len(table) > 64:
-                table.clear()
-            table[key] = plan
-    if plan.counted:
-        return plan
-    return dataclasses.replace(plan, length=min(plan.length, steps))
-
-
-# Plans per loss (held weakly: the entry goes with the loss) and inputs.
-_PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, FitPlan]]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _plan_fit(
-    execution: Execution,
-    loss_fn: LossFn,
-    ens: Ensemble | Heterogeneous,
-    source: DataSource,
-    member_batch: PyTree[Any],
-    state: PyTree[Any],
-    hyper: PyTree[Any],
-    mesh: Mesh | None,
-    steps: int,
-) -> FitPlan:
-    size = len(ens)
-    profile = StepProfile()
-    platform = jax.default_backend()
-    # The loss's profile, where a choice reads it: the CPU's unrolling,
-    # options, guard and layout; a GPU's automatic layout (never on a mesh).
-    automatic_layout = (
-        execution.layout not in ("vmap", "sequential")
-        and execution.member_chunk is None
-        and size <= SEQUENTIAL_MAX_MEMBERS
-    )
-    if mesh is None and (platform == "cpu" or (platform == "gpu" and automatic_layout)):
-        profile = ensemble_profile(loss_fn, ens, member_batch, state, hyper)
-    unroll = execution.unroll
-    if unroll is None:
-        unroll = profile.convolutions and platform == "cpu"
-    layout = choose_layout(
-        execution.layout,
-        convolutions=profile.convolutions,
-        size=size,
+    except TypeError:  # an unhashable leaf: planned every time
+        structure = None
+    return plan_step(
+        execution,
+        lambda: ensemble_profile(loss_fn, ens, source.member_batch(), state, hyper),
+        owner=loss_fn,
+        structure=structure,
+        members=ens.members,
+        examples=source.batch_size,
+        size=len(ens),
         mesh=mesh,
         steps=steps,
-        convolution_flops=profile.convolution_flops,
-        platform=platform,
+        pads_on_host=source.pads_on_host,
     )
-    if execution.member_chunk is not None:  # chunks of vectorised members
-        check_member_chunk(execution.member_chunk, size, members_devices(mesh))
-        check_chunkable(loss_fn, ens)
-        layout = "vmap"
-    per_dispatch = execution.steps_per_dispatch
-    if per_dispatch is None:
-        if not unroll:
-            per_dispatch = default_steps_per_dispatch(
-                ens.members, source.batch_size, size, mesh
-            )
-        else:
-            # An unrolled dispatch compiles every step it holds, and a step of
-            # a convolving loss outweighs a dispatch's host work (a few hundred
-            # microseconds): one step per dispatch. Every dispatch is then the
-            # same program, so a resumed run is bit for bit the uninterrupted
-            # one, and the first call compiles one step.
-            per_dispatch = 1
-    options = step_compiler_options(
-        execution.compiler_options,
-        ens.members,
-        source.batch_size,
-        size,
-        mesh,
-        profile.batched_dots,
-    )
-    devices = 1 if mesh is None else mesh.size
-    check = choose_finite_check(
-        flops=step_flops(ens.members, source.batch_size, size, devices, profile),
-        platform=platform_of(mesh),
-    )
-    # On a CPU a scanned dispatch is a loop of a traced trip count, compiled
-    # for `per_dispatch` steps whatever the run's length (array data: a
-    # stream's group is padded on the host, so it stays as short as the run).
-    counted = platform_of(mesh) == "cpu" and not unroll and not source.pads_on_host
-    return FitPlan(per_dispatch, unroll, layout, options, check, counted)
 
 
 def _skips_conditional(chunk: Chunk) -> bool:

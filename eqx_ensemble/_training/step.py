@@ -33,21 +33,18 @@ from .._core.sharding import (
 from .._execution.compile import (
     CompiledFunctions,
     Options,
-    cpu_codegen_options,
     filter_jit,
-    platform_of,
-    step_compiler_options,
-    with_eigen_dots,
 )
 from .._execution.execution import (
     Execution,
     as_execution,
     refuses_moved,
 )
-from .._execution.guard import FiniteCheck, choose_finite_check, step_flops
+from .._execution.guard import FiniteCheck
 from .._execution.intern import canonical_tree
-from .._execution.layout import Layout, choose_layout, member_map
-from .._execution.profile import StepProfile, first_member, profile_jaxpr
+from .._execution.layout import Layout, member_map
+from .._execution.plan import Plan, plan_step
+from .._execution.profile import StepProfile, first_member, profile_jaxpr, signature
 from .._internal.keys import optimizer_key
 from .._internal.tree import keystr
 from .coupled import Coupled, coupled_losses
@@ -686,13 +683,13 @@ class Step(eqx.Module):
         *,
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
-        # The member layout is chosen while tracing (nothing per call); the XLA
-        # options, which the compilation needs, from the inputs' sizes.
+        # The plan (layout, XLA options, guard) is looked up per call by the
+        # inputs' structure, and compiled with.
         if self.mesh is None:
-            compiled = _compiled_step(self, self._options(ens, batch, state, hyper))
+            compiled = _compiled_step(self, self._plan(ens, batch, state, hyper))
             return compiled(ens, opt_state, batch, key, state, hyper)
         step = self._placed(ens, opt_state, state)
-        compiled = _compiled_step(step, step._options(ens, batch, state, hyper))
+        compiled = _compiled_step(step, step._plan(ens, batch, state, hyper))
         with mesh_context(self.mesh):
             return compiled(ens, opt_state, batch, key, state, hyper)
 
@@ -709,9 +706,7 @@ class Step(eqx.Module):
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
         step = self if self.mesh is None else self._placed(ens, opt_state, state)
         with mesh_context(self.mesh):
-            compiled: Any = _compiled_step(
-                step, step._options(ens, batch, state, hyper)
-            )
+            compiled: Any = _compiled_step(step, step._plan(ens, batch, state, hyper))
             if isinstance(compiled, functools.partial):  # a step holding arrays
                 generic: Any = compiled.func
                 lowered = generic.lower(step, ens, opt_state, batch, key, state, hyper)
@@ -719,58 +714,28 @@ class Step(eqx.Module):
             lowered = compiled.lower(ens, opt_state, batch, key, state, hyper)
             return _LoweredStep(lowered, None)
 
-    def _options(
-        self, ens: Any, batch: Any, state: Any = None, hyper: Any = None
-    ) -> Options:
-        # The options depend on the inputs' sizes and on what the loss computes
-        # (see `_xla`): traced once per input signature, only where it matters.
-        if self.compiler_options is not None:
-            return self.compiler_options
-        if not isinstance(ens, Ensemble | Heterogeneous):
-            return ()
-        examples = _examples(batch, self.per_member_batch)
-        # Decided once per members' structure and shapes, batch size and mesh
-        # (a flatten and a dictionary lookup per call).
-        leaves, treedef = jax.tree_util.tree_flatten(ens.members)
-        plan_key = (
-            treedef,
-            tuple(getattr(leaf, "shape", None) for leaf in leaves),
-            examples,
-            self.mesh,
+    def _plan(self, ens: Any, batch: Any, state: Any = None, hyper: Any = None) -> Plan:
+        if not isinstance(ens, Ensemble | Heterogeneous):  # refused when traced
+            layout = "sequential" if self.layout == "sequential" else "vmap"
+            return Plan(layout, self.compiler_options or ())
+        try:
+            structure: Any = (
+                signature((ens.members, state, hyper)),
+                signature(batch),
+                self.per_member_batch,
+            )
+        except TypeError:  # an unhashable leaf: planned every time
+            structure = None
+        return plan_step(
+            self,
+            lambda: _profile_of(self, (ens, batch, state, hyper)),
+            owner=self.loss_fn,
+            structure=structure,
+            members=ens.members,
+            examples=_examples(batch, self.per_member_batch),
+            size=len(ens),
+            mesh=self.mesh,
         )
-        options = _SIZE_OPTIONS.get(plan_key)
-        if options is None:
-            options = step_compiler_options(None, leaves, examples, len(ens), self.mesh)
-            if len(_SIZE_OPTIONS) > 256:
-                _SIZE_OPTIONS.clear()
-            _SIZE_OPTIONS[plan_key] = options
-        if not with_eigen_dots(options):
-            return options
-        profile = _profile_of(self, (ens, batch, state, hyper))
-        if profile.batched_dots:
-            return cpu_codegen_options()
-        return options
-
-    def _layout(
-        self, ens: Any, batch: Any, state: Any = None, hyper: Any = None
-    ) -> Layout:
-        # The member layout (see `_layout`): read from the loss's profile only
-        # where the rule could pick "sequential" (one CPU device).
-        if self.member_chunk is not None:  # chunks of vectorised members
-            return "vmap"
-        if self.layout != "auto" or not isinstance(ens, Ensemble | Heterogeneous):
-            return "sequential" if self.layout == "sequential" else "vmap"
-        if self.mesh is not None or jax.default_backend() != "cpu":
-            return "vmap"
-        profile = _profile_of(self, (ens, batch, state, hyper))
-        return choose_layout(
-            "auto", convolutions=profile.convolutions, size=len(ens), mesh=None
-        )
-
-
-# The size-based choice of XLA options, per members' structure and shapes, batch
-# size and mesh (bounded: cleared past 256 entries).
-_SIZE_OPTIONS: dict[Any, Options] = {}
 
 
 class _LoweredStep:
@@ -860,6 +825,7 @@ def ensemble_profile(
 
 def _step_impl(
     step: Step,
+    plan: Plan,
     ens: Ensemble | Heterogeneous,
     opt_state: PyTree[Any],
     batch: PyTree[Any],
@@ -876,21 +842,6 @@ def _step_impl(
     _check_not_empty(batch, step.per_member_batch)
     if step.mesh is not None:
         check_step_mesh(step.mesh, size, batch, step.per_member_batch)
-    layout = step._layout(ens, batch, state, hyper)  # shapes only: at trace time
-    platform = platform_of(step.mesh)
-    profile = StepProfile()
-    if platform == "cpu" and step.mesh is None:
-        profile = _profile_of(step, (ens, batch, state, hyper))
-    check = choose_finite_check(
-        flops=step_flops(
-            ens.members,
-            _examples(batch, step.per_member_batch),
-            size,
-            1 if step.mesh is None else step.mesh.size,
-            profile,
-        ),
-        platform=platform,
-    )
     member_keys = jax.random.split(key, size)
     frozen = jnp.zeros((size,), dtype=bool)
     update = vmapped_update(
@@ -898,9 +849,9 @@ def _step_impl(
         step.optimizer,
         step.per_member_batch,
         step.mesh,
-        layout,
+        plan.layout,
         step.member_chunk,
-        check,
+        plan.check,
     )
     new_ens, new_opt_state, losses, aux, new_state, _ = update(
         ens, opt_state, batch, member_keys, state, frozen, hyper
@@ -924,38 +875,39 @@ def _check_not_empty(batch: PyTree[Any], per_member_batch: bool) -> None:
             )
 
 
-def _compiled_step(step: Step, options: Options) -> Callable[..., StepOutput]:
+def _compiled_step(step: Step, plan: Plan) -> Callable[..., StepOutput]:
     """The compiled step: one `filter_jit` wrapper per step (equal steps are one)
-    and set of XLA options, each with its own cache, taking the arguments of a
-    step call. A step holding arrays (a `loss_fn` that is a Module with weights)
-    cannot be a cache key; it is passed as a traced argument instead."""
+    and plan, compiled with the plan's XLA options, each with its own cache,
+    taking the arguments of a step call. A step holding arrays (a `loss_fn`
+    that is a Module with weights) cannot be a cache key; it is passed as a
+    traced argument instead."""
     try:
         hash(step)
     except TypeError:
-        generic = _compiled_generic(options)
+        generic = _compiled_generic(plan)
         return functools.partial(generic, step)
-    return _compiled_for(step, options)
+    return _compiled_for(step, plan)
 
 
-def _make_compiled_for(step: Step, options: Options) -> Callable[..., StepOutput]:
+def _make_compiled_for(step: Step, plan: Plan) -> Callable[..., StepOutput]:
     # A plain closure (not a `functools.partial` holding the step): `filter_jit`
     # then hashes a function per call, not the step's fields.
     def compiled(*args: Any) -> StepOutput:
-        return _step_impl(step, *args)
+        return _step_impl(step, plan, *args)
 
-    return filter_jit(compiled, options)
+    return filter_jit(compiled, plan.compiler_options)
 
 
-# One compiled step per step, options and layout; the least recently used are
-# dropped with their programs (`_xla.CompiledFunctions`).
+# One compiled step per step and plan; the least recently used are dropped
+# with their programs (`_xla.CompiledFunctions`).
 _compiled_for = CompiledFunctions(_make_compiled_for)
 
 
-def _make_compiled_generic(options: Options) -> Callable[..., StepOutput]:
+def _make_compiled_generic(plan: Plan) -> Callable[..., StepOutput]:
     def generic(step: Step, *args: Any) -> StepOutput:
-        return _step_impl(step, *args)
+        return _step_impl(step, plan, *args)
 
-    return filter_jit(generic, options)
+    return filter_jit(generic, plan.compiler_options)
 
 
 _compiled_generic = CompiledFunctions(_make_compiled_generic)

@@ -77,53 +77,40 @@ class TrainState(eqx.Module):
     best_step: Int[Array, " members"] | None = _field("bookkeeping")
 
 
-def member_select(better: Any, new: PyTree[Any], old: PyTree[Any]) -> PyTree[Any]:
+def member_select(
+    better: Any, new: PyTree[Any], old: PyTree[Any], ens: Any = None
+) -> PyTree[Any]:
     """Per-member choice over stacked leaves: member i takes `new` where
-    `better[i]`, else `old` (of a heterogeneous ensemble: group by group)."""
-    if is_heterogeneous(new):
-        return Heterogeneous(
-            [
-                member_select(group_better, group_new, group_old)
-                for group_better, group_new, group_old in zip(
-                    split_by_group(new, better), new.groups, old.groups, strict=True
-                )
-            ]
-        )
+    `better[i]`, else `old`. `new` is an ensemble (a shared part: one copy, the
+    newest; of a heterogeneous one: group by group), or, with `ens`, a tree
+    every array leaf of which carries `ens`'s member axis (the members'
+    optimizer or model states; of a heterogeneous `ens`: a tuple per group).
+    `None` stays `None`."""
+    if new is None:
+        return None
+    grouped = new if ens is None else ens
+    if is_heterogeneous(grouped):
+        news, olds = (new.groups, old.groups) if ens is None else (new, old)
+        parts = [
+            member_select(
+                group_better, group_new, group_old, None if ens is None else group
+            )
+            for group_better, group_new, group_old, group in zip(
+                split_by_group(grouped, better), news, olds, grouped.groups,
+                strict=True,
+            )
+        ]  # fmt: skip
+        return Heterogeneous(parts) if ens is None else tuple(parts)
 
-    def pick(n, o, per_member):
-        if not eqx.is_array(n):
-            return n
-        if not per_member:  # a shared part: one copy, the newest
+    def pick(n, o, per_member=True):
+        if not eqx.is_array(n) or not per_member:  # a shared part: the newest
             return n
         mask = better.reshape(better.shape + (1,) * (n.ndim - 1))
         return jnp.where(mask, n, o)
 
+    if ens is not None:
+        return jax.tree.map(pick, new, old)
     return jax.tree.map(pick, new, old, member_axis_mask(new))
-
-
-def per_member_select(
-    keep_new: Any, new: PyTree[Any], old: PyTree[Any], ens: Any
-) -> PyTree[Any]:
-    """`member_select` for a tree every array leaf of which carries the member
-    axis (the members' optimizer or model states; of a heterogeneous `ens`: a
-    tuple per group). `None` stays `None`."""
-    if new is None:
-        return None
-    if is_heterogeneous(ens):
-        return tuple(
-            per_member_select(group_keep, group_new, group_old, group)
-            for group_keep, group_new, group_old, group in zip(
-                split_by_group(ens, keep_new), new, old, ens.groups, strict=True
-            )
-        )
-
-    def pick(n, o):
-        if not eqx.is_array(n):
-            return n
-        mask = keep_new.reshape(keep_new.shape + (1,) * (n.ndim - 1))
-        return jnp.where(mask, n, o)
-
-    return jax.tree.map(pick, new, old)
 
 
 def track_init(tracker: Any, ens: Any) -> Any:

@@ -1,0 +1,175 @@
+"""The plan of a training step: every automatic choice that `fit` and
+`make_step` make about how a step runs (member layout, unrolling, steps per
+dispatch, XLA options, the divergence guard's form), in one place and once per
+loss, execution and input structure."""
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jaxtyping import PyTree
+
+from .compile import (
+    Options,
+    default_steps_per_dispatch,
+    platform_of,
+    step_compiler_options,
+    with_eigen_dots,
+)
+from .guard import FiniteCheck, choose_finite_check, step_flops
+from .layout import SEQUENTIAL_MAX_MEMBERS, Layout, choose_layout, run_length_class
+from .profile import StepProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a training step runs, resolved from the user's `Execution` (or a
+    `make_step`'s settings) with the library's choices where they are left
+    open: the member layout, the XLA options, the form of the divergence
+    guard's finiteness check (`_execution.guard`), and for `fit` whether a
+    dispatch is unrolled, how many steps it holds and whether it loops over a
+    traced trip count (`loop.Chunk.counted`)."""
+
+    layout: Layout
+    compiler_options: Options
+    check: FiniteCheck = "per_leaf"
+    unroll: bool = False
+    length: int = 1
+    counted: bool = False
+
+
+def plan_step(
+    settings: Any,
+    profile: Callable[[], StepProfile],
+    *,
+    owner: Any,
+    structure: Hashable,
+    members: PyTree[Any],
+    examples: int,
+    size: int,
+    mesh: Mesh | None,
+    steps: int | None = None,
+    pads_on_host: bool = False,
+) -> Plan:
+    """The plan of a step of `size` members (`members`: their stacked leaves)
+    on `examples` examples per member. `settings`: an `Execution` or a `Step`
+    (`layout`, `member_chunk`, `compiler_options`; `fit`'s `unroll` and
+    `steps_per_dispatch`). `profile()` is called only where a choice reads it
+    (one CPU device; one GPU where `fit`'s layout is automatic; options with
+    Eigen's dots, which batched matmuls refuse). Looked up per `owner` (the
+    loss, held weakly), `structure` (the inputs' shapes; `None`: planned every
+    time), settings, mesh, backend and run length class. `steps`: `fit`'s run
+    length (`None`: a step per call); `pads_on_host`: a stream's short group
+    is padded on the host (no traced trip count)."""
+    length_class = None if steps is None else run_length_class(steps)
+    try:
+        if structure is None:
+            raise TypeError
+        table = _PLANS.setdefault(owner, {})
+        key = (
+            _settings_key(settings),
+            structure,
+            examples,
+            mesh,
+            jax.default_backend(),
+            length_class,
+            pads_on_host,
+        )
+        found = table.get(key)
+    except TypeError:  # not weakly referable, or an unhashable leaf
+        table, key, found = None, None, None
+    if found is None:
+        found = _plan(
+            settings, profile, members, examples, size, mesh, steps, pads_on_host
+        )
+        if table is not None:
+            if len(table) > 64:
+                table.clear()
+            table[key] = found
+    if steps is None or found.counted:
+        return found
+    return dataclasses.replace(found, length=min(found.length, steps))
+
+
+# Plans per loss (held weakly: the entry goes with the loss) and inputs.
+_PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, Plan]]" = weakref.WeakKeyDictionary()
+
+
+def _settings_key(settings: Any) -> Hashable:
+    names = (
+        "layout",
+        "member_chunk",
+        "compiler_options",
+        "unroll",
+        "steps_per_dispatch",
+    )
+    return tuple(getattr(settings, name, None) for name in names)
+
+
+def _plan(
+    settings: Any,
+    profile_of: Callable[[], StepProfile],
+    members: PyTree[Any],
+    examples: int,
+    size: int,
+    mesh: Mesh | None,
+    steps: int | None,
+    pads_on_host: bool,
+) -> Plan:
+    platform = jax.default_backend()
+    member_chunk = settings.member_chunk
+    user_options = settings.compiler_options
+    automatic_layout = (
+        settings.layout not in ("vmap", "sequential")
+        and member_chunk is None
+        and size <= SEQUENTIAL_MAX_MEMBERS
+    )
+    reads_profile = mesh is None and (
+        platform == "cpu"
+        or (platform == "gpu" and automatic_layout and steps is not None)
+    )
+    if user_options is None and not reads_profile:
+        reads_profile = with_eigen_dots(
+            step_compiler_options(None, members, examples, size, mesh)
+        )
+    profile = profile_of() if reads_profile else StepProfile()
+    unroll = getattr(settings, "unroll", None)
+    if unroll is None:
+        unroll = profile.convolutions and platform == "cpu"
+    layout = choose_layout(
+        settings.layout if settings.layout in ("vmap", "sequential") else "auto",
+        convolutions=profile.convolutions,
+        size=size,
+        mesh=mesh,
+        steps=steps,
+        convolution_flops=profile.convolution_flops,
+        platform=platform,
+    )
+    if member_chunk is not None:  # chunks of vectorised members
+        layout = "vmap"
+    length = getattr(settings, "steps_per_dispatch", None)
+    if length is None:
+        # An unrolled dispatch compiles every step it holds, and a convolving
+        # step outweighs a dispatch's host work: one step per dispatch (every
+        # dispatch one program: a resumed run is bit for bit the whole one).
+        length = (
+            default_steps_per_dispatch(members, examples, size, mesh)
+            if steps is not None and not unroll
+            else 1
+        )
+    options = step_compiler_options(
+        user_options, members, examples, size, mesh, profile.batched_dots
+    )
+    devices = 1 if mesh is None else mesh.size
+    check = choose_finite_check(
+        flops=step_flops(members, examples, size, devices, profile),
+        platform=platform_of(mesh),
+    )
+    # On a CPU a scanned dispatch of array data loops over a traced trip
+    # count: one program for `length` steps, whatever the run's length.
+    counted = steps is not None and platform_of(mesh) == "cpu" and not unroll
+    counted = counted and not pads_on_host
+    return Plan(layout, options, check, unroll, length, counted)
