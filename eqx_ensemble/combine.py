@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Real
 
-from ._internal.checks import check_positive_int
+from ._internal.checks import check_positive_int, normalised_weights
 from ._internal.tree import is_traced
 
 __all__ = [
@@ -28,35 +28,6 @@ __all__ = [
     "majority_vote",
     "gaussian_mixture",
 ]
-
-
-def _normalised_weights(
-    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None,
-    members: int,
-    dtype,
-) -> Float[Array, " members"]:
-    if weights is None:
-        return jnp.full((members,), 1.0 / members, dtype=dtype)
-    weights = jnp.asarray(weights)
-    if weights.ndim != 1 or weights.shape[0] != members:
-        raise ValueError(
-            f"`weights` must have one entry per member: predictions have {members} "
-            f"members, weights have shape {tuple(weights.shape)}"
-        )
-    if jnp.issubdtype(weights.dtype, jnp.complexfloating):
-        raise TypeError(f"`weights` must be real, got dtype {weights.dtype}")
-    if not is_traced(weights):
-        # Normalised in float64 on the host: integer weights must not overflow,
-        # float16 ones must not round to infinity.
-        host = np.asarray(weights, dtype=np.float64)
-        if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
-            raise ValueError(
-                "`weights` must be finite and non-negative with a positive sum, got "
-                f"{np.asarray(weights)}"
-            )
-        return jnp.asarray(host / host.sum(), dtype=dtype)
-    weights = weights.astype(jnp.promote_types(weights.dtype, jnp.float32))
-    return (weights / weights.sum()).astype(dtype)
 
 
 def _check_floating(x: Array, name: str) -> Array:
@@ -97,7 +68,7 @@ def _check_no_nan_or_inf(x: Array, name: str, *, allow_negative_inf: bool) -> No
 def _weighted_mean(
     x: Array, weights: Real[ArrayLike, " members"] | Sequence[float | int] | None
 ) -> Array:
-    w = _normalised_weights(weights, x.shape[0], x.dtype)
+    w = normalised_weights(weights, x.shape[0], x.dtype, "predictions have")
     return jnp.tensordot(w, x, axes=1)
 
 
@@ -159,7 +130,9 @@ def log_mean_probs_from_logits(
     logits = _check_floating(logits, "logits")
     _check_no_nan_or_inf(logits, "logits", allow_negative_inf=True)
     members = logits.shape[0]
-    log_w = jnp.log(_normalised_weights(weights, members, logits.dtype))
+    log_w = jnp.log(
+        normalised_weights(weights, members, logits.dtype, "predictions have")
+    )
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     log_w = log_w.reshape((members,) + (1,) * (logits.ndim - 1))
     return jax.nn.logsumexp(log_probs + log_w, axis=0)
@@ -230,8 +203,9 @@ def majority_vote(
         counts = one_hot.sum(axis=0)
     else:
         one_hot = jax.nn.one_hot(predictions, num_classes, dtype=jnp.float32)
-        _normalised_weights(weights, predictions.shape[0], jnp.float32)  # checks
-        # Unnormalised weights: integer vote weights stay exact, so ties are exact.
+        # Checked, then summed unnormalised: integer weights stay exact, so ties
+        # are exact ties.
+        normalised_weights(weights, len(predictions), jnp.float32, "predictions have")
         raw = jnp.asarray(weights).astype(jnp.float32)
         counts = jnp.tensordot(raw, one_hot, axes=1)
     # argmax returns the first maximal index: ties go to the smallest class.

@@ -2,10 +2,8 @@
 `latest_checkpoint`. One writer per folder (process 0 in a multi-host run)."""
 
 import contextlib
-import errno
 import os
 import re
-import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PyTree
 
+from .._internal.files import probe_folder
 from .file import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -328,16 +327,13 @@ def check_writable_directory(directory: str | os.PathLike[str]) -> Path:
     that save after long work (`fit`): call it before the work, so a bad path
     costs nothing. Returns the folder as a `Path`."""
     path = as_path(directory, "directory")
-    # A name of this writer's own: the processes of a multi-process run probe
-    # the same folder at the same time (one's probe must not be another's).
-    probe = path / f".eqx_ensemble_write_probe-p{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        if path.exists() and not path.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, "it exists and is not a folder")
-        path.mkdir(parents=True, exist_ok=True)
+
+    def write(probe: Path) -> None:
         remove_stale_temporaries(probe)
         write_file(probe, {"format": "probe"}, [b"probe"])
-        os.unlink(probe)
+
+    try:
+        probe_folder(path, write)
     except OSError as error:
         reason = error.strerror or str(error)
         raise CheckpointError(

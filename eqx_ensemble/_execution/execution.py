@@ -11,12 +11,12 @@ structure and mesh.
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from jax.sharding import Mesh
 
 from .._core.sharding import check_mesh
-from .._internal.checks import MAX_INT32, check_positive_int
+from .._internal.checks import MAX_INT32, check_choice, check_positive_int
 from .._internal.component import Component
 from .compile import check_compiler_options
 
@@ -133,13 +133,7 @@ class Execution(Component):
             steps_per_dispatch = check_positive_int(
                 steps_per_dispatch, "Execution.steps_per_dispatch", high=MAX_INT32
             )
-        if layout is None:
-            layout = "auto"
-        if not isinstance(layout, str) or layout not in _LAYOUTS:
-            raise ValueError(
-                f"`Execution.layout` must be one of {_LAYOUTS} (or None for "
-                f"'auto'), got {layout!r}"
-            )
+        layout = check_choice(layout, "Execution.layout", _LAYOUTS, "auto")
         if unroll is not None and not isinstance(unroll, bool):
             raise TypeError(
                 "`Execution.unroll` must be a bool or None, got "
@@ -161,17 +155,10 @@ class Execution(Component):
                     "a time; `member_chunk` chunks the vectorised layout: pass one "
                     "or the other"
                 )
-        if guard is None:
-            guard = "auto"
-        if not isinstance(guard, str) or guard not in _GUARDS:
-            raise ValueError(
-                f"`Execution.guard` must be one of {_GUARDS} (or None for 'auto'), "
-                f"got {guard!r}"
-            )
-        self.guard = guard
+        self.guard = check_choice(guard, "Execution.guard", _GUARDS, "auto")
         self.member_chunk = member_chunk
         self.steps_per_dispatch = steps_per_dispatch
-        self.layout = layout
+        self.layout = cast(LayoutChoice, layout)
         self.unroll = unroll
         self.compiler_options = check_compiler_options(
             compiler_options, "Execution.compiler_options"

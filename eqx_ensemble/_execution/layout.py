@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
+from .._internal.checks import check_choice
 from .._internal.tree import is_traced
 
 Layout = Literal["vmap", "sequential"]
@@ -53,12 +54,7 @@ _CHOICES = ("auto", "vmap", "sequential")
 def check_layout(layout: Any, mesh: Mesh | None) -> str:
     """`layout` as given (`None` means `"auto"`), refused with the choices when
     it is not one of them, and `"sequential"` refused on a mesh."""
-    if layout is None:
-        return "auto"
-    if not isinstance(layout, str) or layout not in _CHOICES:
-        raise ValueError(
-            f"`layout` must be one of {_CHOICES} (or None for 'auto'), got {layout!r}"
-        )
+    layout = check_choice(layout, "layout", _CHOICES, "auto")
     if layout == "sequential" and mesh is not None:
         raise ValueError(
             "`layout='sequential'` runs the members one after another on one "

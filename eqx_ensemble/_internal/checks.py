@@ -9,7 +9,10 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from .tree import is_traced
 
 # The largest step count or period the library accepts: steps are counted in
 # int32 inside compiled code.
@@ -66,8 +69,6 @@ def real_array(value: Any, name: str) -> jax.Array:
     """`value` as a JAX array of real numbers (integers, floats or bools), or a
     `TypeError` naming `name` and what was given: a string, a list holding
     one, an object (JAX's own message names no argument)."""
-    import jax.numpy as jnp
-
     if isinstance(value, str | bytes):
         raise TypeError(f"`{name}` must be real numbers, got the string {value!r}")
     if isinstance(value, jax.Array):
@@ -101,3 +102,43 @@ def first_non_finite(values: Any) -> tuple[tuple[int, ...], Any] | None:
         return None
     where = tuple(int(i) for i in np.argwhere(bad)[0])
     return where, host[where]
+
+
+def check_choice(
+    value: Any, name: str, choices: tuple[str, ...], default: str | None = None
+) -> str:
+    """`value` if it is one of `choices` (`None` gives `default` where there is
+    one), else a `ValueError` naming `name` and the choices."""
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, str) or value not in choices:
+        also = "" if default is None else f" (or None for {default!r})"
+        raise ValueError(f"`{name}` must be one of {choices}{also}, got {value!r}")
+    return value
+
+
+def normalised_weights(weights: Any, size: int, dtype: Any, holder: str) -> jax.Array:
+    """One non-negative weight per member, normalised to sum to one, as `dtype`
+    (`None`: equal weights); errors name `weights` and the `holder` ("the
+    ensemble has", "predictions have") of the `size` members. Normalised in
+    float64 on the host where the weights are concrete: integer weights must
+    not overflow (2**31 - 1 twice summed to -2 in int32), float16 ones must not
+    round to infinity (60000 + 60000)."""
+    if weights is None:
+        return jnp.full((size,), 1.0 / size, dtype=dtype)
+    array = real_array(weights, "weights")
+    if array.ndim != 1 or array.shape[0] != size:
+        raise ValueError(
+            f"`weights` must have one entry per member: {holder} {size} members, "
+            f"weights have shape {tuple(array.shape)}"
+        )
+    if is_traced(array):
+        wide = array.astype(jnp.promote_types(array.dtype, jnp.float32))
+        return (wide / wide.sum()).astype(dtype)
+    host = np.asarray(array, dtype=np.float64)
+    if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
+        raise ValueError(
+            "`weights` must be finite and non-negative with a positive sum, got "
+            f"{np.asarray(array)}"
+        )
+    return jnp.asarray(host / host.sum(), dtype=dtype)

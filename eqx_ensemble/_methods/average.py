@@ -12,7 +12,7 @@ from jaxtyping import ArrayLike, PyTree, Real
 
 from .._core.ensemble import Ensemble
 from .._core.stack import check_same_structure
-from .._internal.checks import real_array
+from .._internal.checks import normalised_weights, real_array
 from .._internal.tree import is_traced, keystr
 
 T = TypeVar("T")
@@ -120,32 +120,7 @@ def average(
         raise TypeError(
             f"`ee.average` takes an `ee.Ensemble`, got {type(ens).__name__}"
         )
-    size = len(ens)
-    if weights is None:
-        normalised = jnp.full((size,), 1.0 / size)
-    else:
-        array = real_array(weights, "weights")
-        if array.ndim != 1 or array.shape[0] != size:
-            raise ValueError(
-                f"`weights` must have one entry per member: the ensemble has {size} "
-                f"members, weights have shape {tuple(array.shape)}"
-            )
-        if jnp.issubdtype(array.dtype, jnp.complexfloating):
-            raise TypeError(f"`weights` must be real, got dtype {array.dtype}")
-        if not is_traced(array):
-            # Normalised in float64 on the host: integer weights must not overflow
-            # (2**31 - 1 twice summed to -2 in int32) and float16 ones must not
-            # round to infinity (60000 + 60000).
-            host = np.asarray(array, dtype=np.float64)
-            if not np.isfinite(host).all() or (host < 0).any() or host.sum() <= 0:
-                raise ValueError(
-                    f"`weights` must be finite and non-negative with a positive sum, "
-                    f"got {np.asarray(array)}"
-                )
-            normalised = jnp.asarray(host / host.sum(), dtype=jnp.float32)
-        else:
-            wide = array.astype(jnp.promote_types(array.dtype, jnp.float32))
-            normalised = wide / wide.sum()
+    normalised = normalised_weights(weights, len(ens), jnp.float32, "the ensemble has")
 
     def mean_leaf(leaf):
         if not eqx.is_array(leaf):

@@ -15,7 +15,7 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, with_members
-from .._internal.checks import check_positive_int, first_non_finite
+from .._internal.checks import check_choice, check_positive_int, first_non_finite
 from .._internal.keys import check_key
 from .._internal.search import golden_section
 from .._internal.tree import keystr
@@ -430,12 +430,6 @@ def _check_prior(value: Any, size: int) -> Array:
     return array
 
 
-def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}")
-    return value
-
-
 # --------------------------------------------------------------- the fitting
 
 
@@ -540,10 +534,10 @@ def laplace(
                 "`[ee.laplace(group, data, ...) for group in het.groups]`"
             )
         raise TypeError(f"`ens` must be an `ee.Ensemble`, got {type(ens).__name__}")
-    likelihood = _check_choice(
+    likelihood = check_choice(
         likelihood, "likelihood", ("classification", "regression")
     )  # type: ignore[assignment]
-    curvature = _check_choice(curvature, "curvature", ("kfac", "diagonal", "full"))  # type: ignore[assignment]
+    curvature = check_choice(curvature, "curvature", ("kfac", "diagonal", "full"))  # type: ignore[assignment]
     batch_size = check_positive_int(batch_size, "batch_size")
     if isinstance(sigma_noise, bool) or not isinstance(sigma_noise, int | float):
         raise TypeError(f"`sigma_noise` must be a number, got {sigma_noise!r}")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._internal.component import Component
+from .._internal.files import probe_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +162,8 @@ def check_writable(directory: str | os.PathLike[str], name: str) -> Path:
     """Create `directory` if needed and check a file can be written there, or an
     `OSError` naming `name` and the folder (before any training)."""
     path = Path(directory)
-    probe = path / ".eqx_ensemble_log_probe"
     try:
-        if path.exists() and not path.is_dir():
-            raise NotADirectoryError("it exists and is not a folder")
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"probe")
-        probe.unlink()
+        probe_folder(path, lambda probe: probe.write_bytes(b"probe"))
     except OSError as error:
         reason = getattr(error, "strerror", None) or str(error)
         raise type(error)(
