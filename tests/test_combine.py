@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import eqx_ensemble as ee
-from eqx_ensemble.combine import _normalised_weights
+from eqx_ensemble._internal.checks import normalised_weights
 
 MEMBERS, BATCH, CLASSES = 5, 11, 4
 
@@ -313,7 +313,8 @@ def test_weight_count_message():
     with pytest.raises(
         ValueError, match=r"predictions have 5 members, weights have shape \(3,\)"
     ):
-        _normalised_weights(jnp.ones(3), 5, jnp.float32)
+        # Users without the jaxtyping hook get this message from the combiners.
+        normalised_weights(jnp.ones(3), 5, jnp.float32, "predictions have")
 
 
 @pytest.mark.parametrize(

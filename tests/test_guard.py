@@ -10,10 +10,10 @@ import pytest
 from conftest import ON_CPU
 
 import eqx_ensemble as ee
+from eqx_ensemble._execution import plan as plan_module
 from eqx_ensemble._execution.compile import MIN_STEP_FLOPS
 from eqx_ensemble._execution.guard import choose_finite_check, step_flops
 from eqx_ensemble._execution.profile import StepProfile, profile_jaxpr
-from eqx_ensemble._execution import plan as plan_module
 from eqx_ensemble._training.step import all_finite
 
 FORMS = ("per_leaf", "by_shape")
