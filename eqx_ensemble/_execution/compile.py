@@ -33,9 +33,8 @@ EIGEN_DOTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
 # LLVM's optimisation level for the code XLA's CPU backend generates: 1 instead
 # of XLA's default 2. Matmuls and convolutions are library calls either way, and
 # XLA's own emitters vectorise its loops, so the steps run as fast or faster
-# (the dispatch-bound step 0.82x the time, a small transformer 0.93x, a GRU
-# 0.95x; the compute-bound MLP, CNNs and a 16M-element elementwise chain
-# unchanged) and compile 5 to 20% sooner (docs/benchmarks.md, session 17).
+# and compile sooner (measured on the families in round 3, session 17; the
+# changelog's "Benchmarks history").
 FAST_CODEGEN: dict[str, Any] = {"xla_backend_optimization_level": 1}
 # Below this many matmul FLOPs per step, the thread pool costs more than it gains
 # (2-core measurements: 0.6x at 1 MFLOP, 0.86x at 4, 1.0-1.1x at 20, 1.25x at 2000).

@@ -75,16 +75,13 @@ def check_layout(layout: Any, mesh: Mesh | None) -> str:
 SEQUENTIAL_MIN_RUN_FLOPS = 1.5e11
 
 
-# On a GPU (one H100, session 21; docs/benchmarks.md) the vectorised members'
-# convolutions are one grouped convolution too, which cuDNN runs well on small
-# images and far below the card on larger ones. `fit` on 9 CNNs of 8 members
-# (two 3x3 convolutions, 1 or 3 input channels, 8x8 to 48x48 images, batch 32
-# to 128): under 1 GFLOP of forward convolutions per member and step (0.31-0.70)
-# the vectorised step was as fast or faster (sequential 1.06-1.64x its time);
-# from 1.25 GFLOP the sequential step was faster in 5 of 6 (1.02-2.17x; one
-# 24x24 CNN at batch 64 0.91x). The sequential step compiled 4.8-7.5 s longer,
-# repaid after 3.5e13-8.6e13 FLOPs of forward convolutions over the run in 4
-# of those 5 (the fifth, 1.02x, never in practice).
+# On a GPU the vectorised members' convolutions are one grouped convolution
+# too, which cuDNN runs well on small images and far below the card on larger
+# ones: on an H100, `fit` on 9 CNNs of 8 members, the vectorised step was as
+# fast or faster under 1 GFLOP of forward convolutions per member and step,
+# the sequential one mostly faster from 1.25 GFLOP, its longer compilation
+# repaid after about 8e13 FLOPs over the run (docs/benchmarks.md,
+# "Member layout").
 GPU_SEQUENTIAL_MIN_FLOPS = 1e9
 GPU_SEQUENTIAL_MIN_RUN_FLOPS = 8e13
 

@@ -18,7 +18,7 @@ class StepProfile(NamedTuple):
     """`convolutions`: the loss convolves (XLA's CPU backend then needs the steps
     outside any loop); `batched_dots`: a matmul with a batch dimension of its own
     (attention heads), which Eigen's dot kernels run slower than XLA's default
-    path (a small transformer: 33 vs 17 ms per step); `convolution_flops`: the
+    path; `convolution_flops`: the
     FLOPs of the convolutions as written (each counted once, even inside a
     loop; a differentiated loss includes its backward convolutions);
     `dot_flops`: the FLOPs of its matmuls, a `scan`'s body counted as many

@@ -149,7 +149,7 @@ def readout(
     Integers, so that no float operation can touch the values on the way (a
     NaN's payload may not survive one). One array is one transfer and one wait
     for the host: on a GPU each array read is its own device-to-host copy and
-    completion callback (0.1-0.3 ms each on an H100 machine, session 21)."""
+    completion callback (a fraction of a millisecond each)."""
     floats = [losses] if scores is None else [losses, scores]
     *floats, diverged_at, stopped_at = replicate(
         [*floats, diverged_at, stopped_at], mesh
@@ -447,9 +447,9 @@ def _unrolled(
     chunk: Chunk, dynamic: Any, static: Any, batch_of: Any
 ) -> tuple[Any, Array, Array]:
     """The chunk as straight-line code: XLA's CPU backend runs a convolution
-    inside a loop or a conditional with its channels-first layout, about 17x
-    slower than the channels-last one it picks outside them (a 5-member CNN on
-    8x8 digits: 283 vs 15 ms per step), so models with convolutions run their
+    inside a loop or a conditional with its channels-first layout, an order of
+    magnitude slower than the channels-last one it picks outside them (small
+    CNNs), so models with convolutions run their
     steps unrolled, with no conditional."""
     ts = eqx.combine(dynamic, static)
     assert chunk.batches is not None

@@ -413,7 +413,7 @@ def _skips_conditional(chunk: Chunk) -> bool:
     measurable, and one program for full and partial dispatches keeps a resumed
     run bitwise equal to an uninterrupted one (two programs may round one step
     differently, by an ulp). On a GPU a conditional waits for its predicate on the
-    host (+20% of a small step on an H100)."""
+    host (a measurable share of a small step)."""
     return platform_of(chunk.mesh) != "cpu"
 
 

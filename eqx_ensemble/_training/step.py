@@ -413,9 +413,8 @@ def _skip_if_frozen(
     the state it is given, which invalidates that object (plain Equinox).
 
     Not for a step that convolves: XLA's CPU backend gives a convolution inside
-    a conditional its slow channels-first layout (5 CNNs on 8x8 images, `fit`
-    member by member: 364 ms per step with the conditional, 27 ms without, on
-    2 cores), so such a step always runs, and `member_update`'s select keeps a
+    a conditional its slow channels-first layout (an order of magnitude slower
+    for small CNNs), so such a step always runs, and `member_update`'s select keeps a
     frozen member's weights as the vectorised layout does."""
 
     def fresh():
