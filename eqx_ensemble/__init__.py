@@ -28,7 +28,6 @@ from ._checkpoints.directory import (
 )
 from ._checkpoints.file import CheckpointError as CheckpointError
 from ._checkpoints.io import load as load, load_manifest as load_manifest, save as save
-from ._controllers.base import Controller as Controller
 from ._controllers.early_stopping import EarlyStopping as EarlyStopping
 from ._controllers.pbt import PBT as PBT
 from ._core.ensemble import Ensemble as Ensemble, ensemble as ensemble
@@ -36,13 +35,15 @@ from ._core.heterogeneous import Heterogeneous as Heterogeneous
 from ._core.map import map as map
 from ._core.predict import predict as predict
 from ._core.sharding import (
-    make_mesh as make_mesh,
-    process_rows as process_rows,
     shard as shard,
 )
 from ._core.stack import concatenate as concatenate, stack as stack, unstack as unstack
 from ._execution.disk_cache import compilation_cache as compilation_cache
 from ._execution.execution import Execution as Execution
+from ._execution.placement import (
+    make_mesh as make_mesh,
+    process_rows as process_rows,
+)
 from ._loggers.files import CSVLogger as CSVLogger
 from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._loggers.weights_and_biases import WandbLogger as WandbLogger
@@ -58,9 +59,9 @@ from ._posteriors.laplace import (
     laplace as laplace,
 )
 from ._trackers.averages import EMA as EMA, SWA as SWA
-from ._trackers.base import Tracker as Tracker
 from ._trackers.snapshots import Snapshots as Snapshots
 from ._trackers.swag import SWAG as SWAG, SWAGPosterior as SWAGPosterior
+from ._training.controller import Controller as Controller
 from ._training.coupled import (
     Coupled as Coupled,
     distillation_loss as distillation_loss,
@@ -98,6 +99,7 @@ from ._training.step import (
     StepOutput as StepOutput,
     make_step as make_step,
 )
+from ._training.tracker import Tracker as Tracker
 from ._training.train_state import TrainState as TrainState
 
 __version__ = "0.2.0"

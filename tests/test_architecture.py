@@ -4,6 +4,7 @@ public namespace flat and importable without side effects."""
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -217,22 +218,58 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_lower_layers_do_not_import_upper_ones():
-    # docs/architecture.md: `_internal` knows nothing of ensembles; the core and
-    # the execution layer know nothing of training, its components or metrics.
-    allowed = {
-        "_internal": {"_internal"},
-        "_execution": {"_internal", "_execution", "_core"},
-        "_core": {"_internal", "_execution", "_core"},
-    }
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+_ON_TOP = {"eqx_ensemble", "__main__", "_demo"}  # the package's top: imports anything
+
+
+def documented_layers() -> dict[str, int]:
+    """Family (`_core`, `sgmcmc`, ...) -> its layer's rank in the table of
+    docs/architecture.md (0: the first row, which imports nothing above it)."""
+    layers: dict[str, int] = {}
+    rows = [
+        line for line in ARCHITECTURE.read_text().splitlines()
+        if line.startswith("| ") and "`" in line.split("|")[2]
+    ]  # fmt: skip
+    for rank, row in enumerate(rows):
+        for entry in re.findall(r"`([^`]+)`", row.split("|")[2]):
+            layers[entry.rstrip("/").removesuffix(".py")] = rank
+    return layers
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Every import of a module from a layer below its own (and every module of
+    no documented layer). An import of the package itself (`from .. import
+    __version__`) is not counted: Python imports it with any of its modules."""
     offences = []
-    for module, imported in import_graph().items():
-        family = _family(module)
-        if family not in allowed:
+    for module, imported in sorted(graph.items()):
+        family = module.split(".")[1] if "." in module else module
+        if family in _ON_TOP:
             continue
-        for target in imported:
-            if target == "eqx_ensemble":
-                continue
-            if _family(target) not in allowed[family]:
-                offences.append(f"{module} imports {target}")
+        if family not in layers:
+            offences.append(f"{module} is in no layer of docs/architecture.md")
+            continue
+        for target in sorted(imported - {"eqx_ensemble"}):
+            other = target.split(".")[1] if "." in target else target
+            if other in _ON_TOP or layers.get(other, -1) > layers[family]:
+                offences.append(f"{module} imports {target}, a layer below it")
+    return offences
+
+
+def test_every_layer_imports_only_itself_and_the_layers_above():
+    layers = documented_layers()
+    assert set(layers.values()) == set(range(8)), layers  # the table was read
+    offences = layer_violations(import_graph(), layers)
     assert not offences, offences
+
+
+def test_the_layer_check_catches_a_planted_violation():
+    # The check itself can fail: the real graph with one import added from the
+    # core up to the training loop, and one module of no documented layer.
+    graph = {module: set(targets) for module, targets in import_graph().items()}
+    graph["eqx_ensemble._core.ensemble"].add("eqx_ensemble._training.run")
+    graph["eqx_ensemble._nowhere"] = set()
+    assert layer_violations(graph, documented_layers()) == [
+        "eqx_ensemble._core.ensemble imports eqx_ensemble._training.run, a layer "
+        "below it",
+        "eqx_ensemble._nowhere is in no layer of docs/architecture.md",
+    ]

@@ -1269,7 +1269,7 @@ def test_readout_round_trip_is_exact(evaluated, mesh_kind):
     (NaN, a NaN with a payload and inf included: bit for bit), scores and the
     members' step counts exactly, and is replicated on a mesh whatever the
     parts' placement (members split)."""
-    from eqx_ensemble._core.sharding import mesh_context
+    from eqx_ensemble._execution.placement import mesh_context
     from eqx_ensemble._training.loop import readout, unpack_readout
 
     steps, size = 3, 4

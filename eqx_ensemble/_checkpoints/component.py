@@ -4,7 +4,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -12,17 +12,17 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
-from .._controllers.base import Controller
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import Heterogeneous
 from .._internal.checks import MAX_INT32, check_positive_int
-from .._internal.component import Component
-from .._trackers.base import Tracker
+from .._training.checkpointer import Checkpointer
+from .._training.controller import Controller
 from .._training.evaluate import Evaluate
 from .._training.history import History
 from .._training.optim import init_optimizer
 from .._training.result import FitResult, make_result
 from .._training.sampling import as_sampling
+from .._training.tracker import Tracker
 from .._training.train_state import TrainState, initial_state
 from .directory import (
     _save_checkpoint,
@@ -51,7 +51,7 @@ class RunMismatchError(CheckpointError):
     """An intact checkpoint of another run (never a reason to fall back)."""
 
 
-class Checkpoints(Component):
+class Checkpoints(Checkpointer):
     """Save a [`fit`][eqx_ensemble.fit] run to a folder, and resume it from there.
 
     Every `every` steps, and at the end, the whole run (ensemble, optimizer and
@@ -103,6 +103,7 @@ class Checkpoints(Component):
     ```
     """
 
+    error: ClassVar[type[Exception]] = CheckpointError
     directory: str | os.PathLike[str] = eqx.field(static=True)
     every: int | None = eqx.field(static=True, default=None)
     keep: int | None = eqx.field(static=True, default=3)

@@ -9,9 +9,9 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal.checks import check_positive_int
+from .._training.controller import Controller
 from .._training.history import History
 from .._training.train_state import TrainState, member_select
-from .base import Controller
 
 
 class EarlyStopping(Controller):

@@ -11,6 +11,8 @@ import numpy as np
 from jaxtyping import Array, Int, PyTree
 
 from .._core.ensemble import member_axis_mask
+from .._core.heterogeneous import is_heterogeneous
+from .._training.controller import Controller
 from .._training.history import History
 from .._training.optim import (
     hyperparam_nodes,
@@ -18,7 +20,7 @@ from .._training.optim import (
     members_opt_state,
 )
 from .._training.train_state import TrainState
-from .base import Controller
+from .early_stopping import EarlyStopping
 
 # Lineage rows: (step, child, parent); -1 marks an unused row.
 _STEP, _CHILD, _PARENT = 0, 1, 2
@@ -181,6 +183,26 @@ class PBT(Controller):
                 f"its last round, but `ee.Evaluate(every={every})` evaluates less "
                 f"often: evaluate at least once every {self.every} steps "
                 "(`ee.Evaluate(every=...)` with a period of at most `PBT.every`)."
+            )
+
+    def check_run(self, ens: Any, controllers: tuple[Controller, ...]) -> None:
+        """Refuse an `ee.Heterogeneous` (a member's weights cannot be copied into
+        another architecture) and `ee.EarlyStopping` beside it: an exploited
+        member takes its parent's weights, but EarlyStopping's per-member
+        record (best score, evaluations without improvement) is its own, so the
+        copy would be judged by the replaced member's history."""
+        if is_heterogeneous(ens):
+            raise ValueError(
+                "`ee.PBT` copies one member's weights into another, which members "
+                "of different architectures cannot take: run PBT on each group of "
+                "the `ee.Heterogeneous` on its own"
+            )
+        if any(isinstance(controller, EarlyStopping) for controller in controllers):
+            raise ValueError(
+                "`ee.PBT` and `ee.EarlyStopping` cannot be combined in one run: PBT "
+                "replaces members by copies of others, which EarlyStopping's "
+                "per-member record does not follow; PBT already stops improving "
+                "members from training on, by replacing the worst"
             )
 
     def __call__(

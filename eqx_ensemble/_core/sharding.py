@@ -17,232 +17,32 @@ are part of the types; we move them with `jax.sharding.reshard` and give gathers
 `out_sharding`). `eqx.filter_shard` is not used: it fails on Explicit meshes.
 """
 
-import contextlib
 import dataclasses
-import functools
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
-from .._internal.checks import check_positive_int
+from .._execution.placement import (
+    DATA,
+    MEMBERS,
+    MODEL,
+    axis_size,
+    check_axes,
+    check_mesh,
+    divisibility_error,
+    is_explicit,
+    partition_spec,
+)
 from .._internal.tree import is_traced, keystr
 from .data import gather
 from .ensemble import member_axis_mask
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-MEMBERS = "members"
-DATA = "data"
-MODEL = "model"
-_AXIS_NAMES = (MEMBERS, DATA, MODEL)
-
-
-def _check_axis_size(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"`{name}` must be an int or None, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"`{name}` must be at least 1, got {value}")
-    return int(value)
-
-
-def make_mesh(
-    members: int | None = None,
-    data: int | None = None,
-    model: int | None = None,
-    *,
-    devices: Sequence[Any] | None = None,
-    axis_types: AxisType = AxisType.Auto,
-) -> Mesh:
-    """A device mesh with a `"members"` axis, a `"data"` axis, a `"model"` axis,
-    or several of them.
-
-    **Arguments:**
-
-    - `members`: devices along the member axis: the ensemble's members are split
-      into this many equal groups. `None`: no member axis.
-    - `data`: devices along the data axis: every batch's examples are split into
-      this many equal parts. `None`: no data axis.
-    - `model`: devices along the model axis: each member's (and a shared
-      part's) weights are split over them where
-      [`shard(..., model=)`][eqx_ensemble.shard] says (for members too large
-      for one device). `None`: no model axis.
-      With none given, every device goes on the member axis.
-    - `devices`: the devices to use, `members * data * model` of them (default:
-      the first that many of `jax.devices()`, which in a multi-process run must
-      be all of them). The model axis is the innermost: its devices are
-      adjacent (the fastest links between them for a split member's traffic).
-    - `axis_types`: `jax.sharding.AxisType.Auto` (the default: the compiler
-      propagates shardings through your loss; the library pins the member and
-      data axes) or `AxisType.Explicit` (shardings are part of the array types, as
-      with the default of `jax.make_mesh`). Both give the same results.
-
-    **Returns:**
-
-    A `jax.sharding.Mesh` with the axes given, in the order `("members",
-    "data", "model")`, for [`shard`][eqx_ensemble.shard] and
-    `ee.Execution(mesh=...)`.
-
-    **Example:**
-
-    ```python
-    mesh = ee.make_mesh(members=4, data=2)       # 8 devices: a 4 x 2 grid
-    mesh.shape                                   # {'members': 4, 'data': 2}
-    members_only = ee.make_mesh(members=2)       # the first 2 devices
-    explicit = ee.make_mesh(data=2, axis_types=jax.sharding.AxisType.Explicit)
-    three = ee.make_mesh(members=2, data=2, model=2)
-    three.axis_names                             # ('members', 'data', 'model')
-    ```
-    """
-    members = _check_axis_size(members, "members")
-    data = _check_axis_size(data, "data")
-    model = _check_axis_size(model, "model")
-    if not isinstance(axis_types, AxisType):
-        raise TypeError(
-            "`axis_types` must be a `jax.sharding.AxisType` (Auto or Explicit), "
-            f"got {axis_types!r}"
-        )
-    if axis_types == AxisType.Manual:
-        raise ValueError("`axis_types` must be AxisType.Auto or AxisType.Explicit")
-    available = list(jax.devices()) if devices is None else list(devices)
-    for position, device in enumerate(available):
-        if not isinstance(device, jax.Device):
-            raise TypeError(
-                f"`devices[{position}]` is a {type(device).__name__}, not a "
-                "`jax.Device`; pass devices from `jax.devices()`"
-            )
-    repeated = sorted({str(d) for d in available if available.count(d) > 1})
-    if repeated:
-        raise ValueError(
-            f"`devices` lists {', '.join(repeated)} more than once; a mesh places "
-            "each device once"
-        )
-    if members is None and data is None and model is None:
-        members = len(available)
-    sizes = (members, data, model)
-    shape = tuple(size for size in sizes if size is not None)
-    names = tuple(
-        name for name, size in zip(_AXIS_NAMES, sizes, strict=True) if size is not None
-    )
-    needed = math.prod(shape)
-    if devices is None and needed < len(available):
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"The mesh {dict(zip(names, shape))} has {needed} devices, but a "
-                f"multi-process run must use all {len(available)} devices "
-                f"({jax.process_count()} processes); choose axis sizes whose "
-                f"product is {len(available)}"
-            )
-        available = available[:needed]
-    if needed != len(available):
-        raise ValueError(
-            f"The mesh {dict(zip(names, shape))} needs {needed} devices, but "
-            f"{len(available)} {'are' if len(available) != 1 else 'is'} available"
-            + ("" if devices is None else " in `devices`")
-        )
-    return jax.make_mesh(
-        shape, names, axis_types=(axis_types,) * len(shape), devices=available
-    )
-
-
-def _check_mesh(mesh: Any) -> Mesh:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"`mesh` must be a `jax.sharding.Mesh` (see `ee.make_mesh`), got "
-            f"{type(mesh).__name__}"
-        )
-    ours = [name for name in mesh.axis_names if name in _AXIS_NAMES]
-    if not ours:
-        raise ValueError(
-            f"The mesh has axes {tuple(mesh.axis_names)} but eqx_ensemble places "
-            f"arrays on axes named {_AXIS_NAMES!r}; build it with `ee.make_mesh` or "
-            "name your axes 'members', 'data' and/or 'model'"
-        )
-    kinds = {name: _axis_type(mesh, name) for name in ours}
-    if AxisType.Manual in kinds.values() or len(set(kinds.values())) > 1:
-        raise ValueError(
-            f"The mesh axes {ours} must all be AxisType.Auto or all "
-            f"AxisType.Explicit, got {kinds}"
-        )
-    return mesh
-
-
-def _axis_type(mesh: Mesh, name: str) -> AxisType:
-    return dict(zip(mesh.axis_names, mesh.axis_types))[name]
-
-
-def _axis_size(mesh: Mesh, name: str) -> int:
-    return int(mesh.shape[name]) if name in mesh.axis_names else 1
-
-
-def _spec(mesh: Mesh, axes: Sequence[str | None]) -> PartitionSpec:
-    """Leading array axes split over `axes`, dropping the axes `mesh` lacks (`None`:
-    that array axis is not split)."""
-    entries = [
-        name if name is not None and name in mesh.axis_names else None for name in axes
-    ]
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
-
-
-def _is_explicit(mesh: Mesh) -> bool:
-    return any(
-        _axis_type(mesh, name) == AxisType.Explicit
-        for name in _AXIS_NAMES
-        if name in mesh.axis_names
-    )
-
-
-def _check_axes(axes: Any) -> tuple[str, ...]:
-    if isinstance(axes, str):
-        axes = (axes,)
-    axes = tuple(axes)
-    leading = (MEMBERS, DATA)
-    if any(name not in leading for name in axes) or len(set(axes)) != len(axes):
-        raise ValueError(
-            f"`axes` must name the leading array axes, each one of {leading!r} "
-            f"(at most once), e.g. 'members', 'data' or ('members', 'data'); got "
-            f"{axes!r}"
-        )
-    return axes
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _divisibility_error(name: str, length: int, devices: int, where: str) -> ValueError:
-    if name == MEMBERS:
-        above = (length // devices + 1) * devices
-        below = (length // devices) * devices
-        sizes = ", ".join(str(size) for size in (below, above) if size > 0)
-        divisors = ", ".join(map(str, _divisors(length)))
-        return ValueError(
-            f"{where} has {length} members, which do not split evenly over the "
-            f"{devices} devices of the mesh axis 'members' ({length} is not a "
-            f"multiple of {devices}). Use an ensemble size that is a multiple of "
-            f"{devices} (e.g. {sizes}), or a 'members' axis whose size divides "
-            f"{length} ({divisors}), e.g. `ee.make_mesh(members=..., data=...)` with "
-            "the other devices on the data axis"
-        )
-    return ValueError(
-        f"{where} has {length} examples along its leading axis, which do not split "
-        f"evenly over the {devices} devices of the mesh axis 'data' ({length} is "
-        f"not a multiple of {devices}). Use a multiple of {devices} examples "
-        f"(e.g. drop the last {length % devices} or pad), a 'data' axis whose size "
-        f"divides {length}, or keep this array replicated"
-    )
 
 
 def _check_leaf(path: Any, leaf: Any, mesh: Mesh, axes: Sequence[str], what: str):
@@ -255,9 +55,9 @@ def _check_leaf(path: Any, leaf: Any, mesh: Mesh, axes: Sequence[str], what: str
             "instead with `axes=()`"
         )
     for position, name in enumerate(axes):
-        devices = _axis_size(mesh, name)
+        devices = axis_size(mesh, name)
         if shape[position] % devices:
-            raise _divisibility_error(name, shape[position], devices, where)
+            raise divisibility_error(name, shape[position], devices, where)
 
 
 def _is_key(leaf: Any) -> bool:
@@ -379,11 +179,11 @@ def shard(
     big.members.layers[1].weight.sharding.spec   # P('members', None, 'model')
     ```
     """
-    mesh = _check_mesh(mesh)
-    axes = _check_axes(axes)
+    mesh = check_mesh(mesh)
+    axes = check_axes(axes)
     if model is not None:
         return _shard_model(tree, mesh, axes, model, process_local)
-    spec = _spec(mesh, axes)
+    spec = partition_spec(mesh, axes)
     sharding = NamedSharding(mesh, spec)
     replicated = NamedSharding(mesh, PartitionSpec())
     leaves = jtu.tree_flatten_with_path(tree)[0]
@@ -481,7 +281,7 @@ def _check_inner_spec(
             f"`model=` gave {spec} ({len(entries)} axes) for {name}, which has "
             f"shape {shape} ({len(shape)} axes of its own)"
         )
-    devices = _axis_size(mesh, MODEL)
+    devices = axis_size(mesh, MODEL)
     for axis, entry in enumerate(entries):
         if entry == MODEL and shape[axis] % devices:
             raise ValueError(
@@ -572,9 +372,11 @@ def _shard_model(
         if eqx.is_array(stacked):
             if not process_local:
                 _check_leaf(path, stacked, mesh, (MEMBERS,), "the ensemble")
-            member_sharding = NamedSharding(mesh, _spec(mesh, (MEMBERS, *entries)))
+            member_sharding = NamedSharding(
+                mesh, partition_spec(mesh, (MEMBERS, *entries))
+            )
         if eqx.is_array(held):
-            shared_sharding = NamedSharding(mesh, _spec(mesh, entries))
+            shared_sharding = NamedSharding(mesh, partition_spec(mesh, entries))
         plan.append((member_sharding, shared_sharding))
         splits = splits or MODEL in entries
     if not splits and mesh.shape[MODEL] > 1:
@@ -634,7 +436,7 @@ def follow_model(tree: PyTree[Any], ens: Any, mesh: Mesh | None) -> PyTree[Any]:
         leading = (MEMBERS,) if stacked else ()
         entries = [name if name in mesh.axis_names else None for name in leading]
         entries += list(inner)
-        return _place(leaf, NamedSharding(mesh, _spec(mesh, entries)), False)
+        return _place(leaf, NamedSharding(mesh, partition_spec(mesh, entries)), False)
 
     return jtu.tree_map_with_path(place, tree, flags)
 
@@ -653,13 +455,6 @@ def model_mesh(ens: Any) -> Mesh | None:
         ):
             return mesh
     return None
-
-
-def members_devices(mesh: Mesh | None) -> int:
-    """The number of devices of a mesh's `"members"` axis (1: no mesh or axis)."""
-    if mesh is None or MEMBERS not in mesh.axis_names:
-        return 1
-    return _axis_size(mesh, MEMBERS)
 
 
 def members_mesh(ens: Any) -> Mesh | None:
@@ -733,52 +528,6 @@ def _per_member_flags(tree: PyTree[Any], axes: Sequence[str | None]) -> PyTree[A
     return jtu.tree_map(lambda _: True, tree)
 
 
-def process_rows(mesh: Mesh, num_examples: int) -> slice:
-    """The rows of the data THIS process must feed in a multi-process run.
-
-    With a `"data"` mesh axis, `shard(data, mesh, axes="data")` splits the example
-    axis over devices, and each process holds the rows on its own devices. To load
-    only those rows, slice your data (or your reader) with this and pass the part
-    to `shard(part, mesh, axes="data", process_local=True)`. Without a data axis,
-    or with one that lies within each process, every process needs every row.
-
-    **Arguments:**
-
-    - `mesh`: the mesh.
-    - `num_examples`: the number of examples of the whole (global) data set; a
-      multiple of the `"data"` axis size.
-
-    **Returns:**
-
-    A `slice(start, stop)` of the global example axis.
-
-    **Example:**
-
-    ```python
-    mesh = ee.make_mesh(members=2, data=4)
-    ee.process_rows(mesh, 100)    # slice(0, 100): one process holds every row
-    ```
-    """
-    mesh = _check_mesh(mesh)
-    num_examples = check_positive_int(num_examples, "num_examples")
-    devices = _axis_size(mesh, DATA)
-    if num_examples % devices:
-        raise _divisibility_error(DATA, num_examples, devices, "The data")
-    sharding = NamedSharding(mesh, _spec(mesh, (DATA,)))
-    indices = sharding.addressable_devices_indices_map((num_examples,)).values()
-    blocks = sorted(
-        {index[0].indices(num_examples)[:2] for index in indices if index is not None}
-    )
-    start, stop = blocks[0][0], blocks[-1][1]
-    covered = sum(b - a for a, b in blocks)
-    if covered != stop - start:
-        raise ValueError(
-            f"This process's devices hold non-contiguous rows {blocks} of the data; "
-            "order the mesh's devices so each process's data devices are adjacent"
-        )
-    return slice(start, stop)
-
-
 # ---------------------------------------------------------------------------
 # Inside compiled code (private: used by `fit` and `make_step`).
 
@@ -797,9 +546,9 @@ def constrain(
     inputs' split; Explicit: carried over from the leaf's type)."""
     if mesh is None:
         return tree
-    sharding = NamedSharding(mesh, _spec(mesh, axes))
+    sharding = NamedSharding(mesh, partition_spec(mesh, axes))
     replicated = NamedSharding(mesh, PartitionSpec())
-    explicit = _is_explicit(mesh)
+    explicit = is_explicit(mesh)
     inner = weights and MODEL in mesh.axis_names
 
     def pin(leaf, split):
@@ -842,8 +591,8 @@ def gather_batch(data: PyTree[Any], indices: Array, mesh: Mesh | None) -> Any:
         return gather(data, indices)
     axes = (MEMBERS, DATA) if indices.ndim == 2 else (DATA,)
     indices = constrain(indices, mesh, axes)
-    if _is_explicit(mesh):
-        sharding = NamedSharding(mesh, _spec(mesh, axes))
+    if is_explicit(mesh):
+        sharding = NamedSharding(mesh, partition_spec(mesh, axes))
         return jax.tree.map(
             lambda x: (
                 x.at[indices].get(out_sharding=sharding) if eqx.is_array(x) else x
@@ -932,7 +681,7 @@ def restore_placement(tree: PyTree[Any], placement: Any) -> Any:
 
 def _pin_placement(tree: PyTree[Any], placement: Any, mesh: Mesh) -> Any:
     table = dict(placement)
-    explicit = _is_explicit(mesh)
+    explicit = is_explicit(mesh)
 
     def pin(path, leaf):
         sharding = table.get(tuple(path))
@@ -980,62 +729,6 @@ def place_state(
     if inside_jit and placement is not None:
         state = _pin_placement(state, placement, mesh)
     return state
-
-
-def check_mesh(mesh: Any) -> Mesh:
-    """A `Mesh` with the library's axis names, or a clear error."""
-    return _check_mesh(mesh)
-
-
-def check_fit_mesh(mesh: Any, size: int, batch_size: int) -> Mesh:
-    """`fit`'s checks, before any work: the mesh, the member count, the batch."""
-    mesh = _check_mesh(mesh)
-    members = _axis_size(mesh, MEMBERS)
-    if size % members:
-        raise _divisibility_error(MEMBERS, size, members, "The ensemble")
-    devices = _axis_size(mesh, DATA)
-    if batch_size % devices:
-        raise ValueError(
-            f"`batch_size` ({batch_size}) does not split evenly over the {devices} "
-            f"devices of the mesh axis 'data'; use a multiple of {devices}"
-        )
-    return mesh
-
-
-def check_step_mesh(
-    mesh: Any, size: int, batch: PyTree[Any], per_member_batch: bool
-) -> None:
-    """`make_step`'s checks (at trace time, before any work): the member count and
-    the batch's example axis must split evenly over the mesh."""
-    mesh = _check_mesh(mesh)
-    members = _axis_size(mesh, MEMBERS)
-    if size % members:
-        raise _divisibility_error(MEMBERS, size, members, "The ensemble")
-    axis = 1 if per_member_batch else 0
-    devices = _axis_size(mesh, DATA)
-    for path, leaf in jtu.tree_flatten_with_path(batch)[0]:
-        if eqx.is_array(leaf) and leaf.ndim > axis and leaf.shape[axis] % devices:
-            raise _divisibility_error(
-                DATA, leaf.shape[axis], devices, f"`batch` leaf `{keystr(path)}`"
-            )
-
-
-def mesh_context(mesh: Any) -> Any:
-    """`jax.set_mesh(mesh)`, or nothing when `mesh` is not a mesh. Explicit meshes
-    need it for eager operations on their arrays (e.g. initialising an optimizer
-    state); under it, user code may also name the mesh axes."""
-    return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext()
-
-
-def within_mesh(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run `fn` under `mesh_context` of its `mesh=` keyword argument."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with mesh_context(kwargs.get("mesh")):
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def sharded_update(

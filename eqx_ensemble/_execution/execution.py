@@ -15,10 +15,10 @@ from typing import Any, Literal, cast
 
 from jax.sharding import Mesh
 
-from .._core.sharding import check_mesh
 from .._internal.checks import MAX_INT32, check_choice, check_positive_int
 from .._internal.component import Component
 from .compile import check_compiler_options
+from .placement import check_mesh
 
 LayoutChoice = Literal["auto", "vmap", "sequential"]
 _LAYOUTS = ("auto", "vmap", "sequential")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._core.ensemble import with_members
 from .._internal.tree import leading_size, trainable
-from .base import Tracker
+from .._training.tracker import Tracker
 
 
 class EMA(Tracker):

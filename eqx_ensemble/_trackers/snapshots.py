@@ -10,7 +10,8 @@ from jaxtyping import PyTree
 
 from .._core.ensemble import Ensemble, with_members
 from .._internal.tree import trainable
-from .base import Tracker, check_tracker_int, repeat_members, untrained_leaves
+from .._training.tracker import Tracker
+from .base import check_tracker_int, repeat_members, untrained_leaves
 
 
 class Snapshots(Tracker):

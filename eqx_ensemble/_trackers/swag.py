@@ -11,8 +11,8 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, with_members
 from .._internal.tree import leading_size, trainable
+from .._training.tracker import Tracker
 from .base import (
-    Tracker,
     check_tracker_int,
     due,
     repeat_members,

@@ -11,20 +11,20 @@ from typing import Any
 import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._checkpoints.component import Checkpoints
-from .._core.sharding import mesh_context
 from .._execution.execution import (
     MOVED_TO_EXECUTION,
     Execution,
     as_execution,
     refuses_moved,
 )
-from .._trackers.base import Tracker
+from .._execution.placement import mesh_context
+from .checkpointer import Checkpointer
 from .evaluate import Evaluate
 from .loss import LossFn
 from .result import FitResult
 from .run import prepare
 from .sampling import Sampling, Shared
+from .tracker import Tracker
 
 # The keywords `fit` no longer takes (version 0.2), with their replacements.
 _MOVED = {
@@ -51,7 +51,7 @@ def fit(
     state: PyTree[Any] = None,
     hyper: PyTree[Any] = None,
     evaluate: Evaluate | None = None,
-    checkpoints: Checkpoints | None = None,
+    checkpoints: Checkpointer | None = None,
     track: Sequence[Tracker] = (),
     callbacks: Sequence[Any] | None = None,
     execution: Execution | None = None,

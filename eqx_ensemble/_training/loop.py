@@ -28,13 +28,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.heterogeneous import is_heterogeneous
-from .._core.sharding import (
-    MEMBERS,
-    constrain,
-    members_devices,
-    place_state,
-    replicate,
-)
+from .._core.sharding import constrain, place_state, replicate
 from .._execution.compile import (
     CompiledFunctions,
     Options,
@@ -43,12 +37,13 @@ from .._execution.compile import (
 )
 from .._execution.guard import FiniteCheck
 from .._execution.layout import Layout
-from .._trackers.base import Tracker
+from .._execution.placement import MEMBERS, members_devices
 from .evaluate import Evaluate, eval_member_keys
 from .loss import LossFn
 from .sampling import Sampling
 from .source import Batches
 from .step import all_finite, vmapped_update
+from .tracker import Tracker
 from .train_state import (
     TrainState,
     member_select,

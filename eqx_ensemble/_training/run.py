@@ -13,25 +13,12 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._checkpoints.component import Checkpoints
-from .._checkpoints.file import CheckpointError
-from .._checkpoints.sharded import PendingSave
-from .._controllers.base import Controller
-from .._controllers.early_stopping import EarlyStopping
-from .._controllers.pbt import PBT
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import (
     Heterogeneous,
     is_heterogeneous,
 )
-from .._core.sharding import (
-    check_fit_mesh,
-    members_devices,
-    model_placement,
-    on_mesh,
-    place_state,
-    restore_placement,
-)
+from .._core.sharding import model_placement, on_mesh, place_state, restore_placement
 from .._execution.compile import (
     Options,
     platform_of,
@@ -41,11 +28,13 @@ from .._execution.intern import canonical_tree
 from .._execution.layout import (
     check_member_chunk,
 )
+from .._execution.placement import check_fit_mesh, members_devices
 from .._execution.plan import Plan, plan_step
 from .._execution.profile import signature
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.tree import first_difference
-from .._trackers.base import Tracker
+from .checkpointer import Checkpointer
+from .controller import Controller
 from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
@@ -81,6 +70,7 @@ from .sampling import Sampling, as_sampling
 from .source import ArraySource, Batches, DataSource, StreamSource
 from .step import ensemble_profile
 from .stream import check_data
+from .tracker import Tracker
 from .train_state import TrainState, start_state
 
 
@@ -90,7 +80,7 @@ def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple,
             f"`evaluate` must be an `ee.Evaluate(fn, data, every=...)`, got "
             f"{type(evaluate).__name__}"
         )
-    if checkpoints is not None and not isinstance(checkpoints, Checkpoints):
+    if checkpoints is not None and not isinstance(checkpoints, Checkpointer):
         raise TypeError(
             "`checkpoints` must be an `ee.Checkpoints(directory, every=...)`, got "
             f"{type(checkpoints).__name__}"
@@ -169,7 +159,7 @@ def prepare(
     state: PyTree[Any],
     hyper: PyTree[Any],
     evaluate: Evaluate | None,
-    checkpoints: Checkpoints | None,
+    checkpoints: Checkpointer | None,
     track: Sequence[Tracker],
     callbacks: Sequence[Any] | None,
     execution: Execution,
@@ -194,12 +184,8 @@ def prepare(
     for tracker in track:
         tracker.check(steps)
     _check_periods(evaluate, controllers, steps)
-    if is_heterogeneous(ens) and any(isinstance(c, PBT) for c in controllers):
-        raise ValueError(
-            "`ee.PBT` copies one member's weights into another, which members "
-            "of different architectures cannot take: run PBT on each group of "
-            "the `ee.Heterogeneous` on its own"
-        )
+    for controller in controllers:
+        controller.check_run(ens, controllers)
     if evaluate is not None:
         evaluate.check(state is not None)
     arrays = check_data(data)
@@ -355,19 +341,6 @@ def _check_periods(
     every = None if evaluate is None else evaluate.every
     for controller in controllers:
         controller.check(steps, every)
-    kinds = {type(controller) for controller in controllers}
-    if any(issubclass(k, PBT) for k in kinds) and any(
-        issubclass(k, EarlyStopping) for k in kinds
-    ):
-        # An exploited member takes its parent's weights, but EarlyStopping's
-        # per-member record (best score, evaluations without improvement) is its
-        # own: the copy would be judged by the replaced member's history.
-        raise ValueError(
-            "`ee.PBT` and `ee.EarlyStopping` cannot be combined in one run: PBT "
-            "replaces members by copies of others, which EarlyStopping's "
-            "per-member record does not follow; PBT already stops improving "
-            "members from training on, by replacing the worst"
-        )
 
 
 def plan_fit(
@@ -429,7 +402,7 @@ class Run:
     recorder: Recorder
     steps: int
     source: DataSource
-    checkpoints: Checkpoints | None
+    checkpoints: Checkpointer | None
     controllers: tuple[Controller, ...]
     track: tuple[Tracker, ...]
     record: RunRecord | None
@@ -452,7 +425,7 @@ class Run:
             self.done = int(self.train_state.step)
             self._diverged_at = np.asarray(self.train_state.diverged_at)
             self._stopped_at = np.asarray(self.train_state.stopped_at)
-        self._pending: PendingSave | None = None  # an asynchronous checkpoint
+        self._pending: Any = None  # an asynchronous checkpoint's `wait()`
         # The optimistic guard (`dispatch`): on a CPU's counted dispatches,
         # not where the optimizer replaces non-finite gradients itself (the
         # end-of-dispatch check could not see them), nor where members
@@ -542,12 +515,12 @@ class Run:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        assert self.checkpoints is not None
         try:
             pending.wait()
-        except (OSError, CheckpointError) as error:
-            assert self.checkpoints is not None
+        except (OSError, self.checkpoints.error) as error:
             self.fail(
-                CheckpointError,
+                self.checkpoints.error,
                 f"Writing the checkpoint {pending.path.name} to "
                 f"{self.checkpoints.directory} in the background failed ({error}); "
                 "the trained run is attached to this error as `error.result`",
@@ -856,11 +829,11 @@ class Run:
                 self.record.as_json(),
                 self.source.position(self.done),
             )
-            if isinstance(saved, PendingSave):
+            if callable(getattr(saved, "wait", None)):
                 self._pending = saved
-        except (OSError, CheckpointError) as error:
+        except (OSError, self.checkpoints.error) as error:
             self.fail(
-                CheckpointError,
+                self.checkpoints.error,
                 f"Writing the checkpoint of step {self.done} to "
                 f"{self.checkpoints.directory} failed ({error}); the trained run is "
                 "attached to this error as `error.result`",

@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core.data import num_examples
-from .._core.sharding import DATA, MEMBERS, constrain, gather_batch, on_mesh
+from .._core.sharding import constrain, gather_batch, on_mesh
+from .._execution.placement import DATA, MEMBERS
 from .._execution.profile import example_structs, first_member, signature
 from .._internal.checks import check_positive_int
 from .epochs import EpochIterator, Epochs

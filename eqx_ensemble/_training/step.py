@@ -21,15 +21,7 @@ from .._core.heterogeneous import (
     split_by_group,
 )
 from .._core.mapping import check_per_member_args
-from .._core.sharding import (
-    check_step_mesh,
-    members_devices,
-    mesh_context,
-    pin_placement,
-    replicate,
-    sharded_update,
-    tree_placement,
-)
+from .._core.sharding import pin_placement, replicate, sharded_update, tree_placement
 from .._execution.compile import (
     CompiledFunctions,
     Options,
@@ -43,6 +35,7 @@ from .._execution.execution import (
 from .._execution.guard import FiniteCheck
 from .._execution.intern import canonical_tree
 from .._execution.layout import Layout, member_map
+from .._execution.placement import check_step_mesh, members_devices, mesh_context
 from .._execution.plan import Plan, plan_step
 from .._execution.profile import StepProfile, first_member, profile_jaxpr, signature
 from .._internal.keys import optimizer_key

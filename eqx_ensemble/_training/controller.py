@@ -21,8 +21,8 @@ import equinox as eqx
 from jaxtyping import PyTree
 
 from .._internal.component import Component
-from .._training.history import History
-from .._training.train_state import TrainState
+from .history import History
+from .train_state import TrainState
 
 
 class Controller(Component):
@@ -71,6 +71,12 @@ class Controller(Component):
         `steps` steps evaluating every `evaluate_every` steps (`None`: no
         evaluation). Default: nothing to check."""
         del steps, evaluate_every
+
+    def check_run(self, ens: Any, controllers: tuple["Controller", ...]) -> None:
+        """Raise before any work if this controller cannot run on `ens` beside
+        `controllers` (the run's controllers, itself included). Default:
+        nothing to check."""
+        del ens, controllers
 
     def init(self, train_state: TrainState) -> PyTree[Any]:
         """The controller's own state (default `None`)."""
