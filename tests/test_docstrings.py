@@ -48,7 +48,9 @@ def _public_objects():
                 for attr, member in vars(obj).items():
                     if attr.startswith("_") and attr not in ("__call__", "__getitem__"):
                         continue
-                    if callable(member) or isinstance(member, property):
+                    if callable(member) or isinstance(
+                        member, property | classmethod | staticmethod
+                    ):
                         yield f"{module.__name__}.{name}.{attr}", member
 
 

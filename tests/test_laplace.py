@@ -392,3 +392,75 @@ def test_padding_cannot_put_nan_into_the_sums():
     ]:
         assert jnp.all(jnp.isfinite(b))
         assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# Issue 49 item 6: the idiomatic regression head, and a posterior saved.
+
+
+def _regression_heads():
+    x = jax.random.normal(jax.random.key(0), (12, 3))
+    y = jnp.sin(x[:, 0])
+    make = [
+        lambda k, out=out: eqx.nn.MLP(3, out, 4, 1, activation=jnp.tanh, key=k)
+        for out in ("scalar", 1)
+    ]
+    return x, y, [ee.ensemble(m, size=2, key=jax.random.key(1)) for m in make]
+
+
+def test_kfac_of_a_scalar_head_equals_the_one_output_head():
+    # `eqx.nn.MLP(..., "scalar")` ends in a Linear with `out_features="scalar"`:
+    # the same weights as a 1-output Linear, whose KFAC posterior is the
+    # reference (same factors, evidence, prior and predictive).
+    x, y, (scalar, one) = _regression_heads()
+    posteriors = [
+        ee.laplace(ens, (x, target), likelihood="regression", curvature="kfac",
+                   sigma_noise=0.7)
+        for ens, target in ((scalar, y), (one, y[:, None]))
+    ]  # fmt: skip
+    for name in ("out_eigenvalues", "in_eigenvalues", "mean", "log_likelihood",
+                 "prior_precision"):  # fmt: skip
+        np.testing.assert_allclose(
+            getattr(posteriors[0], name), getattr(posteriors[1], name), rtol=1e-6
+        )
+    (mean_s, var_s), (mean_1, var_1) = (p.predict(x[:5]) for p in posteriors)
+    assert mean_s.shape == var_s.shape == (2, 5)
+    np.testing.assert_allclose(mean_s, np.reshape(mean_1, (2, 5)), rtol=1e-6)
+    np.testing.assert_allclose(var_s, np.reshape(var_1, (2, 5)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("curvature", ["kfac", "diagonal"])
+def test_a_saved_posterior_loads_into_a_template_of_a_fresh_ensemble(
+    tmp_path, curvature
+):
+    x, y, (scalar, _) = _regression_heads()
+    posterior = ee.laplace(scalar, (x, y), likelihood="regression",
+                           curvature=curvature, sigma_noise=0.7)  # fmt: skip
+    path = ee.save(tmp_path / "posterior.ckpt", posterior)
+    # A new process has the architecture, not the trained weights or the data.
+    fresh = ee.ensemble(
+        lambda k: eqx.nn.MLP(3, "scalar", 4, 1, activation=jnp.tanh, key=k),
+        size=2,
+        key=jax.random.key(7),
+    )
+    like = ee.LaplacePosterior.like(fresh, likelihood="regression", curvature=curvature)
+    loaded = ee.load(path, like)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(posterior, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(loaded, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    assert float(loaded.sigma_noise) == np.float32(0.7) and int(loaded.num_data) == 12
+    for a, b in zip(posterior.predict(x[:4]), loaded.predict(x[:4]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Verified like every checkpoint: another curvature's template, or a
+    # damaged file, is refused by name.
+    other = "diagonal" if curvature == "kfac" else "kfac"
+    with pytest.raises(ee.CheckpointError):
+        ee.load(path, ee.LaplacePosterior.like(fresh, likelihood="regression",
+                                               curvature=other))  # fmt: skip
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ee.CheckpointError):
+        ee.load(path, like)

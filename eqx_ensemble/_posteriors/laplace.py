@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.flatten_util import ravel_pytree
-from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, with_members
 from .._internal.checks import check_choice, check_positive_int, first_non_finite
@@ -22,6 +22,8 @@ from .._internal.tree import keystr
 
 Likelihood = Literal["classification", "regression"]
 Curvature = Literal["diagonal", "kfac", "full"]
+_LIKELIHOODS = ("classification", "regression")
+_CURVATURES = ("kfac", "diagonal", "full")
 
 # A dense curvature holds P x P numbers per member.
 FULL_MAX_PARAMETERS = 4096
@@ -77,7 +79,8 @@ class _Tapped(eqx.Module):
     delta: Array
 
     def __call__(self, x: Array, *, key: Any = None) -> Array:
-        return self.linear(x, key=key) + self.delta
+        out = self.linear(x, key=key)  # `()` for `out_features="scalar"`
+        return out + self.delta.reshape(jnp.shape(out))
 
 
 # -------------------------------------------------------------- the posterior
@@ -99,6 +102,12 @@ class LaplacePosterior(eqx.Module):
       `H = G (x) A` the factors' `out_eigenvalues`, `out_eigenvectors`
       (`G`, over the layer's outputs) and `in_eigenvalues`, `in_eigenvectors`
       (`A`, over its inputs and a bias column).
+    - `sigma_noise`, `num_data`: the regression noise's standard deviation and
+      the number of examples fitted on (scalars).
+
+    Saved and loaded as any tree: `ee.save(path, posterior)`, then
+    `ee.load(path, ee.LaplacePosterior.like(ens, likelihood=...))` in a new
+    process (the file is verified like every checkpoint).
 
     **Example:**
 
@@ -123,11 +132,62 @@ class LaplacePosterior(eqx.Module):
     out_eigenvectors: Array | None
     in_eigenvalues: Array | None
     in_eigenvectors: Array | None
-    sigma_noise: float = eqx.field(static=True)
-    num_data: int = eqx.field(static=True)
+    sigma_noise: Float[Array, ""]
+    num_data: Int[Array, ""]
     likelihood: str = eqx.field(static=True)
     curvature: str = eqx.field(static=True)
     part: Callable[[Any], Any] = eqx.field(static=True)
+
+    @classmethod
+    def like(
+        cls,
+        ens: Ensemble,
+        *,
+        likelihood: Likelihood,
+        curvature: Curvature = "kfac",
+        part: Callable[[Any], Any] | None = None,
+    ) -> "LaplacePosterior":
+        """The structure `ee.laplace(ens, ..., likelihood=, curvature=, part=)`
+        returns, as shapes (no data read, nothing computed): the `like` of
+        [`ee.load`][eqx_ensemble.load] for a saved posterior. `ens` may be a
+        freshly built ensemble of the same architecture and size.
+
+        **Example:**
+
+        ```python
+        ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 8, 1, key=k), size=3,
+                          key=jax.random.key(1))
+        x = jax.random.normal(jax.random.key(0), (50, 2))
+        posterior = ee.laplace(ens, (x, (x[:, 0] > 0).astype(jnp.int32)),
+                               likelihood="classification")
+        ee.save("posterior.ckpt", posterior)
+        like = ee.LaplacePosterior.like(ens, likelihood="classification")
+        loaded = ee.load("posterior.ckpt", like)
+        loaded.prior_precision.shape     # (3,)
+        ```
+        """
+        likelihood = check_choice(likelihood, "likelihood", _LIKELIHOODS)  # type: ignore[assignment]
+        curvature = check_choice(curvature, "curvature", _CURVATURES)  # type: ignore[assignment]
+        part = last_linear if part is None else part
+        selected, arrays = _part_arrays(part, ens[0])
+        size, parameters = len(ens), int(ravel_pytree(arrays)[0].shape[0])
+
+        def zeros(*shape: int) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct((size, *shape), jnp.float32)
+
+        if curvature == "kfac":
+            _check_kfac_part(selected)
+            out_size, in_size = selected.weight.shape
+            width = in_size + (selected.bias is not None)
+            curvature_sums = (zeros(out_size, out_size), zeros(width, width))
+        elif curvature == "diagonal":
+            curvature_sums = (zeros(parameters),)
+        else:
+            curvature_sums = (zeros(parameters, parameters),)
+        sums = (zeros(parameters), curvature_sums, zeros())
+        return eqx.filter_eval_shape(
+            lambda e, s: _finish(e, s, 1, likelihood, part, curvature, 1.0), ens, sums
+        )
 
     # ------------------------------------------------------------ structure
 
@@ -534,10 +594,8 @@ def laplace(
                 "`[ee.laplace(group, data, ...) for group in het.groups]`"
             )
         raise TypeError(f"`ens` must be an `ee.Ensemble`, got {type(ens).__name__}")
-    likelihood = check_choice(
-        likelihood, "likelihood", ("classification", "regression")
-    )  # type: ignore[assignment]
-    curvature = check_choice(curvature, "curvature", ("kfac", "diagonal", "full"))  # type: ignore[assignment]
+    likelihood = check_choice(likelihood, "likelihood", _LIKELIHOODS)  # type: ignore[assignment]
+    curvature = check_choice(curvature, "curvature", _CURVATURES)  # type: ignore[assignment]
     batch_size = check_positive_int(batch_size, "batch_size")
     if isinstance(sigma_noise, bool) or not isinstance(sigma_noise, int | float):
         raise TypeError(f"`sigma_noise` must be a number, got {sigma_noise!r}")
@@ -559,16 +617,8 @@ def laplace(
     parameters = int(ravel_pytree(arrays)[0].shape[0])
     if ens.shared is not None:
         _check_part_per_member(ens, part, len(jtu.tree_leaves(arrays)))
-    if curvature == "kfac" and not (
-        isinstance(selected, eqx.nn.Linear)
-        and isinstance(selected.in_features, int)
-        and isinstance(selected.out_features, int)
-    ):
-        raise ValueError(
-            "`curvature='kfac'` needs a part that is one `eqx.nn.Linear` (with int "
-            f"in/out features); `part` selected {type(selected).__name__}: use "
-            "`curvature='diagonal'` or `'full'` for other parts"
-        )
+    if curvature == "kfac":
+        _check_kfac_part(selected)
     if curvature == "full" and parameters > FULL_MAX_PARAMETERS:
         raise ValueError(
             f"`curvature='full'` holds a {parameters} x {parameters} matrix per member "
@@ -583,6 +633,15 @@ def laplace(
     if prior is None:
         return posterior.optimize_prior_precision(validation)
     return eqx.tree_at(lambda p: p.prior_precision, posterior, prior)
+
+
+def _check_kfac_part(selected: Any) -> None:
+    if not isinstance(selected, eqx.nn.Linear):
+        raise ValueError(
+            "`curvature='kfac'` needs a part that is one `eqx.nn.Linear`; `part` "
+            f"selected {type(selected).__name__}: use `curvature='diagonal'` or "
+            "`'full'` for other parts"
+        )
 
 
 def _check_part_per_member(ens: Ensemble, part: Any, leaves: int) -> None:
@@ -844,8 +903,8 @@ def _finish(ens, sums, count, likelihood, part, curvature, sigma) -> LaplacePost
         prior_precision=jnp.ones((size,), jnp.float32),
         log_likelihood=log_lik,
         mean=theta,
-        sigma_noise=sigma,
-        num_data=count,
+        sigma_noise=jnp.asarray(sigma, jnp.float32),
+        num_data=jnp.asarray(count, jnp.int32),
         likelihood=likelihood,
         curvature=curvature,
         part=part,
