@@ -309,6 +309,14 @@ def test_beartype_catches_wrong_rank_and_dtype(logits):
         ee.combine.mean_logits(jnp.ones((MEMBERS, 3), dtype=jnp.int32))
 
 
+def test_bfloat16_weights_are_taken():
+    # NumPy calls bfloat16 kind "V" (not a number): the check reads JAX's dtype.
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (3, 4, 5)))
+    expected = ee.combine.mean_probs(probs, weights=jnp.array([1.0, 2.0, 1.0]))
+    half = ee.combine.mean_probs(probs, weights=jnp.array([1, 2, 1], jnp.bfloat16))
+    np.testing.assert_allclose(half, expected, rtol=1e-6)
+
+
 def test_weight_count_message():
     with pytest.raises(
         ValueError, match=r"predictions have 5 members, weights have shape \(3,\)"

@@ -220,3 +220,33 @@ def test_compilation_cache_writes_programs(tmp_path):
     assert any(folder.iterdir()), "no program was written to the cache folder"
     with pytest.raises(ValueError, match="min_compile_seconds"):
         ee.compilation_cache(tmp_path, min_compile_seconds=-1.0)
+
+
+def test_a_loss_holding_arrays_is_planned_once(monkeypatch):
+    # A loss module with an array field cannot be hashed: its step's plan (and
+    # the loss's profile, a trace) is kept by the loss's identity, not made
+    # again on every call.
+    from eqx_ensemble._execution import plan as plan_module
+
+    planned = []
+    real = plan_module._plan
+    monkeypatch.setattr(
+        plan_module, "_plan", lambda *args: planned.append(1) or real(*args)
+    )
+
+    class Scaled(eqx.Module):
+        scale: jax.Array
+
+        def __call__(self, model, batch, key):
+            return self.scale * jnp.mean(jax.vmap(model)(batch) ** 2)
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(2, 1, key=k), size=2,
+                      key=jax.random.key(0))  # fmt: skip
+    optimizer = optax.sgd(0.1)
+    step = ee.make_step(Scaled(jnp.array(2.0)), optimizer)
+    opt_state = ee.init_optimizer(optimizer, ens)
+    for seed in range(3):
+        ens, opt_state, *_ = step(
+            ens, opt_state, jnp.ones((4, 2)), jax.random.key(seed)
+        )
+    assert len(planned) == 1

@@ -725,6 +725,11 @@ def test_bad_losses_per_group_are_refused_naming_them(het):
     ens = het.groups[0]
     with pytest.raises(TypeError, match="only an `ee.Heterogeneous`"):
         ee.fit(ens, (loss,), optax.sgd(0.1), (X, Y), **kwargs)
+    # make_step names them too (before its plan traces a group's loss).
+    opt_state = ee.init_optimizer(optax.sgd(0.1), het)
+    for losses in ((loss,), (loss, loss, loss)):
+        with pytest.raises(ValueError, match=f"tuple of {len(losses)} losses"):
+            ee.make_step(losses, optax.sgd(0.1))(het, opt_state, (X, Y), kwargs["key"])
 
 
 def test_the_steps_profile_counts_a_member_on_average():

@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
@@ -68,8 +69,9 @@ def plan_step(
     try:
         if structure is None:
             raise TypeError
-        table = _PLANS.setdefault(owner, {})
+        table = _table_of(owner[0] if isinstance(owner, tuple) and owner else owner)
         key = (
+            owner if isinstance(owner, tuple) else None,  # a loss per group
             _settings_key(settings),
             structure,
             examples,
@@ -94,8 +96,25 @@ def plan_step(
     return dataclasses.replace(found, length=min(found.length, steps))
 
 
-# Plans per loss (held weakly: the entry goes with the loss) and inputs.
+# Plans per loss (held weakly: the entry goes with the loss) and inputs; a
+# loss that cannot be hashed (a module holding arrays) by identity.
 _PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, Plan]]" = weakref.WeakKeyDictionary()
+_BY_ID: dict[int, tuple[Any, dict[Any, Plan]]] = {}
+
+
+def _table_of(owner: Any) -> dict[Any, Plan]:
+    """The plans of `owner` (TypeError: it cannot be referred to weakly)."""
+    try:
+        return _PLANS.setdefault(owner, {})
+    except TypeError:
+        if type(owner).__hash__ is not None and not isinstance(owner, eqx.Module):
+            raise  # hashable but not weakly referable: a tuple, a number
+    entry = _BY_ID.get(id(owner))
+    if entry is None or entry[0]() is not owner:
+        key = id(owner)
+        ref = weakref.ref(owner, lambda _, key=key: _BY_ID.pop(key, None))
+        entry = _BY_ID[key] = (ref, {})
+    return entry[1]
 
 
 def _settings_key(settings: Any) -> Hashable:
@@ -131,11 +150,17 @@ def _plan(
         platform == "cpu"
         or (platform == "gpu" and automatic_layout and steps is not None)
     )
-    if user_options is None and not reads_profile:
-        reads_profile = with_eigen_dots(
-            step_compiler_options(None, members, examples, size, mesh)
-        )
     profile = profile_of() if reads_profile else StepProfile()
+    batched_dots = profile.batched_dots
+    if (
+        user_options is None
+        and not reads_profile
+        and with_eigen_dots(step_compiler_options(None, members, examples, size, mesh))
+    ):
+        # Eigen's dots run batched matmuls slower: read that much of the
+        # profile for the options only (on a mesh every other choice is the
+        # rules' without it).
+        batched_dots = profile_of().batched_dots
     unroll = getattr(settings, "unroll", None)
     if unroll is None:
         unroll = profile.convolutions and platform == "cpu"
@@ -161,7 +186,7 @@ def _plan(
             else 1
         )
     options = step_compiler_options(
-        user_options, members, examples, size, mesh, profile.batched_dots
+        user_options, members, examples, size, mesh, batched_dots
     )
     devices = 1 if mesh is None else mesh.size
     check = choose_finite_check(

@@ -71,23 +71,24 @@ def real_array(value: Any, name: str) -> jax.Array:
     one, an object (JAX's own message names no argument)."""
     if isinstance(value, str | bytes):
         raise TypeError(f"`{name}` must be real numbers, got the string {value!r}")
-    if isinstance(value, jax.Array):
-        kind = value.dtype.kind
-    else:
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # NumPy's on a list of strings
-            try:
-                kind = np.asarray(value).dtype.kind
-            except (TypeError, ValueError):
-                kind = "O"
-    if kind == "c":
+            array = jnp.asarray(value)  # lists of traced scalars too
+    except (TypeError, ValueError):
+        array = None
+    if array is not None and jnp.issubdtype(array.dtype, jnp.complexfloating):
         raise TypeError(f"`{name}` must be real, got complex values {value!r:.80}")
-    if kind not in "biuf":
+    if array is None or not (
+        jnp.issubdtype(array.dtype, jnp.integer)
+        or jnp.issubdtype(array.dtype, jnp.floating)  # bfloat16 included
+        or array.dtype == jnp.bool_
+    ):
         raise TypeError(
             f"`{name}` must be real numbers (an array, a number or a list of "
             f"numbers), got {type(value).__name__} {value!r:.80}"
         )
-    return jnp.asarray(value)
+    return array
 
 
 def first_non_finite(values: Any) -> tuple[tuple[int, ...], Any] | None:

@@ -170,10 +170,11 @@ class LaplacePosterior(eqx.Module):
         curvature = check_choice(curvature, "curvature", _CURVATURES)  # type: ignore[assignment]
         part = last_linear if part is None else part
         selected, arrays = _part_arrays(part, ens[0])
-        size, parameters = len(ens), int(ravel_pytree(arrays)[0].shape[0])
+        theta = ravel_pytree(arrays)[0]  # the sums are in the part's dtype
+        size, parameters = len(ens), int(theta.shape[0])
 
         def zeros(*shape: int) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct((size, *shape), jnp.float32)
+            return jax.ShapeDtypeStruct((size, *shape), theta.dtype)
 
         if curvature == "kfac":
             _check_kfac_part(selected)

@@ -14,8 +14,9 @@ class Checkpointer(Component):
     """The protocol of `fit(..., checkpoints=)`, on the host: before the first
     step `prepare()`, `has_checkpoints()` and `resume(...)`; at a dispatch's end
     `next_stop(done)`, `due(done, steps)` and `save(...)`. `save` returns a
-    handle with a `wait()` method for a write still in progress (waited for
-    before the next save and at the run's end), or anything else. A failure
+    handle for a write still in progress (`wait()`, waited for before the
+    next save and at the run's end; `abandon()`, when the run fails first;
+    `path`, named in errors), or anything else. A failure
     is an `OSError` or an `error`, which `fit` raises as an `error` with the
     trained run attached."""
 

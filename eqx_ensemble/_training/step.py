@@ -41,7 +41,7 @@ from .._execution.profile import StepProfile, first_member, profile_jaxpr, signa
 from .._internal.keys import optimizer_key
 from .._internal.tree import keystr
 from .coupled import Coupled, coupled_losses
-from .inputs import check_chunkable, check_inputs
+from .inputs import check_chunkable, check_inputs, check_losses
 from .loss import (
     LossFn,
     call_loss,
@@ -718,9 +718,16 @@ class Step(eqx.Module):
             )
         except TypeError:  # an unhashable leaf: planned every time
             structure = None
+
+        def profile() -> StepProfile:
+            # The losses are checked before one is traced for the profile (the
+            # step checks the rest when it is traced).
+            check_losses(self.loss_fn, ens, state is not None, hyper is not None)
+            return _profile_of(self, (ens, batch, state, hyper))
+
         return plan_step(
             self,
-            lambda: _profile_of(self, (ens, batch, state, hyper)),
+            profile,
             owner=self.loss_fn,
             structure=structure,
             members=ens.members,
