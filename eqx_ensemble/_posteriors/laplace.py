@@ -196,13 +196,6 @@ class LaplacePosterior(eqx.Module):
         _, arrays = _part_arrays(self.part, self.ensemble[0])
         return ravel_pytree(arrays)[1]
 
-    def _with_theta(self, model: Any, theta: Array, unravel: Any) -> Any:
-        selected = self.part(model)
-        static = eqx.filter(selected, eqx.is_inexact_array, inverse=True)
-        return eqx.tree_at(
-            self.part, model, eqx.combine(unravel(theta), static), is_leaf=_is_none
-        )
-
     def _kfac_shapes(self) -> tuple[int, int, bool]:
         linear = self.part(self.ensemble[0])
         out_size, in_size = linear.weight.shape
