@@ -102,7 +102,9 @@ def run_with_xla_defaults(code: str, *args: str, timeout: float = 300) -> str:
 # notebook and docstring compiles programs of its own, and a file of them on
 # one worker would outlast the rest of the suite. Those come first, so that
 # the long ones start first and the short files fill in around them.
-_SPLIT_FILES = ("test_docs.py", "test_docstrings.py", "test_notebooks.py",
+_SPLIT_FILES = ("test_docs.py", "test_docs_training.py", "test_docs_methods.py",
+                "test_docs_scale.py", "test_docstrings.py",
+                "test_docstrings_modules.py", "test_notebooks.py",
                 "test_notebooks_more.py", "test_multiprocess.py")  # fmt: skip
 
 

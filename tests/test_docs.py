@@ -1,107 +1,43 @@
 """Every ```python block of the docs and the README runs (the docs cannot drift).
 
-Each page is one test: its ```python blocks run in order in ONE fresh namespace, so a
-page can build on its earlier blocks, exactly as a reader pasting them would. Two
-HTML comments, on the line just before a fence, change what happens to it:
+The executed pages: `_docs_pages.py` (how a page runs, its markers); the long
+guides run in `test_docs_training.py`, `test_docs_methods.py` and
+`test_docs_scale.py`, every other page here.
 
-- `<!-- skip-test -->` before a ```python block: the block is not run. Use it
-  sparingly (shell-like or deliberately incomplete content only).
-- `<!-- expected-output -->` before a ```text block: the block must appear in what
-  the page's previous ```python block printed (whitespace-normalised), so quoted
-  output (an error message of JAX, a shape) is checked, not just copied.
-
-Tracebacks point at the Markdown file and line of the failing block.
-
-A second test checks that every public name of `eqx_ensemble` has an API page
+The other tests check that every public name of `eqx_ensemble` has an API page
 (a `::: eqx_ensemble.name` directive under docs/api/) and that every page under
 docs/ is in the mkdocs nav, so a new public name cannot ship undocumented.
 """
 
-import contextlib
-import dataclasses
 import inspect
-import io
 import re
 from pathlib import Path
 
 import pytest
+from _docs_pages import (
+    DOCS,
+    GROUPS,
+    ROOT,
+    SKIP_MARKER,
+    group_pages,
+    pages,
+    parse_blocks,
+    run_page,
+)
 
 import eqx_ensemble as ee
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
-SKIP_MARKER = "<!-- skip-test -->"
-OUTPUT_MARKER = "<!-- expected-output -->"
-_OPEN = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 
-
-@dataclasses.dataclass
-class Block:
-    lang: str
-    source: str
-    line: int  # 1-based line of the first line of code (after the fence)
-    marker: str  # the stripped line just before the opening fence
-
-
-def parse_blocks(text: str) -> list[Block]:
-    """The fenced code blocks of a Markdown page, dedented to their fence."""
-    lines = text.splitlines()
-    blocks = []
-    index = 0
-    while index < len(lines):
-        opening = _OPEN.match(lines[index])
-        if opening is None:
-            index += 1
-            continue
-        indent, fence = opening["indent"], opening["fence"]
-        marker = lines[index - 1].strip() if index > 0 else ""
-        body = []
-        index += 1
-        while index < len(lines) and not (
-            lines[index].strip().startswith(fence)
-            and lines[index].strip().strip(fence[0]) == ""
-        ):
-            line = lines[index]
-            body.append(line[len(indent) :] if line.startswith(indent) else line)
-            index += 1
-        if index == len(lines):
-            raise ValueError(f"unclosed code fence opened on line {index}")
-        start = index - len(body) + 1
-        blocks.append(Block(opening["lang"], "\n".join(body) + "\n", start, marker))
-        index += 1
-    return blocks
-
-
-def _pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
-
-
-def _normalise(text: str) -> str:
-    return " ".join(text.split())
-
-
-@pytest.mark.parametrize("page", _pages(), ids=lambda page: str(page.relative_to(ROOT)))
+@pytest.mark.parametrize("page", group_pages(None))
 def test_page_code_runs(page: Path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # files a page writes land in a scratch folder
-    namespace: dict = {"__name__": "__docs__"}
-    printed = None
-    for block in parse_blocks(page.read_text()):
-        if block.lang == "python" and block.marker != SKIP_MARKER:
-            # Pad so tracebacks report the Markdown line numbers.
-            code = compile("\n" * (block.line - 1) + block.source, str(page), "exec")
-            stdout = io.StringIO()
-            with contextlib.redirect_stdout(stdout):
-                exec(code, namespace)
-            printed = stdout.getvalue()
-        elif block.marker == OUTPUT_MARKER:
-            assert printed is not None, (
-                f"{page.name}:{block.line}: expected output with no python block "
-                "before it"
-            )
-            assert _normalise(block.source) in _normalise(printed), (
-                f"{page.name}:{block.line}: the quoted output is not what the code "
-                f"printed.\n--- quoted ---\n{block.source}--- printed ---\n{printed}"
-            )
+    run_page(page)
+
+
+def test_every_long_guide_is_a_page():
+    guides = {page.name for page in (DOCS / "guides").glob("*.md")}
+    for group, names in GROUPS.items():
+        assert set(names) <= guides, f"{group}: no such guide {set(names) - guides}"
 
 
 def test_parser_finds_blocks_markers_and_indented_fences():
@@ -171,7 +107,7 @@ def test_no_page_writes_a_keyword_the_library_no_longer_takes():
     }
     moved = _moved_keywords()
     found = []
-    for page in _pages():
+    for page in pages():
         if page.name == "changelog.md":  # names what was removed, by design
             continue
         text = page.read_text()
@@ -190,7 +126,7 @@ def test_no_page_writes_a_keyword_the_library_no_longer_takes():
 def test_docs_have_code_to_run():
     python_blocks = [
         block
-        for page in _pages()
+        for page in pages()
         for block in parse_blocks(page.read_text())
         if block.lang == "python"
     ]

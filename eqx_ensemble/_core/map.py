@@ -64,7 +64,7 @@ def map(
       convolutions take at least 100 MFLOP per member (each operation is then
       dispatched once per member); else `"vmap"`. XLA's CPU backend runs a
       member-batched convolution as a grouped convolution, several times
-      slower than the members' own (see the training guide). Deciding traces
+      slower than the members' own (see the guide "`fit` in detail"). Deciding traces
       `fn` once per function and input shapes. The results are the same
       either way, to floating-point rounding.
 

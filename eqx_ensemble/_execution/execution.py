@@ -82,7 +82,7 @@ class Execution(Component):
     - `guard`: `fit` only: where the divergence guard checks that every member
       is finite. `"auto"` (the default): on a CPU (array data), once at the end
       of each dispatch, and a dispatch in which a member failed is run again
-      in parts to freeze it at its step (the training guide); every step
+      in parts to freeze it at its step (the guide "`fit` in detail"); every step
       elsewhere, and for an optimizer that replaces non-finite gradients
       (`optax.zero_nans`, `optax.apply_if_finite`), a trained shared part or
       an `ee.Coupled` loss. `"step"`: at every step, as `make_step` does: for

@@ -27,7 +27,7 @@ from .train_state import TrainState
 
 class Controller(Component):
     """Changes a [`fit`][eqx_ensemble.fit] run between dispatches (abstract): see
-    the module docs above and the training guide. Subclasses set `every` and
+    the module docs above and the guide "`fit` in detail". Subclasses set `every` and
     implement `__call__`.
 
     **Example:**

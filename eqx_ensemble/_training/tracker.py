@@ -27,7 +27,7 @@ from .._internal.component import Component
 class Tracker(Component):
     """A weight-trajectory method run inside [`fit`][eqx_ensemble.fit]'s compiled
     loop (abstract). See [`ee.EMA`][eqx_ensemble.EMA] for a complete example and
-    the training guide for the protocol: `init`, `update`, `result`, `check`.
+    the guide "`fit` in detail" for the protocol: `init`, `update`, `result`, `check`.
 
     **Example:**
 
