@@ -947,16 +947,24 @@ def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -
         )
     x, y, _ = _check_data(validation, posterior.likelihood)
     _check_targets(posterior.ensemble, x, y, posterior.likelihood)
-    losses = []
-    for value in values:
-        trial = eqx.tree_at(
-            lambda p: p.prior_precision,
-            posterior,
-            jnp.full((size,), value, jnp.float32),
-        )
-        losses.append(np.asarray(_member_nll(trial, x, y)))
-    best = np.argmin(np.stack(losses), axis=0)  # (members,): first of ties
+    losses = np.asarray(_grid_nll(posterior, x, y, jnp.asarray(values, jnp.float32)))
+    best = np.argmin(losses, axis=0)  # (members,): first of ties
     return jnp.asarray(values[best], jnp.float32)
+
+
+@eqx.filter_jit
+def _grid_nll(posterior: LaplacePosterior, x: Any, y: Array, values: Array) -> Array:
+    """`(values, members)`: every member's validation NLL at every prior
+    precision, in one program (vmapped over the values, so what does not
+    depend on the prior, the Jacobians, is computed once)."""
+    size = posterior.mean.shape[0]
+
+    def at(value: Array) -> Array:
+        prior = jnp.full((size,), value, jnp.float32)
+        trial = eqx.tree_at(lambda p: p.prior_precision, posterior, prior)
+        return _member_nll(trial, x, y)
+
+    return jax.vmap(at)(values)
 
 
 def _member_nll(posterior: LaplacePosterior, x: Any, y: Array) -> Array:
