@@ -44,6 +44,32 @@ def test_adversarial_loss_is_fgsm_per_member(setup):
     )
 
 
+def test_a_step_per_feature_is_fgsm_with_that_step(setup):
+    # The paper's epsilon: 1% of each input dimension's range.
+    ens, batch = setup
+    x, _ = batch
+    epsilon = 0.01 * (x.max(0) - x.min(0))
+    wrapped = ee.adversarial(loss_fn, epsilon=epsilon)
+    for i in range(len(ens)):
+        assert_tree_allclose(
+            wrapped(ens[i], batch, None), fgsm_by_hand(ens[i], batch, epsilon[None])
+        )
+    # Trained with it: another array of steps is another input of the same
+    # program (test_compile_once.py counts it), not a constant.
+    opt = optax.adam(1e-2)
+    common = dict(steps=5, batch_size=8, key=jax.random.key(0), callbacks=())
+    before = ee.fit(ens, wrapped, opt, batch, **common).ensemble
+    again = ee.adversarial(loss_fn, epsilon=2 * epsilon)
+    after = ee.fit(ens, again, opt, batch, **common).ensemble
+    assert not eqx.tree_equal(before, after)
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        ee.adversarial(loss_fn, epsilon=jnp.array([0.1, -0.1]))
+    with pytest.raises(TypeError, match="epsilon"):  # integer steps
+        ee.adversarial(loss_fn, epsilon=jnp.array([1, 2]))
+    with pytest.raises(ValueError, match=r"shape \(3,\) does not broadcast"):
+        ee.adversarial(loss_fn, epsilon=jnp.ones(3))(ens[0], batch, None)
+
+
 def test_training_with_adversarial_examples_equals_a_hand_loop(setup):
     ens, batch = setup
     opt = optax.sgd(0.05)

@@ -250,3 +250,20 @@ def test_a_loss_holding_arrays_is_planned_once(monkeypatch):
             ens, opt_state, jnp.ones((4, 2)), jax.random.key(seed)
         )
     assert len(planned) == 1
+
+
+def test_a_loss_holding_arrays_compiles_once_for_any_values():
+    # The deep-ensembles recipe on many splits: an adversarial step per input
+    # feature (`ee.adversarial(epsilon=array)`) from each split's ranges. The
+    # arrays are inputs of one program, not constants of one per split.
+    per_split = [jnp.array([0.01]), jnp.array([0.02])]
+    fit(optax.adam(1e-3), loss_fn=ee.adversarial(make_loss(), epsilon=per_split[0]))
+    assert (
+        compilations(
+            lambda: fit(
+                optax.adam(1e-3),
+                loss_fn=ee.adversarial(make_loss(), epsilon=per_split[1]),
+            )
+        )
+        == 0
+    )

@@ -1,12 +1,13 @@
 """`adversarial`: a loss plus the loss at fast-gradient-sign examples."""
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float
 
 from .._internal.tree import keystr
 
@@ -36,7 +37,7 @@ class Adversarial(eqx.Module):
     """
 
     loss_fn: Callable[..., Any]
-    epsilon: float
+    epsilon: float | Array
     inputs: Callable[[Any], Any] | None = None
 
     def _inputs(self, batch: Any) -> Any:
@@ -50,6 +51,20 @@ class Adversarial(eqx.Module):
         if isinstance(batch, tuple | list):
             return type(batch)([new, *batch[1:]])
         return new
+
+    def _step(self, grad: Array) -> Array:
+        if isinstance(self.epsilon, float):
+            return self.epsilon * jnp.sign(grad)
+        # One step per feature: broadcast explicitly (rank promotion may be
+        # "raise"), naming the shapes where they do not fit.
+        try:
+            epsilon = jnp.broadcast_to(self.epsilon, grad.shape)
+        except ValueError:
+            raise ValueError(
+                f"`epsilon` of shape {self.epsilon.shape} does not broadcast to "
+                f"the perturbed inputs' shape {grad.shape} (batch first)"
+            ) from None
+        return epsilon * jnp.sign(grad)
 
     def __call__(self, model: Any, *args: Any, **kwargs: Any) -> Any:
         if len(args) not in (2, 3):
@@ -80,7 +95,7 @@ class Adversarial(eqx.Module):
         # through its construction.
         adversarial_x = jax.lax.stop_gradient(
             jax.tree.map(
-                lambda value, g: value + self.epsilon * jnp.sign(g).astype(value.dtype),
+                lambda value, g: value + self._step(g).astype(value.dtype),
                 x,
                 grads,
             )
@@ -102,7 +117,7 @@ class Adversarial(eqx.Module):
 def adversarial(
     loss_fn: Callable[..., Any],
     *,
-    epsilon: float,
+    epsilon: float | Float[ArrayLike, "..."],
     inputs: Callable[[Any], Any] | None = None,
 ) -> Adversarial:
     """Wrap a loss with fast-gradient-sign adversarial examples, as in the deep
@@ -118,8 +133,10 @@ def adversarial(
     - `loss_fn`: a loss as [`fit`][eqx_ensemble.fit] takes it, for ONE model:
       `(model, batch, key)` or `(model, state, batch, key)`, returning a scalar
       or a tuple starting with it.
-    - `epsilon`: the step, in input units, `>= 0` and finite. The paper uses 1%
-      of the input range.
+    - `epsilon`: the step, in input units, `>= 0` and finite: a number, or an
+      array that broadcasts against every perturbed input leaf (one step per
+      feature: the paper uses 1% of each input dimension's range,
+      `0.01 * (x.max(0) - x.min(0))`).
     - `inputs`: which part of the batch to perturb, as a function of the batch
       (as in `eqx.tree_at`); default: `batch[0]` for a tuple `(x, y)`, else the
       whole batch. Its leaves must be floating point.
@@ -148,16 +165,26 @@ def adversarial(
     """
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}")
-    if isinstance(epsilon, bool) or not isinstance(epsilon, int | float):
-        raise TypeError(f"`epsilon` must be a number, got {epsilon!r}")
-    if not math.isfinite(epsilon) or epsilon < 0:
+    if isinstance(epsilon, bool) or not isinstance(
+        epsilon, int | float | np.ndarray | jax.Array
+    ):
+        raise TypeError(f"`epsilon` must be a number or an array, got {epsilon!r}")
+    if isinstance(epsilon, np.ndarray | jax.Array):
+        if not jnp.issubdtype(epsilon.dtype, jnp.floating):
+            raise TypeError(f"`epsilon` must be floating point, got {epsilon.dtype}")
+        values = np.asarray(epsilon)
+        epsilon = jnp.asarray(epsilon)
+    else:
+        values = np.asarray(float(epsilon))
+        epsilon = float(epsilon)
+    if not (np.isfinite(values) & (values >= 0)).all():
         raise ValueError(
-            f"`epsilon` must be finite and non-negative, got {epsilon}; it is the "
-            "size of the fast-gradient-sign step in input units"
+            f"`epsilon` must be finite and non-negative, got {values.tolist()}; it "
+            "is the size of the fast-gradient-sign step in input units"
         )
     if inputs is not None and not callable(inputs):
         raise TypeError(
             "`inputs` must be a function of the batch returning the inputs to "
             f"perturb (e.g. `lambda batch: batch[0]`), got {inputs!r}"
         )
-    return Adversarial(loss_fn, float(epsilon), inputs)
+    return Adversarial(loss_fn, epsilon, inputs)

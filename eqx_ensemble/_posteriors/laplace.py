@@ -934,7 +934,6 @@ def _optimize_prior(posterior: LaplacePosterior) -> Array:
 
 
 def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -> Array:
-    size = posterior.mean.shape[0]
     values = np.logspace(-4, 4, 41) if grid is None else np.asarray(grid, np.float64)
     if (
         values.ndim != 1
