@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
 
-.PHONY: demo test test-all lint docs bench clean
+.PHONY: demo test test-all lint docs bench results clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ docs: $(VENV)/.installed-dev
 
 bench: $(VENV)/.installed-bench
 	$(PY) benchmarks/run_all.py
+
+# Every method on the same data: writes docs/results.md and its figures
+# (about 20 minutes on a 2-core CPU; `--full` for longer runs).
+results: $(VENV)/.installed-dev
+	$(PY) benchmarks/results.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .cache

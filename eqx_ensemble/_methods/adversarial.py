@@ -53,7 +53,7 @@ class Adversarial(eqx.Module):
         return new
 
     def _step(self, grad: Array) -> Array:
-        if isinstance(self.epsilon, float):
+        if not isinstance(self.epsilon, jax.Array):
             return self.epsilon * jnp.sign(grad)
         # One step per feature: broadcast explicitly (rank promotion may be
         # "raise"), naming the shapes where they do not fit.

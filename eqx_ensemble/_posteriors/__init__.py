@@ -1,1 +1,1 @@
-"""Posterior approximations around trained members: Laplace."""
+"""Posterior approximations: Laplace around trained members, MC dropout."""
