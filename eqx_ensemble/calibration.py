@@ -20,6 +20,12 @@ or of each member:
 - [`fit_isotonic_regression`][eqx_ensemble.calibration.fit_isotonic_regression]
   (Zadrozny and Elkan 2002).
 
+For regression, on the members' means and variances:
+
+- [`fit_quantile_recalibration`][eqx_ensemble.calibration.fit_quantile_recalibration]:
+  an isotonic map of the predictive CDF's values (Kuleshov et al. 2018), giving
+  calibrated quantiles and intervals.
+
 Every fitted calibrator is an `eqx.Module`: save it with `ee.save`, call it
 under `jax.jit`, feed its output to any `ee.metrics` function.
 
@@ -45,6 +51,10 @@ from ._metrics.calibrators import (
     fit_matrix_scaling as fit_matrix_scaling,
     fit_vector_scaling as fit_vector_scaling,
 )
+from ._metrics.quantile import (
+    QuantileRecalibration as QuantileRecalibration,
+    fit_quantile_recalibration as fit_quantile_recalibration,
+)
 
 __all__ = [
     "fit_vector_scaling",
@@ -52,9 +62,11 @@ __all__ = [
     "fit_dirichlet_scaling",
     "fit_histogram_binning",
     "fit_isotonic_regression",
+    "fit_quantile_recalibration",
     "VectorScaling",
     "MatrixScaling",
     "DirichletScaling",
     "HistogramBinning",
     "IsotonicCalibration",
+    "QuantileRecalibration",
 ]

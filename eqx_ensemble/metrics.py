@@ -68,6 +68,9 @@ from ._metrics.ood import (
     ood_auroc as ood_auroc,
     ood_fpr_at_tpr as ood_fpr_at_tpr,
 )
+from ._metrics.quantile import (
+    regression_calibration_error as regression_calibration_error,
+)
 from ._metrics.regression import (
     aleatoric_variance as aleatoric_variance,
     epistemic_variance as epistemic_variance,
@@ -136,6 +139,7 @@ __all__ = [
     "rmse",
     "per_member_rmse",
     "interval_coverage",
+    "regression_calibration_error",
     # Out-of-distribution detection: scores (higher = more likely OOD; the
     # uncertainty measures above are scores too) and how well they separate.
     "energy_score",

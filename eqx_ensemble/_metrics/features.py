@@ -1,0 +1,319 @@
+"""Out-of-distribution detectors in the members' feature space: Mahalanobis
+distance to the class means (Lee et al. 2018), the class-conditional Gaussian
+density of DDU (Mukhoti et al. 2023) and the k-th nearest neighbour distance
+(Sun et al. 2022), each fitted per member."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.special import logsumexp
+from jaxtyping import Array, ArrayLike, Float, Int
+
+from .checks import as_float_array
+
+
+def _features(features: Any, name: str = "features") -> Array:
+    array = as_float_array(features, name)
+    if array.ndim != 3:
+        raise ValueError(
+            f"`{name}` must have shape (members, batch, dim): each member's feature "
+            f"vector of each example (e.g. from `ee.map`), got shape "
+            f"{tuple(array.shape)}"
+        )
+    if not np.isfinite(np.asarray(array)).all():
+        raise ValueError(f"`{name}` holds NaN or inf")
+    return array
+
+
+def _labels(labels: Any, batch: int) -> tuple[np.ndarray, int]:
+    y = np.asarray(labels)
+    if y.shape != (batch,) or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(
+            f"`labels` must be {batch} integer class labels (one per example of "
+            f"`features`), got {y.dtype} of shape {y.shape}"
+        )
+    if y.min() < 0:
+        raise ValueError(f"`labels` must be non-negative, got {int(y.min())}")
+    classes = int(y.max()) + 1
+    missing = sorted(set(range(classes)) - set(y.tolist()))
+    if missing:
+        raise ValueError(
+            f"classes {missing} have no example in `labels`: every class up to the "
+            "largest label needs its features to fit its Gaussian"
+        )
+    return y, classes
+
+
+def _class_means(f: np.ndarray, y: np.ndarray, classes: int) -> np.ndarray:
+    return np.stack([f[:, y == c].mean(axis=1) for c in range(classes)], axis=1)
+
+
+def _check_applied(features: Array, members: int, dim: int, who: str) -> None:
+    if features.shape[0] != members or features.shape[2] != dim:
+        raise ValueError(
+            f"{who} was fitted on {members} members' features of dimension {dim}, "
+            f"got features of shape {tuple(features.shape)} (members, batch, dim)"
+        )
+
+
+class Mahalanobis(eqx.Module):
+    """The Mahalanobis OOD score (Lee et al. 2018): each example's smallest
+    squared Mahalanobis distance to a class mean, under one covariance shared by
+    the classes; higher is more likely out of distribution. Fitted by
+    [`fit_mahalanobis`][eqx_ensemble.ood.fit_mahalanobis]; calling it on features
+    `(members, batch, dim)` returns each member's scores, `(members, batch)`
+    (average over axis 0 for the ensemble's).
+
+    **Example:**
+
+    ```python
+    detector = ee.ood.Mahalanobis(jnp.zeros((1, 2, 3)), jnp.eye(3)[None])
+    detector(jnp.ones((1, 4, 3))).shape          # (1, 4)
+    ```
+    """
+
+    means: Float[Array, "members classes dim"]
+    precision: Float[Array, "members dim dim"]
+
+    def __call__(
+        self, features: Float[ArrayLike, "members batch dim"]
+    ) -> Float[Array, "members batch"]:
+        f = as_float_array(features, "features")
+        members, dim = self.precision.shape[:2]
+        _check_applied(f, members, dim, "Mahalanobis")
+        return _mahalanobis(self.means, self.precision, f)
+
+
+@jax.jit
+def _mahalanobis(means: Array, precision: Array, f: Array) -> Array:
+    centred = f[:, :, None, :] - means[:, None, :, :]  # (members, batch, classes, dim)
+    distances = jnp.einsum("mbcd,mde,mbce->mbc", centred, precision, centred)
+    return jnp.min(distances, axis=-1)
+
+
+def fit_mahalanobis(
+    features: Float[ArrayLike, "members batch dim"], labels: Int[ArrayLike, " batch"]
+) -> Mahalanobis:
+    """Fit the Mahalanobis detector on training features (Lee et al. 2018): per
+    member, the class means and the covariance of the features around their
+    class means, pooled over the classes (`sklearn.covariance.EmpiricalCovariance`
+    of the centred features), inverted with a pseudo-inverse.
+
+    **Arguments:**
+
+    - `features`: each member's feature vector of each training example, shape
+      `(members, batch, dim)` (e.g. the penultimate layer, through `ee.map`).
+    - `labels`: the integer class labels, shape `(batch,)`.
+
+    **Returns:**
+
+    A [`Mahalanobis`][eqx_ensemble.ood.Mahalanobis] detector.
+
+    **Example:**
+
+    ```python
+    key1, key2 = jax.random.split(jax.random.key(0))
+    features = jax.random.normal(key1, (3, 200, 8))       # 3 members, 8 features
+    labels = jax.random.randint(key2, (200,), 0, 4)
+    detector = ee.ood.fit_mahalanobis(features, labels)
+    scores = detector(features + 5.0)                      # (3, 200): far away
+    ```
+    """
+    f = _features(features)
+    y, classes = _labels(labels, f.shape[1])
+    array = np.asarray(f, np.float64)
+    means = _class_means(array, y, classes)
+    centred = array - means[:, y]
+    covariance = np.einsum("mbd,mbe->mde", centred, centred) / array.shape[1]
+    precision = np.stack([np.linalg.pinv(c, hermitian=True) for c in covariance])
+    return Mahalanobis(jnp.asarray(means, f.dtype), jnp.asarray(precision, f.dtype))
+
+
+class GaussianDensity(eqx.Module):
+    """The feature-density OOD score of DDU (Mukhoti et al. 2023): minus the log
+    density of each example's features under a mixture of class-conditional
+    Gaussians, each with its own covariance, weighted by the classes'
+    frequencies; higher is more likely out of distribution. Fitted by
+    [`fit_gaussian_density`][eqx_ensemble.ood.fit_gaussian_density]; returns
+    `(members, batch)`.
+
+    **Example:**
+
+    ```python
+    detector = ee.ood.GaussianDensity(jnp.zeros((1, 1, 2)),
+                                      jnp.eye(2)[None, None], jnp.zeros((1,)))
+    detector(jnp.zeros((1, 1, 2)))           # [[log(2 pi)]] = [[1.838]]
+    ```
+    """
+
+    means: Float[Array, "members classes dim"]
+    cholesky: Float[Array, "members classes dim dim"]
+    log_priors: Float[Array, " classes"]
+
+    def __call__(
+        self, features: Float[ArrayLike, "members batch dim"]
+    ) -> Float[Array, "members batch"]:
+        f = as_float_array(features, "features")
+        members, _, dim = self.means.shape
+        _check_applied(f, members, dim, "GaussianDensity")
+        return _negative_log_density(self.means, self.cholesky, self.log_priors, f)
+
+
+@jax.jit
+def _negative_log_density(means, cholesky, log_priors, f):
+    centred = f[:, :, None, :] - means[:, None, :, :]  # (members, batch, classes, dim)
+    # Solve L z = x - mu for each member and class: |z|^2 is the Mahalanobis term.
+    solve = jax.vmap(  # members
+        jax.vmap(  # classes
+            lambda chol, x: jax.scipy.linalg.solve_triangular(chol, x.T, lower=True).T,
+            in_axes=(0, 1),
+            out_axes=1,
+        )
+    )
+    z = solve(cholesky, centred)
+    log_det = 2 * jnp.sum(jnp.log(jnp.diagonal(cholesky, axis1=-2, axis2=-1)), -1)
+    dim = f.shape[-1]
+    log_density = -0.5 * (
+        jnp.sum(z**2, -1) + log_det[:, None, :] + dim * jnp.log(2 * jnp.pi)
+    )
+    return -logsumexp(log_density + log_priors[None, None, :], axis=-1)
+
+
+def fit_gaussian_density(
+    features: Float[ArrayLike, "members batch dim"],
+    labels: Int[ArrayLike, " batch"],
+    *,
+    jitter: float = 0.0,
+) -> GaussianDensity:
+    """Fit DDU's class-conditional Gaussians (Mukhoti et al. 2023) on training
+    features: per member and class, the mean and the covariance (divided by
+    the class's count, as `np.cov(bias=True)`), plus `jitter` times the identity
+    and, where a covariance is still not positive definite, the smallest power
+    of ten (from 1e-10 of its mean variance) that makes it so, as DDU does.
+
+    **Arguments:**
+
+    - `features`: as [`fit_mahalanobis`][eqx_ensemble.ood.fit_mahalanobis].
+    - `labels`: the integer class labels, shape `(batch,)`.
+    - `jitter`: added to every covariance's diagonal (default 0).
+
+    **Returns:**
+
+    A [`GaussianDensity`][eqx_ensemble.ood.GaussianDensity] detector.
+
+    **Example:**
+
+    ```python
+    key1, key2 = jax.random.split(jax.random.key(0))
+    features = jax.random.normal(key1, (2, 300, 4))
+    labels = jax.random.randint(key2, (300,), 0, 3)
+    detector = ee.ood.fit_gaussian_density(features, labels)
+    detector(features).mean(axis=0).shape          # (300,): the ensemble's score
+    ```
+    """
+    if isinstance(jitter, bool) or not isinstance(jitter, int | float) or jitter < 0:
+        raise ValueError(f"`jitter` must be a non-negative number, got {jitter!r}")
+    f = _features(features)
+    y, classes = _labels(labels, f.shape[1])
+    array = np.asarray(f, np.float64)
+    means = _class_means(array, y, classes)
+    dim = array.shape[2]
+    factors = np.empty((array.shape[0], classes, dim, dim))
+    for m in range(array.shape[0]):
+        for c in range(classes):
+            centred = array[m, y == c] - means[m, c]
+            covariance = centred.T @ centred / len(centred) + jitter * np.eye(dim)
+            factors[m, c] = _cholesky(covariance, f"member {m}, class {c}")
+    counts = np.bincount(y, minlength=classes)
+    return GaussianDensity(
+        jnp.asarray(means, f.dtype),
+        jnp.asarray(factors, f.dtype),
+        jnp.asarray(np.log(counts / counts.sum()), f.dtype),
+    )
+
+
+def _cholesky(covariance: np.ndarray, where: str) -> np.ndarray:
+    scale = max(float(np.mean(np.diag(covariance))), np.finfo(np.float64).tiny)
+    for extra in [0.0, *(scale * 10.0**power for power in range(-10, 1))]:
+        try:
+            return np.linalg.cholesky(covariance + extra * np.eye(len(covariance)))
+        except np.linalg.LinAlgError:
+            continue
+    raise ValueError(
+        f"the features' covariance of {where} is not positive definite even with "
+        f"{scale:.3g} added to its diagonal"
+    )
+
+
+class KNN(eqx.Module):
+    """The k-th nearest neighbour OOD score (Sun et al. 2022): the Euclidean
+    distance from each example's normalised features to the `k`-th nearest of
+    the normalised training features; higher is more likely out of
+    distribution. Fitted by [`fit_knn`][eqx_ensemble.ood.fit_knn]; returns
+    `(members, batch)`.
+
+    **Example:**
+
+    ```python
+    bank = jnp.array([[[1.0, 0.0], [0.0, 1.0]]])     # one member, 2 features
+    ee.ood.KNN(bank, k=1)(jnp.array([[[2.0, 0.0]]]))  # [[0.0]]: its direction
+    ```
+    """
+
+    bank: Float[Array, "members n dim"]
+    k: int = eqx.field(static=True)
+
+    def __call__(
+        self, features: Float[ArrayLike, "members batch dim"]
+    ) -> Float[Array, "members batch"]:
+        f = as_float_array(features, "features")
+        members, _, dim = self.bank.shape
+        _check_applied(f, members, dim, "KNN")
+        return _kth_distance(self.bank, f, self.k)
+
+
+def _normalised(f: Array) -> Array:
+    norm = jnp.linalg.norm(f, axis=-1, keepdims=True)
+    return f / jnp.maximum(norm, jnp.finfo(f.dtype).tiny)
+
+
+@eqx.filter_jit
+def _kth_distance(bank: Array, f: Array, k: int) -> Array:
+    f = _normalised(f)
+    # |a - b|^2 = 2 - 2 a.b for unit vectors (clipped at 0 against rounding).
+    similarity = jnp.einsum("mbd,mnd->mbn", f, bank)
+    nearest = -jax.lax.top_k(-(2 - 2 * similarity), k)[0][..., -1]
+    return jnp.sqrt(jnp.maximum(nearest, 0.0))
+
+
+def fit_knn(features: Float[ArrayLike, "members batch dim"], *, k: int = 50) -> KNN:
+    """Keep the normalised training features for the KNN OOD score (Sun et al.
+    2022; `k=50` as in the paper for CIFAR-10 with all training data).
+
+    **Arguments:**
+
+    - `features`: each member's training features, shape `(members, n, dim)`.
+    - `k`: the neighbour whose distance is the score, `1 <= k <= n`.
+
+    **Returns:**
+
+    A [`KNN`][eqx_ensemble.ood.KNN] detector.
+
+    **Example:**
+
+    ```python
+    features = jax.random.normal(jax.random.key(0), (2, 100, 8))
+    detector = ee.ood.fit_knn(features, k=5)
+    detector(features).shape                     # (2, 100)
+    ```
+    """
+    f = _features(features)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= f.shape[1]:
+        raise ValueError(
+            f"`k` must be an int from 1 to the number of training examples "
+            f"({f.shape[1]}), got {k!r}"
+        )
+    return KNN(_normalised(f), k)

@@ -1,0 +1,99 @@
+"""Feature-space OOD detectors (`ee.ood`) against scikit-learn's
+`EmpiricalCovariance`, SciPy's multivariate normal and a NumPy nearest-neighbour
+search on the same features; per member equal to each member alone."""
+
+import numpy as np
+import pytest
+from scipy import stats
+from scipy.special import logsumexp
+from sklearn.covariance import EmpiricalCovariance
+
+import eqx_ensemble as ee
+
+RNG = np.random.default_rng(0)
+MEMBERS, N, DIM, CLASSES = 2, 240, 5, 3
+LABELS = np.arange(N) % CLASSES
+# Each member's features: class clusters with a correlated covariance.
+MIX = RNG.normal(size=(MEMBERS, DIM, DIM))
+CENTRES = 3 * RNG.normal(size=(MEMBERS, CLASSES, DIM))
+TRAIN = (np.einsum("mbd,mde->mbe", RNG.normal(size=(MEMBERS, N, DIM)), MIX)
+         + CENTRES[:, LABELS]).astype(np.float32)  # fmt: skip
+TEST = (np.einsum("mbd,mde->mbe", RNG.normal(size=(MEMBERS, 50, DIM)), MIX)
+        + CENTRES[:, np.arange(50) % CLASSES]).astype(np.float32)  # fmt: skip
+FAR = (TEST + 25.0).astype(np.float32)
+
+
+def test_mahalanobis_is_sklearns_empirical_covariance_of_the_centred_features():
+    detector = ee.ood.fit_mahalanobis(TRAIN, LABELS)
+    scores = np.asarray(detector(TEST))
+    assert scores.shape == (MEMBERS, 50)
+    for m in range(MEMBERS):
+        f = TRAIN[m].astype(np.float64)
+        means = np.stack([f[LABELS == c].mean(0) for c in range(CLASSES)])
+        cov = EmpiricalCovariance(assume_centered=True).fit(f - means[LABELS])
+        expected = np.min(
+            [cov.mahalanobis(TEST[m] - means[c]) for c in range(CLASSES)], axis=0
+        )
+        np.testing.assert_allclose(scores[m], expected, rtol=2e-4)
+
+
+def test_ddu_density_is_the_class_weighted_gaussian_mixture():
+    detector = ee.ood.fit_gaussian_density(TRAIN, LABELS)
+    scores = np.asarray(detector(TEST))
+    for m in range(MEMBERS):
+        f = TRAIN[m].astype(np.float64)
+        log_terms = []
+        for c in range(CLASSES):
+            members_of_c = f[LABELS == c]
+            cov = np.cov(members_of_c, rowvar=False, bias=True)
+            log_terms.append(
+                np.log(np.mean(LABELS == c))
+                + stats.multivariate_normal(members_of_c.mean(0), cov).logpdf(TEST[m])
+            )
+        np.testing.assert_allclose(scores[m], -logsumexp(log_terms, axis=0), rtol=1e-4)
+
+
+def test_knn_is_the_kth_distance_between_normalised_features():
+    detector = ee.ood.fit_knn(TRAIN, k=7)
+    scores = np.asarray(detector(TEST))
+    for m in range(MEMBERS):
+        bank = TRAIN[m] / np.linalg.norm(TRAIN[m], axis=1, keepdims=True)
+        query = TEST[m] / np.linalg.norm(TEST[m], axis=1, keepdims=True)
+        distances = np.linalg.norm(query[:, None] - bank[None], axis=-1)
+        np.testing.assert_allclose(
+            scores[m], np.sort(distances, axis=1)[:, 6], atol=2e-3
+        )
+
+
+def test_members_are_fitted_independently_and_far_points_score_high():
+    for fit in (
+        lambda f: ee.ood.fit_mahalanobis(f, LABELS),
+        lambda f: ee.ood.fit_gaussian_density(f, LABELS),
+    ):
+        together = np.asarray(fit(TRAIN)(TEST))
+        alone = np.asarray(fit(TRAIN[1:])(TEST[1:]))
+        np.testing.assert_allclose(together[1:], alone, rtol=1e-5)
+        detector = fit(TRAIN)
+        auroc = ee.metrics.ood_auroc(detector(TEST).mean(0), detector(FAR).mean(0))
+        assert auroc == 1.0
+
+
+def test_bad_input_is_refused():
+    # Refused by the annotations under the jaxtyping hook, else by the checks.
+    with pytest.raises(
+        (TypeError, ValueError), match="members batch dim|members, batch"
+    ):
+        ee.ood.fit_mahalanobis(TRAIN[0], LABELS)
+    with pytest.raises((TypeError, ValueError), match="labels"):
+        ee.ood.fit_mahalanobis(TRAIN, LABELS[:-1])
+    with pytest.raises(ValueError, match=r"classes \[1\]"):
+        ee.ood.fit_gaussian_density(TRAIN, np.where(LABELS == 1, 2, LABELS))
+    with pytest.raises(ValueError, match="`k`"):
+        ee.ood.fit_knn(TRAIN, k=N + 1)
+    detector = ee.ood.fit_mahalanobis(TRAIN, LABELS)
+    with pytest.raises(ValueError, match="fitted on 2 members"):
+        detector(TEST[:1])
+    bad = TRAIN.copy()
+    bad[0, 3, 1] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        ee.ood.fit_knn(bad)
