@@ -22,7 +22,8 @@ from .placement import check_mesh
 
 LayoutChoice = Literal["auto", "vmap", "sequential"]
 _LAYOUTS = ("auto", "vmap", "sequential")
-_FIELDS = (
+# Every field, in order: all of them are `fit`'s.
+FIELDS = (
     "steps_per_dispatch",
     "layout",
     "unroll",
@@ -167,7 +168,7 @@ class Execution(Component):
 
     def check_for(self, function: str, fields: tuple[str, ...]) -> "Execution":
         """`self`, after refusing any field set that `function` does not use."""
-        for name in _FIELDS:
+        for name in FIELDS:
             if name in fields:
                 continue
             value = getattr(self, name)

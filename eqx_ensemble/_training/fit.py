@@ -12,6 +12,7 @@ import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._execution.execution import (
+    FIELDS,
     MOVED_TO_EXECUTION,
     Execution,
     as_execution,
@@ -156,7 +157,7 @@ def fit(
     result.history.losses.shape     # (200, 4)
     ```
     """
-    execution = as_execution(execution, "fit", FIT_FIELDS)
+    execution = as_execution(execution, "fit", FIELDS)
     with mesh_context(execution.mesh):
         run = prepare(
             ens,
@@ -177,14 +178,3 @@ def fit(
             execution=execution,
         )
         return run.run()
-
-
-FIT_FIELDS = (
-    "steps_per_dispatch",
-    "layout",
-    "unroll",
-    "compiler_options",
-    "mesh",
-    "member_chunk",
-    "guard",
-)

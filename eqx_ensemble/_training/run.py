@@ -183,8 +183,10 @@ def prepare(
         logger.check()
     for tracker in track:
         tracker.check(steps)
-    _check_periods(evaluate, controllers, steps)
+    # What a controller can check of the run (e.g. that `ee.PBT` gets a fresh
+    # evaluation for every round) is refused before any work.
     for controller in controllers:
+        controller.check(steps, None if evaluate is None else evaluate.every)
         controller.check_run(ens, controllers)
     if evaluate is not None:
         evaluate.check(state is not None)
@@ -331,16 +333,6 @@ def run_record(
         hyper=start_record([("", hyper)] if hyper is not None else []),
         optimizer=optimizer_record(optimizer, train_state.opt_state),
     )
-
-
-def _check_periods(
-    evaluate: Evaluate | None, controllers: tuple[Controller, ...], steps: int
-) -> None:
-    """What a controller can check of the run (e.g. that `ee.PBT` gets a fresh
-    evaluation for every round) is refused before any work, not at its call."""
-    every = None if evaluate is None else evaluate.every
-    for controller in controllers:
-        controller.check(steps, every)
 
 
 def plan_fit(
