@@ -78,6 +78,14 @@ def test_members_are_fitted_independently_and_far_points_score_high():
         assert auroc == 1.0
 
 
+def test_a_class_seen_once_gets_a_finite_density():
+    # One example: its covariance is zero; the jitter makes it a finite,
+    # narrow Gaussian (DDU's fallback), so no score is NaN.
+    labels = np.where(np.arange(N) == 0, 3, LABELS)
+    scores = np.asarray(ee.ood.fit_gaussian_density(TRAIN, labels)(TEST))
+    assert np.isfinite(scores).all()
+
+
 def test_bad_input_is_refused():
     # Refused by the annotations under the jaxtyping hook, else by the checks.
     with pytest.raises(

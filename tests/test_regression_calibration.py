@@ -64,12 +64,30 @@ def miscalibrated(seed, n, scale=0.5):
 def test_recalibration_is_sklearns_isotonic_regression_of_the_pit():
     means, variances, targets = miscalibrated(0, 400)
     recalibrate = ee.calibration.fit_quantile_recalibration(means, variances, targets)
-    pit = stats.norm.cdf((targets - 0.3) / 0.5)
-    empirical = (pit[None, :] <= pit[:, None]).mean(1)
-    reference = IsotonicRegression(out_of_bounds="clip").fit(pit, empirical)
+    z = (targets - 0.3) / 0.5  # F(y) = Phi(z): the same order as the PIT
+    empirical = (z[None, :] <= z[:, None]).mean(1)
+    reference = IsotonicRegression(out_of_bounds="clip").fit(z, empirical)
     np.testing.assert_allclose(
-        recalibrate.cdf(means, variances, targets), reference.predict(pit), atol=2e-5
+        recalibrate.cdf(means, variances, targets), reference.predict(z), atol=2e-5
     )
+    new = np.linspace(-8, 8, 101).astype(np.float32)  # beyond the points: clipped
+    np.testing.assert_allclose(
+        recalibrate.cdf(means[:, :101], variances[:, :101], 0.3 + 0.5 * new),
+        reference.predict(new),
+        atol=2e-5,
+    )
+
+
+def test_a_very_overconfident_model_gets_finite_calibrated_intervals():
+    # Predictive sd 0.1 for targets of sd 1: residuals of 10 sd and more,
+    # where the CDF's float32 value is exactly 1.
+    fit_data = miscalibrated(0, 2000, scale=0.1)
+    recalibrate = ee.calibration.fit_quantile_recalibration(*fit_data)
+    means, variances, targets = miscalibrated(1, 4000, scale=0.1)
+    low, high = recalibrate.interval(means, variances, 0.9)
+    assert np.isfinite(np.asarray(low)).all() and np.isfinite(np.asarray(high)).all()
+    inside = np.mean((np.asarray(low) <= targets) & (targets <= np.asarray(high)))
+    assert abs(inside - 0.9) < 0.025, inside
 
 
 def test_recalibrated_quantiles_are_calibrated_on_new_data():

@@ -64,7 +64,10 @@ def test_claims_follow_the_tables():
     deep = f"deep ensemble ({results.MEMBERS})"
     rows = {
         "single model": {"NLL": [0.5, 0.5], "ECE": [0.1, 0.1], "parameters": [10]},
-        deep: {"NLL": [0.29, 0.31], "ECE": [0.2, 0.2], "parameters": [50]},
+        deep: {"NLL": [0.29, 0.31], "ECE": [0.2, 0.2], "parameters": [50],
+               "AUROC far": [0.8, 0.8], "AUROC near": [0.7, 0.7]},
+        f"{deep}, Mahalanobis OOD score": {"AUROC far": [0.9, 0.9],
+                                           "AUROC near": [0.6, 0.6]},
         f"{deep} + temperature": {"NLL": [0.3, 0.3], "ECE": [0.05, 0.05],
                                   "parameters": [51]},
         f"Packed-Ensembles ({results.MEMBERS}, alpha 2)": {
@@ -93,6 +96,10 @@ def test_claims_follow_the_tables():
     assert verdict("a deep ensemble beats MC dropout")  # 0.30 < 0.35
     assert verdict("MultiSWAG beats")
     assert verdict("temperature scaling lowers")
+    mahalanobis = [line for line in lines if "Mahalanobis distance" in line]
+    assert len(mahalanobis) == 2  # one per OOD set
+    assert "**supported**" in next(m for m in mahalanobis if "far" in m)
+    assert "**not supported**" in next(m for m in mahalanobis if "near" in m)
 
 
 def test_the_page_in_the_docs_is_generated():
@@ -117,7 +124,8 @@ def test_the_whole_run_at_toy_size_writes_every_row(tmp_path):
                 "Packed-Ensembles", "MIMO", "Masksembles", "heterogeneous",
                 "snapshot ensemble", "Laplace mixture (KFAC, validation)",
                 "MC dropout", "cyclical SG-MCMC", "+ temperature", "SVGD",
-                "Mahalanobis OOD score", "KNN OOD score"):  # fmt: skip
+                "Mahalanobis OOD score", "DDU density OOD score",
+                "KNN OOD score"):  # fmt: skip
         assert any(row in line for line in rows), row
     assert "## Claims checked" in page
     assert len(list((tmp_path / "images" / "results").glob("*.png"))) == 6

@@ -88,6 +88,51 @@ def test_without_the_repulsion_the_particles_collapse_on_the_modes():
         assert spread[0] <= right.std() <= spread[1], (right.std(), spread)
 
 
+def scaled_loss(model, batch, key, hyper):
+    # A negative scale stands for a member whose loss is not finite.
+    return jnp.where(hyper < 0, jnp.nan, hyper * loss(model, batch, key))
+
+
+def numpy_svgd_scaled(theta, scales, steps, lr):
+    """As `numpy_svgd`, particle i's log density scaled by `scales[i]`."""
+    theta = np.asarray(theta, np.float64).copy()
+    n = len(theta)
+    for _ in range(steps):
+        grad = np.asarray(jax.vmap(jax.grad(lambda w: log_p(w[0])))(jnp.asarray(theta)))
+        grad = grad * np.asarray(scales)[:, None]
+        diff = theta[:, None, :] - theta[None, :, :]
+        squared = np.sum(diff**2, axis=-1)
+        h = np.median(squared[np.triu_indices(n, 1)]) / np.log(n)
+        k = np.exp(-squared / h)
+        repulsive = np.sum(-(2 / h) * diff * k[:, :, None], axis=0)
+        theta = theta + lr * (k.T @ grad + repulsive) / n
+    return theta
+
+
+def test_each_member_gets_its_own_hyperparameter():
+    ens = ee.ensemble(Particle, size=6, key=jax.random.key(0))
+    scales = jnp.linspace(0.5, 2.0, 6)
+    result = ee.fit(ens, ee.svgd(scaled_loss, num_data=1), optax.sgd(LR), DATA,
+                    steps=20, batch_size=4, key=jax.random.key(1), hyper=scales,
+                    callbacks=())  # fmt: skip
+    expected = numpy_svgd_scaled(np.asarray(ens.members.w), scales, 20, LR)
+    np.testing.assert_allclose(result.ensemble.members.w, expected, rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+
+
+def test_a_diverging_member_is_frozen_and_the_others_move_without_it():
+    ens = ee.ensemble(Particle, size=6, key=jax.random.key(0))
+    scales = jnp.array([-1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # member 0: a NaN loss
+    result = ee.fit(ens, ee.svgd(scaled_loss, num_data=1), optax.sgd(LR), DATA,
+                    steps=20, batch_size=4, key=jax.random.key(1), hyper=scales,
+                    callbacks=())  # fmt: skip
+    assert list(result.diverged) == [0]
+    got = np.asarray(result.ensemble.members.w)
+    np.testing.assert_array_equal(got[0], np.asarray(ens.members.w)[0])  # kept
+    expected = numpy_svgd(np.asarray(ens.members.w)[1:], 20, LR)
+    np.testing.assert_allclose(got[1:], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="num_data"):
         ee.svgd(loss, num_data=0)

@@ -26,20 +26,33 @@ def svgd_direction(
     """The SVGD direction of every particle, `(members, parameters)`:
     `phi_j = (1/M) sum_i [k(t_i, t_j) grad log p(t_i) + grad_{t_i} k(t_i, t_j)]`
     with the RBF kernel `k = exp(-|t_i - t_j|^2 / h)`, `h` the median of the
-    squared distances over `log M` (Liu & Wang 2016) unless given."""
+    squared distances over `log M` (Liu & Wang 2016) unless given. A particle
+    whose weights or gradient are not finite takes no part (the others'
+    directions are those of the finite particles alone) and gets a NaN
+    direction, so that `fit`'s guard freezes it alone."""
+    finite = jnp.all(jnp.isfinite(theta), axis=1) & jnp.all(
+        jnp.isfinite(log_prob_grads), axis=1
+    )
+    count = jnp.sum(finite).astype(theta.dtype)
+    theta = jnp.where(finite[:, None], theta, 0.0)
+    grads = jnp.where(finite[:, None], log_prob_grads, 0.0)
     size = theta.shape[0]
     squared = jnp.sum((theta[:, None, :] - theta[None, :, :]) ** 2, axis=-1)
+    pair = finite[:, None] & finite[None, :]
     if bandwidth is None:
-        upper = squared[jnp.triu_indices(size, k=1)]
-        h = jnp.median(upper) / math.log(size)
+        upper = jnp.triu(jnp.ones((size, size), bool), k=1) & pair
+        median = jnp.nanmedian(jnp.where(upper, squared, jnp.nan))
+        h = median / jnp.log(jnp.maximum(count, 2.0))
+        h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1.0)
         h = jax.lax.stop_gradient(jnp.maximum(h, jnp.finfo(theta.dtype).tiny))
     else:
         h = jnp.asarray(bandwidth, theta.dtype)
-    kernel = jnp.exp(-squared / h)
-    driving = kernel @ log_prob_grads
+    kernel = jnp.where(pair, jnp.exp(-squared / h), 0.0)
+    driving = kernel @ grads
     # grad_{t_i} k(t_i, t_j) = -(2/h)(t_i - t_j) k_ij, summed over i.
     repulsive = (2 / h) * (theta * jnp.sum(kernel, axis=0)[:, None] - kernel @ theta)
-    return (driving + repulsive) / size
+    phi = (driving + repulsive) / jnp.maximum(count, 1.0)
+    return jnp.where(finite[:, None], phi, jnp.nan)
 
 
 def svgd(
@@ -115,16 +128,27 @@ def svgd(
         if size < 2:
             raise ValueError("`ee.svgd` needs at least 2 members (particles)")
 
-        def value_and_grad(model, key):
-            return eqx.filter_value_and_grad(
-                lambda m: loss_fn(m, batch, key, **kwargs)
-            )(model)
+        # `hyper=` holds one value per member (its leading axis), as `fit`
+        # gives a coupled loss: each member's loss gets its own.
+        per_member = (keys,) if "hyper" not in kwargs else (keys, kwargs["hyper"])
 
-        losses, grads = ensemble_map(value_and_grad, ens, keys, in_axes=(0,))
+        def value_and_grad(model, key, *hyper):
+            extra = {"hyper": hyper[0]} if hyper else {}
+            return eqx.filter_value_and_grad(lambda m: loss_fn(m, batch, key, **extra))(
+                model
+            )
+
+        losses, grads = ensemble_map(
+            value_and_grad, ens, *per_member, in_axes=(0,) * len(per_member)
+        )
         theta = _flat(ens.members, size)
+        # A member whose loss is not finite takes no part either.
+        log_prob_grads = jnp.where(
+            jnp.isfinite(losses)[:, None], -num_data * _flat(grads, size), jnp.nan
+        )
         phi = svgd_direction(
             jax.lax.stop_gradient(theta),
-            -num_data * jax.lax.stop_gradient(_flat(grads, size)),
+            jax.lax.stop_gradient(log_prob_grads),
             bandwidth,
         )
         # Value: each member's loss; gradient with respect to its weights: -phi.

@@ -226,7 +226,10 @@ def fit_gaussian_density(
         for c in range(classes):
             centred = array[m, y == c] - means[m, c]
             covariance = centred.T @ centred / len(centred) + jitter * np.eye(dim)
-            factors[m, c] = _cholesky(covariance, f"member {m}, class {c}")
+            factors[m, c] = _cholesky(
+                covariance, float(np.mean(np.var(array[m], axis=0))),
+                f"member {m}, class {c}",
+            )  # fmt: skip
     counts = np.bincount(y, minlength=classes)
     return GaussianDensity(
         jnp.asarray(means, f.dtype),
@@ -235,13 +238,22 @@ def fit_gaussian_density(
     )
 
 
-def _cholesky(covariance: np.ndarray, where: str) -> np.ndarray:
-    scale = max(float(np.mean(np.diag(covariance))), np.finfo(np.float64).tiny)
+def _cholesky(covariance: np.ndarray, pooled: float, where: str) -> np.ndarray:
+    """The Cholesky factor of `covariance`, with the smallest power of ten of
+    its mean variance (of the member's features' variance, `pooled`, where a
+    class's features do not vary) added to its diagonal that makes it
+    positive definite in float32 as well."""
+    scale = float(np.mean(np.diag(covariance)))
+    if not scale > 0:
+        scale = pooled if pooled > 0 else 1.0
     for extra in [0.0, *(scale * 10.0**power for power in range(-10, 1))]:
         try:
-            return np.linalg.cholesky(covariance + extra * np.eye(len(covariance)))
+            factor = np.linalg.cholesky(covariance + extra * np.eye(len(covariance)))
         except np.linalg.LinAlgError:
             continue
+        diagonal = np.diag(factor).astype(np.float32)
+        if np.all(np.isfinite(np.log(np.maximum(diagonal, 0.0)))):
+            return factor
     raise ValueError(
         f"the features' covariance of {where} is not positive definite even with "
         f"{scale:.3g} added to its diagonal"

@@ -7,11 +7,10 @@ from typing import Literal
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.special import ndtr, ndtri
+from jax.scipy.special import ndtr
 from jaxtyping import Array, ArrayLike, Float
 
 from ..combine import gaussian_mixture
-from .calibrators import _pool_adjacent_violators
 from .checks import check_level
 from .regression import _means_variances, means_variances_targets
 
@@ -35,6 +34,17 @@ def _pit(means: Array, variances: Array, targets: Array, predictive: str) -> Arr
     mean, variance = gaussian_mixture(means, variances)
     scale = jnp.sqrt(jnp.maximum(variance, jnp.finfo(variance.dtype).tiny))
     return ndtr((targets - mean) / scale)
+
+
+def _standardised(means: Array, variances: Array, targets: Array) -> Array:
+    """Each target's residual in units of the moment-matched predictive's
+    standard deviation: `F(y) = Phi(z)`, kept as `z` (the CDF's float32 values
+    are exactly 1 from `z` of about 5.4, where an overconfident model's
+    residuals lie)."""
+    mean, variance = gaussian_mixture(means, variances)
+    return (targets - mean) / jnp.sqrt(
+        jnp.maximum(variance, jnp.finfo(variance.dtype).tiny)
+    )
 
 
 def regression_calibration_error(
@@ -99,34 +109,37 @@ class QuantileRecalibration(eqx.Module):
     [`fit_quantile_recalibration`][eqx_ensemble.calibration.fit_quantile_recalibration].
 
     The predictive `F` is the moment-matched Gaussian of the members' means and
-    variances. `cdf` gives the calibrated CDF at targets, `quantile` the
-    calibrated quantiles `F^{-1}(R^{-1}(level))` and `interval` the calibrated
-    central interval; all take the members' predictions, `(members, batch)`.
+    variances, `F(y) = Phi(z)` with `z` the standardised residual; `R` is held
+    as a function of `z` (points `z`, values `levels`; the same map, as `Phi`
+    is increasing, without the CDF's rounding to 1 in its tails), linear
+    between the calibration points and constant beyond them. `cdf` gives the
+    calibrated CDF at targets, `quantile` the calibrated quantiles and
+    `interval` the calibrated central interval (beyond the calibration
+    points' levels: the extreme point); all take the members' predictions,
+    `(members, batch)`.
 
     **Example:**
 
     ```python
     recalibrate = ee.calibration.QuantileRecalibration(
-        jnp.array([0.0, 0.5, 1.0]), jnp.array([0.0, 0.8, 1.0]))
+        jnp.array([-1.0, 0.0, 1.0]), jnp.array([0.1, 0.8, 0.9]))
     means, variances = jnp.zeros((1, 2)), jnp.ones((1, 2))
-    recalibrate.cdf(means, variances, jnp.array([0.0, 10.0]))   # [0.8, 1.0]
+    recalibrate.cdf(means, variances, jnp.array([0.0, 10.0]))   # [0.8, 0.9]
     ```
     """
 
-    x: Float[Array, " points"]
-    y: Float[Array, " points"]
-
-    def _map(self, p: Array) -> Array:
-        return jnp.interp(p, self.x.astype(p.dtype), self.y.astype(p.dtype))
+    z: Float[Array, " points"]
+    levels: Float[Array, " points"]
 
     def _inverse(self, level: Array) -> Array:
-        # The generalised inverse `min {p : R(p) >= level}` of the piecewise
-        # linear `R`: on each rising segment, linear; a flat one is skipped.
-        x, y = self.x.astype(level.dtype), self.y.astype(level.dtype)
+        # The generalised inverse `min {z : R(z) >= level}` of the piecewise
+        # linear `R`: linear on each rising segment, flat ones skipped, the
+        # extreme points beyond the fitted levels.
+        z, y = self.z.astype(level.dtype), self.levels.astype(level.dtype)
         k = jnp.clip(jnp.searchsorted(y, level, side="left"), 1, len(y) - 1)
-        y0, y1, x0, x1 = y[k - 1], y[k], x[k - 1], x[k]
+        y0, y1, z0, z1 = y[k - 1], y[k], z[k - 1], z[k]
         rise = jnp.where(y1 > y0, y1 - y0, 1.0)
-        return jnp.clip(x0 + (level - y0) / rise * (x1 - x0), 0.0, 1.0)
+        return jnp.clip(z0 + (level - y0) / rise * (z1 - z0), z[0], z[-1])
 
     def cdf(
         self,
@@ -136,7 +149,8 @@ class QuantileRecalibration(eqx.Module):
     ) -> Float[Array, " batch *target_axis"]:
         """The calibrated predictive CDF at each target, `R(F(y))`."""
         means, variances, targets = means_variances_targets(means, variances, targets)
-        return self._map(_pit(means, variances, targets, "gaussian"))
+        z = _standardised(means, variances, targets)
+        return jnp.interp(z, self.z.astype(z.dtype), self.levels.astype(z.dtype))
 
     def quantile(
         self,
@@ -148,8 +162,8 @@ class QuantileRecalibration(eqx.Module):
         check_level(level)
         means, variances = _means_variances(means, variances)
         mean, variance = gaussian_mixture(means, variances)
-        p = self._inverse(jnp.asarray(level, mean.dtype))
-        return mean + jnp.sqrt(variance) * ndtri(p)
+        z = self._inverse(jnp.asarray(level, mean.dtype))
+        return mean + jnp.sqrt(variance) * z
 
     def interval(
         self,
@@ -173,9 +187,10 @@ def fit_quantile_recalibration(
     """Fit quantile recalibration (Kuleshov, Fenner and Ermon 2018, Algorithm 1)
     on a calibration split: with `p_t = F_t(y_t)` each target's predictive CDF
     value, the isotonic regression `R` of the empirical frequencies
-    `#{s : p_s <= p_t} / T` on the `p_t` (pool adjacent violators, as
-    `sklearn.isotonic.IsotonicRegression`), anchored at `R(0) = 0` and
-    `R(1) = 1` and linear between the points.
+    `#{s : p_s <= p_t} / T` on the `p_t` (as
+    `sklearn.isotonic.IsotonicRegression`; those frequencies are the empirical
+    CDF of the `p_t`, non-decreasing already), linear between the points and
+    constant beyond them (`out_of_bounds="clip"`).
 
     Fitting runs on the host (NumPy), once, after training.
 
@@ -202,23 +217,28 @@ def fit_quantile_recalibration(
     ```
     """
     means, variances, targets = means_variances_targets(means, variances, targets)
-    pit = np.asarray(_pit(means, variances, targets, "gaussian"), np.float64).ravel()
-    if pit.size < 2:
+    z = np.asarray(_standardised(means, variances, targets), np.float64).ravel()
+    if z.size < 2:
         raise ValueError(
-            f"quantile recalibration needs at least 2 targets, got {pit.size}"
+            f"quantile recalibration needs at least 2 targets, got {z.size}"
         )
-    if not np.isfinite(pit).all():
+    if not np.isfinite(z).all():
         raise ValueError(
             "the predictive CDF is not finite at some targets: the means, "
             "variances or targets hold NaN or inf"
         )
-    empirical = np.searchsorted(np.sort(pit), pit, side="right") / pit.size
-    x_unique, inverse = np.unique(pit, return_inverse=True)
+    # F(y_t) <= F(y_s) exactly when z_t <= z_s: the empirical frequencies and
+    # the isotonic fit depend only on that order.
+    empirical = np.searchsorted(np.sort(z), z, side="right") / z.size
+    z_unique, inverse = np.unique(z, return_inverse=True)
     counts = np.bincount(inverse).astype(np.float64)
-    mean_frequency = np.bincount(inverse, empirical) / counts
-    fitted = _pool_adjacent_violators(mean_frequency, counts)
-    x = np.concatenate([[0.0], x_unique, [1.0]])
-    y = np.clip(np.concatenate([[0.0], fitted, [1.0]]), 0.0, 1.0)
-    y = np.maximum.accumulate(y)  # the anchors keep it non-decreasing
+    # The frequencies are already non-decreasing in `z` (they are the
+    # empirical CDF of the calibration PIT values): their isotonic regression
+    # is themselves, equal residuals sharing one value.
+    fitted = np.bincount(inverse, empirical) / counts
+    if len(z_unique) == 1:  # two equal residuals: a step, as two points
+        z_unique, fitted = np.repeat(z_unique, 2), np.repeat(fitted, 2)
     dtype = means.dtype
-    return QuantileRecalibration(jnp.asarray(x, dtype), jnp.asarray(y, dtype))
+    return QuantileRecalibration(
+        jnp.asarray(z_unique, dtype), jnp.asarray(fitted, dtype)
+    )

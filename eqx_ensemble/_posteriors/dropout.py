@@ -115,7 +115,7 @@ def mc_dropout(model: Any, samples: int, *, key: PRNGKeyArray) -> Ensemble:
     if isinstance(model, Ensemble):
         raise TypeError(
             "`ee.mc_dropout` takes ONE model; for every member of an ensemble, "
-            "call it per member (`ens[i]`) and `ee.concatenate` the results"
+            "call it per member (`ens[i]`): one ensemble of passes per member"
         )
     if not any(map(_is_dropout, jax.tree.leaves(model, is_leaf=_is_dropout))):
         raise ValueError(

@@ -954,8 +954,8 @@ def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -
 @eqx.filter_jit
 def _grid_nll(posterior: LaplacePosterior, x: Any, y: Array, values: Array) -> Array:
     """`(values, members)`: every member's validation NLL at every prior
-    precision, in one program (vmapped over the values, so what does not
-    depend on the prior, the Jacobians, is computed once)."""
+    precision, in one program (a loop over the values: vmapped, the
+    Jacobian products would take the grid's size times the memory)."""
     size = posterior.mean.shape[0]
 
     def at(value: Array) -> Array:
@@ -963,7 +963,7 @@ def _grid_nll(posterior: LaplacePosterior, x: Any, y: Array, values: Array) -> A
         trial = eqx.tree_at(lambda p: p.prior_precision, posterior, prior)
         return _member_nll(trial, x, y)
 
-    return jax.vmap(at)(values)
+    return jax.lax.map(at, values)
 
 
 def _member_nll(posterior: LaplacePosterior, x: Any, y: Array) -> Array:
