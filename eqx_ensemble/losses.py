@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.scipy.special import gammaln
 from jaxtyping import Array, ArrayLike, Float
 
+from ._internal.tree import is_traced
+
 __all__ = ["gaussian_nll", "beta_nll", "student_t_nll"]
 
 
@@ -156,6 +158,11 @@ def student_t_nll(
     """
     mean, scale, target = _arrays(mean, scale, target)
     df = jnp.broadcast_to(jnp.asarray(df, mean.dtype), mean.shape)
+    if not is_traced(df) and not bool(jnp.all(df > 0)):
+        raise ValueError(
+            f"`df` must be positive (degrees of freedom), got a minimum of "
+            f"{float(jnp.min(df))}"
+        )
     scale = _floored(scale)
     z = (target - mean) / scale
     log_density = (

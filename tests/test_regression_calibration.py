@@ -147,6 +147,8 @@ def test_gaussian_and_student_t_losses_are_scipys_densities():
     )
     with pytest.raises((TypeError, ValueError), match="batch|one shape"):
         ee.losses.gaussian_nll(m, s[:10], y)
+    with pytest.raises(ValueError, match="`df` must be positive"):
+        ee.losses.student_t_nll(m, s, -1.0, y)
 
 
 def test_beta_nll_weights_each_nll_by_its_variance_held_constant():

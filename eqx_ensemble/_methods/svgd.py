@@ -2,6 +2,7 @@
 descent in weight space (Liu & Wang 2016), as a coupled loss."""
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -111,7 +112,7 @@ def svgd(
         raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}")
     num_data = check_positive_int(num_data, "num_data")
     if bandwidth is not None and not (
-        isinstance(bandwidth, int | float)
+        isinstance(bandwidth, numbers.Real)
         and not isinstance(bandwidth, bool)
         and math.isfinite(bandwidth)
         and bandwidth > 0

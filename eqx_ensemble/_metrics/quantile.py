@@ -2,6 +2,7 @@
 calibration error of its quantiles, and quantile recalibration (Kuleshov,
 Fenner and Ermon 2018)."""
 
+import numbers
 from typing import Literal
 
 import equinox as eqx
@@ -88,8 +89,11 @@ def regression_calibration_error(
     ```
     """
     _check_predictive(predictive)
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+    if isinstance(levels, bool) or not isinstance(levels, numbers.Integral):
+        raise TypeError(f"`levels` must be a positive int, got {levels!r}")
+    if levels < 1:
         raise ValueError(f"`levels` must be a positive int, got {levels!r}")
+    levels = int(levels)
     means, variances, targets = means_variances_targets(means, variances, targets)
     return _calibration_error(means, variances, targets, levels, predictive)
 
