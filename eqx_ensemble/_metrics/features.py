@@ -51,12 +51,16 @@ def _class_means(f: np.ndarray, y: np.ndarray, classes: int) -> np.ndarray:
     return np.stack([f[:, y == c].mean(axis=1) for c in range(classes)], axis=1)
 
 
-def _check_applied(features: Array, members: int, dim: int, who: str) -> None:
-    if features.shape[0] != members or features.shape[2] != dim:
+def _applied(features: Any, members: int, dim: int, who: str) -> Array:
+    """`features` as a float array, refused unless it is `(members, batch,
+    dim)` for the members and dimension the detector was fitted on."""
+    f = as_float_array(features, "features")
+    if f.ndim != 3 or f.shape[0] != members or f.shape[2] != dim:
         raise ValueError(
             f"{who} was fitted on {members} members' features of dimension {dim}, "
-            f"got features of shape {tuple(features.shape)} (members, batch, dim)"
+            f"got features of shape {tuple(f.shape)} (members, batch, dim)"
         )
+    return f
 
 
 class Mahalanobis(eqx.Module):
@@ -81,9 +85,8 @@ class Mahalanobis(eqx.Module):
     def __call__(
         self, features: Float[ArrayLike, "members batch dim"]
     ) -> Float[Array, "members batch"]:
-        f = as_float_array(features, "features")
         members, dim = self.precision.shape[:2]
-        _check_applied(f, members, dim, "Mahalanobis")
+        f = _applied(features, members, dim, "Mahalanobis")
         return _mahalanobis(self.means, self.precision, f)
 
 
@@ -156,9 +159,8 @@ class GaussianDensity(eqx.Module):
     def __call__(
         self, features: Float[ArrayLike, "members batch dim"]
     ) -> Float[Array, "members batch"]:
-        f = as_float_array(features, "features")
         members, _, dim = self.means.shape
-        _check_applied(f, members, dim, "GaussianDensity")
+        f = _applied(features, members, dim, "GaussianDensity")
         return _negative_log_density(self.means, self.cholesky, self.log_priors, f)
 
 
@@ -281,9 +283,8 @@ class KNN(eqx.Module):
     def __call__(
         self, features: Float[ArrayLike, "members batch dim"]
     ) -> Float[Array, "members batch"]:
-        f = as_float_array(features, "features")
         members, _, dim = self.bank.shape
-        _check_applied(f, members, dim, "KNN")
+        f = _applied(features, members, dim, "KNN")
         return _kth_distance(self.bank, f, self.k)
 
 
