@@ -9,6 +9,8 @@
 - Classification prediction sets: APS and RAPS.
 - Jackknife+-after-bootstrap intervals from a bootstrapped run's own
   out-of-bag examples (no calibration set).
+- Time series: EnbPI intervals from the same out-of-bag residuals, slid along
+  the series, with adaptive conformal inference on top (`sequential`).
 
 ```python
 means = jax.random.normal(jax.random.key(0), (5, 200))     # (members, batch)
@@ -36,6 +38,13 @@ from ._metrics.classification import (
     prepare_predictions,
 )
 from ._metrics.regression import means_variances_targets, one_output
+from ._metrics.time_series import (
+    EnbPI,
+    Sequential,
+    enbpi,
+    out_of_bag,
+    sequential,
+)
 from .combine import gaussian_mixture
 
 __all__ = [
@@ -48,6 +57,10 @@ __all__ = [
     "raps",
     "JackknifePlusAfterBootstrap",
     "jackknife_plus_after_bootstrap",
+    "EnbPI",
+    "enbpi",
+    "Sequential",
+    "sequential",
 ]
 
 
@@ -624,61 +637,20 @@ def jackknife_plus_after_bootstrap(
     **Example:** see
     [`JackknifePlusAfterBootstrap`][eqx_ensemble.conformal.JackknifePlusAfterBootstrap].
     """
-    from ._training.sampling import Bootstrap
-
     alpha = _check_alpha(alpha)
-    means = one_output(jnp.asarray(train_means), "train_means", 2)
-    target_array = one_output(jnp.asarray(targets), "targets", 1)
-    if means.ndim != 2 or target_array.shape != means.shape[1:]:
-        raise ValueError(
-            "`train_means` must be (members, n) and `targets` (n,), got "
-            f"{tuple(means.shape)} and {tuple(target_array.shape)}"
-        )
-    members, n = (int(size) for size in means.shape)
-    if (run is None) == (in_bag is None):
-        raise ValueError("pass exactly one of `run` (a FitResult) and `in_bag`")
-    if run is not None:
-        sampling = getattr(run, "sampling", None)
-        if not isinstance(sampling, Bootstrap):
-            raise ValueError(
-                "jackknife+-after-bootstrap needs the out-of-bag examples of a "
-                "bootstrapped run, but this run's sampling is "
-                f"{sampling!r}; train with `ee.fit(..., sampling=ee.Bootstrap())`"
-            )
-        if run.num_examples != n or len(run.ensemble) != members:
-            raise ValueError(
-                f"the run trained {len(run.ensemble)} members on {run.num_examples} "
-                f"examples, but `train_means` has shape ({members}, {n}): predict "
-                "with every member on the run's training data, in its order"
-            )
-        in_bag = sampling.in_bag(run.key, size=members, num_examples=n)
-    counts = np.asarray(in_bag)
-    if counts.shape != (members, n):
-        raise ValueError(
-            f"`in_bag` must have shape (members, n) = ({members}, {n}), got "
-            f"{counts.shape}"
-        )
-    out_of_bag = (counts == 0).T.astype(np.float64)  # (n, members)
-    per_example = out_of_bag.sum(axis=1)
-    kept = per_example > 0
-    excluded = int((~kept).sum())
-    n_kept = int(kept.sum())
+    bag = out_of_bag(train_means, targets, run, in_bag, "jackknife+-after-bootstrap")
+    n_kept, members = bag.weights.shape
     if _lower_rank(alpha, n_kept) < 1:
         raise ValueError(
             f"`alpha={alpha}` is too small for the {n_kept} training examples with "
-            f"an out-of-bag member ({excluded} of {n} have none): the smallest "
-            f"possible is 1 / (n + 1) = {1 / (n_kept + 1):.4g}"
+            f"an out-of-bag member ({bag.excluded} of {n_kept + bag.excluded} have "
+            f"none): the smallest possible is 1 / (n + 1) = {1 / (n_kept + 1):.4g}"
         )
-    weights = out_of_bag[kept] / per_example[kept, None]
-    leave_out = weights @ np.asarray(means, np.float64)
-    rows = np.flatnonzero(kept)
-    residuals = np.abs(
-        np.asarray(target_array, np.float64)[rows] - leave_out[np.arange(n_kept), rows]
-    )
+    residuals = np.abs(bag.targets - bag.predictions)
     return JackknifePlusAfterBootstrap(
-        weights=jnp.asarray(weights, jnp.float32),
+        weights=jnp.asarray(bag.weights, jnp.float32),
         residuals=jnp.asarray(residuals, jnp.float32),
         alpha=alpha,
         members=members,
-        excluded=excluded,
+        excluded=bag.excluded,
     )

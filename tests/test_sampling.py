@@ -10,7 +10,9 @@ import eqx_ensemble as ee
 from eqx_ensemble._training.sampling import as_sampling
 
 
-@pytest.mark.parametrize("name", ["shared", "independent", "bootstrap"])
+@pytest.mark.parametrize(
+    "name", ["shared", "independent", "bootstrap", ee.Bootstrap(block_length=4)]
+)
 @pytest.mark.parametrize(
     "n, batch_size, chunk, first_step",
     [

@@ -21,7 +21,7 @@ from .._training.evaluate import Evaluate
 from .._training.history import History
 from .._training.optim import init_optimizer
 from .._training.result import FitResult, make_result
-from .._training.sampling import as_sampling
+from .._training.sampling import from_record
 from .._training.tracker import Tracker
 from .._training.train_state import TrainState, initial_state
 from .directory import (
@@ -331,17 +331,10 @@ class Checkpoints(Checkpointer):
             train_state,
             history,
             track,
-            sampling=_sampling_of(saved_run.get("sampling")),
+            sampling=from_record(saved_run.get("sampling")),
             num_examples=saved_run.get("num_examples"),
             resumed_from=int(train_state.step),
         )
-
-
-def _sampling_of(name: Any) -> Any:
-    try:
-        return as_sampling(name)
-    except ValueError:
-        return None
 
 
 class _SameSize:

@@ -4,6 +4,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._internal.tree import agreed_leading_size, keystr
@@ -69,6 +70,23 @@ def bootstrap_resamples(
     replacement with key `split(bootstrap_key, size)[i]`."""
     member_keys = jax.random.split(bootstrap_key, size)
     return jax.vmap(lambda k: jax.random.randint(k, (n,), 0, n))(member_keys)
+
+
+def block_resamples(
+    bootstrap_key: PRNGKeyArray, size: int, n: int, length: int
+) -> Int[Array, " members n"]:
+    """The moving-block bootstrap (Kunsch 1989): member `i` draws
+    `ceil(n / length)` block starts uniformly from `0..n - length` with key
+    `split(bootstrap_key, size)[i]`, and its resample is those blocks of
+    `length` consecutive indices, end to end, cut to `n`."""
+    blocks = -(-n // length)
+    member_keys = jax.random.split(bootstrap_key, size)
+
+    def resample(key):
+        starts = jax.random.randint(key, (blocks,), 0, n - length + 1)
+        return (starts[:, None] + jnp.arange(length)[None, :]).reshape(-1)[:n]
+
+    return jax.vmap(resample)(member_keys)
 
 
 def gather(data: PyTree[Any], indices: Array) -> PyTree[Any]:

@@ -320,7 +320,7 @@ def run_record(
     return RunRecord(
         size=len(ens),
         batch_size=batch_size if source is None else source.batch_size,
-        sampling=sampling.name if hasattr(sampling, "name") else repr(sampling),
+        sampling=sampling.record(),
         num_examples=None if source is None else source.num_examples,
         key=key_record(key),
         eval_every=None if evaluate is None else evaluate.every,

@@ -16,11 +16,13 @@ import abc
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from .._core.data import bootstrap_resamples, epoch_indices
+from .._core.data import block_resamples, bootstrap_resamples, epoch_indices
 from .._internal.component import Component
 from .._internal.keys import run_keys
 
@@ -58,6 +60,11 @@ class Sampling(Component):
 
     per_member: ClassVar[bool]
     name: ClassVar[str]
+
+    def record(self) -> str:
+        """How the sampling is named in a checkpoint's run record (a resumed run
+        must sample the same way)."""
+        return self.name
 
     def check(self, num_examples: int, batch_size: int, size: int) -> None:
         """Raise before any work if `batch_size` cannot be drawn from the data."""
@@ -248,6 +255,14 @@ class Bootstrap(Sampling):
     `jax.random.randint(jax.random.fold_in(data_key, s), (size, batch_size), 0, n)`
     into it. The examples a member never drew are its out-of-bag examples.
 
+    `block_length=L > 1` draws blocks of `L` consecutive examples instead (the
+    moving-block bootstrap, Kunsch 1989: `ceil(n / L)` block starts uniform in
+    `0..n - L` per member, the blocks end to end, cut to `n`), for time series
+    and other ordered data, where a member's out-of-bag examples should not sit
+    between the examples it trained on
+    ([`ee.conformal.enbpi`][eqx_ensemble.conformal.enbpi]). The first and last
+    `L - 1` examples are drawn less often than the rest.
+
     **Example:**
 
     ```python
@@ -262,8 +277,32 @@ class Bootstrap(Sampling):
     ```
     """
 
+    block_length: int = eqx.field(default=1, static=True)
     per_member: ClassVar[bool] = True
     name: ClassVar[str] = "bootstrap"
+
+    def __check_init__(self):
+        length = self.block_length
+        if isinstance(length, bool) or not isinstance(length, int | np.integer):
+            raise TypeError(f"`block_length` must be an int >= 1, got {length!r}")
+        if length < 1:
+            raise ValueError(f"`block_length` must be >= 1, got {length}")
+
+    def record(self) -> str:
+        if self.block_length == 1:
+            return self.name
+        return f"{self.name}(block_length={self.block_length})"
+
+    def _check_length(self, num_examples: int) -> None:
+        if self.block_length > num_examples:
+            raise ValueError(
+                f"`Bootstrap(block_length={self.block_length})` is longer than the "
+                f"data ({num_examples} examples)"
+            )
+
+    def check(self, num_examples: int, batch_size: int, size: int) -> None:
+        super().check(num_examples, batch_size, size)
+        self._check_length(num_examples)
 
     def prepare(self, bootstrap_key, size, num_examples):
         if size * num_examples > MAX_INDICES:
@@ -272,7 +311,12 @@ class Bootstrap(Sampling):
                 f"are more than the {MAX_INDICES} indices XLA can address; use "
                 "fewer members or a streamed data source"
             )
-        return bootstrap_resamples(bootstrap_key, size, num_examples)
+        if self.block_length == 1:
+            return bootstrap_resamples(bootstrap_key, size, num_examples)
+        self._check_length(num_examples)
+        return block_resamples(
+            bootstrap_key, size, num_examples, int(self.block_length)
+        )
 
     def indices(self, data_key, prepared, step, *, n, batch_size, size):
         assert prepared is not None
@@ -330,3 +374,17 @@ def as_sampling(sampling: Any) -> Sampling:
         "`sampling` must be one of ee.Shared(), ee.Independent(), ee.Bootstrap() "
         f"(or the names {tuple(_BY_NAME)}), got {sampling!r}"
     )
+
+
+def from_record(record: Any) -> Sampling | None:
+    """The sampling a checkpoint's run record names (`Sampling.record`), or
+    `None` for one this version cannot rebuild."""
+    if isinstance(record, str) and record.startswith("bootstrap(block_length="):
+        length = record[len("bootstrap(block_length=") : -1]
+        if record.endswith(")") and length.isdigit():
+            return Bootstrap(block_length=int(length))
+        return None
+    try:
+        return as_sampling(record)
+    except ValueError:
+        return None

@@ -1,0 +1,483 @@
+"""Conformal prediction for time series from a bootstrapped ensemble's
+out-of-bag predictions: EnbPI (Xu & Xie 2021) and adaptive conformal inference
+(Gibbs & Candes 2021). `ee.conformal` re-exports them.
+
+The out-of-bag bookkeeping (`out_of_bag`) is shared with jackknife+-after-
+bootstrap (`conformal.jackknife_plus_after_bootstrap`).
+"""
+
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from .regression import one_output
+
+
+class OutOfBag(eqx.Module):
+    """Each training example's out-of-bag (leave-in-bag-out) prediction.
+
+    - `weights`: `(n_kept, members)`, row `i` averages the members that never
+      drew example `i` (float64, NumPy).
+    - `predictions`: `mu_{-i}(x_i)` of each kept example `(n_kept,)`.
+    - `targets`: the kept examples' targets.
+    - `excluded`: how many examples every member drew (they are left out).
+    """
+
+    weights: np.ndarray
+    predictions: np.ndarray
+    targets: np.ndarray
+    excluded: int
+
+
+def out_of_bag(
+    train_means: Any, targets: Any, run: Any, in_bag: Any, method: str
+) -> OutOfBag:
+    """The out-of-bag predictions of a bootstrapped run (from its `FitResult`,
+    whose resamples are rebuilt from its key) or of given in-bag counts."""
+    from .._training.sampling import Bootstrap
+
+    means = one_output(jnp.asarray(train_means), "train_means", 2)
+    target_array = one_output(jnp.asarray(targets), "targets", 1)
+    if means.ndim != 2 or target_array.shape != means.shape[1:]:
+        raise ValueError(
+            "`train_means` must be (members, n) and `targets` (n,), got "
+            f"{tuple(means.shape)} and {tuple(target_array.shape)}"
+        )
+    members, n = (int(size) for size in means.shape)
+    if (run is None) == (in_bag is None):
+        raise ValueError("pass exactly one of `run` (a FitResult) and `in_bag`")
+    if run is not None:
+        sampling = getattr(run, "sampling", None)
+        if not isinstance(sampling, Bootstrap):
+            raise ValueError(
+                f"{method} needs the out-of-bag examples of a bootstrapped run, but "
+                f"this run's sampling is {sampling!r}; train with "
+                "`ee.fit(..., sampling=ee.Bootstrap())`"
+            )
+        if run.num_examples != n or len(run.ensemble) != members:
+            raise ValueError(
+                f"the run trained {len(run.ensemble)} members on {run.num_examples} "
+                f"examples, but `train_means` has shape ({members}, {n}): predict "
+                "with every member on the run's training data, in its order"
+            )
+        in_bag = sampling.in_bag(run.key, size=members, num_examples=n)
+    counts = np.asarray(in_bag)
+    if counts.shape != (members, n):
+        raise ValueError(
+            f"`in_bag` must have shape (members, n) = ({members}, {n}), got "
+            f"{counts.shape}"
+        )
+    out = (counts == 0).T.astype(np.float64)  # (n, members)
+    per_example = out.sum(axis=1)
+    kept = per_example > 0
+    if not kept.any():
+        raise ValueError(
+            f"{method} needs out-of-bag examples, but every member drew all {n} "
+            "training examples (was this a bootstrapped run?)"
+        )
+    weights = out[kept] / per_example[kept, None]
+    rows = np.flatnonzero(kept)
+    leave_out = weights @ np.asarray(means, np.float64)  # (n_kept, n)
+    return OutOfBag(
+        weights=weights,
+        predictions=leave_out[np.arange(rows.size), rows],
+        targets=np.asarray(target_array, np.float64)[rows],
+        excluded=int((~kept).sum()),
+    )
+
+
+def _check_alpha(alpha: Any) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise TypeError(f"`alpha` must be a float in (0, 1), got {alpha!r}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"`alpha` must lie strictly between 0 and 1, got {alpha}")
+    return float(alpha)
+
+
+def _ranks(alpha: Any, beta: Any, n: int) -> tuple[Any, Any]:
+    """The 1-based ranks among `n` scores of the lower (`floor(beta (n + 1))`)
+    and upper (`ceil((1 - alpha + beta)(n + 1))`) conformal quantiles, after a
+    1e-9 nudge towards the exact value where it is a whole number (as
+    `conformal`'s other methods)."""
+    low = jnp.floor(beta * (n + 1) + 1e-9)
+    high = jnp.ceil((1 - alpha + beta) * (n + 1) - 1e-9)
+    return low, high
+
+
+def _order_statistic(sorted_scores: Array, rank: Array, n: int, infinite: float):
+    """The `rank`-th smallest score, or `infinite` where the rank is outside
+    `1..n` (too few scores for the level: an unbounded side)."""
+    index = jnp.clip(rank.astype(jnp.int32) - 1, 0, n - 1)
+    value = sorted_scores[index]
+    return jnp.where((rank < 1) | (rank > n), jnp.asarray(infinite, value.dtype), value)
+
+
+class EnbPI(eqx.Module):
+    """EnbPI intervals for a time series; see
+    [`enbpi`][eqx_ensemble.conformal.enbpi].
+
+    - `weights`: `(members,)`: the centre of the interval is `weights @ means`,
+      the average over training examples `i` of their out-of-bag predictors
+      `mu_{-i}` (members out of bag for more examples weigh more).
+    - `residuals`: the window of signed residuals `y - centre`, oldest first
+      (the out-of-bag residuals of the training series, then whatever
+      [`update`][eqx_ensemble.conformal.EnbPI.update] appended).
+    - `alpha`: the miscoverage level; `members`; `excluded`: training examples
+      every member drew (no out-of-bag prediction, left out).
+
+    **Example:**
+
+    ```python
+    counts = ee.Bootstrap(block_length=5).in_bag(
+        jax.random.key(0), size=20, num_examples=100)
+    train_means = jax.random.normal(jax.random.key(1), (20, 100))
+    targets = jax.random.normal(jax.random.key(2), (100,))
+    calibrated = ee.conformal.enbpi(train_means, targets, alpha=0.1, in_bag=counts)
+    new_means = jnp.zeros((20, 4))
+    lower, upper = calibrated.interval(new_means)
+    calibrated = calibrated.update(new_means, jnp.ones(4))   # 4 new residuals
+    ```
+    """
+
+    weights: Float[Array, " members"]
+    residuals: Float[Array, " window"]
+    alpha: float = eqx.field(static=True)
+    members: int = eqx.field(static=True)
+    excluded: int = eqx.field(static=True)
+
+    def _means(self, means: Any) -> Array:
+        array = one_output(jnp.asarray(means), "means", 2)
+        if array.ndim != 2 or not jnp.issubdtype(array.dtype, jnp.floating):
+            raise ValueError(
+                "`means` must be a float array of shape (members, batch), got "
+                f"{array.dtype} {tuple(array.shape)}"
+            )
+        if array.shape[0] != self.members:
+            raise ValueError(
+                f"`means` has {array.shape[0]} members but the run had "
+                f"{self.members}: predict with every member of the bootstrapped "
+                "ensemble"
+            )
+        return array
+
+    def predict(
+        self, means: Float[ArrayLike, "members batch *one"]
+    ) -> Float[Array, " batch"]:
+        """The centre of the intervals, `weights @ means`, from every member's
+        mean prediction `(members, batch)`.
+
+        **Example:** see [`EnbPI`][eqx_ensemble.conformal.EnbPI].
+        """
+        array = self._means(means)
+        return self.weights.astype(array.dtype) @ array
+
+    def interval(
+        self,
+        means: Float[ArrayLike, "members batch *one"],
+        *,
+        alpha: float | Float[ArrayLike, ""] | None = None,
+        optimize_beta: bool = False,
+    ) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
+        """`(lower, upper)`: the centre plus the `beta` and `1 - alpha + beta`
+        conformal quantiles of the residual window (`beta = alpha / 2`), from
+        every member's mean prediction on new inputs `(members, batch)`.
+
+        **Arguments:**
+
+        - `means`: `(members, batch)`.
+        - `alpha`: the miscoverage level; by default the calibrated `alpha`. A
+          traced scalar is accepted (adaptive conformal inference): a level too
+          small for the window gives an infinite side, a level of 1 or more an
+          empty interval.
+        - `optimize_beta`: choose `beta` in `[1/(n+1), alpha]` that minimises the
+          width of the uncorrected quantiles (Xu & Xie's `beta-hat`, 100 values
+          tried, as MAPIE); needs a Python float `alpha`.
+
+        **Returns:**
+
+        Two `(batch,)` arrays.
+
+        **Example:** see [`EnbPI`][eqx_ensemble.conformal.EnbPI].
+        """
+        centre = self.predict(means)
+        n = int(self.residuals.shape[0])
+        scores = jnp.sort(self.residuals.astype(centre.dtype))
+        if alpha is None:
+            alpha = self.alpha
+        if isinstance(alpha, int | float) and not isinstance(alpha, bool):
+            level = _check_alpha(alpha)
+            beta = self._best_beta(level) if optimize_beta else level / 2
+            low = math.floor(beta * (n + 1) + 1e-9)
+            high = math.ceil((1 - level + beta) * (n + 1) - 1e-9)
+            if low < 1 or high > n:
+                raise ValueError(
+                    f"`alpha={level}` is too small for the window of {n} residuals: "
+                    f"the smallest possible is about 2 / (n + 1) = {2 / (n + 1):.4g}"
+                )
+            low_rank, high_rank = jnp.asarray(low), jnp.asarray(high)
+        else:
+            if optimize_beta:
+                raise TypeError(
+                    "`optimize_beta=True` needs `alpha` as a Python float, got "
+                    f"{type(alpha).__name__}"
+                )
+            traced = jnp.asarray(alpha, jnp.float32)
+            if traced.shape != ():
+                raise ValueError(f"`alpha` must be a scalar, got shape {traced.shape}")
+            low_rank, high_rank = _ranks(traced, traced / 2, n)
+        lower = _order_statistic(scores, low_rank, n, -jnp.inf)
+        upper = _order_statistic(scores, high_rank, n, jnp.inf)
+        return centre + lower, centre + upper
+
+    def _best_beta(self, alpha: float) -> float:
+        scores = np.sort(np.asarray(self.residuals, np.float64))
+        n = scores.size
+        betas = np.linspace(1 - n / (n + 1), alpha, num=100, endpoint=True)
+        widths = np.quantile(scores, 1 - alpha + betas, method="higher") - np.quantile(
+            scores, betas, method="lower"
+        )
+        return float(betas[int(np.argmin(widths))])
+
+    def update(
+        self,
+        means: Float[ArrayLike, "members batch *one"],
+        targets: Float[ArrayLike, " batch *target_one"],
+    ) -> "EnbPI":
+        """A copy whose residual window drops its `batch` oldest residuals and
+        appends `targets - centre` of the new observations (EnbPI's sliding
+        window; at most the window's length at once).
+
+        **Example:** see [`EnbPI`][eqx_ensemble.conformal.EnbPI].
+        """
+        centre = self.predict(means)
+        target_array = one_output(jnp.asarray(targets), "targets", 1)
+        if target_array.shape != centre.shape:
+            raise ValueError(
+                f"`targets` must have shape {tuple(centre.shape)} (one per column of "
+                f"`means`), got {tuple(target_array.shape)}"
+            )
+        m, n = int(centre.shape[0]), int(self.residuals.shape[0])
+        if m > n:
+            raise ValueError(
+                f"{m} new observations are more than the window of {n} residuals; "
+                "update in smaller batches"
+            )
+        fresh = (target_array - centre).astype(self.residuals.dtype)
+        window = jnp.concatenate([self.residuals[m:], fresh])
+        return eqx.tree_at(lambda e: e.residuals, self, window)
+
+
+def enbpi(
+    train_means: Float[ArrayLike, "members n *one"],
+    targets: Float[ArrayLike, " n *target_one"],
+    *,
+    alpha: float,
+    run: Any = None,
+    in_bag: Int[ArrayLike, "members n"] | None = None,
+) -> EnbPI:
+    """EnbPI (Xu & Xie 2021): conformal intervals for a time series from a
+    bootstrapped ensemble's own out-of-bag residuals, with no calibration set and
+    no refitting as the series goes on.
+
+    Each training example `i` gets its out-of-bag prediction `mu_{-i}(x_i)`
+    (the average of the members that never drew it) and the signed residual
+    `y_i - mu_{-i}(x_i)`. A new input's interval is centred on the average of
+    all `mu_{-i}(x)` and runs from the `floor(beta (n + 1))`-th to the
+    `ceil((1 - alpha + beta)(n + 1))`-th smallest residual (`beta = alpha / 2`).
+    As observations arrive, [`update`][eqx_ensemble.conformal.EnbPI.update]
+    slides the residual window, and
+    [`sequential`][eqx_ensemble.conformal.sequential] runs the whole loop,
+    optionally with adaptive conformal inference on top. The same quantities as
+    MAPIE's `TimeSeriesRegressor(method="enbpi", agg_function="mean")`.
+
+    Train with `ee.fit(..., sampling=ee.Bootstrap(block_length=L))`: blocks of
+    `L` consecutive examples keep a member's out-of-bag examples away from its
+    training neighbours in a correlated series (with `L=1`, the out-of-bag
+    residuals of a smooth series are too small and the intervals too narrow).
+
+    **Arguments:**
+
+    - `train_means`: every member's prediction on every training example, in
+      time order, `(members, n)`.
+    - `targets`: the training series `(n,)`.
+    - `alpha`: miscoverage in `(0, 1)`.
+    - `run`: the [`FitResult`][eqx_ensemble.FitResult] of a bootstrapped `fit`
+      (its resamples are rebuilt from its key); or
+    - `in_bag`: the in-bag counts `(members, n)` directly (exactly one of the
+      two).
+
+    **Returns:**
+
+    An [`EnbPI`][eqx_ensemble.conformal.EnbPI].
+
+    **Example:** see [`EnbPI`][eqx_ensemble.conformal.EnbPI].
+    """
+    alpha = _check_alpha(alpha)
+    bag = out_of_bag(train_means, targets, run, in_bag, "EnbPI")
+    n_kept = bag.predictions.size
+    if math.floor(alpha / 2 * (n_kept + 1) + 1e-9) < 1:
+        raise ValueError(
+            f"`alpha={alpha}` is too small for the {n_kept} training examples with "
+            f"an out-of-bag member: the smallest possible is about 2 / (n + 1) = "
+            f"{2 / (n_kept + 1):.4g}"
+        )
+    return EnbPI(
+        weights=jnp.asarray(bag.weights.mean(axis=0), jnp.float32),
+        residuals=jnp.asarray(bag.targets - bag.predictions, jnp.float32),
+        alpha=alpha,
+        members=int(bag.weights.shape[1]),
+        excluded=bag.excluded,
+    )
+
+
+class Sequential(eqx.Module):
+    """The intervals of [`sequential`][eqx_ensemble.conformal.sequential], one
+    per time step.
+
+    - `lower`, `upper`: `(T,)` (infinite where the level asked for more
+      residuals than the window holds).
+    - `alpha`: the level each interval was made at `(T,)` (constant without
+      adaptation).
+    - `covered`: whether each target fell inside its interval `(T,)`.
+    - `calibrated`: the [`EnbPI`][eqx_ensemble.conformal.EnbPI] after the last
+      update, and `next_alpha` the level of the next interval: pass both to
+      `sequential` to go on.
+
+    **Example:**
+
+    ```python
+    counts = ee.Bootstrap().in_bag(jax.random.key(0), size=10, num_examples=60)
+    calibrated = ee.conformal.enbpi(
+        jax.random.normal(jax.random.key(1), (10, 60)),
+        jax.random.normal(jax.random.key(2), (60,)), alpha=0.2, in_bag=counts)
+    online = ee.conformal.sequential(calibrated, jnp.zeros((10, 30)),
+                                     jnp.ones(30), gamma=0.05)
+    widths = online.upper - online.lower        # (30,): widening after misses
+    later = ee.conformal.sequential(online.calibrated, jnp.zeros((10, 5)),
+                                    jnp.ones(5), gamma=0.05,
+                                    start_alpha=online.next_alpha)  # go on
+    ```
+    """
+
+    lower: Float[Array, " T"]
+    upper: Float[Array, " T"]
+    alpha: Float[Array, " T"]
+    covered: Bool[Array, " T"]
+    calibrated: EnbPI
+    next_alpha: Float[Array, ""]
+
+
+@eqx.filter_jit
+def _sequential(calibrated, means, targets, gamma, start_alpha, update):
+    def step(carry, inputs):
+        state, alpha_t = carry
+        column, target = inputs
+        lower, upper = state.interval(column[:, None], alpha=alpha_t)
+        covered = (lower[0] <= target) & (target <= upper[0])
+        alpha_next = alpha_t + gamma * (
+            calibrated.alpha - 1 + covered.astype(alpha_t.dtype)
+        )
+        if update:
+            state = state.update(column[:, None], target[None])
+        return (state, alpha_next), (lower[0], upper[0], alpha_t, covered)
+
+    (state, alpha), outputs = jax.lax.scan(
+        step, (calibrated, start_alpha), (means.T, targets)
+    )
+    return state, alpha, outputs
+
+
+def sequential(
+    calibrated: EnbPI,
+    means: Float[ArrayLike, "members T *one"],
+    targets: Float[ArrayLike, " T *target_one"],
+    *,
+    gamma: float = 0.0,
+    update: bool = True,
+    start_alpha: float | Float[ArrayLike, ""] | None = None,
+) -> Sequential:
+    """Run conformal intervals along a series, one observation at a time: the
+    interval for step `t` is made before its target is seen, then the target
+    updates the residual window (EnbPI) and, with `gamma > 0`, the level
+    (adaptive conformal inference, Gibbs & Candes 2021):
+
+    `alpha_{t+1} = alpha_t + gamma (alpha - err_t)`, `err_t = 1` when `y_t`
+    fell outside its interval.
+
+    After a miss the level drops (wider intervals), after a hit it rises; over
+    any stretch of `T` steps the miss rate is within `(max(alpha_1, 1 - alpha_1)
+    + gamma) / (gamma T)` of `alpha`, whatever the series does. As in the paper,
+    `alpha_t` is not clipped: below 0 the interval is infinite (`lower = -inf`,
+    `upper = inf`), from 1 on it is empty. (MAPIE clips `alpha_t` to `[0, 1]`;
+    the two agree while it stays inside.)
+
+    **Arguments:**
+
+    - `calibrated`: an [`EnbPI`][eqx_ensemble.conformal.EnbPI].
+    - `means`: every member's prediction at each step, in time order
+      `(members, T)`.
+    - `targets`: the series `(T,)`.
+    - `gamma`: the step size of the level (`0`: plain EnbPI).
+    - `update`: slide the residual window with each new residual (EnbPI's
+      online update); `False` keeps the training residuals.
+    - `start_alpha`: the level of the first interval (by default the
+      calibrated `alpha`); a previous call's `next_alpha` goes on from there.
+
+    **Returns:**
+
+    A [`Sequential`][eqx_ensemble.conformal.Sequential] (one compiled scan).
+
+    **Example:**
+
+    ```python
+    counts = ee.Bootstrap(block_length=5).in_bag(
+        jax.random.key(0), size=20, num_examples=100)
+    train_means = jax.random.normal(jax.random.key(1), (20, 100))
+    targets = jax.random.normal(jax.random.key(2), (100,))
+    calibrated = ee.conformal.enbpi(train_means, targets, alpha=0.1, in_bag=counts)
+    test_means = jax.random.normal(jax.random.key(3), (20, 50))
+    test_targets = 2 * jax.random.normal(jax.random.key(4), (50,))  # drifted
+    online = ee.conformal.sequential(calibrated, test_means, test_targets,
+                                     gamma=0.01)
+    miss_rate = 1 - online.covered.mean()
+    ```
+    """
+    if not isinstance(calibrated, EnbPI):
+        raise TypeError(
+            "`calibrated` must be an ee.conformal.EnbPI (from ee.conformal.enbpi), "
+            f"got {type(calibrated).__name__}"
+        )
+    if isinstance(gamma, bool) or not isinstance(gamma, int | float) or gamma < 0:
+        raise ValueError(f"`gamma` must be a float >= 0, got {gamma!r}")
+    array = calibrated._means(means)
+    target_array = one_output(jnp.asarray(targets), "targets", 1)
+    if target_array.shape != array.shape[1:]:
+        raise ValueError(
+            f"`targets` must have shape ({array.shape[1]},) (one per column of "
+            f"`means`), got {tuple(target_array.shape)}"
+        )
+    start = calibrated.alpha if start_alpha is None else start_alpha
+    start = jnp.asarray(start, jnp.float32)
+    if start.shape != ():
+        raise ValueError(f"`start_alpha` must be a scalar, got shape {start.shape}")
+    state, next_alpha, (lower, upper, alpha, covered) = _sequential(
+        calibrated,
+        array,
+        target_array.astype(array.dtype),
+        jnp.asarray(gamma, jnp.float32),
+        start,
+        bool(update),
+    )
+    return Sequential(
+        lower=lower,
+        upper=upper,
+        alpha=alpha,
+        covered=covered,
+        calibrated=state,
+        next_alpha=next_alpha,
+    )
