@@ -56,7 +56,7 @@ from ._methods.select import (
     greedy_selection as greedy_selection,
     greedy_soup as greedy_soup,
 )
-from ._methods.svgd import svgd as svgd
+from ._methods.svgd import repulsive as repulsive, svgd as svgd
 from ._posteriors.dropout import DropoutPass as DropoutPass, mc_dropout as mc_dropout
 from ._posteriors.laplace import (
     LaplacePosterior as LaplacePosterior,
