@@ -51,7 +51,10 @@ from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._loggers.weights_and_biases import WandbLogger as WandbLogger
 from ._methods.adversarial import Adversarial as Adversarial, adversarial as adversarial
 from ._methods.average import average as average, tree_weighted_sum as tree_weighted_sum
-from ._methods.batch_stats import recompute_batch_stats as recompute_batch_stats
+from ._methods.batch_stats import (
+    mc_batchnorm as mc_batchnorm,
+    recompute_batch_stats as recompute_batch_stats,
+)
 from ._methods.select import (
     greedy_selection as greedy_selection,
     greedy_soup as greedy_soup,

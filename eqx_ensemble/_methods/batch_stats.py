@@ -1,4 +1,6 @@
-"""`recompute_batch_stats`: BatchNorm statistics for averaged or sampled weights."""
+"""BatchNorm statistics: recomputed for averaged or sampled weights
+(`recompute_batch_stats`), and drawn from random training batches to make an
+ensemble of one model (`mc_batchnorm`, MC BatchNorm)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -7,10 +9,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import PyTree
+from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.data import num_examples
 from .._core.ensemble import Ensemble
+from .._internal.checks import check_positive_int
+from .._internal.keys import check_key
 
 
 def _batch_norms(model: Any) -> list[eqx.nn.BatchNorm]:
@@ -162,3 +166,178 @@ def recompute_batch_stats(
         return eqx.filter_vmap(one)(ens.members, state, totals)
 
     return write(ens, state, totals)
+
+
+class _FrozenNorm(eqx.nn.StatefulLayer):
+    """An `eqx.nn.BatchNorm` with its statistics held as arrays: inference
+    with `mean` and `var` (the same computation as Equinox's), whatever the
+    mode; the state passes through untouched."""
+
+    weight: Any
+    bias: Any
+    mean: Any
+    var: Any
+    eps: float = eqx.field(static=True)
+    channelwise_affine: bool = eqx.field(static=True)
+
+    def __call__(self, x, state=None, *, key=None, inference=None):
+        del key, inference
+
+        def norm(y, m, v, w, b):
+            out = (y - m) / jnp.sqrt(v + self.eps)
+            if self.channelwise_affine:
+                out = out * w + b
+            return out
+
+        return jax.vmap(norm)(x, self.mean, self.var, self.weight, self.bias), state
+
+
+def _is_bn(node: Any) -> bool:
+    return isinstance(node, eqx.nn.BatchNorm)
+
+
+def mc_batchnorm(
+    model: Any,
+    state: PyTree[Any],
+    x: PyTree[Any],
+    samples: int,
+    *,
+    batch_size: int,
+    key: PRNGKeyArray,
+    apply: Callable[..., Any] | None = None,
+) -> tuple[Ensemble, PyTree[Any]]:
+    """MC BatchNorm (Teye, Azizpour & Smith 2018): one trained model with
+    `eqx.nn.BatchNorm` as an ensemble of `samples` members, each normalising
+    with the statistics of its own random training batch, the stochasticity
+    batch normalisation had in training.
+
+    Member `t` draws `batch_size` training examples without replacement
+    (`jax.random.choice(jax.random.split(key, samples)[t], n, (batch_size,),
+    replace=False)`), runs the model on them in training mode from a reset
+    state, and keeps each BatchNorm layer's batch mean and variance. Its
+    BatchNorm layers then normalise every input with those (inference with
+    that batch's statistics, in either `eqx.nn.BatchNorm` mode). The weights
+    are held ONCE, as the ensemble's shared part; a member holds only its
+    statistics. [`ee.predict`][eqx_ensemble.predict], every metric, calibrator
+    and conformal method take the members' predictions as any ensemble's.
+
+    **Arguments:**
+
+    - `model`: a trained model with at least one `eqx.nn.BatchNorm`, called
+      as `model(x, state)` for one example.
+    - `state`: its `eqx.nn.State`.
+    - `x`: the training inputs (a batch with a leading example axis).
+    - `samples`: the number of members (batches), `>= 1`.
+    - `batch_size`: examples per batch (the training batch size, as in the
+      paper), at most the number of examples.
+    - `key`: PRNG key of the batches.
+    - `apply`: `apply(model, x_batch, state) -> new_state` in training mode, as
+      [`ee.recompute_batch_stats`][eqx_ensemble.recompute_batch_stats]'s.
+
+    **Returns:**
+
+    `(ensemble, ensemble_state)`: pass both to `ee.predict(ensemble, x,
+    state=ensemble_state)` (the state, copied per member, is what the model's
+    other stateful layers read; the BatchNorm layers no longer do).
+
+    **Example:**
+
+    ```python
+    model, state = eqx.nn.make_with_state(eqx.nn.Sequential)([
+        eqx.nn.Linear(3, 16, key=jax.random.key(0)),
+        eqx.nn.BatchNorm(16, axis_name="batch", mode="batch"),
+        eqx.nn.Lambda(jax.nn.relu),
+        eqx.nn.Linear(16, 2, key=jax.random.key(1)),
+    ])
+    x = jax.random.normal(jax.random.key(2), (200, 3))
+    passes, passes_state = ee.mc_batchnorm(model, state, x, samples=10,
+                                           batch_size=32, key=jax.random.key(3))
+    logits = ee.predict(passes, x[:5], state=passes_state)    # (10, 5, 2)
+    ```
+    """
+    samples = check_positive_int(samples, "samples")
+    check_key(key)
+    if isinstance(model, Ensemble):
+        raise TypeError(
+            "`ee.mc_batchnorm` takes ONE model; for an ensemble, call it per "
+            "member (`ens[i]`, with that member's state)"
+        )
+    layers = _batch_norms(model)
+    if not layers:
+        raise ValueError(
+            f"`ee.mc_batchnorm` needs a model with `eqx.nn.BatchNorm` layers; "
+            f"{type(model).__name__} has none"
+        )
+    n = num_examples(x, "x")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    if batch_size > n:
+        raise ValueError(
+            f"`batch_size` ({batch_size}) is larger than the data ({n} examples)"
+        )
+    training = jax.tree.map(
+        lambda node: (
+            eqx.tree_at(lambda bn: bn.inference, node, False) if _is_bn(node) else node
+        ),
+        model,
+        is_leaf=_is_bn,
+    )
+    axis_name = layers[0].axis_name
+
+    def default_apply(model, xb, member_state):
+        return jax.vmap(
+            model, axis_name=axis_name, in_axes=(0, None), out_axes=(0, None)
+        )(xb, member_state)[1]
+
+    run = default_apply if apply is None else apply
+
+    @eqx.filter_jit
+    def draw(training, state, x, keys):
+        def one(sample_key):
+            rows = jax.random.choice(sample_key, n, (batch_size,), replace=False)
+            xb = jax.tree.map(lambda a: a[rows], x)
+            fresh = _reset(state, _batch_norms(training))
+            return _read(run(training, xb, fresh), _batch_norms(training))
+
+        return jax.vmap(one)(keys)
+
+    stats = draw(training, state, x, jax.random.split(key, samples))
+    stats_iter = iter(stats)
+
+    def freeze(node):
+        if not _is_bn(node):
+            return node
+        mean, var = next(stats_iter)
+        # (pyright reads StatefulLayer's abstract `__call__` as a field.)
+        return _FrozenNorm(  # pyright: ignore[reportCallIssue]
+            weight=node.weight,
+            bias=node.bias,
+            mean=mean,
+            var=var,
+            eps=node.eps,
+            channelwise_affine=node.channelwise_affine,
+        )
+
+    frozen = jax.tree.map(freeze, model, is_leaf=_is_bn)
+    is_frozen = lambda node: isinstance(node, _FrozenNorm)  # noqa: E731
+    # The statistics are the members; every other array, the shared part.
+    spec = jax.tree.map(lambda _: False, frozen)
+    spec = eqx.tree_at(
+        lambda tree: [
+            leaf
+            for node in jax.tree.leaves(tree, is_leaf=is_frozen)
+            if is_frozen(node)
+            for leaf in (node.mean, node.var)
+        ],
+        spec,
+        replace_fn=lambda _: True,
+    )
+    members, shared = eqx.partition(frozen, spec)
+    member_state = jax.tree.map(
+        lambda leaf: (
+            jnp.broadcast_to(leaf, (samples, *jnp.shape(leaf)))
+            if eqx.is_array(leaf)
+            else leaf
+        ),
+        state,
+    )
+    return Ensemble(members, shared), member_state
