@@ -77,7 +77,7 @@ SECOND_FILE = {
     "shared_parts.ipynb",
     "sweeps.ipynb",
     "methods.ipynb",
-    "bayesian.ipynb",
+    "bayesian_digits.ipynb",
     "implicit_ensembles.ipynb",
 }
 

@@ -59,6 +59,7 @@ def test_claims_follow_the_tables():
         "Concrete": {
             recipe: {"RMSE": [7.0, 7.2], "NLL": [3.0, 3.1]},
             "deep ensemble (NLL)": {"RMSE": [7.0], "NLL": [3.0]},
+            "MC dropout (1 x 20 passes, NLL)": {"RMSE": [7.0], "NLL": [3.0]},
         },
     }
     deep = f"deep ensemble ({results.MEMBERS})"
@@ -75,6 +76,11 @@ def test_claims_follow_the_tables():
         "Laplace mixture (KFAC, marglik)": {"NLL": [0.4, 0.4], "parameters": [50]},
         "MC dropout (1 x 20 passes)": {"NLL": [0.35, 0.35], "parameters": [10]},
         f"MultiSWAG ({results.MEMBERS} x 4)": {"NLL": [0.2, 0.2], "parameters": [200]},
+        f"hyper-deep ({results.MEMBERS} of {2 * results.MEMBERS}: L2, label "
+        "smoothing)": {"NLL": [0.28, 0.28], "parameters": [50]},
+        "MC BatchNorm (1 x 20 batches)": {"NLL": [0.6, 0.6], "parameters": [11]},
+        f"repulsive, function space ({results.MEMBERS})": {
+            "AUROC far": [0.85, 0.85], "AUROC near": [0.65, 0.65]},
     }  # fmt: skip
     lines = results.claims(regression, {"toy": rows})
     text = "\n".join(lines)
@@ -96,6 +102,15 @@ def test_claims_follow_the_tables():
     assert verdict("a deep ensemble beats MC dropout")  # 0.30 < 0.35
     assert verdict("MultiSWAG beats")
     assert verdict("temperature scaling lowers")
+    assert verdict("hyper-deep ensemble beats")  # 0.28 < 0.30
+    assert not verdict("MC BatchNorm beats")  # 0.6 > 0.5
+    # MC dropout in regression: Concrete only (Boston has no such row), 3.05 > 3.0.
+    dropout = [line for line in lines if "beats MC dropout on NLL on" in line]
+    assert len(dropout) == 1 and "**not supported**" in dropout[0]
+    repulsion = [line for line in lines if "function-space repulsion" in line]
+    assert len(repulsion) == 2
+    assert "**supported**" in next(r for r in repulsion if "far" in r)  # 0.85 > 0.8
+    assert "**not supported**" in next(r for r in repulsion if "near" in r)
     mahalanobis = [line for line in lines if "Mahalanobis distance" in line]
     assert len(mahalanobis) == 2  # one per OOD set
     assert "**supported**" in next(m for m in mahalanobis if "far" in m)
@@ -125,7 +140,17 @@ def test_the_whole_run_at_toy_size_writes_every_row(tmp_path):
                 "snapshot ensemble", "Laplace mixture (KFAC, validation)",
                 "MC dropout", "cyclical SG-MCMC", "+ temperature", "SVGD",
                 "Mahalanobis OOD score", "DDU density OOD score",
-                "KNN OOD score"):  # fmt: skip
+                "KNN OOD score", "MC dropout (1 x 20 passes, NLL)",
+                "MC BatchNorm", "hyper-deep", "repulsive, function space"):  # fmt: skip
         assert any(row in line for line in rows), row
     assert "## Claims checked" in page
     assert len(list((tmp_path / "images" / "results").glob("*.png"))) == 6
+    # Every cell of every table is a finite number (`mean ± se`, a median, a
+    # count with thousands separators).
+    for line in rows:
+        cells = [cell.strip() for cell in line.strip("|").split("|")][1:]
+        if line.startswith("| method") or not cells:
+            continue
+        for cell in cells:
+            for number in cell.replace(",", "").split(" ± "):
+                assert np.isfinite(float(number)), (line, cell)
