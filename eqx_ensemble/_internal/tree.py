@@ -11,6 +11,17 @@ from jax.core import Tracer
 from jaxtyping import PyTree
 
 
+def with_fields(module: Any, **changes: Any) -> Any:
+    """`dataclasses.replace(module, **changes)` without running `__init__`
+    again (its checks, converters and Equinox's initialisation, ~60 us for a
+    `TrainState`): for a module whose new field values are as valid as the
+    old ones, on the per-dispatch path."""
+    new = object.__new__(type(module))
+    new.__dict__.update(module.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 def keystr(path: tuple[Any, ...]) -> str:
     """Human-readable leaf path, e.g. `.layers[0].weight`; `<root>` for the root."""
     text = jtu.keystr(path)

@@ -32,7 +32,7 @@ from .._execution.placement import check_fit_mesh, members_devices
 from .._execution.plan import Plan, plan_step
 from .._execution.profile import signature
 from .._internal.checks import MAX_INT32, check_positive_int
-from .._internal.tree import first_difference
+from .._internal.tree import first_difference, with_fields
 from .checkpointer import Checkpointer
 from .controller import Controller
 from .coupled import Coupled
@@ -200,7 +200,9 @@ def prepare(
     # Array data: the plan is known now (a stream's needs its first batch).
     plan = None
     if isinstance(source, ArraySource):
-        plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
+        plan = plan_fit(
+            execution, loss_fn, ens, size, source, state, hyper, mesh, steps
+        )
     # The start state (a fresh optimizer state unless one is given, every leaf
     # a new buffer: the loop donates its state) and the run's keys, in one
     # call: a separate program from the dispatch, so that a run of one
@@ -250,7 +252,9 @@ def prepare(
     else:
         source.start(keys.data, keys.bootstrap, mesh)
     if plan is None:
-        plan = plan_fit(execution, loss_fn, ens, source, state, hyper, mesh, steps)
+        plan = plan_fit(
+            execution, loss_fn, ens, size, source, state, hyper, mesh, steps
+        )
     train_state = place_state(train_state, mesh)
     chunk = Chunk(
         loss_fn=loss_fn,
@@ -339,6 +343,7 @@ def plan_fit(
     execution: Execution,
     loss_fn: LossFn,
     ens: Ensemble | Heterogeneous,
+    size: int,
     source: DataSource,
     state: PyTree[Any],
     hyper: PyTree[Any],
@@ -349,7 +354,7 @@ def plan_fit(
     (`_execution.plan`), looked up per loss, execution, input structure, mesh
     and run length class."""
     if execution.member_chunk is not None:
-        check_member_chunk(execution.member_chunk, len(ens), members_devices(mesh))
+        check_member_chunk(execution.member_chunk, size, members_devices(mesh))
         check_chunkable(loss_fn, ens)
     try:
         structure: Any = (
@@ -365,7 +370,7 @@ def plan_fit(
         structure=structure,
         members=ens.members,
         examples=source.batch_size,
-        size=len(ens),
+        size=size,
         mesh=mesh,
         steps=steps,
         pads_on_host=source.pads_on_host,
@@ -647,11 +652,9 @@ class Run:
         # controllers.
         controlled = self.train_state.controlled
         state, values = dispatch_chunk(
-            self.options,
-            chunk,
-            dataclasses.replace(self.train_state, controlled=()),
+            self.options, chunk, with_fields(self.train_state, controlled=())
         )
-        self.train_state = dataclasses.replace(state, controlled=controlled)
+        self.train_state = with_fields(state, controlled=controlled)
         return values
 
     def record_dispatch(self, values: Any, end: int) -> np.ndarray:
