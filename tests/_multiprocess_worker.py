@@ -3,11 +3,12 @@
 `python _multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_DIR AXIS_TYPE LAYOUT
 [PHASE]`
 
-PHASE `train` (default): train and save as below. `checkpoint`: train with sharded
+PHASE `train` (default): train and save as below. `kill`: train with sharded
 checkpoints (`ee.Checkpoints`, the default format on several processes): the
-whole run into OUT_DIR/full (asynchronous checkpoints, halfway and at the end).
-`kill`: the same run into OUT_DIR/half, both processes killed with SIGKILL
-once the halfway checkpoint is written. `resume`: fresh
+whole run into OUT_DIR/full (asynchronous checkpoints, halfway and at the end),
+then the same run into OUT_DIR/half, both processes killed with SIGKILL once
+its halfway checkpoint is written (one start of the processes for both runs).
+`resume`: fresh
 processes resume OUT_DIR/half (written by 2 processes) and OUT_DIR/single
 (written by 1) to the end.
 
@@ -144,7 +145,7 @@ def _checkpoint_phase(phase, out_dir, ens, data, mesh):
         return {**leaves, "losses": result.history.losses}
 
     saved = {}
-    if phase == "checkpoint":
+    if phase == "kill":
         # The whole run, its checkpoints written in the background (on several
         # processes each is committed at the next checkpoint, the last when
         # `fit` ends).
@@ -156,8 +157,10 @@ def _checkpoint_phase(phase, out_dir, ens, data, mesh):
                 os.path.join(out_dir, "full"), every=half, keep=None, asynchronous=True
             ),
         )
-        saved["full"] = gathered(full)
-    elif phase == "kill":
+        arrays = gathered(full)  # an all-gather: every process takes part
+        if jax.process_index() == 0:  # saved now: the next run ends by SIGKILL
+            np.savez(os.path.join(out_dir, "full.npz"), **arrays)
+
         # The same run, killed (SIGKILL, both processes) once its halfway
         # checkpoint is written.
         def kill(result):

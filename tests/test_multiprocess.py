@@ -171,9 +171,8 @@ def test_two_processes_model_axis_across_processes_auto(tmp_path):
 
 def test_sharded_checkpoints_of_two_processes_resume_on_one_and_on_two(tmp_path):
     # Members split over the 2 processes; each process writes only its shards.
-    # The whole run (asynchronous checkpoints), then the same run killed
-    # (SIGKILL) once its halfway checkpoint is in place.
-    _run_workers(tmp_path, "Auto", "members", "checkpoint")
+    # The whole run (asynchronous checkpoints), then, in the same processes,
+    # the same run killed (SIGKILL) once its halfway checkpoint is in place.
     _run_workers(tmp_path, "Auto", "members", "kill")
     half = STEPS // 2
     ens, data = make_problem()
