@@ -273,3 +273,25 @@ def test_the_layer_check_catches_a_planted_violation():
         "below it",
         "eqx_ensemble._nowhere is in no layer of docs/architecture.md",
     ]
+
+
+def test_with_fields_is_dataclasses_replace_without_init():
+    """The per-dispatch `dataclasses.replace`: the same module, a misspelt
+    field refused."""
+    import dataclasses
+
+    import equinox as eqx
+    import jax.numpy as jnp
+    import pytest
+
+    from eqx_ensemble._internal.tree import with_fields
+
+    class Pair(eqx.Module):
+        a: jnp.ndarray
+        b: tuple
+
+    pair = Pair(jnp.ones(2), (1,))
+    fast, slow = with_fields(pair, b=()), dataclasses.replace(pair, b=())
+    assert bool(eqx.tree_equal(fast, slow)) and pair.b == (1,)
+    with pytest.raises(TypeError, match=r"no field\(s\) \['c'\]"):
+        with_fields(pair, c=1)

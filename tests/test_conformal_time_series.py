@@ -278,3 +278,86 @@ def test_a_checkpoint_remembers_the_block_length(tmp_path):
     assert latest is not None and latest.sampling == ee.Bootstrap(block_length=4)
     with pytest.raises(Exception, match="different `sampling`"):
         run(ee.Bootstrap(block_length=3), 4)
+
+
+def test_a_traced_level_gives_the_python_levels_interval():
+    """`sequential` makes its intervals at a traced (float32) level: its ranks
+    equal `interval`'s at the same Python level for every window size up to
+    5000 (float32 rounding puts `(1 - alpha / 2)(n + 1)` a hair above whole
+    numbers such as 27 at alpha = 0.2, n = 29: that must not move the rank),
+    and so do the intervals at alpha = 0.2, n = 29."""
+    from eqx_ensemble._metrics.time_series import _concrete_ranks, _traced_ranks
+
+    sizes = np.arange(5, 5001)
+    for alpha in (0.02, 0.05, 0.1, 0.2, 0.3, 0.45):
+        low, high = _traced_ranks(jnp.float32(alpha), jnp.asarray(sizes, "f4"))
+        expected = np.array([_concrete_ranks(alpha, alpha / 2, int(n)) for n in sizes])
+        np.testing.assert_array_equal(np.asarray(low), expected[:, 0], str(alpha))
+        np.testing.assert_array_equal(np.asarray(high), expected[:, 1], str(alpha))
+    n = 29
+    counts = jnp.zeros((4, n), jnp.int32).at[0].set(1)  # members 1-3 out of bag
+    calibrated = ee.conformal.enbpi(
+        jax.random.normal(jax.random.key(0), (4, n)),
+        jax.random.normal(jax.random.key(1), (n,)),
+        alpha=0.2,
+        in_bag=counts,
+    )
+    means = jnp.zeros((4, 1))
+    traced = jax.jit(lambda a: calibrated.interval(means, alpha=a))(jnp.float32(0.2))
+    expected = calibrated.interval(means)
+    assert jnp.array_equal(traced[0], expected[0])
+    assert jnp.array_equal(traced[1], expected[1])
+    online = ee.conformal.sequential(calibrated, means, jnp.zeros(1))
+    assert jnp.array_equal(online.upper, expected[1])
+
+
+def test_levels_outside_zero_one_and_bad_values():
+    counts = jnp.zeros((3, 50), jnp.int32).at[0].set(1)
+    calibrated = ee.conformal.enbpi(
+        jax.random.normal(jax.random.key(0), (3, 50)),
+        jax.random.normal(jax.random.key(1), (50,)),
+        alpha=0.2,
+        in_bag=counts,
+    )
+    means = jnp.zeros((3, 2))
+    for level, (low, high) in {1.0: (jnp.inf, -jnp.inf), 1.3: (jnp.inf, -jnp.inf),
+                               -0.1: (-jnp.inf, jnp.inf)}.items():  # fmt: skip
+        lower, upper = calibrated.interval(means, alpha=jnp.float32(level))
+        assert bool(jnp.all(lower == low)) and bool(jnp.all(upper == high)), level
+    # Half-precision predictions with float32 targets (strict promotion).
+    half = calibrated.update(means.astype(jnp.bfloat16), jnp.array([1.0, 2.0]))
+    full = calibrated.update(means, jnp.array([1.0, 2.0]))
+    assert jnp.array_equal(half.residuals, full.residuals)
+    # np.float32 levels are numbers like any other.
+    np.testing.assert_array_equal(
+        calibrated.interval(means, alpha=np.float32(0.25))[1],
+        calibrated.interval(means, alpha=0.25)[1],
+    )
+    bad = jax.random.normal(jax.random.key(0), (3, 50)).at[1, 7].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"`train_means` holds 1 non-finite"):
+        ee.conformal.enbpi(bad, jnp.zeros(50), alpha=0.2, in_bag=counts)
+    with pytest.raises(ValueError, match="`targets` holds"):
+        ee.conformal.sequential(calibrated, means, jnp.array([0.0, jnp.inf]))
+    with pytest.raises(ValueError, match="`targets` holds"):
+        calibrated.update(means, jnp.array([0.0, jnp.nan]))
+    for gamma in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="gamma"):
+            ee.conformal.sequential(calibrated, means, jnp.zeros(2), gamma=gamma)
+    with pytest.raises(ValueError, match="start_alpha"):
+        ee.conformal.sequential(calibrated, means, jnp.zeros(2),
+                                start_alpha=float("nan"))  # fmt: skip
+
+
+def test_optimize_beta_keeps_to_levels_whose_ranks_exist():
+    """A left-skewed window where the narrowest uncorrected quantiles sit at
+    beta = alpha, whose upper conformal rank would be n + 1: the chosen beta is
+    one with both ranks inside the window, and the interval is finite."""
+    n = 199
+    residuals = -(jnp.abs(jax.random.normal(jax.random.key(0), (n,))) ** 3)
+    counts = jnp.zeros((2, n), jnp.int32).at[0].set(1)
+    calibrated = ee.conformal.enbpi(jnp.zeros((2, n)), residuals, alpha=0.1,
+                                    in_bag=counts)  # fmt: skip
+    lower, upper = calibrated.interval(jnp.zeros((2, 3)), optimize_beta=True)
+    assert bool(jnp.all(jnp.isfinite(lower) & jnp.isfinite(upper)))
+    plain = calibrated.interval(jnp.zeros((2, 3)))
+    assert float((upper - lower)[0]) <= float((plain[1] - plain[0])[0])

@@ -34,13 +34,15 @@ def by_hand(model, state, key, x_test):
     from zeroed statistics, then in inference mode on the test inputs."""
     layers = [layer for layer in model.layers if isinstance(layer, eqx.nn.BatchNorm)]
     state = jax.tree.unflatten(*reversed(jax.tree.flatten(state)))  # a clone
-    for bn in layers:  # a reset state: no running statistics yet
+    for bn in layers:  # a reset state: no running statistics, no step yet
         if bn.mode == "ema":
             mean, var = state.get(bn.ema_state_index)
             state = state.set(bn.ema_state_index, (0 * mean, 0 * var))
+            state = state.set(bn.ema_first_time_index, jnp.array(True))
         else:
             mean, var = state.get(bn.batch_state_index)
             state = state.set(bn.batch_state_index, (0 * mean, 0 * var))
+            state = state.set(bn.batch_counter, 0 * state.get(bn.batch_counter))
     outputs = []
     for sample_key in jax.random.split(key, SAMPLES):
         rows = jax.random.choice(sample_key, len(X), (BATCH,), replace=False)
@@ -57,6 +59,9 @@ def by_hand(model, state, key, x_test):
 @pytest.mark.parametrize("mode", ["ema", "batch"])
 def test_each_member_normalises_with_its_own_training_batch(mode):
     model, state = make(mode)
+    # A trained state (running statistics of other data): they play no part.
+    batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+    _, state = batched(3 * X[:50] - 2, state)
     key = jax.random.key(4)
     passes, passes_state = ee.mc_batchnorm(
         model, state, X, samples=SAMPLES, batch_size=BATCH, key=key

@@ -154,6 +154,14 @@ def test_bad_input_is_refused():
         ee.fit(one, ee.repulsive(loss, num_data=N), optax.sgd(LR), (X, Y),
                steps=2, batch_size=4, key=jax.random.key(1), callbacks=())  # fmt: skip
     ens = ee.ensemble(Linear, size=2, key=jax.random.key(0))
+    # One batch for all members: a per-member sampling would hand every
+    # member's loss all the members' batches.
+    for coupled in (ee.repulsive(loss, num_data=N), ee.svgd(loss, num_data=N)):
+        for sampling in (ee.Independent(), ee.Bootstrap()):
+            with pytest.raises(ValueError, match="one batch for all members"):
+                ee.fit(ens, coupled, optax.sgd(LR), (X, Y), steps=2,
+                       batch_size=4, key=jax.random.key(1), sampling=sampling,
+                       callbacks=())  # fmt: skip
     integer = ee.repulsive(loss, num_data=N, features=lambda m, b: jnp.arange(3))
     with pytest.raises(TypeError, match="float array"):
         ee.fit(ens, integer, optax.sgd(LR), (X, Y), steps=2, batch_size=4,

@@ -93,3 +93,34 @@ def test_in_bag_counts_rebuild_the_resamples():
         resample = np.asarray(jax.random.randint(resample_key, (n,), 0, n))
         np.testing.assert_array_equal(counts[i], np.bincount(resample, minlength=n))
     assert counts.sum(axis=1).tolist() == [n] * size
+
+
+def test_a_sampling_without_a_name_is_recorded_by_its_repr(tmp_path):
+    """A user's sampling need not set `name`: a checkpointed run records its
+    `repr` (and resuming with another sampling is refused by it)."""
+    import equinox as eqx
+    import optax
+
+    class Every(ee.Sampling):
+        per_member = False
+
+        def indices(self, data_key, prepared, step, *, n, batch_size, size):
+            return (step * batch_size + jnp.arange(batch_size)) % n
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))  # fmt: skip
+    x = jnp.linspace(0, 1, 16)[:, None]
+
+    def loss(model, batch, key):
+        return jnp.mean((jax.vmap(model)(batch) - 2 * batch) ** 2)
+
+    def run(sampling, steps):
+        return ee.fit(ens, loss, optax.sgd(0.1), x, steps=steps, batch_size=4,
+                      key=jax.random.key(1), sampling=sampling,
+                      checkpoints=ee.Checkpoints(tmp_path, every=2),
+                      callbacks=())  # fmt: skip
+
+    assert Every().record() == repr(Every())
+    run(Every(), 2)
+    with pytest.raises(Exception, match="different `sampling`"):
+        run(ee.Shared(), 4)

@@ -14,8 +14,13 @@ from jaxtyping import PyTree
 def with_fields(module: Any, **changes: Any) -> Any:
     """`dataclasses.replace(module, **changes)` without running `__init__`
     again (its checks, converters and Equinox's initialisation, ~60 us for a
-    `TrainState`): for a module whose new field values are as valid as the
-    old ones, on the per-dispatch path."""
+    `TrainState`), on the per-dispatch path: only for a module with no
+    converters, `__post_init__` or `__check_init__` to re-run, and new field
+    values as valid as the old ones."""
+    fields = {field.name for field in dataclasses.fields(module)}
+    unknown = set(changes) - fields
+    if unknown:
+        raise TypeError(f"{type(module).__name__} has no field(s) {sorted(unknown)}")
     new = object.__new__(type(module))
     new.__dict__.update(module.__dict__)
     new.__dict__.update(changes)

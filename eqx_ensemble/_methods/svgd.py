@@ -113,8 +113,9 @@ def svgd(
     The log posterior of a member is `-num_data * loss_fn(model, batch, key)`:
     write `loss_fn` as the mean negative log likelihood of the batch plus the
     negative log prior divided by `num_data`. Every member sees the same batch
-    (`sampling=ee.Shared()`, the default). The kernel is the RBF kernel on the
-    members' flattened weights, its bandwidth the median heuristic
+    (`sampling=ee.Shared()`, the default; a per-member sampling is refused).
+    The kernel is the RBF kernel on the members' flattened weights, its
+    bandwidth the median heuristic
     (`median of squared distances / log(members)`) unless `bandwidth` is given.
 
     **Arguments:**
@@ -176,7 +177,7 @@ def svgd(
         step = -jnp.sum(jax.lax.stop_gradient(phi) * theta, axis=1)
         return jax.lax.stop_gradient(losses) + step - jax.lax.stop_gradient(step)
 
-    return Coupled(objective)
+    return Coupled(objective, shared_batch=True)
 
 
 def repulsive(
@@ -210,9 +211,11 @@ def repulsive(
     (median squared distance over `log M`) unless `bandwidth` is given. It is
     an [`ee.Coupled`][eqx_ensemble.Coupled] loss: with `optax.sgd(lr)` a step
     is `theta_i += lr * (that direction)` (tested against a hand-written
-    update); each member reports its own `loss_fn` value. A member whose loss
-    or features are not finite takes no part in the others' repulsion and is
-    frozen by `fit`'s guard.
+    update); each member reports its own `loss_fn` value. Every member sees
+    the same batch (`sampling=ee.Shared()`, the default; a per-member sampling
+    is refused). A member whose loss or features are not finite at a step
+    takes no part in that step's repulsion and is frozen by `fit`'s guard at
+    its last finite weights, where it counts as a particle again.
 
     Compared with [`ee.svgd`][eqx_ensemble.svgd] (weight space only, the
     gradients smoothed over the members), the repulsion here is per member
@@ -307,4 +310,4 @@ def repulsive(
         step = num_data * losses + pulled
         return jax.lax.stop_gradient(losses) + step - jax.lax.stop_gradient(step)
 
-    return Coupled(objective)
+    return Coupled(objective, shared_batch=True)

@@ -7,6 +7,7 @@ bootstrap (`conformal.jackknife_plus_after_bootstrap`).
 """
 
 import math
+import numbers
 from typing import Any
 
 import equinox as eqx
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
+from .._internal.tree import is_traced
 from .regression import one_output
 
 
@@ -48,6 +50,8 @@ def out_of_bag(
             "`train_means` must be (members, n) and `targets` (n,), got "
             f"{tuple(means.shape)} and {tuple(target_array.shape)}"
         )
+    _check_finite(means, "train_means")
+    _check_finite(target_array, "targets")
     members, n = (int(size) for size in means.shape)
     if (run is None) == (in_bag is None):
         raise ValueError("pass exactly one of `run` (a FitResult) and `in_bag`")
@@ -91,22 +95,49 @@ def out_of_bag(
     )
 
 
+def _check_finite(array: Array, name: str) -> None:
+    """Refuse NaN or infinite values (where they can be read: not under a
+    trace): one diverged member would make every out-of-bag prediction NaN."""
+    if is_traced(array):
+        return
+    bad = ~np.isfinite(np.asarray(array))
+    if bad.any():
+        where = np.argwhere(bad)[0].tolist()
+        raise ValueError(
+            f"`{name}` holds {int(bad.sum())} non-finite value(s), the first at "
+            f"index {tuple(where)}; drop diverged members (`result.diverged`) or "
+            "missing observations first"
+        )
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_alpha(alpha: Any) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+    if not _is_real(alpha):
         raise TypeError(f"`alpha` must be a float in (0, 1), got {alpha!r}")
     if not 0 < alpha < 1:
         raise ValueError(f"`alpha` must lie strictly between 0 and 1, got {alpha}")
     return float(alpha)
 
 
-def _ranks(alpha: Any, beta: Any, n: int) -> tuple[Any, Any]:
-    """The 1-based ranks among `n` scores of the lower (`floor(beta (n + 1))`)
-    and upper (`ceil((1 - alpha + beta)(n + 1))`) conformal quantiles, after a
-    1e-9 nudge towards the exact value where it is a whole number (as
-    `conformal`'s other methods)."""
-    low = jnp.floor(beta * (n + 1) + 1e-9)
-    high = jnp.ceil((1 - alpha + beta) * (n + 1) - 1e-9)
-    return low, high
+def _traced_ranks(alpha: Array, n: Any) -> tuple[Array, Array]:
+    """The ranks of `interval` with `beta = alpha / 2` for a traced `alpha`:
+    `k = floor(alpha / 2 (n + 1))` below and `n + 1 - k` above (the same
+    whole numbers as `ceil((1 - alpha / 2)(n + 1))`), with a float32-sized
+    nudge so that a level the Python path puts exactly on a rank gets that
+    rank here too."""
+    k = jnp.floor(alpha / 2 * (n + 1) + 1e-6 * (n + 1))
+    return k, n + 1 - k
+
+
+def _concrete_ranks(alpha: float, beta: float, n: int) -> tuple[int, int]:
+    """`floor(beta (n + 1))` and `ceil((1 - alpha + beta)(n + 1))`, after a 1e-9
+    nudge towards the exact value where it is a whole number (as `conformal`'s
+    other methods)."""
+    low = math.floor(beta * (n + 1) + 1e-9)
+    return low, math.ceil((1 - alpha + beta) * (n + 1) - 1e-9)
 
 
 def _order_statistic(sorted_scores: Array, rank: Array, n: int, infinite: float):
@@ -192,8 +223,8 @@ class EnbPI(eqx.Module):
         - `means`: `(members, batch)`.
         - `alpha`: the miscoverage level; by default the calibrated `alpha`. A
           traced scalar is accepted (adaptive conformal inference): a level too
-          small for the window gives an infinite side, a level of 1 or more an
-          empty interval.
+          small for the window gives an infinite side, a level of 1 or more the
+          empty interval (`lower = inf`, `upper = -inf`).
         - `optimize_beta`: choose `beta` in `[1/(n+1), alpha]` that minimises the
           width of the uncorrected quantiles (Xu & Xie's `beta-hat`, 100 values
           tried, as MAPIE); needs a Python float `alpha`.
@@ -209,11 +240,10 @@ class EnbPI(eqx.Module):
         scores = jnp.sort(self.residuals.astype(centre.dtype))
         if alpha is None:
             alpha = self.alpha
-        if isinstance(alpha, int | float) and not isinstance(alpha, bool):
+        if _is_real(alpha):
             level = _check_alpha(alpha)
             beta = self._best_beta(level) if optimize_beta else level / 2
-            low = math.floor(beta * (n + 1) + 1e-9)
-            high = math.ceil((1 - level + beta) * (n + 1) - 1e-9)
+            low, high = _concrete_ranks(level, beta, n)
             if low < 1 or high > n:
                 raise ValueError(
                     f"`alpha={level}` is too small for the window of {n} residuals: "
@@ -229,19 +259,37 @@ class EnbPI(eqx.Module):
             traced = jnp.asarray(alpha, jnp.float32)
             if traced.shape != ():
                 raise ValueError(f"`alpha` must be a scalar, got shape {traced.shape}")
-            low_rank, high_rank = _ranks(traced, traced / 2, n)
+            low_rank, high_rank = _traced_ranks(traced, n)
+            # From 1 on, the empty interval (`lower = inf`, `upper = -inf`).
+            empty = traced >= 1
+            lower = jnp.where(
+                empty, jnp.inf, _order_statistic(scores, low_rank, n, -jnp.inf)
+            )
+            upper = jnp.where(
+                empty, -jnp.inf, _order_statistic(scores, high_rank, n, jnp.inf)
+            )
+            return centre + lower, centre + upper
         lower = _order_statistic(scores, low_rank, n, -jnp.inf)
         upper = _order_statistic(scores, high_rank, n, jnp.inf)
         return centre + lower, centre + upper
 
     def _best_beta(self, alpha: float) -> float:
+        """Xu & Xie's `beta-hat`: of 100 values in `[1/(n+1), alpha]` (as MAPIE),
+        the one whose uncorrected quantiles are closest together, among those
+        whose conformal ranks exist in the window."""
         scores = np.sort(np.asarray(self.residuals, np.float64))
         n = scores.size
         betas = np.linspace(1 - n / (n + 1), alpha, num=100, endpoint=True)
+        usable = [
+            low >= 1 and high <= n
+            for low, high in (_concrete_ranks(alpha, beta, n) for beta in betas)
+        ]
+        if not any(usable):
+            return alpha / 2  # `interval` names the level as too small
         widths = np.quantile(scores, 1 - alpha + betas, method="higher") - np.quantile(
             scores, betas, method="lower"
         )
-        return float(betas[int(np.argmin(widths))])
+        return float(betas[int(np.argmin(np.where(usable, widths, np.inf)))])
 
     def update(
         self,
@@ -267,7 +315,10 @@ class EnbPI(eqx.Module):
                 f"{m} new observations are more than the window of {n} residuals; "
                 "update in smaller batches"
             )
-        fresh = (target_array - centre).astype(self.residuals.dtype)
+        _check_finite(target_array, "targets")
+        fresh = (target_array.astype(centre.dtype) - centre).astype(
+            self.residuals.dtype
+        )
         window = jnp.concatenate([self.residuals[m:], fresh])
         return eqx.tree_at(lambda e: e.residuals, self, window)
 
@@ -413,8 +464,8 @@ def sequential(
     any stretch of `T` steps the miss rate is within `(max(alpha_1, 1 - alpha_1)
     + gamma) / (gamma T)` of `alpha`, whatever the series does. As in the paper,
     `alpha_t` is not clipped: below 0 the interval is infinite (`lower = -inf`,
-    `upper = inf`), from 1 on it is empty. (MAPIE clips `alpha_t` to `[0, 1]`;
-    the two agree while it stays inside.)
+    `upper = inf`), from 1 on it is empty (`lower = inf`, `upper = -inf`).
+    (MAPIE clips `alpha_t` to `[0, 1]`; the two agree while it stays inside.)
 
     **Arguments:**
 
@@ -452,8 +503,8 @@ def sequential(
             "`calibrated` must be an ee.conformal.EnbPI (from ee.conformal.enbpi), "
             f"got {type(calibrated).__name__}"
         )
-    if isinstance(gamma, bool) or not isinstance(gamma, int | float) or gamma < 0:
-        raise ValueError(f"`gamma` must be a float >= 0, got {gamma!r}")
+    if not _is_real(gamma) or not math.isfinite(gamma) or gamma < 0:
+        raise ValueError(f"`gamma` must be a finite float >= 0, got {gamma!r}")
     array = calibrated._means(means)
     target_array = one_output(jnp.asarray(targets), "targets", 1)
     if target_array.shape != array.shape[1:]:
@@ -465,6 +516,9 @@ def sequential(
     start = jnp.asarray(start, jnp.float32)
     if start.shape != ():
         raise ValueError(f"`start_alpha` must be a scalar, got shape {start.shape}")
+    _check_finite(start, "start_alpha")
+    _check_finite(array, "means")
+    _check_finite(target_array, "targets")
     state, next_alpha, (lower, upper, alpha, covered) = _sequential(
         calibrated,
         array,

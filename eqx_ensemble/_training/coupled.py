@@ -26,6 +26,10 @@ class Coupled(eqx.Module):
     own divergence isolation). With a scalar total, every member reports the
     total as its loss.
 
+    `shared_batch=True` says that `fn` reads ONE batch for all members (as
+    [`ee.svgd`][eqx_ensemble.svgd] and [`ee.repulsive`][eqx_ensemble.repulsive]
+    do): `fit` then refuses a sampling that gives each member its own batch.
+
     Model state (`state=`) is not supported with a coupled loss.
 
     **Example:** negative correlation learning (Liu & Yao 1999), member `i`
@@ -49,6 +53,7 @@ class Coupled(eqx.Module):
     """
 
     fn: Callable[..., Any]
+    shared_batch: bool = eqx.field(default=False, static=True)
 
     def __check_init__(self):
         if not callable(self.fn):

@@ -176,6 +176,12 @@ def prepare(
     )  # fmt: skip
     steps = check_positive_int(steps, "steps", high=MAX_INT32)
     sampling = as_sampling(sampling)
+    if isinstance(loss_fn, Coupled) and loss_fn.shared_batch and sampling.per_member:
+        raise ValueError(
+            f"this coupled loss reads one batch for all members, but "
+            f"`sampling={type(sampling).__name__}(...)` gives each member its own; "
+            "use `sampling=ee.Shared()` (the default)"
+        )
     mesh = execution.mesh
     meters, controllers, loggers, functions = split_callbacks(callbacks)
     track, controllers = _check_components(evaluate, checkpoints, track, controllers)

@@ -63,8 +63,9 @@ class Sampling(Component):
 
     def record(self) -> str:
         """How the sampling is named in a checkpoint's run record (a resumed run
-        must sample the same way)."""
-        return self.name
+        must sample the same way): its `name`, or for a sampling without one
+        its `repr`."""
+        return getattr(self, "name", None) or repr(self)
 
     def check(self, num_examples: int, batch_size: int, size: int) -> None:
         """Raise before any work if `batch_size` cannot be drawn from the data."""
