@@ -344,7 +344,9 @@ def enbpi(
     slides the residual window, and
     [`sequential`][eqx_ensemble.conformal.sequential] runs the whole loop,
     optionally with adaptive conformal inference on top. The same quantities as
-    MAPIE's `TimeSeriesRegressor(method="enbpi", agg_function="mean")`.
+    MAPIE's `TimeSeriesRegressor(method="enbpi", agg_function="mean")` (which
+    keeps an example every member drew as a NaN residual in its window, where
+    this window leaves it out).
 
     Train with `ee.fit(..., sampling=ee.Bootstrap(block_length=L))`: blocks of
     `L` consecutive examples keep a member's out-of-bag examples away from its
