@@ -937,30 +937,26 @@ def claims(regression: dict, classification: dict) -> list[str]:
                 f"- {name}: {text} ({source}): {column} {a:.3f} vs {b:.3f}: "
                 f"**{'supported' if holds else 'not supported'}** at this scale."
             )
-        repulsive_row = f"repulsive, function space ({MEMBERS})"
-        for column in sorted(c for c in rows.get(deep, {}) if c.startswith("AUROC")):
-            if repulsive_row not in rows:
-                break
-            a, _ = m(rows, repulsive_row, column)
-            b, _ = m(rows, deep, column)
-            lines.append(
-                f"- {name}: function-space repulsion detects OOD inputs better than "
-                f"the deep ensemble (D'Angelo & Fortuin 2021): {column} {a:.3f} vs "
-                f"{b:.3f}: **{'supported' if a > b else 'not supported'}** at this "
-                "scale."
-            )
-        feature_row = f"{deep}, Mahalanobis OOD score"
-        for column in sorted(c for c in rows.get(deep, {}) if c.startswith("AUROC")):
-            if feature_row not in rows:
-                break
-            a, _ = m(rows, feature_row, column)
-            b, _ = m(rows, deep, column)
-            lines.append(
-                f"- {name}: the Mahalanobis distance in feature space detects OOD "
-                f"inputs better than the softmax (Lee et al. 2018): {column} "
-                f"{a:.3f} vs {b:.3f}: **{'supported' if a > b else 'not supported'}**"
-                " at this scale."
-            )
+        ood_claims = (
+            (f"repulsive, function space ({MEMBERS})",
+             "function-space repulsion detects OOD inputs better than the deep "
+             "ensemble (D'Angelo & Fortuin 2021)"),
+            (f"{deep}, Mahalanobis OOD score",
+             "the Mahalanobis distance in feature space detects OOD inputs better "
+             "than the softmax (Lee et al. 2018)"),
+        )  # fmt: skip
+        for row, text in ood_claims:
+            for column in sorted(
+                c for c in rows.get(deep, {}) if c.startswith("AUROC")
+            ):
+                if row not in rows:
+                    break
+                a, _ = m(rows, row, column)
+                b, _ = m(rows, deep, column)
+                lines.append(
+                    f"- {name}: {text}: {column} {a:.3f} vs {b:.3f}: "
+                    f"**{'supported' if a > b else 'not supported'}** at this scale."
+                )
     return lines
 
 

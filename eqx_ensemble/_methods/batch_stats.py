@@ -22,6 +22,17 @@ def _batch_norms(model: Any) -> list[eqx.nn.BatchNorm]:
     return [node for node in jtu.tree_leaves(model, is_leaf=is_bn) if is_bn(node)]
 
 
+def _training_pass(axis_name: Any) -> Callable[..., Any]:
+    """`apply`'s default: one model on a batch in training mode, its new state."""
+
+    def apply(model, xb, member_state):
+        return jax.vmap(
+            model, axis_name=axis_name, in_axes=(0, None), out_axes=(0, None)
+        )(xb, member_state)[1]
+
+    return apply
+
+
 def _reset(state: Any, layers: list[eqx.nn.BatchNorm]) -> Any:
     for bn in layers:
         if bn.mode == "ema":
@@ -134,12 +145,7 @@ def recompute_batch_stats(
     n = num_examples(x, "x")
     axis_name = layers[0].axis_name
 
-    def default_apply(model, xb, member_state):
-        return jax.vmap(
-            model, axis_name=axis_name, in_axes=(0, None), out_axes=(0, None)
-        )(xb, member_state)[1]
-
-    run = default_apply if apply is None else apply
+    run = _training_pass(axis_name) if apply is None else apply
 
     @eqx.filter_jit
     def batch_stats(ens, state, xb):
@@ -283,12 +289,7 @@ def mc_batchnorm(
     )
     axis_name = layers[0].axis_name
 
-    def default_apply(model, xb, member_state):
-        return jax.vmap(
-            model, axis_name=axis_name, in_axes=(0, None), out_axes=(0, None)
-        )(xb, member_state)[1]
-
-    run = default_apply if apply is None else apply
+    run = _training_pass(axis_name) if apply is None else apply
 
     @eqx.filter_jit
     def draw(training, state, x, keys):
