@@ -281,7 +281,9 @@ def test_plan_weighs_compile_time_against_the_run_length():
     source = ArraySource((IMAGES, TARGETS), Shared(), 8, 2)
 
     def plan(steps):
-        return plan_fit(ee.Execution(), mse_loss, cnns, source, None, None, None, steps)
+        return plan_fit(
+            ee.Execution(), mse_loss, cnns, len(cnns), source, None, None, None, steps
+        )
 
     short, long = plan(20), plan(2**30)  # a tiny CNN: only a very long run
     # Convolutions: unrolled (XLA's CPU loops lay them out slowly), one step per
