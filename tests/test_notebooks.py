@@ -78,6 +78,7 @@ SECOND_FILE = {
     "sweeps.ipynb",
     "methods.ipynb",
     "bayesian_digits.ipynb",
+    "bayesian_diabetes.ipynb",
     "implicit_ensembles.ipynb",
 }
 
