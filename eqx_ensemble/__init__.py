@@ -68,6 +68,11 @@ from ._posteriors.laplace import (
 from ._trackers.averages import EMA as EMA, SWA as SWA
 from ._trackers.snapshots import Snapshots as Snapshots
 from ._trackers.swag import SWAG as SWAG, SWAGPosterior as SWAGPosterior
+from ._training.callback import (
+    Callback as Callback,
+    RunSetup as RunSetup,
+    RunView as RunView,
+)
 from ._training.controller import Controller as Controller
 from ._training.coupled import (
     Coupled as Coupled,

@@ -7,6 +7,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -295,3 +296,29 @@ def test_with_fields_is_dataclasses_replace_without_init():
     assert bool(eqx.tree_equal(fast, slow)) and pair.b == (1,)
     with pytest.raises(TypeError, match=r"no field\(s\) \['c'\]"):
         with_fields(pair, c=1)
+
+
+def components_named(module: types.ModuleType) -> list[str]:
+    """The host components (`ee.Callback` subclasses other than the protocol
+    itself) a module's namespace holds: what it imported or defined."""
+    from eqx_ensemble._training.callback import Callback
+
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, type)
+        and issubclass(value, Callback)
+        and value is not Callback
+    )
+
+
+def test_the_run_names_no_component():
+    # `run.py` calls the callbacks' hooks: it imports no progress meter,
+    # controller, logger or checkpointer, and sorts nothing by their type.
+    from eqx_ensemble._training import run
+
+    assert components_named(run) == []
+    # The check can fail: a module that imported a concrete component.
+    from eqx_ensemble._training import fit
+
+    assert components_named(fit) == ["Checkpointer", "ProgressBar"]

@@ -555,7 +555,7 @@ def test_controller_that_changes_shapes_is_refused(ens):
             return dataclasses.replace(train_state, ensemble=halves), state
 
     with pytest.raises(
-        TypeError, match=r"controller `Shrink` \(in `callbacks`\) changed the structure"
+        TypeError, match=r"callback `Shrink` \(in `callbacks`\) changed the structure"
     ) as raised:
         ee.fit(
             ens,
@@ -590,7 +590,7 @@ def test_bad_components_are_named(ens):
         ee.fit(ens, mse_loss, "adam", (X, Y), **common)
     # The library's own checks (the suite's runtime type checker answers first
     # inside `fit`, naming the parameter).
-    from eqx_ensemble._training.run import _check_components
+    from eqx_ensemble._training.inputs import check_components
     from eqx_ensemble._training.sampling import as_sampling
 
     with pytest.raises(TypeError, match=r"instance, e.g. `ee.Bootstrap\(\)`"):
@@ -598,11 +598,11 @@ def test_bad_components_are_named(ens):
     with pytest.raises(ValueError, match="'bagging'"):
         as_sampling("bagging")
     with pytest.raises(TypeError, match=r"`track\[0\]` must be an `ee.Tracker`"):
-        _check_components(None, None, ["ema"], ())
+        check_components(None, None, ["ema"])
     with pytest.raises(TypeError, match="`evaluate` must be an `ee.Evaluate"):
-        _check_components(mse_loss, None, (), ())
+        check_components(mse_loss, None, ())
     with pytest.raises(TypeError, match="`checkpoints` must be an `ee.Checkpoints"):
-        _check_components(None, "run", (), ())
+        check_components(None, "run", ())
     with pytest.raises(TypeError, match="Checkpoints.directory|parameter .directory."):
         ee.Checkpoints(3)
     with pytest.raises(ValueError, match="on_corrupt"):

@@ -5,12 +5,12 @@ from typing import Any, ClassVar
 
 import equinox as eqx
 
-from .._internal.component import Component
+from .callback import Callback, RunView
 from .history import History
 from .train_state import TrainState
 
 
-class Checkpointer(Component):
+class Checkpointer(Callback):
     """The protocol of `fit(..., checkpoints=)`, on the host: before the first
     step `prepare()`, `has_checkpoints()` and `resume(...)`; at a dispatch's end
     `next_stop(done)`, `due(done, steps)` and `save(...)`. `save` returns a
@@ -22,6 +22,54 @@ class Checkpointer(Component):
 
     directory: eqx.AbstractVar[Any]
     error: ClassVar[type[Exception]] = OSError
+
+    # Its `Callback` hooks: phase `SAVE` (after the controllers and loggers);
+    # the handle holds a write still in progress.
+    phase = Callback.SAVE
+
+    def on_start(self, run: RunView) -> list[Any]:
+        return [None]
+
+    def on_dispatch(self, handle: list[Any], run: RunView) -> None:
+        if not self.due(run.done, run.last):
+            return
+        run.sync()  # the logs reach this step before the checkpoint
+        self._wait(handle)
+        try:
+            saved = self.save(
+                run.train_state, run.history, run.run_record(), run.data_position()
+            )
+        except (OSError, self.error) as error:
+            raise self.error(
+                f"Writing the checkpoint of step {run.done} to {self.directory} "
+                f"failed ({error}); the trained run is attached to this error as "
+                "`error.result`"
+            ) from error
+        if callable(getattr(saved, "wait", None)):
+            handle[0] = saved
+
+    def on_end(self, handle: list[Any], error: BaseException | None) -> None:
+        if error is None:
+            self._wait(handle)
+        elif handle[0] is not None:  # the run failed first: the write ends
+            pending, handle[0] = handle[0], None
+            failed = pending.abandon()
+            if failed is not None:
+                error.add_note(f"(the checkpoint being written failed: {failed})")
+
+    def _wait(self, handle: list[Any]) -> None:
+        """Wait until a checkpoint written in the background is committed."""
+        pending, handle[0] = handle[0], None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except (OSError, self.error) as error:
+            raise self.error(
+                f"Writing the checkpoint {pending.path.name} to {self.directory} "
+                f"in the background failed ({error}); the trained run is attached "
+                "to this error as `error.result`"
+            ) from error
 
     @abc.abstractmethod
     def prepare(self) -> None:

@@ -20,12 +20,13 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._internal.component import Component
+from .._internal.checks import MAX_INT32, check_positive_int
+from .callback import Callback, RunSetup, RunView
 from .history import History
 from .train_state import TrainState
 
 
-class Controller(Component):
+class Controller(Callback):
     """Changes a [`fit`][eqx_ensemble.fit] run between dispatches (abstract): see
     the module docs above and the guide "`fit` in detail". Subclasses set `every` and
     implement `__call__`.
@@ -56,6 +57,21 @@ class Controller(Component):
     """
 
     every: eqx.AbstractVar[int]
+
+    # Its `Callback` hooks: phase `CHANGE`, its state checkpointed.
+    phase = Callback.CHANGE
+    checkpointed = True
+
+    def on_check(self, setup: RunSetup) -> None:
+        check_positive_int(self.every, f"{type(self).__name__}.every", high=MAX_INT32)
+        self.check(setup.steps, setup.evaluate_every)
+        controllers = tuple(c for c in setup.callbacks if isinstance(c, Controller))
+        self.check_run(setup.ensemble, controllers)
+
+    def on_dispatch(self, handle: Any, run: RunView) -> None:
+        if self.due(run.done):
+            train_state, state = self(run.train_state, run.state_of(self), run.history)
+            run.update(self, train_state, state)
 
     def next_stop(self, done: int) -> int:
         """The first step after `done` at which this controller needs the host

@@ -22,6 +22,7 @@ from .._execution.placement import mesh_context
 from .checkpointer import Checkpointer
 from .evaluate import Evaluate
 from .loss import LossFn
+from .progress import ProgressBar
 from .result import FitResult
 from .run import prepare
 from .sampling import Sampling, Shared
@@ -109,11 +110,13 @@ def fit(
       run, and resumes it when the folder holds one.
     - `track`: trackers updated inside the loop after every step; their results
       are in `FitResult.tracked`.
-    - `callbacks`: what runs on the host between dispatches, in order:
-      progress meters ([`ee.ProgressBar`][eqx_ensemble.ProgressBar], the
-      default, or any [`ee.ProgressMeter`][eqx_ensemble.ProgressMeter]),
+    - `callbacks`: what runs on the host between dispatches: any
+      [`ee.Callback`][eqx_ensemble.Callback], in the order of its phase
+      (then as given): progress meters ([`ee.ProgressBar`][eqx_ensemble.ProgressBar],
+      the default, or any [`ee.ProgressMeter`][eqx_ensemble.ProgressMeter]),
       controllers ([`ee.Controller`][eqx_ensemble.Controller], e.g.
-      [`ee.PBT`][eqx_ensemble.PBT]: run every `controller.every` steps), and
+      [`ee.PBT`][eqx_ensemble.PBT]: run every `controller.every` steps),
+      loggers ([`ee.Logger`][eqx_ensemble.Logger]), your own callbacks, and
       plain functions, called after every dispatch (and after its checkpoint)
       with the current [`FitResult`][eqx_ensemble.FitResult]. `None` (the
       default): `(ee.ProgressBar(),)`; `()`: nothing (no progress bar).
@@ -174,7 +177,7 @@ def fit(
             evaluate=evaluate,
             checkpoints=checkpoints,
             track=track,
-            callbacks=callbacks,
+            callbacks=(ProgressBar(),) if callbacks is None else callbacks,
             execution=execution,
         )
         return run.run()

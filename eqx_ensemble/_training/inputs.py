@@ -1,14 +1,18 @@
 """The input checks `fit` and `make_step` share, in one order, before any work."""
 
+from collections.abc import Sequence
 from typing import Any
 
 from .._core.data import check_leading
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import Heterogeneous, check_group_states, is_heterogeneous
 from .._internal.keys import check_key
+from .checkpointer import Checkpointer
 from .coupled import Coupled
+from .evaluate import Evaluate
 from .loss import LossFn, check_hyper, check_loss_signature
 from .optim import check_opt_state
+from .tracker import Tracker
 
 
 def check_inputs(
@@ -117,3 +121,28 @@ def check_losses(loss_fn: LossFn, ens: Any, stateful: bool, with_hyper: bool) ->
             check_loss_signature(fn, stateful, with_hyper)
         except TypeError as error:
             raise TypeError(f"`loss_fn[{index}]` (group {index}): {error}") from None
+
+
+def check_components(
+    evaluate: Any, checkpoints: Any, track: Any
+) -> tuple[Tracker, ...]:
+    """`fit`'s `evaluate`, `checkpoints` and `track` are what they must be."""
+    if evaluate is not None and not isinstance(evaluate, Evaluate):
+        raise TypeError(
+            f"`evaluate` must be an `ee.Evaluate(fn, data, every=...)`, got "
+            f"{type(evaluate).__name__}"
+        )
+    if checkpoints is not None and not isinstance(checkpoints, Checkpointer):
+        raise TypeError(
+            "`checkpoints` must be an `ee.Checkpoints(directory, every=...)`, got "
+            f"{type(checkpoints).__name__}"
+        )
+    if not isinstance(track, Sequence) or isinstance(track, str):
+        raise TypeError(f"`track` must be a list, got {type(track).__name__}")
+    for position, item in enumerate(track):
+        if not isinstance(item, Tracker):
+            raise TypeError(
+                f"`track[{position}]` must be an `ee.Tracker`, got "
+                f"{type(item).__name__}"
+            )
+    return tuple(track)

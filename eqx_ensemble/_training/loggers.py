@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .._internal.component import Component
 from .._internal.files import probe_folder
+from .callback import Callback, RunSetup, RunView
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ class LogEntry:
     events: tuple[dict[str, Any], ...]
 
 
-class Logger(Component):
+class Logger(Callback):
     """Writes a [`fit`][eqx_ensemble.fit] run's record somewhere (abstract).
     Passed in `fit(..., callbacks=[...])`;
     [`ee.CSVLogger`][eqx_ensemble.CSVLogger] and
@@ -115,7 +115,9 @@ class Logger(Component):
     - `close(handle) -> None`: when the run ends (also on an error).
 
     A logger's error ends the run with it (the trained run attached as
-    `error.result`) at the next dispatch or at the end.
+    `error.result`) at the next dispatch or at the end. (These are its
+    [`Callback`][eqx_ensemble.Callback] hooks, phase `RECORD`: after the
+    controllers, before the checkpoint.)
 
     **Example:**
 
@@ -135,6 +137,24 @@ class Logger(Component):
            key=jax.random.key(1), callbacks=[Mean()])
     ```
     """
+
+    # Its `Callback` hooks (phase `RECORD`): one writing thread per logger.
+    phase = Callback.RECORD
+
+    def on_check(self, setup: RunSetup) -> None:
+        self.check()
+
+    def on_start(self, run: RunView) -> "LogWriter":
+        return LogWriter(self, run.run_info())
+
+    def on_dispatch(self, handle: "LogWriter", run: RunView) -> None:
+        handle.write(run.log_entry())
+
+    def on_sync(self, handle: "LogWriter") -> None:
+        handle.sync()
+
+    def on_end(self, handle: "LogWriter", error: BaseException | None) -> None:
+        handle.close()
 
     def check(self) -> None:
         """Raise before any work if this logger cannot write (default: nothing)."""
@@ -184,29 +204,16 @@ class _Sync:
 
 
 class LogWriter:
-    """The run's loggers behind one queue, written from one thread; a logger's
-    error is re-raised on the run's thread at the next `write` or at `close`."""
+    """A logger behind a queue, written from a thread of its own; its error is
+    re-raised on the run's thread at the next `write`, `sync` or at `close`."""
 
-    def __init__(self, loggers: tuple[Logger, ...], run: RunInfo):
+    def __init__(self, logger: Logger, run: RunInfo):
         self.error: BaseException | None = None
-        self.handles: list[Any] = []
         self.queue: queue.Queue[Any] = queue.Queue()
-        self.loggers: tuple[Logger, ...] = ()
-        opened: list[Logger] = []
-        for logger in loggers:  # opened on the run's thread: errors come at once
-            try:
-                self.handles.append(logger.open(run))
-            except BaseException:
-                for other, handle in zip(opened, self.handles, strict=True):
-                    try:
-                        other.close(handle)
-                    except Exception:  # noqa: BLE001, S110 - the open error wins
-                        pass
-                raise
-            opened.append(logger)
-        self.loggers = tuple(opened)
+        self.logger = logger
+        self.handle = logger.open(run)  # on the run's thread: errors come at once
         self.thread = threading.Thread(
-            target=self._work, name="eqx_ensemble-loggers", daemon=True
+            target=self._work, name="eqx_ensemble-logger", daemon=True
         )
         self.thread.start()
 
@@ -215,11 +222,10 @@ class LogWriter:
             try:
                 if self.error is not None:
                     continue
-                for logger, handle in zip(self.loggers, self.handles, strict=True):
-                    if isinstance(entry, _Sync):
-                        logger.flush(handle)
-                    else:
-                        logger.write(handle, entry)
+                if isinstance(entry, _Sync):
+                    self.logger.flush(self.handle)
+                else:
+                    self.logger.write(self.handle, entry)
             except BaseException as error:  # noqa: BLE001 - re-raised on the run's thread
                 self.error = error
             finally:
@@ -243,13 +249,12 @@ class LogWriter:
             raise error
 
     def close(self) -> None:
-        """Wait for the queued entries, close every logger, then raise the first
-        error a logger gave."""
+        """Wait for the queued entries, close the logger, then raise the first
+        error it gave."""
         self.queue.put(_STOP)
         self.thread.join()
-        for logger, handle in zip(self.loggers, self.handles, strict=True):
-            try:
-                logger.close(handle)
-            except BaseException as error:  # noqa: BLE001 - raised below
-                self.error = self.error or error
+        try:
+            self.logger.close(self.handle)
+        except BaseException as error:  # noqa: BLE001 - raised below
+            self.error = self.error or error
         self.raise_error()

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from .._internal.component import Component
+from .callback import Callback, RunView
 
 
-class ProgressMeter(Component):
+class ProgressMeter(Callback):
     """Shows a [`fit`][eqx_ensemble.fit] run's progress (abstract). Passed in
     `fit(..., callbacks=[...])`; [`ee.ProgressBar`][eqx_ensemble.ProgressBar]
     is the default. Called on the host between dispatches, never inside
@@ -23,6 +23,9 @@ class ProgressMeter(Component):
       each member's divergence step, counted from 1 as in
       `FitResult.diverged` (`-1`: healthy).
     - `close(handle) -> None`: when the run ends, also on an error.
+
+    (These are its [`Callback`][eqx_ensemble.Callback] hooks, phase `OBSERVE`:
+    the first to see each dispatch.)
 
     **Example:**
 
@@ -42,6 +45,17 @@ class ProgressMeter(Component):
            key=jax.random.key(1), callbacks=[Printer()])
     ```
     """
+
+    phase = Callback.OBSERVE
+
+    def on_start(self, run: RunView) -> Any:
+        return self.start(run.steps, run.done, run.resumed_from is not None)
+
+    def on_dispatch(self, handle: Any, run: RunView) -> None:
+        self.update(handle, run.done, run.losses, run.diverged)
+
+    def on_end(self, handle: Any, error: BaseException | None) -> None:
+        self.close(handle)
 
     @abc.abstractmethod
     def start(self, total: int, done: int, resumed: bool) -> Any:

@@ -2,8 +2,8 @@
 dispatches (history, controllers, checkpoints, results)."""
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
@@ -33,13 +33,12 @@ from .._execution.plan import Plan, plan_step
 from .._execution.profile import signature
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.tree import first_difference, with_fields
-from .checkpointer import Checkpointer
-from .controller import Controller
+from .callback import Callback, RunSetup, RunView, as_callbacks
 from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
-from .inputs import check_chunkable, check_inputs
-from .loggers import LogEntry, Logger, LogWriter, RunInfo
+from .inputs import check_chunkable, check_components, check_inputs
+from .loggers import LogEntry, RunInfo
 from .loop import (
     NOT_FINITE,
     Chunk,
@@ -57,7 +56,6 @@ from .optim import (
     member_hparams,
     schedule_problem,
 )
-from .progress import ProgressBar, ProgressMeter
 from .record import (
     RunRecord,
     hyperparams_record,
@@ -74,77 +72,6 @@ from .tracker import Tracker
 from .train_state import TrainState, start_state
 
 
-def _check_components(evaluate, checkpoints, track, controllers) -> tuple[tuple, tuple]:
-    if evaluate is not None and not isinstance(evaluate, Evaluate):
-        raise TypeError(
-            f"`evaluate` must be an `ee.Evaluate(fn, data, every=...)`, got "
-            f"{type(evaluate).__name__}"
-        )
-    if checkpoints is not None and not isinstance(checkpoints, Checkpointer):
-        raise TypeError(
-            "`checkpoints` must be an `ee.Checkpoints(directory, every=...)`, got "
-            f"{type(checkpoints).__name__}"
-        )
-    for name, items, cls in (
-        ("track", track, Tracker),
-        ("controllers", controllers, Controller),
-    ):
-        if not isinstance(items, Sequence) or isinstance(items, str):
-            raise TypeError(f"`{name}` must be a list, got {type(items).__name__}")
-        for position, item in enumerate(items):
-            if not isinstance(item, cls):
-                raise TypeError(
-                    f"`{name}[{position}]` must be an `ee.{cls.__name__}`, got "
-                    f"{type(item).__name__}"
-                )
-    for position, controller in enumerate(controllers):
-        check_positive_int(
-            controller.every,
-            f"{type(controller).__name__}.every",
-            high=MAX_INT32,
-        )
-    return tuple(track), tuple(controllers)
-
-
-class Callbacks(NamedTuple):
-    """`fit`'s `callbacks` by kind, each in the order given."""
-
-    meters: tuple[ProgressMeter, ...]
-    controllers: tuple[Controller, ...]
-    loggers: tuple[Logger, ...]
-    functions: tuple[Callable[[FitResult], Any], ...]
-
-
-def split_callbacks(callbacks: Sequence[Any] | None) -> Callbacks:
-    """`fit`'s `callbacks` by kind (`None`: the default progress bar)."""
-    if callbacks is None:
-        return Callbacks((ProgressBar(),), (), (), ())
-    if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
-        raise TypeError(
-            "`callbacks` must be a list (progress meters, controllers, functions of "
-            f"the `FitResult`), got {type(callbacks).__name__}"
-        )
-    meters, controllers, loggers, functions = [], [], [], []
-    for position, item in enumerate(callbacks):
-        if isinstance(item, ProgressMeter):
-            meters.append(item)
-        elif isinstance(item, Controller):
-            controllers.append(item)
-        elif isinstance(item, Logger):
-            loggers.append(item)
-        elif callable(item) and not isinstance(item, eqx.Module | type):
-            functions.append(item)
-        else:
-            raise TypeError(
-                f"`callbacks[{position}]` must be an `ee.ProgressMeter`, an "
-                "`ee.Controller`, an `ee.Logger` or a function of the `FitResult`, "
-                f"got {type(item).__name__}"
-            )
-    return Callbacks(
-        tuple(meters), tuple(controllers), tuple(loggers), tuple(functions)
-    )
-
-
 def prepare(
     ens: Any,
     loss_fn: LossFn,
@@ -159,9 +86,9 @@ def prepare(
     state: PyTree[Any],
     hyper: PyTree[Any],
     evaluate: Evaluate | None,
-    checkpoints: Checkpointer | None,
+    checkpoints: Callback | None,
     track: Sequence[Tracker],
-    callbacks: Sequence[Any] | None,
+    callbacks: Sequence[Any],
     execution: Execution,
 ) -> "Run":
     """Every check `fit` makes, in order, before any work; then the first state
@@ -183,17 +110,21 @@ def prepare(
             "use `sampling=ee.Shared()` (the default)"
         )
     mesh = execution.mesh
-    meters, controllers, loggers, functions = split_callbacks(callbacks)
-    track, controllers = _check_components(evaluate, checkpoints, track, controllers)
-    for logger in loggers:
-        logger.check()
+    track = check_components(evaluate, checkpoints, track)
+    # The host's components in the order they run (`Callback.phase`).
+    components = as_callbacks(
+        [*callbacks, *([] if checkpoints is None else [checkpoints])]
+    )
     for tracker in track:
         tracker.check(steps)
-    # What a controller can check of the run (e.g. that `ee.PBT` gets a fresh
-    # evaluation for every round) is refused before any work.
-    for controller in controllers:
-        controller.check(steps, None if evaluate is None else evaluate.every)
-        controller.check_run(ens, controllers)
+    # What a callback can check of the run (a logger's folder; that `ee.PBT`
+    # gets a fresh evaluation for every round) is refused before any work.
+    if components:
+        setup = RunSetup(
+            steps, size, ens, None if evaluate is None else evaluate.every, components
+        )
+        for component in components:
+            component.on_check(setup)
     if evaluate is not None:
         evaluate.check(state is not None)
     arrays = check_data(data)
@@ -224,12 +155,10 @@ def prepare(
         with_eval=evaluate is not None,
         key=key,
     )
-    if controllers:
+    stateful = tuple(item for item in components if item.checkpointed)
+    if stateful:
         train_state = dataclasses.replace(
-            train_state,
-            controlled=tuple(
-                controller.init(train_state) for controller in controllers
-            ),
+            train_state, controlled=tuple(item.init(train_state) for item in stateful)
         )
     record = None
     history = None
@@ -289,15 +218,11 @@ def prepare(
         recorder=Recorder(size, history),
         steps=steps,
         source=source,
-        checkpoints=checkpoints,
-        controllers=controllers,
+        callbacks=components,
         track=track,
         record=record,
         sampling=sampling,
         key=key,
-        meters=meters,
-        loggers=loggers,
-        functions=functions,
         resumed_from=None if history is None else done,
         groups=ens.bounds if is_heterogeneous(ens) else None,
         guard=execution.guard,
@@ -396,8 +321,9 @@ def _skips_conditional(chunk: Chunk) -> bool:
 @dataclasses.dataclass
 class Run:
     """A run between dispatches: it owns the train state and the history, and
-    drives the components (the data source, controllers, checkpoints, progress
-    meters, callbacks), each of which says when it next needs the host."""
+    calls its host components (`Callback`: progress meters, controllers,
+    loggers, checkpoints, functions) through their one protocol, in the
+    order of their phase."""
 
     chunk: Chunk
     options: Options
@@ -405,15 +331,11 @@ class Run:
     recorder: Recorder
     steps: int
     source: DataSource
-    checkpoints: Checkpointer | None
-    controllers: tuple[Controller, ...]
+    callbacks: tuple[Callback, ...]
     track: tuple[Tracker, ...]
     record: RunRecord | None
     sampling: Sampling
     key: PRNGKeyArray
-    meters: tuple[ProgressMeter, ...] = ()
-    loggers: tuple[Logger, ...] = ()
-    functions: tuple[Callable[[FitResult], Any], ...] = ()
     resumed_from: int | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     groups: tuple[tuple[int, int], ...] | None = None  # a heterogeneous run's
@@ -428,7 +350,17 @@ class Run:
             self.done = int(self.train_state.step)
             self._diverged_at = np.asarray(self.train_state.diverged_at)
             self._stopped_at = np.asarray(self.train_state.stopped_at)
-        self._pending: Any = None  # an asynchronous checkpoint's `wait()`
+        # Members stop only by a callback's change (or were stopped before a
+        # resume): until then there is nothing to read.
+        self._may_stop = self.resumed_from is not None
+        self.losses = np.zeros((0, self.chunk.size), np.float32)  # last dispatch's
+        self._stateful = tuple(item for item in self.callbacks if item.checkpointed)
+        # Where the callbacks after `OBSERVE` begin: when every member diverged
+        # only the observers and recorders see the dispatch.
+        self._observers = sum(item.phase <= Callback.OBSERVE for item in self.callbacks)
+        self._handles: list[Any] = []
+        self._info: RunInfo | None = None
+        self._entry: tuple[int, LogEntry] | None = None
         # The optimistic guard (`dispatch`): on a CPU's counted dispatches,
         # not where the optimizer replaces non-finite gradients itself (the
         # end-of-dispatch check could not see them), nor where members
@@ -447,16 +379,13 @@ class Run:
 
     def run(self) -> FitResult:
         """Drive the run to its last step: one dispatch, then the host's work
-        (history, progress, divergence, controllers, checkpoint, callbacks).
-        A failure to read the next batches comes after the dispatch that ran is
-        recorded and checkpointed, and carries the run as `error.result`."""
-        handles: list[Any] = []
-        writer: LogWriter | None = None
+        (history, then the callbacks in phase order). A failure to read the
+        next batches comes after the dispatch that ran is recorded and
+        checkpointed, and carries the run as `error.result`."""
+        view = RunView(self)
         try:
-            for meter in self.meters:
-                resumed = self.resumed_from is not None
-                handles.append(meter.start(self.steps, self.done, resumed))
-            writer = self.open_loggers()
+            for item in self.callbacks:
+                self._handles.append(self._call(item.on_start, view))
             finished = self.finished()  # a resumed run whose members all stopped
             group = (None, 0) if finished else self.read_group(self.done)
             while self.done < self.steps and not finished:
@@ -469,101 +398,140 @@ class Run:
                     group = self.read_group(end) if end < self.steps else (None, 0)
                 except Exception as error:  # noqa: BLE001 - raised below, with the run
                     read_error = error
-                losses = self.record_dispatch(values, end)
-                for meter, handle in zip(self.meters, handles, strict=True):
-                    meter.update(handle, self.done, losses, self.diverged_steps())
-                if (self._diverged_at >= 0).all():
-                    if writer is not None:
-                        self.log(writer, losses, end)
-                    self.fail(EnsembleDivergedError, self.diverged_message())
-                self.control()
+                self.losses = self.record_dispatch(values, end)
+                self.after_dispatch(view)
                 finished = self.finished()
-                if writer is not None:
-                    self.log(writer, losses, end)
-                self.checkpoint(writer, last=self.done if finished else self.steps)
-                for function in self.functions:
-                    function(self.result(copy_state=True))
                 if read_error is not None and not finished:
-                    attached: Any = read_error
-                    attached.result = self.result()
+                    self._attach(read_error)
                     raise read_error
-            self.wait_for_checkpoint()
         except BaseException as error:
-            # The run's own error wins; the components are closed quietly. A
-            # checkpoint being written ends (on one process it commits).
-            if self._pending is not None:
-                failed = self._pending.abandon()
-                if failed is not None:
-                    error.add_note(f"(the checkpoint being written failed: {failed})")
-            for meter, handle in zip(self.meters, handles, strict=False):
+            # The run's own error wins: the callbacks end quietly (a note
+            # each), the last first (a checkpoint being written ends; on one
+            # process it commits).
+            for item, handle in reversed(list(zip(self.callbacks, self._handles))):
                 try:
-                    meter.close(handle)
+                    item.on_end(handle, error)
                 except Exception as other:  # noqa: BLE001 - reported as a note
-                    error.add_note(f"(closing {type(meter).__name__} failed: {other})")
-            if writer is not None:
-                try:
-                    writer.close()
-                except Exception as other:  # noqa: BLE001 - reported as a note
-                    error.add_note(f"(closing the loggers failed: {other!r})")
+                    error.add_note(f"(ending {type(item).__name__} failed: {other!r})")
             raise
-        for meter, handle in zip(self.meters, handles, strict=True):
-            meter.close(handle)
-        if writer is not None:
-            self.close_loggers(writer)
+        ending = list(zip(self.callbacks, self._handles, strict=True))
+        while ending:  # the last first: a checkpoint is committed before the logs end
+            item, handle = ending.pop()
+            try:
+                self._call(item.on_end, handle, None)
+            except BaseException as error:
+                for item, handle in reversed(ending):
+                    try:
+                        item.on_end(handle, error)
+                    except Exception as other:  # noqa: BLE001 - a note
+                        error.add_note(
+                            f"(ending {type(item).__name__} failed: {other!r})"
+                        )
+                raise
         return self.result()
 
-    def wait_for_checkpoint(self) -> None:
-        """Wait until an asynchronous checkpoint is committed; its failure is
-        raised with the run attached."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        assert self.checkpoints is not None
-        try:
-            pending.wait()
-        except (OSError, self.checkpoints.error) as error:
-            self.fail(
-                self.checkpoints.error,
-                f"Writing the checkpoint {pending.path.name} to "
-                f"{self.checkpoints.directory} in the background failed ({error}); "
-                "the trained run is attached to this error as `error.result`",
-            )
+    def after_dispatch(self, view: RunView) -> None:
+        """The callbacks' work after a dispatch, in phase order; when every
+        member diverged, only the observers and recorders, then the error."""
+        pairs = list(zip(self.callbacks, self._handles, strict=True))
+        for item, handle in pairs[: self._observers]:
+            self._call(item.on_dispatch, handle, view)
+        if (self._diverged_at >= 0).all():
+            for item, handle in pairs[self._observers :]:
+                if item.phase == Callback.RECORD:
+                    self._call(item.on_dispatch, handle, view)
+            self.fail(EnsembleDivergedError, self.diverged_message())
+        for item, handle in pairs[self._observers :]:
+            self._call(item.on_dispatch, handle, view)
 
-    def open_loggers(self) -> LogWriter | None:
-        if not self.loggers:
-            return None
-        self._logged_events = [  # a resumed run's earlier events were logged
-            len(controller.events(state))
-            for controller, state in zip(
-                self.controllers, self.state().controlled, strict=True
+    def _call(self, hook: Any, *args: Any) -> Any:
+        """A callback's hook; its error carries the run as `error.result`."""
+        try:
+            return hook(*args)
+        except Exception as error:
+            if getattr(error, "result", None) is None:
+                self._attach(error)
+            raise
+
+    def sync(self) -> None:
+        """Every callback's `on_sync` (before the run is saved)."""
+        for item, handle in zip(self.callbacks, self._handles, strict=True):
+            item.on_sync(handle)
+
+    def slot(self, callback: Callback) -> int:
+        """`callback`'s place in `TrainState.controlled`."""
+        for position, item in enumerate(self._stateful):
+            if item is callback:
+                return position
+        raise ValueError(
+            f"`{type(callback).__name__}` keeps no state in the run (a callback "
+            "with `checkpointed = True`, in this run's `callbacks`, does)"
+        )
+
+    def update(self, callback: Callback, new_state: TrainState, own: Any) -> None:
+        """A callback's new train state (values only) and its own state."""
+        difference = first_difference(
+            jax.tree.map(_spec, eqx.filter(self.state(), eqx.is_array)),
+            jax.tree.map(_spec, eqx.filter(new_state, eqx.is_array)),
+        )
+        if difference is not None:
+            self.fail(
+                TypeError,
+                f"The callback `{type(callback).__name__}` (in `callbacks`) changed "
+                f"the structure, shapes or dtypes of the train state at step "
+                f"{self.done}: {difference}. A callback may change values only; "
+                "the run up to this step is `error.result`",
             )
-        ]
-        self._logged_evaluations = len(self.recorder.eval_steps)
-        self._logged_diverged = self._diverged_at.copy()
-        start_hparams = member_hparams(self.state(), self.groups)
-        self._hparams = bool(start_hparams)  # none at the start: none later
-        return LogWriter(
-            self.loggers,
-            RunInfo(
+        # Host-side edits (PBT's copies) may move leaves; put a "model"-split
+        # state back where it was.
+        new_state = restore_placement(new_state, self.chunk.placement)
+        states = list(self.train_state.controlled)
+        if callback.checkpointed:
+            states[self.slot(callback)] = own
+        self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
+        # A callback may stop members (or revive them).
+        self._diverged_at = np.asarray(self.state().diverged_at)
+        self._stopped_at = np.asarray(self.state().stopped_at)
+        self._may_stop = True
+
+    def run_info(self) -> RunInfo:
+        """The run's description for loggers; from here on, `log_entry` gives
+        what is new since (a resumed run's earlier events were logged)."""
+        if self._info is None:
+            self._logged_events = [
+                len(item.events(state))
+                for item, state in zip(
+                    self._stateful, self.state().controlled, strict=True
+                )
+            ]
+            self._logged_evaluations = len(self.recorder.eval_steps)
+            self._logged_diverged = self._diverged_at.copy()
+            start_hparams = member_hparams(self.state(), self.groups)
+            self._hparams = bool(start_hparams)  # none at the start: none later
+            self._info = RunInfo(
                 steps=self.steps,
                 size=len(self._diverged_at),
                 start=self.done,
                 resumed=self.resumed_from is not None,
                 hparams=dict(self.hparams),
                 member_hparams=start_hparams,
-            ),
-        )
+            )
+        return self._info
 
-    def log(self, writer: LogWriter, losses: np.ndarray, end: int) -> None:
-        """Hand the loggers this dispatch's record (written on their thread)."""
+    def log_entry(self) -> LogEntry:
+        """The last dispatch's record for loggers (once per dispatch)."""
+        if self._entry is not None and self._entry[0] == self.done:
+            return self._entry[1]
+        self.run_info()
+        losses, end = self.losses, self.done
         events: list[dict[str, Any]] = []
         newly = (self._logged_diverged < 0) & (self._diverged_at >= 0)
         for member in np.flatnonzero(newly):
             step = int(self._diverged_at[member]) + 1  # counted like `steps`
             events.append({"step": step, "event": "diverged", "member": int(member)})
         self._logged_diverged = self._diverged_at.copy()
-        for position, controller in enumerate(self.controllers):
-            made = controller.events(self.state().controlled[position])
+        for position, item in enumerate(self._stateful):
+            made = item.events(self.state().controlled[position])
             events += made[self._logged_events[position] :]
             self._logged_events[position] = len(made)
         for tracker in self.track:
@@ -584,19 +552,8 @@ class Run:
             else {},
             events=tuple(events),
         )
-        try:
-            writer.write(entry)
-        except Exception as error:  # noqa: BLE001 - raised with the run
-            self._attach(error)
-            raise
-
-    def close_loggers(self, writer: LogWriter) -> None:
-        try:
-            writer.close()
-        except Exception as error:  # noqa: BLE001 - raised with the run
-            if getattr(error, "result", None) is None:
-                self._attach(error)
-            raise
+        self._entry = (end, entry)
+        return entry
 
     def _attach(self, error: Exception) -> None:
         attached: Any = error
@@ -607,9 +564,10 @@ class Run:
         dispatch, where a component next needs the host, or where the data
         available ends."""
         ends = [self.steps, done + self.chunk.length]
-        if self.checkpoints is not None:
-            ends.append(self.checkpoints.next_stop(done) or self.steps)
-        ends += [controller.next_stop(done) for controller in self.controllers]
+        for item in self.callbacks:
+            stop = item.next_stop(done)
+            if stop is not None:
+                ends.append(stop)
         if self.chunk.unrolled and self.chunk.evaluate is not None:
             ends.append(self.chunk.evaluate.next_stop(done))
         if available is not None:
@@ -771,74 +729,14 @@ class Run:
             losses, scores if evaluated else None, last.diverged_at, last.stopped_at
         )
 
-    def control(self) -> None:
-        """Run the controllers due at this step."""
-        for position, controller in enumerate(self.controllers):
-            if not controller.due(self.done):
-                continue
-            states = list(self.state().controlled)
-            new_state, states[position] = controller(
-                self.state(), states[position], self.recorder.history()
-            )
-            difference = first_difference(
-                jax.tree.map(_spec, eqx.filter(self.state(), eqx.is_array)),
-                jax.tree.map(_spec, eqx.filter(new_state, eqx.is_array)),
-            )
-            if difference is not None:
-                self.fail(
-                    TypeError,
-                    f"The controller `{type(controller).__name__}` (in `callbacks`) "
-                    "changed the structure, shapes or dtypes of the train state at "
-                    f"step {self.done}: {difference}. A controller may change values "
-                    "only; the run up to this step is `error.result`",
-                )
-            # A controller's host-side edits (PBT's copies) may move leaves; put
-            # a "model"-split state back where it was.
-            new_state = restore_placement(new_state, self.chunk.placement)
-            self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
-            # A controller may stop members (or revive them).
-            self._diverged_at = np.asarray(self.state().diverged_at)
-            self._stopped_at = np.asarray(self.state().stopped_at)
-
     def finished(self) -> bool:
         """Whether every member has stopped or diverged, at least one stopped
         (the run ends early; all diverged is an error). Stops come from
-        controllers, so without one there is nothing to read."""
-        if not self.controllers:
+        callbacks' changes, so without one there is nothing to read."""
+        if not self._may_stop:
             return False
         stopped = self._stopped_at >= 0
         return bool(stopped.any() and (stopped | (self._diverged_at >= 0)).all())
-
-    def checkpoint(self, writer: LogWriter | None = None, last: int = -1) -> None:
-        """Write a checkpoint if one is due; `last`: the run's last step (by
-        default `steps`; earlier when every member has stopped)."""
-        last = self.steps if last < 0 else last
-        if self.checkpoints is None or not self.checkpoints.due(self.done, last):
-            return
-        assert self.record is not None
-        if writer is not None:  # the logs reach this step before the checkpoint
-            try:
-                writer.sync()
-            except Exception as error:  # noqa: BLE001 - raised with the run
-                self._attach(error)
-                raise
-        self.wait_for_checkpoint()
-        try:
-            saved = self.checkpoints.save(
-                self.state(),
-                self.recorder.history(),
-                self.record.as_json(),
-                self.source.position(self.done),
-            )
-            if callable(getattr(saved, "wait", None)):
-                self._pending = saved
-        except (OSError, self.checkpoints.error) as error:
-            self.fail(
-                self.checkpoints.error,
-                f"Writing the checkpoint of step {self.done} to "
-                f"{self.checkpoints.directory} failed ({error}); the trained run is "
-                "attached to this error as `error.result`",
-            )
 
     def state(self) -> TrainState:
         """The run's train state."""

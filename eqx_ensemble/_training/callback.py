@@ -1,0 +1,341 @@
+"""The one protocol of `fit`'s host-side components.
+
+Progress meters, controllers, loggers, checkpoints and a user's own
+components are all `Callback`s: `fit` calls each one's hooks on the host
+between dispatches, in the order of their `phase` (then in the order given),
+and knows nothing else about them. The run hands every hook the same view of
+itself (`RunView`), through which a component reads the run and, where it
+must, changes it (a controller's new train state, a checkpoint's wait for the
+loggers)."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import equinox as eqx
+import numpy as np
+from jaxtyping import PyTree
+
+from .._internal.component import Component
+from .history import History
+from .train_state import TrainState
+
+if TYPE_CHECKING:
+    from .result import FitResult
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """What a [`Callback`][eqx_ensemble.Callback] is shown before any work
+    (`Callback.on_check`): the run's `steps`, its number of members `size`,
+    the `ensemble`, how often it evaluates (`evaluate_every`, `None`: never)
+    and all of its `callbacks` in the order they run.
+
+    **Example:**
+
+    ```python
+    class NeedsEvaluation(ee.Callback):
+        def on_check(self, run):
+            if run.evaluate_every is None:
+                raise ValueError("NeedsEvaluation needs `fit(..., evaluate=)`")
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    try:
+        ee.fit(ens, loss, optax.sgd(0.1), jnp.ones((8, 1)), steps=4,
+               batch_size=4, key=jax.random.key(1), callbacks=[NeedsEvaluation()])
+    except ValueError as error:
+        print(error)    # raised before any work
+    ```
+    """
+
+    steps: int
+    size: int
+    ensemble: Any
+    evaluate_every: int | None
+    callbacks: tuple["Callback", ...]
+
+
+class RunView:
+    """A [`fit`][eqx_ensemble.fit] run between two dispatches, as its
+    [`Callback`][eqx_ensemble.Callback]s see it. Read:
+
+    - `steps` (the run's step count), `done` (steps done), `size` (members),
+      `resumed_from` (the step a resumed run started at, or `None`);
+    - `losses`: the last dispatch's `(steps, members)` training losses;
+    - `diverged`: each member's divergence step counted from 1 (`-1`:
+      healthy), as in `FitResult.diverged`;
+    - `finished`: whether every member has stopped or diverged (the run ends
+      after this dispatch); `last`: the run's last step (`steps`, or `done`
+      when it is finished);
+    - `train_state`, `history`, `result()`: the run so far.
+
+    Change (the library's components use these; so may yours):
+
+    - `state_of(callback)` and `update(callback, train_state, state)`: a
+      checkpointed callback's own state, and a new train state (values only:
+      its structure, shapes and dtypes must stay) with that state;
+    - `sync()`: every callback's `on_sync` (before the run is saved).
+
+    **Example:**
+
+    ```python
+    class Losses(ee.Callback):
+        def on_start(self, run):
+            return []
+        def on_dispatch(self, handle, run):
+            handle.append((run.done, float(run.losses[-1].mean())))
+        def on_end(self, handle, error):
+            print(handle)
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    ee.fit(ens, loss, optax.sgd(0.1), jnp.ones((8, 1)), steps=4, batch_size=4,
+           key=jax.random.key(1), callbacks=[Losses()])
+    ```
+    """
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Any):
+        self._run = run
+
+    @property
+    def steps(self) -> int:
+        return self._run.steps
+
+    @property
+    def done(self) -> int:
+        return self._run.done
+
+    @property
+    def size(self) -> int:
+        return self._run.chunk.size
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self._run.resumed_from
+
+    @property
+    def losses(self) -> np.ndarray:
+        return self._run.losses
+
+    @property
+    def diverged(self) -> np.ndarray:
+        return self._run.diverged_steps()
+
+    @property
+    def finished(self) -> bool:
+        return self._run.finished()
+
+    @property
+    def last(self) -> int:
+        return self._run.done if self._run.finished() else self._run.steps
+
+    @property
+    def train_state(self) -> TrainState:
+        return self._run.train_state
+
+    @property
+    def history(self) -> History:
+        return self._run.recorder.history()
+
+    def result(self, copy: bool = True) -> "FitResult":
+        """The run so far as a `FitResult` (`copy`: of arrays the next
+        dispatch will not overwrite)."""
+        return self._run.result(copy_state=copy)
+
+    def state_of(self, callback: "Callback") -> PyTree[Any]:
+        """`callback`'s own state (checkpointed callbacks only)."""
+        return self._run.train_state.controlled[self._run.slot(callback)]
+
+    def update(
+        self, callback: "Callback", train_state: TrainState, state: PyTree[Any]
+    ) -> None:
+        """Replace the run's train state, and `callback`'s own state (a
+        checkpointed callback; others pass `None`)."""
+        self._run.update(callback, train_state, state)
+
+    def sync(self) -> None:
+        """Every callback's `on_sync` (what they wrote so far made durable)."""
+        self._run.sync()
+
+    # What the library's loggers and checkpoints read.
+    def run_info(self) -> Any:
+        """The run's description for loggers (an `ee.RunInfo`)."""
+        return self._run.run_info()
+
+    def log_entry(self) -> Any:
+        """The last dispatch's record for loggers (an `ee.LogEntry`): one per
+        dispatch, the same for every logger."""
+        return self._run.log_entry()
+
+    def run_record(self) -> dict[str, Any]:
+        """What identifies the run, for its checkpoints."""
+        return self._run.record.as_json()
+
+    def data_position(self) -> dict[str, Any] | None:
+        """Where the run's data stands after `done` steps (for a resume)."""
+        return self._run.source.position(self._run.done)
+
+
+class Callback(Component):
+    """A component of a [`fit`][eqx_ensemble.fit] run on the host, passed in
+    `fit(..., callbacks=[...])`: the one protocol of progress meters,
+    controllers, loggers and checkpoints, and of your own. Every hook has a
+    default that does nothing; override those you need.
+
+    - `on_check(setup: RunSetup) -> None`: before any work; raise to refuse
+      the run.
+    - `next_stop(done) -> int | None`: the first step after `done` at which
+      this callback needs the host (a dispatch ends there; `None`: only at
+      the dispatches' own ends).
+    - `on_start(run: RunView) -> handle`: before the first dispatch.
+    - `on_dispatch(handle, run: RunView) -> None`: after every dispatch.
+    - `on_sync(handle) -> None`: before the run is saved (make what was
+      written so far durable).
+    - `on_end(handle, error) -> None`: when the run ends; `error` is the
+      exception ending it, or `None`.
+
+    `phase` orders the callbacks (then the order given): `OBSERVE` (10,
+    progress meters), `CHANGE` (20, controllers), `RECORD` (30, loggers),
+    `SAVE` (40, checkpoints), `REACT` (50, the default: plain functions and
+    anything that should see the saved run). When every member diverged,
+    only `OBSERVE` and `RECORD` callbacks see the dispatch, and the run
+    fails. A callback with `checkpointed = True` keeps its own state in the
+    train state (`init(train_state)`; `RunView.state_of`), saved and resumed
+    with the run; `events(state)` says what it did, for loggers.
+
+    An error raised by a hook ends the run with the run so far attached as
+    `error.result`; every callback still gets `on_end`.
+
+    **Example:** stop every member once all losses are small (a change of
+    the train state, as a controller makes):
+
+    ```python
+    class StopAtLoss(ee.Callback):
+        threshold: float = 0.01
+        phase = ee.Callback.CHANGE
+
+        def on_dispatch(self, handle, run):
+            if run.losses[-1].max() < self.threshold:
+                state = run.train_state
+                stopped = jnp.full_like(state.stopped_at, run.done)
+                run.update(self, eqx.tree_at(lambda s: s.stopped_at, state,
+                                             stopped), None)
+
+    ens = ee.ensemble(lambda k: eqx.nn.Linear(1, 1, key=k), size=2,
+                      key=jax.random.key(0))
+    x = jnp.linspace(0, 1, 8)[:, None]
+    loss = lambda m, b, k: jnp.mean((jax.vmap(m)(b) - b) ** 2)
+    result = ee.fit(ens, loss, optax.sgd(0.5), x, steps=2000, batch_size=8,
+                    key=jax.random.key(1), callbacks=[StopAtLoss()],
+                    execution=ee.Execution(steps_per_dispatch=50))
+    result.history.losses.shape    # stopped early: (steps run, 2)
+    ```
+    """
+
+    OBSERVE: ClassVar[int] = 10
+    CHANGE: ClassVar[int] = 20
+    RECORD: ClassVar[int] = 30
+    SAVE: ClassVar[int] = 40
+    REACT: ClassVar[int] = 50
+
+    phase: ClassVar[int] = 50
+    checkpointed: ClassVar[bool] = False
+
+    def on_check(self, setup: RunSetup) -> None:
+        """Raise before any work if this callback cannot run in `setup`."""
+        del setup
+
+    def next_stop(self, done: int) -> int | None:
+        """The first step after `done` at which this callback needs the host."""
+        del done
+        return None
+
+    def init(self, train_state: TrainState) -> PyTree[Any]:
+        """A checkpointed callback's own state at the start (default `None`)."""
+        del train_state
+        return None
+
+    def events(self, state: PyTree[Any]) -> list[dict[str, Any]]:
+        """What this callback did so far, read from its state, as records with
+        `"step"` and `"event"` (for loggers; default: none)."""
+        del state
+        return []
+
+    def on_start(self, run: RunView) -> Any:
+        """Called before the first dispatch; returns this callback's handle."""
+        del run
+
+    def on_dispatch(self, handle: Any, run: RunView) -> None:
+        """Called after every dispatch."""
+        del handle, run
+
+    def on_sync(self, handle: Any) -> None:
+        """Called before the run is saved."""
+        del handle
+
+    def on_end(self, handle: Any, error: BaseException | None) -> None:
+        """Called when the run ends (`error`: what ends it, or `None`)."""
+        del handle, error
+
+
+class _Function(Callback):
+    """A plain function of the `FitResult`, called after every dispatch."""
+
+    function: Callable[["FitResult"], Any]
+
+    def on_dispatch(self, handle: Any, run: RunView) -> None:
+        self.function(run.result(copy=True))
+
+
+# Plain functions wrapped once each (an `eqx.Module` costs ~70 us to build on
+# a CPU, on every `fit` call otherwise); bounded.
+_WRAPPED: dict[Any, Callback] = {}
+
+
+def _wrap(function: Callable[..., Any]) -> Callback:
+    try:
+        return _WRAPPED[function]
+    except (KeyError, TypeError):
+        pass
+    wrapped = _Function(function)
+    try:
+        if len(_WRAPPED) > 64:
+            _WRAPPED.clear()
+        _WRAPPED[function] = wrapped
+    except TypeError:  # unhashable
+        pass
+    return wrapped
+
+
+def as_callbacks(callbacks: Sequence[Any]) -> tuple[Callback, ...]:
+    """`fit`'s `callbacks` as `Callback`s (a plain function wrapped), in the
+    order they run: by `phase`, then as given."""
+    if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
+        raise TypeError(
+            "`callbacks` must be a list (progress meters, controllers, loggers, "
+            f"functions of the `FitResult`), got {type(callbacks).__name__}"
+        )
+    items: list[Callback] = []
+    for position, item in enumerate(callbacks):
+        if isinstance(item, Callback):
+            items.append(item)
+        elif callable(item) and not isinstance(item, eqx.Module | type):
+            items.append(_wrap(item))
+        else:
+            raise TypeError(
+                f"`callbacks[{position}]` must be an `ee.Callback` (a progress "
+                "meter, a controller, a logger, or your own) or a function of the "
+                f"`FitResult`, got {type(item).__name__}"
+            )
+    return tuple(sorted(items, key=lambda item: item.phase))
+
+
+def stateful_callbacks(callbacks: Sequence[Any]) -> tuple[Callback, ...]:
+    """The callbacks that keep state in the train state, in the order of
+    `TrainState.controlled`."""
+    return tuple(item for item in as_callbacks(callbacks) if item.checkpointed)

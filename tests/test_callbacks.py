@@ -1,0 +1,234 @@
+"""`ee.Callback`, the one protocol of `fit`'s host components: the hooks come
+in phase order whatever the order given, a user's callback stops, changes and
+checkpoints a run as the library's controllers do, its errors carry the run,
+and a run with callbacks computes the same bits as one without."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_ensemble as ee
+
+SIZE = 3
+X = jnp.linspace(-1, 1, 32)[:, None]
+DATA = (X, 2 * X)
+OPT = optax.sgd(0.1)
+
+
+def loss(model, batch, key):
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+@pytest.fixture(scope="module")
+def ens():
+    return ee.ensemble(
+        lambda k: eqx.nn.Linear(1, 1, key=k), size=SIZE, key=jax.random.key(0)
+    )
+
+
+def run(ens, steps=20, **extra):
+    settings = dict(steps=steps, batch_size=8, key=jax.random.key(1), callbacks=())
+    return ee.fit(ens, loss, OPT, DATA, **{**settings, **extra})
+
+
+class Calls(ee.Callback):
+    """Writes `(name, hook, done)` into a shared list."""
+
+    name: str
+    calls: list
+    stops: tuple[int, ...] = ()
+
+    def next_stop(self, done):
+        later = [stop for stop in self.stops if stop > done]
+        return min(later) if later else None
+
+    def on_check(self, setup):
+        self.calls.append((self.name, "check", setup.steps))
+
+    def on_start(self, run):
+        self.calls.append((self.name, "start", run.done))
+        return self.name
+
+    def on_dispatch(self, handle, run):
+        assert handle == self.name
+        self.calls.append((self.name, "dispatch", run.done))
+
+    def on_end(self, handle, error):
+        self.calls.append((self.name, "end", type(error).__name__))
+
+
+class Observer(Calls):
+    phase = ee.Callback.OBSERVE
+
+
+class Recorder(Calls):
+    phase = ee.Callback.RECORD
+
+
+def test_hooks_come_in_phase_order_and_stops_end_dispatches(ens):
+    calls = []
+    callbacks = [
+        Calls("react", calls, stops=(7,)),
+        Recorder("record", calls),
+        Observer("observe", calls, stops=(4, 15)),
+    ]
+    result = run(ens, callbacks=callbacks)
+    plain = run(ens)
+    # The callbacks change nothing the members compute.
+    assert np.array_equal(result.history.losses, plain.history.losses)
+    ends = [done for name, hook, done in calls if hook == "dispatch"]
+    # Dispatches end at every callback's stops (the run is one dispatch
+    # without them); all three see each one, observers first, ends reversed.
+    assert ends[::3] == [4, 7, 15, 20]
+    order = ["observe", "record", "react"]
+    assert [name for name, hook, _ in calls if hook == "check"] == order
+    assert [name for name, hook, _ in calls if hook == "start"] == order
+    assert [name for name, hook, _ in calls if hook == "dispatch"] == order * 4
+    assert calls[-3:] == [
+        ("react", "end", "NoneType"),
+        ("record", "end", "NoneType"),
+        ("observe", "end", "NoneType"),
+    ]
+
+
+def test_a_refusal_in_on_check_comes_before_any_work(ens):
+    class Refuse(ee.Callback):
+        def on_check(self, setup):
+            assert setup.size == SIZE and setup.evaluate_every is None
+            # In the order they run: the observer first, though given second.
+            assert [type(c).__name__ for c in setup.callbacks] == ["Observer", "Refuse"]
+            raise ValueError("not this run")
+
+    calls = []
+    with pytest.raises(ValueError, match="not this run"):
+        run(ens, callbacks=[Refuse(), Observer("observe", calls)])
+    assert [hook for _, hook, _ in calls] == ["check"]  # never started
+
+
+def test_an_error_in_a_hook_carries_the_run_and_ends_every_callback(ens):
+    class Fails(ee.Callback):
+        def on_dispatch(self, handle, run):
+            if run.done >= 10:
+                raise RuntimeError("enough")
+
+    calls = []
+    with pytest.raises(RuntimeError, match="enough") as error:
+        run(ens, callbacks=[Fails(), Observer("observe", calls, stops=(5, 10, 15))])
+    result = error.value.result
+    plain = run(ens)
+    assert result.history.losses.shape == (10, SIZE)
+    assert np.array_equal(result.history.losses, plain.history.losses[:10])
+    assert calls[-1] == ("observe", "end", "RuntimeError")
+
+
+class StopBelow(ee.Callback):
+    """Stops every member once all losses are below `threshold`."""
+
+    threshold: float
+    phase = ee.Callback.CHANGE
+
+    def on_dispatch(self, handle, run):
+        if run.losses[-1].max() < self.threshold:
+            state = run.train_state
+            stopped = jnp.full_like(state.stopped_at, run.done)
+            run.update(self, eqx.tree_at(lambda s: s.stopped_at, state, stopped), None)
+
+
+def test_a_users_callback_stops_the_run(ens):
+    every = ee.Execution(steps_per_dispatch=5)
+    full = run(ens, steps=60, execution=every)
+    threshold = float(full.history.losses[24].max()) * 1.0001
+    stopped = run(ens, steps=60, execution=every, callbacks=[StopBelow(threshold)])
+    # The first dispatch end whose last losses are all below the threshold.
+    last = full.history.losses[4::5].max(axis=1)
+    first = 5 * (int(np.flatnonzero(last < threshold)[0]) + 1)
+    assert stopped.history.losses.shape == (first, SIZE)
+    assert np.array_equal(stopped.history.losses, full.history.losses[:first])
+    assert (np.asarray(stopped.train_state.stopped_at) == first).all()
+
+
+class CountDispatches(ee.Callback):
+    """A checkpointed callback: counts dispatches in its own state, and logs
+    an event at each."""
+
+    phase = ee.Callback.CHANGE
+    checkpointed = True
+
+    def init(self, train_state):
+        return jnp.zeros((), jnp.int32)
+
+    def events(self, state):
+        return [{"step": 0, "event": "counted"}] * int(state)
+
+    def on_dispatch(self, handle, run):
+        run.update(self, run.train_state, run.state_of(self) + 1)
+
+
+def test_a_checkpointed_callbacks_state_is_saved_and_resumed(ens, tmp_path):
+    every = ee.Execution(steps_per_dispatch=5)
+    counter = CountDispatches()
+    first = run(
+        ens,
+        steps=10,
+        execution=every,
+        callbacks=[counter],
+        checkpoints=ee.Checkpoints(tmp_path, every=5),
+    )
+    assert int(first.train_state.controlled[0]) == 2
+    resumed = run(
+        ens,
+        steps=20,
+        execution=every,
+        callbacks=[counter],
+        checkpoints=ee.Checkpoints(tmp_path, every=5),
+    )
+    assert int(resumed.train_state.controlled[0]) == 4  # 2 before, 2 after
+    latest = ee.Checkpoints(tmp_path).latest(ens, OPT, callbacks=[counter])
+    assert latest is not None and int(latest.train_state.controlled[0]) == 4
+    # A callback without state has none to read.
+    with pytest.raises(ValueError, match="keeps no state in the run"):
+        run(ens, callbacks=[ReadsState()])
+
+
+class ReadsState(ee.Callback):
+    def on_dispatch(self, handle, run):
+        run.state_of(self)
+
+
+def test_loggers_see_a_checkpointed_callbacks_events_and_sync_first(ens, tmp_path):
+    class Events(ee.Logger):
+        def open(self, run):
+            return []
+
+        def write(self, handle, entry):
+            handle.extend(event["event"] for event in entry.events)
+
+        def flush(self, handle):
+            handle.append("flush")
+
+        def close(self, handle):
+            log.append(list(handle))
+
+    log = []
+    run(
+        ens,
+        steps=10,
+        execution=ee.Execution(steps_per_dispatch=5),
+        callbacks=[Events(), CountDispatches()],
+        checkpoints=ee.Checkpoints(tmp_path, every=5),
+    )
+    # Each dispatch: the counter's new event (controllers run before loggers),
+    # then the flush before its checkpoint.
+    assert log == [["counted", "flush", "counted", "flush"]]
+
+
+def test_bad_callbacks_are_named(ens):
+    with pytest.raises(TypeError, match=r"`callbacks\[1\]` must be an `ee.Callback`"):
+        run(ens, callbacks=[print, 3])
+    # (The suite's runtime type checker may answer first, naming the parameter.)
+    with pytest.raises(TypeError, match="`callbacks` must be a list|parameter 'call"):
+        run(ens, callbacks=print)
