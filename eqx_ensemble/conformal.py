@@ -32,6 +32,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from ._internal.tree import is_traced
+from ._metrics.checks import check_alpha
 from ._metrics.classification import (
     member_log_probs,
     prepare_labels,
@@ -168,14 +169,6 @@ def split_regression(
     )
 
 
-def _check_alpha(alpha: Any) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-        raise TypeError(f"`alpha` must be a float in (0, 1), got {alpha!r}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"`alpha` must lie strictly between 0 and 1, got {alpha}")
-    return float(alpha)
-
-
 # The ranks of every method here: `(n + 1)(1 - alpha)` is often a whole number
 # that floating point puts a hair above it (150 * 0.82 = 123.00000000000001), so
 # both ranks are taken after a 1e-9 nudge towards the exact value.
@@ -304,7 +297,7 @@ class PredictionSets(eqx.Module):
 def _calibrate_sets(
     probs, labels, alpha, key, from_logits, randomized, penalty, k_reg
 ) -> PredictionSets:
-    alpha = _check_alpha(alpha)
+    alpha = check_alpha(alpha)
     predictions = prepare_predictions(probs, from_logits=from_logits)
     labels = prepare_labels(labels, predictions)
     mean = _ensemble_probs(predictions, from_logits)
@@ -506,7 +499,7 @@ def cqr(
 
     **Example:** see [`QuantileRegression`][eqx_ensemble.conformal.QuantileRegression].
     """
-    alpha = _check_alpha(alpha)
+    alpha = check_alpha(alpha)
     lower_array, upper_array = _bounds(lower, upper)
     targets_array = one_output(jnp.asarray(targets), "targets", 1)
     if targets_array.shape != lower_array.shape:
@@ -637,7 +630,7 @@ def jackknife_plus_after_bootstrap(
     **Example:** see
     [`JackknifePlusAfterBootstrap`][eqx_ensemble.conformal.JackknifePlusAfterBootstrap].
     """
-    alpha = _check_alpha(alpha)
+    alpha = check_alpha(alpha)
     bag = out_of_bag(train_means, targets, run, in_bag, "jackknife+-after-bootstrap")
     n_kept, members = bag.weights.shape
     if _lower_rank(alpha, n_kept) < 1:

@@ -69,6 +69,14 @@ def test_the_quantile_is_the_finite_sample_one():
     lower, upper = calibrated.interval(means, variances)
     np.testing.assert_allclose(upper, 8.0)
     np.testing.assert_allclose(lower, -8.0)
+    # A NumPy scalar level (e.g. from `np.linspace`) is the same level, as in
+    # the time-series methods (one `check_alpha`); a bool is no level.
+    numpy_level = ee.conformal.split_regression(
+        means, variances, targets, alpha=np.float64(0.2)
+    )
+    assert numpy_level.quantile == 8.0
+    with pytest.raises(TypeError, match="`alpha` must be a float|parameter 'alpha'"):
+        ee.conformal.split_regression(means, variances, targets, alpha=True)
 
 
 def test_bad_inputs_are_named():

@@ -6,6 +6,7 @@ contents are unknown until run time. Shape checks always run: shapes are known
 even under tracing.
 """
 
+import numbers
 from typing import Any
 
 import jax
@@ -234,6 +235,17 @@ def check_regression(
                 f"`{means_name}` of shape {shape} {layout}, got shape "
                 f"{tuple(targets.shape)}"
             )
+
+
+def check_alpha(alpha: Any) -> float:
+    """A miscoverage level: a real number (NumPy scalars too, not a bool)
+    strictly between 0 and 1, as a Python float."""
+    if not isinstance(alpha, numbers.Real) or isinstance(alpha, bool):
+        raise TypeError(f"`alpha` must be a float in (0, 1), got {alpha!r}")
+    value = float(alpha)
+    if not 0 < value < 1:
+        raise ValueError(f"`alpha` must lie strictly between 0 and 1, got {alpha}")
+    return value
 
 
 def check_level(level: Any) -> None:

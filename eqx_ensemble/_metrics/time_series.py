@@ -17,6 +17,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._internal.tree import is_traced
+from .checks import check_alpha
 from .regression import one_output
 
 
@@ -112,14 +113,6 @@ def _check_finite(array: Array, name: str) -> None:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_alpha(alpha: Any) -> float:
-    if not _is_real(alpha):
-        raise TypeError(f"`alpha` must be a float in (0, 1), got {alpha!r}")
-    if not 0 < alpha < 1:
-        raise ValueError(f"`alpha` must lie strictly between 0 and 1, got {alpha}")
-    return float(alpha)
 
 
 def _traced_ranks(alpha: Array, n: Any) -> tuple[Array, Array]:
@@ -241,7 +234,7 @@ class EnbPI(eqx.Module):
         if alpha is None:
             alpha = self.alpha
         if _is_real(alpha):
-            level = _check_alpha(alpha)
+            level = check_alpha(alpha)
             beta = self._best_beta(level) if optimize_beta else level / 2
             low, high = _concrete_ranks(level, beta, n)
             if low < 1 or high > n:
@@ -370,7 +363,7 @@ def enbpi(
 
     **Example:** see [`EnbPI`][eqx_ensemble.conformal.EnbPI].
     """
-    alpha = _check_alpha(alpha)
+    alpha = check_alpha(alpha)
     bag = out_of_bag(train_means, targets, run, in_bag, "EnbPI")
     n_kept = bag.predictions.size
     if math.floor(alpha / 2 * (n_kept + 1) + 1e-9) < 1:
