@@ -1,7 +1,7 @@
 """`Heterogeneous`: ensembles of different architectures held as one, and the
 helpers that split per-member arrays by group and join the groups' results."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -242,6 +242,57 @@ def _call_with_keys(group: Ensemble, keys: Any, args: Any, kwargs: Any) -> Any:
 
 def is_heterogeneous(x: Any) -> TypeIs[Heterogeneous]:
     return isinstance(x, Heterogeneous)
+
+
+# The groups interface: the training code calls these instead of asking
+# whether an ensemble is heterogeneous. A plain `ee.Ensemble` is one group.
+
+
+def groups_of(ens: Any) -> tuple[Ensemble, ...]:
+    """`ens`'s groups: an `ee.Heterogeneous`'s, or `(ens,)`."""
+    return ens.groups if isinstance(ens, Heterogeneous) else (ens,)
+
+
+def per_group_values(ens: Any, value: Any) -> tuple[Any, ...]:
+    """`value`, held once per group, as one entry per group: a plain
+    ensemble's `(value,)`; an `ee.Heterogeneous`'s tuple (`None`: `None` for
+    each group)."""
+    if not isinstance(ens, Heterogeneous):
+        return (value,)
+    return (None,) * len(ens.groups) if value is None else value
+
+
+def each_group(
+    ens: Any, fn: Callable[..., Any], *values: Any, members: Sequence[Any] = ()
+) -> list[Any]:
+    """`[fn(group, *group_values, *group_members)]` over `ens`'s groups. Of a
+    plain ensemble (one group) `values` and `members` are passed as they are;
+    of an `ee.Heterogeneous` each of `values` is held per group (a tuple with
+    one entry per group; `None`: `None` for each) and each of `members` is a
+    tree whose array leaves carry the global member axis, cut at the groups'
+    bounds."""
+    if not isinstance(ens, Heterogeneous):
+        return [fn(ens, *values, *members)]
+    held = [per_group_values(ens, value) for value in values]
+    cut = [split_by_group(ens, tree) for tree in members]
+    return [
+        fn(group, *parts) for group, *parts in zip(ens.groups, *held, *cut, strict=True)
+    ]
+
+
+def over_groups(
+    ens: Any,
+    fn: Callable[..., Any],
+    *values: Any,
+    members: Sequence[Any] = (),
+    join: Callable[[list[Any]], Any] = tuple,
+) -> Any:
+    """`fn` over `ens`'s groups as `each_group`, in the form `ens` holds such
+    a thing: a plain ensemble's one result as it is, an `ee.Heterogeneous`'s
+    results joined by `join` (a tuple, one per group: how its optimizer and
+    model states are held; `jnp.concatenate` for per-member arrays)."""
+    results = each_group(ens, fn, *values, members=members)
+    return join(results) if isinstance(ens, Heterogeneous) else results[0]
 
 
 def per_group(het: Heterogeneous, value: Any, what: str) -> tuple[Any, ...]:

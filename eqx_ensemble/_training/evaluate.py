@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
-from .._core.heterogeneous import is_heterogeneous, per_group, split_by_group
+from .._core.heterogeneous import over_groups
 from .._execution.layout import Layout, member_map
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.component import Component
@@ -111,18 +111,25 @@ class Evaluate(Component):
         see `_layout`), `member_chunk` at a time if given (of each of the
         `devices` devices' members, on a mesh). A heterogeneous
         ensemble is scored group by group (its `model_state`: one per group)."""
-        if is_heterogeneous(ensemble):
-            return jnp.concatenate(
-                [
-                    self.scores(group, group_state, keys, layout, member_chunk, devices)
-                    for group, group_state, keys in zip(
-                        ensemble.groups,
-                        per_group(ensemble, model_state, "`state`"),
-                        split_by_group(ensemble, member_keys),
-                        strict=True,
-                    )
-                ]
-            )
+        return over_groups(
+            ensemble,
+            lambda group, state, keys: self._group_scores(
+                group, state, keys, layout, member_chunk, devices
+            ),
+            model_state,
+            members=(member_keys,),
+            join=jnp.concatenate,
+        )
+
+    def _group_scores(
+        self,
+        ensemble: Any,
+        model_state: PyTree[Any],
+        member_keys: Any,
+        layout: Layout,
+        member_chunk: int | None,
+        devices: int,
+    ) -> Any:
         stateful = model_state is not None
 
         def one(member, state, member_key):

@@ -27,7 +27,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
-from .._core.heterogeneous import is_heterogeneous
+from .._core.heterogeneous import over_groups
 from .._core.sharding import constrain, place_state, replicate
 from .._execution.compile import (
     CompiledFunctions,
@@ -387,16 +387,13 @@ def _members_finite(ens: Any, opt_state: Any) -> Any:
     state are all finite (the optimizer state as `member_select` takes it with `ens`),
     what the guarded step checks of the state (`step.apply_member`; a model
     state may hold infinities by design, a running maximum's start)."""
-    if is_heterogeneous(ens):
-        return jnp.concatenate(
-            [
-                _members_finite(group, group_opt)
-                for group, group_opt in zip(ens.groups, opt_state, strict=True)
-            ]
+
+    def finite(group: Any, group_opt: Any) -> Any:
+        return eqx.filter_vmap(lambda *trees: all_finite(*trees, check="by_shape"))(
+            group.members, group_opt
         )
-    return eqx.filter_vmap(lambda *trees: all_finite(*trees, check="by_shape"))(
-        ens.members, opt_state
-    )
+
+    return over_groups(ens, finite, opt_state, join=jnp.concatenate)
 
 
 # `diverged_at` of a member an optimistic dispatch found not finite at its end.

@@ -13,7 +13,13 @@ import optax
 from jaxtyping import ArrayLike, Float, PyTree
 
 from .._core.ensemble import Ensemble, SharedOptState
-from .._core.heterogeneous import Heterogeneous, is_heterogeneous, per_group
+from .._core.heterogeneous import (
+    Heterogeneous,
+    each_group,
+    is_heterogeneous,
+    over_groups,
+    per_group,
+)
 from .._core.sharding import follow_model, members_mesh, model_mesh, shard
 from .._internal.checks import real_array
 from .._internal.keys import optimizer_key
@@ -93,34 +99,30 @@ def hyperparam_nodes(opt_state: PyTree[Any]) -> list[tuple[str, Any]]:
     ]
 
 
-def member_hparams(
-    train_state: Any, bounds: Sequence[tuple[int, int]] | None = None
-) -> dict[str, np.ndarray]:
+def member_hparams(train_state: Any) -> dict[str, np.ndarray]:
     """Each member's scalar hyperparameters in a train state, on the host: those
     injected with `optax.inject_hyperparams` (by name, prefixed with the node's
-    path where there are several) and the leaves of `hyper`. `bounds`: the
-    groups' `(start, stop)` of an `ee.Heterogeneous`, whose optimizer state is a
-    tuple with one state per group; each name's values are joined over the
-    groups (NaN for the members of a group whose optimizer has no such
-    hyperparameter)."""
+    path where there are several) and the leaves of `hyper`. Of an
+    `ee.Heterogeneous` (an optimizer state per group) each name's values are
+    joined over the groups (NaN for the members of a group whose optimizer has
+    no such hyperparameter)."""
     size = int(np.shape(train_state.diverged_at)[0])
     values: dict[str, np.ndarray] = {}
-    if bounds is None:
-        values.update(_injected(train_state.opt_state, size))
+    groups = each_group(
+        train_state.ensemble,
+        lambda group, state: (len(group), _injected(state, len(group))),
+        train_state.opt_state,
+    )
+    if len(groups) == 1:
+        values.update(groups[0][1])
     else:
-        groups = [
-            _injected(group_state, stop - start)
-            for group_state, (start, stop) in zip(
-                train_state.opt_state, bounds, strict=True
-            )
-        ]
-        for name in dict.fromkeys(name for group in groups for name in group):
+        for name in dict.fromkeys(name for _, group in groups for name in group):
             values[name] = np.concatenate(
                 [
                     np.asarray(group[name], np.float64)
                     if name in group
-                    else np.full(stop - start, np.nan)
-                    for group, (start, stop) in zip(groups, bounds, strict=True)
+                    else np.full(members, np.nan)
+                    for members, group in groups
                 ]
             )
     for path, leaf in jtu.tree_flatten_with_path(train_state.hyper)[0]:
@@ -306,9 +308,12 @@ def init_state(
 ) -> PyTree[Any]:
     """The fresh stacked optimizer state of `ens` (traceable: `fit` computes it
     inside its start program); of a heterogeneous ensemble, one per group."""
-    if is_heterogeneous(ens):
-        return tuple(init_state(optimizer, group) for group in ens.groups)
-    return _init_state(optimizer, trainable(ens.members), _trained_shared(ens))
+    return over_groups(
+        ens,
+        lambda group: _init_state(
+            optimizer, trainable(group.members), _trained_shared(group)
+        ),
+    )
 
 
 def init_optimizer(

@@ -14,10 +14,7 @@ from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble
-from .._core.heterogeneous import (
-    Heterogeneous,
-    is_heterogeneous,
-)
+from .._core.heterogeneous import Heterogeneous, groups_of, is_heterogeneous
 from .._core.sharding import model_placement, on_mesh, place_state, restore_placement
 from .._execution.compile import (
     Options,
@@ -224,7 +221,6 @@ def prepare(
         sampling=sampling,
         key=key,
         resumed_from=None if history is None else done,
-        groups=ens.bounds if is_heterogeneous(ens) else None,
         guard=execution.guard,
         hparams={
             "members": size,
@@ -338,7 +334,6 @@ class Run:
     key: PRNGKeyArray
     resumed_from: int | None = None
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
-    groups: tuple[tuple[int, int], ...] | None = None  # a heterogeneous run's
     guard: str = "auto"  # `Execution.guard`
 
     def __post_init__(self):
@@ -506,7 +501,7 @@ class Run:
             ]
             self._logged_evaluations = len(self.recorder.eval_steps)
             self._logged_diverged = self._diverged_at.copy()
-            start_hparams = member_hparams(self.state(), self.groups)
+            start_hparams = member_hparams(self.state())
             self._hparams = bool(start_hparams)  # none at the start: none later
             self._info = RunInfo(
                 steps=self.steps,
@@ -547,9 +542,7 @@ class Run:
             eval_steps=np.asarray(recorded, np.int64),
             eval_scores=np.asarray(scores, np.float32).reshape(len(recorded), size),
             diverged_at=self.diverged_steps(),
-            member_hparams=member_hparams(self.state(), self.groups)
-            if self._hparams
-            else {},
+            member_hparams=member_hparams(self.state()) if self._hparams else {},
             events=tuple(events),
         )
         self._entry = (end, entry)
@@ -807,8 +800,7 @@ def _hides_non_finite(optimizer: Any, train_state: TrainState) -> bool:
 
 
 def _trains_shared(ens: Any) -> bool:
-    groups = ens.groups if is_heterogeneous(ens) else (ens,)
-    return any(getattr(group, "train_shared", False) for group in groups)
+    return any(getattr(group, "train_shared", False) for group in groups_of(ens))
 
 
 def _frozen(diverged_at: np.ndarray, stopped_at: np.ndarray) -> np.ndarray:

@@ -16,8 +16,10 @@ from .._core.ensemble import Ensemble, check_shared_shapes, with_members
 from .._core.groups import join_members
 from .._core.heterogeneous import (
     Heterogeneous,
+    groups_of,
     is_heterogeneous,
     per_group,
+    per_group_values,
     split_by_group,
 )
 from .._core.mapping import check_per_member_args
@@ -788,14 +790,7 @@ def ensemble_profile(
     run's FLOPs by up to the number of groups). The GPU layout rule's
     per-member threshold reads this mean too: a group of large CNNs beside
     members that do not convolve counts as smaller CNNs there."""
-    if not is_heterogeneous(ens):
-        return profile_step(
-            group_loss(loss_fn, 0),
-            ens.member(first_member(ens.members)),
-            member_batch,
-            first_member(state),
-            first_member(hyper),
-        )
+    groups = groups_of(ens)
     profiles = [
         profile_step(
             group_loss(loss_fn, index),
@@ -805,10 +800,12 @@ def ensemble_profile(
             first_member(hyper),
         )
         for index, (group, group_state) in enumerate(
-            zip(ens.groups, per_group(ens, state, "`state`"), strict=True)
+            zip(groups, per_group_values(ens, state), strict=True)
         )
     ]
-    sizes = ens.sizes
+    if len(profiles) == 1:
+        return profiles[0]
+    sizes = [len(group) for group in groups]
 
     def per_member(flops: Callable[[StepProfile], float]) -> float:
         total = sum(size * flops(p) for size, p in zip(sizes, profiles, strict=True))

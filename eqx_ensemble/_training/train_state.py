@@ -10,7 +10,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, member_axis_mask
-from .._core.heterogeneous import Heterogeneous, is_heterogeneous, split_by_group
+from .._core.heterogeneous import (
+    Heterogeneous,
+    is_heterogeneous,
+    over_groups,
+    split_by_group,
+)
 from .._execution.compile import CompiledFunctions, filter_jit
 from .._internal.keys import RunKeys, run_keys
 from .optim import init_state
@@ -116,33 +121,29 @@ def member_select(
 def track_init(tracker: Any, ens: Any) -> Any:
     """`tracker`'s first state (of a heterogeneous ensemble: a tuple, one state
     per group)."""
-    if is_heterogeneous(ens):
-        return tuple(tracker.init(group.members) for group in ens.groups)
-    return tracker.init(ens.members)
+    return over_groups(ens, lambda group: tracker.init(group.members))
 
 
 def track_update(tracker: Any, state: Any, ens: Any, done: Any) -> Any:
     """`tracker`'s state after a step (per group, as `track_init`)."""
-    if is_heterogeneous(ens):
-        return tuple(
-            tracker.update(group_state, group.members, done)
-            for group_state, group in zip(state, ens.groups, strict=True)
-        )
-    return tracker.update(state, ens.members, done)
+    return over_groups(
+        ens, lambda group, part: tracker.update(part, group.members, done), state
+    )
+
+
+def _joined_results(results: list[Any]) -> Any:
+    if all(isinstance(result, Ensemble) for result in results):
+        return Heterogeneous(results)
+    return tuple(results)
 
 
 def track_result(tracker: Any, state: Any, ens: Any) -> Any:
     """`tracker`'s result (per group, as `track_init`: the groups' results, as
     an `ee.Heterogeneous` where each is an `ee.Ensemble`)."""
-    if not is_heterogeneous(ens):
-        return tracker.result(state, ens)
-    results = [
-        tracker.result(group_state, group)
-        for group_state, group in zip(state, ens.groups, strict=True)
-    ]
-    if all(isinstance(result, Ensemble) for result in results):
-        return Heterogeneous(results)
-    return tuple(results)
+    return over_groups(
+        ens, lambda group, part: tracker.result(part, group), state,
+        join=_joined_results,
+    )  # fmt: skip
 
 
 def initial_state(
