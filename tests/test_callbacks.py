@@ -82,16 +82,16 @@ def test_hooks_come_in_phase_order_and_stops_end_dispatches(ens):
     assert np.array_equal(result.history.losses, plain.history.losses)
     ends = [done for name, hook, done in calls if hook == "dispatch"]
     # Dispatches end at every callback's stops (the run is one dispatch
-    # without them); all three see each one, observers first, ends reversed.
+    # without them); all three see each one, and end, in phase order.
     assert ends[::3] == [4, 7, 15, 20]
     order = ["observe", "record", "react"]
     assert [name for name, hook, _ in calls if hook == "check"] == order
     assert [name for name, hook, _ in calls if hook == "start"] == order
     assert [name for name, hook, _ in calls if hook == "dispatch"] == order * 4
     assert calls[-3:] == [
-        ("react", "end", "NoneType"),
-        ("record", "end", "NoneType"),
         ("observe", "end", "NoneType"),
+        ("record", "end", "NoneType"),
+        ("react", "end", "NoneType"),
     ]
 
 
@@ -232,3 +232,72 @@ def test_bad_callbacks_are_named(ens):
     # (The suite's runtime type checker may answer first, naming the parameter.)
     with pytest.raises(TypeError, match="`callbacks` must be a list|parameter 'call"):
         run(ens, callbacks=print)
+
+
+def test_misuse_is_refused_before_any_work(ens, tmp_path):
+    calls = []
+    observer = Observer("observe", calls)
+    # The checkpointer goes in `checkpoints=` (which also resumes from it).
+    with pytest.raises(TypeError, match=r"`callbacks\[1\]` is a `Checkpoints`"):
+        run(ens, callbacks=[observer, ee.Checkpoints(tmp_path)])
+    # One checkpointed callback has one place in the run's state.
+    counter = CountDispatches()
+    with pytest.raises(ValueError, match=r"`callbacks\[1\]`.*is given twice"):
+        run(ens, callbacks=[counter, counter])
+    assert calls == [] and not list(tmp_path.iterdir())  # nothing ran or written
+    run(ens, callbacks=[counter, CountDispatches()])  # two instances: two states
+
+
+def test_a_stop_that_is_not_ahead_is_named(ens):
+    class Stuck(ee.Callback):
+        def next_stop(self, done):
+            return done
+
+    with pytest.raises(ValueError, match=r"`Stuck.next_stop\(0\)` gave 0"):
+        run(ens, callbacks=[Stuck()])
+
+
+def test_the_log_entry_holds_the_dispatchs_events_for_any_reader(ens):
+    class Reads(ee.Callback):
+        seen: list
+
+        def on_dispatch(self, handle, run):
+            self.seen.append([event["event"] for event in run.log_entry().events])
+
+    # A REACT callback with no logger in the run sees the first dispatch's
+    # events too (the record starts at the run's start, not at the first read).
+    seen = []
+    run(
+        ens,
+        execution=ee.Execution(steps_per_dispatch=5),
+        steps=10,
+        callbacks=[Reads(seen), CountDispatches()],
+    )
+    assert seen == [["counted"], ["counted"]]
+
+    # Before the controllers ran, the record is not complete: refused.
+    class EarlyReads(Reads):
+        phase = ee.Callback.OBSERVE
+
+    with pytest.raises(RuntimeError, match="from a callback of phase `RECORD`"):
+        run(ens, callbacks=[EarlyReads([])])
+
+
+def test_equal_functions_are_called_each_as_itself(ens):
+    # Two distinct callables that compare equal: each is called, not the
+    # first one twice (plain functions' wrappers are cached by identity).
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Collect:
+        name: str
+        seen: list = dataclasses.field(compare=False, default_factory=list)
+
+        def __call__(self, result):
+            self.seen.append(len(result.history.losses))
+
+    first, second = Collect("losses"), Collect("losses")
+    assert first == second
+    run(ens, callbacks=[first])
+    run(ens, callbacks=[second])
+    assert first.seen == [20] and second.seen == [20]

@@ -9,6 +9,7 @@ must, changes it (a controller's new train state, a checkpoint's wait for the
 loggers)."""
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -66,9 +67,9 @@ class RunView:
     - `losses`: the last dispatch's `(steps, members)` training losses;
     - `diverged`: each member's divergence step counted from 1 (`-1`:
       healthy), as in `FitResult.diverged`;
-    - `finished`: whether every member has stopped or diverged (the run ends
-      after this dispatch); `last`: the run's last step (`steps`, or `done`
-      when it is finished);
+    - `finished`: whether every member has stopped or diverged, at least one
+      stopped (the run ends after this dispatch; all diverged is an error);
+      `last`: the run's last step (`steps`, or `done` when it is finished);
     - `train_state`, `history`, `result()`: the run so far.
 
     Change (the library's components use these; so may yours):
@@ -77,6 +78,10 @@ class RunView:
       checkpointed callback's own state, and a new train state (values only:
       its structure, shapes and dtypes must stay) with that state;
     - `sync()`: every callback's `on_sync` (before the run is saved).
+
+    For loggers and checkpoints: `run_info()`, `log_entry()` (the dispatch's
+    record, from the `RECORD` phase on: after the controllers ran),
+    `run_record()` and `data_position()`.
 
     **Example:**
 
@@ -169,7 +174,8 @@ class RunView:
 
     def log_entry(self) -> Any:
         """The last dispatch's record for loggers (an `ee.LogEntry`): one per
-        dispatch, the same for every logger."""
+        dispatch, the same for every logger; from the `RECORD` phase on (it
+        holds the controllers' events of the dispatch)."""
         return self._run.log_entry()
 
     def run_record(self) -> dict[str, Any]:
@@ -196,20 +202,22 @@ class Callback(Component):
     - `on_dispatch(handle, run: RunView) -> None`: after every dispatch.
     - `on_sync(handle) -> None`: before the run is saved (make what was
       written so far durable).
-    - `on_end(handle, error) -> None`: when the run ends; `error` is the
-      exception ending it, or `None`.
+    - `on_end(handle, error) -> None`: when the run ends, in phase order
+      (the last checkpoint is committed before `REACT` callbacks end);
+      `error` is the exception ending it, or `None`.
 
     `phase` orders the callbacks (then the order given): `OBSERVE` (10,
     progress meters), `CHANGE` (20, controllers), `RECORD` (30, loggers),
-    `SAVE` (40, checkpoints), `REACT` (50, the default: plain functions and
-    anything that should see the saved run). When every member diverged,
+    `SAVE` (40, the checkpointer given as `fit(..., checkpoints=)`), `REACT`
+    (50, the default: plain functions and anything that should come after
+    the checkpoint). When every member diverged,
     only `OBSERVE` and `RECORD` callbacks see the dispatch, and the run
     fails. A callback with `checkpointed = True` keeps its own state in the
     train state (`init(train_state)`; `RunView.state_of`), saved and resumed
     with the run; `events(state)` says what it did, for loggers.
 
     An error raised by a hook ends the run with the run so far attached as
-    `error.result`; every callback still gets `on_end`.
+    `error.result`; every callback whose `on_start` ran still gets `on_end`.
 
     **Example:** stop every member once all losses are small (a change of
     the train state, as a controller makes):
@@ -284,31 +292,35 @@ class Callback(Component):
 
 
 class _Function(Callback):
-    """A plain function of the `FitResult`, called after every dispatch."""
+    """A plain function of the `FitResult`, called after every dispatch
+    (`target`: the function, or a weak reference to it where `weak`)."""
 
-    function: Callable[["FitResult"], Any]
+    target: Any
+    weak: bool = False
 
     def on_dispatch(self, handle: Any, run: RunView) -> None:
-        self.function(run.result(copy=True))
+        function = self.target() if self.weak else self.target
+        function(run.result(copy=True))
 
 
-# Plain functions wrapped once each (an `eqx.Module` costs ~70 us to build on
-# a CPU, on every `fit` call otherwise); bounded.
-_WRAPPED: dict[Any, Callback] = {}
+# Plain functions wrapped once each, by identity (an `eqx.Module` costs ~70 us
+# to build on a CPU, on every `fit` call otherwise). A wrapper holds its
+# function weakly, so the cache keeps nothing alive; bounded.
+_WRAPPED: dict[int, _Function] = {}
 
 
 def _wrap(function: Callable[..., Any]) -> Callback:
+    wrapped = _WRAPPED.get(id(function))
+    if wrapped is not None and wrapped.target() is function:
+        return wrapped
     try:
-        return _WRAPPED[function]
-    except (KeyError, TypeError):
-        pass
-    wrapped = _Function(function)
-    try:
-        if len(_WRAPPED) > 64:
-            _WRAPPED.clear()
-        _WRAPPED[function] = wrapped
-    except TypeError:  # unhashable
-        pass
+        reference = weakref.ref(function)
+    except TypeError:  # a builtin: wrapped every time
+        return _Function(function)
+    wrapped = _Function(reference, weak=True)
+    if len(_WRAPPED) > 64:
+        _WRAPPED.clear()
+    _WRAPPED[id(function)] = wrapped
     return wrapped
 
 

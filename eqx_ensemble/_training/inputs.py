@@ -146,3 +146,26 @@ def check_components(
                 f"{type(item).__name__}"
             )
     return tuple(track)
+
+
+def check_callbacks(callbacks: Any) -> None:
+    """What `fit`'s `callbacks` may not hold: the checkpointer (it goes in
+    `checkpoints=`, which resumes the run too), or one checkpointed callback
+    twice (its state has one place in the run)."""
+    if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
+        return  # refused, by name, in `as_callbacks`
+    seen: set[int] = set()
+    for position, item in enumerate(callbacks):
+        if isinstance(item, Checkpointer):
+            raise TypeError(
+                f"`callbacks[{position}]` is a `{type(item).__name__}`: pass it as "
+                "`fit(..., checkpoints=...)`, which also resumes the run from it"
+            )
+        if getattr(item, "checkpointed", False):
+            if id(item) in seen:
+                raise ValueError(
+                    f"`callbacks[{position}]`, a `{type(item).__name__}`, is given "
+                    "twice: its state has one place in the run; pass two "
+                    "instances for two"
+                )
+            seen.add(id(item))

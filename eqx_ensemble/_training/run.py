@@ -34,7 +34,12 @@ from .callback import Callback, RunSetup, RunView, as_callbacks
 from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
-from .inputs import check_chunkable, check_components, check_inputs
+from .inputs import (
+    check_callbacks,
+    check_chunkable,
+    check_components,
+    check_inputs,
+)
 from .loggers import LogEntry, RunInfo
 from .loop import (
     NOT_FINITE,
@@ -108,6 +113,7 @@ def prepare(
         )
     mesh = execution.mesh
     track = check_components(evaluate, checkpoints, track)
+    check_callbacks(callbacks)
     # The host's components in the order they run (`Callback.phase`).
     components = as_callbacks(
         [*callbacks, *([] if checkpoints is None else [checkpoints])]
@@ -354,8 +360,23 @@ class Run:
         # only the observers and recorders see the dispatch.
         self._observers = sum(item.phase <= Callback.OBSERVE for item in self.callbacks)
         self._handles: list[Any] = []
+        self._attached: set[int] = set()  # errors carrying this run
+        self._phase: int | None = None  # of the callback being called
         self._info: RunInfo | None = None
         self._entry: tuple[int, LogEntry] | None = None
+        # What the loggers were given so far (`log_entry`): a fresh run's is
+        # known; a resumed run's earlier events and evaluations were logged.
+        self._logged_diverged = self._diverged_at.copy()
+        self._logged_evaluations = len(self.recorder.eval_steps)
+        self._logged_events = [0] * len(self._stateful)
+        if self.resumed_from is not None:
+            self._logged_events = [
+                len(item.events(state))
+                for item, state in zip(
+                    self._stateful, self.train_state.controlled, strict=True
+                )
+            ]
+        self._hparams: bool | None = None  # whether the members have any
         # The optimistic guard (`dispatch`): on a CPU's counted dispatches,
         # not where the optimizer replaces non-finite gradients itself (the
         # end-of-dispatch check could not see them), nor where members
@@ -400,51 +421,57 @@ class Run:
                     self._attach(read_error)
                     raise read_error
         except BaseException as error:
-            # The run's own error wins: the callbacks end quietly (a note
-            # each), the last first (a checkpoint being written ends; on one
-            # process it commits).
-            for item, handle in reversed(list(zip(self.callbacks, self._handles))):
-                try:
-                    item.on_end(handle, error)
-                except Exception as other:  # noqa: BLE001 - reported as a note
-                    error.add_note(f"(ending {type(item).__name__} failed: {other!r})")
+            # The run's own error wins: the callbacks end quietly, a note each
+            # (a checkpoint being written ends; on one process it commits).
+            self.end(error)
             raise
-        ending = list(zip(self.callbacks, self._handles, strict=True))
-        while ending:  # the last first: a checkpoint is committed before the logs end
-            item, handle = ending.pop()
-            try:
-                self._call(item.on_end, handle, None)
-            except BaseException as error:
-                for item, handle in reversed(ending):
-                    try:
-                        item.on_end(handle, error)
-                    except Exception as other:  # noqa: BLE001 - a note
-                        error.add_note(
-                            f"(ending {type(item).__name__} failed: {other!r})"
-                        )
-                raise
+        self.end(None)
         return self.result()
+
+    def end(self, error: BaseException | None) -> None:
+        """Every started callback's `on_end`, in phase order (the checkpoint is
+        committed before `REACT` callbacks end), with the error ending the run.
+        After a clean run the first error an `on_end` raises becomes the
+        run's: the callbacks after it end with it, and it is raised."""
+        raised = None
+        for item, handle in zip(self.callbacks, self._handles, strict=False):
+            if error is None:
+                try:
+                    self._call(item.on_end, handle, None)
+                except BaseException as failed:  # the others end with it
+                    error = raised = failed
+                continue
+            try:
+                item.on_end(handle, error)
+            except Exception as other:  # noqa: BLE001 - reported as a note
+                error.add_note(f"(ending {type(item).__name__} failed: {other!r})")
+        if raised is not None:
+            raise raised
 
     def after_dispatch(self, view: RunView) -> None:
         """The callbacks' work after a dispatch, in phase order; when every
         member diverged, only the observers and recorders, then the error."""
         pairs = list(zip(self.callbacks, self._handles, strict=True))
         for item, handle in pairs[: self._observers]:
+            self._phase = item.phase
             self._call(item.on_dispatch, handle, view)
         if (self._diverged_at >= 0).all():
             for item, handle in pairs[self._observers :]:
                 if item.phase == Callback.RECORD:
+                    self._phase = item.phase
                     self._call(item.on_dispatch, handle, view)
             self.fail(EnsembleDivergedError, self.diverged_message())
         for item, handle in pairs[self._observers :]:
+            self._phase = item.phase
             self._call(item.on_dispatch, handle, view)
+        self._phase = None
 
     def _call(self, hook: Any, *args: Any) -> Any:
         """A callback's hook; its error carries the run as `error.result`."""
         try:
             return hook(*args)
         except Exception as error:
-            if getattr(error, "result", None) is None:
+            if id(error) not in self._attached:  # (not one of this run's own)
                 self._attach(error)
             raise
 
@@ -490,17 +517,8 @@ class Run:
         self._may_stop = True
 
     def run_info(self) -> RunInfo:
-        """The run's description for loggers; from here on, `log_entry` gives
-        what is new since (a resumed run's earlier events were logged)."""
+        """The run's description for loggers."""
         if self._info is None:
-            self._logged_events = [
-                len(item.events(state))
-                for item, state in zip(
-                    self._stateful, self.state().controlled, strict=True
-                )
-            ]
-            self._logged_evaluations = len(self.recorder.eval_steps)
-            self._logged_diverged = self._diverged_at.copy()
             start_hparams = member_hparams(self.state())
             self._hparams = bool(start_hparams)  # none at the start: none later
             self._info = RunInfo(
@@ -514,10 +532,17 @@ class Run:
         return self._info
 
     def log_entry(self) -> LogEntry:
-        """The last dispatch's record for loggers (once per dispatch)."""
+        """The last dispatch's record for loggers: built once per dispatch,
+        after the controllers ran (from the `RECORD` phase on)."""
+        if self._phase is not None and self._phase < Callback.RECORD:
+            raise RuntimeError(
+                "`RunView.log_entry()` is the dispatch's record after the "
+                "controllers ran: read it from a callback of phase `RECORD` or later"
+            )
         if self._entry is not None and self._entry[0] == self.done:
             return self._entry[1]
-        self.run_info()
+        if self._hparams is None:
+            self._hparams = bool(member_hparams(self.state()))
         losses, end = self.losses, self.done
         events: list[dict[str, Any]] = []
         newly = (self._logged_diverged < 0) & (self._diverged_at >= 0)
@@ -551,6 +576,7 @@ class Run:
     def _attach(self, error: Exception) -> None:
         attached: Any = error
         attached.result = self.result()
+        self._attached.add(id(error))
 
     def dispatch_end(self, done: int, available: int | None = None) -> int:
         """Where the dispatch starting at `done` ends: after the plan's steps per
@@ -560,6 +586,12 @@ class Run:
         for item in self.callbacks:
             stop = item.next_stop(done)
             if stop is not None:
+                if stop <= done:
+                    raise ValueError(
+                        f"`{type(item).__name__}.next_stop({done})` gave {stop}: a "
+                        "callback's next stop must come after the steps done "
+                        "(`None`: it needs no stop of its own)"
+                    )
                 ends.append(stop)
         if self.chunk.unrolled and self.chunk.evaluate is not None:
             ends.append(self.chunk.evaluate.next_stop(done))
@@ -750,7 +782,7 @@ class Run:
 
     def fail(self, cls: type[Exception], message: str) -> NoReturn:
         error: Any = cls(message)
-        error.result = self.result()
+        self._attach(error)
         raise error
 
     def diverged_steps(self) -> np.ndarray:
