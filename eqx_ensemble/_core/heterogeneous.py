@@ -244,6 +244,12 @@ def is_heterogeneous(x: Any) -> TypeIs[Heterogeneous]:
     return isinstance(x, Heterogeneous)
 
 
+def is_ensemble(x: Any) -> TypeIs[Ensemble | Heterogeneous]:
+    """Whether `x` is an ensemble the library trains: an `ee.Ensemble` or an
+    `ee.Heterogeneous`."""
+    return isinstance(x, Ensemble | Heterogeneous)
+
+
 # The groups interface: the training code calls these instead of asking
 # whether an ensemble is heterogeneous. A plain `ee.Ensemble` is one group.
 

@@ -138,11 +138,10 @@ def distillation_loss(
     distilled = result.ensemble[0]
     ```
     """
-    from .._core.ensemble import Ensemble
-    from .._core.heterogeneous import is_heterogeneous
+    from .._core.heterogeneous import is_ensemble
     from .._core.predict import predict
 
-    if not isinstance(teacher, Ensemble) and not is_heterogeneous(teacher):
+    if not is_ensemble(teacher):
         raise TypeError(
             "`teacher` must be an `ee.Ensemble` or an `ee.Heterogeneous`, got "
             f"{type(teacher).__name__}"

@@ -4,8 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._core.data import check_leading
-from .._core.ensemble import Ensemble
-from .._core.heterogeneous import Heterogeneous, check_group_states, is_heterogeneous
+from .._core.heterogeneous import check_group_states, is_ensemble, is_heterogeneous
 from .._internal.keys import check_key
 from .checkpointer import Checkpointer
 from .coupled import Coupled
@@ -32,7 +31,7 @@ def check_inputs(
     refuses, the model state, the loss's signature, the hyperparameters, a given
     optimizer state (`make_step` always has one: `None` there is refused by
     the same check). Returns the number of members."""
-    if not isinstance(ens, Ensemble | Heterogeneous):
+    if not is_ensemble(ens):
         raise TypeError(
             f"`{where}` expects an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
             f"{type(ens).__name__}"

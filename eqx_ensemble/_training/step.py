@@ -17,6 +17,7 @@ from .._core.groups import join_members
 from .._core.heterogeneous import (
     Heterogeneous,
     groups_of,
+    is_ensemble,
     is_heterogeneous,
     per_group,
     per_group_values,
@@ -709,7 +710,7 @@ class Step(eqx.Module):
             return _LoweredStep(lowered, None)
 
     def _plan(self, ens: Any, batch: Any, state: Any = None, hyper: Any = None) -> Plan:
-        if not isinstance(ens, Ensemble | Heterogeneous):  # refused when traced
+        if not is_ensemble(ens):  # refused when traced
             layout = "sequential" if self.layout == "sequential" else "vmap"
             return Plan(layout, self.compiler_options or ())
         try:
