@@ -18,7 +18,7 @@ from conftest import assert_tree_allclose
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import eqx_ensemble as ee
-from eqx_ensemble._core.sharding import gather_batch
+from eqx_ensemble._training.placement import gather_batch
 
 MESHES = {
     "members": dict(members=8),

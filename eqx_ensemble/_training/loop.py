@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.heterogeneous import over_groups
-from .._core.sharding import constrain, place_state, replicate
 from .._execution.compile import (
     CompiledFunctions,
     Options,
@@ -40,6 +39,7 @@ from .._execution.layout import Layout
 from .._execution.placement import MEMBERS, members_devices
 from .evaluate import Evaluate, eval_member_keys
 from .loss import LossFn
+from .placement import constrain, place_state, replicate
 from .sampling import Sampling
 from .source import Batches
 from .step import all_finite, vmapped_update

@@ -20,11 +20,12 @@ from .._core.heterogeneous import (
     over_groups,
     per_group,
 )
-from .._core.sharding import follow_model, members_mesh, model_mesh, shard
+from .._core.sharding import shard
 from .._internal.checks import real_array
 from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
 from .loss import check_optimizer
+from .placement import follow_model, members_mesh, model_mesh
 
 
 def optimizer_update(

@@ -15,7 +15,6 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import Heterogeneous, groups_of, is_heterogeneous
-from .._core.sharding import model_placement, on_mesh, place_state, restore_placement
 from .._execution.compile import (
     Options,
     platform_of,
@@ -58,6 +57,7 @@ from .optim import (
     member_hparams,
     schedule_problem,
 )
+from .placement import model_placement, on_mesh, place_state, restore_placement
 from .record import (
     RunRecord,
     hyperparams_record,

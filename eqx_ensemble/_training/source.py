@@ -20,11 +20,11 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core.data import num_examples
-from .._core.sharding import constrain, gather_batch, on_mesh
 from .._execution.placement import DATA, MEMBERS
 from .._execution.profile import example_structs, first_member, signature
 from .._internal.checks import check_positive_int
 from .epochs import EpochIterator, Epochs
+from .placement import constrain, gather_batch, on_mesh
 from .sampling import MAX_INDICES, Bootstrap, Sampling
 from .stream import BatchGroups, batch_digest, example_count, open_stream
 

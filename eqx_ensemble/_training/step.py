@@ -24,7 +24,6 @@ from .._core.heterogeneous import (
     split_by_group,
 )
 from .._core.mapping import check_per_member_args
-from .._core.sharding import pin_placement, replicate, sharded_update, tree_placement
 from .._execution.compile import (
     CompiledFunctions,
     Options,
@@ -52,6 +51,7 @@ from .loss import (
     profile_step,
 )
 from .optim import SharedOptState, optimizer_update, trainable
+from .placement import pin_placement, replicate, sharded_update, tree_placement
 
 
 class StepOutput(NamedTuple):
