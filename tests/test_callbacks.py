@@ -171,22 +171,16 @@ class CountDispatches(ee.Callback):
 def test_a_checkpointed_callbacks_state_is_saved_and_resumed(ens, tmp_path):
     every = ee.Execution(steps_per_dispatch=5)
     counter = CountDispatches()
-    first = run(
-        ens,
-        steps=10,
-        execution=every,
-        callbacks=[counter],
-        checkpoints=ee.Checkpoints(tmp_path, every=5),
-    )
-    assert int(first.train_state.controlled[0]) == 2
-    resumed = run(
-        ens,
-        steps=20,
-        execution=every,
-        callbacks=[counter],
-        checkpoints=ee.Checkpoints(tmp_path, every=5),
-    )
-    assert int(resumed.train_state.controlled[0]) == 4  # 2 before, 2 after
+    # 10 steps, then resumed to 20: 2 dispatches before, 2 after.
+    for steps, counted in ((10, 2), (20, 4)):
+        result = run(
+            ens,
+            steps=steps,
+            execution=every,
+            callbacks=[counter],
+            checkpoints=ee.Checkpoints(tmp_path, every=5),
+        )
+        assert int(result.train_state.controlled[0]) == counted
     latest = ee.Checkpoints(tmp_path).latest(ens, OPT, callbacks=[counter])
     assert latest is not None and int(latest.train_state.controlled[0]) == 4
     # A callback without state has none to read.
