@@ -105,138 +105,134 @@ def prepare(
     )  # fmt: skip
     steps = check_positive_int(steps, "steps", high=MAX_INT32)
     sampling = as_sampling(sampling)
+    check_sampling(loss_fn, sampling)
+    track, components = _components(
+        ens, size, steps, state, evaluate, checkpoints, track, callbacks
+    )
+    mesh, plan = execution.mesh, None
+    # Arrays are checked now, and the plan is known (a stream is opened where
+    # the run starts, below: its plan needs its first batch).
+    source: DataSource | None = None
+    if check_data(data):
+        source = ArraySource(data, sampling, batch_size, size)
+        if mesh is not None:
+            mesh = check_fit_mesh(mesh, size, source.batch_size)
+        plan = plan_fit(
+            execution, loss_fn, ens, size, source, state, hyper, mesh, steps
+        )
+    train_state, keys = start_state(
+        ens, optimizer, opt_state, state, hyper=hyper, track=track,
+        with_eval=evaluate is not None, key=key,
+    )  # fmt: skip
+    stateful = tuple(item for item in components if item.checkpointed)
+    if stateful:
+        train_state = dataclasses.replace(
+            train_state, controlled=tuple(item.init(train_state) for item in stateful)
+        )
+    record, history, saved_data = None, None, None
+    if checkpoints is not None:
+        record = run_record(
+            ens, optimizer, opt_state, train_state, source, sampling, batch_size,
+            key, evaluate, track, hyper,
+        )  # fmt: skip
+        train_state, history, saved_data = _resumed(
+            checkpoints, train_state, record, steps, mesh, size
+        )
+    done = int(train_state.step)
+    if source is None:
+        source = StreamSource(data, sampling, batch_size, size, done, saved_data)
+        if mesh is not None:
+            mesh = check_fit_mesh(mesh, size, source.batch_size)
+        plan = plan_fit(
+            execution, loss_fn, ens, size, source, state, hyper, mesh, steps
+        )
+    else:
+        source.start(keys.data, keys.bootstrap, mesh)
+    assert plan is not None
+    train_state = place_state(train_state, mesh)
+    chunk = Chunk(
+        loss_fn=loss_fn, optimizer=optimizer, sampling=sampling, evaluate=evaluate,
+        track=track,
+        batches=source.batches() if source.kind == "arrays" else None,
+        train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=size,
+        length=plan.length, mesh=mesh, unrolled=plan.unroll, layout=plan.layout,
+        check=plan.check, counted=plan.counted, member_chunk=execution.member_chunk,
+        placement=model_placement(train_state, mesh),
+    )  # fmt: skip
+    return Run(
+        chunk=on_mesh(chunk, mesh), options=plan.compiler_options,
+        train_state=train_state, recorder=Recorder(size, history), steps=steps,
+        source=source, callbacks=components, track=track, record=record,
+        sampling=sampling, key=key, guard=execution.guard,
+        resumed_from=None if history is None else done,
+        hparams={
+            "members": size, "steps": steps, "batch_size": source.batch_size,
+            "sampling": type(sampling).__name__, "data": source.kind,
+            "resumed_from": done,
+        },
+    )  # fmt: skip
+
+
+def check_sampling(loss_fn: LossFn, sampling: Sampling) -> None:
+    """A coupled loss that reads one batch for all members takes no
+    per-member sampling."""
     if isinstance(loss_fn, Coupled) and loss_fn.shared_batch and sampling.per_member:
         raise ValueError(
             f"this coupled loss reads one batch for all members, but "
             f"`sampling={type(sampling).__name__}(...)` gives each member its own; "
             "use `sampling=ee.Shared()` (the default)"
         )
-    mesh = execution.mesh
+
+
+def _components(
+    ens: Any,
+    size: int,
+    steps: int,
+    state: PyTree[Any],
+    evaluate: Evaluate | None,
+    checkpoints: Callback | None,
+    track: Sequence[Tracker],
+    callbacks: Sequence[Any],
+) -> tuple[tuple[Tracker, ...], tuple[Callback, ...]]:
+    """The run's trackers and its host components in the order they run
+    (`Callback.phase`), each checked: what a callback can check of the run (a
+    logger's folder; that `ee.PBT` gets a fresh evaluation for every round)
+    is refused before any work."""
     track = check_components(evaluate, checkpoints, track)
     check_callbacks(callbacks)
-    # The host's components in the order they run (`Callback.phase`).
     components = as_callbacks(
         [*callbacks, *([] if checkpoints is None else [checkpoints])]
     )
     for tracker in track:
         tracker.check(steps)
-    # What a callback can check of the run (a logger's folder; that `ee.PBT`
-    # gets a fresh evaluation for every round) is refused before any work.
     if components:
-        setup = RunSetup(
-            steps, size, ens, None if evaluate is None else evaluate.every, components
-        )
+        every = None if evaluate is None else evaluate.every
+        setup = RunSetup(steps, size, ens, every, components)
         for component in components:
             component.on_check(setup)
     if evaluate is not None:
         evaluate.check(state is not None)
-    arrays = check_data(data)
-    # Arrays are checked now; a stream is opened where the run starts (below).
-    source: DataSource | None = None
-    if arrays:
-        source = ArraySource(data, sampling, batch_size, size)
-        if mesh is not None:
-            mesh = check_fit_mesh(mesh, size, source.batch_size)
-    # Array data: the plan is known now (a stream's needs its first batch).
-    plan = None
-    if isinstance(source, ArraySource):
-        plan = plan_fit(
-            execution, loss_fn, ens, size, source, state, hyper, mesh, steps
-        )
-    # The start state (a fresh optimizer state unless one is given, every leaf
-    # a new buffer: the loop donates its state) and the run's keys, in one
-    # call: a separate program from the dispatch, so that a run of one
-    # dispatch and a run of many (checkpoints, controllers, loggers, a longer
-    # `steps=`) share the dispatch's program.
-    train_state, keys = start_state(
-        ens,
-        optimizer,
-        opt_state,
-        state,
-        hyper=hyper,
-        track=track,
-        with_eval=evaluate is not None,
-        key=key,
-    )
-    stateful = tuple(item for item in components if item.checkpointed)
-    if stateful:
-        train_state = dataclasses.replace(
-            train_state, controlled=tuple(item.init(train_state) for item in stateful)
-        )
-    record = None
-    history = None
-    saved_data = None
-    if checkpoints is not None:
-        record = run_record(
-            ens, optimizer, opt_state, train_state, source, sampling, batch_size,
-            key, evaluate, track, hyper,
-        )  # fmt: skip
-        checkpoints.prepare()
-        template = train_state
-        if mesh is not None and checkpoints.has_checkpoints():
-            # Loaded straight onto the mesh: from a sharded checkpoint, each
-            # process reads only the shards its devices hold.
-            template = place_state(train_state, check_fit_mesh(mesh, size, 0))
-        resumed = checkpoints.resume(template, record, steps)
-        if resumed is not None:
-            train_state, history, saved_data = resumed
-    done = int(train_state.step)
-    if source is None:
-        source = StreamSource(
-            data, sampling, batch_size, size, start=done, saved=saved_data
-        )
-        if mesh is not None:
-            mesh = check_fit_mesh(mesh, size, source.batch_size)
-    else:
-        source.start(keys.data, keys.bootstrap, mesh)
-    if plan is None:
-        plan = plan_fit(
-            execution, loss_fn, ens, size, source, state, hyper, mesh, steps
-        )
-    train_state = place_state(train_state, mesh)
-    chunk = Chunk(
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        sampling=sampling,
-        evaluate=evaluate,
-        track=track,
-        batches=source.batches() if isinstance(source, ArraySource) else None,
-        train_key=keys.train,
-        eval_key=keys.eval,
-        end=np.int32(0),
-        size=size,
-        length=plan.length,
-        mesh=mesh,
-        unrolled=plan.unroll,
-        layout=plan.layout,
-        check=plan.check,
-        counted=plan.counted,
-        member_chunk=execution.member_chunk,
-        placement=model_placement(train_state, mesh),
-    )
-    return Run(
-        chunk=on_mesh(chunk, mesh),
-        options=plan.compiler_options,
-        train_state=train_state,
-        recorder=Recorder(size, history),
-        steps=steps,
-        source=source,
-        callbacks=components,
-        track=track,
-        record=record,
-        sampling=sampling,
-        key=key,
-        resumed_from=None if history is None else done,
-        guard=execution.guard,
-        hparams={
-            "members": size,
-            "steps": steps,
-            "batch_size": source.batch_size,
-            "sampling": type(sampling).__name__,
-            "data": "arrays" if isinstance(source, ArraySource) else "stream",
-            "resumed_from": done,
-        },
-    )
+    return track, components
+
+
+def _resumed(
+    checkpoints: Any,
+    train_state: TrainState,
+    record: RunRecord,
+    steps: int,
+    mesh: Mesh | None,
+    size: int,
+) -> tuple[TrainState, Any, Any]:
+    """The newest checkpoint's `(train_state, history, data position)`, or the
+    start state with no history."""
+    checkpoints.prepare()
+    template = train_state
+    if mesh is not None and checkpoints.has_checkpoints():
+        # Loaded straight onto the mesh: from a sharded checkpoint, each
+        # process reads only the shards its devices hold.
+        template = place_state(train_state, check_fit_mesh(mesh, size, 0))
+    resumed = checkpoints.resume(template, record, steps)
+    return (train_state, None, None) if resumed is None else resumed
 
 
 def run_record(

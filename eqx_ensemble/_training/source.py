@@ -105,6 +105,8 @@ class DataSource(abc.ABC):
     per_member: bool
     batch_size: int
     num_examples: int | None
+    # "arrays" (sampled inside compiled code) or "stream" (read on the host).
+    kind: ClassVar[str] = "arrays"
     # Whether a dispatch's group of batches is read and padded on the host
     # (a stream), so that it costs host work per compiled step.
     pads_on_host: ClassVar[bool] = False
@@ -206,6 +208,7 @@ class StreamSource(DataSource):
     groups of batches are read and stacked on the host, the next while the
     current dispatch runs."""
 
+    kind: ClassVar[str] = "stream"
     pads_on_host: ClassVar[bool] = True
 
     def __init__(
