@@ -360,18 +360,20 @@ class Run:
         self._phase: int | None = None  # of the callback being called
         self._info: RunInfo | None = None
         self._entry: tuple[int, LogEntry] | None = None
-        # What the loggers were given so far (`log_entry`): a fresh run's is
-        # known; a resumed run's earlier events and evaluations were logged.
-        self._logged_diverged = self._diverged_at.copy()
-        self._logged_evaluations = len(self.recorder.eval_steps)
-        self._logged_events = [0] * len(self._stateful)
+        # What the loggers were given so far (`log_entry`): a resumed run's
+        # earlier events and evaluations were logged (a fresh run: nothing).
+        self._logged: tuple[np.ndarray, int, list[int]] | None = None
         if self.resumed_from is not None:
-            self._logged_events = [
-                len(item.events(state))
-                for item, state in zip(
-                    self._stateful, self.train_state.controlled, strict=True
-                )
-            ]
+            self._logged = (
+                self._diverged_at.copy(),
+                len(self.recorder.eval_steps),
+                [
+                    len(item.events(state))
+                    for item, state in zip(
+                        self._stateful, self.train_state.controlled, strict=True
+                    )
+                ],
+            )
         self._hparams: bool | None = None  # whether the members have any
         # The optimistic guard (`dispatch`): on a CPU's counted dispatches,
         # not where the optimizer replaces non-finite gradients itself (the
@@ -541,21 +543,27 @@ class Run:
             self._hparams = bool(member_hparams(self.state()))
         losses, end = self.losses, self.done
         events: list[dict[str, Any]] = []
-        newly = (self._logged_diverged < 0) & (self._diverged_at >= 0)
+        if self._logged is None:
+            self._logged = (
+                np.full_like(self._diverged_at, -1),
+                0,
+                [0] * len(self._stateful),
+            )
+        diverged, evaluations, counts = self._logged
+        newly = (diverged < 0) & (self._diverged_at >= 0)
         for member in np.flatnonzero(newly):
             step = int(self._diverged_at[member]) + 1  # counted like `steps`
             events.append({"step": step, "event": "diverged", "member": int(member)})
-        self._logged_diverged = self._diverged_at.copy()
         for position, item in enumerate(self._stateful):
             made = item.events(self.state().controlled[position])
-            events += made[self._logged_events[position] :]
-            self._logged_events[position] = len(made)
+            events += made[counts[position] :]
+            counts[position] = len(made)
         for tracker in self.track:
             events += tracker.events(end - len(losses), end)
         events.sort(key=lambda event: event["step"])  # stable: by step, then kind
-        recorded = self.recorder.eval_steps[self._logged_evaluations :]
-        scores = self.recorder.eval_scores[self._logged_evaluations :]
-        self._logged_evaluations = len(self.recorder.eval_steps)
+        recorded = self.recorder.eval_steps[evaluations:]
+        scores = self.recorder.eval_scores[evaluations:]
+        self._logged = (self._diverged_at.copy(), len(self.recorder.eval_steps), counts)
         size = len(self._diverged_at)
         entry = LogEntry(
             steps=np.arange(end - len(losses) + 1, end + 1),
