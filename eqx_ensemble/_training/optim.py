@@ -245,53 +245,7 @@ def set_hyperparams(
                 f"({[path for path, _ in owners]}); set them on the optimizer itself"
             )
         path, node = owners[0]
-        current = node.hyperparams[name]
-        given_shape = np.shape(value)  # pyright: ignore[reportArgumentType]
-        if current.ndim == 0 and len(given_shape) > 0:
-            raise ValueError(
-                f"Hyperparameter {name!r} is held once in this optimizer state (it "
-                "is not stacked over members: e.g. the state of a shared part, "
-                "`SharedOptState.shared`), so it takes ONE value, got shape "
-                f"{given_shape}. A shared part is trained with one "
-                "setting for all members; per-member values apply to the members' "
-                "own state (`SharedOptState.members`, or the whole `SharedOptState`)."
-            )
-        state_size = current.shape[0] if current.ndim else None
-        if state_size is not None and state_size != size:
-            raise ValueError(
-                f"`size` is {size} but the optimizer state holds {state_size} "
-                f"members (hyperparameter {name!r} has shape {tuple(current.shape)}); "
-                "pass the ensemble size the state was made for"
-            )
-        array = real_array(value, f"hyperparams[{name!r}]")
-        if jnp.issubdtype(array.dtype, jnp.complexfloating) or array.dtype == bool:
-            raise TypeError(
-                f"Hyperparameter {name!r} must be real numbers, got dtype {array.dtype}"
-            )
-        if array.ndim == 0 and current.ndim:
-            array = jnp.broadcast_to(array, (size,))
-        if array.shape != ((size,) if current.ndim else ()):
-            raise ValueError(
-                f"Hyperparameter {name!r} must have one value per member: the "
-                f"ensemble has {size} members, got shape {tuple(array.shape)}"
-            )
-        if not is_traced(array):
-            finite = np.isfinite(np.asarray(array, dtype=np.float64))
-            if not finite.all():
-                bad = np.flatnonzero(~finite).tolist()
-                raise ValueError(
-                    f"Hyperparameter {name!r} is not finite for members {bad}: "
-                    f"{np.asarray(array).tolist()}"
-                )
-        # Match the state's dtype exactly, weak type included (`jnp.full(3, 0.1)` is
-        # weakly typed; optax would make it strong at the first update, changing the
-        # state's type from one step to the next).
-        if (
-            not isinstance(value, jax.Array)
-            or not jax.numpy.issubdtype(array.dtype, current.dtype)
-            or jax.typeof(array).weak_type != jax.typeof(current).weak_type
-        ):
-            array = jax.lax.convert_element_type(array, current.dtype)
+        array = _hyperparam_value(name, value, node.hyperparams[name], size)
         new_hyperparams = {**node.hyperparams, name: array}
         opt_state = jtu.tree_map(
             lambda x, node=node, new=new_hyperparams: (
@@ -302,6 +256,59 @@ def set_hyperparams(
         )
         nodes = hyperparam_nodes(opt_state)
     return opt_state
+
+
+def _hyperparam_value(name: str, value: Any, current: Any, size: int) -> Any:
+    """`value` for the injected hyperparameter `name` (held as `current`):
+    checked (one value per member, or one for a state held once; real and
+    finite) and cast to `current`'s dtype and weak type."""
+    given_shape = np.shape(value)  # pyright: ignore[reportArgumentType]
+    if current.ndim == 0 and len(given_shape) > 0:
+        raise ValueError(
+            f"Hyperparameter {name!r} is held once in this optimizer state (it "
+            "is not stacked over members: e.g. the state of a shared part, "
+            "`SharedOptState.shared`), so it takes ONE value, got shape "
+            f"{given_shape}. A shared part is trained with one "
+            "setting for all members; per-member values apply to the members' "
+            "own state (`SharedOptState.members`, or the whole `SharedOptState`)."
+        )
+    state_size = current.shape[0] if current.ndim else None
+    if state_size is not None and state_size != size:
+        raise ValueError(
+            f"`size` is {size} but the optimizer state holds {state_size} "
+            f"members (hyperparameter {name!r} has shape {tuple(current.shape)}); "
+            "pass the ensemble size the state was made for"
+        )
+    array = real_array(value, f"hyperparams[{name!r}]")
+    if jnp.issubdtype(array.dtype, jnp.complexfloating) or array.dtype == bool:
+        raise TypeError(
+            f"Hyperparameter {name!r} must be real numbers, got dtype {array.dtype}"
+        )
+    if array.ndim == 0 and current.ndim:
+        array = jnp.broadcast_to(array, (size,))
+    if array.shape != ((size,) if current.ndim else ()):
+        raise ValueError(
+            f"Hyperparameter {name!r} must have one value per member: the "
+            f"ensemble has {size} members, got shape {tuple(array.shape)}"
+        )
+    if not is_traced(array):
+        finite = np.isfinite(np.asarray(array, dtype=np.float64))
+        if not finite.all():
+            bad = np.flatnonzero(~finite).tolist()
+            raise ValueError(
+                f"Hyperparameter {name!r} is not finite for members {bad}: "
+                f"{np.asarray(array).tolist()}"
+            )
+    # Match the state's dtype exactly, weak type included (`jnp.full(3, 0.1)` is
+    # weakly typed; optax would make it strong at the first update, changing the
+    # state's type from one step to the next).
+    if (
+        not isinstance(value, jax.Array)
+        or not jax.numpy.issubdtype(array.dtype, current.dtype)
+        or jax.typeof(array).weak_type != jax.typeof(current).weak_type
+    ):
+        array = jax.lax.convert_element_type(array, current.dtype)
+    return array
 
 
 def init_state(

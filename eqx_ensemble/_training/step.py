@@ -473,7 +473,6 @@ def vmapped_update(
     # A shared batch is not mapped: it stays one array inside the member `vmap`,
     # so the member axis folds into the weights (one wide matmul per layer).
     batch_axes = eqx.if_array(0) if per_member_batch else None
-    member_axis = eqx.if_array(0)
 
     def update(ens, opt_state, batch, keys, state, frozen, hyper):
         if is_heterogeneous(ens):
@@ -497,83 +496,109 @@ def vmapped_update(
                 updates, per_member_batch, ens, opt_state, batch, keys, state, frozen,
                 hyper,
             )  # fmt: skip
-        if isinstance(loss_fn, tuple):
-            raise TypeError(
-                "`loss_fn` is a tuple (a loss per group), which only an "
-                "`ee.Heterogeneous` takes; pass one loss function"
-            )
-        check_shared_shapes(ens)
-        if member_chunk is not None:
-            check_chunkable(loss_fn, ens)
-        if isinstance(loss_fn, Coupled):
-            return _joint_update(
-                loss_fn,
-                optimizer,
-                ens,
-                opt_state,
-                batch,
-                keys,
-                state,
-                frozen,
-                hyper,
-                check,
-            )
-        if ens.train_shared:
-            return _coupled_update(
-                loss_fn,
-                optimizer,
-                batch_axes,
-                ens,
-                opt_state,
-                batch,
-                keys,
-                state,
-                frozen,
-                hyper,
-                check,
-            )
-
-        single = loss_fn
-
-        def one(member, opt_state, batch, key, state, frozen, hyper):
-            def compute(state):
-                return member_update(
-                    single,
-                    optimizer,
-                    member,
-                    opt_state,
-                    batch,
-                    key,
-                    state,
-                    frozen,
-                    hyper,
-                    ens.shared,
-                    check=check,
-                )
-
-            if layout != "sequential":
-                return compute(state)
-            return _skip_if_frozen(compute, frozen, member, opt_state, state)
-
-        members, *rest = member_map(
-            one,
-            (
-                member_axis,
-                member_axis,
-                batch_axes,
-                member_axis,
-                member_axis,
-                member_axis,
-                member_axis,
-            ),
-            layout,
-            len(ens),
-            member_chunk,
-            members_devices(mesh),
-        )(ens.members, opt_state, batch, keys, state, frozen, hyper)
-        return (with_members(ens, members), *rest)
+        return _plain_update(
+            loss_fn, optimizer, batch_axes, layout, member_chunk, mesh, check,
+            ens, opt_state, batch, keys, state, frozen, hyper,
+        )  # fmt: skip
 
     return sharded_update(update, mesh, per_member_batch)
+
+
+def _plain_update(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    batch_axes: Any,
+    layout: Layout,
+    member_chunk: int | None,
+    mesh: Mesh | None,
+    check: FiniteCheck,
+    ens: Ensemble,
+    opt_state: Any,
+    batch: PyTree[Any],
+    keys: Any,
+    state: Any,
+    frozen: Any,
+    hyper: Any,
+) -> tuple:
+    """`vmapped_update`'s step of one group (a plain ensemble): a coupled loss
+    jointly, a trained shared part through `_coupled_update`, else every
+    member's `member_update` mapped over the member axis."""
+    member_axis = eqx.if_array(0)
+    if isinstance(loss_fn, tuple):
+        raise TypeError(
+            "`loss_fn` is a tuple (a loss per group), which only an "
+            "`ee.Heterogeneous` takes; pass one loss function"
+        )
+    check_shared_shapes(ens)
+    if member_chunk is not None:
+        check_chunkable(loss_fn, ens)
+    if isinstance(loss_fn, Coupled):
+        return _joint_update(
+            loss_fn,
+            optimizer,
+            ens,
+            opt_state,
+            batch,
+            keys,
+            state,
+            frozen,
+            hyper,
+            check,
+        )
+    if ens.train_shared:
+        return _coupled_update(
+            loss_fn,
+            optimizer,
+            batch_axes,
+            ens,
+            opt_state,
+            batch,
+            keys,
+            state,
+            frozen,
+            hyper,
+            check,
+        )
+
+    single = loss_fn
+
+    def one(member, opt_state, batch, key, state, frozen, hyper):
+        def compute(state):
+            return member_update(
+                single,
+                optimizer,
+                member,
+                opt_state,
+                batch,
+                key,
+                state,
+                frozen,
+                hyper,
+                ens.shared,
+                check=check,
+            )
+
+        if layout != "sequential":
+            return compute(state)
+        return _skip_if_frozen(compute, frozen, member, opt_state, state)
+
+    members, *rest = member_map(
+        one,
+        (
+            member_axis,
+            member_axis,
+            batch_axes,
+            member_axis,
+            member_axis,
+            member_axis,
+            member_axis,
+        ),
+        layout,
+        len(ens),
+        member_chunk,
+        members_devices(mesh),
+    )(ens.members, opt_state, batch, keys, state, frozen, hyper)
+    return (with_members(ens, members), *rest)
 
 
 def _update_groups(
