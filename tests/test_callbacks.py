@@ -125,6 +125,21 @@ def test_an_error_in_a_hook_carries_the_run_and_ends_every_callback(ens):
     assert calls[-1] == ("observe", "end", "RuntimeError")
 
 
+def test_an_error_carrying_another_runs_result_gets_this_ones(ens):
+    # E.g. an `ee.fit` inside a callback failed: the error that ends this run
+    # carries this run, not the inner one.
+    class Inner(ee.Callback):
+        def on_dispatch(self, handle, run):
+            error = RuntimeError("inner run failed")
+            error.result = "the inner run"  # type: ignore[attr-defined]
+            raise error
+
+    with pytest.raises(RuntimeError, match="inner run failed") as error:
+        run(ens, callbacks=[Inner()])
+    assert isinstance(error.value.result, ee.FitResult)  # type: ignore[attr-defined]
+    assert error.value.result.history.losses.shape == (20, SIZE)  # type: ignore[attr-defined]
+
+
 class StopBelow(ee.Callback):
     """Stops every member once all losses are below `threshold`."""
 
