@@ -109,6 +109,12 @@ def main() -> None:
             if isinstance(leaf, jax.Array)
         ]
     ee.save(os.path.join(out_dir, "ensemble.eqx"), result.ensemble)
+    # The single-file format on several processes: process 0 writes, every
+    # process waits for it (and would raise its failure).
+    ee.save(
+        os.path.join(out_dir, "host.eqx"), {"losses": result.history.losses},
+        sharded=False,
+    )  # fmt: skip
     members = multihost_utils.process_allgather(
         eqx.filter(result.ensemble.members, eqx.is_array), tiled=True
     )

@@ -460,7 +460,7 @@ def test_a_tensorstore_failure_is_a_checkpoint_error_with_the_run(
 ):
     from eqx_ensemble._checkpoints import sharded
 
-    real = sharded._on_every_process
+    real = sharded.on_every_process
 
     def in_the_way(work, path):
         real(work, path)
@@ -470,7 +470,7 @@ def test_a_tensorstore_failure_is_a_checkpoint_error_with_the_run(
             arrays = sorted((sharded.partial_folder(path) / "arrays").iterdir())
             (arrays[0] / "c").write_text("x")
 
-    monkeypatch.setattr(sharded, "_on_every_process", in_the_way)
+    monkeypatch.setattr(sharded, "on_every_process", in_the_way)
     with pytest.raises(OSError, match="tensorstore could not write"):
         ee.save(tmp_path / "a.ckpt", {"w": jnp.ones(3)}, sharded=True)
     assert not list(tmp_path.iterdir())  # nothing left behind

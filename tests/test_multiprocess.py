@@ -123,6 +123,9 @@ def _check_against_single_process(out_dir: Path, layout: str) -> None:
     # The checkpoint written by the processes (a sharded folder: the default on
     # several processes) equals the single-process one.
     assert (out_dir / "ensemble.eqx" / "manifest.ckpt").is_file()
+    assert (out_dir / "host.eqx").is_file()  # one file, written by process 0
+    host = ee.load(out_dir / "host.eqx", {"losses": result["losses"]})
+    np.testing.assert_array_equal(host["losses"], result["losses"])
     loaded = ee.load(out_dir / "ensemble.eqx", reference.ensemble)
     assert_tree_allclose(loaded, reference.ensemble)
     single = out_dir / "single.eqx"

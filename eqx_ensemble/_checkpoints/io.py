@@ -48,6 +48,7 @@ from .sharded import (
     check_replaceable,
     is_sharded,
     make_parent,
+    on_every_process,
     replacing,
     store_error,
     write_sharded,
@@ -222,8 +223,8 @@ def save_tree(
         )
     if jax.process_count() == 1:
         write()
-    else:
-        _write_on_process_zero(write, path)
+    else:  # process 0 writes; every process waits, and raises if it failed
+        on_every_process(write if jax.process_index() == 0 else None, path)
     return path
 
 
@@ -249,23 +250,6 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
             f"`metadata` must be JSON-serialisable (dicts, lists, strings, numbers, "
             f"booleans, None): {error}"
         ) from None
-
-
-def _write_on_process_zero(write: Callable[[], None], path: Path) -> None:
-    from jax.experimental import multihost_utils
-
-    failure: BaseException | None = None
-    if jax.process_index() == 0:
-        try:
-            write()
-        except Exception as error:
-            failure = error
-    # Also a barrier: no process returns before the file is in place.
-    succeeded = multihost_utils.broadcast_one_to_all(np.asarray(failure is None))
-    if failure is not None:
-        raise failure
-    if not bool(succeeded):
-        raise OSError(f"process 0 failed to write the checkpoint {path}")
 
 
 def load(path: str | os.PathLike[str], like: Tree) -> Tree:

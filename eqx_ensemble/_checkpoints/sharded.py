@@ -394,24 +394,24 @@ def write_sharded(
         if after_write is not None:
             after_write()
 
-    _on_every_process(create if process == 0 else None, path)
-    _on_every_process(copy_own, path)
+    on_every_process(create if process == 0 else None, path)
+    on_every_process(copy_own, path)
     if not asynchronous:
-        _on_every_process(write_own, path)
-        _on_every_process(commit if process == 0 else None, path)
+        on_every_process(write_own, path)
+        on_every_process(commit if process == 0 else None, path)
         return path
     if count == 1:  # the background thread commits too
 
         def write_and_commit() -> None:
-            _on_every_process(write_own, path)
-            _on_every_process(commit, path)
+            on_every_process(write_own, path)
+            on_every_process(commit, path)
 
         return PendingSave(path, write_and_commit)
 
     def agree_and_commit(failure: BaseException | None) -> None:
         # On the main thread (collectives stay in program order on every process).
         _agree(failure, path)
-        _on_every_process(commit if process == 0 else None, path)
+        on_every_process(commit if process == 0 else None, path)
 
     return PendingSave(path, write_own, agree_and_commit)
 
@@ -527,7 +527,7 @@ def set_aside(path: Path, *, doomed: bool = False) -> Path:
     return aside
 
 
-def _on_every_process(work: Callable[[], None] | None, path: Path) -> None:
+def on_every_process(work: Callable[[], None] | None, path: Path) -> None:
     """Run `work` (on the processes given one) and wait for every process; an
     error on any process is raised on all of them (nothing is left half done:
     the temporary folder is removed)."""
@@ -566,7 +566,7 @@ def _agree(failure: BaseException | None, path: Path) -> None:
             ) from failure
         raise failure
     raise OSError(
-        f"process(es) {failed} failed to write their shards of the checkpoint "
+        f"process(es) {failed} failed to write their part of the checkpoint "
         f"{path}; it was not written (a previous one at that path, if any, is intact)"
     )
 
