@@ -629,6 +629,28 @@ def test_a_state_for_some_groups_only_is_refused_naming_them():
         )  # fmt: skip
 
 
+def test_make_step_names_a_wrongly_held_state_per_group():
+    # `make_step` plans (profiles one member per group) before its input
+    # checks: a state not held one per group is named there too.
+    def stateful_loss(m, state, batch, key):
+        x, y = batch
+        pred, state = jax.vmap(
+            m, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(x, state)
+        return jnp.mean((pred - y) ** 2), state
+
+    built = [
+        ee.ensemble(batchnorm_mlp(w), size=s, key=jax.random.key(s))
+        for w, s in zip(WIDTHS, SIZES, strict=True)
+    ]
+    het = ee.Heterogeneous([ens for ens, _ in built])
+    opt = optax.adam(1e-2)
+    step = ee.make_step(stateful_loss, opt)
+    for bad, got in ((built[0][1], "got State"), ((built[0][1],) * 3, "of 3")):
+        with pytest.raises(ValueError, match=f"one entry per group.*{got}"):
+            step(het, ee.init_optimizer(opt, het), (X, Y), jax.random.key(1), bad)
+
+
 def test_chunk_size_is_checked_against_all_members(het):
     with pytest.raises(ValueError, match="between 1 and the ensemble size 5"):
         ee.map(lambda m, x: jax.vmap(m)(x), het, X, chunk_size=6)

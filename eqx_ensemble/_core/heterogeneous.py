@@ -259,13 +259,15 @@ def groups_of(ens: Any) -> tuple[Ensemble, ...]:
     return ens.groups if isinstance(ens, Heterogeneous) else (ens,)
 
 
-def per_group_values(ens: Any, value: Any) -> tuple[Any, ...]:
+def per_group_values(
+    ens: Any, value: Any, what: str = "A value held per group"
+) -> tuple[Any, ...]:
     """`value`, held once per group, as one entry per group: a plain
     ensemble's `(value,)`; an `ee.Heterogeneous`'s tuple (`None`: `None` for
-    each group)."""
+    each group), or an error naming `what` (`per_group`)."""
     if not isinstance(ens, Heterogeneous):
         return (value,)
-    return (None,) * len(ens.groups) if value is None else value
+    return per_group(ens, value, what)
 
 
 def each_group(

@@ -826,7 +826,7 @@ def ensemble_profile(
             first_member(hyper),
         )
         for index, (group, group_state) in enumerate(
-            zip(groups, per_group_values(ens, state), strict=True)
+            zip(groups, per_group_values(ens, state, "`state`"), strict=True)
         )
     ]
     if len(profiles) == 1:

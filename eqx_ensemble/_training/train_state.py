@@ -22,7 +22,7 @@ from .optim import init_state
 
 
 def _field(member_axis: str | None) -> Any:
-    # The placement a field needs on a mesh (read by `_sharding.place_state`):
+    # The placement a field needs on a mesh (read by `placement.place_state`):
     # "stacked" fields carry the member axis, "bookkeeping" fields are small
     # per-member arrays, others are replicated.
     return eqx.field(metadata={"member_axis": member_axis})
