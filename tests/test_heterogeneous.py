@@ -310,14 +310,15 @@ def test_evaluation_best_members_and_trackers_per_member(het):
         )
 
 
-def test_a_model_state_per_group():
-    def stateful_loss(m, state, batch, key):
-        x, y = batch
-        pred, state = jax.vmap(
-            m, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
-        )(x, state)
-        return jnp.mean((pred - y) ** 2), state
+def stateful_loss(m, state, batch, key):
+    x, y = batch
+    pred, state = jax.vmap(m, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        x, state
+    )
+    return jnp.mean((pred - y) ** 2), state
 
+
+def test_a_model_state_per_group():
     built = [
         ee.ensemble(batchnorm_mlp(w), size=s, key=jax.random.key(w))
         for w, s in zip(WIDTHS, SIZES, strict=True)
@@ -632,13 +633,6 @@ def test_a_state_for_some_groups_only_is_refused_naming_them():
 def test_make_step_names_a_wrongly_held_state_per_group():
     # `make_step` plans (profiles one member per group) before its input
     # checks: a state not held one per group is named there too.
-    def stateful_loss(m, state, batch, key):
-        x, y = batch
-        pred, state = jax.vmap(
-            m, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
-        )(x, state)
-        return jnp.mean((pred - y) ** 2), state
-
     built = [
         ee.ensemble(batchnorm_mlp(w), size=s, key=jax.random.key(s))
         for w, s in zip(WIDTHS, SIZES, strict=True)
