@@ -15,6 +15,7 @@ temporary files.
 """
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -34,7 +35,6 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import optax
 
     import eqx_ensemble as ee
 
@@ -53,6 +53,18 @@ def main() -> None:
         return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
 
     scratch = tempfile.mkdtemp(prefix="bench_logging_")
+    try:
+        _measure(args, ens, loss, x, y, steps, batch, repeats, scratch, info)
+    finally:  # the loggers' files (tens of MB a run) go with the run
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _measure(args, ens, loss, x, y, steps, batch, repeats, scratch, info) -> None:
+    import jax
+    import optax
+
+    import eqx_ensemble as ee
+
     variants = {
         "none": lambda: [],
         "csv": lambda: [ee.CSVLogger(os.path.join(scratch, "csv"))],
