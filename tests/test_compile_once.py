@@ -112,6 +112,12 @@ def test_runs_of_one_and_of_many_dispatches_share_one_program(tmp_path):
     assert compilations(lambda: fit(optax.adam(1e-3), 2500)) == 0
     every = ee.Checkpoints(tmp_path / "run", every=10)
     assert compilations(lambda: fit(optax.adam(1e-3), 30, checkpoints=every)) == 0
+
+    class Stops(ee.Callback):  # a user's callback that ends dispatches at 7, 19
+        def next_stop(self, done):
+            return next((stop for stop in (7, 19) if stop > done), None)
+
+    assert compilations(lambda: fit(optax.adam(1e-3), 30, callbacks=[Stops()])) == 0
     stop = ee.EarlyStopping(5, patience=3)
     evaluate = ee.Evaluate(make_loss(), DATA, every=5)
     fit(optax.adam(1e-3), 10, evaluate=evaluate)  # evaluation: another program
