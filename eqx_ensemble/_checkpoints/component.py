@@ -15,7 +15,7 @@ from jaxtyping import PyTree
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import Heterogeneous
 from .._internal.checks import MAX_INT32, check_positive_int
-from .._training.callback import stateful_callbacks
+from .._training.callback import as_callbacks, stateful
 from .._training.checkpointer import Checkpointer
 from .._training.evaluate import Evaluate
 from .._training.history import History
@@ -316,7 +316,7 @@ class Checkpoints(Checkpointer):
             hyper=hyper,
             track=track,
             with_eval=evaluate is not None,
-            controllers=stateful_callbacks(callbacks),
+            controllers=stateful(as_callbacks(callbacks)),
         )
         checkpoints = list_checkpoints(self.directory)
         if not checkpoints:

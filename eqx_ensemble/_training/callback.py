@@ -347,7 +347,7 @@ def as_callbacks(callbacks: Sequence[Any]) -> tuple[Callback, ...]:
     return tuple(sorted(items, key=lambda item: item.phase))
 
 
-def stateful_callbacks(callbacks: Sequence[Any]) -> tuple[Callback, ...]:
-    """The callbacks that keep state in the train state, in the order of
-    `TrainState.controlled`."""
-    return tuple(item for item in as_callbacks(callbacks) if item.checkpointed)
+def stateful(callbacks: tuple[Callback, ...]) -> tuple[Callback, ...]:
+    """Of callbacks in the order they run (`as_callbacks`), those that keep
+    state in the train state, in the order of `TrainState.controlled`."""
+    return tuple(item for item in callbacks if item.checkpointed)

@@ -29,7 +29,7 @@ from .._execution.plan import Plan, plan_step
 from .._execution.profile import signature
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.tree import first_difference, with_fields
-from .callback import Callback, RunSetup, RunView, as_callbacks
+from .callback import Callback, RunSetup, RunView, as_callbacks, stateful
 from .coupled import Coupled
 from .evaluate import Evaluate
 from .history import Recorder
@@ -124,10 +124,10 @@ def prepare(
         ens, optimizer, opt_state, state, hyper=hyper, track=track,
         with_eval=evaluate is not None, key=key,
     )  # fmt: skip
-    stateful = tuple(item for item in components if item.checkpointed)
-    if stateful:
+    if stateful(components):
         train_state = dataclasses.replace(
-            train_state, controlled=tuple(item.init(train_state) for item in stateful)
+            train_state,
+            controlled=tuple(item.init(train_state) for item in stateful(components)),
         )
     record, history, saved_data = None, None, None
     if checkpoints is not None:
@@ -351,7 +351,7 @@ class Run:
         # resume): until then there is nothing to read.
         self._may_stop = self.resumed_from is not None
         self.losses = np.zeros((0, self.chunk.size), np.float32)  # last dispatch's
-        self._stateful = tuple(item for item in self.callbacks if item.checkpointed)
+        self._stateful = stateful(self.callbacks)
         # Where the callbacks after `OBSERVE` begin: when every member diverged
         # only the observers and recorders see the dispatch.
         self._observers = sum(item.phase <= Callback.OBSERVE for item in self.callbacks)

@@ -532,33 +532,11 @@ def _plain_update(
     check_shared_shapes(ens)
     if member_chunk is not None:
         check_chunkable(loss_fn, ens)
+    inputs = (ens, opt_state, batch, keys, state, frozen, hyper, check)
     if isinstance(loss_fn, Coupled):
-        return _joint_update(
-            loss_fn,
-            optimizer,
-            ens,
-            opt_state,
-            batch,
-            keys,
-            state,
-            frozen,
-            hyper,
-            check,
-        )
+        return _joint_update(loss_fn, optimizer, *inputs)
     if ens.train_shared:
-        return _coupled_update(
-            loss_fn,
-            optimizer,
-            batch_axes,
-            ens,
-            opt_state,
-            batch,
-            keys,
-            state,
-            frozen,
-            hyper,
-            check,
-        )
+        return _coupled_update(loss_fn, optimizer, batch_axes, *inputs)
 
     single = loss_fn
 
