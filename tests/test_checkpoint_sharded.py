@@ -458,19 +458,19 @@ def test_a_folder_that_is_no_checkpoint_is_never_replaced(tmp_path):
 def test_a_tensorstore_failure_is_a_checkpoint_error_with_the_run(
     tmp_path, monkeypatch, asynchronous
 ):
-    from eqx_ensemble._checkpoints import sharded
+    from eqx_ensemble._checkpoints import writer
 
-    real = sharded.on_every_process
+    real = writer.on_every_process
 
     def in_the_way(work, path):
         real(work, path)
         if work is not None and work.__name__ == "create":
             # A file where the first array's chunk folder goes: tensorstore's
             # write fails (it reports a ValueError).
-            arrays = sorted((sharded.partial_folder(path) / "arrays").iterdir())
+            arrays = sorted((writer.partial_folder(path) / "arrays").iterdir())
             (arrays[0] / "c").write_text("x")
 
-    monkeypatch.setattr(sharded, "on_every_process", in_the_way)
+    monkeypatch.setattr(writer, "on_every_process", in_the_way)
     with pytest.raises(OSError, match="tensorstore could not write"):
         ee.save(tmp_path / "a.ckpt", {"w": jnp.ones(3)}, sharded=True)
     assert not list(tmp_path.iterdir())  # nothing left behind
@@ -484,7 +484,7 @@ def test_a_tensorstore_failure_is_a_checkpoint_error_with_the_run(
 
 
 def test_a_checkpoint_set_aside_by_a_killed_writer_comes_back(tmp_path):
-    from eqx_ensemble._checkpoints.sharded import set_aside
+    from eqx_ensemble._checkpoints.writer import set_aside
 
     state = {"w": jnp.arange(3.0)}
     ee.save_checkpoint(tmp_path, 5, state, sharded=True)

@@ -32,7 +32,7 @@ from .directory import (
 )
 from .file import CheckpointError
 from .io import load, load_manifest
-from .sharded import PendingSave
+from .writer import PendingSave
 
 _KIND = "eqx_ensemble.fit"
 _ON_CORRUPT = ("raise", "previous")

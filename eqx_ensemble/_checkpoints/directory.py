@@ -25,14 +25,14 @@ from .file import (
     write_file,
 )
 from .io import checked_records, open_manifest, save_tree
-from .sharded import (
+from .sharded import ShardedReader
+from .writer import (
     MANIFEST,
     PARTIAL_SUFFIX,
     PendingSave,
-    ShardedReader,
-    _remove_tree,
-    is_sharded,
-    set_aside,
+    is_folder,
+    remove,
+    remove_tree,
 )
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
@@ -89,7 +89,7 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     for name in names:
         match = CHECKPOINT_NAME.match(name)
         path = directory / name
-        committed = is_sharded(path) and (path / MANIFEST).is_file()
+        committed = is_folder(path) and (path / MANIFEST).is_file()
         if match is not None and (path.is_file() or committed):
             # (a named pipe under a checkpoint's name is not one; a folder is a
             # sharded checkpoint, committed by its rename)
@@ -305,7 +305,7 @@ def _prune(directory: Path, *, keep: int | None, written: Path) -> None:
             if match.group(2) == "old" and not (target.exists() or target.is_symlink()):
                 os.rename(directory / name, target)
             else:
-                _remove_tree(directory / name)
+                remove_tree(directory / name)
     if keep is None:
         return
     newest_first = [path for _, path in reversed(list_checkpoints(directory))]
@@ -313,8 +313,7 @@ def _prune(directory: Path, *, keep: int | None, written: Path) -> None:
     for path in doomed:
         # Out of the listing first: a half-removed folder is never listed.
         with contextlib.suppress(OSError):
-            aside = set_aside(path, doomed=True) if is_sharded(path) else path
-            _remove_tree(aside)
+            remove(path)
     if doomed:
         fsync_directory(directory)
 

@@ -8,7 +8,6 @@ non-array leaves taken from `like`) and adds a verified manifest; the layout is
 documented in `_checkpoint_file.py` and in `ee.save`'s docstring.
 """
 
-import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -39,20 +38,7 @@ from .leaves import (
     place_key,
     record_error,
 )
-from .sharded import (
-    MANIFEST,
-    LazyLeaf,
-    PendingSave,
-    ShardedReader,
-    _agree as agree,
-    check_replaceable,
-    is_sharded,
-    make_parent,
-    on_every_process,
-    replacing,
-    store_error,
-    write_sharded,
-)
+from .sharded import LazyLeaf, ShardedReader, sharded_write, store_error
 from .structure import (
     classify,
     describe,
@@ -61,6 +47,16 @@ from .structure import (
     find_ensembles,
     node_difference,
     path_difference,
+)
+from .writer import (
+    MANIFEST,
+    PendingSave,
+    Phase,
+    check_replaceable,
+    is_folder,
+    make_parent,
+    put_in_place,
+    write,
 )
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
@@ -167,17 +163,6 @@ def save_tree(
     if sharded is None:
         sharded = jax.process_count() > 1
     leaves, treedef = jtu.tree_flatten_with_path(tree)
-    if sharded:
-        for leaf_path, leaf in leaves:
-            if is_traced(leaf):
-                raise TypeError(
-                    f"Cannot save leaf `{keystr(leaf_path)}`: it is traced (inside "
-                    "`jit`, `vmap`, `grad`...). Call `ee.save` outside transformed "
-                    "code."
-                )
-        records, chunks = [], []
-    else:
-        records, chunks = encode_leaves(leaves)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -189,43 +174,34 @@ def save_tree(
         "ensembles": find_ensembles(tree),
         "treedef": str(treedef),
         "nodes": describe_nodes(tree),
-        "leaves": records,
+        "leaves": [],
         "metadata": metadata,
     }
     if manifest["ensembles"]:
         manifest["ensemble_size"] = manifest["ensembles"][0]["size"]
     if sharded:
-        return write_sharded(path, leaves, manifest, after_write, asynchronous)
+        prepare, finish = sharded_write(path, leaves, manifest, copy=asynchronous)
+    else:
+        prepare, finish = [], [_single_file_write(path, leaves, manifest, asynchronous)]
+    if after_write is not None:
+        finish.append(Phase(after_write))
+    return write(path, prepare, finish, asynchronous)
 
-    def write() -> None:
+
+def _single_file_write(
+    path: Path, leaves: list[tuple[Any, Any]], manifest: dict[str, Any], copy: bool
+) -> Phase:
+    """The single-file format's write (process 0 writes every leaf; arrays not
+    fully addressable are gathered first)."""
+    manifest["leaves"], chunks = encode_leaves(leaves, copy=copy)
+
+    def write_single() -> None:
         make_parent(path)
         remove_stale_temporaries(path)
         check_replaceable(path)
-        # A file replaces a file atomically (`os.replace`); a sharded checkpoint
-        # (a folder) is moved aside first.
-        with replacing(path) if is_sharded(path) else contextlib.nullcontext():
-            write_file(path, manifest, chunks)
-        if after_write is not None:
-            after_write()
+        put_in_place(path, lambda: write_file(path, manifest, chunks), folder=False)
 
-    if asynchronous:
-        # The host copies must not alias device buffers the run will reuse.
-        chunks = [
-            np.array(chunk, copy=True) if isinstance(chunk, np.ndarray) else chunk
-            for chunk in chunks
-        ]
-        if jax.process_count() == 1:
-            return PendingSave(path, write)
-        return PendingSave(
-            path,
-            write if jax.process_index() == 0 else (lambda: None),
-            lambda failure: agree(failure, path),
-        )
-    if jax.process_count() == 1:
-        write()
-    else:  # process 0 writes; every process waits, and raises if it failed
-        on_every_process(write if jax.process_index() == 0 else None, path)
-    return path
+    return Phase(write_single)
 
 
 def _library_version() -> str:
@@ -306,34 +282,17 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
                 f"`like`'s leaf `{keystr(leaf_path)}` is traced (inside `jit`, "
                 "`vmap`...): call `ee.load` outside transformed code."
             )
-    if is_sharded(path):
-        return _load_sharded(path, like_leaves, like_treedef, like)
-    with CheckpointFile(path) as file:
-        records = _verified_records(file, like, like_leaves)
-        data = file.read_data()
-    leaves = [
-        decode_leaf(record, like_leaf, data)
-        for record, (_, like_leaf) in zip(records, like_leaves, strict=True)
-    ]
-    return jtu.tree_unflatten(like_treedef, leaves)
-
-
-def _load_sharded(
-    folder: Path, like_leaves: list[tuple[Any, Any]], like_treedef: Any, like: Any
-) -> Any:
-    """`load` of a sharded checkpoint: each process reads the chunks its devices
-    need (verified one by one)."""
     failure: BaseException | None = None
     leaves = []
     try:
-        with open_manifest(folder) as file:
+        with open_manifest(path) as file:
             records = _verified_records(file, like, like_leaves)
             data = file.read_data()
-            reader = ShardedReader(folder, file)
+            reader = ShardedReader(path, file)
             for index, (record, (_, like_leaf)) in enumerate(
                 zip(records, like_leaves, strict=True)
             ):
-                if "store" not in record:
+                if "store" not in record:  # (only a folder's records have one)
                     leaves.append(decode_leaf(record, like_leaf, data))
                     continue
                 lazy = LazyLeaf(reader, index, record)
@@ -345,16 +304,17 @@ def _load_sharded(
     except (CheckpointError, OSError) as error:
         failure = error
     if jax.process_count() > 1:
-        # Each process read only its chunks: all must have succeeded, or all
-        # refuse the checkpoint (a resume then falls back, or fails, together).
+        # Each process read only its chunks of a sharded checkpoint: all must
+        # have succeeded, or all refuse the checkpoint (a resume then falls
+        # back, or fails, together).
         from jax.experimental import multihost_utils
 
         ok = multihost_utils.process_allgather(np.asarray(failure is None))
         failed = [int(p) for p in np.flatnonzero(~np.asarray(ok).astype(bool))]
         if failed and failure is None:
             raise CheckpointError(
-                f"Checkpoint {folder}: process(es) {failed} could not read their "
-                "shards (their error names the file); refused on every process"
+                f"Checkpoint {path}: process(es) {failed} could not read the "
+                "checkpoint (their error names the file); refused on every process"
             )
     if failure is not None:
         raise failure
@@ -364,7 +324,7 @@ def _load_sharded(
 def open_manifest(path: Path) -> CheckpointFile:
     """The verified manifest file of a checkpoint: the file itself, or a sharded
     checkpoint's `manifest.ckpt`."""
-    if not is_sharded(path):
+    if not is_folder(path):
         return CheckpointFile(path)
     manifest = path / MANIFEST
     if not manifest.is_file():

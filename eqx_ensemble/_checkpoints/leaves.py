@@ -20,9 +20,13 @@ from .file import aligned
 from .structure import ARRAY_KINDS, PYTHON_KINDS, classify
 
 
-def encode_leaves(leaves: list[tuple[Any, Any]]) -> tuple[list[dict], list[Any]]:
+def encode_leaves(
+    leaves: list[tuple[Any, Any]], *, copy: bool = False
+) -> tuple[list[dict], list[Any]]:
     """Manifest records for `(path, leaf)` pairs, and the data section's chunks
-    (array bytes and alignment padding, in order)."""
+    (array bytes and alignment padding, in order). `copy`: the chunks own their
+    bytes (they may alias device buffers otherwise, which a run reuses while a
+    background write reads them)."""
     records: list[dict[str, Any]] = []
     chunks: list[Any] = []
     offset = 0
@@ -47,7 +51,7 @@ def encode_leaves(leaves: list[tuple[Any, Any]]) -> tuple[list[dict], list[Any]]
                 chunks.append(bytes(padding))
                 offset += padding
             record["offset"], record["nbytes"] = offset, host.nbytes
-            chunks.append(host)
+            chunks.append(np.array(host, copy=True) if copy else host)
             offset += host.nbytes
         elif kind == "float":
             record["value"] = float(leaf).hex()

@@ -39,10 +39,7 @@ import itertools
 import math
 import os
 import re
-import secrets
-import shutil
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +57,17 @@ from .file import (
 )
 from .leaves import encode_leaves, stored_dtype
 from .structure import classify, is_key_dtype
+from .writer import (
+    MANIFEST,
+    Phase,
+    check_replaceable,
+    make_parent,
+    partial_folder,
+    put_in_place,
+    remove_tree,
+)
 
-MANIFEST = "manifest.ckpt"
 ARRAYS = "arrays"
-PARTIAL_SUFFIX = ".sharded.tmp"
 _PART_FORMAT = "eqx_ensemble.checkpoint-part"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -79,16 +83,6 @@ def _tensorstore() -> Any:
             "pass `sharded=False`."
         ) from None
     return tensorstore
-
-
-def is_sharded(path: Path) -> bool:
-    """Whether `path` is a sharded checkpoint's folder (or a link to one)."""
-    return path.is_dir()
-
-
-def partial_folder(path: Path) -> Path:
-    """Where the shards of the checkpoint `path` are written before the commit."""
-    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
 
 
 # -- writing -------------------------------------------------------------------
@@ -221,52 +215,36 @@ def _digest(host: np.ndarray) -> str:
     ).hexdigest()
 
 
-def write_sharded(
+def sharded_write(
     path: Path,
     leaves: list[tuple[Any, Any]],
     manifest: dict[str, Any],
-    after_write: Callable[[], None] | None,
-    asynchronous: bool = False,
-) -> "Path | PendingSave":
-    """Write the flattened tree `leaves` as a sharded checkpoint at `path` (every
-    process calls it with its part of the same global tree). `asynchronous`:
-    copy this process's shards to its host, then write them on a thread and
-    return a `PendingSave` (its `wait()` commits on several processes)."""
-    ts = _tensorstore()
+    copy: bool,
+) -> tuple[list[Phase], list[Phase]]:
+    """The phases (`writer.write`'s `prepare` and `finish`) that write the
+    flattened tree `leaves` as a sharded checkpoint at `path` (every process
+    calls it with its part of the same global tree). `manifest` is completed
+    with the leaves' records; `copy`: the host copies must not alias device
+    buffers (the write goes on in the background)."""
     process, count = jax.process_index(), jax.process_count()
-    stored: list[_Leaf] = []
-    records: list[dict[str, Any] | None] = []
-    inline: list[tuple[int, tuple[Any, Any]]] = []
-    for index, (key_path, leaf) in enumerate(leaves):
-        where = keystr(key_path)
-        if isinstance(leaf, jax.Array) and not is_traced(leaf):
-            record = {"path": where, **classify(leaf)}
-            array = leaf
-            if is_key_dtype(leaf.dtype):
-                record["impl"] = str(jax.random.key_impl(leaf))
-                array = jax.random.key_data(leaf)
-                record["data_dtype"] = np.dtype(array.dtype).name
-                record["data_shape"] = list(array.shape)
-            if stored_dtype(np.dtype(array.dtype).name) is None:
-                raise TypeError(
-                    f"Cannot save leaf `{where}`: arrays of dtype {array.dtype} are "
-                    "not supported (use numeric, boolean or ML dtypes such as "
-                    "bfloat16)."
-                )
-            stored.append(_Leaf(index, where, array))
-            records.append(record)
-        else:
-            inline.append((index, (key_path, leaf)))
-            records.append(None)
+    inline = [
+        (index, (key_path, leaf))
+        for index, (key_path, leaf) in enumerate(leaves)
+        if not isinstance(leaf, jax.Array) or is_traced(leaf)
+    ]
     # NumPy arrays and Python numbers: in the manifest's data section, as in the
-    # single-file format (process 0's values).
-    inline_records, chunks = encode_leaves([pair for _, pair in inline])
-    if asynchronous:
-        chunks = [
-            np.array(c, copy=True) if isinstance(c, np.ndarray) else c for c in chunks
-        ]
+    # single-file format (process 0's values). Also refuses traced leaves.
+    inline_records, chunks = encode_leaves([pair for _, pair in inline], copy=copy)
+    records: list[dict[str, Any] | None] = [None] * len(leaves)
     for (index, _), record in zip(inline, inline_records, strict=True):
         records[index] = record
+    stored: list[_Leaf] = []
+    ts = _tensorstore()
+    for index, (key_path, leaf) in enumerate(leaves):
+        if records[index] is None:
+            record, array = _stored_record(keystr(key_path), leaf)
+            stored.append(_Leaf(index, record["path"], array))
+            records[index] = record
     addressable = np.asarray([leaf.array.is_fully_addressable for leaf in stored])
     if count > 1 and stored:
         # Held whole by every process (each its own value), or a global array.
@@ -282,7 +260,7 @@ def write_sharded(
         # of the same checkpoint is removed) and every array's metadata.
         check_replaceable(path)
         make_parent(path)
-        _remove_tree(partial)
+        remove_tree(partial)
         (partial / ARRAYS).mkdir(parents=True)
         for leaf in stored:
             metadata = {
@@ -390,30 +368,33 @@ def write_sharded(
             }
         write_file(partial / MANIFEST, {**manifest, "leaves": records}, chunks)
         fsync_directory(partial)
-        _replace(partial, path)
-        if after_write is not None:
-            after_write()
 
-    on_every_process(create if process == 0 else None, path)
-    on_every_process(copy_own, path)
-    if not asynchronous:
-        on_every_process(write_own, path)
-        on_every_process(commit if process == 0 else None, path)
-        return path
-    if count == 1:  # the background thread commits too
+        def rename() -> None:
+            os.rename(partial, path)
+            fsync_directory(path.parent)
 
-        def write_and_commit() -> None:
-            on_every_process(write_own, path)
-            on_every_process(commit, path)
+        put_in_place(path, rename, folder=True)
 
-        return PendingSave(path, write_and_commit)
+    prepare = [Phase(create), Phase(copy_own, everyone=True)]
+    return prepare, [Phase(write_own, everyone=True), Phase(commit)]
 
-    def agree_and_commit(failure: BaseException | None) -> None:
-        # On the main thread (collectives stay in program order on every process).
-        _agree(failure, path)
-        on_every_process(commit if process == 0 else None, path)
 
-    return PendingSave(path, write_own, agree_and_commit)
+def _stored_record(where: str, leaf: jax.Array) -> tuple[dict[str, Any], jax.Array]:
+    """A stored leaf's manifest record (without its `"store"` entry) and the
+    array stored for it (a typed key's key data)."""
+    record = {"path": where, **classify(leaf)}
+    array = leaf
+    if is_key_dtype(leaf.dtype):
+        record["impl"] = str(jax.random.key_impl(leaf))
+        array = jax.random.key_data(leaf)
+        record["data_dtype"] = np.dtype(array.dtype).name
+        record["data_shape"] = list(array.shape)
+    if stored_dtype(np.dtype(array.dtype).name) is None:
+        raise TypeError(
+            f"Cannot save leaf `{where}`: arrays of dtype {array.dtype} are not "
+            "supported (use numeric, boolean or ML dtypes such as bfloat16)."
+        )
+    return record, array
 
 
 def _local_holder(leaf: _Leaf, start: tuple[int, ...]) -> Any:
@@ -439,61 +420,6 @@ def _as_os_error() -> Iterator[None]:
         raise OSError(errno.EIO, f"tensorstore could not write: {error}") from error
 
 
-def check_replaceable(path: Path) -> None:
-    """Refuse to replace anything at `path` but a checkpoint (a file, or a
-    folder committed by its manifest): a folder of the user's is never removed."""
-    if path.is_dir() and not (path / MANIFEST).is_file():
-        raise IsADirectoryError(
-            errno.EISDIR,
-            "a folder that is not a checkpoint is in the way (nothing was removed)",
-            str(path),
-        )
-
-
-def make_parent(path: Path) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise OSError(
-            error.errno,
-            f"cannot create the folder {str(path.parent)!r} for the checkpoint "
-            f"({error.strerror or error}); nothing was written",
-            str(path),
-        ) from error
-
-
-def _remove_tree(folder: Path) -> None:
-    if folder.is_symlink() or folder.is_file():
-        folder.unlink()
-    elif folder.exists():
-        shutil.rmtree(folder)
-
-
-def _replace(partial: Path, path: Path) -> None:
-    """Rename the complete folder `partial` to `path` (see `replacing`)."""
-    with replacing(path):
-        os.rename(partial, path)
-        fsync_directory(path.parent)
-
-
-@contextlib.contextmanager
-def replacing(path: Path) -> Iterator[None]:
-    """Put a new checkpoint at `path` inside the block (a rename). A checkpoint
-    already there (a folder or a file) is first moved aside, put back if the
-    block fails, and removed once it succeeds: a crash in between leaves the
-    moved-aside one, which the next save restores (`directory._prune`)."""
-    aside = set_aside(path) if path.exists() or path.is_symlink() else None
-    try:
-        yield
-    except BaseException:
-        if aside is not None:
-            os.rename(aside, path)  # the previous checkpoint back in place
-        raise
-    if aside is not None:
-        with contextlib.suppress(OSError):
-            _remove_tree(aside)
-
-
 def written_bytes(manifest: dict[str, Any]) -> dict[int, int]:
     """The bytes of stored chunks each process wrote, from a sharded
     checkpoint's manifest (a partial last chunk counted at its real extent)."""
@@ -514,123 +440,6 @@ def written_bytes(manifest: dict[str, Any]) -> dict[int, int]:
                 written.get(process, 0) + math.prod(extents) * dtype.itemsize
             )
     return written
-
-
-def set_aside(path: Path, *, doomed: bool = False) -> Path:
-    """Rename the checkpoint at `path` out of the listing: to be restored by the
-    next save if a crash comes before its replacement is in place (`.old`), or
-    removed (`doomed`, `.deleted`: pruning renames first, so a half-removed
-    folder is never listed)."""
-    kind = "deleted" if doomed else "old"
-    aside = path.parent / f".{path.name}.{secrets.token_hex(8)}.{kind}{PARTIAL_SUFFIX}"
-    os.rename(path, aside)
-    return aside
-
-
-def on_every_process(work: Callable[[], None] | None, path: Path) -> None:
-    """Run `work` (on the processes given one) and wait for every process; an
-    error on any process is raised on all of them (nothing is left half done:
-    the temporary folder is removed)."""
-    failure: BaseException | None = None
-    if work is not None:
-        try:
-            work()
-        except Exception as error:
-            failure = error
-    _agree(failure, path)
-
-
-def _agree(failure: BaseException | None, path: Path) -> None:
-    """Wait for every process (a barrier on several) and raise on all of them
-    if any failed (`failure`: this process's error), after process 0 removed
-    the temporary folder."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        ok = np.asarray(multihost_utils.process_allgather(np.asarray(failure is None)))
-        failed = [int(p) for p in np.flatnonzero(~ok.astype(bool))]
-    else:
-        failed = [] if failure is None else [0]
-    if not failed:
-        return
-    if jax.process_index() == 0:
-        with contextlib.suppress(OSError):
-            _remove_tree(partial_folder(path))
-    if failure is not None:
-        if isinstance(failure, OSError) and failure.filename is None:
-            raise OSError(
-                failure.errno,
-                f"{failure.strerror or failure}; the checkpoint was not written (a "
-                "previous one at that path, if any, is intact)",
-                str(path),
-            ) from failure
-        raise failure
-    raise OSError(
-        f"process(es) {failed} failed to write their part of the checkpoint "
-        f"{path}; it was not written (a previous one at that path, if any, is intact)"
-    )
-
-
-class PendingSave:
-    """A checkpoint being written in the background (`ee.save(...,
-    asynchronous=True)`, `ee.Checkpoints(asynchronous=True)`): the arrays were
-    copied to the host when the save was asked for; a thread writes them.
-    `wait()` blocks until the checkpoint is committed (in place, atomically) and
-    raises the write's error, if any; on several processes, every process must
-    call it (a barrier, then process 0 commits)."""
-
-    def __init__(
-        self,
-        path: Path,
-        work: Callable[[], None],
-        commit: Callable[[BaseException | None], None] | None = None,
-    ):
-        self.path = path
-        self._commit = commit
-        self._failure: BaseException | None = None
-        self._waited = False
-        # Not a daemon: a checkpoint being written is finished before the
-        # interpreter exits (a killed process leaves only a temporary folder).
-        self._thread = threading.Thread(
-            target=self._run, args=(work,), name=f"eqx_ensemble save {path.name}"
-        )
-        self._thread.start()
-
-    def _run(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except BaseException as error:  # noqa: BLE001 - raised by `wait`
-            self._failure = error
-
-    def done(self) -> bool:
-        """Whether the background write has ended (committed, on one process)."""
-        return not self._thread.is_alive()
-
-    def wait(self) -> Path:
-        """Block until the checkpoint is committed; raise the write's error."""
-        self._thread.join()
-        if self._waited:
-            if self._failure is not None:
-                raise self._failure
-            return self.path
-        self._waited = True
-        if self._commit is not None:
-            self._commit(self._failure)
-        elif self._failure is not None:
-            raise self._failure
-        return self.path
-
-    def abandon(self) -> BaseException | None:
-        """Let the write end without committing it on several processes (for an
-        error path, where the other processes may not reach a barrier): joins
-        the thread, returns its error. On one process the write commits itself."""
-        self._thread.join()
-        self._waited = True
-        if self._commit is not None and self._failure is None:
-            self._failure = RuntimeError(
-                f"the checkpoint {self.path} was abandoned before its commit"
-            )
-        return self._failure
 
 
 # -- reading -------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""The one checkpoint writer: every format (the single file, the sharded folder)
+is a list of phases that this module runs, now or on one background thread,
+with one multi-process agreement after each phase and one way to put the
+result in place.
+
+A format describes its write as `prepare` (run on the caller's thread before
+`save` returns: copies of the arrays to the host, the temporary folder) and
+`finish` (the writing and the commit, run now or, when asynchronous, on the
+`PendingSave`'s thread). Each phase runs on every process or on process 0
+only; after each, every process waits for all of them and raises if any failed
+(`on_every_process`). On several processes an asynchronous write runs the first
+`finish` phase on the thread and the rest on the main thread in `wait()`, so the
+collectives stay in program order on every process.
+"""
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+PARTIAL_SUFFIX = ".sharded.tmp"
+# The file that commits a folder checkpoint (the sharded format's manifest).
+MANIFEST = "manifest.ckpt"
+
+
+class Phase(NamedTuple):
+    """One step of a format's write: `work`, run on every process
+    (`everyone`) or on process 0 only."""
+
+    work: Callable[[], None]
+    everyone: bool = False
+
+    def here(self) -> Callable[[], None] | None:
+        """This process's part of the phase (`None`: nothing to do here)."""
+        return self.work if self.everyone or jax.process_index() == 0 else None
+
+
+def write(
+    path: Path, prepare: list[Phase], finish: list[Phase], asynchronous: bool
+) -> "Path | PendingSave":
+    """Run a format's write phases for the checkpoint at `path`: `prepare` now,
+    `finish` now or (`asynchronous`) on a thread, whose `PendingSave` is
+    returned."""
+    for phase in prepare:
+        on_every_process(phase.here(), path)
+    if not asynchronous:
+        for phase in finish:
+            on_every_process(phase.here(), path)
+        return path
+    if jax.process_count() == 1:  # the thread commits too
+
+        def write_all() -> None:
+            for phase in finish:
+                on_every_process(phase.here(), path)
+
+        return PendingSave(path, write_all)
+    first, *rest = finish
+
+    def agree_and_commit(failure: BaseException | None) -> None:
+        # On the main thread (collectives stay in program order on every process).
+        agree(failure, path)
+        for phase in rest:
+            on_every_process(phase.here(), path)
+
+    return PendingSave(path, first.here() or (lambda: None), agree_and_commit)
+
+
+def on_every_process(work: Callable[[], None] | None, path: Path) -> None:
+    """Run `work` (on the processes given one) and wait for every process; an
+    error on any process is raised on all of them (nothing is left half done:
+    the temporary folder is removed)."""
+    failure: BaseException | None = None
+    if work is not None:
+        try:
+            work()
+        except Exception as error:
+            failure = error
+    agree(failure, path)
+
+
+def agree(failure: BaseException | None, path: Path) -> None:
+    """Wait for every process (a barrier on several) and raise on all of them
+    if any failed (`failure`: this process's error), after process 0 removed
+    the temporary folder."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = np.asarray(multihost_utils.process_allgather(np.asarray(failure is None)))
+        failed = [int(p) for p in np.flatnonzero(~ok.astype(bool))]
+    else:
+        failed = [] if failure is None else [0]
+    if not failed:
+        return
+    if jax.process_index() == 0:
+        with contextlib.suppress(OSError):
+            remove_tree(partial_folder(path))
+    if failure is not None:
+        if isinstance(failure, OSError) and failure.filename is None:
+            raise OSError(
+                failure.errno,
+                f"{failure.strerror or failure}; the checkpoint was not written (a "
+                "previous one at that path, if any, is intact)",
+                str(path),
+            ) from failure
+        raise failure
+    raise OSError(
+        f"process(es) {failed} failed to write their part of the checkpoint "
+        f"{path}; it was not written (a previous one at that path, if any, is intact)"
+    )
+
+
+class PendingSave:
+    """A checkpoint being written in the background (`ee.save(...,
+    asynchronous=True)`, `ee.Checkpoints(asynchronous=True)`): the arrays were
+    copied to the host when the save was asked for; a thread writes them.
+    `wait()` blocks until the checkpoint is committed (in place, atomically) and
+    raises the write's error, if any; on several processes, every process must
+    call it (a barrier, then process 0 commits)."""
+
+    def __init__(
+        self,
+        path: Path,
+        work: Callable[[], None],
+        commit: Callable[[BaseException | None], None] | None = None,
+    ):
+        self.path = path
+        self._commit = commit
+        self._failure: BaseException | None = None
+        self._waited = False
+        # Not a daemon: a checkpoint being written is finished before the
+        # interpreter exits (a killed process leaves only a temporary folder).
+        self._thread = threading.Thread(
+            target=self._run, args=(work,), name=f"eqx_ensemble save {path.name}"
+        )
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 - raised by `wait`
+            self._failure = error
+
+    def done(self) -> bool:
+        """Whether the background write has ended (committed, on one process)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the checkpoint is committed; raise the write's error."""
+        self._thread.join()
+        if self._waited:
+            if self._failure is not None:
+                raise self._failure
+            return self.path
+        self._waited = True
+        if self._commit is not None:
+            self._commit(self._failure)
+        elif self._failure is not None:
+            raise self._failure
+        return self.path
+
+    def abandon(self) -> BaseException | None:
+        """Let the write end without committing it on several processes (for an
+        error path, where the other processes may not reach a barrier): joins
+        the thread, returns its error. On one process the write commits itself."""
+        self._thread.join()
+        self._waited = True
+        if self._commit is not None and self._failure is None:
+            self._failure = RuntimeError(
+                f"the checkpoint {self.path} was abandoned before its commit"
+            )
+        return self._failure
+
+
+# -- putting a checkpoint in place ---------------------------------------------
+
+
+def is_folder(path: Path) -> bool:
+    """Whether `path` is a folder checkpoint (a sharded one, or a link to one)."""
+    return path.is_dir()
+
+
+def partial_folder(path: Path) -> Path:
+    """Where a folder checkpoint `path` is written before its commit."""
+    return path.parent / f".{path.name}{PARTIAL_SUFFIX}"
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse to replace anything at `path` but a checkpoint (a file, or a
+    folder committed by its manifest): a folder of the user's is never removed."""
+    if path.is_dir() and not (path / MANIFEST).is_file():
+        raise IsADirectoryError(
+            errno.EISDIR,
+            "a folder that is not a checkpoint is in the way (nothing was removed)",
+            str(path),
+        )
+
+
+def make_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(
+            error.errno,
+            f"cannot create the folder {str(path.parent)!r} for the checkpoint "
+            f"({error.strerror or error}); nothing was written",
+            str(path),
+        ) from error
+
+
+def set_aside(path: Path, *, doomed: bool = False) -> Path:
+    """Rename the checkpoint at `path` out of the listing: to be restored by the
+    next save if a crash comes before its replacement is in place (`.old`), or
+    removed (`doomed`, `.deleted`: pruning renames first, so a half-removed
+    folder is never listed)."""
+    kind = "deleted" if doomed else "old"
+    aside = path.parent / f".{path.name}.{secrets.token_hex(8)}.{kind}{PARTIAL_SUFFIX}"
+    os.rename(path, aside)
+    return aside
+
+
+def remove(path: Path) -> None:
+    """Remove the checkpoint at `path`: a folder is renamed out of the listing
+    first, so a half-removed one is never listed."""
+    remove_tree(set_aside(path, doomed=True) if is_folder(path) else path)
+
+
+def remove_tree(folder: Path) -> None:
+    if folder.is_symlink() or folder.is_file():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder)
+
+
+def put_in_place(path: Path, write: Callable[[], None], *, folder: bool) -> None:
+    """Run `write`, which puts a new checkpoint (a `folder` or a file) at `path`
+    with one atomic rename. A file replaces a file (`os.replace`); anything
+    else already there is first moved aside, put back if `write` fails, and
+    removed once it succeeds: a crash in between leaves the moved-aside one,
+    which the next save restores (`directory._prune`)."""
+    in_the_way = is_folder(path) or (folder and (path.exists() or path.is_symlink()))
+    with replacing(path) if in_the_way else contextlib.nullcontext():
+        write()
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[None]:
+    aside = set_aside(path) if path.exists() or path.is_symlink() else None
+    try:
+        yield
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, path)  # the previous checkpoint back in place
+        raise
+    if aside is not None:
+        with contextlib.suppress(OSError):
+            remove_tree(aside)
