@@ -75,27 +75,14 @@ from .train_state import TrainState, start_state
 
 
 def prepare(
-    ens: Any,
-    loss_fn: LossFn,
-    optimizer: optax.GradientTransformation,
-    data: Any,
-    *,
-    steps: int,
-    key: PRNGKeyArray,
-    batch_size: int | None,
-    sampling: Any,
-    opt_state: PyTree[Any],
-    state: PyTree[Any],
-    hyper: PyTree[Any],
-    evaluate: Evaluate | None,
-    checkpoints: Callback | None,
-    track: Sequence[Tracker],
-    callbacks: Sequence[Any],
-    execution: Execution,
-) -> "Run":
-    """Every check `fit` makes, in order, before any work; then the first state
-    (or the resumed one), the data source, the execution plan and the compiled
-    loop's inputs."""
+    ens: Any, loss_fn: LossFn, optimizer: optax.GradientTransformation, data: Any,
+    *, steps: int, key: PRNGKeyArray, batch_size: int | None, sampling: Any,
+    opt_state: PyTree[Any], state: PyTree[Any], hyper: PyTree[Any],
+    evaluate: Evaluate | None, checkpoints: Callback | None,
+    track: Sequence[Tracker], callbacks: Sequence[Any], execution: Execution,
+) -> "Run":  # fmt: skip
+    """Every check `fit` makes, in order, before any work; then the start (or
+    resumed) state, the data source, the plan and the compiled loop's inputs."""
     check_optimizer(optimizer)
     # Equal losses and optimizers are one program (`_execution.intern`).
     loss_fn, optimizer = canonical_tree(loss_fn), canonical_tree(optimizer)
@@ -104,56 +91,37 @@ def prepare(
         runner=execution, where="fit",
     )  # fmt: skip
     steps = check_positive_int(steps, "steps", high=MAX_INT32)
-    sampling = as_sampling(sampling)
-    check_sampling(loss_fn, sampling)
+    sampling = check_sampling(loss_fn, as_sampling(sampling))
     track, components = _components(
         ens, size, steps, state, evaluate, checkpoints, track, callbacks
     )
-    mesh, plan = execution.mesh, None
-    # Arrays are checked now, and the plan is known (a stream is opened where
-    # the run starts, below: its plan needs its first batch).
-    source: DataSource | None = None
-    if check_data(data):
-        source = ArraySource(data, sampling, batch_size, size)
-        if mesh is not None:
-            mesh = check_fit_mesh(mesh, size, source.batch_size)
-        plan = plan_fit(
-            execution, loss_fn, ens, size, source, state, hyper, mesh, steps
-        )
+    # Arrays are checked and planned now, before any work; a stream where the
+    # run starts, below (its plan needs its first batch).
+    source = ArraySource(data, sampling, batch_size, size) if check_data(data) else None
+    plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)
     train_state, keys = start_state(
         ens, optimizer, opt_state, state, hyper=hyper, track=track,
-        with_eval=evaluate is not None, key=key,
+        with_eval=evaluate is not None, key=key, controlled=stateful(components),
     )  # fmt: skip
-    if stateful(components):
-        train_state = dataclasses.replace(
-            train_state,
-            controlled=tuple(item.init(train_state) for item in stateful(components)),
-        )
-    record, history, saved_data = None, None, None
-    if checkpoints is not None:
-        record = run_record(
-            ens, optimizer, opt_state, train_state, source, sampling, batch_size,
-            key, evaluate, track, hyper,
-        )  # fmt: skip
-        train_state, history, saved_data = _resumed(
-            checkpoints, train_state, record, steps, mesh, size
-        )
+    mesh = execution.mesh
+    record = None if checkpoints is None else run_record(
+        ens, optimizer, opt_state, train_state, source, sampling, batch_size, key,
+        evaluate, track, hyper,
+    )  # fmt: skip
+    train_state, history, saved_data = _resumed(
+        checkpoints, train_state, record, steps, mesh, size
+    )
     done = int(train_state.step)
     if source is None:
         source = StreamSource(data, sampling, batch_size, size, done, saved_data)
-        if mesh is not None:
-            mesh = check_fit_mesh(mesh, size, source.batch_size)
-        plan = plan_fit(
-            execution, loss_fn, ens, size, source, state, hyper, mesh, steps
-        )
+        plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)
     else:
         source.start(keys.data, keys.bootstrap, mesh)
     assert plan is not None
     train_state = place_state(train_state, mesh)
     chunk = Chunk(
         loss_fn=loss_fn, optimizer=optimizer, sampling=sampling, evaluate=evaluate,
-        track=track,
-        batches=source.batches() if source.kind == "arrays" else None,
+        track=track, batches=source.batches() if source.kind == "arrays" else None,
         train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=size,
         length=plan.length, mesh=mesh, unrolled=plan.unroll, layout=plan.layout,
         check=plan.check, counted=plan.counted, member_chunk=execution.member_chunk,
@@ -165,23 +133,34 @@ def prepare(
         source=source, callbacks=components, track=track, record=record,
         sampling=sampling, key=key, guard=execution.guard,
         resumed_from=None if history is None else done,
-        hparams={
-            "members": size, "steps": steps, "batch_size": source.batch_size,
-            "sampling": type(sampling).__name__, "data": source.kind,
-            "resumed_from": done,
-        },
     )  # fmt: skip
 
 
-def check_sampling(loss_fn: LossFn, sampling: Sampling) -> None:
-    """A coupled loss that reads one batch for all members takes no
-    per-member sampling."""
+def _plan(
+    execution: Execution, loss_fn: LossFn, ens: Any, size: int,
+    source: DataSource | None, state: Any, hyper: Any, steps: int,
+) -> Plan | None:  # fmt: skip
+    """The run's plan, once its source is known (the mesh checked against the
+    members and the batch first)."""
+    if source is None:
+        return None
+    if execution.mesh is not None:
+        check_fit_mesh(execution.mesh, size, source.batch_size)
+    return plan_fit(
+        execution, loss_fn, ens, size, source, state, hyper, execution.mesh, steps
+    )
+
+
+def check_sampling(loss_fn: LossFn, sampling: Sampling) -> Sampling:
+    """`sampling`, checked: a coupled loss that reads one batch for all members
+    takes no per-member sampling."""
     if isinstance(loss_fn, Coupled) and loss_fn.shared_batch and sampling.per_member:
         raise ValueError(
             f"this coupled loss reads one batch for all members, but "
             f"`sampling={type(sampling).__name__}(...)` gives each member its own; "
             "use `sampling=ee.Shared()` (the default)"
         )
+    return sampling
 
 
 def _components(
@@ -218,13 +197,15 @@ def _components(
 def _resumed(
     checkpoints: Any,
     train_state: TrainState,
-    record: RunRecord,
+    record: RunRecord | None,
     steps: int,
     mesh: Mesh | None,
     size: int,
 ) -> tuple[TrainState, Any, Any]:
     """The newest checkpoint's `(train_state, history, data position)`, or the
-    start state with no history."""
+    start state with no history (also without checkpoints)."""
+    if checkpoints is None:
+        return train_state, None, None
     checkpoints.prepare()
     template = train_state
     if mesh is not None and checkpoints.has_checkpoints():
@@ -335,7 +316,6 @@ class Run:
     sampling: Sampling
     key: PRNGKeyArray
     resumed_from: int | None = None
-    hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     guard: str = "auto"  # `Execution.guard`
 
     def __post_init__(self):
@@ -524,7 +504,14 @@ class Run:
                 size=len(self._diverged_at),
                 start=self.done,
                 resumed=self.resumed_from is not None,
-                hparams=dict(self.hparams),
+                hparams={
+                    "members": self.chunk.size,
+                    "steps": self.steps,
+                    "batch_size": self.source.batch_size,
+                    "sampling": type(self.sampling).__name__,
+                    "data": self.source.kind,
+                    "resumed_from": self.done,
+                },  # fmt: skip
                 member_hparams=start_hparams,
             )
         return self._info

@@ -236,17 +236,25 @@ def start_state(
     track: tuple[Any, ...],
     with_eval: bool,
     key: PRNGKeyArray,
+    controlled: tuple[Any, ...] = (),
 ) -> tuple[TrainState, RunKeys]:
     """The state before the first step (a fresh optimizer state when
     `opt_state` is `None`), every leaf a new buffer, and the run's keys: one
-    compiled call instead of a dispatch per array. Controllers' states are not
-    set (`TrainState.controlled` is empty): they run on the host."""
+    compiled call instead of a dispatch per array. `controlled`: the
+    checkpointed callbacks, whose `init` states (made on the host) fill
+    `TrainState.controlled`."""
     try:
         hash((optimizer, track))
     except TypeError:  # an unhashable optimizer or tracker: passed as arguments
-        return _start_generic(
+        started = _start_generic(
             optimizer, track, with_eval, ens, opt_state, model_state, hyper, key
         )
-    return _started(optimizer, track, with_eval)(
-        ens, opt_state, model_state, hyper, key
-    )
+    else:
+        started = _started(optimizer, track, with_eval)(
+            ens, opt_state, model_state, hyper, key
+        )
+    if not controlled:
+        return started
+    train_state, keys = started
+    states = tuple(item.init(train_state) for item in controlled)
+    return dataclasses.replace(train_state, controlled=states), keys
