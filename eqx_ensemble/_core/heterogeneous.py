@@ -270,36 +270,30 @@ def per_group_values(
     return per_group(ens, value, what)
 
 
-def each_group(
-    ens: Any, fn: Callable[..., Any], *values: Any, members: Sequence[Any] = ()
-) -> list[Any]:
-    """`[fn(group, *group_values, *group_members)]` over `ens`'s groups. Of a
-    plain ensemble (one group) `values` and `members` are passed as they are;
-    of an `ee.Heterogeneous` each of `values` is held per group (a tuple with
-    one entry per group; `None`: `None` for each) and each of `members` is a
-    tree whose array leaves carry the global member axis, cut at the groups'
-    bounds."""
+def group_parts(
+    ens: Any, *values: Any, members: Sequence[Any] = ()
+) -> list[tuple[Any, ...]]:
+    """`(group, *group_values, *group_members)` for each of `ens`'s groups, to
+    run a group's own code on (the caller runs it: the groups interface calls
+    nothing back). Of a plain ensemble (one group) `values` and `members` are
+    passed as they are; of an `ee.Heterogeneous` each of `values` is held per
+    group (a tuple with one entry per group; `None`: `None` for each) and each
+    of `members` is a tree whose array leaves carry the global member axis, cut
+    at the groups' bounds."""
     if not isinstance(ens, Heterogeneous):
-        return [fn(ens, *values, *members)]
+        return [(ens, *values, *members)]
     held = [per_group_values(ens, value) for value in values]
     cut = [split_by_group(ens, tree) for tree in members]
-    return [
-        fn(group, *parts) for group, *parts in zip(ens.groups, *held, *cut, strict=True)
-    ]
+    return list(zip(ens.groups, *held, *cut, strict=True))
 
 
-def over_groups(
-    ens: Any,
-    fn: Callable[..., Any],
-    *values: Any,
-    members: Sequence[Any] = (),
-    join: Callable[[list[Any]], Any] = tuple,
+def joined(
+    ens: Any, results: list[Any], join: Callable[[list[Any]], Any] = tuple
 ) -> Any:
-    """`fn` over `ens`'s groups as `each_group`, in the form `ens` holds such
-    a thing: a plain ensemble's one result as it is, an `ee.Heterogeneous`'s
-    results joined by `join` (a tuple, one per group: how its optimizer and
-    model states are held; `jnp.concatenate` for per-member arrays)."""
-    results = each_group(ens, fn, *values, members=members)
+    """The per-group `results` of `group_parts` in the form `ens` holds such a
+    thing: a plain ensemble's one result as it is, an `ee.Heterogeneous`'s
+    joined by `join` (a tuple, one per group: how its optimizer and model
+    states are held; `jnp.concatenate` for per-member arrays)."""
     return join(results) if isinstance(ens, Heterogeneous) else results[0]
 
 

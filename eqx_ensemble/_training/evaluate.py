@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree, UInt32
 
-from .._core.heterogeneous import over_groups
+from .._core.heterogeneous import group_parts, joined
 from .._execution.layout import Layout, member_map
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.component import Component
@@ -111,15 +111,12 @@ class Evaluate(Component):
         see `_layout`), `member_chunk` at a time if given (of each of the
         `devices` devices' members, on a mesh). A heterogeneous
         ensemble is scored group by group (its `model_state`: one per group)."""
-        return over_groups(
-            ensemble,
-            lambda group, state, keys: self._group_scores(
-                group, state, keys, layout, member_chunk, devices
-            ),
-            model_state,
-            members=(member_keys,),
-            join=jnp.concatenate,
-        )
+        parts = group_parts(ensemble, model_state, members=(member_keys,))
+        scores = [
+            self._group_scores(group, state, keys, layout, member_chunk, devices)
+            for group, state, keys in parts
+        ]
+        return joined(ensemble, scores, jnp.concatenate)
 
     def _group_scores(
         self,

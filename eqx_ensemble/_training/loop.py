@@ -27,7 +27,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
-from .._core.heterogeneous import over_groups
+from .._core.heterogeneous import group_parts, joined
 from .._execution.compile import (
     CompiledFunctions,
     Options,
@@ -388,12 +388,12 @@ def _members_finite(ens: Any, opt_state: Any) -> Any:
     what the guarded step checks of the state (`step.apply_member`; a model
     state may hold infinities by design, a running maximum's start)."""
 
-    def finite(group: Any, group_opt: Any) -> Any:
-        return eqx.filter_vmap(lambda *trees: all_finite(*trees, check="by_shape"))(
-            group.members, group_opt
-        )
-
-    return over_groups(ens, finite, opt_state, join=jnp.concatenate)
+    finite = eqx.filter_vmap(lambda *trees: all_finite(*trees, check="by_shape"))
+    parts = group_parts(ens, opt_state)
+    return joined(
+        ens, [finite(group.members, group_opt) for group, group_opt in parts],
+        jnp.concatenate,
+    )  # fmt: skip
 
 
 # `diverged_at` of a member an optimistic dispatch found not finite at its end.

@@ -15,9 +15,9 @@ from jaxtyping import ArrayLike, Float, PyTree
 from .._core.ensemble import Ensemble, SharedOptState
 from .._core.heterogeneous import (
     Heterogeneous,
-    each_group,
+    group_parts,
     is_heterogeneous,
-    over_groups,
+    joined,
     per_group,
 )
 from .._core.sharding import shard
@@ -109,11 +109,10 @@ def member_hparams(train_state: Any) -> dict[str, np.ndarray]:
     no such hyperparameter)."""
     size = int(np.shape(train_state.diverged_at)[0])
     values: dict[str, np.ndarray] = {}
-    groups = each_group(
-        train_state.ensemble,
-        lambda group, state: (len(group), _injected(state, len(group))),
-        train_state.opt_state,
-    )
+    groups = [
+        (len(group), _injected(state, len(group)))
+        for group, state in group_parts(train_state.ensemble, train_state.opt_state)
+    ]
     if len(groups) == 1:
         values.update(groups[0][1])
     else:
@@ -316,12 +315,11 @@ def init_state(
 ) -> PyTree[Any]:
     """The fresh stacked optimizer state of `ens` (traceable: `fit` computes it
     inside its start program); of a heterogeneous ensemble, one per group."""
-    return over_groups(
-        ens,
-        lambda group: _init_state(
-            optimizer, trainable(group.members), _trained_shared(group)
-        ),
-    )
+    states = [
+        _init_state(optimizer, trainable(group.members), _trained_shared(group))
+        for (group,) in group_parts(ens)
+    ]
+    return joined(ens, states)
 
 
 def init_optimizer(

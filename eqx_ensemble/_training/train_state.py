@@ -12,8 +12,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from .._core.ensemble import Ensemble, member_axis_mask
 from .._core.heterogeneous import (
     Heterogeneous,
+    group_parts,
     is_heterogeneous,
-    over_groups,
+    joined,
     split_by_group,
 )
 from .._execution.compile import CompiledFunctions, filter_jit
@@ -121,13 +122,14 @@ def member_select(
 def track_init(tracker: Any, ens: Any) -> Any:
     """`tracker`'s first state (of a heterogeneous ensemble: a tuple, one state
     per group)."""
-    return over_groups(ens, lambda group: tracker.init(group.members))
+    return joined(ens, [tracker.init(group.members) for (group,) in group_parts(ens)])
 
 
 def track_update(tracker: Any, state: Any, ens: Any, done: Any) -> Any:
     """`tracker`'s state after a step (per group, as `track_init`)."""
-    return over_groups(
-        ens, lambda group, part: tracker.update(part, group.members, done), state
+    parts = group_parts(ens, state)
+    return joined(
+        ens, [tracker.update(part, group.members, done) for group, part in parts]
     )
 
 
@@ -140,10 +142,9 @@ def _joined_results(results: list[Any]) -> Any:
 def track_result(tracker: Any, state: Any, ens: Any) -> Any:
     """`tracker`'s result (per group, as `track_init`: the groups' results, as
     an `ee.Heterogeneous` where each is an `ee.Ensemble`)."""
-    return over_groups(
-        ens, lambda group, part: tracker.result(part, group), state,
-        join=_joined_results,
-    )  # fmt: skip
+    parts = group_parts(ens, state)
+    results = [tracker.result(part, group) for group, part in parts]
+    return joined(ens, results, _joined_results)
 
 
 def initial_state(
