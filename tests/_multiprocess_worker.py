@@ -119,10 +119,15 @@ def main() -> None:
         eqx.filter(result.ensemble.members, eqx.is_array), tiled=True
     )
     if process_id == 0:
+        # One process may load a single file on its own (no collective).
+        alone = ee.load(
+            os.path.join(out_dir, "host.eqx"), {"losses": result.history.losses}
+        )["losses"]
         leaves = jax.tree.leaves(members)
         np.savez(
             os.path.join(out_dir, "result.npz"),
             losses=result.history.losses,
+            alone=np.asarray(alone),
             placed=np.array(placed),
             rows=np.array([rows.start, rows.stop]),
             **{f"leaf{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)},

@@ -310,3 +310,33 @@ def test_equal_functions_are_called_each_as_itself(ens):
     run(ens, callbacks=[first])
     run(ens, callbacks=[second])
     assert first.seen == [20] and second.seen == [20]
+
+
+class LateInfo(ee.Callback):
+    """Reads the run's description for the first time after a dispatch."""
+
+    seen: list
+    every: int = 2
+
+    def next_stop(self, done):
+        return done + self.every
+
+    def on_dispatch(self, handle, run):
+        if not self.seen:
+            info = run.run_info()
+            self.seen.append((info.hparams["resumed_from"], info.resumed))
+
+
+def test_run_info_read_late_still_names_the_runs_start(ens, tmp_path):
+    seen = []
+    run(ens, steps=4, callbacks=[LateInfo(seen)])
+    assert seen == [(0, False)]  # a fresh run, read after its first dispatch
+    folder = tmp_path / "run"
+    run(ens, steps=4, checkpoints=ee.Checkpoints(folder, every=4))
+    seen.clear()
+    result = run(
+        ens, steps=8, checkpoints=ee.Checkpoints(folder, every=4),
+        callbacks=[LateInfo(seen)],
+    )  # fmt: skip
+    assert result.resumed_from == 4
+    assert seen == [(4, True)]  # resumed at step 4, read at step 6

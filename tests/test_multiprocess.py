@@ -126,6 +126,7 @@ def _check_against_single_process(out_dir: Path, layout: str) -> None:
     assert (out_dir / "host.eqx").is_file()  # one file, written by process 0
     host = ee.load(out_dir / "host.eqx", {"losses": result["losses"]})
     np.testing.assert_array_equal(host["losses"], result["losses"])
+    np.testing.assert_array_equal(result["alone"], result["losses"])
     loaded = ee.load(out_dir / "ensemble.eqx", reference.ensemble)
     assert_tree_allclose(loaded, reference.ensemble)
     single = out_dir / "single.eqx"

@@ -183,9 +183,18 @@ def save_tree(
         prepare, finish = sharded_write(path, leaves, manifest, copy=asynchronous)
     else:
         prepare, finish = [], [_single_file_write(path, leaves, manifest, asynchronous)]
-    if after_write is not None:
-        finish.append(Phase(after_write))
+    if after_write is not None:  # in the commit's phase, once it is in place
+        *finish, last = finish
+        finish.append(Phase(_then(last.work, after_write), last.everyone))
     return write(path, prepare, finish, asynchronous)
+
+
+def _then(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        then()
+
+    return both
 
 
 def _single_file_write(
@@ -303,18 +312,19 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
                 reader.forget()
     except (CheckpointError, OSError) as error:
         failure = error
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and is_folder(path):
         # Each process read only its chunks of a sharded checkpoint: all must
         # have succeeded, or all refuse the checkpoint (a resume then falls
-        # back, or fails, together).
+        # back, or fails, together). A single file is read whole by each
+        # process that loads it (one may load it on its own).
         from jax.experimental import multihost_utils
 
         ok = multihost_utils.process_allgather(np.asarray(failure is None))
         failed = [int(p) for p in np.flatnonzero(~np.asarray(ok).astype(bool))]
         if failed and failure is None:
             raise CheckpointError(
-                f"Checkpoint {path}: process(es) {failed} could not read the "
-                "checkpoint (their error names the file); refused on every process"
+                f"Checkpoint {path}: process(es) {failed} could not read their "
+                "shards (their error names the file); refused on every process"
             )
     if failure is not None:
         raise failure

@@ -510,7 +510,7 @@ class Run:
                     "batch_size": self.source.batch_size,
                     "sampling": type(self.sampling).__name__,
                     "data": self.source.kind,
-                    "resumed_from": self.done,
+                    "resumed_from": self.resumed_from or 0,
                 },  # fmt: skip
                 member_hparams=start_hparams,
             )
