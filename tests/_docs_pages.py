@@ -10,6 +10,12 @@ HTML comments, on the line just before a fence, change what happens to it:
   the page's previous ```python block printed (whitespace-normalised), so quoted
   output (an error message of JAX, a shape) is checked, not just copied.
 
+A long page can be split into tests that run in parallel: a line
+`<!-- test-part -->` (before a section that needs only the page's opening
+blocks) starts a part. Part 0 is everything before the first such line; each
+later part is a test of its own that runs part 0's blocks, then its own, in one
+fresh namespace: what a reader pasting the setup and then that section runs.
+
 Tracebacks point at the Markdown file and line of the failing block. The pages
 are spread over several test files (`GROUPS`), each under a minute on two cores;
 a page no group names runs in `test_docs.py`.
@@ -24,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 SKIP_MARKER = "<!-- skip-test -->"
+PART_MARKER = "<!-- test-part -->"
 OUTPUT_MARKER = "<!-- expected-output -->"
 _OPEN = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 
@@ -95,19 +102,54 @@ def group_pages(group: str | None) -> list:
             return not (guide and page.name in named)
         return guide and page.name in names
 
+    params = []
+    for page in filter(chosen, pages()):
+        name = str(page.relative_to(ROOT))
+        count = len(part_lines(page.read_text())) + 1
+        if count == 1:
+            params.append(pytest.param(page, id=name))
+        else:
+            params += [
+                pytest.param(PagePart(page, part), id=f"{name}#{part}")
+                for part in range(count)
+            ]
+    return params
+
+
+@dataclasses.dataclass(frozen=True)
+class PagePart:
+    """Part `part` of a page split by `PART_MARKER` lines."""
+
+    page: Path
+    part: int
+
+
+def part_lines(text: str) -> list[int]:
+    """The 1-based lines of a page's `PART_MARKER`s."""
     return [
-        pytest.param(page, id=str(page.relative_to(ROOT)))
-        for page in pages()
-        if chosen(page)
+        number
+        for number, line in enumerate(text.splitlines(), 1)
+        if line.strip() == PART_MARKER
     ]
 
 
-def run_page(page: Path) -> None:
-    """Run a page's python blocks in one namespace and check its quoted outputs
-    (call with the working directory set to a scratch folder)."""
+def run_page(page: "Path | PagePart") -> None:
+    """Run a page's python blocks (or a part's, after part 0's) in one
+    namespace and check its quoted outputs (call with the working directory
+    set to a scratch folder)."""
+    part = None
+    if isinstance(page, PagePart):
+        page, part = page.page, page.part
+    text = page.read_text()
+    bounds = part_lines(text)
     namespace: dict = {"__name__": "__docs__"}
     printed = None
-    for block in parse_blocks(page.read_text()):
+    for block in parse_blocks(text):
+        if part is not None and sum(line < block.line for line in bounds) not in (
+            0,
+            part,
+        ):
+            continue
         if block.lang == "python" and block.marker != SKIP_MARKER:
             # Pad so tracebacks report the Markdown line numbers.
             code = compile("\n" * (block.line - 1) + block.source, str(page), "exec")

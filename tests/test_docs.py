@@ -17,8 +17,10 @@ import pytest
 from _docs_pages import (
     DOCS,
     GROUPS,
+    PART_MARKER,
     ROOT,
     SKIP_MARKER,
+    PagePart,
     group_pages,
     pages,
     parse_blocks,
@@ -38,6 +40,23 @@ def test_every_long_guide_is_a_page():
     guides = {page.name for page in (DOCS / "guides").glob("*.md")}
     for group, names in GROUPS.items():
         assert set(names) <= guides, f"{group}: no such guide {set(names) - guides}"
+
+
+def test_a_page_part_runs_the_setup_then_only_its_own_blocks(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nseen = ['setup']\n```\n"
+        f"{PART_MARKER}\n## One\n"
+        "```python\nseen.append('one')\nprint(seen)\n```\n"
+        "<!-- expected-output -->\n```text\n['setup', 'one']\n```\n"
+        f"{PART_MARKER}\n## Two\n"
+        "```python\nseen.append('two')\nprint(seen)\n```\n"
+        "<!-- expected-output -->\n```text\n['setup', 'two']\n```\n"
+    )
+    for part in (0, 1, 2):
+        run_page(PagePart(page, part))
+    with pytest.raises(AssertionError, match="not what the code printed"):
+        run_page(page)  # the whole page in one namespace: part 2 sees 'one'
 
 
 def test_parser_finds_blocks_markers_and_indented_fences():
