@@ -209,6 +209,31 @@ def _checkpoint_phase(phase, out_dir, ens, data, mesh):
             saved[name]["read_bytes"] = np.asarray(
                 multihost_utils.process_allgather(np.asarray(read["bytes"]))
             )
+        # Any error on one process (here: placing its arrays) ends every
+        # process's load of a sharded checkpoint; none waits for the others.
+        from eqx_ensemble._checkpoints import io
+
+        path = os.path.join(out_dir, "ensemble.ckpt")
+        ee.save(path, result.ensemble, sharded=True)
+        place = io.place_array
+
+        def failing(lazy, like_leaf):
+            if jax.process_index() == 1:
+                raise RuntimeError("placement failed on process 1")
+            return place(lazy, like_leaf)
+
+        io.place_array = failing
+        try:
+            ee.load(path, result.ensemble)
+            outcome = 0
+        except RuntimeError:
+            outcome = 1
+        except ee.CheckpointError as error:
+            outcome = 2 if "process(es) [1]" in str(error) else 3
+        io.place_array = place
+        saved["single"]["load_outcome"] = np.asarray(
+            multihost_utils.process_allgather(np.asarray(outcome))
+        )
     if jax.process_index() == 0:
         for name, arrays in saved.items():
             np.savez(os.path.join(out_dir, f"{name}.npz"), **arrays)

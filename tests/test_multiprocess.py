@@ -244,6 +244,10 @@ def test_sharded_checkpoints_of_two_processes_resume_on_one_and_on_two(tmp_path)
     _assert_equal_npz(resumed_on_two, full)
     single = np.load(tmp_path / "single.npz")
     np.testing.assert_allclose(single["losses"], reference.history.losses, rtol=1e-5)
+    # A load that fails on process 1 alone (an error in placing its arrays):
+    # process 1 raises its own error, process 0 refuses the checkpoint naming
+    # process 1 (before, process 0 waited for ever).
+    assert single["load_outcome"].tolist() == [2, 1]
 
 
 def _assert_equal_npz(got, want) -> None:

@@ -310,21 +310,22 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
                 else:
                     leaves.append(place_array(lazy, like_leaf))
                 reader.forget()
-    except (CheckpointError, OSError) as error:
+    except Exception as error:  # noqa: BLE001 - raised below, after the agreement
         failure = error
     if jax.process_count() > 1 and is_folder(path):
         # Each process read only its chunks of a sharded checkpoint: all must
         # have succeeded, or all refuse the checkpoint (a resume then falls
-        # back, or fails, together). A single file is read whole by each
-        # process that loads it (one may load it on its own).
+        # back, or fails, together). Any error counts: one process raising
+        # alone would leave the others waiting here. A single file is read
+        # whole by each process that loads it (one may load it on its own).
         from jax.experimental import multihost_utils
 
         ok = multihost_utils.process_allgather(np.asarray(failure is None))
         failed = [int(p) for p in np.flatnonzero(~np.asarray(ok).astype(bool))]
         if failed and failure is None:
             raise CheckpointError(
-                f"Checkpoint {path}: process(es) {failed} could not read their "
-                "shards (their error names the file); refused on every process"
+                f"Checkpoint {path}: process(es) {failed} failed to load their "
+                "shards (their own error says why); refused on every process"
             )
     if failure is not None:
         raise failure
