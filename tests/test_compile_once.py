@@ -273,3 +273,39 @@ def test_a_loss_holding_arrays_compiles_once_for_any_values():
         )
         == 0
     )
+
+
+def test_building_an_ensemble_is_one_program_and_a_rebuild_none():
+    """`ee.ensemble` compiles one program (not one per operation and shape), and
+    a `make` written again (a re-run notebook cell: a new lambda, the same code
+    and values) reuses it; another width is another program. The members equal
+    `make` run alone on each member's key."""
+    key = jax.random.key(11)
+
+    def build(width):
+        return ee.ensemble(lambda k: eqx.nn.MLP(5, 3, width, 2, key=k), size=4, key=key)
+
+    names = compiled_programs(lambda: build(13))
+    assert len(names) == 1, names
+    assert compilations(lambda: build(13)) == 0
+    assert compilations(lambda: build(14)) == 1
+    ens = build(13)
+    alone = [eqx.nn.MLP(5, 3, 13, 2, key=k) for k in jax.random.split(key, 4)]
+    for i, member in enumerate(alone):
+        assert eqx.tree_equal(ens[i], member), i
+
+
+def test_a_make_that_reads_an_array_value_is_built_op_by_op():
+    # Python control flow on an array that does not depend on the key: allowed
+    # op by op (the array is concrete there), refused by a trace; `ee.ensemble`
+    # falls back to the op-by-op build and gives what `make` gives alone.
+    def make(key):
+        scale = jnp.array([2.0, 3.0])
+        width = 4 if float(scale.sum()) > 4 else 9
+        return eqx.nn.Linear(3, width, key=key)
+
+    key = jax.random.key(12)
+    ens = ee.ensemble(make, size=3, key=key)
+    assert ens.members.weight.shape == (3, 4, 3)
+    for i, member_key in enumerate(jax.random.split(key, 3)):
+        assert eqx.tree_equal(ens[i], make(member_key)), i

@@ -136,6 +136,37 @@ def test_fast_codegen_changes_no_bits_of_tiny_programs():
     assert run_with_xla_defaults(_FAST_CODEGEN_BITS).strip() == "same bits"
 
 
+_ONE_SHOT_BITS = """
+import equinox as eqx, jax, jax.numpy as jnp, numpy as np
+import eqx_ensemble as ee
+from eqx_ensemble._execution import compile as _xla
+
+assert _xla.one_shot_options() == tuple(sorted(_xla.ONE_SHOT.items()))
+makers = [
+    lambda k: eqx.nn.MLP(6, 3, 16, 2, key=k),
+    lambda k: eqx.nn.Conv2d(2, 4, 3, key=k),
+    lambda k: eqx.nn.MultiheadAttention(2, 8, key=k),
+    lambda k: eqx.nn.Embedding(20, 4, key=k),  # a normal initialisation
+    lambda k: eqx.nn.GRUCell(3, 5, key=k),
+]
+key = jax.random.key(3)
+for make in makers:
+    built = ee.ensemble(make, size=3, key=key)
+    op_by_op = eqx.filter_vmap(make)(jax.random.split(key, 3))
+    for a, b in zip(*map(jax.tree.leaves, (built.members, op_by_op)), strict=True):
+        np.testing.assert_array_equal(a, b)
+print("same bits")
+"""
+
+
+def test_a_built_ensemble_has_the_bits_of_building_it_op_by_op():
+    """`ee.ensemble` compiles its one program with `ONE_SHOT` (LLVM level 1,
+    the older elemental emitters): with XLA's default flags (a user's, not this
+    suite's) its members are bit for bit those of the same build run op by
+    op, for dense, convolutional, attention, embedding and recurrent layers."""
+    assert run_with_xla_defaults(_ONE_SHOT_BITS).strip() == "same bits"
+
+
 def test_a_step_with_options_runs_inside_the_users_jit():
     """JAX refuses compiler options on a nested `jax.jit`: a step with options
     called inside the user's own `jax.jit` runs under the outer program's and
@@ -186,10 +217,14 @@ def test_one_probe_answers_for_every_subset_of_the_librarys_options(monkeypatch)
     try:
         fast = tuple(sorted(_xla.FAST_CODEGEN.items()))
         both = tuple(sorted((_xla.FAST_CODEGEN | _xla.EIGEN_DOTS).items()))
+        one_shot = tuple(sorted(_xla.ONE_SHOT.items()))
+        every = _xla.FAST_CODEGEN | _xla.EIGEN_DOTS | _xla.ONE_SHOT
+        every = tuple(sorted(every.items()))
         assert _xla._supported(fast) and _xla._supported(both)
-        assert probes == [both]
+        assert _xla._supported(one_shot)
+        assert probes == [every]
         assert not _xla._supported((("xla_no_such_option_here", 1),))
-        assert probes == [both, (("xla_no_such_option_here", 1),)]
+        assert probes == [every, (("xla_no_such_option_here", 1),)]
     finally:
         _xla._supported.cache_clear()
 

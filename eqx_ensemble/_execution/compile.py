@@ -37,6 +37,16 @@ EIGEN_DOTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
 # and compile sooner (measured on the families in round 3, session 17; the
 # changelog's "Benchmarks history").
 FAST_CODEGEN: dict[str, Any] = {"xla_backend_optimization_level": 1}
+# Programs that run once (building an ensemble, a run's start state) are
+# compiled for compile time, not run time: LLVM at level 1 and XLA's older CPU
+# elemental emitters. Building 8 MLPs 64-64-64-10 compiles in 0.5 s, against
+# 1.8 s with XLA's defaults in one program and 2.0 s as the 16 programs of
+# running it op by op, with the same bits as op by op (tests/test_xla.py);
+# `benchmarks/bench_recompile.py`'s build rows.
+ONE_SHOT: dict[str, Any] = {
+    "xla_backend_optimization_level": 1,
+    "xla_cpu_use_fusion_emitters": False,
+}
 # Below this many matmul FLOPs per step, the thread pool costs more than it gains
 # (2-core measurements: 0.6x at 1 MFLOP, 0.86x at 4, 1.0-1.1x at 20, 1.25x at 2000).
 MIN_STEP_FLOPS = 16e6
@@ -296,7 +306,7 @@ def _supported(options: Options) -> bool:
     # only where this jaxlib compiles with them. One probe for all of the
     # library's options answers for each subset of them (a probe is a compile,
     # 20-30 ms of a first call).
-    every = tuple(sorted((FAST_CODEGEN | EIGEN_DOTS).items()))
+    every = tuple(sorted((FAST_CODEGEN | EIGEN_DOTS | ONE_SHOT).items()))
     if options != every and set(options) <= set(every) and _supported(every):
         return True
     try:
@@ -377,6 +387,17 @@ def step_compiler_options(
 def cpu_codegen_options() -> Options:
     """`FAST_CODEGEN` as options, or none where this jaxlib lacks it."""
     options = tuple(sorted(FAST_CODEGEN.items()))
+    return options if _supported(options) else ()
+
+
+def one_shot_options() -> Options:
+    """`ONE_SHOT` as options on a CPU, but for an option the process's
+    `XLA_FLAGS` set (that choice stands, as it does for the operations run one
+    by one) and none where this jaxlib lacks them; XLA's defaults elsewhere."""
+    if jax.default_backend() != "cpu":
+        return ()
+    flags = os.environ.get("XLA_FLAGS", "")
+    options = tuple(sorted(o for o in ONE_SHOT.items() if f"--{o[0]}" not in flags))
     return options if _supported(options) else ()
 
 

@@ -17,7 +17,7 @@ from .._core.heterogeneous import (
     joined,
     split_by_group,
 )
-from .._execution.compile import CompiledFunctions, filter_jit
+from .._execution.compile import CompiledFunctions, filter_jit, one_shot_options
 from .._internal.keys import RunKeys, run_keys
 from .optim import init_state
 
@@ -218,13 +218,14 @@ def _make_start(optimizer: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
     def start(*args: Any) -> tuple[TrainState, RunKeys]:
         return _start(optimizer, track, with_eval, *args)
 
-    return filter_jit(start, ())
+    return filter_jit(start, one_shot_options())
 
 
 # One start program per optimizer, trackers and evaluation (bounded, least
-# recently used dropped: `compile.CompiledFunctions`).
+# recently used dropped: `compile.CompiledFunctions`); a program that runs
+# once per call: compiled with `ONE_SHOT`.
 _started = CompiledFunctions(_make_start)
-_start_generic = filter_jit(_start, ())
+_start_generic = CompiledFunctions(lambda: filter_jit(_start, one_shot_options()))
 
 
 def start_state(
@@ -247,7 +248,7 @@ def start_state(
     try:
         hash((optimizer, track))
     except TypeError:  # an unhashable optimizer or tracker: passed as arguments
-        started = _start_generic(
+        started = _start_generic()(
             optimizer, track, with_eval, ens, opt_state, model_state, hyper, key
         )
     else:
