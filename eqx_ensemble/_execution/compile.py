@@ -9,13 +9,15 @@ YNNPACK's fusions turned off: every dot then runs on all cores. Tiny steps (the
 dispatch-bound regime) keep XLA's defaults, where YNNPACK's single-threaded calls
 are faster. Every CPU step is also compiled at LLVM optimisation level 1
 (`FAST_CODEGEN`): as fast to run, sooner to compile. Other platforms always keep
-XLA's defaults.
+XLA's defaults. An option the process's `XLA_FLAGS` set is left to them (a
+choice made for every program stands over the library's defaults).
 """
 
 import collections
 import functools
 import gc
 import os
+import re
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -380,25 +382,38 @@ def step_compiler_options(
             return fast
     if is_tiny_step(members, examples, size, mesh):
         return fast
-    options = tuple(sorted((dict(fast) | EIGEN_DOTS).items()))
+    options = _not_flagged(dict(fast) | EIGEN_DOTS)
     return options if _supported(options) else fast
 
 
 def cpu_codegen_options() -> Options:
-    """`FAST_CODEGEN` as options, or none where this jaxlib lacks it."""
-    options = tuple(sorted(FAST_CODEGEN.items()))
+    """`FAST_CODEGEN` as options (but for what `XLA_FLAGS` set), or none
+    where this jaxlib lacks it."""
+    options = _not_flagged(FAST_CODEGEN)
     return options if _supported(options) else ()
 
 
 def one_shot_options() -> Options:
-    """`ONE_SHOT` as options on a CPU, but for an option the process's
-    `XLA_FLAGS` set (that choice stands, as it does for the operations run one
-    by one) and none where this jaxlib lacks them; XLA's defaults elsewhere."""
+    """`ONE_SHOT` as options on a CPU (but for what `XLA_FLAGS` set), none
+    where this jaxlib lacks them; XLA's defaults elsewhere."""
     if jax.default_backend() != "cpu":
         return ()
-    flags = os.environ.get("XLA_FLAGS", "")
-    options = tuple(sorted(o for o in ONE_SHOT.items() if f"--{o[0]}" not in flags))
+    options = _not_flagged(ONE_SHOT)
     return options if _supported(options) else ()
+
+
+def _not_flagged(options: dict[str, Any]) -> Options:
+    """`options`, sorted, without those the process's `XLA_FLAGS` set: a
+    choice made there for every program stands over the library's defaults
+    (a user's `compiler_options` in `ee.Execution` override both)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return tuple(
+        sorted(
+            (name, value)
+            for name, value in options.items()
+            if not re.search(rf"--{name}(=|\s|$)", flags)
+        )
+    )
 
 
 def with_eigen_dots(options: Options) -> bool:
