@@ -9,10 +9,12 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # The tests' programs are tiny and compiled once each: XLA's compilation is most
 # of the suite's time, their running a few percent. XLA's older CPU emitters and
 # LLVM without optimisation compile them in about half the time (test_loop.py:
-# 51 -> 24 s of compilation); an option set here stands over the library's own
-# defaults, so its training steps compile at -O0 too (a small `fit` dispatch
-# 0.59 -> 0.23 s). `EE_TEST_XLA_DEFAULTS=1` (set by
-# `make test-all`) runs the suite with XLA's defaults, the programs users run.
+# 51 -> 24 s of compilation), every program but the library's training steps
+# (they keep their level 1: compiled at -O0 too, two programs that must agree
+# bit for bit, a heterogeneous group and the same members alone, round apart
+# and Adam or a diverging member amplifies it; tests/README.md).
+# `EE_TEST_XLA_DEFAULTS=1` (set by `make test-all`) runs the suite with XLA's
+# defaults, the programs users run.
 # A test whose claim is about XLA's own output (a demo's numbers, "these options
 # change no bits") runs its code in a process with the defaults:
 # `run_with_xla_defaults`.

@@ -9,8 +9,7 @@ YNNPACK's fusions turned off: every dot then runs on all cores. Tiny steps (the
 dispatch-bound regime) keep XLA's defaults, where YNNPACK's single-threaded calls
 are faster. Every CPU step is also compiled at LLVM optimisation level 1
 (`FAST_CODEGEN`): as fast to run, sooner to compile. Other platforms always keep
-XLA's defaults. An option the process's `XLA_FLAGS` set is left to them (a
-choice made for every program stands over the library's defaults).
+XLA's defaults.
 """
 
 import collections
@@ -382,14 +381,13 @@ def step_compiler_options(
             return fast
     if is_tiny_step(members, examples, size, mesh):
         return fast
-    options = _not_flagged(dict(fast) | EIGEN_DOTS)
+    options = tuple(sorted((dict(fast) | EIGEN_DOTS).items()))
     return options if _supported(options) else fast
 
 
 def cpu_codegen_options() -> Options:
-    """`FAST_CODEGEN` as options (but for what `XLA_FLAGS` set), or none
-    where this jaxlib lacks it."""
-    options = _not_flagged(FAST_CODEGEN)
+    """`FAST_CODEGEN` as options, or none where this jaxlib lacks it."""
+    options = tuple(sorted(FAST_CODEGEN.items()))
     return options if _supported(options) else ()
 
 
@@ -404,8 +402,8 @@ def one_shot_options() -> Options:
 
 def _not_flagged(options: dict[str, Any]) -> Options:
     """`options`, sorted, without those the process's `XLA_FLAGS` set: a
-    choice made there for every program stands over the library's defaults
-    (a user's `compiler_options` in `ee.Execution` override both)."""
+    choice made there for every program stands, as it does for operations
+    run one by one (whose bits a one-shot program then keeps)."""
     flags = os.environ.get("XLA_FLAGS", "")
     return tuple(
         sorted(

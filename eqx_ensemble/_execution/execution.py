@@ -67,8 +67,7 @@ class Execution(Component):
     - `compiler_options`: XLA options for the compiled step (a dict of option
       name -> str, bool, int or float). `None`: the library's choice (on a
       CPU, LLVM at optimisation level 1, and on a multi-core CPU big steps'
-      matmuls on every core, but for an option set in the `XLA_FLAGS`
-      environment variable, which stands); `{}`: XLA's defaults.
+      matmuls on every core); `{}`: XLA's defaults.
     - `mesh`: `fit` and `make_step`: a device mesh from
       [`ee.make_mesh`][eqx_ensemble.make_mesh]; the member axis is split over
       its `"members"` axis and each batch over `"data"`. Results equal the
