@@ -561,16 +561,11 @@ def ensemble(
         return _ensemble_with_shared(make, member_keys, shared, train_shared)
     if train_shared:
         raise ValueError("`train_shared=True` needs a shared part: pass `shared=`")
-    made: Any = _vmapped(make, member_keys)
+    made: Any = _compiled(lambda keys: eqx.filter_vmap(make)(keys), member_keys)
     if _is_with_state(made):
         model, state = made
         return cast(Ensemble[Member], Ensemble(model)), state
     return cast(Ensemble[Member], Ensemble(made))
-
-
-def _vmapped(make: Callable[..., Any], member_keys: Any) -> Any:
-    """`eqx.filter_vmap(make)(member_keys)`, as one compiled program."""
-    return _compiled(lambda keys: eqx.filter_vmap(make)(keys), member_keys)
 
 
 def _compiled(build: Callable[[Any], Any], member_keys: Any) -> Any:

@@ -2,6 +2,7 @@
 state before the first step."""
 
 import dataclasses
+import functools
 from typing import Any
 
 import equinox as eqx
@@ -225,7 +226,12 @@ def _make_start(optimizer: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
 # recently used dropped: `compile.CompiledFunctions`); a program that runs
 # once per call: compiled with `ONE_SHOT`.
 _started = CompiledFunctions(_make_start)
-_start_generic = CompiledFunctions(lambda: filter_jit(_start, one_shot_options()))
+
+
+@functools.cache
+def _start_generic() -> Any:
+    # Made on first use: the options depend on the backend.
+    return filter_jit(_start, one_shot_options())
 
 
 def start_state(
