@@ -154,6 +154,7 @@ def _fit_variants(variants, compile_s, ens, x_all, y_all, batch, steps, loss_fn)
     import optax
 
     import eqx_ensemble as ee
+    from eqx_ensemble._execution import plan as plan_module
     from eqx_ensemble._training import loop as loop_module, run as run_module
 
     optimizer = optax.adam(1e-3)
@@ -167,15 +168,36 @@ def _fit_variants(variants, compile_s, ens, x_all, y_all, batch, steps, loss_fn)
         del key
         return loss_fn(model, *b) + 0.0
 
-    for name, loss, guarded, bare in (
-        ("fit optimistic", fit_loss, False, False),
-        ("fit guarded", fit_loss, True, False),
-        ("fit bare", bare_loss, False, True),
-    ):
+    def counted_loss(model, b, key):  # a program of its own: counted off a CPU
+        del key
+        return loss_fn(model, *b) + 1.0
+
+    def counted_bare_loss(model, b, key):
+        del key
+        return loss_fn(model, *b) + 2.0
+
+    variants_of_fit = [
+        ("fit optimistic", fit_loss, False, False, False),
+        ("fit guarded", fit_loss, True, False, False),
+        ("fit bare", bare_loss, False, True, False),
+    ]
+    if jax.default_backend() != "cpu":
+        # Off a CPU `fit`'s default is the guarded step in a scan of fixed
+        # length ("fit optimistic" and "fit bare" above are that too): these
+        # loop over a traced trip count, as on a CPU, with the optimistic
+        # guard, and with it and no end-of-dispatch check.
+        variants_of_fit += [
+            ("fit counted optimistic", counted_loss, False, False, True),
+            ("fit counted bare", counted_bare_loss, False, True, True),
+        ]
+    counted = plan_module.COUNTED
+    for name, loss, guarded, bare, count in variants_of_fit:
         state = {"ens": ens, "opt": ee.init_optimizer(optimizer, ens)}
 
-        def go(loss=loss, guarded=guarded, state=state):
+        def go(loss=loss, guarded=guarded, state=state, count=count):
             run_module._hides_non_finite = (lambda *_: True) if guarded else hides
+            if count:
+                plan_module.COUNTED = counted | {jax.default_backend()}
             result = ee.fit(
                 state["ens"], loss, optimizer, (x_all, y_all), steps=steps,
                 batch_size=batch, key=jax.random.key(0), callbacks=(),
@@ -184,6 +206,7 @@ def _fit_variants(variants, compile_s, ens, x_all, y_all, batch, steps, loss_fn)
             jax.block_until_ready(result.ensemble)
             state["ens"], state["opt"] = result.ensemble, result.opt_state
             run_module._hides_non_finite = hides
+            plan_module.COUNTED = counted
 
         settle = loop_module._settle_members
         if bare:  # traced at the first call only

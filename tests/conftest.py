@@ -1,6 +1,7 @@
 """Test configuration: 8 virtual CPU devices, strict promotion, a key fixture."""
 
 import os
+import sys
 
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -22,10 +23,34 @@ FAST_COMPILE_FLAGS = (
     "--xla_cpu_use_fusion_emitters=false",
     "--xla_backend_optimization_level=0",
 )
+
+
+def _known_to_xla(flags: list[str]) -> list[str]:
+    """Those of `flags` this jaxlib's XLA knows. XLA ends the process at an
+    unknown flag (jaxlib 0.11 dropped `xla_cpu_use_fusion_emitters`), so a
+    child process tries them, once per test run (the workers and the tests'
+    processes inherit the flags)."""
+    import subprocess
+
+    def starts(tried: list[str]) -> bool:
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env["XLA_FLAGS"] = " ".join([env["XLA_FLAGS"], *tried])
+        child = [sys.executable, "-c", "import jax; jax.devices()"]
+        return subprocess.run(child, env=env, capture_output=True).returncode == 0
+
+    if not flags or starts(flags):
+        return flags
+    return [flag for flag in flags if starts([flag])]
+
+
 if not os.environ.get("EE_TEST_XLA_DEFAULTS"):
-    for _flag in FAST_COMPILE_FLAGS:
-        if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
-            os.environ["XLA_FLAGS"] += " " + _flag
+    _missing = [
+        flag
+        for flag in FAST_COMPILE_FLAGS
+        if flag.split("=")[0] not in os.environ["XLA_FLAGS"]
+    ]
+    for _flag in _known_to_xla(_missing):
+        os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One on-disk compilation cache for the whole test run, shared by the xdist
 # workers and every process the tests start (multi-process runs, killed and
@@ -43,7 +68,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import gc  # noqa: E402
 import itertools  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402

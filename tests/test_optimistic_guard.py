@@ -146,6 +146,50 @@ def test_members_diverging_mid_dispatch_are_frozen_at_their_step(
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_dispatch_of_fixed_length_is_optimistic_too(monkeypatch, checks):
+    # Off a CPU (a GPU: `plan.COUNTED`) a dispatch is a scan of fixed length,
+    # a full one compiled without the per-step conditional; its parts during
+    # the search run the variant with it. Made so here: the run's plans anew,
+    # no traced trip count, full dispatches without the conditional.
+    import weakref
+
+    from eqx_ensemble._execution import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_PLANS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(plan_module, "COUNTED", frozenset())
+    monkeypatch.setattr(run_module, "_skips_conditional", lambda chunk: True)
+    fulls = []
+    spy = run_module.dispatch_chunk
+
+    def recording(options, chunk, train_state):
+        assert not chunk.counted
+        fulls.append(chunk.full)
+        return spy(options, chunk, train_state)
+
+    monkeypatch.setattr(run_module, "dispatch_chunk", recording)
+    ens = _ensemble()
+    wild = _fit(ens, WILD)
+    assert set(checks) == {"deferred"}
+    assert fulls[0] and not all(fulls)  # the first try is full, parts are not
+    assert set(wild.diverged) == {1, 3}
+    tame = _fit(ens, TAME)
+    assert tame.diverged == {}
+    for i in (0, 2):  # the other members: the clean run to rounding
+        for got, want in zip(
+            _leaves(wild.ensemble[i]), _leaves(tame.ensemble[i]), strict=True
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for i in (1, 3):  # frozen at the last finite weights of the step before
+        before = _fit(ens, WILD, steps=wild.diverged[i] - 1)
+        for got, want in zip(
+            _leaves(wild.ensemble[i]), _leaves(before.ensemble[i]), strict=True
+        ):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The same steps as the guarded step at every step.
+    monkeypatch.setattr(run_module, "_hides_non_finite", lambda *_: True)
+    assert _fit(ens, WILD).diverged == wild.diverged
+
+
 def test_a_trained_shared_part_keeps_the_guarded_step(checks):
     # A frozen member must drop out of the shared gradient at every step: the
     # step checks, as before (test_shared_parts.py tests what it does).

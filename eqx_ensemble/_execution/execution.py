@@ -81,12 +81,13 @@ class Execution(Component):
       Vectorised layout only; not yet with a trained shared part or an
       `ee.Coupled` loss. `None`: all members at once.
     - `guard`: `fit` only: where the divergence guard checks that every member
-      is finite. `"auto"` (the default): on a CPU (array data), once at the end
-      of each dispatch, and a dispatch in which a member failed is run again
-      in parts to freeze it at its step (the guide "`fit` in detail"); every step
-      elsewhere, and for an optimizer that replaces non-finite gradients
-      (`optax.zero_nans`, `optax.apply_if_finite`), a trained shared part or
-      an `ee.Coupled` loss. `"step"`: at every step, as `make_step` does: for
+      is finite. `"auto"` (the default): with array data, once at the end of
+      each dispatch, and a dispatch in which a member failed is run again in
+      parts to freeze it at its step (the guide "`fit` in detail"); every
+      step for streamed data, unrolled dispatches (a CPU's convolutions), an
+      optimizer that replaces non-finite gradients (`optax.zero_nans`,
+      `optax.apply_if_finite`), a trained shared part or an `ee.Coupled`
+      loss. `"step"`: at every step, as `make_step` does: for
       a loss that checks its own inputs at run time (`eqx.error_if`, a
       `diffrax` solve that throws), which a failed member would reach with
       non-finite weights before its dispatch ends, or an optimizer that makes

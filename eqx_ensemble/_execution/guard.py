@@ -1,8 +1,8 @@
 """The form of the divergence guard's finiteness check (how, never what).
 
 A guarded step checks that each member's loss, gradients, new weights and new
-optimizer state are finite (DESIGN section 3; on a CPU's counted dispatch `fit`
-checks once at the dispatch's end instead, `loop._settle_members`). The answer
+optimizer state are finite (DESIGN section 3; in a dispatch of array data
+`fit` checks once at the dispatch's end instead, `loop._settle_members`). The answer
 is the same in either form below; what differs is what XLA makes of it:
 
 - `"per_leaf"`: `all(isfinite(leaf))` for every leaf, one small reduction each.
@@ -25,7 +25,7 @@ from .compile import MIN_STEP_FLOPS, step_matmul_flops
 from .profile import StepProfile
 
 # `"deferred"`: no check and no select in the step (`fit`'s optimistic
-# dispatch on a CPU, `_training.loop._settle_members`): the dispatch checks its
+# dispatch, `_training.loop._settle_members`): the dispatch checks its
 # end state once, and `Run._settle` finds the step a member failed at.
 FiniteCheck = Literal["per_leaf", "by_shape", "deferred"]
 

@@ -24,6 +24,12 @@ from .guard import FiniteCheck, choose_finite_check, step_flops
 from .layout import SEQUENTIAL_MAX_MEMBERS, Layout, choose_layout, run_length_class
 from .profile import StepProfile
 
+# The platforms whose dispatches loop over a traced trip count. Not a GPU: its
+# loop waits for each trip's predicate on the host (8 MLPs 1-32-32-1 on an
+# H100: 52 us per step against 32.5 in a scan of fixed length;
+# `bench_guard.py --fit`, docs/benchmarks.md).
+COUNTED = frozenset({"cpu"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -195,6 +201,6 @@ def _plan(
     )
     # On a CPU a scanned dispatch of array data loops over a traced trip
     # count: one program for `length` steps, whatever the run's length.
-    counted = steps is not None and platform_of(mesh) == "cpu" and not unroll
+    counted = steps is not None and platform_of(mesh) in COUNTED and not unroll
     counted = counted and not pads_on_host
     return Plan(layout, options, check, unroll, length, counted)

@@ -355,14 +355,17 @@ class Run:
                 ],
             )
         self._hparams: bool | None = None  # whether the members have any
-        # The optimistic guard (`dispatch`): on a CPU's counted dispatches,
-        # not where the optimizer replaces non-finite gradients itself (the
-        # end-of-dispatch check could not see them), nor where members
-        # share anything trained (a trained shared part, a coupled loss: a
-        # frozen member must drop out of those at every step).
+        # The optimistic guard (`dispatch`): on dispatches of array data that
+        # are not unrolled (a part of one is the same program, or on a GPU
+        # its variant with the per-step conditional), not where the
+        # optimizer replaces non-finite gradients itself (the end-of-dispatch
+        # check could not see them), nor where members share anything
+        # trained (a trained shared part, a coupled loss: a frozen member
+        # must drop out of those at every step).
         self._optimistic = (
             self.guard == "auto"
-            and self.chunk.counted
+            and self.source.kind == "arrays"
+            and not self.chunk.unrolled
             and not isinstance(self.chunk.loss_fn, Coupled)
             and not _trains_shared(self.train_state.ensemble)
             and not _hides_non_finite(self.chunk.optimizer, self.train_state)
@@ -663,10 +666,13 @@ class Run:
         self.done = end
         return losses
 
-    def _part(self, chunk: Chunk, state: TrainState, end: int) -> Readout:
-        """Steps `state.step` to `end` of an optimistic dispatch, from
-        `state` (kept), as one dispatch of the same program."""
-        chunk = dataclasses.replace(chunk, end=np.int32(end))
+    def _part(self, chunk: Chunk, state: TrainState, start: int, end: int) -> Readout:
+        """Steps `start` (`state.step`) to `end` of an optimistic dispatch,
+        from `state` (kept), as one dispatch of the same program (a CPU's
+        counted loop) or, off a CPU, of the program with the per-step
+        conditional unless the part is the whole dispatch."""
+        full = chunk.full and end - start == chunk.length
+        chunk = dataclasses.replace(chunk, end=np.int32(end), full=full)
         self.train_state = state
         values = _to_host(
             self._run_dispatch(chunk),
@@ -686,7 +692,9 @@ class Run:
         """An optimistic dispatch in which a member was not finite, run again
         from its start `state` in parts of the same program (a CPU's counted
         loop: a step computes the same bits in a dispatch of any length, as a
-        resumed run does): up to just before the first non-finite loss in
+        resumed run does; off a CPU the parts shorter than the dispatch run
+        its program with the per-step conditional, the same steps to
+        rounding): up to just before the first non-finite loss in
         one part, then step by step up to the failing step. There the failing
         members are marked diverged (at that step's index, as the guarded
         step marks them) and the step is run again with them frozen: they
@@ -704,7 +712,7 @@ class Run:
         while position < end:
             if not stepwise:
                 if readout is None:
-                    readout = self._part(chunk, state, end)
+                    readout = self._part(chunk, state, position, end)
                 bad = _failing(readout, end - position, frozen)
                 if not bad.any():  # the rest ran clean: take it
                     _rows(losses, scores, readout, position - start, end - position)
@@ -713,14 +721,14 @@ class Run:
                 rows = ~np.isfinite(readout.losses[: end - position][:, bad])
                 hint = int(np.flatnonzero(rows.any(axis=1))[0]) if rows.any() else 0
                 if hint > 1:  # clean up to just before the first NaN loss?
-                    part = self._part(chunk, state, position + hint - 1)
+                    part = self._part(chunk, state, position, position + hint - 1)
                     if not _failing(part, hint - 1, frozen).any():
                         _rows(losses, scores, part, position - start, hint - 1)
                         state, position = self.train_state, position + hint - 1
                 # Then (or where it failed earlier, or no loss says where)
                 # step by step up to the failing step.
                 stepwise, readout = True, None
-            one = self._part(chunk, state, position + 1)
+            one = self._part(chunk, state, position, position + 1)
             failed = _failing(one, 1, frozen)
             if failed.any():
                 marks = np.where(failed, position, marks).astype(np.int32)
@@ -729,7 +737,7 @@ class Run:
                     state, diverged_at=jnp.asarray(marks, jnp.int32)
                 )
                 state = restore_placement(state, self.chunk.placement)
-                again = self._part(chunk, state, position + 1)
+                again = self._part(chunk, state, position, position + 1)
                 if _failing(again, 1, frozen).any():  # the same step, determined
                     raise RuntimeError(
                         f"internal error: step {position + 1} failed again with "
