@@ -318,6 +318,7 @@ def stateful_loss(m, state, batch, key):
     return jnp.mean((pred - y) ** 2), state
 
 
+@pytest.mark.usefixtures("library_codegen")
 def test_a_model_state_per_group():
     built = [
         ee.ensemble(batchnorm_mlp(w), size=s, key=jax.random.key(w))

@@ -162,6 +162,7 @@ def test_chunked_step_holds_fewer_intermediates():
 # ------------------------------------------------------------ chunks on a mesh
 
 
+@pytest.mark.usefixtures("library_codegen")
 @needs_devices(8)
 def test_fit_on_a_mesh_chunks_within_each_device(problem):
     # 8 members over the 4 devices of "members" (2 each), batch over 2 "data"

@@ -91,6 +91,7 @@ def _ensemble():
     )
 
 
+@pytest.mark.usefixtures("library_codegen")
 @pytest.mark.parametrize("layout", ["vmap", "sequential"])
 def test_members_diverging_mid_dispatch_are_frozen_at_their_step(
     monkeypatch, checks, layout

@@ -386,8 +386,9 @@ def step_compiler_options(
 
 
 def cpu_codegen_options() -> Options:
-    """`FAST_CODEGEN` as options, or none where this jaxlib lacks it."""
-    options = tuple(sorted(FAST_CODEGEN.items()))
+    """`FAST_CODEGEN` as options (but for what `XLA_FLAGS` set), or none where
+    this jaxlib lacks it."""
+    options = _not_flagged(FAST_CODEGEN)
     return options if _supported(options) else ()
 
 
