@@ -10,10 +10,11 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # The tests' programs are tiny and compiled once each: XLA's compilation is most
 # of the suite's time, their running a few percent. XLA's older CPU emitters and
 # LLVM without optimisation compile them in about half the time (test_loop.py:
-# 51 -> 24 s of compilation), every program but the library's training steps
-# (they keep their level 1: compiled at -O0 too, two programs that must agree
-# bit for bit, a heterogeneous group and the same members alone, round apart
-# and Adam or a diverging member amplifies it; tests/README.md).
+# 51 -> 24 s of compilation), the library's training steps included (its
+# level 1 leaves a level `XLA_FLAGS` set); the few tests that compare two
+# programs on dynamics that amplify rounding (a heterogeneous group and the
+# same members alone under Adam, a diverging member) pin the library's level 1
+# with the `library_codegen` fixture (tests/README.md).
 # `EE_TEST_XLA_DEFAULTS=1` (set by `make test-all`) runs the suite with XLA's
 # defaults, the programs users run.
 # A test whose claim is about XLA's own output (a demo's numbers, "these options
@@ -150,6 +151,18 @@ _CACHE_OPTIONS = (
     "jax_persistent_cache_min_compile_time_secs",
     "jax_persistent_cache_min_entry_size_bytes",
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_mesh():
+    """A test leaves no mesh set for the process (`jax.set_mesh` without a
+    `with`, in the library or a test): a later test's arrays would meet it
+    ("Mesh for all inputs should be equal"). The leaking test fails, named."""
+    yield
+    leaked = jax.sharding.get_abstract_mesh()
+    if not leaked.empty:
+        jax.set_mesh(None)  # type: ignore[arg-type]
+        pytest.fail(f"the test left an ambient mesh set: {leaked}")
 
 
 @pytest.fixture(autouse=True)

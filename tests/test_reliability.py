@@ -1477,6 +1477,7 @@ def test_full_and_partial_dispatches_resume_bitwise(tmp_path):
     "bit for bit on the machines tried; not proven for every program, so the "
     "mark stays, not strict",
 )
+@pytest.mark.usefixtures("library_codegen")  # level 1, as users compile it
 def test_unrolled_dispatches_resume_bitwise(tmp_path):
     ens = ee.ensemble(
         lambda key: eqx.nn.MLP(2, 1, 2, 1, key=key), size=2, key=jax.random.key(3)

@@ -56,7 +56,8 @@ def test_flop_estimate_matches_closed_form():
 
 
 @needs_cores
-def test_automatic_choice():
+def test_automatic_choice(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")  # the library's rule, not this suite's -O0
     small = _members(8, 1, 32, 1)  # the dispatch-bound regime: ~1 MFLOP per step
     big = _members(64, 32, 128, 10)  # the compute-bound regime: ~2 GFLOP per step
     fast = tuple(sorted(_xla.FAST_CODEGEN.items()))
@@ -77,17 +78,22 @@ def test_automatic_choice():
     assert _xla.step_compiler_options(None, big, 256, 64, None, True) == fast
 
 
-def test_one_shot_options_leave_what_xla_flags_set(monkeypatch):
+def test_the_librarys_options_leave_what_xla_flags_set(monkeypatch):
     """A program that runs once (`ee.ensemble`'s build) leaves out of its
     options what the process's `XLA_FLAGS` set (this suite's own LLVM level,
     say), so that it keeps the bits of the operations run one by one under
-    those flags."""
+    those flags; a training step's level too (a user's flag stands)."""
     monkeypatch.setenv("XLA_FLAGS", "")
     assert _xla.one_shot_options() == tuple(sorted(_xla.ONE_SHOT.items()))
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
     assert _xla.one_shot_options() == (("xla_cpu_use_fusion_emitters", False),)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters")
     assert _xla.one_shot_options() == (("xla_backend_optimization_level", 1),)
+    # So does a training step's level: what `XLA_FLAGS` set stands.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert _xla.cpu_codegen_options() == ()
+    small = _members(8, 1, 32, 1)
+    assert _xla.step_compiler_options(None, small, 16, 8, None) == ()
 
 
 def test_options_reach_xla():

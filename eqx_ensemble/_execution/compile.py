@@ -8,8 +8,9 @@ of batched dots, so for any step big enough to amortise the thread pool (about
 YNNPACK's fusions turned off: every dot then runs on all cores. Tiny steps (the
 dispatch-bound regime) keep XLA's defaults, where YNNPACK's single-threaded calls
 are faster. Every CPU step is also compiled at LLVM optimisation level 1
-(`FAST_CODEGEN`): as fast to run, sooner to compile. Other platforms always keep
-XLA's defaults.
+(`FAST_CODEGEN`): as fast to run, sooner to compile; unless the process's
+`XLA_FLAGS` set the level (that choice stands, as for every other program).
+Other platforms always keep XLA's defaults.
 """
 
 import collections

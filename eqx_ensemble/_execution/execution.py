@@ -66,8 +66,9 @@ class Execution(Component):
       slow layout).
     - `compiler_options`: XLA options for the compiled step (a dict of option
       name -> str, bool, int or float). `None`: the library's choice (on a
-      CPU, LLVM at optimisation level 1, and on a multi-core CPU big steps'
-      matmuls on every core); `{}`: XLA's defaults.
+      CPU, LLVM at optimisation level 1 unless `XLA_FLAGS` set a level, and
+      on a multi-core CPU big steps' matmuls on every core); `{}`: XLA's
+      defaults.
     - `mesh`: `fit` and `make_step`: a device mesh from
       [`ee.make_mesh`][eqx_ensemble.make_mesh]; the member axis is split over
       its `"members"` axis and each batch over `"data"`. Results equal the
