@@ -94,7 +94,9 @@ class Execution(Component):
       non-finite weights before its dispatch ends, or an optimizer that makes
       a non-finite gradient finite some other way (`optax.clip` of an
       infinite one, a `nan_to_num`), which the end-of-dispatch check cannot
-      see. Both freeze a member at the same step.
+      see; or a train state too big for device memory twice (an optimistic
+      dispatch keeps its start state until its check; a checked one updates
+      the state in place). Both freeze a member at the same step.
 
     The results are the same whatever these say, to floating-point rounding;
     on a CPU, a run resumed from a checkpoint with the same `Execution` is bit
