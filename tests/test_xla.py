@@ -89,6 +89,12 @@ def test_the_librarys_options_leave_what_xla_flags_set(monkeypatch):
     assert _xla.one_shot_options() == (("xla_cpu_use_fusion_emitters", False),)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters")
     assert _xla.one_shot_options() == (("xla_backend_optimization_level", 1),)
+    # An option this jaxlib does not know is left out, not the others with it.
+    one_shot = tuple(sorted(_xla.ONE_SHOT.items()))
+    with monkeypatch.context() as patched:
+        patched.setenv("XLA_FLAGS", "")
+        patched.setattr(_xla, "ONE_SHOT", _xla.ONE_SHOT | {"xla_no_such_option": 1})
+        assert _xla.one_shot_options() == one_shot
     # So does a training step's level: what `XLA_FLAGS` set stands.
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     assert _xla.cpu_codegen_options() == ()

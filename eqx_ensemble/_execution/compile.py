@@ -398,8 +398,15 @@ def one_shot_options() -> Options:
     where this jaxlib lacks them; XLA's defaults elsewhere."""
     if jax.default_backend() != "cpu":
         return ()
-    options = _not_flagged(ONE_SHOT)
-    return options if _supported(options) else ()
+    return _known(_not_flagged(ONE_SHOT))
+
+
+def _known(options: Options) -> Options:
+    """Those of `options` this jaxlib compiles with (jaxlib 0.11 has no
+    `xla_cpu_use_fusion_emitters`: the others still apply)."""
+    if _supported(options):
+        return options
+    return tuple(option for option in options if _supported((option,)))
 
 
 def _not_flagged(options: dict[str, Any]) -> Options:
