@@ -777,6 +777,37 @@ def test_optimizer_state_for_another_optimizer(mlp_ens):
         fit(mlp_ens, mse_loss, ADAM, opt_state=opt_state)
 
 
+def test_a_given_optimizer_state_is_checked_without_tracing_init_again(
+    mlp_ens, monkeypatch
+):
+    # The check of `opt_state` traces `optimizer.init` once per optimizer (as
+    # interned: an equal new one is the same) and structure of the members:
+    # tracing it was ~8 ms of every short `fit` call. Another optimizer or
+    # another ensemble is checked anew, and a mismatch still raises.
+    from eqx_ensemble._training import optim
+
+    traced = []
+    original = optim._init_state
+
+    def counting(*args):
+        traced.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(optim, "_init_state", counting)
+    monkeypatch.setattr(optim, "_EXPECTED", {})
+    opt_state = ee.init_optimizer(optax.adam(1e-3), mlp_ens)
+    traced.clear()
+    for _ in range(3):
+        fit(mlp_ens, mse_loss, optax.adam(1e-3), opt_state=opt_state)
+    assert len(traced) == 1
+    with pytest.raises(ValueError, match="optimizer state does not match"):
+        fit(mlp_ens, mse_loss, optax.sgd(1e-3), opt_state=opt_state)
+    bigger = ee.ensemble(make_mlp, size=SIZE + 1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=f"{SIZE + 1}-member ensemble"):
+        fit(bigger, mse_loss, optax.adam(1e-3), opt_state=opt_state)
+    assert len(traced) == 3
+
+
 def test_unknown_sampling(mlp_ens):
     with pytest.raises(ValueError, match=r"`sampling` must be one of.*'bagging'"):
         fit(mlp_ens, mse_loss, ADAM, sampling="bagging")

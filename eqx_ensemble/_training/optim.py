@@ -21,6 +21,8 @@ from .._core.heterogeneous import (
     per_group,
 )
 from .._core.sharding import shard
+from .._execution.intern import canonical_tree
+from .._execution.profile import signature
 from .._internal.checks import real_array
 from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
@@ -484,15 +486,9 @@ def check_opt_state(
                 raise type(error)(f"group {index}: {error}") from None
         return
     size = len(ens)
-    expected = eqx.filter_eval_shape(
-        _init_state, optimizer, trainable(ens.members), _trained_shared(ens)
-    )
-    # `filter_eval_shape` gives `ShapeDtypeStruct`s, which `eqx.is_array_like` does
-    # not count as arrays: keep them, or every real state would "differ".
-    expected_arrays = eqx.filter(expected, _is_array_or_struct)
     given_arrays = eqx.filter(opt_state, _is_array_or_struct)
     difference = first_difference(
-        jax.tree.map(_as_struct, expected_arrays),
+        _expected_state(optimizer, trainable(ens.members), _trained_shared(ens)),
         jax.tree.map(_as_struct, given_arrays),
     )
     if difference is not None:
@@ -501,6 +497,34 @@ def check_opt_state(
             f"with `ee.init_optimizer(optimizer, ens)` for this {size}-member "
             f"ensemble). First difference (expected first): {difference}"
         )
+
+
+# The optimizer state's expected structure per (optimizer as interned, members'
+# and trained shared part's structures): tracing `optimizer.init` is most of a
+# short `fit` call given its `opt_state` otherwise (~8 ms). Bounded.
+_EXPECTED: dict[Any, Any] = {}
+
+
+def _expected_state(
+    optimizer: Any, members: PyTree[Any], shared: PyTree[Any]
+) -> PyTree[Any]:
+    """`_init_state`'s output as `_Spec`s (array leaves) and `None`s."""
+    try:
+        key = (canonical_tree(optimizer), signature(members), signature(shared))
+        found = _EXPECTED.get(key)
+    except TypeError:  # a part that cannot be hashed: traced every time
+        key, found = None, None
+    if found is None:
+        expected = eqx.filter_eval_shape(_init_state, optimizer, members, shared)
+        # `filter_eval_shape` gives `ShapeDtypeStruct`s, which
+        # `eqx.is_array_like` does not count as arrays: keep them, or every
+        # real state would "differ".
+        found = jax.tree.map(_as_struct, eqx.filter(expected, _is_array_or_struct))
+        if key is not None:
+            if len(_EXPECTED) >= 64:
+                _EXPECTED.clear()
+            _EXPECTED[key] = found
+    return found
 
 
 def _is_array_or_struct(x: Any) -> bool:
