@@ -806,6 +806,12 @@ def test_a_given_optimizer_state_is_checked_without_tracing_init_again(
     with pytest.raises(ValueError, match=f"{SIZE + 1}-member ensemble"):
         fit(bigger, mse_loss, optax.adam(1e-3), opt_state=opt_state)
     assert len(traced) == 3
+    # An optimizer's own state dtypes follow `jax_enable_x64` (L-BFGS' memory):
+    # checked anew when it changes, not refused as another structure.
+    lbfgs = optax.lbfgs()
+    optim.check_opt_state(lbfgs, mlp_ens, ee.init_optimizer(lbfgs, mlp_ens))
+    with jax.enable_x64(True):
+        optim.check_opt_state(lbfgs, mlp_ens, ee.init_optimizer(lbfgs, mlp_ens))
 
 
 def test_unknown_sampling(mlp_ens):

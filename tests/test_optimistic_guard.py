@@ -149,9 +149,11 @@ def test_members_diverging_mid_dispatch_are_frozen_at_their_step(
 
 def test_a_dispatch_of_fixed_length_is_optimistic_too(monkeypatch, checks):
     # Off a CPU (a GPU: `plan.COUNTED`) a dispatch is a scan of fixed length,
-    # a full one compiled without the per-step conditional; its parts during
-    # the search run the variant with it. Made so here: the run's plans anew,
-    # no traced trip count, full dispatches without the conditional.
+    # a full one compiled without the per-step conditional; its longer parts
+    # during the search run the variant with it, its single steps a program
+    # of one step (not a whole scan of conditional steps each). Made so here:
+    # the run's plans anew, no traced trip count, full dispatches without the
+    # conditional.
     import weakref
 
     from eqx_ensemble._execution import plan as plan_module
@@ -164,14 +166,18 @@ def test_a_dispatch_of_fixed_length_is_optimistic_too(monkeypatch, checks):
 
     def recording(options, chunk, train_state):
         assert not chunk.counted
-        fulls.append(chunk.full)
+        fulls.append((chunk.full, chunk.length, int(chunk.end - train_state.step)))
         return spy(options, chunk, train_state)
 
     monkeypatch.setattr(run_module, "dispatch_chunk", recording)
     ens = _ensemble()
     wild = _fit(ens, WILD)
     assert set(checks) == {"deferred"}
-    assert fulls[0] and not all(fulls)  # the first try is full, parts are not
+    assert fulls[0] == (True, PER_DISPATCH, PER_DISPATCH)  # the first try
+    for full, length, steps in fulls:  # a part: one step, or the conditional
+        assert (full, length) == (True, 1) if steps == 1 else length == PER_DISPATCH
+        assert full == (steps == length)
+    assert (True, 1, 1) in fulls and (False, PER_DISPATCH, 10) in fulls
     assert set(wild.diverged) == {1, 3}
     tame = _fit(ens, TAME)
     assert tame.diverged == {}

@@ -510,7 +510,12 @@ def _expected_state(
 ) -> PyTree[Any]:
     """`_init_state`'s output as `_Spec`s (array leaves) and `None`s."""
     try:
-        key = (canonical_tree(optimizer), signature(members), signature(shared))
+        key = (
+            canonical_tree(optimizer),
+            signature(members),
+            signature(shared),
+            jax.dtypes.canonicalize_dtype(np.float64),  # x64 on or off
+        )
         found = _EXPECTED.get(key)
     except TypeError:  # a part that cannot be hashed: traced every time
         key, found = None, None

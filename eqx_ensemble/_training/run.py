@@ -669,10 +669,21 @@ class Run:
     def _part(self, chunk: Chunk, state: TrainState, start: int, end: int) -> Readout:
         """Steps `start` (`state.step`) to `end` of an optimistic dispatch,
         from `state` (kept), as one dispatch of the same program (a CPU's
-        counted loop) or, off a CPU, of the program with the per-step
-        conditional unless the part is the whole dispatch."""
-        full = chunk.full and end - start == chunk.length
-        chunk = dataclasses.replace(chunk, end=np.int32(end), full=full)
+        counted loop). Off a CPU a dispatch is a scan of fixed length: a
+        longer part runs its program with the per-step conditional, and a
+        single step a program of one step (the scan would run its whole
+        length of conditional steps for it, which the GPU's host waits on:
+        a search step by step would cost length squared)."""
+        if chunk.counted:
+            chunk = dataclasses.replace(chunk, end=np.int32(end))
+        else:
+            one = end - start == 1
+            chunk = dataclasses.replace(
+                chunk,
+                end=np.int32(end),
+                full=one or (chunk.full and end - start == chunk.length),
+                length=1 if one else chunk.length,
+            )
         self.train_state = state
         values = _to_host(
             self._run_dispatch(chunk),
