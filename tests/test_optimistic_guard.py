@@ -197,6 +197,57 @@ def test_a_dispatch_of_fixed_length_is_optimistic_too(monkeypatch, checks):
     assert _fit(ens, WILD).diverged == wild.diverged
 
 
+@pytest.mark.parametrize("counted", [True, False], ids=["cpu", "fixed_length"])
+def test_a_member_failing_only_in_the_rerun_of_the_failing_step(monkeypatch, counted):
+    # The failing step is run again with its failing members frozen. On a
+    # CPU that is the same program on the same inputs: nothing else can fail
+    # (an internal error if it did). Off a CPU it is another program, whose
+    # kernels may round otherwise (a GPU's atomic scatter-adds): a member at
+    # the edge that fails only there is frozen at that step too. Made so here
+    # by marking member 0's loss NaN in that rerun.
+    import weakref
+
+    from eqx_ensemble._execution import plan as plan_module
+
+    if not counted:
+        monkeypatch.setattr(plan_module, "_PLANS", weakref.WeakKeyDictionary())
+        monkeypatch.setattr(plan_module, "COUNTED", frozenset())
+        monkeypatch.setattr(run_module, "_skips_conditional", lambda chunk: True)
+    plain = _fit(_ensemble(), WILD)  # member 1 fails first, at `step`
+    step = plain.diverged[1]
+    part, injected = run_module.Run._part, []
+
+    def edged(self, chunk, state, start, end):
+        readout = part(self, chunk, state, start, end)
+        marks = np.asarray(state.diverged_at)
+        if end - start == 1 and (marks == start).any() and not injected:
+            injected.append(start)  # the rerun, its failing members frozen
+            losses = readout.losses.copy()
+            losses[0, 0] = np.nan
+            readout = readout._replace(losses=losses)
+        return readout
+
+    monkeypatch.setattr(run_module.Run, "_part", edged)
+    if counted:
+        with pytest.raises(RuntimeError, match=f"internal error: step {step} fai"):
+            _fit(_ensemble(), WILD)
+        return
+    wild = _fit(_ensemble(), WILD)
+    assert injected == [step - 1]  # the rerun of member 1's failing step
+    assert wild.diverged == {0: step, 1: step, 3: plain.diverged[3]}
+    losses = wild.history.losses
+    assert np.isnan(losses[step - 1 :, 0]).all()  # frozen from that step
+    np.testing.assert_array_equal(  # and the run before it, as it was
+        losses[: step - 1, 0], plain.history.losses[: step - 1, 0]
+    )
+    # Its weights: those before the step, as the run stopped just before it.
+    before = _fit(_ensemble(), WILD, steps=step - 1)
+    for got, want in zip(
+        _leaves(wild.ensemble[0]), _leaves(before.ensemble[0]), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_trained_shared_part_keeps_the_guarded_step(checks):
     # A frozen member must drop out of the shared gradient at every step: the
     # step checks, as before (test_shared_parts.py tests what it does).

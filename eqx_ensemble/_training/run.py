@@ -742,20 +742,28 @@ class Run:
             one = self._part(chunk, state, position, position + 1)
             failed = _failing(one, 1, frozen)
             if failed.any():
-                marks = np.where(failed, position, marks).astype(np.int32)
-                frozen = frozen | failed
-                state = dataclasses.replace(
-                    state, diverged_at=jnp.asarray(marks, jnp.int32)
-                )
-                state = restore_placement(state, self.chunk.placement)
-                again = self._part(chunk, state, position, position + 1)
-                if _failing(again, 1, frozen).any():  # the same step, determined
-                    raise RuntimeError(
-                        f"internal error: step {position + 1} failed again with "
-                        "its failing members frozen; please report it"
+                now, computed, again = failed, one.losses[0].copy(), one
+                while failed.any():
+                    marks = np.where(failed, position, marks).astype(np.int32)
+                    frozen = frozen | failed
+                    state = dataclasses.replace(
+                        state, diverged_at=jnp.asarray(marks, jnp.int32)
                     )
+                    state = restore_placement(state, self.chunk.placement)
+                    again = self._part(chunk, state, position, position + 1)
+                    failed = _failing(again, 1, frozen)
+                    if failed.any() and chunk.counted:  # one program: determined
+                        raise RuntimeError(
+                            f"internal error: step {position + 1} failed again "
+                            "with its failing members frozen; please report it"
+                        )
+                    # Off a CPU the step ran as another program, whose kernels
+                    # may round otherwise (a GPU's atomic scatter-adds): a
+                    # member at the edge failed in it; frozen at it too.
+                    computed[failed] = again.losses[0, failed]
+                    now = now | failed
                 row = again.losses[:1].copy()
-                row[0, failed] = one.losses[0, failed]
+                row[0, now] = computed[now]
                 one, stepwise = again._replace(losses=row), False
             _rows(losses, scores, one, position - start, 1)
             state, position, last = self.train_state, position + 1, one
