@@ -44,7 +44,9 @@ def _known_to_xla(flags: list[str]) -> list[str]:
     return [flag for flag in flags if starts([flag])]
 
 
-if not os.environ.get("EE_TEST_XLA_DEFAULTS"):
+if not os.environ.get("EE_TEST_XLA_DEFAULTS") and not os.environ.get(
+    "EE_TEST_XLA_FLAGS_TRIED"  # by the process that started this one
+):
     _missing = [
         flag
         for flag in FAST_COMPILE_FLAGS
@@ -52,6 +54,7 @@ if not os.environ.get("EE_TEST_XLA_DEFAULTS"):
     ]
     for _flag in _known_to_xla(_missing):
         os.environ["XLA_FLAGS"] += " " + _flag
+    os.environ["EE_TEST_XLA_FLAGS_TRIED"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One on-disk compilation cache for the whole test run, shared by the xdist
 # workers and every process the tests start (multi-process runs, killed and

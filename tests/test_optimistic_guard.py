@@ -10,6 +10,8 @@ members bit for bit), the same run stopped just before the failing step (the
 frozen member bit for bit), SWA's mean by hand, and the guarded step forced for
 the whole run (the step each member diverged at)."""
 
+import weakref
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import optax
 import pytest
 
 import eqx_ensemble as ee
+from eqx_ensemble._execution import plan as plan_module
 from eqx_ensemble._training import loop as loop_module, run as run_module
 
 SIZE = 4
@@ -147,20 +150,21 @@ def test_members_diverging_mid_dispatch_are_frozen_at_their_step(
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_dispatch_of_fixed_length_is_optimistic_too(monkeypatch, checks):
-    # Off a CPU (a GPU: `plan.COUNTED`) a dispatch is a scan of fixed length,
-    # a full one compiled without the per-step conditional; its longer parts
-    # during the search run the variant with it, its single steps a program
-    # of one step (not a whole scan of conditional steps each). Made so here:
-    # the run's plans anew, no traced trip count, full dispatches without the
-    # conditional.
-    import weakref
-
-    from eqx_ensemble._execution import plan as plan_module
-
+def _as_off_a_cpu(monkeypatch):
+    """Dispatches as off a CPU (a GPU: `plan.COUNTED`): the run's plans made
+    anew, no traced trip count, full dispatches without the per-step
+    conditional."""
     monkeypatch.setattr(plan_module, "_PLANS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(plan_module, "COUNTED", frozenset())
     monkeypatch.setattr(run_module, "_skips_conditional", lambda chunk: True)
+
+
+def test_a_dispatch_of_fixed_length_is_optimistic_too(monkeypatch, checks):
+    # Off a CPU a dispatch is a scan of fixed length, a full one compiled
+    # without the per-step conditional; its longer parts during the search
+    # run the variant with it, its single steps a program of one step (not a
+    # whole scan of conditional steps each).
+    _as_off_a_cpu(monkeypatch)
     fulls = []
     spy = run_module.dispatch_chunk
 
@@ -205,14 +209,8 @@ def test_a_member_failing_only_in_the_rerun_of_the_failing_step(monkeypatch, cou
     # kernels may round otherwise (a GPU's atomic scatter-adds): a member at
     # the edge that fails only there is frozen at that step too. Made so here
     # by marking member 0's loss NaN in that rerun.
-    import weakref
-
-    from eqx_ensemble._execution import plan as plan_module
-
     if not counted:
-        monkeypatch.setattr(plan_module, "_PLANS", weakref.WeakKeyDictionary())
-        monkeypatch.setattr(plan_module, "COUNTED", frozenset())
-        monkeypatch.setattr(run_module, "_skips_conditional", lambda chunk: True)
+        _as_off_a_cpu(monkeypatch)
     plain = _fit(_ensemble(), WILD)  # member 1 fails first, at `step`
     step = plain.diverged[1]
     part, injected = run_module.Run._part, []

@@ -704,11 +704,13 @@ class Run:
         from its start `state` in parts of the same program (a CPU's counted
         loop: a step computes the same bits in a dispatch of any length, as a
         resumed run does; off a CPU the parts shorter than the dispatch run
-        its program with the per-step conditional, the same steps to
-        rounding): up to just before the first non-finite loss in
-        one part, then step by step up to the failing step. There the failing
-        members are marked diverged (at that step's index, as the guarded
-        step marks them) and the step is run again with them frozen: they
+        its program with the per-step conditional, and single steps a
+        one-step program, the same steps to rounding): up to just before the
+        first non-finite loss in one part, then step by step up to the
+        failing step. There the failing members are marked diverged (at that
+        step's index, as the guarded step marks them) and the step is run
+        again with them frozen (off a CPU, with any member that fails only in
+        that run too): they
         keep their last finite weights, trackers and evaluation see those,
         and their loss of that step is the one computed. Then the rest of
         the dispatch, in the same way. `frozen`: the members frozen at its
