@@ -21,7 +21,13 @@ from .compile import (
     with_eigen_dots,
 )
 from .guard import FiniteCheck, choose_finite_check, step_flops
-from .layout import SEQUENTIAL_MAX_MEMBERS, Layout, choose_layout, run_length_class
+from .layout import (
+    GROUP_MIN_FLOPS,
+    SEQUENTIAL_MAX_MEMBERS,
+    Layout,
+    choose_layout,
+    run_length_class,
+)
 from .profile import StepProfile
 
 # The platforms whose dispatches loop over a traced trip count. Not a GPU: its
@@ -38,7 +44,9 @@ class Plan:
     open: the member layout, the XLA options, the form of the divergence
     guard's finiteness check (`_execution.guard`), and for `fit` whether a
     dispatch is unrolled, how many steps it holds and whether it loops over a
-    traced trip count (`loop.Chunk.counted`)."""
+    traced trip count (`loop.Chunk.counted`), and whether its members run in
+    groups of `group`, one call of one program per group (`loop.Chunk.group`;
+    `None`: all in one call)."""
 
     layout: Layout
     compiler_options: Options
@@ -46,6 +54,7 @@ class Plan:
     unroll: bool = False
     length: int = 1
     counted: bool = False
+    group: int | None = None
 
 
 def plan_step(
@@ -60,6 +69,7 @@ def plan_step(
     mesh: Mesh | None,
     steps: int | None = None,
     pads_on_host: bool = False,
+    groupable: bool = False,
 ) -> Plan:
     """The plan of a step of `size` members (`members`: their stacked leaves)
     on `examples` examples per member. `settings`: an `Execution` or a `Step`
@@ -70,7 +80,9 @@ def plan_step(
     loss, held weakly), `structure` (the inputs' shapes; `None`: planned every
     time), settings, mesh, backend and run length class. `steps`: `fit`'s run
     length (`None`: a step per call); `pads_on_host`: a stream's short group
-    is padded on the host (no traced trip count)."""
+    is padded on the host (no traced trip count); `groupable`: the members
+    share nothing (no shared part, no coupled loss, one group of members), so
+    that `fit` may run them in groups (`Plan.group`)."""
     length_class = None if steps is None else run_length_class(steps)
     try:
         if structure is None:
@@ -85,13 +97,22 @@ def plan_step(
             jax.default_backend(),
             length_class,
             pads_on_host,
+            groupable,
         )
         found = table.get(key)
     except TypeError:  # not weakly referable, or an unhashable leaf
         table, key, found = None, None, None
     if found is None:
         found = _plan(
-            settings, profile, members, examples, size, mesh, steps, pads_on_host
+            settings,
+            profile,
+            members,
+            examples,
+            size,
+            mesh,
+            steps,
+            pads_on_host,
+            groupable,
         )
         if table is not None:
             if len(table) > 64:
@@ -143,6 +164,7 @@ def _plan(
     mesh: Mesh | None,
     steps: int | None,
     pads_on_host: bool,
+    groupable: bool = False,
 ) -> Plan:
     platform = jax.default_backend()
     member_chunk = settings.member_chunk
@@ -181,6 +203,20 @@ def _plan(
     )
     if member_chunk is not None:  # chunks of vectorised members
         layout = "vmap"
+    group = None
+    if (
+        automatic_layout
+        and layout == "vmap"
+        and groupable
+        and unroll
+        and steps is not None
+        and mesh is None
+        and platform == "cpu"
+        and profile.convolution_flops >= GROUP_MIN_FLOPS
+    ):
+        # A run too short for the sequential layout's compile time: one
+        # member per call of one program (`layout.GROUP_MIN_FLOPS`).
+        layout, group = "sequential", 1
     length = getattr(settings, "steps_per_dispatch", None)
     if length is None:
         # An unrolled dispatch compiles every step it holds, and a convolving
@@ -203,4 +239,4 @@ def _plan(
     # count: one program for `length` steps, whatever the run's length.
     counted = steps is not None and platform_of(mesh) in COUNTED and not unroll
     counted = counted and not pads_on_host
-    return Plan(layout, options, check, unroll, length, counted)
+    return Plan(layout, options, check, unroll, length, counted, group)

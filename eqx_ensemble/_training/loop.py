@@ -47,7 +47,9 @@ from .tracker import Tracker
 from .train_state import (
     TrainState,
     member_select,
+    state_of_group,
     track_update,
+    with_group,
 )
 
 
@@ -89,6 +91,12 @@ class Chunk:
     check: FiniteCheck = "per_leaf"  # the guard's form (`_execution.guard`)
     # The train state's leaves split over a "model" mesh axis, kept exactly.
     placement: Any = None
+    # Members per call where they run in groups (`Plan.group`): the dispatch
+    # is one call per group of one program, given the group's first member
+    # (`first`, a NumPy int32 scalar: an input, not part of the program).
+    # `None`: every member in one call.
+    group: int | None = None
+    first: Int[ArrayLike, ""] | None = None
 
 
 def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
@@ -99,6 +107,8 @@ def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., An
     # A function of its own (not `run_chunk` itself): JAX's caches keyed on the
     # function then go with this one when it is dropped.
     def run(chunk: Chunk, train_state: TrainState) -> Any:
+        if chunk.group is not None:
+            return _run_group(chunk, train_state)
         train_state, losses, scores = run_chunk(chunk, train_state)
         return train_state, _readout(chunk, train_state, losses, scores)
 
@@ -115,7 +125,7 @@ chunk_runner = CompiledFunctions(_make_chunk_runner)
 
 def dispatch_chunk(
     options: Options, chunk: Chunk, train_state: TrainState
-) -> tuple[TrainState, Int[Array, " n"]]:
+) -> tuple[TrainState, Int[Array | np.ndarray, " n"]]:
     """One compiled dispatch of `chunk` from `train_state` (donated), returning
     the new state and the dispatch's `readout` for the host. The
     program is looked up by what it is compiled for (one function per XLA
@@ -123,11 +133,80 @@ def dispatch_chunk(
     lengths; and shapes of the train state), so that a loop of `fit` calls with
     new optimizers or models keeps a bounded number of programs. The arguments
     are flattened once, for the lookup and the call."""
+    if chunk.group is not None:
+        return _dispatch_groups(options, chunk, train_state)
     static, first, rest = split_arguments((chunk, train_state))
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
     deferred = chunk.check == "deferred"
     runner = chunk_runner(options, static, shapes, deferred)
     return runner.call_split(static, first, rest)
+
+
+def _dispatch_groups(
+    options: Options, chunk: Chunk, train_state: TrainState
+) -> tuple[TrainState, np.ndarray]:
+    """`dispatch_chunk` of a chunk whose members run in groups: one call of
+    one program per group, each given the whole state and updating its own
+    members in place (`_run_group`); the groups' readouts joined on the host
+    into the whole dispatch's."""
+    assert chunk.group is not None
+    readouts = []
+    runner = None
+    for first in range(0, chunk.size, chunk.group):
+        part = dataclasses.replace(chunk, first=np.int32(first))
+        static, leaves, rest = split_arguments((part, train_state))
+        if runner is None:
+            shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
+            deferred = chunk.check == "deferred"
+            runner = chunk_runner(options, static, shapes, deferred)
+        train_state, values = runner.call_split(static, leaves, rest)
+        readouts.append(values)
+    evaluated = chunk.evaluate is not None
+    parts = [
+        unpack_readout(np.asarray(values), chunk.group, evaluated)
+        for values in readouts
+    ]
+    return train_state, pack_readout(
+        np.concatenate([part.losses for part in parts], axis=1),
+        None
+        if not evaluated
+        else np.concatenate([part.scores for part in parts], axis=1),
+        np.concatenate([part.diverged_at for part in parts]),
+        np.concatenate([part.stopped_at for part in parts]),
+    )
+
+
+def _run_group(chunk: Chunk, train_state: TrainState) -> Any:
+    """One group's call of a grouped dispatch: the steps of members
+    `chunk.first` to `chunk.first + chunk.group` (their keys and batches as in
+    a call of every member), written back into the whole state (donated: in
+    place), and the group's readout."""
+    assert chunk.group is not None and chunk.first is not None
+    first = jnp.asarray(chunk.first, jnp.int32)
+    part = state_of_group(train_state, first, chunk.group)
+    part, losses, scores = run_chunk(chunk, part)
+    last = first + chunk.group == chunk.size
+    return (
+        with_group(train_state, part, first, last),
+        _readout(chunk, part, losses, scores),
+    )
+
+
+def members_here(chunk: Chunk) -> int:
+    """The members one call of `chunk`'s program steps: a group's, or all."""
+    return chunk.size if chunk.group is None else chunk.group
+
+
+def of_group(chunk: Chunk, per_member: Any) -> Any:
+    """`per_member` (a leading axis of `chunk.size` members on every leaf, made
+    alike for every group: keys, a batch per member) for the members this
+    call steps."""
+    if chunk.group is None:
+        return per_member
+    first = jnp.asarray(chunk.first, jnp.int32)
+    return jax.tree.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, first, chunk.group), per_member
+    )
 
 
 def readout(
@@ -171,6 +250,21 @@ class Readout(NamedTuple):
     stopped_at: np.ndarray  # (members,) int32
 
 
+def pack_readout(
+    losses: np.ndarray,
+    scores: np.ndarray | None,
+    diverged_at: np.ndarray,
+    stopped_at: np.ndarray,
+) -> np.ndarray:
+    """`readout` on the host, from its parts (what `unpack_readout` returns)."""
+    floats = [losses] if scores is None else [losses, scores]
+    ints = [
+        np.ascontiguousarray(x, np.float32).reshape(-1).view(np.int32) for x in floats
+    ]
+    ints += [diverged_at.astype(np.int32), stopped_at.astype(np.int32)]
+    return np.concatenate(ints)
+
+
 def unpack_readout(values: np.ndarray, size: int, evaluated: bool) -> Readout:
     """`readout`'s parts from the host's copy of it (`size` members; the number
     of steps follows from the length, so a dispatch of any length reads)."""
@@ -196,7 +290,7 @@ def unpack_readout(values: np.ndarray, size: int, evaluated: bool) -> Readout:
 
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:
     # What a step reports when it has nothing to report (split like the members).
-    row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
+    row = jnp.full((members_here(chunk),), jnp.nan, dtype=jnp.float32)
     return constrain(row, chunk.mesh, (MEMBERS,))
 
 
@@ -222,9 +316,11 @@ def _train_step(
         chunk.check,
     )
     step = ts.step
-    member_keys = jax.random.split(
-        jax.random.fold_in(chunk.train_key, step), chunk.size
+    member_keys = of_group(
+        chunk, jax.random.split(jax.random.fold_in(chunk.train_key, step), chunk.size)
     )
+    if chunk.sampling.per_member:
+        batch = of_group(chunk, batch)
     new_ens, opt_state, losses, _, model_state, diverged = update(
         ts.ensemble,
         ts.opt_state,
@@ -275,7 +371,7 @@ def _evaluate(
     def run(dynamic_ts):
         current = eqx.combine(dynamic_ts, static)
         member_keys = constrain(
-            eval_member_keys(chunk.eval_key, current.step, chunk.size),
+            of_group(chunk, eval_member_keys(chunk.eval_key, current.step, chunk.size)),
             chunk.mesh,
             (MEMBERS,),
         )
@@ -414,7 +510,7 @@ def _counted(
     ran)."""
     scanned = chunk.batches.scanned() if chunk.batches is not None else None
     rows = constrain(
-        jnp.broadcast_to(nan_row, (chunk.length, chunk.size)),
+        jnp.broadcast_to(nan_row, (chunk.length, members_here(chunk))),
         chunk.mesh,
         (None, MEMBERS),
     )

@@ -125,6 +125,7 @@ def prepare(
         train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=size,
         length=plan.length, mesh=mesh, unrolled=plan.unroll, layout=plan.layout,
         check=plan.check, counted=plan.counted, member_chunk=execution.member_chunk,
+        group=plan.group,
         placement=model_placement(train_state, mesh),
     )  # fmt: skip
     return Run(
@@ -284,6 +285,18 @@ def plan_fit(
         mesh=mesh,
         steps=steps,
         pads_on_host=source.pads_on_host,
+        groupable=_groupable(loss_fn, ens),
+    )
+
+
+def _groupable(loss_fn: LossFn, ens: Any) -> bool:
+    """Whether the members can run in groups (`Plan.group`): one ensemble whose
+    every array leaf is a member's (no shared part), and a loss that does not
+    couple them."""
+    return (
+        isinstance(ens, Ensemble)
+        and not jax.tree.leaves(ens.shared)
+        and not isinstance(loss_fn, Coupled)
     )
 
 

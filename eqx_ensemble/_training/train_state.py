@@ -266,3 +266,58 @@ def start_state(
     train_state, keys = started
     states = tuple(item.init(train_state) for item in controlled)
     return dataclasses.replace(train_state, controlled=states), keys
+
+
+def _per_member(state: TrainState) -> dict[str, Any]:
+    # The fields with a member axis on every array leaf (of an ensemble with no
+    # shared part: `loop.Chunk.group`).
+    return {
+        field.name: getattr(state, field.name)
+        for field in dataclasses.fields(state)
+        if field.metadata.get("member_axis") in ("stacked", "bookkeeping")
+    }
+
+
+def state_of_group(state: TrainState, first: Int[Array, ""], count: int) -> TrainState:
+    """`state` for members `first` to `first + count` (traced `first`): each
+    field with a member axis sliced, the others as they are. Of an ensemble
+    with no shared part (every array leaf of those fields a member's)."""
+
+    def take(x: Any) -> Any:
+        if not eqx.is_array(x):
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, first, count)
+
+    fields = {
+        name: jax.tree.map(take, value) for name, value in _per_member(state).items()
+    }
+    return dataclasses.replace(state, **fields)
+
+
+def with_group(
+    state: TrainState, part: TrainState, first: Int[Array, ""], last: Any
+) -> TrainState:
+    """`state` with `part` (`state_of_group(state, first, ...)` after some steps)
+    written back at `first`; the fields without a member axis are `part`'s
+    where `last` (the last group of a step: its step count, once), else
+    `state`'s."""
+
+    def put(whole: Any, piece: Any) -> Any:
+        if not eqx.is_array(whole):
+            return whole
+        return jax.lax.dynamic_update_slice_in_dim(whole, piece, first, 0)
+
+    per_member = _per_member(state)
+    fields = {
+        name: jax.tree.map(put, value, getattr(part, name))
+        for name, value in per_member.items()
+    }
+    for field in dataclasses.fields(state):
+        if field.name not in per_member:
+            mine, theirs = getattr(state, field.name), getattr(part, field.name)
+            fields[field.name] = jax.tree.map(
+                lambda a, b: jnp.where(last, b, a) if eqx.is_array(a) else a,
+                mine,
+                theirs,
+            )
+    return dataclasses.replace(state, **fields)

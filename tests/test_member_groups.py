@@ -1,0 +1,280 @@
+"""A short convolving run on a CPU steps its members one per call
+(`Plan.group`, `loop.Chunk.group`): one compiled program of one member's step,
+called once per member and step with the member's index as an argument.
+
+Each member must compute what the sequential layout computes (the same
+member's plain step, to float32 rounding), with its own keys and its own
+batches (`Independent` sampling), evaluation, trackers and model state; a
+diverging member must leave the others bit for bit as in a clean run; a
+resumed run must equal the uninterrupted one bit for bit; one program serves
+every member; and the rule must group only where members share nothing.
+The test models are tiny: `GROUP_MIN_FLOPS` is lowered for them.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import ON_CPU, assert_tree_allclose
+
+import eqx_ensemble as ee
+from eqx_ensemble._execution import plan as _plan
+from eqx_ensemble._execution.layout import SEQUENTIAL_MIN_RUN_FLOPS
+from eqx_ensemble._execution.profile import StepProfile
+from eqx_ensemble._training import loop as _loop
+from eqx_ensemble._training import run as _run
+
+pytestmark = pytest.mark.skipif(not ON_CPU, reason="a CPU plan")
+
+SIZE = 3
+# The sequential layout against one member per call: the same member's step
+# in two programs (XLA may fuse it otherwise: float32 rounding).
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+class CNN(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    norm: eqx.nn.BatchNorm | None
+    conv2: eqx.nn.Conv2d
+    out: eqx.nn.Linear
+
+    def __init__(self, key, norm=False):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(1, 2, 3, padding=1, use_bias=not norm, key=k1)
+        self.norm = (
+            eqx.nn.BatchNorm(2, axis_name="batch", mode="batch") if norm else None
+        )
+        self.conv2 = eqx.nn.Conv2d(2, 2, 3, padding=1, key=k2)
+        self.out = eqx.nn.Linear(2 * 4 * 4, 3, key=k3)
+
+    def __call__(self, x, state=None):
+        h = self.conv1(x)
+        if self.norm is not None:
+            h, state = self.norm(h, state)
+        logits = self.out(jax.nn.relu(self.conv2(jax.nn.relu(h))).reshape(-1))
+        return logits if self.norm is None else (logits, state)
+
+
+def xent(logits, y):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+
+def loss_fn(model, batch, key):
+    x, y = batch
+    # The key is used: each member's must be its own (a dropout-like noise).
+    noise = 1e-3 * jax.random.normal(key, x.shape)
+    return xent(jax.vmap(model)(x + noise), y)
+
+
+def stateful_loss(model, state, batch, key):
+    x, y = batch
+    logits, state = jax.vmap(
+        model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+    )(x, state)
+    return xent(logits, y), state
+
+
+KEY = jax.random.key(1)
+X = jax.random.normal(KEY, (48, 1, 4, 4))
+Y = jax.random.randint(jax.random.fold_in(KEY, 1), (48,), 0, 3)
+
+
+@pytest.fixture
+def grouped(monkeypatch):
+    """Group the test's tiny CNNs, and record each dispatch's chunk."""
+    monkeypatch.setattr(_plan, "GROUP_MIN_FLOPS", 0.0)
+    chunks = []
+    dispatch = _run.dispatch_chunk
+
+    def spy(options, chunk, train_state):
+        chunks.append(chunk)
+        return dispatch(options, chunk, train_state)
+
+    monkeypatch.setattr(_run, "dispatch_chunk", spy)
+    return chunks
+
+
+def _fit(loss, ens, steps=4, layout=None, **kwargs):
+    kwargs.setdefault("callbacks", ())
+    return ee.fit(
+        ens, loss, optax.adam(1e-2), (X, Y), steps=steps, batch_size=8,
+        key=jax.random.key(3),
+        execution=ee.Execution(layout=layout) if layout else None, **kwargs,
+    )  # fmt: skip
+
+
+def _assert_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        if eqx.is_array(x):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("sampling", ["shared", "independent"])
+def test_one_member_per_call_equals_the_sequential_layout(grouped, sampling):
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    components = dict(
+        sampling=sampling,
+        evaluate=ee.Evaluate(loss_fn, (X[:16], Y[:16]), every=2),
+        track=[ee.EMA(0.9), ee.SWA(start=2)],
+    )
+    traced = []
+    run_group = _loop._run_group
+
+    def counting(chunk, train_state):
+        traced.append(chunk.group)
+        return run_group(chunk, train_state)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_loop, "_run_group", counting)
+        result = _fit(loss_fn, ens, **components)
+    assert {(c.layout, c.group, c.unrolled) for c in grouped} == {
+        ("sequential", 1, True)
+    }
+    # One program for every member and step: traced once per form of the
+    # dispatch (evaluating at its end or not), not once per member.
+    assert len(traced) == len({c.evaluate_last for c in grouped}) == 2
+    grouped.clear()
+    reference = _fit(loss_fn, ens, layout="sequential", **components)
+    assert {c.group for c in grouped} == {None}
+    assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)
+    assert_tree_allclose(result.opt_state, reference.opt_state, **TOL)
+    assert_tree_allclose(result.best_ensemble, reference.best_ensemble, **TOL)
+    assert_tree_allclose(result.tracked, reference.tracked, **TOL)
+    np.testing.assert_allclose(
+        result.history.losses, reference.history.losses, **TOL
+    )
+    np.testing.assert_allclose(
+        result.history.eval_scores, reference.history.eval_scores, **TOL
+    )
+    np.testing.assert_array_equal(result.best_step, reference.best_step)
+    # The members differ (their own keys and, independent, batches).
+    assert len(set(np.asarray(result.history.losses[-1]).tolist())) == SIZE
+
+
+def test_model_state_and_hyperparameters_per_member(grouped):
+    ens, state = ee.ensemble(
+        lambda k: eqx.nn.make_with_state(CNN)(k, norm=True),
+        size=SIZE,
+        key=jax.random.key(0),
+    )
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    rates = {"learning_rate": jnp.array([1e-2, 3e-2, 1e-1])}
+
+    def fit(layout=None):
+        return ee.fit(
+            ens, stateful_loss, opt, (X, Y), steps=3, batch_size=8,
+            key=jax.random.key(3), state=state, callbacks=(),
+            sampling="bootstrap",
+            opt_state=ee.init_optimizer(opt, ens, hyperparams=rates),
+            execution=ee.Execution(layout=layout) if layout else None,
+        )  # fmt: skip
+
+    result = fit()
+    assert {c.group for c in grouped} == {1}
+    reference = fit("sequential")
+    assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)
+    assert_tree_allclose(result.state, reference.state, **TOL)
+    np.testing.assert_allclose(
+        result.history.losses, reference.history.losses, **TOL
+    )
+
+
+def test_a_diverging_member_leaves_the_others_bit_for_bit(grouped):
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    clean = _fit(loss_fn, ens)
+    weight = ens.members.out.weight
+    broken = eqx.tree_at(
+        lambda e: e.members.out.weight, ens, weight.at[1, 0, 0].set(jnp.nan)
+    )
+    result = _fit(loss_fn, broken)
+    assert {c.group for c in grouped} == {1}
+    assert result.diverged == {1: 1}
+    # The failing member keeps its last finite weights: its start.
+    _assert_equal(result.ensemble[1].conv1, broken[1].conv1)
+    for i in (0, 2):
+        _assert_equal(result.ensemble[i], clean.ensemble[i])
+        np.testing.assert_array_equal(
+            result.history.losses[:, i], clean.history.losses[:, i]
+        )
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(grouped, tmp_path):
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    kwargs = dict(
+        steps=6, sampling="independent", track=[ee.EMA(0.9)],
+        evaluate=ee.Evaluate(loss_fn, (X[:16], Y[:16]), every=2),
+    )  # fmt: skip
+    straight = _fit(loss_fn, ens, **kwargs)
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(result):
+        if result.step >= 3:
+            raise Stop
+
+    folder = tmp_path / "run"
+    with pytest.raises(Stop):
+        _fit(
+            loss_fn, ens, callbacks=[interrupt],
+            checkpoints=ee.Checkpoints(folder, every=3), **kwargs,
+        )  # fmt: skip
+    resumed = _fit(loss_fn, ens, checkpoints=ee.Checkpoints(folder, every=3), **kwargs)
+    assert resumed.resumed_from == 3
+    assert {c.group for c in grouped} == {1}
+    _assert_equal(
+        (resumed.ensemble, resumed.opt_state, resumed.best_ensemble, resumed.tracked),
+        (straight.ensemble, straight.opt_state, straight.best_ensemble, straight.tracked),
+    )
+    np.testing.assert_array_equal(resumed.history.losses, straight.history.losses)
+    np.testing.assert_array_equal(resumed.history.eval_scores, straight.history.eval_scores)
+
+
+def test_the_rule():
+    members = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0)).members
+
+    def plan(steps=20, flops=1e8, groupable=True, size=SIZE, **settings):
+        return _plan.plan_step(
+            ee.Execution(**settings),
+            lambda: StepProfile(convolutions=True, convolution_flops=flops),
+            owner=None,
+            structure=None,
+            members=members,
+            examples=8,
+            size=size,
+            mesh=None,
+            steps=steps,
+            groupable=groupable,
+        )
+
+    short = plan()
+    assert (short.layout, short.group, short.unroll) == ("sequential", 1, True)
+    # Long enough for the sequential layout's compile time: every member in
+    # one program, as before.
+    long_steps = int(SEQUENTIAL_MIN_RUN_FLOPS / (SIZE * 1e8)) * 2
+    assert (plan(steps=long_steps).layout, plan(steps=long_steps).group) == (
+        "sequential",
+        None,
+    )
+    # Small convolutions, members that share something, a step per call, the
+    # user's layout or chunks, or a loop that is not unrolled: no groups.
+    assert plan(flops=1e6).group is None and plan(flops=1e6).layout == "vmap"
+    assert plan(groupable=False).group is None
+    assert plan(steps=None).group is None
+    for settings in ({"layout": "vmap"}, {"layout": "sequential"}):
+        assert plan(**settings).group is None
+    assert plan(member_chunk=1).group is None
+    assert plan(unroll=False).group is None
+
+
+def test_shared_parts_heterogeneous_and_coupled_losses_are_not_grouped():
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    assert _run._groupable(loss_fn, ens)
+    shared = ee.ensemble(
+        CNN, size=SIZE, key=jax.random.key(0), shared=lambda m: m.conv1
+    )
+    assert not _run._groupable(loss_fn, shared)
+    het = ee.Heterogeneous([ens, ens])
+    assert not _run._groupable((loss_fn, loss_fn), het)
