@@ -24,7 +24,8 @@ make_step / torch.func, fit / torch.func) and the achieved GFLOP/s (XLA's cost
 analysis of one step) against a plain float32 matmul measured in the same run.
 
 Run: `python benchmarks/bench_families.py` (`--quick`: a smoke run of a few
-seconds per family; `--families mlp,cnn` to choose).
+seconds per family; `--families mlp,cnn` to choose; `--steps 20` for 20-step
+`fit` calls: a convolving run's automatic layout reads its length).
 """
 
 import os
@@ -260,11 +261,25 @@ def main() -> None:
     p.add_argument("--families", default="mlp,cnn,cnn16,cnn32,cnn_bn,transformer,gru")
     p.add_argument("--members", type=int, default=None)
     p.add_argument("--batch", type=int, default=128)
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per timed block: per `fit` call, and `make_step` calls (default "
+        "50; 10 with --quick). The automatic layout of a convolving `fit` reads "
+        "the run's length",
+    )
     p.add_argument("--no-torch", action="store_true", help="same as --torch none")
+    p.add_argument(
+        "--no-hand",
+        action="store_true",
+        help="leave out the hand-written vmapped step (on a CPU its grouped "
+        "convolutions make it the slowest variant by far on the CNN rows)",
+    )
     args = p.parse_args()
     if args.no_torch:
         args.torch = "none"
-    steps = 10 if args.quick else 50
+    steps = args.steps or (10 if args.quick else 50)
     repeats = args.repeats or (2 if args.quick else 3)
     _common.print_header(
         f"model families: batch {args.batch}, Adam; {steps} steps per timed block, "
@@ -381,7 +396,8 @@ def main() -> None:
                 )
             jax.block_until_ready(hand["members"])
 
-        variants["hand-written step"] = (run_hand, steps)
+        if not args.no_hand:
+            variants["hand-written step"] = (run_hand, steps)
         if args.torch == "same" and name in TORCH_FAMILIES:
             try:
                 import torch

@@ -103,6 +103,15 @@ class Jit:
     def call_split(self, static: Hashable, first: list[Any], rest: list[Any]) -> Any:
         """The call on arguments already split by `split_arguments` (a caller
         that keys something on `static` splits once)."""
+        arrays, static_out = self.call_arrays(static, first, rest)
+        return static_out.unflatten(arrays)
+
+    def call_arrays(
+        self, static: Hashable, first: list[Any], rest: list[Any]
+    ) -> tuple[list[Any], "_StaticOutput"]:
+        """`call_split` without the outputs' unflatten: their arrays in
+        flattening order, and what `unflatten`s them (a caller that calls again
+        on some of the outputs passes those arrays on as they are)."""
         # Python's cyclic garbage collector paused for the call: tracing and
         # lowering a new program make hundreds of thousands of short-lived
         # objects, and a full collection of the process's (JAX's, Equinox's,
@@ -123,7 +132,7 @@ class Jit:
         finally:
             if paused:
                 gc.enable()
-        return static_out.unflatten(arrays)
+        return arrays, static_out
 
     def lower(self, *args: Any) -> "Lowered":
         """Ahead-of-time lowering for these arguments (as `jax.jit(...).lower`)."""
