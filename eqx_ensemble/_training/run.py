@@ -119,6 +119,8 @@ def prepare(
         source.start(keys.data, keys.bootstrap, mesh)
     assert plan is not None
     train_state = place_state(train_state, mesh)
+    if plan.group is not None:
+        train_state = _strongly_typed(train_state)
     chunk = Chunk(
         loss_fn=loss_fn, optimizer=optimizer, sampling=sampling, evaluate=evaluate,
         track=track, batches=source.batches() if source.kind == "arrays" else None,
@@ -287,6 +289,20 @@ def plan_fit(
         pads_on_host=source.pads_on_host,
         groupable=_groupable(loss_fn, ens),
     )
+
+
+def _strongly_typed(tree: PyTree[Any]) -> PyTree[Any]:
+    """`tree` with its weakly typed arrays (an `eqx.nn.BatchNorm`'s state) made
+    strongly typed, dtype unchanged. A grouped dispatch writes each group back
+    with `dynamic_update_slice`, whose result is strongly typed: without this,
+    the second dispatch would see other input types and compile again."""
+
+    def strong(x: Any) -> Any:
+        if isinstance(x, jax.Array) and jax.typeof(x).weak_type:
+            return jax.lax.convert_element_type(x, x.dtype)
+        return x
+
+    return jax.tree.map(strong, tree)
 
 
 def _groupable(loss_fn: LossFn, ens: Any) -> bool:
