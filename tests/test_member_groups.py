@@ -23,8 +23,7 @@ import eqx_ensemble as ee
 from eqx_ensemble._execution import plan as _plan
 from eqx_ensemble._execution.layout import SEQUENTIAL_MIN_RUN_FLOPS
 from eqx_ensemble._execution.profile import StepProfile
-from eqx_ensemble._training import loop as _loop
-from eqx_ensemble._training import run as _run
+from eqx_ensemble._training import loop as _loop, run as _run
 
 pytestmark = pytest.mark.skipif(not ON_CPU, reason="a CPU plan")
 
@@ -126,9 +125,7 @@ def _assert_equal(a, b):
 
 
 @pytest.mark.parametrize("sampling", ["shared", "independent"])
-def test_one_member_per_call_equals_the_sequential_layout(
-    grouped, traced, sampling
-):
+def test_one_member_per_call_equals_the_sequential_layout(grouped, traced, sampling):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     components = dict(
         sampling=sampling,
@@ -149,9 +146,7 @@ def test_one_member_per_call_equals_the_sequential_layout(
     assert_tree_allclose(result.opt_state, reference.opt_state, **TOL)
     assert_tree_allclose(result.best_ensemble, reference.best_ensemble, **TOL)
     assert_tree_allclose(result.tracked, reference.tracked, **TOL)
-    np.testing.assert_allclose(
-        result.history.losses, reference.history.losses, **TOL
-    )
+    np.testing.assert_allclose(result.history.losses, reference.history.losses, **TOL)
     np.testing.assert_allclose(
         result.history.eval_scores, reference.history.eval_scores, **TOL
     )
@@ -187,9 +182,7 @@ def test_model_state_and_hyperparameters_per_member(grouped, traced):
     reference = fit("sequential")
     assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)
     assert_tree_allclose(result.state, reference.state, **TOL)
-    np.testing.assert_allclose(
-        result.history.losses, reference.history.losses, **TOL
-    )
+    np.testing.assert_allclose(result.history.losses, reference.history.losses, **TOL)
 
 
 def test_a_diverging_member_leaves_the_others_bit_for_bit(grouped):
@@ -235,12 +228,12 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(grouped, tmp_pat
     resumed = _fit(loss_fn, ens, checkpoints=ee.Checkpoints(folder, every=3), **kwargs)
     assert resumed.resumed_from == 3
     assert {c.group for c in grouped} == {1}
-    _assert_equal(
-        (resumed.ensemble, resumed.opt_state, resumed.best_ensemble, resumed.tracked),
-        (straight.ensemble, straight.opt_state, straight.best_ensemble, straight.tracked),
-    )
-    np.testing.assert_array_equal(resumed.history.losses, straight.history.losses)
-    np.testing.assert_array_equal(resumed.history.eval_scores, straight.history.eval_scores)
+    for name in ("ensemble", "opt_state", "best_ensemble", "tracked"):
+        _assert_equal(getattr(resumed, name), getattr(straight, name))
+    for name in ("losses", "eval_scores"):
+        np.testing.assert_array_equal(
+            getattr(resumed.history, name), getattr(straight.history, name)
+        )
 
 
 def test_the_rule():

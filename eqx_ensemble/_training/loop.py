@@ -165,23 +165,24 @@ def _dispatch_groups(
     position = next(i for i, leaf in enumerate(leaves) if leaf is marker)
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
     runner = chunk_runner(options, static, shapes, chunk.check == "deferred")
-    readouts = []
+    readouts, out = [], None
     for first in range(0, chunk.size, chunk.group):
         leaves[position] = np.array(first, np.int32)
         arrays, static_out = runner.call_arrays(static, leaves, rest)
         rest = arrays[:-1]  # the state's, in the order they came in
         readouts.append(arrays[-1])
-    train_state, _ = static_out.unflatten(arrays)
+        out = (arrays, static_out)
+    assert out is not None
+    train_state, _ = out[1].unflatten(out[0])
     evaluated = chunk.evaluate is not None
     parts = [
         unpack_readout(np.asarray(values), chunk.group, evaluated)
         for values in readouts
     ]
+    scores = [part.scores for part in parts if part.scores is not None]
     return train_state, pack_readout(
         np.concatenate([part.losses for part in parts], axis=1),
-        None
-        if not evaluated
-        else np.concatenate([part.scores for part in parts], axis=1),
+        np.concatenate(scores, axis=1) if evaluated else None,
         np.concatenate([part.diverged_at for part in parts]),
         np.concatenate([part.stopped_at for part in parts]),
     )
@@ -212,11 +213,12 @@ def of_group(chunk: Chunk, per_member: Any) -> Any:
     """`per_member` (a leading axis of `chunk.size` members on every leaf, made
     alike for every group: keys, a batch per member) for the members this
     call steps."""
-    if chunk.group is None:
+    group = chunk.group
+    if group is None:
         return per_member
     first = jnp.asarray(chunk.first, jnp.int32)
     return jax.tree.map(
-        lambda x: jax.lax.dynamic_slice_in_dim(x, first, chunk.group), per_member
+        lambda x: jax.lax.dynamic_slice_in_dim(x, first, group), per_member
     )
 
 
