@@ -21,7 +21,10 @@ from conftest import ON_CPU, assert_tree_allclose
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution import plan as _plan
-from eqx_ensemble._execution.layout import SEQUENTIAL_MIN_RUN_FLOPS
+from eqx_ensemble._execution.layout import (
+    SEQUENTIAL_MAX_MEMBERS,
+    SEQUENTIAL_MIN_RUN_FLOPS,
+)
 from eqx_ensemble._execution.profile import StepProfile
 from eqx_ensemble._training import loop as _loop, run as _run
 
@@ -262,6 +265,14 @@ def test_the_rule():
         "sequential",
         None,
     )
+    # More members than the sequential layout takes: one per call whatever
+    # the run's length (a program of one member compiles alike for any count).
+    many = SEQUENTIAL_MAX_MEMBERS + 1
+    for steps in (20, long_steps):
+        assert (plan(steps=steps, size=many).group, plan(size=many).layout) == (
+            1,
+            "sequential",
+        )
     # Small convolutions, members that share something, a step per call, the
     # user's layout or chunks, or a loop that is not unrolled: no groups.
     assert plan(flops=1e6).group is None and plan(flops=1e6).layout == "vmap"

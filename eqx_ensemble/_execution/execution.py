@@ -55,9 +55,10 @@ class Execution(Component):
       backend runs a member-batched convolution as a slow grouped convolution;
       for `fit`, only in runs whose forward convolutions add up to 1.5e11
       FLOPs, long enough to repay compiling one copy of the step per member,
-      and in shorter runs one member per call of one program, where members
-      convolve at least 3e7 FLOPs forward per step and share nothing (the
-      fit guide, "Convolutions: the member layout");
+      and in shorter runs (or with more than 16 members) one member per
+      call of one program, where members convolve at least 3e7 FLOPs
+      forward per step and share nothing (the fit guide, "Convolutions: the
+      member layout");
       on one GPU, for `fit` only, when a member convolves at least 1 GFLOP
       per step and the run 8e13 FLOPs, where cuDNN's grouped convolution
       falls behind the members' own (measured on an H100); vectorised

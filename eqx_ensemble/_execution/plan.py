@@ -205,7 +205,8 @@ def _plan(
         layout = "vmap"
     group = None
     if (
-        automatic_layout
+        settings.layout not in ("vmap", "sequential")
+        and member_chunk is None
         and layout == "vmap"
         and groupable
         and unroll
@@ -214,8 +215,9 @@ def _plan(
         and platform == "cpu"
         and profile.convolution_flops >= GROUP_MIN_FLOPS
     ):
-        # A run too short for the sequential layout's compile time: one
-        # member per call of one program (`layout.GROUP_MIN_FLOPS`).
+        # A run too short for the sequential layout's compile time, or with
+        # too many members for it: one member per call of one program, whose
+        # compile time does not grow with the members (`layout.GROUP_MIN_FLOPS`).
         layout, group = "sequential", 1
     length = getattr(settings, "steps_per_dispatch", None)
     if length is None:
