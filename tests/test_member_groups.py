@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import ON_CPU, assert_tree_allclose
+from test_layout import CNN, stateful_loss, xent
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution import plan as _plan
@@ -36,46 +37,11 @@ SIZE = 3
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
 
-class CNN(eqx.Module):
-    conv1: eqx.nn.Conv2d
-    norm: eqx.nn.BatchNorm | None
-    conv2: eqx.nn.Conv2d
-    out: eqx.nn.Linear
-
-    def __init__(self, key, norm=False):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.conv1 = eqx.nn.Conv2d(1, 2, 3, padding=1, use_bias=not norm, key=k1)
-        self.norm = (
-            eqx.nn.BatchNorm(2, axis_name="batch", mode="batch") if norm else None
-        )
-        self.conv2 = eqx.nn.Conv2d(2, 2, 3, padding=1, key=k2)
-        self.out = eqx.nn.Linear(2 * 4 * 4, 3, key=k3)
-
-    def __call__(self, x, state=None):
-        h = self.conv1(x)
-        if self.norm is not None:
-            h, state = self.norm(h, state)
-        logits = self.out(jax.nn.relu(self.conv2(jax.nn.relu(h))).reshape(-1))
-        return logits if self.norm is None else (logits, state)
-
-
-def xent(logits, y):
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
-
-
 def loss_fn(model, batch, key):
     x, y = batch
     # The key is used: each member's must be its own (a dropout-like noise).
     noise = 1e-3 * jax.random.normal(key, x.shape)
     return xent(jax.vmap(model)(x + noise), y)
-
-
-def stateful_loss(model, state, batch, key):
-    x, y = batch
-    logits, state = jax.vmap(
-        model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
-    )(x, state)
-    return xent(logits, y), state
 
 
 KEY = jax.random.key(1)
