@@ -72,6 +72,9 @@ def traced(monkeypatch):
 
     def counting(chunk, train_state):
         traces.append(chunk.group)
+        # The dispatch's indices are drawn once, before the members' calls
+        # (a call draws nothing: no permutation of the data per member).
+        assert type(chunk.batches).__name__ in ("IndexedBatches", "StreamedBatches")
         return run_group(chunk, train_state)
 
     monkeypatch.setattr(_loop, "_run_group", counting)
@@ -259,3 +262,27 @@ def test_shared_parts_heterogeneous_and_coupled_losses_are_not_grouped():
     assert not _run._groupable(loss_fn, shared)
     het = ee.Heterogeneous([ens, ens])
     assert not _run._groupable((loss_fn, loss_fn), het)
+
+
+class StepLog(ee.Tracker):
+    """A tracker keeping a leaf without the member axis (against its protocol:
+    it worked before groups, and still must)."""
+
+    def init(self, members):
+        return jnp.zeros((5,), jnp.int32)
+
+    def update(self, state, members, done):
+        return state.at[jnp.minimum(done - 1, 4)].set(done)
+
+    def result(self, state, ensemble):
+        return state
+
+
+def test_a_tracker_leaf_without_the_member_axis_runs_every_member_at_once(grouped):
+    ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
+    result = _fit(loss_fn, ens, track=[StepLog()])
+    assert {c.group for c in grouped} == {None}
+    np.testing.assert_array_equal(result.tracked[0], [1, 2, 3, 4, 0])
+    # Vectorised, as the layout rule has it without groups: bit for bit.
+    reference = _fit(loss_fn, ens, layout="vmap", track=[StepLog()])
+    _assert_equal(result.ensemble, reference.ensemble)

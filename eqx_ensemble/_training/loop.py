@@ -21,6 +21,7 @@ ensemble's, sliced, so a member computes what it computes in any layout.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -37,6 +38,7 @@ from .._execution.compile import (
     CompiledFunctions,
     Options,
     filter_jit,
+    one_shot_options,
     split_arguments,
 )
 from .._execution.guard import FiniteCheck
@@ -44,9 +46,9 @@ from .._execution.layout import Layout
 from .._execution.placement import MEMBERS, members_devices
 from .evaluate import Evaluate, eval_member_keys
 from .loss import LossFn
-from .placement import constrain, place_state, replicate
+from .placement import constrain, gather_batch, place_state, replicate
 from .sampling import Sampling
-from .source import Batches
+from .source import Batches, SampledBatches
 from .step import all_finite, vmapped_update
 from .tracker import Tracker
 from .train_state import (
@@ -157,7 +159,23 @@ def _dispatch_groups(
     passes the previous one's output arrays on as they are, and only the
     group's first member changes among the chunk's (a call's host work is
     then the compiled call alone: 5 calls a step of 5 small CNNs)."""
-    assert chunk.group is not None
+    assert chunk.group is not None and chunk.size % chunk.group == 0
+    assert chunk.unrolled, "a grouped dispatch runs exactly its steps"
+    if isinstance(chunk.batches, SampledBatches):
+        # The dispatch's example indices, drawn once for every member's call
+        # (each call would otherwise draw the whole ensemble's: a permutation
+        # of the data per call and step).
+        chunk = dataclasses.replace(
+            chunk,
+            batches=IndexedBatches(
+                chunk.batches.data,
+                _drawn_indices()(
+                    dataclasses.replace(chunk.batches, data=None),
+                    np.int32(int(chunk.end) - chunk.length),
+                    chunk.length,
+                ),
+            ),
+        )
     marker = np.zeros((), np.int32)  # the chunk's `first`, found by identity
     static, leaves, rest = split_arguments(
         (dataclasses.replace(chunk, first=marker), train_state)
@@ -186,6 +204,44 @@ def _dispatch_groups(
         np.concatenate([part.diverged_at for part in parts]),
         np.concatenate([part.stopped_at for part in parts]),
     )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class IndexedBatches(Batches):
+    """Array data at example indices drawn before the dispatch, one row of
+    `indices` per step: `(steps, batch)`, or `(steps, members, batch)` for a
+    per-member sampling (a grouped dispatch's, `_dispatch_groups`)."""
+
+    data: PyTree[Any]
+    indices: Int[Array, "steps ..."]
+
+    def scanned(self) -> PyTree[Any]:
+        return self.indices
+
+    def maker(self, first_step, length, mesh, count=None):
+        del first_step, length, count
+        return lambda step, indices: gather_batch(self.data, indices, mesh)
+
+
+def _draw(batches: SampledBatches, first_step: Int[Array, ""], length: int) -> Any:
+    indices_of = batches.sampling.chunk_indices(
+        batches.data_key,
+        batches.prepared,
+        first_step,
+        n=batches.num_examples,
+        batch_size=batches.batch_size,
+        size=batches.size,
+        chunk=length,
+    )
+    return jnp.stack([indices_of(first_step + p) for p in range(length)])
+
+
+@functools.cache
+def _drawn_indices() -> Any:
+    # `_draw` compiled (made on first use: the options depend on the backend):
+    # the same integers the sampling draws inside a dispatch.
+    return filter_jit(_draw, one_shot_options())
 
 
 def _run_group(chunk: Chunk, train_state: TrainState) -> Any:

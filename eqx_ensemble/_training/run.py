@@ -71,7 +71,7 @@ from .source import ArraySource, Batches, DataSource, StreamSource
 from .step import ensemble_profile
 from .stream import check_data
 from .tracker import Tracker
-from .train_state import TrainState, start_state
+from .train_state import TrainState, leads_with_members, start_state
 
 
 def prepare(
@@ -119,6 +119,10 @@ def prepare(
         source.start(keys.data, keys.bootstrap, mesh)
     assert plan is not None
     train_state = place_state(train_state, mesh)
+    if plan.group is not None and not leads_with_members(train_state, size):
+        # A leaf without the member axis (a user's tracker): every member in
+        # one call, as the layout rule would have it without groups.
+        plan = dataclasses.replace(plan, group=None, layout="vmap")
     if plan.group is not None:
         train_state = _strongly_typed(train_state)
     chunk = Chunk(

@@ -278,6 +278,17 @@ def _per_member(state: TrainState) -> dict[str, Any]:
     }
 
 
+def leads_with_members(state: TrainState, size: int) -> bool:
+    """Whether every array leaf of `state`'s fields with a member axis has
+    `size` rows (what a grouped dispatch slices; a user's tracker may keep a
+    leaf of its own without the member axis that its protocol asks for)."""
+    return all(
+        getattr(leaf, "ndim", 0) >= 1 and leaf.shape[0] == size
+        for leaf in jax.tree.leaves(_per_member(state))
+        if eqx.is_array(leaf)
+    )
+
+
 def state_of_group(state: TrainState, first: Int[Array, ""], count: int) -> TrainState:
     """`state` for members `first` to `first + count` (traced `first`): each
     field with a member axis sliced, the others as they are. Of an ensemble
