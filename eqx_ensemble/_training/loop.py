@@ -159,7 +159,8 @@ def _dispatch_groups(
     passes the previous one's output arrays on as they are, and only the
     group's first member changes among the chunk's (a call's host work is
     then the compiled call alone: 5 calls a step of 5 small CNNs)."""
-    assert chunk.group is not None and chunk.size % chunk.group == 0
+    group = chunk.group
+    assert group is not None and chunk.size % group == 0
     assert chunk.unrolled, "a grouped dispatch runs exactly its steps"
     if isinstance(chunk.batches, SampledBatches):
         # The dispatch's example indices, drawn once for every member's call
@@ -171,7 +172,7 @@ def _dispatch_groups(
                 chunk.batches.data,
                 _drawn_indices()(
                     dataclasses.replace(chunk.batches, data=None),
-                    np.int32(int(chunk.end) - chunk.length),
+                    np.int32(int(np.asarray(chunk.end)) - chunk.length),
                     chunk.length,
                 ),
             ),
@@ -184,7 +185,7 @@ def _dispatch_groups(
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
     runner = chunk_runner(options, static, shapes, chunk.check == "deferred")
     readouts, out = [], None
-    for first in range(0, chunk.size, chunk.group):
+    for first in range(0, chunk.size, group):
         leaves[position] = np.array(first, np.int32)
         arrays, static_out = runner.call_arrays(static, leaves, rest)
         rest = arrays[:-1]  # the state's, in the order they came in
@@ -194,8 +195,7 @@ def _dispatch_groups(
     train_state, _ = out[1].unflatten(out[0])
     evaluated = chunk.evaluate is not None
     parts = [
-        unpack_readout(np.asarray(values), chunk.group, evaluated)
-        for values in readouts
+        unpack_readout(np.asarray(values), group, evaluated) for values in readouts
     ]
     scores = [part.scores for part in parts if part.scores is not None]
     return train_state, pack_readout(
