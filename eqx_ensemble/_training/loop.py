@@ -17,7 +17,9 @@ Where the plan runs the members in groups (`Chunk.group`: a short convolving
 run on a CPU, one member per call), a dispatch is one call per group of one
 program that slices its members out of the whole state and writes them back
 in place (`_run_group`); their keys and per-member batches are the whole
-ensemble's, sliced, so a member computes what it computes in any layout.
+ensemble's, sliced, so a member computes what it computes in any layout (the
+dispatch's example indices are drawn once, before the calls:
+`IndexedBatches`).
 """
 
 import dataclasses
