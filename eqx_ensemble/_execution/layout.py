@@ -92,10 +92,11 @@ GPU_SEQUENTIAL_MIN_RUN_FLOPS = 8e13
 # argument (`loop.Chunk.group`). That program compiles faster than the
 # vectorised one and steps about as fast as the sequential layout (2-vCPU AMD
 # EPYC, `benchmarks/bench_layout.py --training`, 20-step `fit` calls, first
-# call and ms per step: 8 CNNs on 16x16 images 3.9 s and 120 ms one member
-# per call, 8.0 s and 150 ms sequential, 6.5 s and 241 ms vectorised; 4 CNNs
-# on 8x8, 1.7 s and 14.9 ms, 2.7 s and 13.9 ms, 1.5 s and 17.8 ms). Two
-# members per call were no faster (8x8: 14.9 ms; 16x16: 174 ms). The host's
+# call and ms per step: 8 CNNs on 16x16 images 3.6 s and 119 ms one member
+# per call, 8.0 s and 150 ms sequential, 6.5 s and 241 ms vectorised; 5 CNNs
+# on 8x8, 1.7 s and 16.7 ms, 3.6 s and 15.9 ms, 2.1 s and 23.8 ms). Two
+# members per call were no faster (4 CNNs on 8x8: 14.9 ms either way; 16x16:
+# 174 against 120 ms). The host's
 # extra call per member (about 0.3 ms) is repaid once a member convolves
 # about 8 MFLOP forward per step; from `GROUP_MIN_FLOPS`, a margin above that.
 GROUP_MIN_FLOPS = 3e7
