@@ -227,15 +227,7 @@ class IndexedBatches(Batches):
 
 
 def _draw(batches: SampledBatches, first_step: Int[Array, ""], length: int) -> Any:
-    indices_of = batches.sampling.chunk_indices(
-        batches.data_key,
-        batches.prepared,
-        first_step,
-        n=batches.num_examples,
-        batch_size=batches.batch_size,
-        size=batches.size,
-        chunk=length,
-    )
+    indices_of = batches.indices_maker(first_step, length)
     return jnp.stack([indices_of(first_step + p) for p in range(length)])
 
 

@@ -69,7 +69,19 @@ class SampledBatches(Batches):
         return None
 
     def maker(self, first_step, length, mesh, count=None):
-        indices_of = self.sampling.chunk_indices(
+        indices_of = self.indices_maker(first_step, length, count)
+        return lambda step, _: gather_batch(self.data, indices_of(step), mesh)
+
+    def indices_maker(
+        self,
+        first_step: Int[Array, ""],
+        length: int,
+        count: Int[Array, ""] | None = None,
+    ) -> Callable[[Int[Array, ""]], Array]:
+        """The sampling's `step -> indices` for a dispatch (`Batches.maker`'s
+        arguments), without the data (a grouped dispatch draws them first:
+        `loop.IndexedBatches`)."""
+        return self.sampling.chunk_indices(
             self.data_key,
             self.prepared,
             first_step,
@@ -79,7 +91,6 @@ class SampledBatches(Batches):
             chunk=length,
             count=count,
         )
-        return lambda step, _: gather_batch(self.data, indices_of(step), mesh)
 
 
 @jax.tree_util.register_dataclass
