@@ -23,7 +23,6 @@ dispatch's example indices are drawn once, before the calls:
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -168,16 +167,13 @@ def _dispatch_groups(
         # The dispatch's example indices, drawn once for every member's call
         # (each call would otherwise draw the whole ensemble's: a permutation
         # of the data per call and step).
+        indices = _drawn_indices(
+            dataclasses.replace(chunk.batches, data=None),
+            np.int32(int(np.asarray(chunk.end)) - chunk.length),
+            chunk.length,
+        )
         chunk = dataclasses.replace(
-            chunk,
-            batches=IndexedBatches(
-                chunk.batches.data,
-                _drawn_indices()(
-                    dataclasses.replace(chunk.batches, data=None),
-                    np.int32(int(np.asarray(chunk.end)) - chunk.length),
-                    chunk.length,
-                ),
-            ),
+            chunk, batches=IndexedBatches(chunk.batches.data, indices)
         )
     marker = np.zeros((), np.int32)  # the chunk's `first`, found by identity
     static, leaves, rest = split_arguments(
@@ -231,11 +227,22 @@ def _draw(batches: SampledBatches, first_step: Int[Array, ""], length: int) -> A
     return jnp.stack([indices_of(first_step + p) for p in range(length)])
 
 
-@functools.cache
-def _drawn_indices() -> Any:
-    # `_draw` compiled (made on first use: the options depend on the backend):
-    # the same integers the sampling draws inside a dispatch.
+def _make_drawer(*program: Hashable) -> Callable[..., Any]:
+    del program  # what the function is compiled for: its key
     return filter_jit(_draw, one_shot_options())
+
+
+# `_draw` compiled, one function per configuration (at most
+# `compile.MAX_PROGRAMS` kept, as the dispatches' programs).
+_drawers = CompiledFunctions(_make_drawer)
+
+
+def _drawn_indices(*args: Any) -> Any:
+    """`_draw(*args)` compiled: the same integers the sampling draws inside a
+    dispatch."""
+    static, first, rest = split_arguments(args)
+    shapes = tuple((leaf.shape, leaf.dtype) for leaf in (*first, *rest))
+    return _drawers(static, shapes).call_split(static, first, rest)
 
 
 def _run_group(chunk: Chunk, train_state: TrainState) -> Any:
