@@ -262,6 +262,8 @@ def test_shared_parts_heterogeneous_and_coupled_losses_are_not_grouped():
     assert not _run._groupable(loss_fn, shared)
     het = ee.Heterogeneous([ens, ens])
     assert not _run._groupable((loss_fn, loss_fn), het)
+    coupled = ee.Coupled(lambda members, batch, key: jnp.zeros(SIZE))
+    assert not _run._groupable(coupled, ens)
 
 
 class StepLog(ee.Tracker):

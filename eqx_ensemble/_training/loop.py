@@ -47,9 +47,9 @@ from .._execution.layout import Layout
 from .._execution.placement import MEMBERS, members_devices
 from .evaluate import Evaluate, eval_member_keys
 from .loss import LossFn
-from .placement import constrain, gather_batch, place_state, replicate
+from .placement import constrain, place_state, replicate
 from .sampling import Sampling
-from .source import Batches, SampledBatches
+from .source import Batches, IndexedBatches, SampledBatches
 from .step import all_finite, vmapped_update
 from .tracker import Tracker
 from .train_state import (
@@ -204,42 +204,19 @@ def _dispatch_groups(
     )
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, eq=False)
-class IndexedBatches(Batches):
-    """Array data at example indices drawn before the dispatch, one row of
-    `indices` per step: `(steps, batch)`, or `(steps, members, batch)` for a
-    per-member sampling (a grouped dispatch's, `_dispatch_groups`)."""
-
-    data: PyTree[Any]
-    indices: Int[Array, "steps ..."]
-
-    def scanned(self) -> PyTree[Any]:
-        return self.indices
-
-    def maker(self, first_step, length, mesh, count=None):
-        del first_step, length, count
-        return lambda step, indices: gather_batch(self.data, indices, mesh)
-
-
-def _draw(batches: SampledBatches, first_step: Int[Array, ""], length: int) -> Any:
-    indices_of = batches.indices_maker(first_step, length)
-    return jnp.stack([indices_of(first_step + p) for p in range(length)])
-
-
 def _make_drawer(*program: Hashable) -> Callable[..., Any]:
     del program  # what the function is compiled for: its key
-    return filter_jit(_draw, one_shot_options())
+    return filter_jit(SampledBatches.draw, one_shot_options())
 
 
-# `_draw` compiled, one function per configuration (at most
+# `SampledBatches.draw` compiled, one function per configuration (at most
 # `compile.MAX_PROGRAMS` kept, as the dispatches' programs).
 _drawers = CompiledFunctions(_make_drawer)
 
 
 def _drawn_indices(*args: Any) -> Any:
-    """`_draw(*args)` compiled: the same integers the sampling draws inside a
-    dispatch."""
+    """`SampledBatches.draw(*args)` compiled: the same integers the sampling
+    draws inside a dispatch."""
     static, first, rest = split_arguments(args)
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in (*first, *rest))
     return _drawers(static, shapes).call_split(static, first, rest)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
@@ -72,6 +73,13 @@ class SampledBatches(Batches):
         indices_of = self.indices_maker(first_step, length, count)
         return lambda step, _: gather_batch(self.data, indices_of(step), mesh)
 
+    def draw(self, first_step: Int[Array, ""], length: int) -> Array:
+        """The indices of the `length` steps from `first_step`, one row per step
+        (what `maker` gathers; a grouped dispatch draws them before its
+        members' calls: `IndexedBatches`)."""
+        indices_of = self.indices_maker(first_step, length)
+        return jnp.stack([indices_of(first_step + p) for p in range(length)])
+
     def indices_maker(
         self,
         first_step: Int[Array, ""],
@@ -79,8 +87,7 @@ class SampledBatches(Batches):
         count: Int[Array, ""] | None = None,
     ) -> Callable[[Int[Array, ""]], Array]:
         """The sampling's `step -> indices` for a dispatch (`Batches.maker`'s
-        arguments), without the data (a grouped dispatch draws them first:
-        `loop.IndexedBatches`)."""
+        arguments)."""
         return self.sampling.chunk_indices(
             self.data_key,
             self.prepared,
@@ -91,6 +98,24 @@ class SampledBatches(Batches):
             chunk=length,
             count=count,
         )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class IndexedBatches(Batches):
+    """Array data at example indices drawn before the dispatch
+    (`SampledBatches.draw`), one row of `indices` per step: `(steps, batch)`,
+    or `(steps, members, batch)` for a per-member sampling."""
+
+    data: PyTree[Any]
+    indices: Int[Array, "steps ..."]
+
+    def scanned(self) -> PyTree[Any]:
+        return self.indices
+
+    def maker(self, first_step, length, mesh, count=None):
+        del first_step, length, count
+        return lambda step, indices: gather_batch(self.data, indices, mesh)
 
 
 @jax.tree_util.register_dataclass
