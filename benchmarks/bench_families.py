@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 
-def _families(jax, jnp, eqx):
-    """name -> (make(key) -> model or (model, state), loss, stateful, x, y)."""
-    n = 1024
+def _families(jax, jnp, eqx, n=1024):
+    """name -> (make(key) -> model or (model, state), loss, stateful, x, y), on
+    `n` examples."""
     key = jax.random.key(0)
     labels = jax.random.randint(key, (n,), 0, 10)
 
@@ -260,6 +260,13 @@ def main() -> None:
     )
     p.add_argument("--families", default="mlp,cnn,cnn16,cnn32,cnn_bn,transformer,gru")
     p.add_argument("--members", type=int, default=None)
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=1024,
+        help="examples `fit` samples from (an epoch's permutation is drawn per "
+        "epoch; more examples, a longer sort)",
+    )
     p.add_argument("--batch", type=int, default=128)
     p.add_argument(
         "--steps",
@@ -282,7 +289,8 @@ def main() -> None:
     steps = args.steps or (10 if args.quick else 50)
     repeats = args.repeats or (2 if args.quick else 3)
     _common.print_header(
-        f"model families: batch {args.batch}, Adam; {steps} steps per timed block, "
+        f"model families: batch {args.batch} of {args.examples} examples, Adam; "
+        f"{steps} steps per timed block, "
         f"{repeats} blocks per variant; torch: {args.torch}"
     )
     import equinox as eqx
@@ -312,7 +320,7 @@ def main() -> None:
         f"{matmul_gflops:.1f} GFLOP/s"
     )
     results = {"matmul_gflops": matmul_gflops, "device": _common.jax_device_name()}
-    families = _families(jax, jnp, eqx)
+    families = _families(jax, jnp, eqx, args.examples)
     for name in args.families.split(","):
         make, loss_fn, stateful, x_all, y_all = families[name]
         members = args.members or (8 if name == "mlp" or name[3:].isdigit() else 5)

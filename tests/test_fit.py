@@ -451,9 +451,10 @@ def test_a_run_split_into_more_dispatches_draws_the_same_batches_and_keys(
     mlp_ens, sampling
 ):
     # Unrolled with evaluation every 3 steps, a run of 6 steps per dispatch
-    # runs as two dispatches, as does one of 3 steps per dispatch: the second
-    # dispatch must draw its batches and member keys from the run's keys in
-    # both (bootstrap: its draws are made on the host).
+    # runs as one dispatch (evaluating after its third step), one of 3 steps
+    # per dispatch as two: the second dispatch must draw its batches and
+    # member keys from the run's keys (bootstrap: its draws are made on the
+    # host).
     def run(per_dispatch):
         return fit(
             mlp_ens,
@@ -468,15 +469,16 @@ def test_a_run_split_into_more_dispatches_draws_the_same_batches_and_keys(
         )
 
     one, two = run(6), run(3)
-    # Equal to rounding: each unrolled dispatch is a program of its own length
-    # (up to 3e-8 here). Batches or member keys from other keys would differ
-    # at the first step of the second.
-    assert_tree_allclose(one.ensemble, two.ensemble, rtol=1e-6, atol=1e-7)
-    assert_tree_allclose(one.opt_state, two.opt_state, rtol=1e-6, atol=1e-7)
-    for name in ("losses", "eval_scores"):
-        np.testing.assert_allclose(
-            getattr(one.history, name), getattr(two.history, name), rtol=1e-6
+    # Bit for bit: every unrolled step is a call of the same one-step program.
+    # Batches or member keys from other keys would differ at the first step of
+    # the second dispatch.
+    assert eqx.tree_equal(one.ensemble, two.ensemble)
+    assert eqx.tree_equal(one.opt_state, two.opt_state)
+    for name in ("losses", "eval_scores", "eval_steps"):
+        np.testing.assert_array_equal(
+            getattr(one.history, name), getattr(two.history, name)
         )
+    assert one.history.eval_steps.tolist() == [3, 6]
 
 
 def test_evaluation_and_best_members(mlp_ens):

@@ -1001,6 +1001,58 @@ def test_convolutions_on_cpu_are_unrolled_by_default():
     assert not prepare(mlp, mse_loss, ADAM, (X, Y), **common).chunk.unrolled
 
 
+def test_unrolled_run_is_one_program_of_one_step_for_any_length(monkeypatch):
+    # An unrolled dispatch is a loop on the host of calls of one compiled step:
+    # a run of another `steps=` or with a callback's stops compiles nothing
+    # new, the calls gather indices drawn once per dispatch (no permutation of
+    # the data in the step), and a run is bit for bit the same whatever its
+    # dispatches.
+    from test_compile_once import compilations
+
+    from eqx_ensemble._training import loop as loop_module
+
+    traces, draws = [], []
+    unrolled, drawn = loop_module._unrolled, loop_module._drawn_indices
+
+    def tracing(chunk, *args):
+        traces.append(type(chunk.batches).__name__)
+        return unrolled(chunk, *args)
+
+    def drawing(*args):
+        draws.append(args[2])  # the rows drawn: the plan's dispatch length
+        return drawn(*args)
+
+    monkeypatch.setattr(loop_module, "_unrolled", tracing)
+    monkeypatch.setattr(loop_module, "_drawn_indices", drawing)
+    cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+
+    class Stops(ee.Callback):  # a user's callback that ends dispatches at 2, 7
+        def next_stop(self, done):
+            return next((stop for stop in (2, 7) if stop > done), None)
+
+    def run(steps, callbacks=(), **execution):
+        return ee.fit(
+            cnn, cnn_loss, ADAM, (IMAGES, Y), steps=steps, batch_size=BATCH,
+            key=KEY, callbacks=callbacks,
+            execution=ee.Execution(unroll=True, **execution),
+        )  # fmt: skip
+
+    whole = run(9)
+    assert traces == ["IndexedBatches"] and len(draws) == 1
+    short = []
+    assert compilations(lambda: short.append(run(5))) == 0
+    stopped = []
+    assert compilations(lambda: stopped.append(run(9, callbacks=[Stops()]))) == 0
+    assert traces == ["IndexedBatches"] and draws == draws[:1] * 5  # 1 + 1 + 3
+    in_pairs = run(9, steps_per_dispatch=2)  # fewer rows drawn: one more trace
+    assert len(draws) == 5 + 5
+    for other in (stopped[0], in_pairs):
+        assert eqx.tree_equal(other.ensemble, whole.ensemble)
+        assert eqx.tree_equal(other.opt_state, whole.opt_state)
+        np.testing.assert_array_equal(other.history.losses, whole.history.losses)
+    np.testing.assert_array_equal(short[0].history.losses, whole.history.losses[:5])
+
+
 def test_unrolled_stream_equals_make_step_loop():
     cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
     rng = np.random.default_rng(0)

@@ -67,9 +67,9 @@ def checks(monkeypatch):
     seen = []
     original = loop_module.dispatch_chunk
 
-    def spy(options, chunk, train_state):
+    def spy(options, chunk, train_state, *steps):
         seen.append(chunk.check)
-        return original(options, chunk, train_state)
+        return original(options, chunk, train_state, *steps)
 
     monkeypatch.setattr(run_module, "dispatch_chunk", spy)
     return seen
@@ -168,10 +168,10 @@ def test_a_dispatch_of_fixed_length_is_optimistic_too(monkeypatch, checks):
     fulls = []
     spy = run_module.dispatch_chunk
 
-    def recording(options, chunk, train_state):
+    def recording(options, chunk, train_state, *steps):
         assert not chunk.counted
         fulls.append((chunk.full, chunk.length, int(chunk.end - train_state.step)))
-        return spy(options, chunk, train_state)
+        return spy(options, chunk, train_state, *steps)
 
     monkeypatch.setattr(run_module, "dispatch_chunk", recording)
     ens = _ensemble()

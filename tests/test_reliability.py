@@ -1467,16 +1467,6 @@ def test_full_and_partial_dispatches_resume_bitwise(tmp_path):
     assert_same_result(resumed, straight)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known defect: unrolled dispatches compile one program per dispatch "
-    "length and may round a step differently (an ulp), so resume is exact only to "
-    "rounding with unroll=True and several steps per dispatch (fit's automatic "
-    "plan for convolutional losses holds one step per dispatch: one program). "
-    "Since CPU steps compile at LLVM level 1 (session 17) this example resumes "
-    "bit for bit on the machines tried; not proven for every program, so the "
-    "mark stays, not strict",
-)
 @pytest.mark.usefixtures("library_codegen")  # level 1, as users compile it
 def test_unrolled_dispatches_resume_bitwise(tmp_path):
     ens = ee.ensemble(

@@ -286,9 +286,10 @@ def test_plan_weighs_compile_time_against_the_run_length():
         )
 
     short, long = plan(20), plan(2**30)  # a tiny CNN: only a very long run
-    # Convolutions: unrolled (XLA's CPU loops lay them out slowly), one step per
-    # dispatch (one program, exact resume, one step to compile).
-    assert short.unroll and long.unroll and short.length == long.length == 1
+    # Convolutions: unrolled (XLA's CPU loops lay them out slowly), a dispatch
+    # a loop on the host of calls of one compiled step, as long whatever the
+    # run's length (one program, exact resume, one step to compile).
+    assert short.unroll and long.unroll and short.length == long.length > 20
     # The member-by-member layout compiles a copy per member: runs whose
     # convolutions repay that only (`test_layout.py` checks the boundary).
     assert short.layout == "vmap" and long.layout == "sequential"

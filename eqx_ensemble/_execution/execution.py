@@ -41,12 +41,14 @@ class Execution(Component):
     **Arguments (all optional; `None` lets the library choose):**
 
     - `steps_per_dispatch`: `fit` only: steps fused into one compiled call.
-      `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100; 1
-      for unrolled steps (each dispatch then compiles one step and is the same
-      program, so a resumed run is bit for bit the uninterrupted one).
+      `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100 (1
+      with `steps=None`, and for unrolled steps of a stream).
       Progress, callbacks, controllers and checkpoints run between dispatches.
       On a CPU (array data) a dispatch is compiled for this many steps and
       runs any number up to it: a run of any `steps=` reuses the program.
+      Unrolled, a dispatch is a loop on the host of calls of one compiled
+      step, one per step: the same program for every dispatch length, so the
+      results are bit for bit the same for any value.
     - `layout`: how a step computes the member axis: `"vmap"` (one vectorised
       computation), `"sequential"` (members one after another inside the
       compiled step: straight-line code whose compile time grows with the
@@ -64,10 +66,10 @@ class Execution(Component):
       falls behind the members' own (measured on an H100); vectorised
       otherwise).
       Coupled losses and a trained shared part are always vectorised.
-    - `unroll`: `fit` only: run each dispatch's steps as straight-line code
-      instead of a `lax.scan` loop. `None`: unrolled on one CPU device when the
-      loss convolves (XLA's CPU backend runs a convolution inside a loop in a
-      slow layout).
+    - `unroll`: `fit` only: run each step as straight-line code, one compiled
+      call per step, instead of a `lax.scan` loop over a dispatch's steps.
+      `None`: unrolled on one CPU device when the loss convolves (XLA's CPU
+      backend runs a convolution inside a loop in a slow layout).
     - `compiler_options`: XLA options for the compiled step (a dict of option
       name -> str, bool, int or float). `None`: the library's choice (on a
       CPU, LLVM at optimisation level 1 unless `XLA_FLAGS` set a level, and

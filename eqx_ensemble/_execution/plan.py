@@ -118,8 +118,8 @@ def plan_step(
             if len(table) > 64:
                 table.clear()
             table[key] = found
-    if steps is None or found.counted:
-        return found
+    if steps is None or found.counted or (found.unroll and not pads_on_host):
+        return found  # one program for any length
     return dataclasses.replace(found, length=min(found.length, steps))
 
 
@@ -221,12 +221,14 @@ def _plan(
         layout, group = "sequential", 1
     length = getattr(settings, "steps_per_dispatch", None)
     if length is None:
-        # An unrolled dispatch compiles every step it holds, and a convolving
-        # step outweighs a dispatch's host work: one step per dispatch (every
-        # dispatch one program: a resumed run is bit for bit the whole one).
+        # An unrolled dispatch of array data is a loop on the host of calls of
+        # one compiled step, given `length` rows of drawn indices (one program
+        # for any run length: a resumed run is bit for bit the whole). A
+        # stream's would be given its group padded to `length` batches: one
+        # step per dispatch, as the stream is read.
         length = (
             default_steps_per_dispatch(members, examples, size, mesh)
-            if steps is not None and not unroll
+            if steps is not None and not (unroll and pads_on_host)
             else 1
         )
     options = step_compiler_options(

@@ -13,13 +13,15 @@ chunk the host knows to be `full` runs its steps with no conditional (on a GPU
 each conditional waits for its predicate on the host).
 Sharding is pinned once where the state enters and leaves the loop and once per
 step on the carry; nothing inside the step names a mesh axis but the update.
+An unrolled dispatch (a CPU's convolutions: `Chunk.unrolled`) is a loop on the
+host of calls of one compiled step (`_dispatch_steps`): one program whatever the
+dispatch's length, its example indices drawn once before the calls
+(`IndexedBatches`), its readouts read when the host records the dispatch.
 Where the plan runs the members in groups (`Chunk.group`: a short convolving
-run on a CPU, one member per call), a dispatch is one call per group of one
-program that slices its members out of the whole state and writes them back
+run on a CPU, one member per call), each step is one call per group of that
+program, which slices its members out of the whole state and writes them back
 in place (`_run_group`); their keys and per-member batches are the whole
-ensemble's, sliced, so a member computes what it computes in any layout (the
-dispatch's example indices are drawn once, before the calls:
-`IndexedBatches`).
+ensemble's, sliced, so a member computes what it computes in any layout.
 """
 
 import dataclasses
@@ -84,10 +86,14 @@ class Chunk:
     size: int
     length: int
     mesh: Mesh | None
-    # Unrolled: the chunk is straight-line code of exactly `length` steps (no
-    # loop, no conditional) and evaluates, if `evaluate_last`, after its last step.
+    # Unrolled: straight-line code (no loop, no conditional), one call of a
+    # one-step program per step of the dispatch (`_dispatch_steps`); a call
+    # runs the step of row `row` of the dispatch's `length` rows of scanned
+    # inputs (a NumPy int32 scalar: an input, not part of the program) and
+    # evaluates after it if `evaluate_last`.
     unrolled: bool = False
     evaluate_last: bool = False
+    row: Int[ArrayLike, ""] | None = None
     # Every one of the `length` steps runs (known on the host): no conditional.
     full: bool = False
     # A loop of a traced trip count (`end` - the first step) and no conditional:
@@ -132,17 +138,20 @@ chunk_runner = CompiledFunctions(_make_chunk_runner)
 
 
 def dispatch_chunk(
-    options: Options, chunk: Chunk, train_state: TrainState
-) -> tuple[TrainState, Int[Array | np.ndarray, " n"]]:
+    options: Options, chunk: Chunk, train_state: TrainState, steps: int | None = None
+) -> tuple[TrainState, Any]:
     """One compiled dispatch of `chunk` from `train_state` (donated), returning
-    the new state and the dispatch's `readout` for the host. The
-    program is looked up by what it is compiled for (one function per XLA
-    options, static configuration of the chunk: loss, optimizer, components,
-    lengths; and shapes of the train state), so that a loop of `fit` calls with
-    new optimizers or models keeps a bounded number of programs. The arguments
-    are flattened once, for the lookup and the call."""
-    if chunk.group is not None:
-        return _dispatch_groups(options, chunk, train_state)
+    the new state and the dispatch's `readout` for the host (`host_readout`
+    reads it). The program is looked up by what it is compiled for (one
+    function per XLA options, static configuration of the chunk: loss,
+    optimizer, components, lengths; and shapes of the train state), so that a
+    loop of `fit` calls with new optimizers or models keeps a bounded number
+    of programs. The arguments are flattened once, for the lookup and the
+    call. An unrolled chunk runs `steps` steps, the last before `chunk.end`
+    (`_dispatch_steps`)."""
+    if chunk.unrolled:
+        assert steps is not None, "an unrolled dispatch is told its steps"
+        return _dispatch_steps(options, chunk, train_state, steps)
     static, first, rest = split_arguments((chunk, train_state))
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
     deferred = chunk.check == "deferred"
@@ -150,58 +159,118 @@ def dispatch_chunk(
     return runner.call_split(static, first, rest)
 
 
-def _dispatch_groups(
-    options: Options, chunk: Chunk, train_state: TrainState
-) -> tuple[TrainState, np.ndarray]:
-    """`dispatch_chunk` of a chunk whose members run in groups: one call of
-    one program per group, each given the whole state and updating its own
-    members in place (`_run_group`); the groups' readouts joined on the host
-    into the whole dispatch's. The arguments are flattened once: each call
-    passes the previous one's output arrays on as they are, and only the
-    group's first member changes among the chunk's (a call's host work is
-    then the compiled call alone: 5 calls a step of 5 small CNNs)."""
-    group = chunk.group
-    assert group is not None and chunk.size % group == 0
-    assert chunk.unrolled, "a grouped dispatch runs exactly its steps"
+def _dispatch_steps(
+    options: Options, chunk: Chunk, train_state: TrainState, steps: int
+) -> tuple[TrainState, "CallReadouts"]:
+    """An unrolled dispatch: a loop on the host of calls of one compiled step,
+    one per step (and per group of members, where they run in groups: each
+    call given the whole state and updating its own members in place,
+    `_run_group`). The program is the same for every step and every dispatch
+    length (a run of any `steps=` and a resumed run reuse it; XLA's CPU runs
+    a convolution in a compiled loop slowly, so the loop is here), and for
+    array data the dispatch's example indices are drawn once, before the
+    calls (a step would otherwise draw its epoch's whole permutation). The
+    arguments are flattened once per form of the call (with and without an
+    evaluation after it): each call passes the previous one's output arrays
+    on as they are, and only the row (and the group's first member) changes.
+    The readouts are read when the host records the dispatch, so that the
+    calls run while it reads the next group of a stream."""
+    start = int(np.asarray(chunk.end)) - steps
     if isinstance(chunk.batches, SampledBatches):
-        # The dispatch's example indices, drawn once for every member's call
-        # (each call would otherwise draw the whole ensemble's: a permutation
-        # of the data per call and step).
         indices = _drawn_indices(
             dataclasses.replace(chunk.batches, data=None),
-            np.int32(int(np.asarray(chunk.end)) - chunk.length),
+            np.int32(start),
             chunk.length,
+            np.int32(steps),
         )
         chunk = dataclasses.replace(
             chunk, batches=IndexedBatches(chunk.batches.data, indices)
         )
-    marker = np.zeros((), np.int32)  # the chunk's `first`, found by identity
-    static, leaves, rest = split_arguments(
-        (dataclasses.replace(chunk, first=marker), train_state)
+    group = chunk.group
+    assert group is None or chunk.size % group == 0
+    every = None if chunk.evaluate is None else chunk.evaluate.every
+    row = np.zeros((), np.int32)  # the markers, found by identity
+    first = np.zeros((), np.int32) if group is not None else None
+    forms: dict[bool, tuple[Hashable, list[Any], int, int | None, Any]] = {}
+    rest, readouts, static_out = None, [], None
+    for position in range(steps):
+        evaluates = every is not None and (start + position + 1) % every == 0
+        if evaluates not in forms:
+            call = dataclasses.replace(
+                chunk, row=row, first=first, evaluate_last=evaluates
+            )
+            static, leaves, state_leaves = split_arguments((call, train_state))
+            shapes = tuple((leaf.shape, leaf.dtype) for leaf in state_leaves)
+            forms[evaluates] = (
+                static,
+                leaves,
+                _position_of(row, leaves),
+                None if first is None else _position_of(first, leaves),
+                chunk_runner(options, static, shapes, chunk.check == "deferred"),
+            )
+            rest = state_leaves if rest is None else rest
+        static, leaves, at_row, at_first, runner = forms[evaluates]
+        leaves[at_row] = np.array(position, np.int32)
+        for member in range(0, chunk.size, group or chunk.size):
+            if at_first is not None:
+                leaves[at_first] = np.array(member, np.int32)
+            arrays, static_out = runner.call_arrays(static, leaves, rest)
+            rest = arrays[:-1]  # the state's, in the order they came in
+            readouts.append(arrays[-1])
+    assert static_out is not None and rest is not None
+    train_state, _ = static_out.unflatten([*rest, readouts[-1]])
+    groups = 1 if group is None else chunk.size // group
+    return train_state, CallReadouts(
+        readouts, group or chunk.size, groups, chunk.evaluate is not None
     )
-    position = next(i for i, leaf in enumerate(leaves) if leaf is marker)
-    shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
-    runner = chunk_runner(options, static, shapes, chunk.check == "deferred")
-    readouts, out = [], None
-    for first in range(0, chunk.size, group):
-        leaves[position] = np.array(first, np.int32)
-        arrays, static_out = runner.call_arrays(static, leaves, rest)
-        rest = arrays[:-1]  # the state's, in the order they came in
-        readouts.append(arrays[-1])
-        out = (arrays, static_out)
-    assert out is not None
-    train_state, _ = out[1].unflatten(out[0])
-    evaluated = chunk.evaluate is not None
-    parts = [
-        unpack_readout(np.asarray(values), group, evaluated) for values in readouts
-    ]
-    scores = [part.scores for part in parts if part.scores is not None]
-    return train_state, pack_readout(
-        np.concatenate([part.losses for part in parts], axis=1),
-        np.concatenate(scores, axis=1) if evaluated else None,
-        np.concatenate([part.diverged_at for part in parts]),
-        np.concatenate([part.stopped_at for part in parts]),
-    )
+
+
+def _position_of(marker: np.ndarray, leaves: list[Any]) -> int:
+    return next(i for i, leaf in enumerate(leaves) if leaf is marker)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallReadouts:
+    """The readouts of an unrolled dispatch's calls (`_dispatch_steps`), step by
+    step and group by group, on the device until `read` joins them into the
+    dispatch's `readout` on the host."""
+
+    parts: list[Any]
+    members: int  # per call
+    groups: int  # calls per step
+    evaluated: bool
+
+    def read(self, to_host: Callable[[Any], np.ndarray]) -> np.ndarray:
+        parts = [
+            unpack_readout(to_host(values), self.members, self.evaluated)
+            for values in self.parts
+        ]
+
+        def joined(name: str) -> np.ndarray:
+            steps = [
+                np.concatenate(
+                    [getattr(part, name) for part in parts[i : i + self.groups]],
+                    axis=1,
+                )
+                for i in range(0, len(parts), self.groups)
+            ]
+            return np.concatenate(steps, axis=0)
+
+        last = parts[-self.groups :]
+        return pack_readout(
+            joined("losses"),
+            joined("scores") if self.evaluated else None,
+            np.concatenate([part.diverged_at for part in last]),
+            np.concatenate([part.stopped_at for part in last]),
+        )
+
+
+def host_readout(values: Any, to_host: Callable[[Any], np.ndarray]) -> np.ndarray:
+    """A dispatch's `readout` on the host (`dispatch_chunk`'s second output),
+    read with `to_host`."""
+    if isinstance(values, CallReadouts):
+        return values.read(to_host)
+    return to_host(values)
 
 
 def _make_drawer(*program: Hashable) -> Callable[..., Any]:
@@ -581,27 +650,26 @@ def _counted(
 def _unrolled(
     chunk: Chunk, dynamic: Any, static: Any, batch_of: Any
 ) -> tuple[Any, Array, Array]:
-    """The chunk as straight-line code: XLA's CPU backend runs a convolution
-    inside a loop or a conditional with its channels-first layout, an order of
-    magnitude slower than the channels-last one it picks outside them (small
-    CNNs), so models with convolutions run their
-    steps unrolled, with no conditional."""
+    """One step as straight-line code, of row `chunk.row` of the dispatch's
+    scanned inputs: XLA's CPU backend runs a convolution inside a loop or a
+    conditional with its channels-first layout, an order of magnitude slower
+    than the channels-last one it picks outside them (small CNNs), so models
+    with convolutions run their steps unrolled, with no conditional, one call
+    per step (`_dispatch_steps`)."""
     ts = eqx.combine(dynamic, static)
-    assert chunk.batches is not None
-    scanned = chunk.batches.scanned()
-    losses, scores = [], []
-    for position in range(chunk.length):
-        batch = batch_of(ts.step, jax.tree.map(lambda x, p=position: x[p], scanned))
-        last = position == chunk.length - 1
-        ts, step_losses, step_scores = _train_step(
-            chunk, ts, batch, evaluate=last and chunk.evaluate_last
-        )
-        ts = place_state(
-            ts, chunk.mesh, inside_jit=True, in_loop=True, placement=chunk.placement
-        )
-        losses.append(step_losses)
-        scores.append(step_scores)
-    return eqx.filter(ts, eqx.is_array), jnp.stack(losses), jnp.stack(scores)
+    assert chunk.batches is not None and chunk.row is not None
+    row = jnp.asarray(chunk.row, jnp.int32)
+    inputs = jax.tree.map(
+        lambda x: jax.lax.dynamic_index_in_dim(x, row, keepdims=False),
+        chunk.batches.scanned(),
+    )
+    ts, losses, scores = _train_step(
+        chunk, ts, batch_of(ts.step, inputs), evaluate=chunk.evaluate_last
+    )
+    ts = place_state(
+        ts, chunk.mesh, inside_jit=True, in_loop=True, placement=chunk.placement
+    )
+    return eqx.filter(ts, eqx.is_array), losses[None], scores[None]
 
 
 @eqx.filter_jit

@@ -46,6 +46,7 @@ from .loop import (
     Readout,
     copy,
     dispatch_chunk,
+    host_readout,
     unpack_readout,
 )
 from .loss import (
@@ -620,8 +621,6 @@ class Run:
                         "(`None`: it needs no stop of its own)"
                     )
                 ends.append(stop)
-        if self.chunk.unrolled and self.chunk.evaluate is not None:
-            ends.append(self.chunk.evaluate.next_stop(done))
         if available is not None:
             ends.append(done + available)
         return min(ends)
@@ -630,8 +629,7 @@ class Run:
         """The data for the dispatch that starts at `start`, and how many steps
         it holds."""
         count = self.dispatch_end(start) - start
-        length = count if self.chunk.unrolled else self.chunk.length
-        real = self.source.next_group(count, length, self.chunk.mesh)
+        real = self.source.next_group(count, self.chunk.length, self.chunk.mesh)
         return (self.source.batches() if real else None), real
 
     def dispatch(self, batches: Batches | None, end: int) -> Any:
@@ -642,13 +640,6 @@ class Run:
             full=_skips_conditional(self.chunk)
             and end - self.done == self.chunk.length,
         )
-        if chunk.unrolled:  # exactly the steps of this dispatch, no padding
-            every = None if chunk.evaluate is None else chunk.evaluate.every
-            chunk = dataclasses.replace(
-                chunk,
-                length=end - self.done,
-                evaluate_last=every is not None and end % every == 0,
-            )
         # The optimistic guard: the dispatch runs the step with no finiteness
         # check or select per step (frozen members compute along and get
         # their weights back at its end) and checks every member's state
@@ -668,7 +659,10 @@ class Run:
         # controllers.
         controlled = self.train_state.controlled
         state, values = dispatch_chunk(
-            self.options, chunk, with_fields(self.train_state, controlled=())
+            self.options,
+            chunk,
+            with_fields(self.train_state, controlled=()),
+            int(np.asarray(chunk.end)) - self.done,
         )
         self.train_state = with_fields(state, controlled=controlled)
         return values
@@ -678,9 +672,8 @@ class Run:
         everything the host needs); returns its `(steps, members)` losses."""
         active = end - self.done
         evaluated = self.chunk.evaluate is not None
-        values = _to_host(
-            values, cpu=self.chunk.mesh is None and jax.default_backend() == "cpu"
-        )
+        cpu = self.chunk.mesh is None and jax.default_backend() == "cpu"
+        values = host_readout(values, lambda value: _to_host(value, cpu))
         losses, scores, self._diverged_at, self._stopped_at = unpack_readout(
             values, self.chunk.size, evaluated
         )

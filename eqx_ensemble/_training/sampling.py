@@ -31,8 +31,10 @@ from .._internal.keys import run_keys
 _MAX_PRECOMPUTED = 2**26
 # A dispatch that runs fewer steps than it is compiled for (`count`) still makes
 # all the epoch permutations it could touch when they are this few (one
-# vectorised call); more, and it makes only those its steps touch, in a loop.
+# vectorised call) and this small (indices in all); more, and it makes only
+# those its steps touch, in a loop (a permutation of 50,000 is ~20 ms on a CPU).
 _ALL_EPOCHS = 8
+_ALL_EPOCHS_INDICES = 2**16
 # Index arrays and batch axes are int32 in XLA: nothing may reach 2**31 elements.
 MAX_INDICES = 2**31 - 1
 
@@ -166,7 +168,9 @@ class _WithoutReplacement(Sampling):
             return jax.random.permutation(jax.random.fold_in(key, epoch), n)
 
         def permutations(key):
-            if count is None or num_epochs <= _ALL_EPOCHS:
+            if count is None or (
+                num_epochs <= _ALL_EPOCHS and num_epochs * n <= _ALL_EPOCHS_INDICES
+            ):
                 return jax.vmap(lambda epoch: permutation(key, epoch))(epochs)
             # Only the epochs the dispatch's `count` steps touch (a run shorter
             # than the compiled dispatch length makes no more than it needs).

@@ -73,12 +73,22 @@ class SampledBatches(Batches):
         indices_of = self.indices_maker(first_step, length, count)
         return lambda step, _: gather_batch(self.data, indices_of(step), mesh)
 
-    def draw(self, first_step: Int[Array, ""], length: int) -> Array:
-        """The indices of the `length` steps from `first_step`, one row per step
-        (what `maker` gathers; a grouped dispatch draws them before its
-        members' calls: `IndexedBatches`)."""
-        indices_of = self.indices_maker(first_step, length)
-        return jnp.stack([indices_of(first_step + p) for p in range(length)])
+    def draw(
+        self, first_step: Int[Array, ""], length: int, count: Int[Array, ""]
+    ) -> Array:
+        """The indices of the `count` steps from `first_step`, one row per step,
+        in `length` rows (the rest zeros): what `maker` gathers, drawn before
+        an unrolled dispatch's calls (`IndexedBatches`). One program for any
+        `count` up to `length`."""
+        indices_of = self.indices_maker(first_step, length, count)
+        shape = jax.eval_shape(indices_of, first_step)
+        rows = jnp.zeros((length, *shape.shape), shape.dtype)
+        return jax.lax.fori_loop(
+            0,
+            count,
+            lambda p, rows: rows.at[p].set(indices_of(first_step + p)),
+            rows,
+        )
 
     def indices_maker(
         self,
