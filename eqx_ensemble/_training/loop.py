@@ -196,8 +196,8 @@ def _dispatch_steps(
     for position in range(steps):
         evaluates = every is not None and (start + position + 1) % every == 0
         if evaluates not in forms:
-            call = dataclasses.replace(
-                chunk, row=row, first=first, evaluate_last=evaluates
+            call = dataclasses.replace(  # (`full` means nothing to one step)
+                chunk, row=row, first=first, evaluate_last=evaluates, full=False
             )
             static, leaves, state_leaves = split_arguments((call, train_state))
             shapes = tuple((leaf.shape, leaf.dtype) for leaf in state_leaves)
