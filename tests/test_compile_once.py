@@ -310,3 +310,36 @@ def test_a_make_that_reads_an_array_value_is_built_op_by_op():
     assert ens.members.weight.shape == (3, 4, 3)
     for i, member_key in enumerate(jax.random.split(key, 3)):
         assert eqx.tree_equal(ens[i], make(member_key)), i
+
+
+def test_predict_and_a_metric_compile_one_program_per_shape():
+    # `ee.predict` is one compiled program per batch shape (op by op, a new
+    # shape compiled every operation and every call dispatched each), equal
+    # to the members run one by one; a metric compiles its input checks and
+    # its computation, one program each, and runs inside a caller's `jit`.
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(4, 3, 16, 2, key=k), size=4, key=jax.random.key(2)
+    )
+    x = jax.random.normal(jax.random.key(3), (64, 4))
+    labels = jax.random.randint(jax.random.key(4), (64,), 0, 3)
+    few, fewer = x[:50], x[:40]
+    ee.predict(ens, few)
+    assert compilations(lambda: ee.predict(ens, few)) == 0
+    out = []
+    assert compilations(lambda: out.append(ee.predict(ens, fewer))) == 1
+    members = [jax.vmap(ens[i])(fewer) for i in range(len(ens))]
+    np.testing.assert_allclose(out[0], jnp.stack(members), rtol=1e-6, atol=1e-6)
+
+    logits, some = out[0], labels[:40]
+    nll = []
+    # The logits' finiteness, the labels' range, the NLL (op by op: seven).
+    assert (
+        compilations(lambda: nll.append(ee.metrics.nll(logits, some, from_logits=True)))
+        == 3
+    )
+    assert compilations(lambda: ee.metrics.nll(logits, some, from_logits=True)) == 0
+    inside = jax.jit(lambda lg, y: ee.metrics.nll(lg, y, from_logits=True))
+    np.testing.assert_allclose(inside(logits, some), nll[0], rtol=1e-6)
+    probs = jax.nn.softmax(logits)
+    expected = -jnp.log(jnp.mean(probs, axis=0)[jnp.arange(40), some]).mean()
+    np.testing.assert_allclose(nll[0], expected, rtol=1e-5)

@@ -1012,18 +1012,19 @@ def test_unrolled_run_is_one_program_of_one_step_for_any_length(monkeypatch):
     from eqx_ensemble._training import loop as loop_module
 
     traces, draws = [], []
-    unrolled, drawn = loop_module._unrolled, loop_module._drawn_indices
+    unrolled, drawers = loop_module._unrolled, loop_module._drawers
 
     def tracing(chunk, *args):
         traces.append(type(chunk.batches).__name__)
         return unrolled(chunk, *args)
 
-    def drawing(*args):
-        draws.append(args[2])  # the rows drawn: the plan's dispatch length
-        return drawn(*args)
+    class Drawers:
+        def call(self, *args):
+            draws.append(args[2])  # the rows drawn: the plan's dispatch length
+            return drawers.call(*args)
 
     monkeypatch.setattr(loop_module, "_unrolled", tracing)
-    monkeypatch.setattr(loop_module, "_drawn_indices", drawing)
+    monkeypatch.setattr(loop_module, "_drawers", Drawers())
     cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
 
     class Stops(ee.Callback):  # a user's callback that ends dispatches at 2, 7

@@ -6,18 +6,20 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray, PyTree
 
+from .._execution.compile import CompiledFunctions, cpu_codegen_options, filter_jit
 from .._execution.execution import (
     MOVED_TO_EXECUTION,
     Execution,
     as_execution,
     refuses_moved,
 )
+from .._execution.layout import any_traced
 from .._internal.keys import split_member_keys
 from .data import check_leading, num_examples
 from .ensemble import Ensemble
 from .groups import join_groups
 from .heterogeneous import Heterogeneous, check_group_states, per_group
-from .mapping import MEMBER_NOTE, map_members, member_chunk_size
+from .mapping import MEMBER_NOTE, map_layout, map_members, member_chunk_size
 
 
 def _example_context(x: Any, example: Any) -> str:
@@ -47,7 +49,11 @@ def predict(
 
     The one-liner behind `ee.map(lambda m, xs: jax.vmap(m)(xs), ens, xs)`: each
     member (switched to `eqx.nn.inference_mode`: dropout off, BatchNorm on its
-    running statistics) is mapped over the examples of `x`.
+    running statistics) is mapped over the examples of `x`. Called outside
+    `jax.jit`, it is one compiled program per batch shape and structure (kept
+    for the next call; one with the sequential layout runs operation by
+    operation, each compiled once for every member); inside, part of the
+    caller's program.
 
     **Arguments:**
 
@@ -97,8 +103,38 @@ def predict(
         check_group_states(ens, state, "`state`")
     elif stateful:
         check_leading(state, len(ens), "`state`")
+    execution = as_execution(execution, "ee.predict", ("layout", "member_chunk"))
+    chunk_size = member_chunk_size(chunk_size, execution.member_chunk, len(ens))
+    member_keys = None if key is None else split_member_keys(key, len(ens))
+    args = (inference, x, state, member_keys, chunk_size, execution.layout)
+    if isinstance(inference, Heterogeneous) or any_traced(args):
+        return _predict(*args)  # (inside a trace: part of the caller's program)
+    layout = map_layout(
+        _one_member(stateful, examples, x),
+        inference,
+        (x, state),
+        _AXES[stateful],
+        chunk_size,
+        execution.layout,
+        profile_owner=predict,
+        member_keys=member_keys,
+    )
+    if layout == "sequential":
+        # Called now, member by member: each operation dispatched once per
+        # member (compiled once), not a program with a copy per member.
+        return _predict(*args[:-1], layout)
+    return _predictors.call(*args[:-1], layout)
 
-    def one_member(member, x, member_state, *, key=None):
+
+# The member axis of `predict`'s arguments `(x, state)`, without and with state.
+_AXES = {False: (None, None), True: (None, 0)}
+
+
+def _one_member(stateful: bool, examples: int, x: Any) -> Any:
+    """One member's predictions on the `examples` examples of `x` (`x` named
+    in the notes of errors raised by the member)."""
+
+    def one_member(member, x_arg, member_state, *, key=None):
         example_keys = None if key is None else jax.random.split(key, examples)
 
         def one_example(xi, example_key):
@@ -111,21 +147,28 @@ def predict(
                 error.add_note(_example_context(x, xi))
                 raise
 
-        return jax.vmap(one_example)(x, example_keys)
+        return jax.vmap(one_example)(x_arg, example_keys)
 
-    execution = as_execution(execution, "ee.predict", ("layout", "member_chunk"))
-    chunk_size = member_chunk_size(chunk_size, execution.member_chunk, len(ens))
-    layout = execution.layout
-    # The layout's profile is cached under `predict` (its `one_member` is a new
-    # closure each call), keyed by the shapes of the ensemble, `x` and `state`.
-    member_keys = None if key is None else split_member_keys(key, len(ens))
-    axes = (None, 0 if stateful else None)
+    return one_member
+
+
+def _predict(
+    inference: Any,
+    x: Any,
+    state: Any,
+    member_keys: Any,
+    chunk_size: int | None,
+    layout: str | None,
+) -> Any:
+    """`predict` of the inference-mode ensemble, after its checks."""
+    stateful = state is not None
+    one_member = _one_member(stateful, num_examples(x, "x"), x)
     if not isinstance(inference, Heterogeneous):
         return map_members(
             one_member,
             inference,
             (x, state),
-            axes,
+            _AXES[stateful],
             chunk_size,
             None,
             layout,
@@ -139,7 +182,7 @@ def predict(
                 one_member,
                 group,
                 (x, group_state),
-                axes,
+                _AXES[stateful],
                 None if chunk_size is None else min(chunk_size, len(group)),
                 None,
                 layout,
@@ -154,3 +197,15 @@ def predict(
             )
         ]
     )
+
+
+def _make_predictor(*program: Any) -> Any:
+    del program  # what the function is compiled for: its key
+    return filter_jit(_predict, cpu_codegen_options())
+
+
+# `_predict` compiled, one function per structure, shapes and layout (at most
+# `compile.MAX_PROGRAMS` kept): one program per batch shape, called again
+# without tracing (op by op, each new shape compiled every operation anew and
+# every call dispatched each).
+_predictors = CompiledFunctions(_make_predictor)

@@ -286,6 +286,14 @@ class CompiledFunctions:
     def __len__(self) -> int:
         return len(self._made)
 
+    def call(self, *args: Any) -> Any:
+        """The function made for `args` (keyed by their structure, non-array
+        leaves and array shapes), called on them: a `filter_jit` whose programs
+        are bounded."""
+        static, first, rest = split_arguments(args)
+        shapes = tuple((leaf.shape, leaf.dtype) for leaf in (*first, *rest))
+        return self(static, shapes).call_split(static, first, rest)
+
 
 def check_compiler_options(
     options: Any, name: str = "compiler_options"
@@ -408,6 +416,47 @@ def one_shot_options() -> Options:
     if jax.default_backend() != "cpu":
         return ()
     return _known(_not_flagged(ONE_SHOT))
+
+
+def one_shot_jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    static_argnames: tuple[str, ...] = (),
+    static_argnums: tuple[int, ...] = (),
+) -> Any:
+    """`jax.jit(fn)` compiled with `one_shot_options()`, for functions called
+    once per shape on small inputs (metrics, their input checks): their
+    programs compile in about half the time (a probability check of 8 x 400
+    x 10: 0.19 -> 0.08 s), as fast for large inputs, and with the bits of op
+    by op. Inside a trace of the caller's own, the function is inlined into
+    that program (JAX refuses options there). Usable as `@one_shot_jit` or
+    `@one_shot_jit(static_argnames=...)`."""
+    if fn is None:
+        return functools.partial(
+            one_shot_jit, static_argnames=static_argnames, static_argnums=static_argnums
+        )
+    # (Only those given: `jax.jit` infers the other from the signature.)
+    statics: dict[str, Any] = {}
+    if static_argnames:
+        statics["static_argnames"] = static_argnames
+    if static_argnums:
+        statics["static_argnums"] = static_argnums
+    nested = jax.jit(fn, **statics)
+    jitted: list[Any] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if any(is_traced(leaf) for leaf in jax.tree.leaves((args, kwargs))):
+            return nested(*args, **kwargs)
+        if not jitted:
+            jitted.append(
+                jax.jit(
+                    fn, **statics, compiler_options=dict(one_shot_options()) or None
+                )
+            )
+        return jitted[0](*args, **kwargs)
+
+    return call
 
 
 def _known(options: Options) -> Options:

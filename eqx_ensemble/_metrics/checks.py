@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from .._execution.compile import one_shot_jit
 from .._internal.checks import first_non_finite
 from .._internal.tree import is_traced
 
@@ -70,7 +71,7 @@ def check_classification_predictions(
         return
     # Reductions run where the array lives; only a few scalars come to the host.
     if from_logits:  # -inf is a class of probability 0; NaN and +inf have none
-        if bool(jnp.any(jnp.isnan(predictions) | (predictions == jnp.inf))):
+        if bool(_any_nan_or_inf(predictions)):
             host = np.asarray(predictions)
             where = tuple(int(i) for i in np.argwhere(~(host < np.inf))[0])
             what = "NaN" if np.isnan(host[where]) else "+inf"
@@ -112,7 +113,19 @@ def check_classification_predictions(
         )
 
 
-@jax.jit
+# The checks' reductions, each one program per shape (op by op, a new shape
+# compiled every operation anew).
+@one_shot_jit
+def _any_nan_or_inf(logits: Array) -> Array:
+    return jnp.any(jnp.isnan(logits) | (logits == jnp.inf))
+
+
+@one_shot_jit
+def _bounds(x: Array) -> tuple[Array, Array]:
+    return jnp.min(x), jnp.max(x)
+
+
+@one_shot_jit
 def _probability_summary(probs: Array) -> tuple[Array, ...]:
     """Finiteness, range, and the row sum furthest from one (flat index, value)."""
     sums = jnp.sum(probs.astype(jnp.promote_types(probs.dtype, jnp.float32)), axis=-1)
@@ -148,7 +161,7 @@ def check_labels(
         )
     if is_traced(labels):
         return
-    low, high = (int(bound) for bound in jax.device_get((labels.min(), labels.max())))
+    low, high = (int(bound) for bound in jax.device_get(_bounds(labels)))
     if low < 0 or high >= classes:
         values = np.asarray(labels)
         bad = int(np.argmax((values < 0) | (values >= classes)))

@@ -1,7 +1,6 @@
 """Classification scores of stacked per-member predictions (accuracy, NLL, Brier;
 for the ensemble and for each member) and the helpers other metrics share."""
 
-import functools
 from typing import Literal
 
 import jax
@@ -9,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from .._execution.compile import one_shot_jit
 from .checks import (
     as_float_array,
     check_classification_predictions,
@@ -97,8 +97,9 @@ def label_log_probs(log_probs: Array, labels: Array) -> Array:
 
 def compiled(*static_argnames: str):
     """`jax.jit` with static options: validation runs eagerly in the public function,
-    the computation compiles once per shape (and inlines under an outer `jit`)."""
-    return functools.partial(jax.jit, static_argnames=static_argnames)
+    the computation compiles once per shape (`one_shot_jit`: for compile time;
+    inlined under an outer `jit`)."""
+    return one_shot_jit(static_argnames=static_argnames)
 
 
 def reduce(values: Array, reduction: Reduction) -> Array:
@@ -175,7 +176,7 @@ def per_member_accuracy(
     return _per_member_accuracy(predictions, prepare_labels(labels, predictions))
 
 
-@jax.jit
+@one_shot_jit
 def _per_member_accuracy(predictions: Array, labels: Array) -> Array:
     predicted = jnp.argmax(predictions, axis=-1)
     return jnp.mean((predicted == labels[None]).astype(predictions.dtype), axis=1)

@@ -12,6 +12,7 @@ import numpy as np
 from jax.scipy.special import logsumexp
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from .._execution.compile import one_shot_jit
 from .checks import as_float_array
 
 
@@ -90,7 +91,7 @@ class Mahalanobis(eqx.Module):
         return _mahalanobis(self.means, self.precision, f)
 
 
-@jax.jit
+@one_shot_jit
 def _mahalanobis(means: Array, precision: Array, f: Array) -> Array:
     centred = f[:, :, None, :] - means[:, None, :, :]  # (members, batch, classes, dim)
     distances = jnp.einsum("mbcd,mde,mbce->mbc", centred, precision, centred)
@@ -164,7 +165,7 @@ class GaussianDensity(eqx.Module):
         return _negative_log_density(self.means, self.cholesky, self.log_priors, f)
 
 
-@jax.jit
+@one_shot_jit
 def _negative_log_density(means, cholesky, log_priors, f):
     centred = f[:, :, None, :] - means[:, None, :, :]  # (members, batch, classes, dim)
     # Solve L z = x - mu for each member and class: |z|^2 is the Mahalanobis term.

@@ -1,7 +1,6 @@
 """Out-of-distribution detection: AUROC, AUPR and FPR at a TPR of an uncertainty
 score."""
 
-import functools
 import math
 
 import jax
@@ -9,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float
 
+from .._execution.compile import one_shot_jit
 from .._internal.tree import is_traced
 from .checks import as_float_array
 
@@ -65,7 +65,7 @@ def ood_auroc(
     return _ood_auroc(in_scores, out_scores)
 
 
-@jax.jit
+@one_shot_jit
 def _ood_auroc(in_scores: Array, out_scores: Array) -> Array:
     dtype = jnp.result_type(in_scores.dtype, out_scores.dtype)
     sorted_in = jnp.sort(in_scores.astype(dtype))
@@ -125,7 +125,7 @@ def ood_fpr_at_tpr(
     return _fpr_at(in_scores, out_scores, k)
 
 
-@functools.partial(jax.jit, static_argnums=2)
+@one_shot_jit(static_argnums=(2,))
 def _fpr_at(in_scores: Array, out_scores: Array, k: int) -> Array:
     dtype = jnp.result_type(in_scores.dtype, out_scores.dtype)
     threshold = jnp.sort(out_scores.astype(dtype))[out_scores.shape[0] - k]
@@ -166,7 +166,7 @@ def ood_aupr(
     return _ood_aupr(in_scores, out_scores)
 
 
-@jax.jit
+@one_shot_jit
 def _ood_aupr(in_scores: Array, out_scores: Array) -> Array:
     dtype = jnp.promote_types(
         jnp.result_type(in_scores.dtype, out_scores.dtype), jnp.float32

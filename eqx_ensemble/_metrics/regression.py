@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.scipy.special import ndtri
 from jaxtyping import Array, ArrayLike, Float
 
+from .._execution.compile import one_shot_jit
 from ..combine import gaussian_mixture
 from .checks import (
     as_float_array,
@@ -97,7 +98,7 @@ def predictive_mean(
     return _mean_over_members(_means(means))
 
 
-@jax.jit
+@one_shot_jit
 def _mean_over_members(x: Array) -> Array:
     return jnp.mean(x, axis=0)
 
@@ -131,7 +132,7 @@ def predictive_variance(
     return _predictive_variance(means, variances)
 
 
-@jax.jit
+@one_shot_jit
 def _predictive_variance(means: Array, variances: Array) -> Array:
     return gaussian_mixture(means, variances)[1]
 
@@ -185,7 +186,7 @@ def epistemic_variance(
     return _epistemic_variance(_means(means))
 
 
-@jax.jit
+@one_shot_jit
 def _epistemic_variance(means: Array) -> Array:
     return jnp.mean(jnp.square(means - jnp.mean(means, axis=0)[None]), axis=0)
 
@@ -289,7 +290,7 @@ def per_member_gaussian_nll(
     return _per_member_gaussian_nll(means, variances, targets)
 
 
-@jax.jit
+@one_shot_jit
 def _per_member_gaussian_nll(means: Array, variances: Array, targets: Array) -> Array:
     log_densities = _gaussian_log_density(targets[None], means, variances)
     if log_densities.ndim == 3:
@@ -329,7 +330,7 @@ def rmse(
     return _rmse(means, _check_targets(means, targets))
 
 
-@jax.jit
+@one_shot_jit
 def _rmse(means: Array, targets: Array) -> Array:
     return jnp.sqrt(jnp.mean(jnp.square(jnp.mean(means, axis=0) - targets)))
 
@@ -357,7 +358,7 @@ def per_member_rmse(
     return _per_member_rmse(means, _check_targets(means, targets))
 
 
-@jax.jit
+@one_shot_jit
 def _per_member_rmse(means: Array, targets: Array) -> Array:
     axes = tuple(range(1, means.ndim))  # examples (and outputs)
     return jnp.sqrt(jnp.mean(jnp.square(means - targets[None]), axis=axes))
@@ -402,7 +403,7 @@ def interval_coverage(
     return _interval_coverage(means, variances, targets, jnp.asarray(level))
 
 
-@jax.jit
+@one_shot_jit
 def _interval_coverage(
     means: Array, variances: Array, targets: Array, level: Array
 ) -> Array:

@@ -15,11 +15,11 @@ tie-break.
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Real
 
+from .._execution.compile import one_shot_jit
 from .._internal.tree import is_traced
 from .checks import as_float_array
 
@@ -52,7 +52,7 @@ def _check_selective(confidence: ArrayLike, losses: ArrayLike, loss_name: str):
     return confidence, losses
 
 
-@jax.jit
+@one_shot_jit
 def _expected_cumulative(confidence: Array, losses: Array) -> Array:
     """`C[k-1]`: the expected total loss of the `k` most confident examples,
     ties in `confidence` broken at random (k = 1..n)."""

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
+from .._execution.compile import one_shot_jit
 from .classification import (
     compiled,
     ensemble_log_probs,
@@ -148,7 +149,7 @@ def variation_ratio(
     return _variation_ratio(prepare_predictions(probs, from_logits=from_logits))
 
 
-@jax.jit
+@one_shot_jit
 def _variation_ratio(predictions: Array) -> Array:
     members = predictions.shape[0]
     # Differences of whole numbers first: exactly 0 when all members agree.
@@ -180,7 +181,7 @@ def disagreement(
     return _disagreement(prepare_predictions(probs, from_logits=from_logits))
 
 
-@jax.jit
+@one_shot_jit
 def _disagreement(predictions: Array) -> Array:
     members = predictions.shape[0]
     if members == 1:
@@ -213,7 +214,7 @@ def pairwise_disagreement(
     return _pairwise_disagreement(prepare_predictions(probs, from_logits=from_logits))
 
 
-@jax.jit
+@one_shot_jit
 def _pairwise_disagreement(predictions: Array) -> Array:
     votes = jnp.argmax(predictions, axis=-1)
     # Counted in integers: exact, so the diagonal is exactly 0 and the matrix
@@ -301,7 +302,7 @@ def max_logit_score(
     return _max_logit_score(predictions)
 
 
-@jax.jit
+@one_shot_jit
 def _max_logit_score(predictions: Array) -> Array:
     return 0.0 - jnp.mean(jnp.max(predictions, axis=-1), axis=0)
 

@@ -177,7 +177,7 @@ def _dispatch_steps(
     calls run while it reads the next group of a stream."""
     start = int(np.asarray(chunk.end)) - steps
     if isinstance(chunk.batches, SampledBatches):
-        indices = _drawn_indices(
+        indices = _drawers.call(
             dataclasses.replace(chunk.batches, data=None),
             np.int32(start),
             chunk.length,
@@ -279,16 +279,9 @@ def _make_drawer(*program: Hashable) -> Callable[..., Any]:
 
 
 # `SampledBatches.draw` compiled, one function per configuration (at most
-# `compile.MAX_PROGRAMS` kept, as the dispatches' programs).
+# `compile.MAX_PROGRAMS` kept, as the dispatches' programs): the same integers
+# the sampling draws inside a dispatch.
 _drawers = CompiledFunctions(_make_drawer)
-
-
-def _drawn_indices(*args: Any) -> Any:
-    """`SampledBatches.draw(*args)` compiled: the same integers the sampling
-    draws inside a dispatch."""
-    static, first, rest = split_arguments(args)
-    shapes = tuple((leaf.shape, leaf.dtype) for leaf in (*first, *rest))
-    return _drawers(static, shapes).call_split(static, first, rest)
 
 
 def _run_group(chunk: Chunk, train_state: TrainState) -> Any:
