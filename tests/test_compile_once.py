@@ -312,12 +312,11 @@ def test_a_make_that_reads_an_array_value_is_built_op_by_op():
         assert eqx.tree_equal(ens[i], make(member_key)), i
 
 
-def test_predict_calls_and_a_metric_compile_one_program_per_shape():
-    # `ee.predict` and `ens(x)` are one compiled program per input shape (op
-    # by op, a new shape compiled every operation and every call dispatched
-    # each), equal to the members run one by one; a metric compiles its input
-    # checks and its computation, one program each, and runs inside a
-    # caller's `jit`.
+def test_predict_and_a_metric_compile_one_program_per_shape():
+    # `ee.predict` is one compiled program per batch shape (op by op, a new
+    # shape compiled every operation and every call dispatched each), equal
+    # to the members run one by one; a metric compiles its input checks and
+    # its computation, one program each, and runs inside a caller's `jit`.
     ens = ee.ensemble(
         lambda k: eqx.nn.MLP(4, 3, 16, 2, key=k), size=4, key=jax.random.key(2)
     )
@@ -331,14 +330,6 @@ def test_predict_calls_and_a_metric_compile_one_program_per_shape():
     members = [jax.vmap(ens[i])(fewer) for i in range(len(ens))]
     np.testing.assert_allclose(out[0], jnp.stack(members), rtol=1e-6, atol=1e-6)
 
-    # `ens(x)` alike: one program for a call on a new input, none again.
-    single = x[0] + 1.0
-    called = []
-    assert compilations(lambda: called.append(ens(single))) == 1
-    assert compilations(lambda: ens(single)) == 0
-    members = [ens[i](single) for i in range(len(ens))]
-    np.testing.assert_allclose(called[0], jnp.stack(members), rtol=1e-6, atol=1e-6)
-
     logits, some = out[0], labels[:40]
     nll = []
     # The logits' finiteness, the labels' range, the NLL (op by op: seven).
@@ -349,6 +340,15 @@ def test_predict_calls_and_a_metric_compile_one_program_per_shape():
     assert compilations(lambda: ee.metrics.nll(logits, some, from_logits=True)) == 0
     inside = jax.jit(lambda lg, y: ee.metrics.nll(lg, y, from_logits=True))
     np.testing.assert_allclose(inside(logits, some), nll[0], rtol=1e-6)
+    # Inside a `jit` that closes over concrete arrays (no argument traced):
+    # part of the caller's program too (JAX refuses options there).
+    scores = jax.nn.logsumexp(logits, axis=-1).mean(0)
+    auroc = ee.metrics.ood_auroc(scores[:20], scores[20:])
+    closed = jax.jit(lambda: ee.metrics.ood_auroc(scores[:20], scores[20:]))
+    np.testing.assert_allclose(closed(), auroc, rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(lambda: ee.predict(ens, fewer))(), out[0], rtol=1e-6, atol=1e-6
+    )
     probs = jax.nn.softmax(logits)
     expected = -jnp.log(jnp.mean(probs, axis=0)[jnp.arange(40), some]).mean()
     np.testing.assert_allclose(nll[0], expected, rtol=1e-5)

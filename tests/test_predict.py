@@ -118,3 +118,44 @@ def test_predict_bad_inputs():
     )
     with pytest.raises(ValueError, match="`state`.*ensemble size 2"):
         ee.predict(ens, X, state=state)
+
+
+class _Checked(eqx.Module):
+    """A member that checks its input at run time, with a field whose value
+    cannot be hashed (a plain dataclass: equality, no hash)."""
+
+    linear: eqx.nn.Linear
+    settings: object = eqx.field(static=True)
+
+    def __call__(self, x):
+        x = eqx.error_if(x, jnp.any(x < 0), "negative input")
+        return self.linear(x)
+
+
+def test_predict_keeps_the_members_errors_and_any_static_field():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Settings:  # eq=True: unhashable
+        scale: float = 1.0
+
+    hashable = ee.ensemble(
+        lambda k: _Checked(eqx.nn.Linear(3, 2, key=k), None),
+        size=2,
+        key=jax.random.key(0),
+    )
+    x = jnp.ones((4, 3))
+    # A member's run-time check fails as the member raised it, with the note
+    # that names the example (the compiled program is run op by op again).
+    with pytest.raises(eqx.EquinoxRuntimeError, match="negative input") as error:
+        ee.predict(hashable, -x)
+    assert any("ONE example" in note for note in error.value.__notes__)
+    # An unhashable static field: predicted op by op, as before.
+    unhashable = ee.ensemble(
+        lambda k: _Checked(eqx.nn.Linear(3, 2, key=k), Settings()),
+        size=2,
+        key=jax.random.key(0),
+    )
+    expected = jnp.stack([jax.vmap(hashable[i])(x) for i in range(2)])
+    np.testing.assert_allclose(ee.predict(unhashable, x), expected, rtol=1e-6)
+    np.testing.assert_allclose(ee.predict(hashable, x), expected, rtol=1e-6)

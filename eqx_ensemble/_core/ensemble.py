@@ -11,17 +11,11 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._execution.compile import (
-    CompiledFunctions,
-    cpu_codegen_options,
-    filter_jit,
-    one_shot_options,
-)
+from .._execution.compile import CompiledFunctions, filter_jit, one_shot_options
 from .._execution.intern import canonical
-from .._execution.layout import any_traced
 from .._internal.keys import check_key, split_member_keys
 from .._internal.tree import is_traced, keystr, leading_size
-from .mapping import map_layout, map_members
+from .mapping import map_members
 
 Member = TypeVar("Member")
 
@@ -185,57 +179,16 @@ class Ensemble(eqx.Module, Generic[Member]):
         **Returns:**
 
         The members' outputs stacked along a new leading axis of size `len(ens)`.
-        Called outside `jax.jit`, one compiled program per input shape and
-        structure (but where the members run one after another: a large
-        convolutional model on a CPU), as `ee.predict`.
         """
-        member_keys = None if key is None else split_member_keys(key, len(self))
-        inputs = (self, args, kwargs, member_keys)
-        if any_traced(inputs):
-            return _call_members(*inputs, None)
-        layout = map_layout(
-            _member_call(kwargs), self, args, None, None, None, Ensemble, member_keys
+
+        def call_member(member, *member_args, **member_kwargs):
+            return member(*member_args, **kwargs, **member_kwargs)
+
+        # `call_member` is new each call: the automatic layout's profile is
+        # cached under the class (keyed by the members' and inputs' shapes).
+        return map_members(
+            call_member, self, args, None, None, key, None, profile_owner=Ensemble
         )
-        if layout == "sequential":
-            return _call_members(*inputs, layout)
-        return _callers.call(*inputs, layout)
-
-
-def _member_call(kwargs: dict[str, Any]) -> Callable[..., Any]:
-    def call_member(member, *member_args, **member_kwargs):
-        return member(*member_args, **kwargs, **member_kwargs)
-
-    return call_member
-
-
-def _call_members(
-    ens: "Ensemble", args: tuple, kwargs: dict, member_keys: Any, layout: Any
-) -> Any:
-    """`ens(*args, **kwargs)` with the members' keys, in `layout` (`None`: the
-    automatic one). `call_member` is new each call: the automatic layout's
-    profile is cached under the class (keyed by the members' and inputs'
-    shapes)."""
-    return map_members(
-        _member_call(kwargs),
-        ens,
-        args,
-        None,
-        None,
-        None,
-        layout,
-        profile_owner=Ensemble,
-        member_keys=member_keys,
-    )
-
-
-def _make_caller(*program: Any) -> Any:
-    del program  # what the function is compiled for: its key
-    return filter_jit(_call_members, cpu_codegen_options())
-
-
-# `_call_members` compiled, one function per structure, shapes and layout (at
-# most `compile.MAX_PROGRAMS` kept).
-_callers = CompiledFunctions(_make_caller)
 
 
 def _is_concrete(x: Any) -> bool:

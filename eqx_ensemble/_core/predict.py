@@ -51,9 +51,10 @@ def predict(
     member (switched to `eqx.nn.inference_mode`: dropout off, BatchNorm on its
     running statistics) is mapped over the examples of `x`. Called outside
     `jax.jit`, it is one compiled program per batch shape and structure (kept
-    for the next call; one with the sequential layout runs operation by
-    operation, each compiled once for every member); inside, part of the
-    caller's program.
+    for the next call, as `jax.jit` keeps it: a global value the model reads
+    is read when it is first compiled; one with the sequential layout runs
+    operation by operation, each compiled once for every member); inside,
+    part of the caller's program.
 
     **Arguments:**
 
@@ -123,7 +124,13 @@ def predict(
         # Called now, member by member: each operation dispatched once per
         # member (compiled once), not a program with a copy per member.
         return _predict(*args[:-1], layout)
-    return _predictors.call(*args[:-1], layout)
+    try:
+        return _predictors.call(*args[:-1], layout, unhashable=_predict)
+    except jax.errors.JaxRuntimeError:
+        # A member's own check failed at run time (`eqx.error_if`): again
+        # operation by operation, which raises it as the member raised it,
+        # with the example's note.
+        return _predict(*args[:-1], layout)
 
 
 # The member axis of `predict`'s arguments `(x, state)`, without and with state.

@@ -123,10 +123,11 @@ class Jit:
             gc.disable()
         try:
             arrays, static_out = self._jitted(static, first, rest)
-        except ValueError:
-            # Raised while tracing, before anything ran: only retried when
-            # the arguments are another trace's and the options are the cause.
-            if self._nested is self._jitted or not _any_tracer(first, rest):
+        except ValueError as error:
+            # Raised while tracing, before anything ran: only retried where
+            # the options are the cause (called inside another trace, whether
+            # or not the arguments are its tracers).
+            if self._nested is self._jitted or not _refuses_options(error, first, rest):
                 raise
             arrays, static_out = self._nested(static, first, rest)
         finally:
@@ -142,6 +143,12 @@ class Jit:
 
 def _any_tracer(*leaf_lists: list[Any]) -> bool:
     return any(is_traced(leaf) for leaves in leaf_lists for leaf in leaves)
+
+
+def _refuses_options(error: ValueError, *leaf_lists: list[Any]) -> bool:
+    """Whether `error` is JAX refusing compiler options inside another trace
+    (its arguments that trace's tracers, or constants it closes over)."""
+    return "compiler_options" in str(error) or _any_tracer(*leaf_lists)
 
 
 def split_arguments(args: tuple[Any, ...]) -> tuple[Hashable, list, list]:
@@ -286,12 +293,18 @@ class CompiledFunctions:
     def __len__(self) -> int:
         return len(self._made)
 
-    def call(self, *args: Any) -> Any:
+    def call(self, *args: Any, unhashable: Callable[..., Any] | None = None) -> Any:
         """The function made for `args` (keyed by their structure, non-array
         leaves and array shapes), called on them: a `filter_jit` whose programs
-        are bounded."""
+        are bounded. Where a non-array leaf cannot be hashed, `unhashable(*args)`
+        (`None`: the TypeError)."""
         static, first, rest = split_arguments(args)
         shapes = tuple((leaf.shape, leaf.dtype) for leaf in (*first, *rest))
+        if unhashable is not None:
+            try:
+                hash(static)
+            except TypeError:
+                return unhashable(*args)
         return self(static, shapes).call_split(static, first, rest)
 
 
@@ -454,7 +467,12 @@ def one_shot_jit(
                     fn, **statics, compiler_options=dict(one_shot_options()) or None
                 )
             )
-        return jitted[0](*args, **kwargs)
+        try:
+            return jitted[0](*args, **kwargs)
+        except ValueError as error:  # inside a trace that closes over the arguments
+            if "compiler_options" not in str(error):
+                raise
+            return nested(*args, **kwargs)
 
     return call
 

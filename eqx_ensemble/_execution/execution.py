@@ -41,14 +41,18 @@ class Execution(Component):
     **Arguments (all optional; `None` lets the library choose):**
 
     - `steps_per_dispatch`: `fit` only: steps fused into one compiled call.
-      `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100 (1
-      with `steps=None`, and for unrolled steps of a stream).
+      `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100;
+      unrolled, at most about a second of estimated work (5 CNNs on 8x8
+      images: 40 steps; one step of 8 CNNs on 32x32); 1 with `steps=None`
+      and for unrolled steps of a stream.
       Progress, callbacks, controllers and checkpoints run between dispatches.
       On a CPU (array data) a dispatch is compiled for this many steps and
       runs any number up to it: a run of any `steps=` reuses the program.
       Unrolled, a dispatch is a loop on the host of calls of one compiled
-      step, one per step: the same program for every dispatch length, so the
-      results are bit for bit the same for any value.
+      step, one per step (its variant that evaluates after the step where
+      evaluation is due): the same computation for every dispatch length,
+      which is only the shape of the indices it is given, and the same
+      results, bit for bit, for any value.
     - `layout`: how a step computes the member axis: `"vmap"` (one vectorised
       computation), `"sequential"` (members one after another inside the
       compiled step: straight-line code whose compile time grows with the

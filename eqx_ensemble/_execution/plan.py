@@ -35,6 +35,11 @@ from .profile import StepProfile
 # H100: 52 us per step against 32.5 in a scan of fixed length;
 # `bench_guard.py --fit`, docs/benchmarks.md).
 COUNTED = frozenset({"cpu"})
+# An unrolled dispatch (a CPU's convolutions) returns to the host after about
+# this many seconds of estimated work (progress, callbacks, a diverged run's
+# end), at the rate below: a 5-CNN step on 8x8 images ~50 steps, on 16x16 ~6.
+UNROLLED_DISPATCH_SECONDS = 1.0
+CPU_FLOPS_PER_SECOND = 5e10  # a 2-core CPU's convolving steps (`bench_families`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,25 +225,26 @@ def _plan(
         # compile time does not grow with the members (`layout.GROUP_MIN_FLOPS`).
         layout, group = "sequential", 1
     length = getattr(settings, "steps_per_dispatch", None)
+    devices = 1 if mesh is None else mesh.size
+    flops = step_flops(members, examples, size, devices, profile)
     if length is None:
         # An unrolled dispatch of array data is a loop on the host of calls of
         # one compiled step, given `length` rows of drawn indices (one program
-        # for any run length: a resumed run is bit for bit the whole). A
-        # stream's would be given its group padded to `length` batches: one
-        # step per dispatch, as the stream is read.
+        # for any run length: a resumed run is bit for bit the whole), about a
+        # second of work long. A stream's would be given its group padded to
+        # `length` batches: one step per dispatch, as the stream is read.
         length = (
             default_steps_per_dispatch(members, examples, size, mesh)
             if steps is not None and not (unroll and pads_on_host)
             else 1
         )
+        if unroll:
+            budget = UNROLLED_DISPATCH_SECONDS * CPU_FLOPS_PER_SECOND
+            length = max(1, min(length, int(budget / max(flops, 1.0))))
     options = step_compiler_options(
         user_options, members, examples, size, mesh, batched_dots
     )
-    devices = 1 if mesh is None else mesh.size
-    check = choose_finite_check(
-        flops=step_flops(members, examples, size, devices, profile),
-        platform=platform_of(mesh),
-    )
+    check = choose_finite_check(flops=flops, platform=platform_of(mesh))
     # On a CPU a scanned dispatch of array data loops over a traced trip
     # count: one program for `length` steps, whatever the run's length.
     counted = steps is not None and platform_of(mesh) in COUNTED and not unroll

@@ -105,8 +105,8 @@ class Chunk:
     check: FiniteCheck = "per_leaf"  # the guard's form (`_execution.guard`)
     # The train state's leaves split over a "model" mesh axis, kept exactly.
     placement: Any = None
-    # Members per call where they run in groups (`Plan.group`): the dispatch
-    # is one call per group of one program, given the group's first member
+    # Members per call where they run in groups (`Plan.group`): each step of
+    # the dispatch is one call per group of one program, given the group's first member
     # (`first`, a NumPy int32 scalar: an input, not part of the program).
     # `None`: every member in one call.
     group: int | None = None

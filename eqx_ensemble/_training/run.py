@@ -651,9 +651,9 @@ class Run:
         if self._optimistic:
             frozen = _frozen(self._diverged_at, self._stopped_at)
             self._replay = (chunk, self.train_state, frozen)
-        return self._run_dispatch(chunk)
+        return self._run_dispatch(chunk, end - self.done)
 
-    def _run_dispatch(self, chunk: Chunk) -> Any:
+    def _run_dispatch(self, chunk: Chunk, steps: int) -> Any:
         # The controllers' states stay on the host side of the run (they run
         # between dispatches): the program is the same with or without
         # controllers.
@@ -662,7 +662,7 @@ class Run:
             self.options,
             chunk,
             with_fields(self.train_state, controlled=()),
-            int(np.asarray(chunk.end)) - self.done,
+            steps,
         )
         self.train_state = with_fields(state, controlled=controlled)
         return values
@@ -712,7 +712,7 @@ class Run:
             )
         self.train_state = state
         values = _to_host(
-            self._run_dispatch(chunk),
+            self._run_dispatch(chunk, end - start),
             cpu=self.chunk.mesh is None and jax.default_backend() == "cpu",
         )
         return unpack_readout(values, self.chunk.size, self.chunk.evaluate is not None)
