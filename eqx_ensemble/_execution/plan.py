@@ -37,7 +37,7 @@ from .profile import StepProfile
 COUNTED = frozenset({"cpu"})
 # An unrolled dispatch (a CPU's convolutions) returns to the host after about
 # this many seconds of estimated work (progress, callbacks, a diverged run's
-# end), at the rate below: a 5-CNN step on 8x8 images ~50 steps, on 16x16 ~6.
+# end), at the rate below: a 5-CNN step on 8x8 images 40 steps, on 16x16 6.
 UNROLLED_DISPATCH_SECONDS = 1.0
 CPU_FLOPS_PER_SECOND = 5e10  # a 2-core CPU's convolving steps (`bench_families`)
 

@@ -106,8 +106,9 @@ class Chunk:
     # The train state's leaves split over a "model" mesh axis, kept exactly.
     placement: Any = None
     # Members per call where they run in groups (`Plan.group`): each step of
-    # the dispatch is one call per group of one program, given the group's first member
-    # (`first`, a NumPy int32 scalar: an input, not part of the program).
+    # the dispatch is one call per group of one program, given the group's
+    # first member (`first`, a NumPy int32 scalar: an input, not part of the
+    # program).
     # `None`: every member in one call.
     group: int | None = None
     first: Int[ArrayLike, ""] | None = None
@@ -139,16 +140,16 @@ chunk_runner = CompiledFunctions(_make_chunk_runner)
 
 def dispatch_chunk(
     options: Options, chunk: Chunk, train_state: TrainState, steps: int | None = None
-) -> tuple[TrainState, Any]:
+) -> tuple[TrainState, "DispatchReadout"]:
     """One compiled dispatch of `chunk` from `train_state` (donated), returning
-    the new state and the dispatch's `readout` for the host (`host_readout`
-    reads it). The program is looked up by what it is compiled for (one
-    function per XLA options, static configuration of the chunk: loss,
-    optimizer, components, lengths; and shapes of the train state), so that a
-    loop of `fit` calls with new optimizers or models keeps a bounded number
-    of programs. The arguments are flattened once, for the lookup and the
-    call. An unrolled chunk runs `steps` steps, the last before `chunk.end`
-    (`_dispatch_steps`)."""
+    the new state and the dispatch's `readout`, on the device until the host
+    reads it (`DispatchReadout.read`). The program is looked up by what it
+    is compiled for (one function per XLA options, static configuration of
+    the chunk: loss, optimizer, components, lengths; and shapes of the train
+    state), so that a loop of `fit` calls with new optimizers or models keeps
+    a bounded number of programs. The arguments are flattened once, for the
+    lookup and the call. An unrolled chunk runs `steps` steps, the last
+    before `chunk.end` (`_dispatch_steps`)."""
     if chunk.unrolled:
         assert steps is not None, "an unrolled dispatch is told its steps"
         return _dispatch_steps(options, chunk, train_state, steps)
@@ -156,12 +157,15 @@ def dispatch_chunk(
     shapes = tuple((leaf.shape, leaf.dtype) for leaf in rest)
     deferred = chunk.check == "deferred"
     runner = chunk_runner(options, static, shapes, deferred)
-    return runner.call_split(static, first, rest)
+    train_state, values = runner.call_split(static, first, rest)
+    return train_state, DispatchReadout(
+        [values], chunk.size, 1, chunk.evaluate is not None
+    )
 
 
 def _dispatch_steps(
     options: Options, chunk: Chunk, train_state: TrainState, steps: int
-) -> tuple[TrainState, "CallReadouts"]:
+) -> tuple[TrainState, "DispatchReadout"]:
     """An unrolled dispatch: a loop on the host of calls of one compiled step,
     one per step (and per group of members, where they run in groups: each
     call given the whole state and updating its own members in place,
@@ -220,7 +224,7 @@ def _dispatch_steps(
     assert static_out is not None and rest is not None
     train_state, _ = static_out.unflatten([*rest, readouts[-1]])
     groups = 1 if group is None else chunk.size // group
-    return train_state, CallReadouts(
+    return train_state, DispatchReadout(
         readouts, group or chunk.size, groups, chunk.evaluate is not None
     )
 
@@ -230,10 +234,10 @@ def _position_of(marker: np.ndarray, leaves: list[Any]) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class CallReadouts:
-    """The readouts of an unrolled dispatch's calls (`_dispatch_steps`), step by
-    step and group by group, on the device until `read` joins them into the
-    dispatch's `readout` on the host."""
+class DispatchReadout:
+    """A dispatch's `readout`: one array, or its calls' step by step and group
+    by group (an unrolled dispatch, `_dispatch_steps`), on the device until
+    `read` brings them to the host and joins them into one."""
 
     parts: list[Any]
     members: int  # per call
@@ -241,6 +245,8 @@ class CallReadouts:
     evaluated: bool
 
     def read(self, to_host: Callable[[Any], np.ndarray]) -> np.ndarray:
+        if len(self.parts) == 1:
+            return to_host(self.parts[0])
         parts = [
             unpack_readout(to_host(values), self.members, self.evaluated)
             for values in self.parts
@@ -263,14 +269,6 @@ class CallReadouts:
             np.concatenate([part.diverged_at for part in last]),
             np.concatenate([part.stopped_at for part in last]),
         )
-
-
-def host_readout(values: Any, to_host: Callable[[Any], np.ndarray]) -> np.ndarray:
-    """A dispatch's `readout` on the host (`dispatch_chunk`'s second output),
-    read with `to_host`."""
-    if isinstance(values, CallReadouts):
-        return values.read(to_host)
-    return to_host(values)
 
 
 def _make_drawer(*program: Hashable) -> Callable[..., Any]:

@@ -46,7 +46,6 @@ from .loop import (
     Readout,
     copy,
     dispatch_chunk,
-    host_readout,
     unpack_readout,
 )
 from .loss import (
@@ -673,7 +672,7 @@ class Run:
         active = end - self.done
         evaluated = self.chunk.evaluate is not None
         cpu = self.chunk.mesh is None and jax.default_backend() == "cpu"
-        values = host_readout(values, lambda value: _to_host(value, cpu))
+        values = values.read(lambda value: _to_host(value, cpu))
         losses, scores, self._diverged_at, self._stopped_at = unpack_readout(
             values, self.chunk.size, evaluated
         )
@@ -711,9 +710,9 @@ class Run:
                 length=1 if one else chunk.length,
             )
         self.train_state = state
-        values = _to_host(
-            self._run_dispatch(chunk, end - start),
-            cpu=self.chunk.mesh is None and jax.default_backend() == "cpu",
+        cpu = self.chunk.mesh is None and jax.default_backend() == "cpu"
+        values = self._run_dispatch(chunk, end - start).read(
+            lambda value: _to_host(value, cpu)
         )
         return unpack_readout(values, self.chunk.size, self.chunk.evaluate is not None)
 
