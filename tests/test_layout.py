@@ -335,13 +335,21 @@ def test_predict_auto_layout_runs_convolving_members_one_by_one(data, monkeypatc
     assert SIZE_GROUP in traced(
         execution=ee.Execution(layout="vmap")
     )  # the grouped convolution
-    # Eagerly, only from EAGER_SEQUENTIAL_MIN_FLOPS of convolutions per member
-    # (these tiny members convolve ~10 kFLOP).
-    eager = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
-    assert SIZE_GROUP in _convolutions(eager)
+    # Called with concrete arrays, `predict` is one compiled program too: the
+    # rule of a compiled map, whatever the convolutions' size.
+    concrete = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
+    assert _convolutions(concrete) == ["1"] * (2 * SIZE)
+
+    # `ee.map` runs eagerly, member by member only from
+    # EAGER_SEQUENTIAL_MIN_FLOPS of convolutions per member (each operation
+    # then dispatched per member; these tiny members convolve ~10 kFLOP).
+    def eager():
+        mapped = jax.make_jaxpr(lambda: ee.map(lambda m, xs: jax.vmap(m)(xs), ens, x))
+        return _convolutions(str(mapped()))
+
+    assert SIZE_GROUP in eager()
     monkeypatch.setattr(_layout, "EAGER_SEQUENTIAL_MIN_FLOPS", 0.0)
-    eager = str(jax.make_jaxpr(lambda: ee.predict(ens, x))())
-    assert _convolutions(eager) == ["1"] * (2 * SIZE)
+    assert eager() == ["1"] * (2 * SIZE)
     assert_tree_allclose(
         ee.predict(ens, x),
         ee.predict(ens, x, execution=ee.Execution(layout="vmap")),

@@ -163,48 +163,6 @@ def map_members(
         return _map_groups(
             fn, ens, args, axes, masks, chunk_size, member_keys, layout, profile_owner
         )
-    apply, member_axes, member_layout = _resolved(
-        fn, ens, args, axes, masks, chunk_size, layout, profile_owner, member_keys
-    )
-    vmapped = member_map(apply, member_axes, member_layout, size)
-    if chunk_size is None or chunk_size == size:
-        return vmapped(ens.members, args, member_keys)
-    return _chunked(vmapped, ens.members, args, masks, member_keys, size, chunk_size)
-
-
-def map_layout(
-    fn: Callable[..., Any],
-    ens: Any,
-    args: tuple[Any, ...],
-    in_axes: Any,
-    chunk_size: int | None,
-    layout: str | None,
-    profile_owner: Any = None,
-    member_keys: Any = None,
-) -> Layout:
-    """The layout `map_members` computes the members of `ens` (not a
-    heterogeneous one) in, for these arguments, called now."""
-    axes = _check_in_axes(in_axes, len(args))
-    masks = check_per_member_args(args, axes, len(ens))
-    return _resolved(
-        fn, ens, args, axes, masks, chunk_size, layout, profile_owner, member_keys
-    )[2]
-
-
-def _resolved(
-    fn: Callable[..., Any],
-    ens: Any,
-    args: tuple[Any, ...],
-    axes: tuple[Any, ...],
-    masks: tuple[Any, ...],
-    chunk_size: int | None,
-    layout: str | None,
-    profile_owner: Any,
-    member_keys: Any,
-) -> tuple[Callable[..., Any], tuple[Any, ...], Layout]:
-    """`fn` as a function of one member's leaves, arguments and key; the
-    member axes of those; and the layout (`layout`, or the automatic rule's)."""
-    size = len(ens)
     choice = check_layout(layout, None)
     if choice == "sequential" and chunk_size is not None and chunk_size != size:
         raise ValueError(
@@ -232,12 +190,11 @@ def _resolved(
         for spec, mask in zip(axes, masks)
     )
     member_axes = (eqx.if_array(0), arg_axes, eqx.if_array(0))
+    member_layout: Layout
     if choice == "vmap" or choice == "sequential":
-        return apply, member_axes, choice
-    return (
-        apply,
-        member_axes,
-        _auto_layout(
+        member_layout = choice
+    else:
+        member_layout = _auto_layout(
             apply,
             member_axes,
             (ens.members, args, member_keys),
@@ -245,8 +202,11 @@ def _resolved(
             chunk_size,
             profile_owner or fn,
             ens.shared,
-        ),
-    )
+        )
+    vmapped = member_map(apply, member_axes, member_layout, size)
+    if chunk_size is None or chunk_size == size:
+        return vmapped(ens.members, args, member_keys)
+    return _chunked(vmapped, ens.members, args, masks, member_keys, size, chunk_size)
 
 
 def _map_groups(

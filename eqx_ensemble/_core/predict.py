@@ -19,7 +19,7 @@ from .data import check_leading, num_examples
 from .ensemble import Ensemble
 from .groups import join_groups
 from .heterogeneous import Heterogeneous, check_group_states, per_group
-from .mapping import MEMBER_NOTE, map_layout, map_members, member_chunk_size
+from .mapping import MEMBER_NOTE, map_members, member_chunk_size
 
 
 def _example_context(x: Any, example: Any) -> str:
@@ -49,12 +49,10 @@ def predict(
 
     The one-liner behind `ee.map(lambda m, xs: jax.vmap(m)(xs), ens, xs)`: each
     member (switched to `eqx.nn.inference_mode`: dropout off, BatchNorm on its
-    running statistics) is mapped over the examples of `x`. Called outside
-    `jax.jit`, it is one compiled program per batch shape and structure (kept
-    for the next call, as `jax.jit` keeps it: a global value the model reads
-    is read when it is first compiled; one with the sequential layout runs
-    operation by operation, each compiled once for every member); inside,
-    part of the caller's program.
+    running statistics) is mapped over the examples of `x`. It is one
+    compiled program per batch shape and structure, kept for the next call
+    as `jax.jit` keeps it (a global value the model reads is read when it is
+    first compiled); inside `jax.jit`, part of the caller's program.
 
     **Arguments:**
 
@@ -97,7 +95,7 @@ def predict(
             "`ee.predict` takes an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
             f"{type(ens).__name__}"
         )
-    examples = num_examples(x, "x")
+    num_examples(x, "x")  # checks `x`
     inference = eqx.nn.inference_mode(ens)
     stateful = state is not None
     if isinstance(ens, Heterogeneous):
@@ -110,27 +108,15 @@ def predict(
     args = (inference, x, state, member_keys, chunk_size, execution.layout)
     if isinstance(inference, Heterogeneous) or any_traced(args):
         return _predict(*args)  # (inside a trace: part of the caller's program)
-    layout = map_layout(
-        _one_member(stateful, examples, x),
-        inference,
-        (x, state),
-        _AXES[stateful],
-        chunk_size,
-        execution.layout,
-        profile_owner=predict,
-        member_keys=member_keys,
-    )
-    if layout == "sequential":
-        # Called now, member by member: each operation dispatched once per
-        # member (compiled once), not a program with a copy per member.
-        return _predict(*args[:-1], layout)
+    # One program per shape (its automatic layout the rule's for a compiled
+    # map: a convolutional model member by member on one CPU device).
     try:
-        return _predictors.call(*args[:-1], layout, unhashable=_predict)
+        return _predictors.call(*args, unhashable=_predict)
     except jax.errors.JaxRuntimeError:
         # A member's own check failed at run time (`eqx.error_if`): again
         # operation by operation, which raises it as the member raised it,
         # with the example's note.
-        return _predict(*args[:-1], layout)
+        return _predict(*args)
 
 
 # The member axis of `predict`'s arguments `(x, state)`, without and with state.
