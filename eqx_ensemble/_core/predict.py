@@ -106,10 +106,11 @@ def predict(
     chunk_size = member_chunk_size(chunk_size, execution.member_chunk, len(ens))
     member_keys = None if key is None else split_member_keys(key, len(ens))
     args = (inference, x, state, member_keys, chunk_size, execution.layout)
-    if isinstance(inference, Heterogeneous) or any_traced(args):
+    if any_traced(args):
         return _predict(*args)  # (inside a trace: part of the caller's program)
     # One program per shape (its automatic layout the rule's for a compiled
-    # map: a convolutional model member by member on one CPU device).
+    # map: a convolutional model member by member on one CPU device; an
+    # `ee.Heterogeneous` group by group in the same program).
     try:
         return _predictors.call(*args, unhashable=_predict)
     except jax.errors.JaxRuntimeError:
