@@ -152,6 +152,40 @@ def test_calibrators_lower_the_nll_of_miscalibrated_logits(split):
         assert after < 0.9 * before, fit.__name__
 
 
+def test_a_stalled_fit_stops_where_the_full_fit_ends(split, monkeypatch):
+    """In float32 some L-BFGS fits never bring the gradient norm under the
+    tolerance (here the strongest penalty of the cross-validation grid) and
+    idled to `iterations` (500). They stop once 10 steps in a row did not
+    lower the objective: every fit of a cross-validated fit ends before 500
+    steps, and a fit that idled before ends at the same NLL, to rounding."""
+    from eqx_ensemble._metrics import calibrators
+
+    logits, labels, _ = split
+    lbfgs, counts = calibrators._lbfgs, []
+
+    def counted(*args):
+        params, steps = lbfgs(*args)
+        jax.debug.callback(lambda n: counts.append(int(n)), steps)
+        return params, steps
+
+    monkeypatch.setattr(calibrators, "_lbfgs", counted)
+
+    def fit(**options):
+        counts.clear()
+        jax.clear_caches()  # traced anew: the patched function and constant
+        calibrator = ee.calibration.fit_dirichlet_scaling(logits, labels, **options)
+        nll = float(ee.metrics.nll(calibrator(logits), labels, from_logits=True))
+        return nll, list(counts)
+
+    _, steps = fit()  # 5 folds x 6 penalties, then the final fit
+    assert len(steps) == 31 and max(steps) < 500, steps
+    stopped, [steps] = fit(l2=10.0)
+    monkeypatch.setattr(calibrators, "STALL_STEPS", 10**6)
+    full, [full_steps] = fit(l2=10.0)
+    assert full_steps == 500 and steps < 100, (steps, full_steps)
+    np.testing.assert_allclose(stopped, full, rtol=1e-6)
+
+
 def test_isotonic_matches_sklearn_one_vs_rest(split):
     from sklearn.isotonic import IsotonicRegression
 
