@@ -15,6 +15,7 @@ settings["learning_rate"].shape        # (16,)
 ```
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -25,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._core.ensemble import Ensemble
+from ._core.ensemble import Ensemble, _compiled
 from ._core.heterogeneous import Heterogeneous
+from ._execution.compile import one_shot_jit
 
 __all__ = [
     "Architectures",
@@ -175,10 +177,12 @@ def sample(
     leaves, treedef = jax.tree.flatten(space, is_leaf=is_distribution)
     if not leaves:
         raise ValueError("`space` holds no distribution or number")
-    drawn = []
+    drawn: list[Any] = []
+    distributions = []
     for position, leaf in enumerate(leaves):
         if is_distribution(leaf):
-            drawn.append(leaf.draw(jax.random.fold_in(key, position), int(size)))
+            distributions.append((position, leaf))
+            drawn.append(None)
         elif isinstance(leaf, int | float) and not isinstance(leaf, bool):
             drawn.append(jnp.full((int(size),), float(leaf), jnp.float32))
         else:
@@ -187,7 +191,27 @@ def sample(
                 "distribution (`ee.sweep.log_uniform`, `uniform`, `choice`) or a "
                 "number"
             )
+    specs = tuple(distributions)
+    try:
+        hash(specs)
+    except TypeError:  # a distribution of the user's holding arrays: op by op
+        draws = _draws(key, specs, int(size))
+    else:  # every draw in one program (op by op: a program per operation)
+        draws = _draws_compiled(key, specs, int(size))
+    for (position, _), values in zip(specs, draws, strict=True):
+        drawn[position] = values
     return jax.tree.unflatten(treedef, drawn)
+
+
+def _draws(
+    key: PRNGKeyArray, specs: tuple[tuple[int, Distribution], ...], size: int
+) -> list[Array]:
+    return [
+        leaf.draw(jax.random.fold_in(key, position), size) for position, leaf in specs
+    ]
+
+
+_draws_compiled = one_shot_jit(_draws, static_argnums=(1, 2))
 
 
 class Architectures(NamedTuple):
@@ -287,11 +311,15 @@ def architectures(
             name: _python_number(value) for name, value in zip(names, row, strict=True)
         }
 
-        def build(member_key, setting=setting):
-            return make(member_key, **setting)
-
         try:
-            made = eqx.filter_vmap(build)(member_keys[np.asarray(members)])
+            # One compiled program per architecture and group size (as
+            # `ee.ensemble` builds), its members' keys picked inside: op by op
+            # a group's initialisation compiled a program per operation and
+            # shape (6 MLP architectures: 115 programs, 9.4 s; now 3.6 s).
+            made = _compiled(
+                functools.partial(_build_group, make, setting),
+                (member_keys, np.asarray(members, np.int32)),
+            )
         except TypeError as error:
             error.add_note(f"(`make` called as make(key, **{setting}))")
             raise
@@ -304,7 +332,10 @@ def architectures(
         states.append(made[1] if stateful else None)
         order.extend(members)
     permutation = np.asarray(order)
-    settings = {name: drawn[name][permutation] for name in names}
+    # Reordered on the host (as `jnp` indexing, a program per operation).
+    settings = {
+        name: jnp.asarray(np.asarray(drawn[name])[permutation]) for name in names
+    }
     with_state = [state is not None for state in states]
     if any(with_state) and not all(with_state):
         raise ValueError(
@@ -313,3 +344,15 @@ def architectures(
     return Architectures(
         Heterogeneous(groups), settings, tuple(states) if all(with_state) else None
     )
+
+
+def _build_group(
+    make: Callable[..., Any], setting: dict[str, Any], keys_rows: Any
+) -> Any:
+    """One architecture's members: `make(key, **setting)` under
+    `eqx.filter_vmap` over the keys `keys[rows]`. (A module-level function in
+    a `functools.partial`, keyed by what it computes: a `def` inside the
+    caller is a new object per call under jaxtyping's import hook, which
+    wraps each.)"""
+    keys, rows = keys_rows
+    return eqx.filter_vmap(lambda key: make(key, **setting))(keys[rows])

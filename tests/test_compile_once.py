@@ -296,6 +296,53 @@ def test_building_an_ensemble_is_one_program_and_a_rebuild_none():
         assert eqx.tree_equal(ens[i], member), i
 
 
+def test_rebuilding_an_ensemble_with_a_shared_part_compiles_nothing():
+    """A shared part's build is one program too, and a rebuild reuses it (also
+    under jaxtyping's import hook, which the suite runs the library under: a
+    function defined inside the build was a new wrapper per call)."""
+
+    def build():
+        return ee.ensemble(
+            lambda k: eqx.nn.Sequential(
+                [eqx.nn.Linear(3, 8, key=k), eqx.nn.Linear(8, 2, key=k)]
+            ),
+            size=4,
+            key=jax.random.key(13),
+            shared=lambda m: m.layers[0],
+        )
+
+    names = compiled_programs(build)
+    assert names.count("jit(_traced)") == 1, names
+    assert compilations(build) == 0
+
+
+def test_a_pool_of_architectures_is_one_program_per_architecture():
+    """`ee.sweep.architectures` builds each drawn architecture's group as one
+    program (op by op: one per operation and shape, 115 for 6 MLPs) and draws
+    the settings in one; the same call again compiles nothing."""
+    space = {"width": ee.sweep.choice([8, 16]), "depth": ee.sweep.choice([1, 2])}
+
+    def pool():
+        return ee.sweep.architectures(
+            lambda key, width, depth: eqx.nn.MLP(3, 1, width, depth, key=key),
+            space,
+            size=8,
+            key=jax.random.key(21),
+        )
+
+    built = []
+    names = compiled_programs(lambda: built.append(pool()))
+    groups = len(built[0].ensemble.groups)
+    assert groups > 1
+    # The groups' programs, the draws' program and the keys' own few
+    # operations (two key splits, an unstack): not one per operation of the
+    # members' initialisation or of the draws (op by op: 115 for 6 MLPs).
+    assert names.count("jit(_traced)") == groups, names
+    assert names.count("jit(_draws)") == 1, names
+    assert len(names) <= groups + 5, names
+    assert compilations(pool) == 0
+
+
 def test_a_make_that_reads_an_array_value_is_built_op_by_op():
     # Python control flow on an array that does not depend on the key: allowed
     # op by op (the array is concrete there), refused by a trace; `ee.ensemble`

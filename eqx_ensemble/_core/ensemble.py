@@ -1,5 +1,6 @@
 """The `Ensemble` module and `ensemble`: weights born stacked."""
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast, overload
@@ -623,21 +624,31 @@ def _ensemble_with_shared(
     mask = resolve_shared(model_shapes, shared)
     check_shared_mask(mask, model_shapes)
 
-    def stacked_part(member_key):
+    # Compiled, so that the shared part is not built for every member only
+    # to be dropped (a big backbone would need `size` copies for a moment).
+    stacked, shared_part = _compiled(
+        functools.partial(_shared_parts, make, stateful, mask), member_keys
+    )
+    if stateful:
+        part, state = stacked
+        return Ensemble(part, shared_part, train_shared=train_shared), state
+    return Ensemble(stacked, shared_part, train_shared=train_shared)
+
+
+def _shared_parts(
+    make: Callable[..., Any], stateful: bool, mask: PyTree[bool], member_keys: Any
+) -> Any:
+    """The members' own parts (with their states) under `eqx.filter_vmap`, and
+    the shared part built once, from the first member's key. (Module-level,
+    in a `functools.partial`: keyed by what it computes, also where
+    jaxtyping's import hook wraps every `def` in a new object per call.)"""
+
+    def stacked_part(member_key: Any) -> Any:
         made = make(member_key)
         model = made[0] if stateful else made
         part = eqx.filter(model, mask, inverse=True)
         return (part, made[1]) if stateful else part
 
-    def parts(member_keys):
-        # Compiled, so that the shared part is not built for every member only
-        # to be dropped (a big backbone would need `size` copies for a moment).
-        first = make(member_keys[0])
-        shared_part = shared_filter(first[0] if stateful else first, mask)
-        return eqx.filter_vmap(stacked_part)(member_keys), shared_part
-
-    stacked, shared_part = _compiled(parts, member_keys)
-    if stateful:
-        part, state = stacked
-        return Ensemble(part, shared_part, train_shared=train_shared), state
-    return Ensemble(stacked, shared_part, train_shared=train_shared)
+    first = make(member_keys[0])
+    shared_part = shared_filter(first[0] if stateful else first, mask)
+    return eqx.filter_vmap(stacked_part)(member_keys), shared_part
