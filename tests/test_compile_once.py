@@ -316,6 +316,32 @@ def test_rebuilding_an_ensemble_with_a_shared_part_compiles_nothing():
     assert compilations(build) == 0
 
 
+def test_indexing_and_stacking_compile_one_program_for_every_leaf():
+    """`ens[i]`, `ens[a:b]`, `ens[indices]` and `ee.stack` take every leaf in
+    one compiled call (op by op: a program per leaf shape, 10-15 for an MLP);
+    another member index or slice of the same length compiles nothing, and
+    the results are the leaves' own rows."""
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 3, 7, 2, key=k), size=6, key=jax.random.key(17)
+    )
+    leaves = jax.tree.leaves(eqx.filter(ens, eqx.is_array))
+    assert len({leaf.shape for leaf in leaves}) == 5  # op by op: 5 programs each
+    taken = []
+    assert compilations(lambda: taken.append(ens[4])) == 1
+    assert compilations(lambda: taken.append(ens[-1])) == 0
+    assert compilations(lambda: taken.append(ens[1:3])) == 1
+    assert compilations(lambda: taken.append(ens[3:5])) == 0
+    assert compilations(lambda: taken.append(ens[jnp.array([5, 0, 2])])) <= 2
+    assert compilations(lambda: taken.append(ens[[1, 4, 4]])) == 0
+    models = [taken[0], taken[1], taken[0]]
+    assert compilations(lambda: taken.append(ee.stack(models))) == 1
+    rows = (4, 5, [1, 2], [3, 4], [5, 0, 2], [1, 4, 4], [4, 5, 4])
+    for got, row in zip(taken, rows, strict=True):
+        got_leaves = jax.tree.leaves(eqx.filter(got, eqx.is_array))
+        for got_leaf, leaf in zip(got_leaves, leaves, strict=True):
+            np.testing.assert_array_equal(got_leaf, np.asarray(leaf)[np.array(row)])
+
+
 def test_a_pool_of_architectures_is_one_program_per_architecture():
     """`ee.sweep.architectures` builds each drawn architecture's group as one
     program (op by op: one per operation and shape, 115 for 6 MLPs) and draws

@@ -53,7 +53,8 @@ def test_unstack_and_stack_programs_do_not_grow_with_the_member_count():
         )
     )(model_dynamic)
     # Before the fix: a stack with an input per model (4096 models: 133 s).
-    assert _widest_equation(stack_jaxpr.jaxpr)[0] <= 64
+    # Now blocks of 64 models, a few leaves per call: at most 256 inputs.
+    assert _widest_equation(stack_jaxpr.jaxpr)[0] <= 256
     assert eqx.tree_equal(ee.stack(models), ens)
     assert eqx.tree_equal(models[123], ens[123])
 

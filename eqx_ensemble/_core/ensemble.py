@@ -12,7 +12,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._execution.compile import CompiledFunctions, filter_jit, one_shot_options
+from .._execution.compile import (
+    CompiledFunctions,
+    filter_jit,
+    one_shot_jit,
+    one_shot_options,
+)
 from .._execution.intern import canonical
 from .._internal.keys import check_key, split_member_keys
 from .._internal.tree import is_traced, keystr, leading_size
@@ -155,12 +160,9 @@ class Ensemble(eqx.Module, Generic[Member]):
                 position %= size
             else:
                 position = index
-            return self.member(
-                jax.tree.map(
-                    lambda leaf: leaf[position] if eqx.is_array(leaf) else leaf,
-                    self.members,
-                )
-            )
+            if isinstance(position, int):
+                position = np.int32(position)  # one program for every member
+            return self.member(take_members(self.members, position))
         if isinstance(index, list | tuple) or eqx.is_array(index):
             return _take(self, _member_positions(index, size), size)
         raise TypeError(
@@ -239,12 +241,27 @@ def _take(ens: Ensemble, positions: Any, size: int) -> Ensemble:
             f"the index selects no members of the ensemble of {size}; an ensemble "
             "needs at least one member"
         )
-    return with_members(
-        ens,
-        jax.tree.map(
-            lambda leaf: leaf[positions] if eqx.is_array(leaf) else leaf, ens.members
-        ),
-    )
+    if isinstance(positions, np.ndarray):
+        positions = positions.astype(np.int32)
+    return with_members(ens, take_members(ens.members, positions))
+
+
+@one_shot_jit
+def _take_leaves(leaves: list[Any], index: Any) -> list[Any]:
+    return [leaf[index] for leaf in leaves]
+
+
+def take_members(members: Any, index: Any) -> Any:
+    """`leaf[index]` of every JAX array leaf of `members` (an int32 scalar: one
+    member; a 1-D array: those members), in ONE compiled call per structure
+    and shapes, whatever the index's value (op by op: a program per leaf
+    shape, 10-15 for an MLP and 0.2-0.4 s on a first use). Other leaves
+    (NumPy arrays too) are indexed as they are."""
+    dynamic, static = eqx.partition(members, lambda x: isinstance(x, jax.Array))
+    leaves, treedef = jax.tree.flatten(dynamic)
+    taken = jax.tree.unflatten(treedef, _take_leaves(leaves, index))
+    rest = jax.tree.map(lambda x: x[index] if eqx.is_array(x) else x, static)
+    return eqx.combine(taken, rest)
 
 
 def _leaf_shapes(shared: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._execution.compile import one_shot_jit
 from .._internal.tree import first_difference, keystr
 from .ensemble import (
     Ensemble,
@@ -101,10 +102,15 @@ def stack(
         models = [eqx.filter(model, mask, inverse=True) for model in models]
     elif train_shared:
         raise ValueError("`train_shared=True` needs a shared part: pass `shared=`")
-    stacked = jax.tree.map(
-        lambda *leaves: _stack_leaf(leaves) if eqx.is_array(leaves[0]) else leaves[0],
-        *models,
-    )
+    flat = [jax.tree.flatten(model)[0] for model in models]
+    first, treedef = jax.tree.flatten(models[0])
+    at = [i for i, leaf in enumerate(first) if eqx.is_array(leaf)]
+    leaves = list(first)
+    for i, stacked_leaf in zip(
+        at, _stack_columns([tuple(f[i] for f in flat) for i in at]), strict=True
+    ):
+        leaves[i] = stacked_leaf
+    stacked = jax.tree.unflatten(treedef, leaves)
     return Ensemble(stacked, shared_part, train_shared=train_shared)
 
 
@@ -185,24 +191,48 @@ def _warn_if_narrowed(model: Any) -> None:
 # whatever the number of models (a single `jnp.stack` of 4096 arrays compiled a
 # program with 4096 parameters: 133 s).
 _BLOCK = 64
+# The most arrays one stacking call takes (leaves x models of a block): its
+# program's size stays bounded whatever the model and the number of models.
+_INPUTS = 256
 
 
-@jax.jit
-def _stack_block(leaves: tuple[Any, ...]) -> Any:
-    return jnp.stack(leaves)
+@one_shot_jit
+def _stack_block(columns: list[tuple[Any, ...]]) -> list[Any]:
+    return [jnp.stack(column) for column in columns]
 
 
-def _stack_leaf(leaves: tuple[Any, ...]) -> Any:
-    if len(leaves) <= _BLOCK:
-        return _stack_block(leaves)
-    blocks = [
-        _stack_block(leaves[start : start + _BLOCK])
-        for start in range(0, len(leaves), _BLOCK)
-    ]
-    return jnp.concatenate(blocks, axis=0)
+@one_shot_jit
+def _concatenate_blocks(columns: list[list[Any]]) -> list[Any]:
+    return [jnp.concatenate(column, axis=0) for column in columns]
 
 
-@jax.jit
+def _stack_columns(columns: list[tuple[Any, ...]]) -> list[Any]:
+    """Each column (one leaf of every model) stacked: blocks of up to `_BLOCK`
+    models, as many leaves per compiled call as keep it under `_INPUTS`
+    inputs (op by op: a program per leaf shape, 0.6 s for an MLP on a first
+    use; one call per leaf: 0.4 s; this: 0.06 s)."""
+    if not columns:
+        return []
+    count = len(columns[0])
+    block = min(count, _BLOCK)
+    per_call = max(1, _INPUTS // block)
+    stacked: list[Any] = []
+    for first in range(0, len(columns), per_call):
+        part = columns[first : first + per_call]
+        if count <= _BLOCK:
+            stacked.extend(_stack_block(part))
+            continue
+        blocks = [
+            _stack_block([column[start : start + _BLOCK] for column in part])
+            for start in range(0, count, _BLOCK)
+        ]
+        stacked.extend(
+            _concatenate_blocks([list(pieces) for pieces in zip(*blocks, strict=True)])
+        )
+    return stacked
+
+
+@one_shot_jit
 def _member_leaves(leaves: list[Any], index: Any) -> list[Any]:
     return [leaf[index] for leaf in leaves]
 
