@@ -26,7 +26,14 @@ sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
 
-WORKLOADS = ("mlp", "heterogeneous", "sgld", "calibrator", "predict_metrics")
+WORKLOADS = (
+    "mlp",
+    "heterogeneous",
+    "sgld",
+    "calibrator",
+    "predict_metrics",
+    "first_use",
+)
 
 
 def _workload(name: str, quick: bool) -> list[tuple[str, float, float]]:
@@ -142,6 +149,26 @@ def _workload(name: str, quick: bool) -> list[tuple[str, float, float]]:
         timed("predict + metrics", lambda: evaluate(500))
         timed("again", lambda: evaluate(500))
         timed("other batch", lambda: evaluate(400))
+    elif name == "first_use":
+        # What a notebook's first cells do with a new ensemble: pick members,
+        # split and join it, draw a pool of architectures.
+        ens = timed("build the ensemble", lambda: build(8))
+        timed("a member, a slice, indices", lambda: (ens[0], ens[2:5], ens[[0, 7]]))
+        timed("stack(unstack(ens))", lambda: ee.stack(ee.unstack(ens)))
+        space = {
+            "width": ee.sweep.choice([16, 32, 64]),
+            "depth": ee.sweep.choice([1, 2]),
+        }
+
+        def pool():
+            return ee.sweep.architectures(
+                lambda key, width, depth: eqx.nn.MLP(64, 10, width, depth, key=key),
+                space,
+                size=12,
+                key=jax.random.key(4),
+            ).ensemble
+
+        timed("a pool of architectures", pool)
     del np
     return rows
 

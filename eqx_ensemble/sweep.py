@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._core.ensemble import Ensemble, _compiled
+from ._core.ensemble import Ensemble, compiled_build
 from ._core.heterogeneous import Heterogeneous
 from ._execution.compile import one_shot_jit
 
@@ -316,7 +316,7 @@ def architectures(
             # `ee.ensemble` builds), its members' keys picked inside: op by op
             # a group's initialisation compiled a program per operation and
             # shape (6 MLP architectures: 115 programs, 9.4 s; now 3.6 s).
-            made = _compiled(
+            made = compiled_build(
                 functools.partial(_build_group, make, setting),
                 (member_keys, np.asarray(members, np.int32)),
             )

@@ -579,14 +579,14 @@ def ensemble(
         return _ensemble_with_shared(make, member_keys, shared, train_shared)
     if train_shared:
         raise ValueError("`train_shared=True` needs a shared part: pass `shared=`")
-    made: Any = _compiled(lambda keys: eqx.filter_vmap(make)(keys), member_keys)
+    made: Any = compiled_build(lambda keys: eqx.filter_vmap(make)(keys), member_keys)
     if _is_with_state(made):
         model, state = made
         return cast(Ensemble[Member], Ensemble(model)), state
     return cast(Ensemble[Member], Ensemble(made))
 
 
-def _compiled(build: Callable[[Any], Any], member_keys: Any) -> Any:
+def compiled_build(build: Callable[[Any], Any], member_keys: Any) -> Any:
     """`build(member_keys)` compiled as ONE program with the options of a
     program that runs once (`ONE_SHOT`), keyed by what `build` computes
     (`canonical`): built op by op, an ensemble compiles a program per
@@ -643,7 +643,7 @@ def _ensemble_with_shared(
 
     # Compiled, so that the shared part is not built for every member only
     # to be dropped (a big backbone would need `size` copies for a moment).
-    stacked, shared_part = _compiled(
+    stacked, shared_part = compiled_build(
         functools.partial(_shared_parts, make, stateful, mask), member_keys
     )
     if stateful:

@@ -102,15 +102,7 @@ def stack(
         models = [eqx.filter(model, mask, inverse=True) for model in models]
     elif train_shared:
         raise ValueError("`train_shared=True` needs a shared part: pass `shared=`")
-    flat = [jax.tree.flatten(model)[0] for model in models]
-    first, treedef = jax.tree.flatten(models[0])
-    at = [i for i, leaf in enumerate(first) if eqx.is_array(leaf)]
-    leaves = list(first)
-    for i, stacked_leaf in zip(
-        at, _stack_columns([tuple(f[i] for f in flat) for i in at]), strict=True
-    ):
-        leaves[i] = stacked_leaf
-    stacked = jax.tree.unflatten(treedef, leaves)
+    stacked = _by_leaf(models, _stack_columns)
     return Ensemble(stacked, shared_part, train_shared=train_shared)
 
 
@@ -232,6 +224,35 @@ def _stack_columns(columns: list[tuple[Any, ...]]) -> list[Any]:
     return stacked
 
 
+def _concatenate_columns(columns: list[tuple[Any, ...]]) -> list[Any]:
+    """Each column (one leaf of every ensemble) concatenated along the member
+    axis, as many leaves per compiled call as keep it under `_INPUTS`
+    inputs."""
+    if not columns:
+        return []
+    per_call = max(1, _INPUTS // len(columns[0]))
+    joined: list[Any] = []
+    for first in range(0, len(columns), per_call):
+        joined.extend(
+            _concatenate_blocks([list(c) for c in columns[first : first + per_call]])
+        )
+    return joined
+
+
+def _by_leaf(trees: Sequence[Any], combine: Any) -> Any:
+    """`trees` (one structure) joined leaf by leaf: every array leaf's column
+    (that leaf of each tree) through `combine` (columns -> joined leaves, in
+    few compiled calls); every other leaf as the first tree holds it."""
+    flat = [jax.tree.flatten(tree)[0] for tree in trees]
+    first, treedef = jax.tree.flatten(trees[0])
+    at = [i for i, leaf in enumerate(first) if eqx.is_array(leaf)]
+    leaves = list(first)
+    joined = combine([tuple(f[i] for f in flat) for i in at])
+    for i, leaf in zip(at, joined, strict=True):
+        leaves[i] = leaf
+    return jax.tree.unflatten(treedef, leaves)
+
+
 @one_shot_jit
 def _member_leaves(leaves: list[Any], index: Any) -> list[Any]:
     return [leaf[index] for leaf in leaves]
@@ -324,10 +345,5 @@ def concatenate(ensembles: Sequence[Ensemble[Member]]) -> Ensemble[Member]:
         check_same_shared(
             [(f"ensemble {i}", ens.shared) for i, ens in enumerate(ensembles)]
         )
-    joined = jax.tree.map(
-        lambda *leaves: (
-            jnp.concatenate(leaves, axis=0) if eqx.is_array(leaves[0]) else leaves[0]
-        ),
-        *[ens.members for ens in ensembles],
-    )
+    joined = _by_leaf([ens.members for ens in ensembles], _concatenate_columns)
     return with_members(ensembles[0], joined)
