@@ -129,7 +129,9 @@ class Ensemble(eqx.Module, Generic[Member]):
         Concrete indices are bounds-checked (an `IndexError` names the ensemble
         size). Under `jax.jit` an integer index or index array may be traced; it is
         then not bounds-checked and follows JAX's indexing rules (out-of-range
-        indices are clamped). Boolean masks must be concrete.
+        indices are clamped). Boolean masks must be concrete. Every array
+        leaf is indexed in one compiled call, one program per structure and
+        kind of index (any member number, any slice of the same length).
         """
         size = len(self)
         if isinstance(index, slice):

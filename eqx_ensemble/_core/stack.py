@@ -54,7 +54,8 @@ def stack(
     Array leaves are stacked along a new leading member axis; non-array leaves
     (activation functions, Python numbers, static fields) must be equal across models
     and are kept once. Works for `eqx.Module`s and for plain PyTrees such as a list of
-    `(weight, bias)` tuples.
+    `(weight, bias)` tuples. The leaves are stacked in one compiled call per
+    block of 64 models (a few calls for a model with many leaves).
 
     **Arguments:**
 
