@@ -28,7 +28,6 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from ._core.ensemble import Ensemble, compiled_build
 from ._core.heterogeneous import Heterogeneous
-from ._execution.compile import one_shot_jit
 
 __all__ = [
     "Architectures",
@@ -177,12 +176,10 @@ def sample(
     leaves, treedef = jax.tree.flatten(space, is_leaf=is_distribution)
     if not leaves:
         raise ValueError("`space` holds no distribution or number")
-    drawn: list[Any] = []
-    distributions = []
+    drawn = []
     for position, leaf in enumerate(leaves):
         if is_distribution(leaf):
-            distributions.append((position, leaf))
-            drawn.append(None)
+            drawn.append(leaf.draw(jax.random.fold_in(key, position), int(size)))
         elif isinstance(leaf, int | float) and not isinstance(leaf, bool):
             drawn.append(jnp.full((int(size),), float(leaf), jnp.float32))
         else:
@@ -191,27 +188,7 @@ def sample(
                 "distribution (`ee.sweep.log_uniform`, `uniform`, `choice`) or a "
                 "number"
             )
-    specs = tuple(distributions)
-    try:
-        hash(specs)
-    except TypeError:  # a distribution of the user's holding arrays: op by op
-        draws = _draws(key, specs, int(size))
-    else:  # every draw in one program (op by op: a program per operation)
-        draws = _draws_compiled(key, specs, int(size))
-    for (position, _), values in zip(specs, draws, strict=True):
-        drawn[position] = values
     return jax.tree.unflatten(treedef, drawn)
-
-
-def _draws(
-    key: PRNGKeyArray, specs: tuple[tuple[int, Distribution], ...], size: int
-) -> list[Array]:
-    return [
-        leaf.draw(jax.random.fold_in(key, position), size) for position, leaf in specs
-    ]
-
-
-_draws_compiled = one_shot_jit(_draws, static_argnums=(1, 2))
 
 
 class Architectures(NamedTuple):
@@ -271,8 +248,11 @@ def architectures(
     **Returns:**
 
     An [`Architectures`][eqx_ensemble.sweep.Architectures] `(ensemble,
-    settings, state)`. Groups are in the order their architecture was first
-    drawn; members within a group in draw order. Train the pool with one
+    settings, state)`. Each architecture's group is built as one compiled
+    program, cached as [`ee.ensemble`][eqx_ensemble.ensemble]'s builds are
+    (an object `make` reads and changes in place later is not read again).
+    Groups are in the order their architecture was first drawn; members
+    within a group in draw order. Train the pool with one
     `ee.fit`, pick members with
     [`ee.greedy_selection`][eqx_ensemble.greedy_selection] on its validation
     predictions, and index the pool with the picks (`pool[indices]`).

@@ -486,3 +486,45 @@ def test_error_messages_name_the_numbers():
     text = str(info.value)
     assert re.search(r"12 members", text) and "8 devices" in text
     assert "(e.g. 8, 16)" in text and "(1, 2, 3, 4, 6, 12)" in text
+
+
+def test_a_member_of_a_member_sharded_ensemble_moves_one_row_not_the_ensemble():
+    """`ens[i]` on an ensemble split over the members axis is one compiled
+    call that gathers member `i`'s rows (an all-reduce of one row), not an
+    all-gather of every leaf onto every device (what a dynamic slice of the
+    split axis compiles to: 8x the memory here); values and placement as
+    before, and a slice too."""
+    from eqx_ensemble._core.ensemble import _take_leaves
+
+    values = {
+        f"w{i}": jnp.arange(8 * 16 * 4, dtype=jnp.float32).reshape(8, 16, 4) + i
+        for i in range(3)
+    }
+    ens = ee.shard(ee.Ensemble(values), ee.make_mesh(members=8))
+    leaves = jax.tree.leaves(ens.members)
+    text = _take_leaves.lower(leaves, np.asarray([3], np.int32), True)
+    assert "all-gather" not in text.compile().as_text()
+    for index, rows in ((3, 3), (-1, 7), (slice(2, 5), slice(2, 5))):
+        taken = ens[index]
+        got = taken if isinstance(index, int) else taken.members
+        for name, value in values.items():
+            np.testing.assert_array_equal(got[name], np.asarray(value)[rows])
+            assert got[name].sharding.is_fully_replicated
+
+
+def test_leaves_on_different_devices_are_indexed_stacked_and_joined():
+    """An ensemble whose leaves live on different devices (a part kept on one
+    device, the rest on another) is indexed, stacked and joined leaf by leaf
+    (one compiled call for all leaves cannot take them)."""
+    first, second = jax.devices()[:2]
+    ens = ee.Ensemble(
+        {
+            "a": jax.device_put(jnp.arange(12.0).reshape(4, 3), first),
+            "b": jax.device_put(jnp.arange(8.0).reshape(4, 2), second),
+        }
+    )
+    assert ens[1]["b"].tolist() == [2.0, 3.0]
+    assert ens[1:3].members["a"].shape == (2, 3)
+    assert ee.stack([ens[0], ens[3]]).members["b"].tolist() == [[0, 1], [6, 7]]
+    joined = ee.concatenate([ens, ens[:1]])
+    assert joined.members["a"][4].tolist() == [0.0, 1.0, 2.0]

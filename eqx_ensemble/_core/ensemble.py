@@ -162,9 +162,7 @@ class Ensemble(eqx.Module, Generic[Member]):
                 position %= size
             else:
                 position = index
-            if isinstance(position, int):
-                position = np.int32(position)  # one program for every member
-            return self.member(take_members(self.members, position))
+            return self.member(take_members(self.members, position, one=True))
         if isinstance(index, list | tuple) or eqx.is_array(index):
             return _take(self, _member_positions(index, size), size)
         raise TypeError(
@@ -243,27 +241,48 @@ def _take(ens: Ensemble, positions: Any, size: int) -> Ensemble:
             f"the index selects no members of the ensemble of {size}; an ensemble "
             "needs at least one member"
         )
-    if isinstance(positions, np.ndarray):
-        positions = positions.astype(np.int32)
     return with_members(ens, take_members(ens.members, positions))
 
 
-@one_shot_jit
-def _take_leaves(leaves: list[Any], index: Any) -> list[Any]:
-    return [leaf[index] for leaf in leaves]
+@one_shot_jit(static_argnames=("one",))
+def _take_leaves(leaves: list[Any], rows: Any, one: bool) -> list[Any]:
+    # One member as a one-row gather, not a dynamic slice: on a mesh that
+    # splits the member axis, XLA gathers a whole leaf onto every device for
+    # a dynamic slice, one row for a gather.
+    return [leaf[rows][0] if one else leaf[rows] for leaf in leaves]
 
 
-def take_members(members: Any, index: Any) -> Any:
-    """`leaf[index]` of every JAX array leaf of `members` (an int32 scalar: one
-    member; a 1-D array: those members), in ONE compiled call per structure
-    and shapes, whatever the index's value (op by op: a program per leaf
-    shape, 10-15 for an MLP and 0.2-0.4 s on a first use). Other leaves
-    (NumPy arrays too) are indexed as they are."""
-    dynamic, static = eqx.partition(members, lambda x: isinstance(x, jax.Array))
-    leaves, treedef = jax.tree.flatten(dynamic)
-    taken = jax.tree.unflatten(treedef, _take_leaves(leaves, index))
-    rest = jax.tree.map(lambda x: x[index] if eqx.is_array(x) else x, static)
-    return eqx.combine(taken, rest)
+def take_members(members: Any, index: Any, *, one: bool = False) -> Any:
+    """`leaf[index]` of every array leaf of `members`: one member (`one`, an
+    int in range) or those of a 1-D index array. Concrete indices on JAX
+    arrays take ONE compiled call per structure and shapes, whatever the
+    index's value (op by op: a program per leaf shape, 10-15 for an MLP and
+    0.2-0.4 s on a first use). Op by op, as before: inside a trace, where
+    leaves are NumPy arrays, where many leaves share few shapes (op by op
+    compiles one program per shape; one call, a program per structure),
+    and where the leaves live on different devices."""
+    leaves, treedef = jax.tree.flatten(members)
+    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
+    if _takes_in_one_call(arrays, index):
+        rows = np.asarray([index] if one else index, np.int32)
+        try:
+            taken = iter(_take_leaves(arrays, rows, one))
+        except ValueError:  # leaves committed to different devices
+            pass
+        else:
+            return jax.tree.unflatten(
+                treedef, [next(taken) if eqx.is_array(x) else x for x in leaves]
+            )
+    return jax.tree.map(lambda x: x[index] if eqx.is_array(x) else x, members)
+
+
+def _takes_in_one_call(arrays: list[Any], index: Any) -> bool:
+    if not arrays or is_traced(index) or isinstance(index, jax.Array):
+        return False
+    if not all(isinstance(x, jax.Array) and not is_traced(x) for x in arrays):
+        return False
+    shapes = {(x.shape, x.dtype) for x in arrays}
+    return len(arrays) <= 2 * len(shapes)
 
 
 def _leaf_shapes(shared: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -531,9 +550,12 @@ def ensemble(
     That computation is compiled as one program (as `jax.jit` would compile
     it, with options for a program that runs once), which a `make` with the same
     code and values reuses (a re-run notebook cell compiles nothing); Python
-    side effects in `make` happen when it is traced, as under `jax.jit`. A
-    `make` that reads an array's value (`if float(x) > 0` on an array it made)
-    is run op by op instead.
+    side effects in `make` happen when it is traced, as under `jax.jit`, and
+    an object `make` reads that is neither a number, an array nor a function
+    (a config object, say) is keyed by identity: changed in place after the
+    first build, it is not read again (make a new object, or a new `make`
+    that holds the values). A `make` that reads an array's value (`if
+    float(x) > 0` on an array it made) is run op by op instead.
 
     **Arguments:**
 

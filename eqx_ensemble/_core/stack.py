@@ -248,7 +248,19 @@ def _by_leaf(trees: Sequence[Any], combine: Any) -> Any:
     first, treedef = jax.tree.flatten(trees[0])
     at = [i for i, leaf in enumerate(first) if eqx.is_array(leaf)]
     leaves = list(first)
-    joined = combine([tuple(f[i] for f in flat) for i in at])
+    columns = [tuple(f[i] for f in flat) for i in at]
+    # Where many leaves share few shapes, a call per leaf reuses a program
+    # per shape (one call for all: a program per structure); leaves on
+    # different devices cannot be one call.
+    shapes = {(np.shape(first[i]), first[i].dtype) for i in at}
+    joined = None
+    if len(at) <= 2 * len(shapes):
+        try:
+            joined = combine(columns)
+        except ValueError:  # leaves committed to different devices
+            joined = None
+    if joined is None:
+        joined = [combine([column])[0] for column in columns]
     for i, leaf in zip(at, joined, strict=True):
         leaves[i] = leaf
     return jax.tree.unflatten(treedef, leaves)

@@ -457,16 +457,20 @@ def one_shot_jit(
     nested = jax.jit(fn, **statics)
     jitted: list[Any] = []
 
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if any(is_traced(leaf) for leaf in jax.tree.leaves((args, kwargs))):
-            return nested(*args, **kwargs)
+    def top_level() -> Any:
         if not jitted:
             jitted.append(
                 jax.jit(
                     fn, **statics, compiler_options=dict(one_shot_options()) or None
                 )
             )
+        return jitted[0]
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if any(is_traced(leaf) for leaf in jax.tree.leaves((args, kwargs))):
+            return nested(*args, **kwargs)
+        top_level()
         try:
             return jitted[0](*args, **kwargs)
         except ValueError as error:  # inside a trace that closes over the arguments
@@ -474,6 +478,8 @@ def one_shot_jit(
                 raise
             return nested(*args, **kwargs)
 
+    # Ahead-of-time lowering of the top-level program (as `jax.jit(...).lower`).
+    call.lower = lambda *args, **kwargs: top_level().lower(*args, **kwargs)  # type: ignore[attr-defined]
     return call
 
 
