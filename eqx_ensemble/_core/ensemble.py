@@ -281,8 +281,15 @@ def _takes_in_one_call(arrays: list[Any], index: Any) -> bool:
         return False
     if not all(isinstance(x, jax.Array) and not is_traced(x) for x in arrays):
         return False
-    shapes = {(x.shape, x.dtype) for x in arrays}
-    return len(arrays) <= 2 * len(shapes)
+    return one_call_pays(arrays)
+
+
+def one_call_pays(arrays: list[Any]) -> bool:
+    """Whether one compiled call for all of `arrays` (a program per structure)
+    beats a call per array (a program per shape, which arrays of one shape
+    share): unless many arrays share few shapes (a deep stack of equal
+    layers)."""
+    return len(arrays) <= 2 * len({(np.shape(x), x.dtype) for x in arrays})
 
 
 def _leaf_shapes(shared: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
