@@ -443,3 +443,154 @@ def test_predict_and_a_metric_compile_one_program_per_shape():
     probs = jax.nn.softmax(logits)
     expected = -jnp.log(jnp.mean(probs, axis=0)[jnp.arange(40), some]).mean()
     np.testing.assert_allclose(nll[0], expected, rtol=1e-5)
+
+
+def test_a_metric_in_a_callers_jit_checks_the_arrays_it_closes_over():
+    # Labels, probabilities and variances closed over by the caller's trace
+    # are concrete: their checks read them there (before: a
+    # ConcretizationTypeError from the check's own compiled reduction), and
+    # the metric is the one computed outside.
+    logits = jax.random.normal(jax.random.key(3), (3, 12, 4))
+    labels = jnp.arange(12) % 4
+    inside = jax.jit(lambda lg: ee.metrics.nll(lg, labels, from_logits=True))
+    np.testing.assert_allclose(
+        inside(logits), ee.metrics.nll(logits, labels, from_logits=True), rtol=1e-6
+    )
+    wrong = jnp.arange(12) % 4 + 1
+    with pytest.raises(ValueError, match="the first out-of-range label is 4"):
+        jax.jit(lambda lg: ee.metrics.nll(lg, wrong, from_logits=True))(logits)
+    probs = jax.nn.softmax(logits).at[0, 1, 0].set(jnp.nan)
+    with pytest.raises(
+        ValueError, match=r"NaN or infinite values, first at index \(0, 1, 0\)"
+    ):
+        jax.jit(lambda: ee.metrics.nll(probs, labels))()
+    variances = jnp.ones((3, 12)).at[1, 2].set(-1.0)
+    with pytest.raises(ValueError, match="member 1, example 2"):
+        jax.jit(lambda m: ee.metrics.gaussian_nll(m, variances, jnp.zeros(12)))(
+            jnp.zeros((3, 12))
+        )
+
+
+def _swag_posterior():
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 2, 8, 2, key=k), size=3, key=jax.random.key(30)
+    )
+    x = jax.random.normal(jax.random.key(31), (24, 3))
+    return ee.fit(
+        ens,
+        lambda m, b, k: jnp.mean((jax.vmap(m)(b) - 1.0) ** 2),
+        optax.sgd(0.05),
+        x,
+        steps=12,
+        batch_size=8,
+        key=jax.random.key(32),
+        callbacks=(),
+        track=[ee.SWAG(start=3, rank=3)],
+    ).tracked[0]
+
+
+def test_a_swag_draw_is_one_program_and_the_formula_run_op_by_op():
+    """`SWAGPosterior.sample` is one program per structure, draw count and
+    scale (op by op: 73 for 5 MLPs x 4 draws); another key compiles nothing;
+    the draws are the formula run op by op, to the last bit but for fused
+    multiply-adds."""
+    from eqx_ensemble._trackers.swag import _draw
+
+    posterior = _swag_posterior()
+    draws = []
+    names = compiled_programs(
+        lambda: draws.append(posterior.sample(jax.random.key(1), 4))
+    )
+    assert names.count("jit(_traced)") == 1 and len(names) <= 2, names
+    assert compilations(lambda: posterior.sample(jax.random.key(2), 4)) == 0
+    assert compilations(lambda: posterior.sample(jax.random.key(2), 4, scale=2.0)) == 1
+    with jax.disable_jit():
+        eager = _draw(posterior, jax.random.key(1), samples=4, root_scale=0.5**0.5)
+    leaves = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_array))  # noqa: E731
+    for got, want in zip(leaves(draws[0]), leaves(eager), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_greedy_selection_compiles_its_score_once_per_selection_size():
+    """The score of a selection and its gather are one program per selection
+    size (op by op: ~8 per size for an NLL); a score that reads values on the
+    host (NumPy) is traced once, then run op by op, and picks the same."""
+    rng = np.random.default_rng(0)
+    labels = jnp.asarray(rng.integers(0, 3, 50))
+    logits = jnp.asarray(rng.normal(size=(6, 50, 3)), jnp.float32)
+
+    def traced_score(p):
+        return ee.metrics.nll(p, labels, from_logits=True)
+
+    traces = []
+
+    def host_score(p):
+        traces.append(isinstance(p, jax.core.Tracer))
+        return float(ee.metrics.nll(np.asarray(p), labels, from_logits=True))
+
+    picks = []
+    names = compiled_programs(
+        lambda: picks.append(ee.greedy_selection(logits, traced_score, size=4))
+    )
+    assert names.count("jit(_traced)") == 4, names  # sizes 1, 2, 3 and 4
+    assert len(names) <= 8, names
+    assert compilations(lambda: ee.greedy_selection(logits, traced_score, size=4)) == 0
+    again = ee.greedy_selection(logits, host_score, size=4)
+    assert picks[0].tolist() == again.tolist()
+    assert traces.count(True) == 1  # one trace tried, not one per candidate
+    assert len(traces) == 1 + 6 + 3 * 6
+
+
+def test_greedy_soup_compiles_a_program_per_soup_size():
+    """The members' scores are one program and each soup size's average and
+    score one more (op by op: ~40 for an MLP pool of 5); the soup and the
+    members kept are those of the paper's loop run op by op."""
+    base = eqx.nn.MLP(2, 1, 8, 1, key=jax.random.key(3))
+    arrays = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_array))  # noqa: E731
+
+    def member(i):  # the base plus noise; member 3 far off
+        keys = jax.random.split(jax.random.key(40 + i), len(arrays(base)))
+        noise = iter(
+            0.05 * jax.random.normal(k, a.shape) for k, a in zip(keys, arrays(base))
+        )
+        moved = jax.tree.map(lambda w: w + next(noise) if eqx.is_array(w) else w, base)
+        return (
+            jax.tree.map(lambda w: w + 3.0 if eqx.is_array(w) else w, moved)
+            if i == 3
+            else moved
+        )
+
+    ens = ee.stack([member(i) for i in range(5)])
+
+    def score(model):  # distance to the base: averaging noises lowers it
+        return sum(jnp.mean((a - b) ** 2) for a, b in zip(arrays(model), arrays(base)))
+
+    # By hand, op by op (`jax.disable_jit`): best first, keep a member if the
+    # average scores no worse.
+    with jax.disable_jit():
+        alone = [float(score(ens[i])) for i in range(5)]
+        kept = [int(np.argmin(alone))]
+        best, sizes = alone[kept[0]], set()
+        for i in np.argsort(alone, kind="stable")[1:]:
+            trial = kept + [int(i)]
+            sizes.add(len(trial))
+            value = float(score(ee.average(ens[np.asarray(trial)])))
+            if value <= best:
+                kept, best = trial, value
+    assert len(kept) >= 3 and 3 not in kept and len(sizes) >= 3, (kept, sizes)
+
+    out = []
+    names = compiled_programs(lambda: out.append(ee.greedy_soup(ens, score)))
+    assert names.count("jit(_traced)") == 1 + len(sizes), names
+    assert compilations(lambda: ee.greedy_soup(ens, score)) == 0
+    soup, chosen = out[0]
+    assert chosen.tolist() == kept
+    assert eqx.tree_equal(soup, ee.average(ens[np.asarray(kept)]))
+
+    def host_score(model):  # reads values: run op by op
+        pairs = zip(arrays(model), arrays(base))
+        return float(
+            sum(np.mean((np.asarray(a) - np.asarray(b)) ** 2) for a, b in pairs)
+        )
+
+    assert ee.greedy_soup(ens, host_score)[1].tolist() == kept

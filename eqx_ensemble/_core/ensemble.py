@@ -13,12 +13,9 @@ import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._execution.compile import (
-    CompiledFunctions,
-    filter_jit,
+    compiled_call,
     one_shot_jit,
-    one_shot_options,
 )
-from .._execution.intern import canonical
 from .._internal.keys import check_key, split_member_keys
 from .._internal.tree import is_traced, keystr, leading_size
 from .mapping import map_members
@@ -618,41 +615,12 @@ def ensemble(
 
 
 def compiled_build(build: Callable[[Any], Any], member_keys: Any) -> Any:
-    """`build(member_keys)` compiled as ONE program with the options of a
-    program that runs once (`ONE_SHOT`), keyed by what `build` computes
-    (`canonical`): built op by op, an ensemble compiles a program per
-    operation and shape (16 for an MLP, 2 s on 2 cores). Inside the user's own
-    trace, and for a `make` that needs concrete values (Python control flow on
-    an array it made) or cannot be keyed, `build` runs as it is."""
-    if is_traced(member_keys):
-        return build(member_keys)
-    try:
-        compiled = _builders(canonical(build))
-    except TypeError:  # a closure that cannot be hashed
-        return build(member_keys)
-    try:
-        return compiled(member_keys)
-    except _NEEDS_VALUES:
-        return build(member_keys)
-
-
-# What tracing raises where code reads an array's value (`bool(x)`, `int(x)`,
-# `np.asarray(x)`, a boolean mask), which running op by op allows for arrays
-# that do not depend on the key.
-_NEEDS_VALUES = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerIntegerConversionError,
-    jax.errors.TracerArrayConversionError,
-    jax.errors.NonConcreteBooleanIndexError,
-)
-
-
-def _make_builder(build: Callable[[Any], Any]) -> Any:
-    return filter_jit(build, one_shot_options())
-
-
-# One compiled builder per `build` (bounded: `compile.CompiledFunctions`).
-_builders = CompiledFunctions(_make_builder)
+    """`build(member_keys)` compiled as ONE program (`compile.compiled_call`):
+    built op by op, an ensemble compiles a program per operation and shape
+    (16 for an MLP, 2 s on 2 cores). Inside the user's own trace, and for a
+    `make` that needs concrete values (Python control flow on an array it
+    made) or cannot be keyed, `build` runs as it is."""
+    return compiled_call(build, member_keys)
 
 
 def _is_with_state(made: Any) -> bool:

@@ -483,6 +483,61 @@ def one_shot_jit(
     return call
 
 
+def compiled_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` as ONE program (`compiled_function(fn)(*args)`)."""
+    return compiled_function(fn)(*args)
+
+
+def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` compiled as ONE program per argument structure, with
+    `one_shot_options()`, and kept per function (keyed by what `fn` computes,
+    `canonical`; the key found once, here): run op by op, code that runs once
+    per shape (a build, a posterior's draw, a user's score at each selection
+    size) compiles a program per operation and shape. Array leaves are
+    traced, other leaves are static. `fn` runs as it is inside the caller's
+    own trace, for a closure that cannot be keyed, and for an `fn` that reads
+    an array's value (Python control flow on it, `float`, NumPy): its trace
+    raised, and is not tried again for that function."""
+    try:
+        key = canonical(fn)
+        hash(key)
+    except TypeError:  # a closure that cannot be hashed
+        return fn
+
+    def call(*args: Any) -> Any:
+        if key in _needs_values or any(is_traced(x) for x in jax.tree.leaves(args)):
+            return fn(*args)
+        try:
+            return _one_program(key)(*args)
+        except NEEDS_VALUES:
+            _needs_values[key] = None
+            while len(_needs_values) > MAX_PROGRAMS:
+                del _needs_values[next(iter(_needs_values))]
+            return fn(*args)
+
+    return call
+
+
+# What tracing raises where code reads an array's value (`bool(x)`, `int(x)`,
+# `float(x)`, `np.asarray(x)`, a boolean mask), which running op by op allows.
+NEEDS_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.NonConcreteBooleanIndexError,
+)
+# The functions `compiled_call` found reading values (the oldest forgotten).
+_needs_values: dict[Any, None] = {}
+
+
+def _make_one_program(fn: Callable[..., Any]) -> "Jit":
+    return filter_jit(fn, one_shot_options())
+
+
+# One compiled function per `fn` (bounded: `CompiledFunctions`).
+_one_program = CompiledFunctions(_make_one_program)
+
+
 def _known(options: Options) -> Options:
     """Those of `options` this jaxlib compiles with (jaxlib 0.11 has no
     `xla_cpu_use_fusion_emitters`: the others still apply)."""

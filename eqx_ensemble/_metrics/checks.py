@@ -69,7 +69,19 @@ def check_classification_predictions(
         )
     if is_traced(predictions):
         return
-    # Reductions run where the array lives; only a few scalars come to the host.
+    # Reductions run where the array lives; only a few scalars come to the host
+    # (now, also where a caller's trace closes over the predictions).
+    with jax.ensure_compile_time_eval():
+        _check_concrete_predictions(predictions, from_logits, name, shape, given)
+
+
+def _check_concrete_predictions(
+    predictions: Array,
+    from_logits: bool,
+    name: str,
+    shape: tuple[int, ...],
+    given: Any,
+) -> None:
     if from_logits:  # -inf is a class of probability 0; NaN and +inf have none
         if bool(_any_nan_or_inf(predictions)):
             host = np.asarray(predictions)
@@ -101,7 +113,7 @@ def check_classification_predictions(
             "pass `from_logits=True`."
         )
     if float(worst_error) > tolerance:
-        member, example = np.unravel_index(int(worst), (members, batch))
+        member, example = np.unravel_index(int(worst), shape[:2])
         raise ValueError(
             f"`{name}` must sum to one along the class (last) axis within "
             f"{tolerance:.3g}: `{name}` has shape {shape} (members, batch, classes) "
@@ -161,7 +173,10 @@ def check_labels(
         )
     if is_traced(labels):
         return
-    low, high = (int(bound) for bound in jax.device_get(_bounds(labels)))
+    # Concrete labels inside a caller's trace (closed over) are read now too.
+    with jax.ensure_compile_time_eval():
+        bounds = _bounds(labels)
+    low, high = (int(bound) for bound in jax.device_get(bounds))
     if low < 0 or high >= classes:
         values = np.asarray(labels)
         bad = int(np.argmax((values < 0) | (values >= classes)))
@@ -223,7 +238,7 @@ def check_regression(
                 f"`variances` must have the same shape as `means`, (members, batch) = "
                 f"{shape}, got shape {tuple(variances.shape)}"
             )
-        if not is_traced(variances) and float(jnp.min(variances)) < 0:
+        if not is_traced(variances) and _below_zero(variances):
             values = np.asarray(variances)
             negative = values < 0
             first = [int(i) for i in np.argwhere(negative)[0]]
@@ -277,3 +292,10 @@ def check_reduction(reduction: Any) -> None:
         raise ValueError(
             f"`reduction` must be 'mean', 'sum' or 'none', got {reduction!r}"
         )
+
+
+def _below_zero(values: Array) -> bool:
+    """Whether a concrete array holds a negative value (also where it is
+    closed over by a caller's trace)."""
+    with jax.ensure_compile_time_eval():
+        return bool(jnp.min(values) < 0)

@@ -1,6 +1,7 @@
 """SWAG (Maddox et al. 2019): a Gaussian over each member's weights from the
 moments of its trajectory, and MultiSWAG sampling from the members' posteriors."""
 
+import functools
 import math
 from typing import Any
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, with_members
+from .._execution.compile import compiled_call
 from .._internal.tree import leading_size, trainable
 from .._training.tracker import Tracker
 from .base import (
@@ -77,47 +79,61 @@ class SWAGPosterior(eqx.Module):
         An `Ensemble` of `members * samples` models, member `i`'s draws at
         `i * samples, ..., (i + 1) * samples - 1`.
 
+        The draw is one compiled program per posterior structure, `samples`
+        and `scale` (op by op it was a program per operation and leaf shape:
+        5 MLPs x 4 draws, 73 programs). Compiled, XLA fuses a product and a
+        sum into one multiply-add and divides by the broadcast denominator
+        as a multiplication by its reciprocal, so a draw may differ from the
+        same formula run op by op in the last bit of some weights.
+
         **Example:** see [`ee.SWAG`][eqx_ensemble.SWAG].
         """
         check_tracker_int("SWAGPosterior.sample", "samples", samples, 1)
         if not (isinstance(scale, int | float) and math.isfinite(scale) and scale >= 0):
             raise ValueError(f"`scale` must be finite and >= 0, got {scale!r}")
-        means = trainable(self.mean.members)
-        size = int(self.count.shape[0])
-        used = jnp.minimum(self.count, self.rank)  # (members,)
-        denominator = jnp.sqrt(2.0 * jnp.maximum(used - 1, 1).astype(jnp.float32))
-        leaves, treedef = jax.tree.flatten(means)
-        variances = treedef.flatten_up_to(self.variance)
-        deviations = treedef.flatten_up_to(self.deviations)
-        key_z1, key_z2 = jax.random.split(key)
-        # One low-rank coefficient vector per member and draw, shared by leaves.
-        z2 = jax.random.normal(key_z2, (size, samples, self.rank))
-        active = jnp.arange(self.rank)[None, None, :] < used[:, None, None]
-        z2 = jnp.where(active, z2, 0.0)
-        drawn = []
-        for index, (mean, variance, deviation) in enumerate(
-            zip(leaves, variances, deviations, strict=True)
-        ):
-            if mean is None:
-                drawn.append(None)
-                continue
-            z1 = jax.random.normal(
-                jax.random.fold_in(key_z1, index), (size, samples, *mean.shape[1:])
-            )
-            diagonal = jnp.sqrt(variance / 2.0)[:, None] * z1
-            low_rank = jnp.einsum("msr,mr...->ms...", z2, deviation)
-            low_rank = low_rank / denominator.reshape(
-                (size, 1) + (1,) * (mean.ndim - 1)
-            )
-            weight = mean[:, None] + math.sqrt(scale) * (diagonal + low_rank)
-            drawn.append(
-                weight.reshape(size * samples, *mean.shape[1:]).astype(mean.dtype)
-            )
-        weights = jax.tree.unflatten(treedef, drawn)
-        members = eqx.combine(
-            weights, repeat_members(untrained_leaves(self.mean), samples)
+        # One program per posterior structure, draw count and scale: op by
+        # op, a draw compiles a program per operation and leaf shape.
+        draw = functools.partial(_draw, samples=samples, root_scale=math.sqrt(scale))
+        return compiled_call(draw, self, key)
+
+
+def _draw(
+    posterior: SWAGPosterior, key: PRNGKeyArray, *, samples: int, root_scale: float
+) -> Ensemble:
+    """`SWAGPosterior.sample`'s draws (module-level: `compiled_call` keys
+    its program by this function)."""
+    means = trainable(posterior.mean.members)
+    size = int(posterior.count.shape[0])
+    used = jnp.minimum(posterior.count, posterior.rank)  # (members,)
+    denominator = jnp.sqrt(2.0 * jnp.maximum(used - 1, 1).astype(jnp.float32))
+    leaves, treedef = jax.tree.flatten(means)
+    variances = treedef.flatten_up_to(posterior.variance)
+    deviations = treedef.flatten_up_to(posterior.deviations)
+    key_z1, key_z2 = jax.random.split(key)
+    # One low-rank coefficient vector per member and draw, shared by leaves.
+    z2 = jax.random.normal(key_z2, (size, samples, posterior.rank))
+    active = jnp.arange(posterior.rank)[None, None, :] < used[:, None, None]
+    z2 = jnp.where(active, z2, 0.0)
+    drawn = []
+    for index, (mean, variance, deviation) in enumerate(
+        zip(leaves, variances, deviations, strict=True)
+    ):
+        if mean is None:
+            drawn.append(None)
+            continue
+        z1 = jax.random.normal(
+            jax.random.fold_in(key_z1, index), (size, samples, *mean.shape[1:])
         )
-        return with_members(self.mean, members)
+        diagonal = jnp.sqrt(variance / 2.0)[:, None] * z1
+        low_rank = jnp.einsum("msr,mr...->ms...", z2, deviation)
+        low_rank = low_rank / denominator.reshape((size, 1) + (1,) * (mean.ndim - 1))
+        weight = mean[:, None] + root_scale * (diagonal + low_rank)
+        drawn.append(weight.reshape(size * samples, *mean.shape[1:]).astype(mean.dtype))
+    weights = jax.tree.unflatten(treedef, drawn)
+    members = eqx.combine(
+        weights, repeat_members(untrained_leaves(posterior.mean), samples)
+    )
+    return with_members(posterior.mean, members)
 
 
 class SWAG(Tracker):
