@@ -165,7 +165,9 @@ def greedy_soup(
     `score` is compiled where it can be traced: one program for the members
     alone and one per soup size for a soup's average and its score (op by
     op: 41 programs for a pool of 5 MLPs). A `score` that reads values on the
-    host is traced once, then runs as it is.
+    host is traced once, then runs as it is. Compiled, a soup's average and
+    score may round otherwise in their last bits than `ee.average` and
+    `score` op by op, which decides only exact ties.
 
     **Example:**
 

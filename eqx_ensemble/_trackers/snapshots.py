@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from .._core.ensemble import Ensemble, with_members
+from .._execution.compile import compiled_call
 from .._internal.tree import trainable
 from .._training.tracker import Tracker
 from .base import check_tracker_int, repeat_members, untrained_leaves
@@ -97,9 +98,16 @@ class Snapshots(Tracker):
         return jax.lax.cond(jnp.any(hits), take, lambda s: s, state)
 
     def result(self, state: PyTree[Any], ensemble: Ensemble) -> Ensemble:
-        count = len(self.at)
-        flat = jax.tree.map(
-            lambda x: x.reshape(x.shape[0] * count, *x.shape[2:]), state
+        # One program for every leaf (op by op: one per leaf shape).
+        flat = compiled_call(_member_rows, state)
+        members = eqx.combine(
+            flat, repeat_members(untrained_leaves(ensemble), len(self.at))
         )
-        members = eqx.combine(flat, repeat_members(untrained_leaves(ensemble), count))
         return with_members(ensemble, members)
+
+
+def _member_rows(state: PyTree[Any]) -> PyTree[Any]:
+    """`(members, snapshots, ...)` leaves as `(members * snapshots, ...)`."""
+    return jax.tree.map(
+        lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), state
+    )

@@ -257,9 +257,11 @@ class SWAG(Tracker):
         mean = with_members(
             ensemble, eqx.combine(state["mean"], untrained_leaves(ensemble))
         )
-        variance = jax.tree.map(
-            lambda sq, m: jnp.maximum(sq - m**2, 0.0), state["square"], state["mean"]
-        )
+        # Two programs for every leaf (op by op: three per leaf shape); the
+        # squares apart, so that XLA cannot fuse them into the subtraction as
+        # multiply-adds: the bits of op by op.
+        squares = compiled_call(_squares, state["mean"])
+        variance = compiled_call(_variance, state["square"], squares)
         return SWAGPosterior(
             mean=mean,
             variance=variance,
@@ -267,3 +269,11 @@ class SWAG(Tracker):
             count=state["count"],
             rank=self.rank,
         )
+
+
+def _squares(tree: PyTree[Any]) -> PyTree[Any]:
+    return jax.tree.map(lambda x: x**2, tree)
+
+
+def _variance(square: PyTree[Any], squared_mean: PyTree[Any]) -> PyTree[Any]:
+    return jax.tree.map(lambda sq, m2: jnp.maximum(sq - m2, 0.0), square, squared_mean)
