@@ -33,6 +33,7 @@ WORKLOADS = (
     "calibrator",
     "predict_metrics",
     "first_use",
+    "methods",
 )
 
 
@@ -169,6 +170,33 @@ def _workload(name: str, quick: bool) -> list[tuple[str, float, float]]:
             ).ensemble
 
         timed("a pool of architectures", pool)
+    elif name == "methods":
+        # The methods notebook's post-training steps: MultiSWAG's draws, and
+        # selection and a soup from a pool of snapshots.
+        ens = timed("build the ensemble", lambda: build(5))
+        sgd = optax.sgd(1e-2, momentum=0.9)
+        swag = ee.SWAG(start=steps // 2, every=5, rank=5)
+        run = timed("fit with SWAG", lambda: fit(ens, sgd, steps, track=[swag]))
+        draw_key = jax.random.key(2)
+        timed("MultiSWAG (5 x 4 draws)", lambda: run.tracked[0].sample(draw_key, 4))
+        at = tuple(range(steps // 4, steps + 1, steps // 4))
+        snap = ee.Snapshots(at=at)
+        run = timed("fit with snapshots", lambda: fit(ens, sgd, steps, track=[snap]))
+        pool = run.tracked[0]
+        val = (x[:500], y[:500])
+        logits = ee.predict(pool, val[0])
+        timed(
+            "greedy selection (5 picks)",
+            lambda: ee.greedy_selection(
+                logits,
+                lambda p: ee.metrics.nll(p, val[1], from_logits=True),
+                size=5,
+            ),
+        )
+        timed(
+            "greedy soup (pool of 5)",
+            lambda: ee.greedy_soup(pool[:5], lambda m: loss_fn(m, val, None)),
+        )
     del np
     return rows
 

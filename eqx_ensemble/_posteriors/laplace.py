@@ -757,6 +757,16 @@ def _fit(
     batch_size: int,
 ) -> LaplacePosterior:
     chunk = min(batch_size, count)
+    x = jax.tree.map(jnp.asarray, x)
+    sums = _accumulate(ens, x, y, count, chunk, likelihood, part, curvature, sigma)
+    return _finish(ens, sums, count, likelihood, part, curvature, sigma)
+
+
+@eqx.filter_jit
+def _accumulate(ens, x, y, count, chunk, likelihood, part, curvature, sigma):
+    """Per member, the curvature's sums over the data and the log likelihood
+    (a scan over the data's chunks, vmapped over members). The data are cut
+    into chunks here, in the same program (op by op: a program per leaf)."""
     chunks = -(-count // chunk)
     padded = chunks * chunk
 
@@ -764,7 +774,6 @@ def _fit(
         # The last chunk is completed with copies of the last example (weighted
         # 0 by `mask`): real inputs, so a model that is not finite at zeros
         # cannot put a NaN into the sums (0 * NaN is NaN).
-        a = jnp.asarray(a)
         widths = [(0, padded - count)] + [(0, 0)] * (a.ndim - 1)
         return jnp.pad(a, widths, mode="edge").reshape(chunks, chunk, *a.shape[1:])
 
@@ -772,14 +781,6 @@ def _fit(
     ys = pad(y)
     mask = jnp.pad(jnp.ones(count, jnp.float32), (0, padded - count))
     mask = mask.reshape(chunks, chunk)
-    sums = _accumulate(ens, xs, ys, mask, likelihood, part, curvature, sigma)
-    return _finish(ens, sums, count, likelihood, part, curvature, sigma)
-
-
-@eqx.filter_jit
-def _accumulate(ens, xs, ys, mask, likelihood, part, curvature, sigma):
-    """Per member, the curvature's sums over the data and the log likelihood
-    (a scan over the data's chunks, vmapped over members)."""
 
     def member_sums(member):
         model = _model(member, ens.shared)
