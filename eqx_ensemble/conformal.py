@@ -21,6 +21,7 @@ lower, upper = calibrated.interval(means, variances)       # 90% intervals
 ```
 """
 
+import functools
 import math
 import warnings
 from typing import Any
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
+from ._execution.compile import compiled_call
 from ._internal.tree import is_traced
 from ._metrics.checks import check_alpha
 from ._metrics.classification import (
@@ -209,23 +211,6 @@ def _set_scores(
     return above + u[:, None] * probs + extra
 
 
-def _ensemble_probs(probs: Any, from_logits: bool) -> Array:
-    predictions = prepare_predictions(probs, from_logits=from_logits)
-    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
-    return jnp.mean(member_probs, axis=0)
-
-
-def _uniforms(key: Any, randomized: bool, batch: int) -> Array:
-    if not randomized:
-        return jnp.ones((batch,), jnp.float32)
-    if key is None:
-        raise ValueError(
-            "randomized prediction sets need `key=` (one uniform per example); pass "
-            "`randomized=False` for the deterministic, conservative sets"
-        )
-    return jax.random.uniform(key, (batch,))
-
-
 class PredictionSets(eqx.Module):
     """Calibrated conformal prediction sets for classification; made by
     [`aps`][eqx_ensemble.conformal.aps] or [`raps`][eqx_ensemble.conformal.raps].
@@ -275,23 +260,86 @@ class PredictionSets(eqx.Module):
 
         **Example:** see [`PredictionSets`][eqx_ensemble.conformal.PredictionSets].
         """
-        mean = _ensemble_probs(probs, from_logits)
+        predictions = prepare_predictions(probs, from_logits=from_logits)
         if jnp.shape(probs)[0] != self.members:
             raise ValueError(
                 f"The predictions have {jnp.shape(probs)[0]} members but the "
                 f"calibration had {self.members}: calibrate and predict with the "
                 "same ensemble"
             )
-        u = _uniforms(key, self.randomized, mean.shape[0])
-        inside = _set_scores(mean, u, self.penalty, self.k_reg) <= self.quantile
-        if self.randomized:
-            return inside
-        # The deterministic set (Romano, Sesia & Candès 2020; RAPS's reference
-        # code; MAPIE's `include_last_label=True`) keeps the class that crosses
-        # the threshold too, so it is never empty. The scores grow with the
-        # class's rank, so `inside` is a prefix of the ranking: one class more.
-        ranks = jnp.argsort(jnp.argsort(-mean, axis=-1, stable=True), axis=-1)
-        return ranks <= jnp.sum(inside, axis=-1, keepdims=True)
+        _check_key(key, self.randomized)
+        # One program per shape (op by op: one per operation), the threshold
+        # an argument in the scores' precision.
+        sets = functools.partial(
+            _sets,
+            from_logits=from_logits,
+            penalty=self.penalty,
+            k_reg=self.k_reg,
+            randomized=self.randomized,
+        )
+        threshold = np.asarray(self.quantile, dtype=predictions.dtype)
+        return compiled_call(
+            sets, predictions, key if self.randomized else None, threshold
+        )
+
+
+def _check_key(key: Any, randomized: bool) -> None:
+    if randomized and key is None:
+        raise ValueError(
+            "randomized prediction sets need `key=` (one uniform per example); pass "
+            "`randomized=False` for the deterministic, conservative sets"
+        )
+
+
+def _mean_scores(
+    predictions: Array, key: Any, from_logits: bool, penalty: float, k_reg: int
+) -> tuple[Array, Array]:
+    """The ensemble's mean probabilities and every class's (R)APS score (`u`
+    uniform per example with a key, else 1)."""
+    member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
+    mean = jnp.mean(member_probs, axis=0)
+    batch = mean.shape[0]
+    u = (
+        jnp.ones((batch,), jnp.float32)
+        if key is None
+        else jax.random.uniform(key, (batch,))
+    )
+    return mean, _set_scores(mean, u, penalty, k_reg)
+
+
+def _sets(
+    predictions: Array,
+    key: Any,
+    threshold: Array,
+    *,
+    from_logits: bool,
+    penalty: float,
+    k_reg: int,
+    randomized: bool,
+) -> Array:
+    mean, scores = _mean_scores(predictions, key, from_logits, penalty, k_reg)
+    inside = scores <= threshold
+    if randomized:
+        return inside
+    # The deterministic set (Romano, Sesia & Candès 2020; RAPS's reference
+    # code; MAPIE's `include_last_label=True`) keeps the class that crosses
+    # the threshold too, so it is never empty. The scores grow with the
+    # class's rank, so `inside` is a prefix of the ranking: one class more.
+    ranks = jnp.argsort(jnp.argsort(-mean, axis=-1, stable=True), axis=-1)
+    return ranks <= jnp.sum(inside, axis=-1, keepdims=True)
+
+
+def _true_scores(
+    predictions: Array,
+    labels: Array,
+    key: Any,
+    *,
+    from_logits: bool,
+    penalty: float,
+    k_reg: int,
+) -> Array:
+    _, scores = _mean_scores(predictions, key, from_logits, penalty, k_reg)
+    return jnp.take_along_axis(scores, labels[:, None], axis=1)[:, 0]
 
 
 def _calibrate_sets(
@@ -300,13 +348,17 @@ def _calibrate_sets(
     alpha = check_alpha(alpha)
     predictions = prepare_predictions(probs, from_logits=from_logits)
     labels = prepare_labels(labels, predictions)
-    mean = _ensemble_probs(predictions, from_logits)
-    n = int(mean.shape[0])
+    n = int(predictions.shape[1])
     rank = _upper_rank(alpha, n)
-    u = _uniforms(key, randomized, n)
-    scores = _set_scores(mean, u, penalty, k_reg)
-    true_scores = np.asarray(jnp.take_along_axis(scores, labels[:, None], axis=1))
-    quantile = float(np.sort(true_scores[:, 0])[rank - 1])
+    _check_key(key, randomized)
+    # The true labels' scores in one program per shape (op by op: ~20).
+    scored = functools.partial(
+        _true_scores, from_logits=from_logits, penalty=float(penalty), k_reg=int(k_reg)
+    )
+    true_scores = np.asarray(
+        compiled_call(scored, predictions, labels, key if randomized else None)
+    )
+    quantile = float(np.sort(true_scores)[rank - 1])
     return PredictionSets(
         quantile=quantile,
         alpha=alpha,

@@ -594,3 +594,45 @@ def test_greedy_soup_compiles_a_program_per_soup_size():
         )
 
     assert ee.greedy_soup(ens, host_score)[1].tolist() == kept
+
+
+def test_prediction_sets_compile_one_program_for_their_scores():
+    """APS/RAPS calibration scores the true labels in one program per shape
+    and the sets are one more (op by op: ~20 each); another calibration
+    split of the same shape compiles nothing; the threshold is the rank's
+    score of a NumPy computation of the paper's rule."""
+    logits = 2 * jax.random.normal(jax.random.key(0), (4, 120, 6))
+    labels = jax.random.randint(jax.random.key(1), (120,), 0, 6)
+    key = jax.random.key(2)
+
+    def calibrate(rows):
+        return ee.conformal.raps(
+            logits[:, rows], labels[rows], alpha=0.2, penalty=0.05, k_reg=1,
+            from_logits=True, key=key,
+        )  # fmt: skip
+
+    first, second = np.arange(0, 60), np.arange(60, 120)
+    calibrate(first)
+    calibrated = []
+    assert compilations(lambda: calibrated.append(calibrate(second))) <= 1  # slice
+    sets = []
+    test = logits[:, :30]
+    names = compiled_programs(
+        lambda: sets.append(calibrated[0].sets(test, from_logits=True, key=key))
+    )
+    # The logits' finiteness check at the new shape, and the sets.
+    assert sorted(names) == ["jit(_any_nan_or_inf)", "jit(_traced)"], names
+    assert (
+        compilations(lambda: calibrated[0].sets(test, from_logits=True, key=key)) == 0
+    )
+    # The paper's rule by NumPy (float64): mass above, u times its own, penalty.
+    probs = np.asarray(jax.nn.softmax(logits[:, second], axis=-1), np.float64).mean(0)
+    u = np.asarray(jax.random.uniform(key, (60,)), np.float64)
+    scores = []
+    for i, label in enumerate(np.asarray(labels[second])):
+        order = list(np.argsort(-probs[i], kind="stable"))
+        rank = order.index(label)
+        above = probs[i][order[:rank]].sum()
+        scores.append(above + u[i] * probs[i][label] + 0.05 * max(0, rank + 1 - 1))
+    expected = np.sort(scores)[int(np.ceil(61 * 0.8)) - 1]
+    assert calibrated[0].quantile == pytest.approx(expected, rel=1e-5)
