@@ -21,6 +21,7 @@ from .._core.heterogeneous import (
     per_group,
 )
 from .._core.sharding import shard
+from .._execution.compile import compiled_call
 from .._execution.intern import canonical_tree
 from .._execution.profile import signature
 from .._internal.checks import real_array
@@ -54,10 +55,21 @@ def optimizer_update(
 
 
 def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
+    # One compiled program per optimizer and structure (op by op, an
+    # optimizer's init compiled a program per operation and leaf shape), as
+    # `fit`'s own start state is.
+    return compiled_call(_init, optimizer, members, shared)
+
+
+def _init(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
     members_state = eqx.filter_vmap(optimizer.init)(members)
     if shared is None:
         return members_state
     return SharedOptState(members_state, optimizer.init(shared))
+
+
+def _member_struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
 
 
 def _trained_shared(ens: Ensemble) -> PyTree[Any]:
@@ -427,23 +439,30 @@ def check_hyperparams_kept(
     silently replaced after the first step. Found by tracing one member's update
     (no compilation, no computation): a kept hyperparameter is passed through.
     """
+    # One member's shapes only: nothing is computed (op by op, taking member
+    # 0 of every leaf compiled two programs per leaf shape).
     opt_state = members_opt_state(opt_state)
-    member_params = jax.tree.map(lambda x: x[0], trainable(members))
-    member_state = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, opt_state)
-    dynamic, static = eqx.partition(member_state, eqx.is_array)
-    zeros = jax.tree.map(jnp.zeros_like, member_params)
+    member_params = jax.tree.map(_member_struct, trainable(members))
+    member_state = jax.tree.map(
+        lambda x: _member_struct(x) if eqx.is_array(x) else x, opt_state
+    )
+    dynamic, static = eqx.partition(
+        member_state, lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    )
 
-    def update(dynamic_state):
+    def update(dynamic_state, params):
         _, new_state = optimizer_update(
             optimizer,
-            zeros,
+            jax.tree.map(jnp.zeros_like, params),
             eqx.combine(dynamic_state, static),
-            member_params,
+            params,
             optimizer_key(jax.random.key(0)),
         )
         return eqx.filter(new_state, eqx.is_array)
 
-    jaxpr, out_shapes = jax.make_jaxpr(update, return_shape=True)(dynamic)
+    jaxpr, out_shapes = jax.make_jaxpr(update, return_shape=True)(
+        dynamic, member_params
+    )
     inputs = jtu.tree_flatten_with_path(dynamic)[0]
     outputs = {
         keystr(path): var
