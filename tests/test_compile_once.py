@@ -511,89 +511,42 @@ def test_a_swag_draw_is_one_program_and_the_formula_run_op_by_op():
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
-def test_greedy_selection_compiles_its_score_once_per_selection_size():
-    """The score of a selection and its gather are one program per selection
-    size (op by op: ~8 per size for an NLL); a score that reads values on the
-    host (NumPy) is traced once, then run op by op, and picks the same."""
+def test_greedy_selection_gathers_each_selection_in_one_program():
+    """A selection's rows are one gather program per selection size (op by
+    op: five per size), and `score` runs as written: on concrete arrays, so
+    its own input checks and side effects work as outside the library."""
     rng = np.random.default_rng(0)
     labels = jnp.asarray(rng.integers(0, 3, 50))
     logits = jnp.asarray(rng.normal(size=(6, 50, 3)), jnp.float32)
+    seen = []
 
-    def traced_score(p):
-        return ee.metrics.nll(p, labels, from_logits=True)
-
-    traces = []
-
-    def host_score(p):
-        traces.append(isinstance(p, jax.core.Tracer))
-        return float(ee.metrics.nll(np.asarray(p), labels, from_logits=True))
+    def score(p):
+        value = ee.metrics.nll(p, labels, from_logits=True)
+        seen.append(float(value))  # a concrete value, as in a user's loop
+        return value
 
     picks = []
     names = compiled_programs(
-        lambda: picks.append(ee.greedy_selection(logits, traced_score, size=4))
+        lambda: picks.append(ee.greedy_selection(logits, score, size=4))
     )
-    assert names.count("jit(_traced)") == 4, names  # sizes 1, 2, 3 and 4
-    assert len(names) <= 8, names
-    assert compilations(lambda: ee.greedy_selection(logits, traced_score, size=4)) == 0
-    again = ee.greedy_selection(logits, host_score, size=4)
-    assert picks[0].tolist() == again.tolist()
-    assert traces.count(True) == 1  # one trace tried, not one per candidate
-    assert len(traces) == 1 + 6 + 3 * 6
+    assert names.count("jit(_take_rows)") == 4, names  # sizes 1, 2, 3 and 4
+    assert "jit(gather)" not in names, names
+    assert len(seen) == 6 + 3 * 6
+    # The metric's own check sees the predictions: probabilities out of range.
+    doubled = 2 * jax.nn.softmax(logits)
+    with pytest.raises(ValueError, match=r"probabilities in \[0, 1\]"):
+        ee.greedy_selection(doubled, lambda p: ee.metrics.nll(p, labels), size=2)
+    # By hand: the NLL of each selection's mean probabilities.
+    probs = np.asarray(jax.nn.softmax(logits), np.float64)
 
+    def nll(rows):
+        mean = probs[rows].mean(0)
+        return -np.mean(np.log(mean[np.arange(50), np.asarray(labels)]))
 
-def test_greedy_soup_compiles_a_program_per_soup_size():
-    """The members' scores are one program and each soup size's average and
-    score one more (op by op: ~40 for an MLP pool of 5); the soup and the
-    members kept are those of the paper's loop run op by op."""
-    base = eqx.nn.MLP(2, 1, 8, 1, key=jax.random.key(3))
-    arrays = lambda tree: jax.tree.leaves(eqx.filter(tree, eqx.is_array))  # noqa: E731
-
-    def member(i):  # the base plus noise; member 3 far off
-        keys = jax.random.split(jax.random.key(40 + i), len(arrays(base)))
-        noise = iter(
-            0.05 * jax.random.normal(k, a.shape) for k, a in zip(keys, arrays(base))
-        )
-        moved = jax.tree.map(lambda w: w + next(noise) if eqx.is_array(w) else w, base)
-        return (
-            jax.tree.map(lambda w: w + 3.0 if eqx.is_array(w) else w, moved)
-            if i == 3
-            else moved
-        )
-
-    ens = ee.stack([member(i) for i in range(5)])
-
-    def score(model):  # distance to the base: averaging noises lowers it
-        return sum(jnp.mean((a - b) ** 2) for a, b in zip(arrays(model), arrays(base)))
-
-    # By hand, op by op (`jax.disable_jit`): best first, keep a member if the
-    # average scores no worse.
-    with jax.disable_jit():
-        alone = [float(score(ens[i])) for i in range(5)]
-        kept = [int(np.argmin(alone))]
-        best, sizes = alone[kept[0]], set()
-        for i in np.argsort(alone, kind="stable")[1:]:
-            trial = kept + [int(i)]
-            sizes.add(len(trial))
-            value = float(score(ee.average(ens[np.asarray(trial)])))
-            if value <= best:
-                kept, best = trial, value
-    assert len(kept) >= 3 and 3 not in kept and len(sizes) >= 3, (kept, sizes)
-
-    out = []
-    names = compiled_programs(lambda: out.append(ee.greedy_soup(ens, score)))
-    assert names.count("jit(_traced)") == 1 + len(sizes), names
-    assert compilations(lambda: ee.greedy_soup(ens, score)) == 0
-    soup, chosen = out[0]
-    assert chosen.tolist() == kept
-    assert eqx.tree_equal(soup, ee.average(ens[np.asarray(kept)]))
-
-    def host_score(model):  # reads values: run op by op
-        pairs = zip(arrays(model), arrays(base))
-        return float(
-            sum(np.mean((np.asarray(a) - np.asarray(b)) ** 2) for a, b in pairs)
-        )
-
-    assert ee.greedy_soup(ens, host_score)[1].tolist() == kept
+    chosen = [int(np.argmin([nll([i]) for i in range(6)]))]
+    while len(chosen) < 4:
+        chosen.append(int(np.argmin([nll(chosen + [i]) for i in range(6)])))
+    assert picks[0].tolist() == chosen
 
 
 def test_prediction_sets_compile_one_program_for_their_scores():
@@ -672,3 +625,37 @@ def test_init_optimizer_is_one_program_per_optimizer_and_structure():
             np.testing.assert_allclose(g, rates, rtol=1e-6)  # the rates set
         else:
             np.testing.assert_array_equal(g, w)
+
+
+def test_a_pbt_round_is_one_program():
+    """A round of `ee.PBT` (copies of the best members' runs, the explored
+    hyperparameters perturbed) is one program for the run's structure (op by
+    op: a gather and more per leaf shape, ~30 programs at the first round);
+    the runs are those `tests/test_pbt.py` checks against hand-made copies."""
+    x = jax.random.normal(jax.random.key(1), (128, 3))
+    data = (x, jnp.sin(x[:, 0]))
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 1, 8, 2, key=k), size=4, key=jax.random.key(2)
+    )
+
+    def loss(model, batch, key):
+        return jnp.mean((jax.vmap(model)(batch[0])[:, 0] - batch[1]) ** 2)
+
+    def run():
+        opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+        rates = {"learning_rate": np.geomspace(1e-4, 1e-1, 4)}
+        state = ee.init_optimizer(opt, ens, hyperparams=rates)
+        pbt = ee.PBT(every=10, fraction=0.5, hyperparams=("learning_rate",))
+        evaluate = ee.Evaluate(loss, data, every=5)
+        result = ee.fit(
+            ens, loss, opt, data, steps=30, batch_size=32, key=jax.random.key(3),
+            evaluate=evaluate, opt_state=state, callbacks=[pbt],
+        )  # fmt: skip
+        return pbt.lineage(result)
+
+    names = compiled_programs(run)
+    # Op by op, every round's gathers of the runs' leaves were programs.
+    assert "jit(gather)" not in names and "jit(_take)" not in names, names
+    lineage = []
+    assert compilations(lambda: lineage.append(run())) == 0
+    assert len(lineage[0][0]) == 3 * 2  # rounds at steps 10, 20, 30; two copies each

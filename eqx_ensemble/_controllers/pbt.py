@@ -1,6 +1,7 @@
 """`PBT`: population-based training as a controller between dispatches."""
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -12,6 +13,7 @@ from jaxtyping import Array, Int, PyTree
 
 from .._core.ensemble import member_axis_mask
 from .._core.heterogeneous import is_heterogeneous
+from .._execution.compile import compiled_call
 from .._training.controller import Controller
 from .._training.history import History
 from .._training.optim import (
@@ -230,32 +232,21 @@ class PBT(Controller):
         ]
         source = np.arange(size)
         source[bottom] = parents
-        source_array = jnp.asarray(source)
-        diverged_at = jnp.where(
-            jnp.asarray(np.isin(np.arange(size), bottom)),
-            train_state.diverged_at[source_array],
-            train_state.diverged_at,
+        # The copies and the perturbation in one program per run structure
+        # (op by op: a program per operation and leaf shape, ~30 at the
+        # first round); gathers, selects and products: the bits of op by op.
+        exploit = functools.partial(
+            _exploit_explore,
+            factors=tuple(self.factors),
+            names=tuple(self.hyperparams),
+            perturb_hyper=self.perturb_hyper,
         )
-        new = dataclasses.replace(
-            train_state,
-            ensemble=_gather(train_state.ensemble, source_array),
-            opt_state=_gather(train_state.opt_state, source_array),
-            model_state=_gather(train_state.model_state, source_array),
-            hyper=_gather(train_state.hyper, source_array),
-            tracked=_gather(train_state.tracked, source_array),
-            diverged_at=diverged_at,
-            stopped_at=jnp.where(
-                jnp.asarray(np.isin(np.arange(size), bottom)),
-                train_state.stopped_at[source_array],
-                train_state.stopped_at,
-            ),
-        )
-        factors = jnp.asarray(self.factors, jnp.float32)[
-            jax.random.randint(factor_key, (size,), 0, len(self.factors))
-        ]
-        explored = jnp.asarray(np.isin(np.arange(size), bottom))
-        scale = jnp.where(explored, factors, 1.0)
-        new = self._explore(new, scale)
+        explored = np.isin(np.arange(size), bottom)
+        # Only the fields it changes (the controllers' states may hold values
+        # that would key a program per round).
+        parts = {name: getattr(train_state, name) for name in _PARTS}
+        parts = compiled_call(exploit, parts, source, explored, factor_key)
+        new = dataclasses.replace(train_state, **parts)
         lineage = state["lineage"]
         written = int(state["count"])
         rows = np.stack([np.full(count, step), bottom, parents], axis=1).astype(
@@ -270,33 +261,6 @@ class PBT(Controller):
             "last": jnp.array(step, jnp.int32),
         }
         return new, new_state
-
-    def _explore(self, train_state: TrainState, scale: Array) -> TrainState:
-        opt_state = train_state.opt_state
-        names = set(self.hyperparams)
-
-        def perturb_node(node):
-            changed = {
-                name: (value * scale.astype(value.dtype)).astype(value.dtype)
-                if name in names and value.ndim == 1
-                else value
-                for name, value in node.hyperparams.items()
-            }
-            return node._replace(hyperparams=changed)
-
-        if names:
-            opt_state = map_hyperparam_nodes(perturb_node, opt_state)
-        hyper = train_state.hyper
-        if self.perturb_hyper and hyper is not None:
-
-            def perturb_leaf(leaf):
-                if not jnp.issubdtype(leaf.dtype, jnp.floating):
-                    return leaf
-                shaped = scale.reshape(scale.shape + (1,) * (leaf.ndim - 1))
-                return (leaf * shaped.astype(leaf.dtype)).astype(leaf.dtype)
-
-            hyper = jax.tree.map(perturb_leaf, hyper)
-        return dataclasses.replace(train_state, opt_state=opt_state, hyper=hyper)
 
     def events(self, state: PyTree[Any]) -> list[dict[str, Any]]:
         """Every copy so far: `{"step", "event": "exploit", "member", "parent"}`
@@ -351,3 +315,64 @@ class PBT(Controller):
             )
         rows = np.asarray(state["lineage"])[:count]
         return rows[:, _STEP], rows[:, _CHILD], rows[:, _PARENT]
+
+
+def _exploit_explore(
+    parts: dict[str, Any],
+    source: Array,
+    explored: Array,
+    factor_key: Array,
+    *,
+    factors: tuple[float, ...],
+    names: tuple[str, ...],
+    perturb_hyper: bool,
+) -> dict[str, Any]:
+    """`PBT`'s round on the run's `_PARTS`: slot `i` takes member
+    `source[i]`'s run (weights, optimizer and model state, `hyper`, trackers,
+    freeze marks); the `explored` slots' hyperparameters are multiplied by a
+    random factor."""
+    size = explored.shape[0]
+    parts = {
+        name: jnp.where(explored, value[source], value)
+        if name in ("diverged_at", "stopped_at")
+        else _gather(value, source)
+        for name, value in parts.items()
+    }
+    drawn = jnp.asarray(factors, jnp.float32)[
+        jax.random.randint(factor_key, (size,), 0, len(factors))
+    ]
+    scale = jnp.where(explored, drawn, 1.0)
+
+    def perturb_node(node):
+        changed = {
+            name: (value * scale.astype(value.dtype)).astype(value.dtype)
+            if name in names and value.ndim == 1
+            else value
+            for name, value in node.hyperparams.items()
+        }
+        return node._replace(hyperparams=changed)
+
+    if names:
+        parts["opt_state"] = map_hyperparam_nodes(perturb_node, parts["opt_state"])
+    if perturb_hyper and parts["hyper"] is not None:
+
+        def perturb_leaf(leaf):
+            if not jnp.issubdtype(leaf.dtype, jnp.floating):
+                return leaf
+            shaped = scale.reshape(scale.shape + (1,) * (leaf.ndim - 1))
+            return (leaf * shaped.astype(leaf.dtype)).astype(leaf.dtype)
+
+        parts["hyper"] = jax.tree.map(perturb_leaf, parts["hyper"])
+    return parts
+
+
+# The fields of the run a round of `PBT` changes.
+_PARTS = (
+    "ensemble",
+    "opt_state",
+    "model_state",
+    "hyper",
+    "tracked",
+    "diverged_at",
+    "stopped_at",
+)

@@ -491,13 +491,17 @@ def compiled_call(fn: Callable[..., Any], *args: Any) -> Any:
 def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` compiled as ONE program per argument structure, with
     `one_shot_options()`, and kept per function (keyed by what `fn` computes,
-    `canonical`; the key found once, here): run op by op, code that runs once
-    per shape (a build, a posterior's draw, a user's score at each selection
-    size) compiles a program per operation and shape. Array leaves are
-    traced, other leaves are static. `fn` runs as it is inside the caller's
-    own trace, for a closure that cannot be keyed, and for an `fn` that reads
-    an array's value (Python control flow on it, `float`, NumPy): its trace
-    raised, and is not tried again for that function."""
+    `canonical`; the key found once, here): run op by op, library code that
+    runs once per shape (a build, a posterior's draw, an optimizer's init,
+    conformal scores) compiles a program per operation and shape. Array
+    leaves are traced, other leaves are static. `fn` runs as it is inside the
+    caller's own trace, for a closure or a non-array argument that cannot be
+    keyed (hashed), and for an `fn` that reads an array's value (Python
+    control flow on it, `float`, NumPy): its trace raised, and is not tried
+    again for that function. Any error of the compiled call is reported by
+    running `fn` op by op (a run-time check as its own exception, a bad
+    argument as its own error). Not for a user's function that may have
+    side effects: it runs once per program, on tracers."""
     try:
         key = canonical(fn)
         hash(key)
@@ -507,12 +511,26 @@ def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any) -> Any:
         if key in _needs_values or any(is_traced(x) for x in jax.tree.leaves(args)):
             return fn(*args)
+        static, first, rest = split_arguments(args)
         try:
-            return _one_program(key)(*args)
-        except NEEDS_VALUES:
-            _needs_values[key] = None
-            while len(_needs_values) > MAX_PROGRAMS:
-                del _needs_values[next(iter(_needs_values))]
+            hash(static)
+        except TypeError:  # a non-array leaf that cannot be hashed
+            return fn(*args)
+        try:
+            return _one_program(key).call_split(static, first, rest)
+        except jax.errors.JaxRuntimeError:
+            # A run-time check that failed in the program (`eqx.error_if`):
+            # run again op by op, which raises it as the function's own error.
+            return fn(*args)
+        except Exception as error:  # noqa: BLE001 - the op-by-op run reports it
+            # Tracing failed: the function reads values (`NEEDS_VALUES`) or
+            # uses an array as only a concrete one can be used (`f"{x:.3f}"`,
+            # `x.block_until_ready()`): op by op from now on. Any other error
+            # (bad arguments) is raised by the op-by-op run as it is.
+            if isinstance(error, (*NEEDS_VALUES, TypeError, AttributeError)):
+                _needs_values[key] = None
+                while len(_needs_values) > MAX_PROGRAMS:
+                    del _needs_values[next(iter(_needs_values))]
             return fn(*args)
 
     return call

@@ -121,7 +121,6 @@ def average(
             f"`ee.average` takes an `ee.Ensemble`, got {type(ens).__name__}"
         )
     normalised = normalised_weights(weights, len(ens), jnp.float32, "the ensemble has")
-    check_averageable(ens)
 
     def mean_leaf(leaf):
         if not eqx.is_array(leaf):
@@ -129,23 +128,13 @@ def average(
         if jnp.issubdtype(leaf.dtype, jnp.inexact):
             w = normalised.astype(leaf.dtype)
             return jnp.tensordot(w, leaf, axes=1)
-        return leaf[0]
-
-    return ens.member(jax.tree.map(mean_leaf, ens.members))
-
-
-def check_averageable(ens: Ensemble) -> None:
-    """Raise where `ee.average` cannot average `ens`: an integer or boolean
-    leaf that differs across members (checked where concrete)."""
-    for leaf in jax.tree.leaves(ens.members):
-        if (
-            eqx.is_array(leaf)
-            and not jnp.issubdtype(leaf.dtype, jnp.inexact)
-            and not is_traced(leaf)
-        ):
+        if not is_traced(leaf):
             host = np.asarray(leaf)
             if not (host == host[:1]).all():
                 raise ValueError(
                     "`ee.average` cannot average an integer/boolean leaf that differs "
                     f"across members (dtype {leaf.dtype}, shape {tuple(leaf.shape)})"
                 )
+        return leaf[0]
+
+    return ens.member(jax.tree.map(mean_leaf, ens.members))

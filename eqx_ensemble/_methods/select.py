@@ -1,6 +1,5 @@
 """Ensemble selection (Caruana et al. 2004) and greedy soups (Wortsman et al. 2022)."""
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -10,8 +9,8 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Int, PyTree
 
 from .._core.ensemble import Ensemble
-from .._execution.compile import compiled_function
-from .average import average, check_averageable
+from .._execution.compile import one_shot_jit
+from .average import average
 
 
 def _score_of(score: Callable[..., Any], *args: Any, what: str) -> float:
@@ -24,14 +23,9 @@ def _score_of(score: Callable[..., Any], *args: Any, what: str) -> float:
     return float(value)
 
 
-def _score_selection(
-    score: Callable[[Any], Any], predictions: Any, indices: Any
-) -> Any:
-    return score(jax.tree.map(lambda x: x[indices], predictions))
-
-
-def _score_soup(score: Callable[[Any], Any], ens: Ensemble, indices: Any) -> Any:
-    return score(average(ens[indices]))
+@one_shot_jit
+def _take_rows(predictions: Any, indices: Any) -> Any:
+    return jax.tree.map(lambda x: x[indices], predictions)
 
 
 def greedy_selection(
@@ -70,13 +64,6 @@ def greedy_selection(
 
     The member indices picked, in order, shape `(size,)`.
 
-    `score` and the gather of each selection are compiled as one program per
-    selection size where `score` can be traced (run op by op, a metric
-    compiles a program per operation at each size: 43 programs for 5 picks
-    from 20). A `score` that reads values on the host (`float`, NumPy,
-    scikit-learn) is traced once, then runs as it is. Compiled, a score may
-    round otherwise in its last bit, which decides only exact ties.
-
     **Example:**
 
     ```python
@@ -110,16 +97,16 @@ def greedy_selection(
             "without replacement"
         )
 
-    # The score of a selection, compiled with its gather as one program per
-    # selection size where `score` can be traced (op by op: a program per
-    # operation at each size).
-    scored = compiled_function(functools.partial(_score_selection, score))
+    # The predictions on the device once; each selection's rows gathered in
+    # one program per selection size (op by op: five, for the indices'
+    # normalisation and the gather, per leaf). `score` runs as written: on
+    # concrete arrays, its checks and side effects as the user wrote them.
     arrays = jax.tree.map(jnp.asarray, predictions)
 
-    def score_of(indices: list[Any], what: str) -> float:
-        return _score_of(scored, arrays, np.asarray(indices, np.int32), what=what)
+    def take(indices):
+        return _take_rows(arrays, np.asarray(indices, np.int32))
 
-    alone = [score_of([i], what=f"member {i}") for i in range(pool)]
+    alone = [_score_of(score, take([i]), what=f"member {i}") for i in range(pool)]
     if np.all(np.isnan(alone)):
         raise ValueError(
             "`score` is NaN for every member alone: check the validation "
@@ -128,7 +115,9 @@ def greedy_selection(
     chosen = list(np.argsort(alone, kind="stable")[:start])
     while len(chosen) < size:
         candidates = [i for i in range(pool) if replacement or i not in chosen]
-        trials = [score_of(chosen + [i], what="a selection") for i in candidates]
+        trials = [
+            _score_of(score, take(chosen + [i]), what="a selection") for i in candidates
+        ]
         if np.all(np.isnan(trials)):
             raise ValueError(
                 "`score` is NaN for every candidate selection: check the "
@@ -162,13 +151,6 @@ def greedy_soup(
     `(soup, chosen)`: the averaged model (a plain model, as
     [`ee.average`][eqx_ensemble.average] returns) and the member indices in it.
 
-    `score` is compiled where it can be traced: one program for the members
-    alone and one per soup size for a soup's average and its score (op by
-    op: 41 programs for a pool of 5 MLPs). A `score` that reads values on the
-    host is traced once, then runs as it is. Compiled, a soup's average and
-    score may round otherwise in their last bits than `ee.average` and
-    `score` op by op, which decides only exact ties.
-
     **Example:**
 
     ```python
@@ -188,18 +170,13 @@ def greedy_soup(
             f"structure), got {type(ens).__name__}"
         )
     size = len(ens)
-    check_averageable(ens)
-    # `score` compiled where it can be traced: one program for the members
-    # alone, one per soup size for a soup and its average.
-    alone_score = compiled_function(score)
-    soup_score = compiled_function(functools.partial(_score_soup, score))
-    alone = [_score_of(alone_score, ens[i], what=f"member {i}") for i in range(size)]
+    alone = [_score_of(score, ens[i], what=f"member {i}") for i in range(size)]
     order = np.argsort(alone, kind="stable")
     chosen = [int(order[0])]
     best = alone[int(order[0])]
     for candidate in order[1:]:
-        trial = np.asarray(chosen + [int(candidate)], np.int32)
-        value = _score_of(soup_score, ens, trial, what="a soup")
+        trial = chosen + [int(candidate)]
+        value = _score_of(score, average(ens[np.asarray(trial)]), what="a soup")
         if value <= best:
-            chosen, best = trial.tolist(), value
+            chosen, best = trial, value
     return average(ens[np.asarray(chosen)]), jnp.asarray(chosen, jnp.int32)
