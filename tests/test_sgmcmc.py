@@ -297,3 +297,37 @@ def test_bad_cycles():
         ee.sgmcmc.sghmc(1e-3, num_data=10, friction=lambda t: 0.1)
     with pytest.raises(ValueError, match="do not fit"):
         ee.sgmcmc.sample_steps(10, 2, per_cycle=4, spacing=4)
+
+
+def test_grouped_noise_is_each_leafs_own_normal_draw():
+    """The small leaves' noise comes from ONE call of the threefry hash (each
+    call site is ~100 operations XLA compiles anew) with the draws of
+    `jax.random.normal(split(key, n)[i], shape)` for every leaf: the same
+    bits op by op, and to the last bit compiled (XLA may evaluate the
+    inverse error function's polynomial with fused multiply-adds in one
+    fusion and not in another); a leaf over `GROUPED_DRAW_MAX` elements
+    draws its own."""
+    from eqx_ensemble import sgmcmc as sg
+
+    shapes = [(64, 64), (64,), (3, 5, 7), (), (sg.GROUPED_DRAW_MAX + 1,), (10,)]
+
+    def by_leaf(key):
+        keys = jax.random.split(key, len(shapes))
+        return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes)]
+
+    def grouped(key):
+        return sg._normals(jax.random.split(key, len(shapes)), shapes)
+
+    key = jax.random.key(3)
+    for got, want in zip(grouped(key), by_leaf(key), strict=True):
+        np.testing.assert_array_equal(got, want)
+    keys = jax.random.split(jax.random.key(5), 4)
+    batched = jax.jit(jax.vmap(grouped))(keys)
+    expected = jax.jit(jax.vmap(by_leaf))(keys)
+    for got, want in zip(batched, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    # The hash's call sites: one for the split, one for the five small
+    # leaves, one for the large leaf; a call per leaf draws seven.
+    calls = jax.jit(grouped).lower(key).as_text().count("call @threefry2x32")
+    assert calls == 3, calls
+    assert jax.jit(by_leaf).lower(key).as_text().count("call @threefry2x32") == 7
