@@ -277,7 +277,7 @@ class PredictionSets(eqx.Module):
             k_reg=self.k_reg,
             randomized=self.randomized,
         )
-        threshold = np.asarray(self.quantile, dtype=predictions.dtype)
+        threshold = jnp.asarray(self.quantile, dtype=predictions.dtype)
         return compiled_call(
             sets, predictions, key if self.randomized else None, threshold
         )
