@@ -269,7 +269,8 @@ class PredictionSets(eqx.Module):
             )
         _check_key(key, self.randomized)
         # One program per shape (op by op: one per operation), the threshold
-        # an argument in the scores' precision.
+        # an argument, cast to the scores' precision there (as a Python
+        # float is).
         sets = functools.partial(
             _sets,
             from_logits=from_logits,
@@ -277,7 +278,7 @@ class PredictionSets(eqx.Module):
             k_reg=self.k_reg,
             randomized=self.randomized,
         )
-        threshold = jnp.asarray(self.quantile, dtype=predictions.dtype)
+        threshold = np.float64(self.quantile)
         return compiled_call(
             sets, predictions, key if self.randomized else None, threshold
         )
@@ -299,11 +300,13 @@ def _mean_scores(
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
     mean = jnp.mean(member_probs, axis=0)
     batch = mean.shape[0]
-    u = (
-        jnp.ones((batch,), jnp.float32)
-        if key is None
-        else jax.random.uniform(key, (batch,))
-    )
+    # `u` in the probabilities' precision (with 64-bit floats enabled, a
+    # default uniform is float64: float32 probabilities' scores were then
+    # float64, which strict dtype promotion refuses).
+    if key is None:
+        u = jnp.ones((batch,), mean.dtype)
+    else:
+        u = jax.random.uniform(key, (batch,), mean.dtype)
     return mean, _set_scores(mean, u, penalty, k_reg)
 
 
@@ -318,7 +321,7 @@ def _sets(
     randomized: bool,
 ) -> Array:
     mean, scores = _mean_scores(predictions, key, from_logits, penalty, k_reg)
-    inside = scores <= threshold
+    inside = scores <= threshold.astype(scores.dtype)
     if randomized:
         return inside
     # The deterministic set (Romano, Sesia & Candès 2020; RAPS's reference

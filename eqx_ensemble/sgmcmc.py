@@ -151,7 +151,8 @@ def _normals(keys: Any, shapes: list[tuple[int, ...]]) -> list[Array]:
 def _groupable(keys: Any) -> bool:
     """Whether `keys` are typed threefry keys whose bits are JAX's
     partitionable ones (what `_grouped_normals` computes)."""
-    if _THREEFRY is None or not jax.config.jax_threefry_partitionable:
+    partitionable = getattr(jax.config, "jax_threefry_partitionable", False)
+    if _THREEFRY is None or not partitionable:
         return False
     if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
         return False
@@ -163,6 +164,7 @@ def _grouped_normals(key_data: Array, sizes: list[int]) -> Array:
     `(n, 2)`) of `sizes[i]` elements each, concatenated: the counters of
     leaf `i` are its flat indices (`jax.random`'s partitionable bits), and
     bits to uniform to normal as `jax.random.normal` (float32)."""
+    assert _THREEFRY is not None  # (`_groupable`)
     total = sum(sizes)
     k1, k2 = (
         jnp.concatenate([jnp.full((size,), half[i]) for i, size in enumerate(sizes)])

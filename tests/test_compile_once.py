@@ -659,3 +659,35 @@ def test_a_pbt_round_is_one_program():
     lineage = []
     assert compilations(lambda: lineage.append(run())) == 0
     assert len(lineage[0][0]) == 3 * 2  # rounds at steps 10, 20, 30; two copies each
+
+
+def test_init_programs_are_shared_bounded_and_not_poisoned():
+    """Two optimizers that differ only in their updates (learning rates)
+    share the init program; a function that reads a value for one argument
+    structure (run op by op) stays compiled for another; a number and the
+    equal number of another type (`2`, `2.0`) are different static
+    arguments."""
+    from eqx_ensemble._execution.compile import compiled_call
+
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 1, 5, 1, key=k), size=3, key=jax.random.key(51)
+    )
+    ee.init_optimizer(optax.adam(1e-3), ens)
+    assert compilations(lambda: ee.init_optimizer(optax.adam(7e-3), ens)) == 0
+
+    # A function that reads a value for one argument structure runs op by op
+    # for that structure only.
+    def maybe_reading(x, read):
+        return x * float(x.sum()) if read else x * 2.0
+
+    x, y = jnp.arange(3.0), jnp.arange(1.0, 4.0)
+    np.testing.assert_array_equal(compiled_call(maybe_reading, x, True), x * 3.0)
+    assert compilations(lambda: compiled_call(maybe_reading, y, True)) == 0
+    assert compilations(lambda: compiled_call(maybe_reading, x, False)) == 1
+
+    def typed(x, number):  # what the program computes depends on the type
+        return x + (1.0 if isinstance(number, float) else 0.0)
+
+    np.testing.assert_array_equal(compiled_call(typed, x, 2), x)
+    np.testing.assert_array_equal(compiled_call(typed, x, 2.0), x + 1.0)
+    np.testing.assert_array_equal(compiled_call(typed, x, True), x)

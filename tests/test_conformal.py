@@ -383,3 +383,27 @@ def test_jackknife_from_a_bootstrap_run_rebuilds_its_resamples(getkey):
         )
     with pytest.raises(ValueError, match="has 5 members but the run had 6"):
         from_run.interval(train_means[:5])
+
+
+def test_sets_with_64_bit_floats_cover_the_calibration_rank():
+    """With `jax_enable_x64` the uniforms and so the scores are float64
+    while the predictions are float32: the threshold is compared in the
+    scores' precision (rounded to float32 it dropped a calibration example
+    whose score equals it). The calibration data's own sets then cover at
+    least the conformal rank of its examples, for every seed."""
+    members, batch, classes = 4, 500, 10
+    rank = math.ceil((batch + 1) * 0.9 - 1e-9)
+    with jax.enable_x64(True):
+        for seed in range(6):
+            logits = 2 * jax.random.normal(
+                jax.random.key(seed), (members, batch, classes), jnp.float32
+            )
+            probs = jax.nn.softmax(logits, -1)
+            labels = jax.random.randint(
+                jax.random.key(seed + 100), (batch,), 0, classes
+            )
+            key = jax.random.key(seed + 200)
+            calibrated = ee.conformal.aps(probs, labels, alpha=0.1, key=key)
+            sets = np.asarray(calibrated.sets(probs, key=key))
+            covered = int(sets[np.arange(batch), np.asarray(labels)].sum())
+            assert covered >= rank, (seed, covered, rank)

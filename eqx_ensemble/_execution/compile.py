@@ -172,9 +172,33 @@ def _split_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[Any, ...]]:
         if eqx.is_array(leaf):
             arrays.append(leaf)
             static.append(None)
+        elif type(leaf) in _NUMBERS:
+            # `2`, `2.0` and `True` are equal and hash alike: as keys, a
+            # program traced for one would run for the other (its dtype).
+            static.append(_Number(leaf))
         else:
             static.append(canonical(leaf))
     return arrays, tuple(static)
+
+
+_NUMBERS = (bool, int, float, complex)
+
+
+class _Number:
+    """A Python number as a static leaf: equal only to a number of the same
+    type and value (`-0.0` and `0.0` apart, NaN equal to NaN)."""
+
+    __slots__ = ("value", "_key")
+
+    def __init__(self, value: Any):
+        self.value = value
+        self._key = (type(value), repr(value))
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Number) and other._key == self._key
 
 
 class Lowered:
@@ -231,7 +255,10 @@ def _merge(static: Any, first: list[Any], rest: list[Any]) -> tuple[Any, ...]:
 
 def _fill(static_leaves: tuple[Any, ...], arrays: list[Any]) -> list[Any]:
     it = iter(arrays)
-    return [next(it) if leaf is None else leaf for leaf in static_leaves]
+    return [
+        next(it) if leaf is None else leaf.value if type(leaf) is _Number else leaf
+        for leaf in static_leaves
+    ]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -498,10 +525,12 @@ def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
     caller's own trace, for a closure or a non-array argument that cannot be
     keyed (hashed), and for an `fn` that reads an array's value (Python
     control flow on it, `float`, NumPy): its trace raised, and is not tried
-    again for that function. Any error of the compiled call is reported by
-    running `fn` op by op (a run-time check as its own exception, a bad
-    argument as its own error). Not for a user's function that may have
-    side effects: it runs once per program, on tracers."""
+    again for that function and argument structure. Any error of the
+    compiled call is reported by running `fn` op by op (a run-time check as
+    its own exception, a bad argument as its own error). Programs are kept
+    per function, argument structure and shapes, at most `MAX_PROGRAMS`.
+    Not for a user's function that may have side effects: it runs once per
+    program, on tracers."""
     try:
         key = canonical(fn)
         hash(key)
@@ -509,26 +538,33 @@ def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
 
     def call(*args: Any) -> Any:
-        if key in _needs_values or any(is_traced(x) for x in jax.tree.leaves(args)):
+        if any(is_traced(x) for x in jax.tree.leaves(args)):
             return fn(*args)
         static, first, rest = split_arguments(args)
         try:
-            hash(static)
+            structure = (key, static)
+            if structure in _needs_values:
+                return fn(*args)
         except TypeError:  # a non-array leaf that cannot be hashed
             return fn(*args)
+        shapes = tuple((x.shape, x.dtype) for x in (*first, *rest))
         try:
-            return _one_program(key).call_split(static, first, rest)
+            # A program per function, structure and shapes, in the bounded
+            # cache (`MAX_PROGRAMS`): each holds one program.
+            program = _one_program(key, static, shapes)
+            return program.call_split(static, first, rest)
         except jax.errors.JaxRuntimeError:
             # A run-time check that failed in the program (`eqx.error_if`):
             # run again op by op, which raises it as the function's own error.
             return fn(*args)
         except Exception as error:  # noqa: BLE001 - the op-by-op run reports it
             # Tracing failed: the function reads values (`NEEDS_VALUES`) or
-            # uses an array as only a concrete one can be used (`f"{x:.3f}"`,
-            # `x.block_until_ready()`): op by op from now on. Any other error
-            # (bad arguments) is raised by the op-by-op run as it is.
+            # uses an array as only a concrete one can be (`f"{x:.3f}"`,
+            # `x.block_until_ready()`): op by op from now on for this
+            # function and structure. Any other error (bad arguments) is
+            # raised by the op-by-op run as it is.
             if isinstance(error, (*NEEDS_VALUES, TypeError, AttributeError)):
-                _needs_values[key] = None
+                _needs_values[structure] = None
                 while len(_needs_values) > MAX_PROGRAMS:
                     del _needs_values[next(iter(_needs_values))]
             return fn(*args)
@@ -544,11 +580,13 @@ NEEDS_VALUES = (
     jax.errors.TracerArrayConversionError,
     jax.errors.NonConcreteBooleanIndexError,
 )
-# The functions `compiled_call` found reading values (the oldest forgotten).
+# The functions and argument structures `compiled_function` found reading
+# values (the oldest forgotten).
 _needs_values: dict[Any, None] = {}
 
 
-def _make_one_program(fn: Callable[..., Any]) -> "Jit":
+def _make_one_program(fn: Callable[..., Any], *structure: Hashable) -> "Jit":
+    del structure  # (what the program is keyed by besides `fn`)
     return filter_jit(fn, one_shot_options())
 
 

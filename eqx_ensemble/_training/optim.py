@@ -58,14 +58,16 @@ def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> An
     # One compiled program per optimizer and structure (op by op, an
     # optimizer's init compiled a program per operation and leaf shape), as
     # `fit`'s own start state is.
-    return compiled_call(_init, optimizer, members, shared)
+    # (`init` alone: two optimizers that differ in their updates only, as
+    # two learning rates, share the program.)
+    return compiled_call(_init, optimizer.init, members, shared)
 
 
-def _init(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
-    members_state = eqx.filter_vmap(optimizer.init)(members)
+def _init(init: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
+    members_state = eqx.filter_vmap(init)(members)
     if shared is None:
         return members_state
-    return SharedOptState(members_state, optimizer.init(shared))
+    return SharedOptState(members_state, init(shared))
 
 
 def _member_struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -348,6 +350,9 @@ def init_optimizer(
     The state is `filter_vmap(optimizer.init)` over the members' floating-point
     leaves, so every transformation keeps its per-member meaning (Adam moments,
     `clip_by_global_norm`'s norm, schedules' step counts are all per member).
+    It is compiled once per `init` and structure, as `fit`'s own start state
+    is: an `init` with Python side effects runs them when it is traced, not
+    at every call.
 
     **Arguments:**
 
