@@ -26,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from ._core.ensemble import Ensemble, compiled_build
+from ._core.ensemble import Ensemble
 from ._core.heterogeneous import Heterogeneous
+from ._execution.compile import compiled_call
 
 __all__ = [
     "Architectures",
@@ -296,7 +297,7 @@ def architectures(
             # `ee.ensemble` builds), its members' keys picked inside: op by op
             # a group's initialisation compiled a program per operation and
             # shape (6 MLP architectures: 115 programs, 9.4 s; now 3.6 s).
-            made = compiled_build(
+            made = compiled_call(
                 functools.partial(_build_group, make, setting),
                 (member_keys, np.asarray(members, np.int32)),
             )

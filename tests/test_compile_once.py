@@ -529,7 +529,7 @@ def test_greedy_selection_gathers_each_selection_in_one_program():
     names = compiled_programs(
         lambda: picks.append(ee.greedy_selection(logits, score, size=4))
     )
-    assert names.count("jit(_take_rows)") == 4, names  # sizes 1, 2, 3 and 4
+    assert names.count("jit(_take_leaves)") == 4, names  # sizes 1, 2, 3 and 4
     assert "jit(gather)" not in names, names
     assert len(seen) == 6 + 3 * 6
     # The metric's own check sees the predictions: probabilities out of range.

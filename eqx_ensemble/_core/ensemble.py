@@ -607,20 +607,11 @@ def ensemble(
         return _ensemble_with_shared(make, member_keys, shared, train_shared)
     if train_shared:
         raise ValueError("`train_shared=True` needs a shared part: pass `shared=`")
-    made: Any = compiled_build(lambda keys: eqx.filter_vmap(make)(keys), member_keys)
+    made: Any = compiled_call(lambda keys: eqx.filter_vmap(make)(keys), member_keys)
     if _is_with_state(made):
         model, state = made
         return cast(Ensemble[Member], Ensemble(model)), state
     return cast(Ensemble[Member], Ensemble(made))
-
-
-def compiled_build(build: Callable[[Any], Any], member_keys: Any) -> Any:
-    """`build(member_keys)` compiled as ONE program (`compile.compiled_call`):
-    built op by op, an ensemble compiles a program per operation and shape
-    (16 for an MLP, 2 s on 2 cores). Inside the user's own trace, and for a
-    `make` that needs concrete values (Python control flow on an array it
-    made) or cannot be keyed, `build` runs as it is."""
-    return compiled_call(build, member_keys)
 
 
 def _is_with_state(made: Any) -> bool:
@@ -642,7 +633,7 @@ def _ensemble_with_shared(
 
     # Compiled, so that the shared part is not built for every member only
     # to be dropped (a big backbone would need `size` copies for a moment).
-    stacked, shared_part = compiled_build(
+    stacked, shared_part = compiled_call(
         functools.partial(_shared_parts, make, stateful, mask), member_keys
     )
     if stateful:

@@ -590,7 +590,8 @@ def _make_one_program(fn: Callable[..., Any], *structure: Hashable) -> "Jit":
     return filter_jit(fn, one_shot_options())
 
 
-# One compiled function per `fn` (bounded: `CompiledFunctions`).
+# One compiled function per function, argument structure and shapes
+# (bounded: `CompiledFunctions`).
 _one_program = CompiledFunctions(_make_one_program)
 
 

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Int, PyTree
 
-from .._core.ensemble import Ensemble
-from .._execution.compile import one_shot_jit
+from .._core.ensemble import Ensemble, take_members
 from .average import average
 
 
@@ -21,11 +20,6 @@ def _score_of(score: Callable[..., Any], *args: Any, what: str) -> float:
             f"{jnp.shape(value)}"
         )
     return float(value)
-
-
-@one_shot_jit
-def _take_rows(predictions: Any, indices: Any) -> Any:
-    return jax.tree.map(lambda x: x[indices], predictions)
 
 
 def greedy_selection(
@@ -104,7 +98,7 @@ def greedy_selection(
     arrays = jax.tree.map(jnp.asarray, predictions)
 
     def take(indices):
-        return _take_rows(arrays, np.asarray(indices, np.int32))
+        return take_members(arrays, np.asarray(indices, np.int32))
 
     alone = [_score_of(score, take([i]), what=f"member {i}") for i in range(pool)]
     if np.all(np.isnan(alone)):

@@ -23,7 +23,7 @@ from .._core.heterogeneous import (
 from .._core.sharding import shard
 from .._execution.compile import compiled_call
 from .._execution.intern import canonical_tree
-from .._execution.profile import signature
+from .._execution.profile import first_member, signature
 from .._internal.checks import real_array
 from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
@@ -68,10 +68,6 @@ def _init(init: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
     if shared is None:
         return members_state
     return SharedOptState(members_state, init(shared))
-
-
-def _member_struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
 
 
 def _trained_shared(ens: Ensemble) -> PyTree[Any]:
@@ -447,10 +443,8 @@ def check_hyperparams_kept(
     # One member's shapes only: nothing is computed (op by op, taking member
     # 0 of every leaf compiled two programs per leaf shape).
     opt_state = members_opt_state(opt_state)
-    member_params = jax.tree.map(_member_struct, trainable(members))
-    member_state = jax.tree.map(
-        lambda x: _member_struct(x) if eqx.is_array(x) else x, opt_state
-    )
+    member_params = first_member(trainable(members))
+    member_state = first_member(opt_state)
     dynamic, static = eqx.partition(
         member_state, lambda x: isinstance(x, jax.ShapeDtypeStruct)
     )
