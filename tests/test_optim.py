@@ -139,6 +139,53 @@ def test_per_member_weight_decay_trains_like_solo_runs(ens):
     assert not eqx.tree_equal(trained[1], trained[2])
 
 
+def test_per_member_rates_inside_multisteps_train_like_solo_runs(ens):
+    # `optax.MultiSteps` keeps the inner state through a `cond` and a select
+    # (the hyperparameters are not the update's inputs as they are): the
+    # check that they are kept must see through both, not refuse them as a
+    # schedule. Member i == MultiSteps(sgd(rate i)) run alone.
+    rates = [0.3, 0.1, 0.0]
+
+    def make(rate):
+        return optax.MultiSteps(
+            optax.sgd(rate), every_k_schedule=2
+        ).gradient_transformation()
+
+    optimizer = optax.MultiSteps(
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.2), every_k_schedule=2
+    ).gradient_transformation()
+    opt_state = ee.init_optimizer(
+        optimizer, ens, hyperparams={"learning_rate": jnp.array(rates)}
+    )
+    np.testing.assert_allclose(
+        opt_state.inner_opt_state.hyperparams["learning_rate"], rates
+    )
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    batch = (x, x[:, :1] * x[:, 1:])
+
+    def loss_fn(model, batch, key):
+        xb, yb = batch
+        return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+    step = ee.make_step(loss_fn, optimizer)
+    trained = ens
+    for t in range(4):
+        trained, opt_state, *_ = step(trained, opt_state, batch, jax.random.key(t))
+    for i, rate in enumerate(rates):
+        solo_optimizer = make(rate)
+        model, solo_state = ens[i], solo_optimizer.init(params(ens[i]))
+        for _ in range(4):
+            grads = eqx.filter_grad(loss_fn)(model, batch, None)
+            with jax.numpy_dtype_promotion("standard"):  # MultiSteps' mean
+                updates, solo_state = solo_optimizer.update(
+                    grads, solo_state, params(model)
+                )
+            model = eqx.apply_updates(model, updates)
+        assert_tree_allclose(trained[i], model, rtol=1e-5, atol=1e-6)
+    assert eqx.tree_equal(trained[2], ens[2])  # rate 0: unchanged
+    assert not eqx.tree_equal(trained[0], ens[0])
+
+
 def test_set_hyperparams_does_not_modify_its_input(ens):
     optimizer = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     state = ee.init_optimizer(optimizer, ens)
@@ -192,6 +239,15 @@ def test_scheduled_hyperparameter_cannot_be_set_per_member(ens):
     )
     with pytest.raises(ValueError, match=r"'learning_rate' is a schedule"):
         ee.init_optimizer(optimizer, ens, hyperparams={"learning_rate": jnp.ones(SIZE)})
+    # Also behind the `cond` and selects of `optax.MultiSteps`.
+    accumulated = optax.MultiSteps(
+        optimizer, every_k_schedule=2
+    ).gradient_transformation()
+    with pytest.raises(ValueError, match=r"'learning_rate' is a schedule"):
+        ee.init_optimizer(
+            accumulated, ens, hyperparams={"learning_rate": jnp.ones(SIZE)}
+        )
+    ee.init_optimizer(accumulated, ens, hyperparams={"b1": jnp.ones(SIZE) / 2})
     # A number-valued hyperparameter next to the schedule is fine.
     state = ee.init_optimizer(optimizer, ens, hyperparams={"b1": jnp.ones(SIZE) / 2})
     np.testing.assert_array_equal(state.hyperparams["b1"], [0.5] * SIZE)

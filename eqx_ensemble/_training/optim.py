@@ -7,6 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.extend.core as jex_core
 import jax.tree_util as jtu
 import numpy as np
 import optax
@@ -464,19 +465,19 @@ def check_hyperparams_kept(
     )
     inputs = jtu.tree_flatten_with_path(dynamic)[0]
     outputs = {
-        keystr(path): var
-        for (path, _), var in zip(
-            jtu.tree_flatten_with_path(out_shapes)[0], jaxpr.jaxpr.outvars
-        )
+        keystr(path): index
+        for index, (path, _) in enumerate(jtu.tree_flatten_with_path(out_shapes)[0])
     }
-    for (path, _), var in zip(inputs, jaxpr.jaxpr.invars):
+    kept = _kept_inputs(jaxpr.jaxpr)
+    for index, (path, _) in enumerate(inputs):
+        output = outputs.get(keystr(path))
         if (
             len(path) >= 2
             and isinstance(path[-2], jtu.GetAttrKey)
             and path[-2].name == "hyperparams"
             and isinstance(path[-1], jtu.DictKey)
             and path[-1].key in names
-            and outputs.get(keystr(path)) is not var
+            and (output is None or index not in kept[output])
         ):
             raise ValueError(
                 f"Hyperparameter {path[-1].key!r} is a schedule in this optimizer: "
@@ -485,6 +486,69 @@ def check_hyperparams_kept(
                 "first step. Give `inject_hyperparams` a number for it (e.g. "
                 "`learning_rate=1e-3`) to set it per member."
             )
+
+
+# Primitives whose outputs are their inputs' values (`convert_element_type`
+# only to its input's own dtype, below).
+_IDENTITIES = frozenset({"copy", "copy_p", "optimization_barrier"})
+
+
+def _kept_inputs(
+    jaxpr: Any, given: Sequence[frozenset[int]] | None = None
+) -> list[frozenset[int]]:
+    """For each output of `jaxpr`, the inputs it is provably equal to: passed
+    through as they are, or through calls, `cond` branches and `select_n`
+    cases that all pass the same input through (what `optax.MultiSteps`
+    makes of an inner state it keeps). Read from the jaxpr only: nothing is
+    computed; an output it cannot prove equal has none. `given`: the inputs
+    each of the jaxpr's inputs is equal to (default: itself)."""
+    origin: dict[Any, frozenset[int]] = {
+        var: frozenset({index}) if given is None else given[index]
+        for index, var in enumerate(jaxpr.invars)
+    }
+
+    def of(atom: Any) -> frozenset[int]:
+        if isinstance(atom, jex_core.Literal):
+            return frozenset()
+        return origin.get(atom, frozenset())
+
+    for eqn in jaxpr.eqns:
+        ins = [of(atom) for atom in eqn.invars]
+        name, params = eqn.primitive.name, eqn.params
+        outs: list[frozenset[int]] = [frozenset()] * len(eqn.outvars)
+        if name in _IDENTITIES or (
+            name == "convert_element_type"
+            and params.get("new_dtype") == getattr(eqn.invars[0].aval, "dtype", None)
+        ):
+            outs = ins[: len(outs)]
+        elif name == "select_n":
+            outs = [frozenset.intersection(*ins[1:])]
+        elif name == "cond":
+            per_branch = [
+                _kept_inputs(branch.jaxpr, ins[1:]) for branch in params["branches"]
+            ]
+            outs = [frozenset.intersection(*column) for column in zip(*per_branch)]
+        elif name == "while":
+            # A carry the body passes through is its initial value.
+            first = params["cond_nconsts"] + params["body_nconsts"]
+            body = params["body_jaxpr"].jaxpr
+            marks = [frozenset({-1 - j}) for j in range(len(body.invars))]
+            carried = _kept_inputs(body, marks)[: len(ins) - first]
+            outs = [
+                ins[first + j]
+                if -1 - (params["body_nconsts"] + j) in kept
+                else frozenset()
+                for j, kept in enumerate(carried)
+            ]
+        else:
+            inner = params.get("jaxpr", params.get("call_jaxpr"))
+            inner = getattr(inner, "jaxpr", inner)
+            if isinstance(inner, jex_core.Jaxpr) and len(inner.invars) == len(ins):
+                outs = _kept_inputs(inner, ins)
+        for var, found in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(var, jex_core.DropVar):
+                origin[var] = found
+    return [of(atom) for atom in jaxpr.outvars]
 
 
 def check_opt_state(
