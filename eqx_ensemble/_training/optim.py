@@ -6,8 +6,8 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.extend.core as jex_core
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
