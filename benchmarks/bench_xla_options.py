@@ -8,6 +8,11 @@ and prints the speed-up next to the step's estimated matmul FLOPs (the estimate
 `fit` and `make_step` use to choose; `eqx_ensemble/_xla.py`). This is the
 evidence for the 16 MFLOP threshold on the benchmarks page.
 
+`--onednn` adds a third variant: the dots as oneDNN fusions
+(`xla_cpu_use_onednn` with `xla_cpu_experimental_onednn_fusion_type=DOT`,
+YNNPACK's off), the path PyTorch's CPU matmuls take; `--shapes 11,12` runs
+only those rows of `SHAPES` (0-based).
+
 Run: `python benchmarks/bench_xla_options.py` (`--quick` for a smoke run).
 """
 
@@ -39,9 +44,13 @@ SHAPES = [
 def main() -> None:
     p = _common.parser(__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20, help="steps per timed call")
+    p.add_argument("--onednn", action="store_true", help="add oneDNN's dot fusions")
+    p.add_argument("--shapes", default="", help="rows of SHAPES, e.g. 11,12")
     args = p.parse_args()
     repeats = args.repeats or (2 if args.quick else 7)
     shapes = SHAPES[:3] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     info = _common.print_header(
         f"XLA options vs step size: {len(shapes)} shapes, {args.steps} scan-fused "
         f"Adam steps per call, {repeats} calls per variant"
@@ -57,10 +66,17 @@ def main() -> None:
 
     optimizer = optax.adam(1e-3)
     options = {"default": None, "eigen": dict(_xla.EIGEN_DOTS)}
+    if args.onednn:
+        options["onednn"] = {
+            **_xla.EIGEN_DOTS,
+            "xla_cpu_use_onednn": True,
+            "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+        }
     rows = []
     print(
         f"   {'members':>7s} {'MLP':>16s} {'batch':>5s} {'est. MFLOP':>10s} "
         f"{'default ms':>10s} {'eigen ms':>9s} {'speed-up':>8s}"
+        + (f" {'onednn ms':>9s} {'vs eigen':>8s}" if args.onednn else "")
     )
     for members, sizes, batch in shapes:
         keys = jax.random.split(jax.random.key(0), members)
@@ -124,11 +140,16 @@ def main() -> None:
             "eigen_ms": eigen,
             "speedup": default / eigen,
         }
+        extra = ""
+        if args.onednn:
+            onednn = _common.median(times["onednn"]) / args.steps * 1e3
+            row["onednn_ms"] = onednn
+            extra = f" {onednn:9.3f} {eigen / onednn:7.2f}x"
         rows.append(row)
         print(
             f"   {members:7d} {'-'.join(map(str, sizes)):>16s} {batch:5d} "
             f"{flops / 1e6:10.1f} {default:10.3f} {eigen:9.3f} "
-            f"{default / eigen:7.2f}x"
+            f"{default / eigen:7.2f}x" + extra
         )
     print(
         f"   the library uses the Eigen options from {_xla.MIN_STEP_FLOPS / 1e6:.0f} "

@@ -253,6 +253,59 @@ def test_scheduled_hyperparameter_cannot_be_set_per_member(ens):
     np.testing.assert_array_equal(state.hyperparams["b1"], [0.5] * SIZE)
 
 
+def _rewriting(transform):
+    # `inject_hyperparams(sgd)` whose update passes its learning rate through
+    # `transform` (a wrapper's own code around an injected optimizer).
+    inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, state, params)
+        rate = transform(state.hyperparams["learning_rate"])
+        return updates, state._replace(
+            hyperparams={**state.hyperparams, "learning_rate": rate}
+        )
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def _swapped(rate, length):
+    carries = jax.lax.scan(
+        lambda pair, _: ((pair[1], pair[0]), None), (rate * 0.5, rate), length=length
+    )[0]
+    return carries[0]
+
+
+@pytest.mark.parametrize(
+    "transform, kept",
+    [
+        (lambda rate: jax.lax.scan(lambda c, _: (c, None), rate, length=3)[0], True),
+        (lambda rate: jax.lax.while_loop(lambda c: False, lambda c: c, rate), True),
+        (lambda rate: jnp.where(rate > 0, rate, rate), True),
+        (lambda rate: _swapped(rate, 2), False),  # carries swapped: rate / 2
+        (lambda rate: jax.lax.fori_loop(0, 0, lambda i, c: rate, rate * 0.5), False),
+        (lambda rate: rate * 0.5, False),
+    ],
+)
+def test_hyperparameter_kept_only_where_the_update_provably_passes_it_on(
+    ens, transform, kept
+):
+    # Ground truth first: the value after three real updates.
+    optimizer = _rewriting(transform)
+    params_ = {"w": jnp.ones(3)}
+    state = optimizer.init(params_)
+    state = state._replace(hyperparams={"learning_rate": jnp.asarray(0.123)})
+    for _ in range(3):
+        _, state = optimizer.update({"w": jnp.ones(3)}, state, params_)
+    assert bool(state.hyperparams["learning_rate"] == jnp.float32(0.123)) == kept
+    rates = {"learning_rate": jnp.array([0.1, 0.2, 0.3])}
+    if kept:
+        set_ = ee.init_optimizer(optimizer, ens, hyperparams=rates)
+        np.testing.assert_allclose(set_.hyperparams["learning_rate"], [0.1, 0.2, 0.3])
+    else:
+        with pytest.raises(ValueError, match="does not pass it on as it is"):
+            ee.init_optimizer(optimizer, ens, hyperparams=rates)
+
+
 def test_not_an_ensemble(ens):
     with pytest.raises(TypeError, match="Ensemble"):
         ee.init_optimizer(optax.adam(0.1), ens[0])

@@ -480,10 +480,12 @@ def check_hyperparams_kept(
             and (output is None or index not in kept[output])
         ):
             raise ValueError(
-                f"Hyperparameter {path[-1].key!r} is a schedule in this optimizer: "
-                "`optax.inject_hyperparams` recomputes it from the step count at "
-                "every update, so per-member values would be overwritten after the "
-                "first step. Give `inject_hyperparams` a number for it (e.g. "
+                f"Hyperparameter {path[-1].key!r} is a schedule in this optimizer, "
+                "or its update does not pass it on as it is: "
+                "`optax.inject_hyperparams` recomputes a schedule from the step "
+                "count at every update (and a wrapper may compute the value "
+                "anew), so per-member values would be overwritten at the next "
+                "update. Give `inject_hyperparams` a number for it (e.g. "
                 "`learning_rate=1e-3`) to set it per member."
             )
 
@@ -491,6 +493,22 @@ def check_hyperparams_kept(
 # Primitives whose outputs are their inputs' values (`convert_element_type`
 # only to its input's own dtype, below).
 _IDENTITIES = frozenset({"copy", "copy_p", "optimization_barrier"})
+
+
+# Primitives that call their `jaxpr` (or `call_jaxpr`) once on their inputs.
+_CALLS = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+     "custom_vjp_call", "remat2", "checkpoint"}
+)  # fmt: skip
+
+
+def _kept_carries(body: Any, consts: int) -> list[tuple[int, bool]]:
+    """For each output of a loop's `body` (inputs: `consts` constants, then
+    the carries), whether it is its own carry passed through unchanged: then
+    the loop's carry keeps its initial value for any number of iterations
+    (none included)."""
+    marks = [frozenset({index}) for index in range(len(body.invars))]
+    return [(j, consts + j in kept) for j, kept in enumerate(_kept_inputs(body, marks))]
 
 
 def _kept_inputs(
@@ -528,19 +546,17 @@ def _kept_inputs(
                 _kept_inputs(branch.jaxpr, ins[1:]) for branch in params["branches"]
             ]
             outs = [frozenset.intersection(*column) for column in zip(*per_branch)]
-        elif name == "while":
-            # A carry the body passes through is its initial value.
+        elif name == "while":  # cond's consts, body's consts, carries
             first = params["cond_nconsts"] + params["body_nconsts"]
-            body = params["body_jaxpr"].jaxpr
-            marks = [frozenset({-1 - j}) for j in range(len(body.invars))]
-            carried = _kept_inputs(body, marks)[: len(ins) - first]
-            outs = [
-                ins[first + j]
-                if -1 - (params["body_nconsts"] + j) in kept
-                else frozenset()
-                for j, kept in enumerate(carried)
+            kept = _kept_carries(params["body_jaxpr"].jaxpr, params["body_nconsts"])
+            outs = [ins[first + j] if keeps else frozenset() for j, keeps in kept]
+        elif name == "scan":  # consts, carries, scanned; out: carries, stacked
+            consts = params["num_consts"]
+            kept = _kept_carries(params["jaxpr"].jaxpr, consts)[: params["num_carry"]]
+            outs[: len(kept)] = [
+                ins[consts + j] if keeps else frozenset() for j, keeps in kept
             ]
-        else:
+        elif name in _CALLS:
             inner = params.get("jaxpr", params.get("call_jaxpr"))
             inner = getattr(inner, "jaxpr", inner)
             if isinstance(inner, jex_core.Jaxpr) and len(inner.invars) == len(ins):
