@@ -166,6 +166,19 @@ for make in makers:
     for a_leaf, b_leaf in zip(*map(jax.tree.leaves, (built.members, op_by_op))):
         np.testing.assert_array_equal(a_leaf, b_leaf)
 print("same bits")
+
+# A search (temperature scaling's golden section) turns the last bit of its
+# objective into its result: the same temperature inside a caller's `jax.jit`
+# as outside (the metrics' `ONE_SHOT` programs moved it by 2.5e-4).
+rng = np.random.default_rng(15)
+logits = (rng.standard_normal((3, 600, 5)) * 2).astype(np.float32)
+softened = np.exp(logits[0] / 2.0)  # labels drawn at temperature 2
+softened /= softened.sum(-1, keepdims=True)
+labels = np.array([rng.choice(5, p=row) for row in softened], np.int32)
+outside = float(ee.metrics.fit_temperature(logits, labels))
+inside = float(jax.jit(ee.metrics.fit_temperature)(logits, labels))
+assert 1.2 < outside < 4 and abs(outside - inside) <= 1e-6 * outside, (outside, inside)
+print("same temperature")
 """
 
 
@@ -176,9 +189,10 @@ def test_the_librarys_compiler_options_change_no_bits():
     dispatch-bound regime it is for); `ee.ensemble`'s one program
     (`ONE_SHOT`: level 1 and the older elemental emitters) gives the bits of
     the same build run op by op, for dense, convolutional and embedding
-    layers."""
+    layers; and `ee.metrics.fit_temperature` finds the same temperature
+    inside a `jax.jit` as outside."""
     out = run_with_xla_defaults(_FAST_CODEGEN_BITS)
-    assert out.split() == ["same", "bits", "same", "bits"]
+    assert out.split() == ["same", "bits", "same", "bits", "same", "temperature"]
 
 
 def test_a_step_with_options_runs_inside_the_users_jit():

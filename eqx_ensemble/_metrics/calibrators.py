@@ -205,28 +205,33 @@ def _lbfgs(
 ) -> tuple[Any, Int[Array, ""]]:
     """Minimise a smooth `objective(params)` with L-BFGS and a zoom line search
     (`optax.lbfgs`), until the gradient norm is below `tolerance`, the
-    fit has stopped progressing (`STALL_STEPS` steps in a row without a lower
-    objective or a halved gradient norm), or after `iterations` steps.
+    fit has stopped progressing (`STALL_STEPS` steps in a row without an
+    objective below the lowest so far or a halved gradient norm), or after
+    `iterations` steps.
     Returns the parameters and the number of steps taken."""
     solver = optax.lbfgs()
     value_and_grad = optax.value_and_grad_from_state(objective)
     dtype = jax.tree.leaves(init)[0].dtype
 
     def step(carry):
-        params, state, last, reference, stalled = carry
+        params, state, best, reference, stalled = carry
         value, grad = value_and_grad(params, state=state)
         updates, state = solver.update(
             grad, state, params, value=value, grad=grad, value_fn=objective
         )
         norm = otu.tree_norm(grad)
-        # Progress: a lower objective, or a gradient norm half the one at the
-        # last progress (a float32 objective can stay flat for a dozen steps
-        # while the gradient still shrinks, and then fall again; a norm that
-        # only jitters at its floor does not halve).
-        moved = (value < last) | (norm < 0.5 * reference)
+        # Progress: an objective below the lowest so far, or a gradient norm
+        # half the one at the last progress (a float32 objective can stay
+        # flat for a dozen steps while the gradient still shrinks, and then
+        # fall again; a norm that only jitters at its floor does not halve).
+        # Not "below the previous step's": an objective that jitters by an
+        # ulp at its floor would count every other step as progress and run
+        # to `iterations` (XLA's default CPU code did, for 1 fit in 31).
+        moved = (value < best) | (norm < 0.5 * reference)
         stalled = jnp.where(moved, 0, stalled + 1)
         reference = jnp.where(moved, norm, reference)
-        return optax.apply_updates(params, updates), state, value, reference, stalled
+        best = jnp.minimum(best, value)
+        return optax.apply_updates(params, updates), state, best, reference, stalled
 
     def going(carry):
         _, state, _, _, stalled = carry
