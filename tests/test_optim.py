@@ -103,6 +103,35 @@ def test_hyperparams_inside_a_chain(ens):
     np.testing.assert_array_equal(state[1].hyperparams["weight_decay"], decays)
 
 
+def _mse(model, batch, key):
+    xb, yb = batch
+    return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
+
+
+def _assert_members_train_like_solo_runs(ens, optimizer, opt_state, solos, steps):
+    """`steps` of `make_step` from `opt_state` against member i trained alone
+    with the plain optax optimizer `solos[i]` on the same batch."""
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    batch = (x, x[:, :1] * x[:, 1:])
+    step = ee.make_step(_mse, optimizer)
+    trained = ens
+    for t in range(steps):
+        trained, opt_state, *_ = step(trained, opt_state, batch, jax.random.key(t))
+    for i, solo_optimizer in enumerate(solos):
+        model, solo_state = ens[i], solo_optimizer.init(params(ens[i]))
+        for _ in range(steps):
+            grads = eqx.filter_grad(_mse)(model, batch, None)
+            with jax.numpy_dtype_promotion("standard"):  # optax's own promotions
+                updates, solo_state = solo_optimizer.update(
+                    grads, solo_state, params(model)
+                )
+            model = eqx.apply_updates(model, updates)
+        # Adam's normalised steps turn float32 rounding of small gradients into
+        # ~1e-6 differences after a few large (lr 0.1) steps.
+        assert_tree_allclose(trained[i], model, rtol=1e-5, atol=1e-5)
+    return trained
+
+
 def test_per_member_weight_decay_trains_like_solo_runs(ens):
     # A hyperparameter sweep as one ensemble: member i == adamw with decay i.
     decays = [0.0, 0.5, 2.0]
@@ -112,30 +141,8 @@ def test_per_member_weight_decay_trains_like_solo_runs(ens):
     opt_state = ee.init_optimizer(
         optimizer, ens, hyperparams={"weight_decay": jnp.array(decays)}
     )
-    x = jax.random.normal(jax.random.key(1), (16, 2))
-    batch = (x, x[:, :1] * x[:, 1:])
-
-    def loss_fn(model, batch, key):
-        xb, yb = batch
-        return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
-
-    step = ee.make_step(loss_fn, optimizer)
-    trained = ens
-    for t in range(3):
-        trained, opt_state, *_ = step(trained, opt_state, batch, jax.random.key(t))
-    for i, decay in enumerate(decays):
-        solo_optimizer = optax.adamw(0.1, weight_decay=decay)
-        model, solo_state = ens[i], solo_optimizer.init(params(ens[i]))
-        for _ in range(3):
-            grads = eqx.filter_grad(loss_fn)(model, batch, None)
-            with jax.numpy_dtype_promotion("standard"):
-                updates, solo_state = solo_optimizer.update(
-                    grads, solo_state, params(model)
-                )
-            model = eqx.apply_updates(model, updates)
-        # Adam's normalised steps turn float32 rounding of small gradients into
-        # ~1e-6 differences after a few large (lr 0.1) steps.
-        assert_tree_allclose(trained[i], model, rtol=1e-5, atol=1e-5)
+    solos = [optax.adamw(0.1, weight_decay=decay) for decay in decays]
+    trained = _assert_members_train_like_solo_runs(ens, optimizer, opt_state, solos, 3)
     assert not eqx.tree_equal(trained[1], trained[2])
 
 
@@ -146,42 +153,18 @@ def test_per_member_rates_inside_multisteps_train_like_solo_runs(ens):
     # schedule. Member i == MultiSteps(sgd(rate i)) run alone.
     rates = [0.3, 0.1, 0.0]
 
-    def make(rate):
-        return optax.MultiSteps(
-            optax.sgd(rate), every_k_schedule=2
-        ).gradient_transformation()
+    def accumulated(inner):
+        return optax.MultiSteps(inner, every_k_schedule=2).gradient_transformation()
 
-    optimizer = optax.MultiSteps(
-        optax.inject_hyperparams(optax.sgd)(learning_rate=0.2), every_k_schedule=2
-    ).gradient_transformation()
+    optimizer = accumulated(optax.inject_hyperparams(optax.sgd)(learning_rate=0.2))
     opt_state = ee.init_optimizer(
         optimizer, ens, hyperparams={"learning_rate": jnp.array(rates)}
     )
     np.testing.assert_allclose(
         opt_state.inner_opt_state.hyperparams["learning_rate"], rates
     )
-    x = jax.random.normal(jax.random.key(1), (16, 2))
-    batch = (x, x[:, :1] * x[:, 1:])
-
-    def loss_fn(model, batch, key):
-        xb, yb = batch
-        return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
-
-    step = ee.make_step(loss_fn, optimizer)
-    trained = ens
-    for t in range(4):
-        trained, opt_state, *_ = step(trained, opt_state, batch, jax.random.key(t))
-    for i, rate in enumerate(rates):
-        solo_optimizer = make(rate)
-        model, solo_state = ens[i], solo_optimizer.init(params(ens[i]))
-        for _ in range(4):
-            grads = eqx.filter_grad(loss_fn)(model, batch, None)
-            with jax.numpy_dtype_promotion("standard"):  # MultiSteps' mean
-                updates, solo_state = solo_optimizer.update(
-                    grads, solo_state, params(model)
-                )
-            model = eqx.apply_updates(model, updates)
-        assert_tree_allclose(trained[i], model, rtol=1e-5, atol=1e-6)
+    solos = [accumulated(optax.sgd(rate)) for rate in rates]
+    trained = _assert_members_train_like_solo_runs(ens, optimizer, opt_state, solos, 4)
     assert eqx.tree_equal(trained[2], ens[2])  # rate 0: unchanged
     assert not eqx.tree_equal(trained[0], ens[0])
 
