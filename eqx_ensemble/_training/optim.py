@@ -492,7 +492,7 @@ def check_hyperparams_kept(
 
 # Primitives whose outputs are their inputs' values (`convert_element_type`
 # only to its input's own dtype, below).
-_IDENTITIES = frozenset({"copy", "copy_p", "optimization_barrier"})
+_IDENTITIES = frozenset({"copy", "optimization_barrier"})
 
 
 # Primitives that call their `jaxpr` (or `call_jaxpr`) once on their inputs.
@@ -502,13 +502,13 @@ _CALLS = frozenset(
 )  # fmt: skip
 
 
-def _kept_carries(body: Any, consts: int) -> list[tuple[int, bool]]:
+def _kept_carries(body: Any, consts: int) -> list[bool]:
     """For each output of a loop's `body` (inputs: `consts` constants, then
     the carries), whether it is its own carry passed through unchanged: then
     the loop's carry keeps its initial value for any number of iterations
     (none included)."""
     marks = [frozenset({index}) for index in range(len(body.invars))]
-    return [(j, consts + j in kept) for j, kept in enumerate(_kept_inputs(body, marks))]
+    return [consts + j in kept for j, kept in enumerate(_kept_inputs(body, marks))]
 
 
 def _kept_inputs(
@@ -549,12 +549,15 @@ def _kept_inputs(
         elif name == "while":  # cond's consts, body's consts, carries
             first = params["cond_nconsts"] + params["body_nconsts"]
             kept = _kept_carries(params["body_jaxpr"].jaxpr, params["body_nconsts"])
-            outs = [ins[first + j] if keeps else frozenset() for j, keeps in kept]
+            outs = [
+                ins[first + j] if keeps else frozenset() for j, keeps in enumerate(kept)
+            ]
         elif name == "scan":  # consts, carries, scanned; out: carries, stacked
             consts = params["num_consts"]
             kept = _kept_carries(params["jaxpr"].jaxpr, consts)[: params["num_carry"]]
             outs[: len(kept)] = [
-                ins[consts + j] if keeps else frozenset() for j, keeps in kept
+                ins[consts + j] if keeps else frozenset()
+                for j, keeps in enumerate(kept)
             ]
         elif name in _CALLS:
             inner = params.get("jaxpr", params.get("call_jaxpr"))
