@@ -119,11 +119,16 @@ def _assert_members_train_like_solo_runs(ens, optimizer, opt_state, solos, steps
         trained, opt_state, *_ = step(trained, opt_state, batch, jax.random.key(t))
     for i, solo_optimizer in enumerate(solos):
         model, solo_state = ens[i], solo_optimizer.init(params(ens[i]))
+        # optax's extra argument `value` (the loss), to those that take it.
+        extra = isinstance(solo_optimizer, optax.GradientTransformationExtraArgs)
         for _ in range(steps):
-            grads = eqx.filter_grad(_mse)(model, batch, None)
+            value, grads = eqx.filter_value_and_grad(_mse)(model, batch, None)
             with jax.numpy_dtype_promotion("standard"):  # optax's own promotions
                 updates, solo_state = solo_optimizer.update(
-                    grads, solo_state, params(model)
+                    grads,
+                    solo_state,
+                    params(model),
+                    **({"value": value} if extra else {}),
                 )
             model = eqx.apply_updates(model, updates)
         # Adam's normalised steps turn float32 rounding of small gradients into
@@ -167,6 +172,126 @@ def test_per_member_rates_inside_multisteps_train_like_solo_runs(ens):
     trained = _assert_members_train_like_solo_runs(ens, optimizer, opt_state, solos, 4)
     assert eqx.tree_equal(trained[2], ens[2])  # rate 0: unchanged
     assert not eqx.tree_equal(trained[0], ens[0])
+
+
+# --------------------------------------------------------------------------------
+# optax's extra argument `value`: each member's own loss.
+# --------------------------------------------------------------------------------
+
+
+def _plateau(factor):
+    # Halve (or scale by `factor`) the step after one step without progress.
+    return optax.chain(
+        optax.sgd(0.5),
+        optax.contrib.reduce_on_plateau(patience=1, factor=factor, min_scale=1e-3),
+    )
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda: _plateau(0.5), lambda: optax.polyak_sgd(max_learning_rate=0.5)],
+    ids=["reduce_on_plateau", "polyak_sgd"],
+)
+def test_optimizers_that_read_the_loss_train_each_member_like_a_solo_run(
+    ens, make_optimizer
+):
+    # `optax.contrib.reduce_on_plateau` and `optax.polyak_sgd` take the loss as
+    # `update(..., value=loss)`: each member is given its own, so member i
+    # trains as it would alone (its own plateau, its own Polyak step).
+    optimizer = make_optimizer()
+    opt_state = ee.init_optimizer(optimizer, ens)
+    trained = _assert_members_train_like_solo_runs(
+        ens, optimizer, opt_state, [make_optimizer()] * SIZE, 8
+    )
+    assert not eqx.tree_equal(trained[0], ens[0])
+
+
+def _records_value(threshold=jnp.inf):
+    """A transformation that passes the updates on and keeps in its state the
+    `value` it was given, an infinity from its start that it never changes (a
+    sentinel, as reduce_on_plateau's best value), and a flag that becomes
+    infinite when the value exceeds `threshold`."""
+
+    def init(params):
+        del params
+        zero = jnp.zeros(())
+        return {"value": zero, "sentinel": jnp.array(jnp.inf), "flag": zero}
+
+    def update(updates, state, params=None, *, value, **extra):
+        del params, extra
+        flag = jnp.where(value > threshold, jnp.inf, 0.0)
+        return updates, {"value": value, "sentinel": state["sentinel"], "flag": flag}
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _scaled_mse(model, batch, key, hyper):
+    return hyper * _mse(model, batch, key)
+
+
+def test_the_value_given_is_the_members_loss_and_the_shared_parts_sum():
+    # Independent reference: the losses the step reports. A trained shared
+    # part's gradient is the sum of the members' gradients: its value is the
+    # sum of their losses.
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 1, 4, 1, key=k),
+        size=SIZE,
+        key=jax.random.key(0),
+        shared=lambda m: m.layers[0],
+        train_shared=True,
+    )
+    optimizer = optax.chain(optax.sgd(0.1), _records_value())
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    batch = (x, x[:, :1] * x[:, 1:])
+    step = ee.make_step(_mse, optimizer)
+    out = step(ens, ee.init_optimizer(optimizer, ens), batch, jax.random.key(2))
+    members, shared = out.opt_state.members[1], out.opt_state.shared[1]
+    np.testing.assert_array_equal(members["value"], out.losses)
+    np.testing.assert_allclose(shared["value"], jnp.sum(out.losses), rtol=1e-6)
+    # `fit`: the value of its last step is that step's loss.
+    result = ee.fit(
+        ens, _mse, optimizer, batch, steps=3, batch_size=16, key=jax.random.key(3),
+        callbacks=(),
+    )  # fmt: skip
+    np.testing.assert_array_equal(
+        result.opt_state.members[1]["value"], result.history.losses[-1]
+    )
+
+
+def test_an_infinity_the_optimizer_keeps_is_not_a_divergence_one_it_makes_is(ens):
+    # The guard checks the optimizer state: an element passes where it is
+    # finite or unchanged (an infinite sentinel, as reduce_on_plateau's best
+    # value until its first average, in a run shorter than that). An element
+    # that becomes infinite still freezes the member, at exactly that step,
+    # in the guarded step (`make_step`) and the optimistic dispatch (`fit`).
+    optimizer = optax.chain(optax.sgd(0.0), _records_value(threshold=1e20))
+    hyper = jnp.array([1.0, 1e30, 1.0])  # member 1's loss is above the threshold
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    batch = (x, x[:, :1] * x[:, 1:])
+    step = ee.make_step(_scaled_mse, optimizer)
+    opt_state = ee.init_optimizer(optimizer, ens)
+    out = step(ens, opt_state, batch, jax.random.key(2), hyper=hyper)
+    kept = out.opt_state[1]
+    np.testing.assert_array_equal(kept["sentinel"], [jnp.inf] * SIZE)
+    np.testing.assert_array_equal(kept["flag"], [0.0] * SIZE)
+    np.testing.assert_array_equal(kept["value"][::2], out.losses[::2])
+    assert kept["value"][1] == 0.0  # member 1 kept its state from before
+    result = ee.fit(
+        ens, _scaled_mse, optimizer, batch, steps=3, batch_size=16,
+        key=jax.random.key(3), hyper=hyper, callbacks=(),
+    )  # fmt: skip
+    assert result.diverged == {1: 1}
+    np.testing.assert_array_equal(result.opt_state[1]["sentinel"], [jnp.inf] * SIZE)
+    # A plateau longer than the run: its best value is still infinite.
+    plateau = optax.chain(
+        optax.sgd(0.1), optax.contrib.reduce_on_plateau(accumulation_size=10)
+    )
+    result = ee.fit(
+        ens, _mse, plateau, batch, steps=3, batch_size=16, key=jax.random.key(3),
+        callbacks=(),
+    )  # fmt: skip
+    assert result.diverged == {}
+    assert np.isinf(result.opt_state[1].best_value).all()
 
 
 def test_set_hyperparams_does_not_modify_its_input(ens):

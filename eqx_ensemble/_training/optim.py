@@ -38,20 +38,23 @@ def optimizer_update(
     state: PyTree[Any],
     params: PyTree[Any],
     key: Any = None,
+    value: Any = None,
 ) -> tuple[PyTree[Any], PyTree[Any]]:
-    """`optimizer.update`, passing `key` (a member's optimizer key, see
-    `_internal.keys.optimizer_key`) as the extra argument `key` to an optimizer
-    that takes extra arguments (`optax.GradientTransformationExtraArgs`, such as
-    every `optax.chain` and the SG-MCMC samplers of `ee.sgmcmc`); an optimizer
-    that does not use it ignores it, and its trace is unchanged."""
+    """`optimizer.update`, passing optax's extra arguments to an optimizer that
+    takes them (`optax.GradientTransformationExtraArgs`, such as every
+    `optax.chain` and the SG-MCMC samplers of `ee.sgmcmc`): `key` (a member's
+    optimizer key, see `_internal.keys.optimizer_key`) and `value` (the loss
+    these `updates` are the gradient of, as `optax.contrib.reduce_on_plateau`
+    and `optax.polyak_sgd` read it). An optimizer that does not use them
+    ignores them, and its trace is unchanged."""
     # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
     # count in Adam's bias correction); trace it that way even when the user runs
     # with `jax_numpy_dtype_promotion="strict"`.
     with jax.numpy_dtype_promotion("standard"):
-        if key is not None and isinstance(
-            optimizer, optax.GradientTransformationExtraArgs
-        ):
-            return optimizer.update(updates, state, params, key=key)
+        if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+            extra = {"key": key, "value": value}
+            extra = {name: arg for name, arg in extra.items() if arg is not None}
+            return optimizer.update(updates, state, params, **extra)
         return optimizer.update(updates, state, params)
 
 
@@ -457,6 +460,7 @@ def check_hyperparams_kept(
             eqx.combine(dynamic_state, static),
             params,
             optimizer_key(jax.random.key(0)),
+            jnp.zeros(()),
         )
         return eqx.filter(new_state, eqx.is_array)
 

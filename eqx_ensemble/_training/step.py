@@ -79,21 +79,48 @@ class StepOutput(NamedTuple):
     state: PyTree[Any]
 
 
-def all_finite(*trees: PyTree[Any], check: FiniteCheck) -> Bool[Array, ""]:
+def all_finite(
+    *trees: PyTree[Any],
+    check: FiniteCheck,
+    state: tuple[PyTree[Any], PyTree[Any]] | None = None,
+) -> Bool[Array, ""]:
     """Whether every floating-point element of `trees` is finite, in the form
-    `check` names (the same answer in either; see `_execution.guard`)."""
-    leaves = [leaf for leaf in jax.tree.leaves(trees) if eqx.is_inexact_array(leaf)]
-    if not leaves:
+    `check` names (the same answer in either; see `_execution.guard`).
+
+    `state=(new, old)`: ONE member's optimizer state after and before an
+    update. Its scalars (counts, scales, best values) pass where they are
+    finite or hold the same value as before: an infinity the optimizer keeps
+    as it is, as `optax.contrib.reduce_on_plateau`'s best value until its
+    first average (optax's sentinels are all scalars). A NaN never passes (it
+    equals nothing), nor a scalar that became infinite. Per-parameter arrays
+    (moments) must be finite: comparing them too would read every moment
+    twice more per step (for Adam, whose only scalar is an integer count, the
+    check is the same program as before)."""
+    pairs = [(leaf, None) for leaf in jax.tree.leaves(trees)]
+    if state is not None:
+        new, old = (jax.tree.leaves(tree) for tree in state)
+        pairs += [
+            (leaf, was if jnp.ndim(leaf) == 0 else None)
+            for leaf, was in zip(new, old, strict=True)
+        ]
+    pairs = [(leaf, was) for leaf, was in pairs if eqx.is_inexact_array(leaf)]
+    if not pairs:
         return jnp.array(True)
     if check == "per_leaf":
-        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+        ok = [
+            jnp.isfinite(leaf) if was is None else jnp.isfinite(leaf) | (leaf == was)
+            for leaf, was in pairs
+        ]
+        return jnp.all(jnp.stack([jnp.all(each) for each in ok]))
     # By shape: `x * 0` is (+-)0 for a finite x and NaN for an infinite or NaN
     # one, so a sum of such terms is finite exactly when every term's x is (and
     # it cannot overflow). One reduction per shape and dtype.
     groups: dict[Any, Any] = {}
-    for leaf in leaves:
+    for leaf, was in pairs:
         key = (leaf.shape, leaf.dtype)
         zero = leaf * jnp.zeros((), leaf.dtype)
+        if was is not None:
+            zero = jnp.where(leaf == was, jnp.zeros((), leaf.dtype), zero)
         groups[key] = zero if key not in groups else groups[key] + zero
     return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(g)) for g in groups.values()]))
 
@@ -174,9 +201,10 @@ def apply_member(
 ) -> tuple[Any, Any, Any, Any]:
     """ONE member's optimizer update from its gradients, kept only if everything
     is finite and the member is not `frozen`. An optimizer that takes extra
-    arguments receives the member's optimizer key (`optimizer_key(key)`)."""
+    arguments receives the member's optimizer key (`optimizer_key(key)`) and
+    its `loss` as `value` (optax's name: `optax.contrib.reduce_on_plateau`)."""
     updates, new_opt_state = optimizer_update(
-        optimizer, grads, opt_state, trainable(member), optimizer_key(key)
+        optimizer, grads, opt_state, trainable(member), optimizer_key(key), loss
     )
     new_member = eqx.apply_updates(member, updates)
     if check == "deferred":  # checked once per dispatch (`loop.run_chunk`)
@@ -184,7 +212,7 @@ def apply_member(
     # The update is checked too: a finite gradient times a huge (or non-finite)
     # per-member learning rate still gives non-finite parameters.
     finite = jnp.isfinite(loss) & all_finite(
-        grads, trainable(new_member), new_opt_state, check=check
+        grads, trainable(new_member), check=check, state=(new_opt_state, opt_state)
     )
     keep_new = finite & jnp.logical_not(frozen)
     new_member = _select(keep_new, new_member, member)
@@ -312,8 +340,10 @@ def _coupled_update(
 
     redo = jnp.any(diverged) | ~all_finite(shared_grads, check=check)
     shared_grads = jax.lax.cond(redo, healthy_sum, lambda: shared_grads)
+    # Its loss: the sum its gradient is of (the members left in it).
+    shared_loss = jnp.sum(jnp.where(frozen | diverged, 0.0, losses))
     new_shared, new_shared_opt = _shared_update(
-        optimizer, ens.shared, shared_grads, opt_state.shared, check
+        optimizer, ens.shared, shared_grads, shared_loss, opt_state.shared, check
     )
     return (
         with_members(eqx.tree_at(lambda e: e.shared, ens, new_shared), members),
@@ -329,17 +359,21 @@ def _shared_update(
     optimizer: optax.GradientTransformation,
     shared: Any,
     grads: Any,
+    loss: Any,
     opt_state: Any,
     check: FiniteCheck,
 ) -> tuple[Any, Any]:
     """The shared part's optimizer step, kept only if its gradients, new weights
     and new optimizer state are all finite (else the old ones stay). The shared
-    part is one model, not a member: no member key for it."""
+    part is one model, not a member: no member key for it; its `loss` (what
+    `grads` are the gradient of) is passed as optax's `value`."""
     updates, new_opt_state = optimizer_update(
-        optimizer, grads, opt_state, trainable(shared)
+        optimizer, grads, opt_state, trainable(shared), value=loss
     )
     new_shared = eqx.apply_updates(shared, updates)
-    keep = all_finite(grads, trainable(new_shared), new_opt_state, check=check)
+    keep = all_finite(
+        grads, trainable(new_shared), check=check, state=(new_opt_state, opt_state)
+    )
     return _select(keep, new_shared, shared), _select(keep, new_opt_state, opt_state)
 
 
@@ -376,7 +410,7 @@ def _joint_update(
         return total, losses
 
     shared = ens.shared if train_shared else None
-    (_, losses), (grads, shared_grads) = eqx.filter_value_and_grad(
+    (total, losses), (grads, shared_grads) = eqx.filter_value_and_grad(
         total_loss, has_aux=True
     )((ens.members, shared))
     members_opt = opt_state.members if train_shared else opt_state
@@ -388,7 +422,7 @@ def _joint_update(
     new_opt = new_members_opt
     if train_shared:
         new_shared, new_shared_opt = _shared_update(
-            optimizer, ens.shared, shared_grads, opt_state.shared, check
+            optimizer, ens.shared, shared_grads, total, opt_state.shared, check
         )
         new_ens = with_members(
             eqx.tree_at(lambda e: e.shared, ens, new_shared), members
