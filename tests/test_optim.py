@@ -1,5 +1,7 @@
 """`ee.init_optimizer` / `ee.set_hyperparams`: one optax state per member."""
 
+import inspect
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -120,7 +122,8 @@ def _assert_members_train_like_solo_runs(ens, optimizer, opt_state, solos, steps
     for i, solo_optimizer in enumerate(solos):
         model, solo_state = ens[i], solo_optimizer.init(params(ens[i]))
         # optax's extra argument `value` (the loss), to those that take it.
-        extra = isinstance(solo_optimizer, optax.GradientTransformationExtraArgs)
+        takes = inspect.signature(solo_optimizer.update).parameters.values()
+        extra = any(p.name == "value" or p.kind is p.VAR_KEYWORD for p in takes)
         for _ in range(steps):
             value, grads = eqx.filter_value_and_grad(_mse)(model, batch, None)
             with jax.numpy_dtype_promotion("standard"):  # optax's own promotions
@@ -189,10 +192,15 @@ def _plateau(factor):
 
 @pytest.mark.parametrize(
     "make_optimizer",
-    [lambda: _plateau(0.5), lambda: optax.polyak_sgd(max_learning_rate=0.5)],
-    ids=["reduce_on_plateau", "polyak_sgd"],
+    [
+        lambda: _plateau(0.5),
+        lambda: optax.polyak_sgd(max_learning_rate=0.5),
+        # Takes `grad_fn` only (no `**extra_args`): given neither key nor value.
+        lambda: optax.contrib.sam(optax.sgd(0.3), optax.sgd(0.1), sync_period=2),
+    ],
+    ids=["reduce_on_plateau", "polyak_sgd", "sam"],
 )
-def test_optimizers_that_read_the_loss_train_each_member_like_a_solo_run(
+def test_optimizers_with_extra_arguments_train_each_member_like_a_solo_run(
     ens, make_optimizer
 ):
     # `optax.contrib.reduce_on_plateau` and `optax.polyak_sgd` take the loss as

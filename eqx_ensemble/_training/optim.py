@@ -1,6 +1,7 @@
 """`init_optimizer`: one optax state per member, per-member hyperparameters."""
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,16 +47,35 @@ def optimizer_update(
     optimizer key, see `_internal.keys.optimizer_key`) and `value` (the loss
     these `updates` are the gradient of, as `optax.contrib.reduce_on_plateau`
     and `optax.polyak_sgd` read it). An optimizer that does not use them
-    ignores them, and its trace is unchanged."""
+    ignores them, and its trace is unchanged; one whose `update` names its
+    keyword arguments without `**extra_args` is given only those it names
+    (`optax.contrib.sam`'s transparent mode takes `grad_fn` alone)."""
     # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
     # count in Adam's bias correction); trace it that way even when the user runs
     # with `jax_numpy_dtype_promotion="strict"`.
     with jax.numpy_dtype_promotion("standard"):
         if isinstance(optimizer, optax.GradientTransformationExtraArgs):
             extra = {"key": key, "value": value}
-            extra = {name: arg for name, arg in extra.items() if arg is not None}
+            named = _keywords(optimizer.update)
+            extra = {
+                name: arg
+                for name, arg in extra.items()
+                if arg is not None and (named is None or name in named)
+            }
             return optimizer.update(updates, state, params, **extra)
         return optimizer.update(updates, state, params)
+
+
+def _keywords(update: Callable[..., Any]) -> frozenset[str] | None:
+    """The keyword arguments `update` takes; `None`: any (`**extra_args`, or a
+    signature Python cannot read)."""
+    try:
+        parameters = inspect.signature(update).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters)
 
 
 def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
