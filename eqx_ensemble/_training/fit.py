@@ -142,7 +142,9 @@ def fit(
     sampling documents. Evaluations use `jax.random.fold_in(key, 3)`. An
     optimizer that takes extra arguments (`optax.GradientTransformationExtraArgs`,
     e.g. the samplers of [`ee.sgmcmc`][eqx_ensemble.sgmcmc]) gets member `i`'s
-    loss key folded with `0x6F707478` as `update(..., key=)`.
+    loss key folded with `0x6F707478` as `update(..., key=)`, and its loss at
+    that step as `value=` (`optax.contrib.reduce_on_plateau`,
+    `optax.polyak_sgd`; a trained shared part: the sum of the members' losses).
 
     **Example:**
 

@@ -992,12 +992,13 @@ def make_step(
     `losses` of shape `(len(ens),)`. Member `i` is called with key
     `jax.random.split(key, len(ens))[i]` (and an optimizer taking extra arguments,
     such as [`ee.sgmcmc.sgld`][eqx_ensemble.sgmcmc.sgld], gets
-    `jax.random.fold_in` of it with `0x6F707478` as `key=`). A member whose loss
-    or gradient is not finite, or whose update would make its parameters
-    non-finite, keeps its
-    previous parameters and optimizer state (its loss is reported as
-    non-finite), so it cannot corrupt anything. `step.lower(...)` lowers the
-    step ahead of time, as `eqx.filter_jit(...).lower`.
+    `jax.random.fold_in` of it with `0x6F707478` as `key=`, and the member's
+    loss as `value=`, as `optax.contrib.reduce_on_plateau` reads it). A member
+    whose loss or gradient is not finite, or whose update would make its
+    parameters non-finite, keeps its previous parameters and optimizer state
+    (its loss is reported as non-finite), so it cannot corrupt anything.
+    `step.lower(...)` lowers the step ahead of time, as
+    `eqx.filter_jit(...).lower`.
 
     Per-member hyperparameters of the loss or model (weight decay, dropout rate,
     label smoothing...): `step(..., hyper=h)` with `h` a PyTree of arrays with a
