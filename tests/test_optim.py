@@ -1,5 +1,6 @@
 """`ee.init_optimizer` / `ee.set_hyperparams`: one optax state per member."""
 
+import functools
 import inspect
 
 import equinox as eqx
@@ -195,10 +196,14 @@ def _plateau(factor):
     [
         lambda: _plateau(0.5),
         lambda: optax.polyak_sgd(max_learning_rate=0.5),
+        # Not typed `GradientTransformationExtraArgs`, but passes them on.
+        lambda: optax.MultiSteps(
+            _plateau(0.5), every_k_schedule=2
+        ).gradient_transformation(),
         # Takes `grad_fn` only (no `**extra_args`): given neither key nor value.
         lambda: optax.contrib.sam(optax.sgd(0.3), optax.sgd(0.1), sync_period=2),
     ],
-    ids=["reduce_on_plateau", "polyak_sgd", "sam"],
+    ids=["reduce_on_plateau", "polyak_sgd", "multisteps", "sam"],
 )
 def test_optimizers_with_extra_arguments_train_each_member_like_a_solo_run(
     ens, make_optimizer
@@ -217,18 +222,21 @@ def test_optimizers_with_extra_arguments_train_each_member_like_a_solo_run(
 def _records_value(threshold=jnp.inf):
     """A transformation that passes the updates on and keeps in its state the
     `value` it was given, an infinity from its start that it never changes (a
-    sentinel, as reduce_on_plateau's best value), and a flag that becomes
-    infinite when the value exceeds `threshold`."""
+    sentinel, as reduce_on_plateau's best value), and a flag that becomes NaN
+    from its second update on where the value exceeds `threshold`."""
 
     def init(params):
         del params
         zero = jnp.zeros(())
-        return {"value": zero, "sentinel": jnp.array(jnp.inf), "flag": zero}
+        count = jnp.zeros((), jnp.int32)
+        return {"value": zero, "sentinel": jnp.array(jnp.inf), "flag": zero, "n": count}
 
     def update(updates, state, params=None, *, value, **extra):
         del params, extra
-        flag = jnp.where(value > threshold, jnp.inf, 0.0)
-        return updates, {"value": value, "sentinel": state["sentinel"], "flag": flag}
+        n = state["n"] + 1
+        flag = jnp.where((n >= 2) & (value > threshold), jnp.nan, 0.0)
+        sentinel = state["sentinel"]
+        return updates, {"value": value, "sentinel": sentinel, "flag": flag, "n": n}
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -266,40 +274,75 @@ def test_the_value_given_is_the_members_loss_and_the_shared_parts_sum():
     )
 
 
-def test_an_infinity_the_optimizer_keeps_is_not_a_divergence_one_it_makes_is(ens):
-    # The guard checks the optimizer state: an element passes where it is
-    # finite or unchanged (an infinite sentinel, as reduce_on_plateau's best
-    # value until its first average, in a run shorter than that). An element
-    # that becomes infinite still freezes the member, at exactly that step,
-    # in the guarded step (`make_step`) and the optimistic dispatch (`fit`).
-    optimizer = optax.chain(optax.sgd(0.0), _records_value(threshold=1e20))
-    hyper = jnp.array([1.0, 1e30, 1.0])  # member 1's loss is above the threshold
+def test_the_value_of_a_coupled_loss_is_its_total(ens):
+    # Every member's gradient is of the coupled objective: each is given it.
+    def together(ensemble, batch, keys):  # the members' losses: summed
+        x, y = batch
+        out = ee.map(lambda m, xs: jax.vmap(m)(xs), ensemble, x)
+        return jnp.mean((out - y[None]) ** 2, axis=(1, 2))
+
+    optimizer = optax.chain(optax.sgd(0.1), _records_value())
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    step = ee.make_step(ee.Coupled(together), optimizer)
+    out = step(ens, ee.init_optimizer(optimizer, ens), (x, x[:, :1]), jax.random.key(2))
+    total = jnp.sum(out.losses)  # the step's own report of each member's
+    np.testing.assert_allclose(out.opt_state[1]["value"], [total] * SIZE, rtol=1e-6)
+
+
+def test_infinite_optimizer_scalars_are_no_divergence_and_nan_ones_are(ens):
+    # The guard checks the optimizer state; its scalars may be infinite by
+    # design: reduce_on_plateau's best value until its first average (here
+    # longer than the run), a clipping threshold of inf (no clipping) on some
+    # steps. A NaN scalar still freezes the member, at the same step in the
+    # guarded step (`make_step`, `guard="step"`) and the optimistic dispatch
+    # (`fit`'s default: checked once per dispatch), whatever its length.
     x = jax.random.normal(jax.random.key(1), (16, 2))
     batch = (x, x[:, :1] * x[:, 1:])
-    step = ee.make_step(_scaled_mse, optimizer)
-    opt_state = ee.init_optimizer(optimizer, ens)
-    out = step(ens, opt_state, batch, jax.random.key(2), hyper=hyper)
-    kept = out.opt_state[1]
-    np.testing.assert_array_equal(kept["sentinel"], [jnp.inf] * SIZE)
-    np.testing.assert_array_equal(kept["flag"], [0.0] * SIZE)
-    np.testing.assert_array_equal(kept["value"][::2], out.losses[::2])
-    assert kept["value"][1] == 0.0  # member 1 kept its state from before
-    result = ee.fit(
-        ens, _scaled_mse, optimizer, batch, steps=3, batch_size=16,
-        key=jax.random.key(3), hyper=hyper, callbacks=(),
-    )  # fmt: skip
-    assert result.diverged == {1: 1}
-    np.testing.assert_array_equal(result.opt_state[1]["sentinel"], [jnp.inf] * SIZE)
-    # A plateau longer than the run: its best value is still infinite.
     plateau = optax.chain(
         optax.sgd(0.1), optax.contrib.reduce_on_plateau(accumulation_size=10)
     )
-    result = ee.fit(
-        ens, _mse, plateau, batch, steps=3, batch_size=16, key=jax.random.key(3),
-        callbacks=(),
-    )  # fmt: skip
+    fit = functools.partial(
+        ee.fit, steps=4, batch_size=16, key=jax.random.key(3), callbacks=()
+    )
+    result = fit(ens, _mse, plateau, batch)
     assert result.diverged == {}
     assert np.isinf(result.opt_state[1].best_value).all()
+
+    def clipped(rate):  # no clipping on even steps: max_norm inf
+        norm = lambda count: jnp.where(count % 2 == 0, jnp.inf, 0.1)  # noqa: E731
+        return optax.chain(
+            optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=norm),
+            optax.sgd(rate),
+        )
+
+    optimizer = clipped(0.5)
+    _assert_members_train_like_solo_runs(
+        ens, optimizer, ee.init_optimizer(optimizer, ens), [clipped(0.5)] * SIZE, 4
+    )
+    for execution in (None, ee.Execution(steps_per_dispatch=1)):
+        assert fit(ens, _mse, optimizer, batch, execution=execution).diverged == {}
+
+    # Member 1's loss is above the threshold: its flag turns NaN at step 2.
+    optimizer = optax.chain(optax.sgd(0.0), _records_value(threshold=1e20))
+    hyper = jnp.array([1.0, 1e30, 1.0])
+    step = ee.make_step(_scaled_mse, optimizer)
+    trained, opt_state = ens, ee.init_optimizer(optimizer, ens)
+    for t in range(2):
+        out = step(trained, opt_state, batch, jax.random.key(t), hyper=hyper)
+        trained, opt_state = out.ensemble, out.opt_state
+    kept = opt_state[1]
+    np.testing.assert_array_equal(kept["n"], [2, 1, 2])  # member 1: its step 1
+    np.testing.assert_array_equal(kept["sentinel"], [jnp.inf] * SIZE)
+    np.testing.assert_array_equal(kept["flag"], [0.0] * SIZE)
+    np.testing.assert_array_equal(kept["value"][::2], out.losses[::2])
+    for execution in (
+        None, ee.Execution(steps_per_dispatch=1), ee.Execution(guard="step")
+    ):  # fmt: skip
+        result = fit(
+            ens, _scaled_mse, optimizer, batch, hyper=hyper, execution=execution
+        )
+        assert result.diverged == {1: 2}
+        np.testing.assert_array_equal(result.opt_state[1]["n"], [4, 1, 4])
 
 
 def test_set_hyperparams_does_not_modify_its_input(ens):

@@ -573,8 +573,7 @@ def _settle_members(
     frozen = (start.diverged_at >= 0) | (start.stopped_at >= 0)
     frozen = constrain(frozen, mesh, (MEMBERS,))
     ens, opt_state, model_state = end.ensemble, end.opt_state, end.model_state
-    finite = _members_finite(ens, opt_state, start.opt_state)
-    finite = constrain(finite, mesh, (MEMBERS,))
+    finite = constrain(_members_finite(ens, opt_state), mesh, (MEMBERS,))
     return dataclasses.replace(
         end,
         ensemble=member_select(~frozen, ens, start.ensemble),
@@ -586,21 +585,19 @@ def _settle_members(
     )
 
 
-def _members_finite(ens: Any, opt_state: Any, start_opt_state: Any) -> Any:
+def _members_finite(ens: Any, opt_state: Any) -> Any:
     """Per member: whether its own weights (not a shared part) and optimizer
     state are all finite (the optimizer state as `member_select` takes it with
-    `ens`; an infinity it held at the dispatch's start and still holds passes),
-    what the guarded step checks of the state (`step.apply_member`; a model
-    state may hold infinities by design, a running maximum's start)."""
+    `ens`; its scalars: not NaN), what the guarded step checks of the state
+    (`step.apply_member`; a model state may hold infinities by design, a
+    running maximum's start)."""
 
     finite = eqx.filter_vmap(
-        lambda members, new, old: all_finite(
-            members, check="by_shape", state=(new, old)
-        )
+        lambda members, state: all_finite(members, check="by_shape", state=state)
     )
-    parts = group_parts(ens, opt_state, start_opt_state)
+    parts = group_parts(ens, opt_state)
     return joined(
-        ens, [finite(group.members, new, old) for group, new, old in parts],
+        ens, [finite(group.members, group_opt) for group, group_opt in parts],
         jnp.concatenate,
     )  # fmt: skip
 

@@ -42,40 +42,45 @@ def optimizer_update(
     value: Any = None,
 ) -> tuple[PyTree[Any], PyTree[Any]]:
     """`optimizer.update`, passing optax's extra arguments to an optimizer that
-    takes them (`optax.GradientTransformationExtraArgs`, such as every
-    `optax.chain` and the SG-MCMC samplers of `ee.sgmcmc`): `key` (a member's
-    optimizer key, see `_internal.keys.optimizer_key`) and `value` (the loss
-    these `updates` are the gradient of, as `optax.contrib.reduce_on_plateau`
-    and `optax.polyak_sgd` read it). An optimizer that does not use them
-    ignores them, and its trace is unchanged; one whose `update` names its
-    keyword arguments without `**extra_args` is given only those it names
-    (`optax.contrib.sam`'s transparent mode takes `grad_fn` alone)."""
+    takes them: `key` (a member's optimizer key, see
+    `_internal.keys.optimizer_key`; the SG-MCMC samplers of `ee.sgmcmc`) and
+    `value` (the loss these `updates` are the gradient of, as
+    `optax.contrib.reduce_on_plateau` and `optax.polyak_sgd` read it).
+
+    Which it takes is read from its `update`'s signature: all of them where
+    it has `**extra_args` (every `optax.chain`, and `optax.MultiSteps`, which
+    passes them on although it is not typed `GradientTransformationExtraArgs`),
+    else those it names (`optax.contrib.sam`'s transparent mode names only
+    `grad_fn`: it gets neither). An optimizer that does not use them ignores
+    them, and its trace is unchanged."""
+    takes = _takes(optimizer)
+    extra = {"key": key, "value": value}
+    extra = {
+        name: arg for name, arg in extra.items() if arg is not None and takes(name)
+    }
     # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
     # count in Adam's bias correction); trace it that way even when the user runs
     # with `jax_numpy_dtype_promotion="strict"`.
     with jax.numpy_dtype_promotion("standard"):
-        if isinstance(optimizer, optax.GradientTransformationExtraArgs):
-            extra = {"key": key, "value": value}
-            named = _keywords(optimizer.update)
-            extra = {
-                name: arg
-                for name, arg in extra.items()
-                if arg is not None and (named is None or name in named)
-            }
-            return optimizer.update(updates, state, params, **extra)
-        return optimizer.update(updates, state, params)
+        return optimizer.update(updates, state, params, **extra)
 
 
-def _keywords(update: Callable[..., Any]) -> frozenset[str] | None:
-    """The keyword arguments `update` takes; `None`: any (`**extra_args`, or a
-    signature Python cannot read)."""
+def _takes(optimizer: Any) -> Callable[[str], bool]:
+    """Whether `optimizer.update` takes a keyword argument, by its signature (one
+    Python cannot read: by optax's type, `GradientTransformationExtraArgs`)."""
     try:
-        parameters = inspect.signature(update).parameters.values()
+        parameters = inspect.signature(optimizer.update).parameters.values()
     except (TypeError, ValueError):
-        return None
+        extra_args = isinstance(optimizer, optax.GradientTransformationExtraArgs)
+        return lambda name: extra_args
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return frozenset(p.name for p in parameters)
+        return lambda name: True
+    named = {
+        p.name
+        for p in parameters
+        if p.kind in (inspect.Parameter.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+    return named.__contains__
 
 
 def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:

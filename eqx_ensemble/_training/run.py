@@ -111,7 +111,9 @@ def prepare(
     train_state, history, saved_data = _resumed(
         checkpoints, train_state, record, steps, mesh, size
     )
-    done = int(train_state.step)
+    # A run not resumed starts at step 0 (`initial_state`): no host read, which
+    # would wait for the start state's program before the dispatch is queued.
+    done = 0 if history is None else int(train_state.step)
     if source is None:
         source = StreamSource(data, sampling, batch_size, size, done, saved_data)
         plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)

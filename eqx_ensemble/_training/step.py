@@ -80,47 +80,40 @@ class StepOutput(NamedTuple):
 
 
 def all_finite(
-    *trees: PyTree[Any],
-    check: FiniteCheck,
-    state: tuple[PyTree[Any], PyTree[Any]] | None = None,
+    *trees: PyTree[Any], check: FiniteCheck, state: PyTree[Any] = None
 ) -> Bool[Array, ""]:
     """Whether every floating-point element of `trees` is finite, in the form
     `check` names (the same answer in either; see `_execution.guard`).
 
-    `state=(new, old)`: ONE member's optimizer state after and before an
-    update. Its scalars (counts, scales, best values) pass where they are
-    finite or hold the same value as before: an infinity the optimizer keeps
-    as it is, as `optax.contrib.reduce_on_plateau`'s best value until its
-    first average (optax's sentinels are all scalars). A NaN never passes (it
-    equals nothing), nor a scalar that became infinite. Per-parameter arrays
-    (moments) must be finite: comparing them too would read every moment
-    twice more per step (for Adam, whose only scalar is an integer count, the
-    check is the same program as before)."""
-    pairs = [(leaf, None) for leaf in jax.tree.leaves(trees)]
-    if state is not None:
-        new, old = (jax.tree.leaves(tree) for tree in state)
-        pairs += [
-            (leaf, was if jnp.ndim(leaf) == 0 else None)
-            for leaf, was in zip(new, old, strict=True)
-        ]
-    pairs = [(leaf, was) for leaf, was in pairs if eqx.is_inexact_array(leaf)]
+    `state`: ONE member's (or a shared part's) optimizer state, whose
+    per-parameter arrays (moments) must be finite too, and whose scalars
+    (counts, scales, best values, injected hyperparameters) must not be NaN:
+    an optimizer's scalar may be infinite by design (`optax.contrib.
+    reduce_on_plateau`'s best value before its first average, a clipping
+    threshold of `inf`: no clipping), and what it controls shows up in the
+    updates and weights, which are checked. Optax's sentinels are all
+    scalars; for Adam (whose only scalar is an integer count) the check is
+    the program it was before scalars were told apart."""
+    pairs = [(leaf, False) for leaf in jax.tree.leaves(trees)]
+    pairs += [(leaf, jnp.ndim(leaf) == 0) for leaf in jax.tree.leaves(state)]
+    pairs = [(leaf, scalar) for leaf, scalar in pairs if eqx.is_inexact_array(leaf)]
     if not pairs:
         return jnp.array(True)
     if check == "per_leaf":
         ok = [
-            jnp.isfinite(leaf) if was is None else jnp.isfinite(leaf) | (leaf == was)
-            for leaf, was in pairs
+            ~jnp.isnan(x) if scalar else jnp.all(jnp.isfinite(x)) for x, scalar in pairs
         ]
-        return jnp.all(jnp.stack([jnp.all(each) for each in ok]))
+        return jnp.all(jnp.stack(ok))
     # By shape: `x * 0` is (+-)0 for a finite x and NaN for an infinite or NaN
     # one, so a sum of such terms is finite exactly when every term's x is (and
-    # it cannot overflow). One reduction per shape and dtype.
+    # it cannot overflow). One reduction per shape and dtype. A scalar's term
+    # is 0 where it is infinite (only a NaN fails it).
     groups: dict[Any, Any] = {}
-    for leaf, was in pairs:
+    for leaf, scalar in pairs:
         key = (leaf.shape, leaf.dtype)
         zero = leaf * jnp.zeros((), leaf.dtype)
-        if was is not None:
-            zero = jnp.where(leaf == was, jnp.zeros((), leaf.dtype), zero)
+        if scalar:
+            zero = jnp.where(jnp.isinf(leaf), jnp.zeros((), leaf.dtype), zero)
         groups[key] = zero if key not in groups else groups[key] + zero
     return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(g)) for g in groups.values()]))
 
@@ -196,15 +189,22 @@ def apply_member(
     kept_state: Any,
     frozen: Any,
     key: Any,
+    value: Any = None,
     *,
     check: FiniteCheck = "per_leaf",
 ) -> tuple[Any, Any, Any, Any]:
     """ONE member's optimizer update from its gradients, kept only if everything
     is finite and the member is not `frozen`. An optimizer that takes extra
-    arguments receives the member's optimizer key (`optimizer_key(key)`) and
-    its `loss` as `value` (optax's name: `optax.contrib.reduce_on_plateau`)."""
+    arguments receives the member's optimizer key (`optimizer_key(key)`) and,
+    as `value` (optax's name: `optax.contrib.reduce_on_plateau`), what `grads`
+    are the gradient of: `value`, or else the member's `loss`."""
     updates, new_opt_state = optimizer_update(
-        optimizer, grads, opt_state, trainable(member), optimizer_key(key), loss
+        optimizer,
+        grads,
+        opt_state,
+        trainable(member),
+        optimizer_key(key),
+        loss if value is None else value,
     )
     new_member = eqx.apply_updates(member, updates)
     if check == "deferred":  # checked once per dispatch (`loop.run_chunk`)
@@ -212,7 +212,7 @@ def apply_member(
     # The update is checked too: a finite gradient times a huge (or non-finite)
     # per-member learning rate still gives non-finite parameters.
     finite = jnp.isfinite(loss) & all_finite(
-        grads, trainable(new_member), check=check, state=(new_opt_state, opt_state)
+        grads, trainable(new_member), check=check, state=new_opt_state
     )
     keep_new = finite & jnp.logical_not(frozen)
     new_member = _select(keep_new, new_member, member)
@@ -371,9 +371,7 @@ def _shared_update(
         optimizer, grads, opt_state, trainable(shared), value=loss
     )
     new_shared = eqx.apply_updates(shared, updates)
-    keep = all_finite(
-        grads, trainable(new_shared), check=check, state=(new_opt_state, opt_state)
-    )
+    keep = all_finite(grads, trainable(new_shared), check=check, state=new_opt_state)
     return _select(keep, new_shared, shared), _select(keep, new_opt_state, opt_state)
 
 
@@ -414,10 +412,11 @@ def _joint_update(
         total_loss, has_aux=True
     )((ens.members, shared))
     members_opt = opt_state.members if train_shared else opt_state
+    # Every member's gradient is of the coupled total: its `value` (optax's).
     members, new_members_opt, _, diverged = eqx.filter_vmap(
         functools.partial(apply_member, optimizer, check=check),
-        in_axes=(member_axis,) * 8,
-    )(ens.members, members_opt, grads, losses, None, None, frozen, keys)
+        in_axes=(member_axis,) * 8 + (None,),
+    )(ens.members, members_opt, grads, losses, None, None, frozen, keys, total)
     new_ens = with_members(ens, members)
     new_opt = new_members_opt
     if train_shared:
