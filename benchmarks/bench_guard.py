@@ -60,7 +60,7 @@ def main() -> None:
             if form is not None:
                 params = eqx.filter(new_model, eqx.is_inexact_array)
                 ok = jnp.isfinite(loss) & all_finite(
-                    grads, params, check=form, state=(new_state, state)
+                    grads, params, check=form, state=new_state
                 )
                 new_model, new_state = jax.tree.map(
                     lambda a, b: jnp.where(ok, a, b) if eqx.is_array(a) else a,

@@ -225,3 +225,32 @@ def test_an_overflowing_update_is_caught_in_either_form(monkeypatch):
         strict=True,
     ):
         np.testing.assert_array_equal(got, want)
+
+
+def test_an_optimizer_states_scalars_fail_only_when_nan_in_every_form():
+    # Per member (vmapped, as the step checks): the state's scalars may be
+    # infinite (a sentinel, an `inf` clipping threshold), not NaN; its arrays
+    # (moments) must be finite. Reference: NumPy, member by member.
+    inf, nan = float("inf"), float("nan")
+    scalar = jnp.array([0.0, inf, -inf, nan, 0.0, 0.0])
+    moment = jnp.zeros((6, 3)).at[4, 1].set(inf).at[5, 2].set(nan)
+    weights = jnp.ones((6, 2))
+    reference = [
+        not np.isnan(np.asarray(scalar)[m]) and np.isfinite(np.asarray(moment)[m]).all()
+        for m in range(6)
+    ]
+    assert reference == [True, True, True, False, False, False]
+    for form in FORMS:
+        flags = eqx.filter_vmap(
+            lambda w, s, v, form=form: all_finite(
+                w, check=form, state={"best": s, "mu": v}
+            )
+        )(weights, scalar, moment)
+        np.testing.assert_array_equal(np.asarray(flags), reference, err_msg=form)
+        # The same values outside the state: every one must be finite.
+        flags = eqx.filter_vmap(lambda w, s, form=form: all_finite(w, s, check=form))(
+            weights, scalar
+        )
+        np.testing.assert_array_equal(
+            np.asarray(flags), np.isfinite(np.asarray(scalar)), err_msg=form
+        )
