@@ -1,11 +1,11 @@
 """The form of the divergence guard's finiteness check (how, never what).
 
 A guarded step checks that each member's loss, gradients, new weights and new
-optimizer state are finite (the state's scalars: not NaN, as an optimizer's
-scalar may be infinite by design; `_training.step.all_finite`) (DESIGN
-section 3; in a dispatch of array data
-`fit` checks once at the dispatch's end instead, `loop._settle_members`). The answer
-is the same in either form below; what differs is what XLA makes of it:
+optimizer state are finite (DESIGN section 3; the state's scalars only for
+NaN, as an optimizer's scalar may be infinite by design:
+`_training.step.all_finite`). In a dispatch of array data `fit` checks once
+at the dispatch's end instead (`loop._settle_members`). The answer is the
+same in either form below; what differs is what XLA makes of it:
 
 - `"per_leaf"`: `all(isfinite(leaf))` for every leaf, one small reduction each.
   Fastest to run on a dispatch-bound CPU step (tiny leaves), the slowest to

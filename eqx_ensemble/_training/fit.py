@@ -144,7 +144,8 @@ def fit(
     e.g. the samplers of [`ee.sgmcmc`][eqx_ensemble.sgmcmc]) gets member `i`'s
     loss key folded with `0x6F707478` as `update(..., key=)`, and its loss at
     that step as `value=` (`optax.contrib.reduce_on_plateau`,
-    `optax.polyak_sgd`; a trained shared part: the sum of the members' losses).
+    `optax.polyak_sgd`; a trained shared part: the sum of the members' losses;
+    an [`ee.Coupled`][eqx_ensemble.Coupled] loss: its total, for every member).
 
     **Example:**
 

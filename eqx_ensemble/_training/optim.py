@@ -75,12 +75,8 @@ def _takes(optimizer: Any) -> Callable[[str], bool]:
         return lambda name: extra_args
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return lambda name: True
-    named = {
-        p.name
-        for p in parameters
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-    }
-    return named.__contains__
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name for p in parameters if p.kind in keyword}.__contains__
 
 
 def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
