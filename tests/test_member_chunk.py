@@ -151,12 +151,147 @@ def test_chunked_step_holds_fewer_intermediates():
         return lowered.compile().memory_analysis().temp_size_in_bytes
 
     # `compiler_options={}`: an outer `jit` takes no options of the inner one's.
-    whole = temp_bytes(ee.Execution(layout="vmap", compiler_options={}))
+    # `member_chunk=16`: all members at once (left out, `make_step` would chunk
+    # a step this large itself: the test below).
+    whole = temp_bytes(ee.Execution(member_chunk=16, compiler_options={}))
     chunked = temp_bytes(ee.Execution(member_chunk=2, compiler_options={}))
     # On a CPU one chunk's temporaries (2 of 16 members) and the stacked
     # results; XLA:GPU keeps more around the chunks' loop (39 vs 67 MB measured
     # on an H100, session 21), so there only the direction is checked.
     assert chunked < (whole / 3 if ON_CPU else whole), (chunked, whole)
+
+
+# --------------------------------------------- chunks chosen by `make_step`
+
+
+def _temp_bytes(step, *args):
+    """XLA's temporaries of `step`'s compiled program for `args`."""
+    compiled = step.lower(*args)._lowered.compile().compiled
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.skipif(not ON_CPU, reason="a CPU's allocator (glibc's mmap ceiling)")
+def test_make_step_chunks_a_step_whose_temporaries_pass_the_allocators_ceiling():
+    # 64 MLPs 32-128-128-10 on a batch of 256 (the compute-bound benchmark):
+    # all at once, XLA's temporaries are ~32 MiB, which glibc maps afresh at
+    # every call (`make_step` 40 ms per step on a 2-core CPU, 25 in chunks).
+    from eqx_ensemble._execution.plan import SCRATCH_BYTES
+
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(32, 10, 128, 2, key=k), size=64, key=jax.random.key(0)
+    )
+    x = jax.random.normal(jax.random.key(1), (256, 32))
+    y = jax.random.randint(jax.random.key(2), (256,), 0, 10)
+
+    def xent(model, batch, key):
+        logits = jax.vmap(model)(batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    opt = optax.adam(1e-3)
+    opt_state = ee.init_optimizer(opt, ens)
+    args = (ens, opt_state, (x, y), jax.random.key(3))
+    auto = ee.make_step(xent, opt)
+    whole = ee.make_step(xent, opt, execution=ee.Execution(member_chunk=64))
+    assert auto._plan(ens, (x, y)).member_chunk == 32
+    # XLA's own account of the two programs: the chunks' temporaries (with the
+    # stacked results) under the ceiling by a quarter, and under the whole's.
+    chunked_bytes, whole_bytes = _temp_bytes(auto, *args), _temp_bytes(whole, *args)
+    assert chunked_bytes <= 0.75 * SCRATCH_BYTES, chunked_bytes
+    assert chunked_bytes < 0.75 * whole_bytes, (chunked_bytes, whole_bytes)
+    _close(auto(*args), whole(*args))
+    # Eight members (an eighth of the values) and `fit`'s compiled loop, which
+    # takes its temporaries once per dispatch, are not chunked.
+    assert auto._plan(ee.stack([ens[i] for i in range(8)]), (x, y)).member_chunk is None
+    from eqx_ensemble._execution.plan import plan_step
+
+    fit_plan = plan_step(
+        ee.Execution(),
+        lambda: _profile(auto, ens, (x, y)),
+        owner=None,
+        structure=None,
+        members=ens.members,
+        examples=256,
+        size=64,
+        mesh=None,
+        steps=1000,
+        groupable=True,
+    )
+    assert fit_plan.member_chunk is None
+
+
+def _profile(step, ens, batch):
+    from eqx_ensemble._training.step import _profile_of
+
+    return _profile_of(step, (ens, batch, None, None))
+
+
+def test_scratch_chunk_is_the_largest_divisor_that_fits():
+    from eqx_ensemble._execution.plan import SCRATCH_BYTES, scratch_chunk
+
+    mib = float(2**20)
+    # A member's temporaries are estimated as half its values as written.
+    assert scratch_chunk(8, 1 * mib) is None  # 4 MiB in all
+    assert scratch_chunk(64, 2 * mib) == 32  # 64 MiB in all; 32 x 1 MiB fits
+    assert scratch_chunk(64, 3 * mib) == 16  # 32 x 1.5 = 48 MiB does not
+    assert scratch_chunk(7, 10 * mib) == 1  # 35 MiB; 7 is prime
+    assert scratch_chunk(2, 100 * mib) is None  # one member alone is over
+    assert scratch_chunk(4, SCRATCH_BYTES / 2) is None  # exactly the ceiling
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the estimate is read on a CPU only")
+def test_the_temporaries_estimate_bounds_xlas_own():
+    # `scratch_chunk` takes half of a member's values as written (the profile's
+    # `intermediate_bytes`) for its temporaries: against XLA's memory analysis
+    # of the compiled step, an overestimate but within 3.5x, for a matmul
+    # stack, convolutions and a recurrent scan (whose backward pass keeps
+    # every iteration's values: the scan's body counted per iteration).
+    class CNN(eqx.Module):
+        conv: eqx.nn.Conv2d
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.conv = eqx.nn.Conv2d(1, 16, 3, padding=1, key=k1)
+            self.out = eqx.nn.Linear(16 * 8 * 8, 10, key=k2)
+
+        def __call__(self, x):
+            return self.out(jax.nn.relu(self.conv(x)).reshape(-1))
+
+    class GRU(eqx.Module):
+        cell: eqx.nn.GRUCell
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.cell = eqx.nn.GRUCell(8, 32, key=k1)
+            self.out = eqx.nn.Linear(32, 10, key=k2)
+
+        def __call__(self, xs):
+            def step(h, x):
+                return self.cell(x, h), None
+
+            h, _ = jax.lax.scan(step, jnp.zeros(32), xs)
+            return self.out(h)
+
+    key = jax.random.key(0)
+    cases = {
+        "mlp": (lambda k: eqx.nn.MLP(64, 10, 256, 2, key=k), (128, 64)),
+        "cnn": (CNN, (128, 1, 8, 8)),
+        "gru": (GRU, (128, 16, 8)),
+    }
+    opt = optax.sgd(0.1)
+    for name, (make, shape) in cases.items():
+        ens = ee.ensemble(make, size=2, key=key)
+        x = jax.random.normal(key, shape)
+
+        def mse(model, batch, key):
+            return jnp.mean(jax.vmap(model)(batch) ** 2)
+
+        step = ee.make_step(mse, opt, execution=ee.Execution(layout="vmap"))
+        args = (ens, ee.init_optimizer(opt, ens), x, key)
+        estimate = 2 * _profile(step, ens, x).intermediate_bytes / 2  # 2 members
+        ratio = _temp_bytes(step, *args) / estimate
+        assert 1 / 3.5 <= ratio <= 1, (name, ratio)
 
 
 # ------------------------------------------------------------ chunks on a mesh

@@ -90,7 +90,10 @@ class Execution(Component):
       number of members; on a `mesh`, the number of each device's members
       (each device computes `k` of its own members at a time, no transfer).
       Vectorised layout only; not yet with a trained shared part or an
-      `ee.Coupled` loss. `None`: all members at once.
+      `ee.Coupled` loss. `None`: all members at once, except that on a CPU
+      `make_step` chooses chunks for a step whose temporaries would pass
+      glibc's 32 MiB ceiling (taken from the system afresh at every call; the
+      fit guide); `k = ` the member count: all at once, always.
     - `guard`: `fit` only: where the divergence guard checks that every member
       is finite. `"auto"` (the default): with array data, once at the end of
       each dispatch, and a dispatch in which a member failed is run again in

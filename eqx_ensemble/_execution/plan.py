@@ -40,6 +40,13 @@ COUNTED = frozenset({"cpu"})
 # end), at the rate below: a 5-CNN step on 8x8 images 40 steps, on 16x16 6.
 UNROLLED_DISPATCH_SECONDS = 1.0
 CPU_FLOPS_PER_SECOND = 5e10  # a 2-core CPU's convolving steps (`bench_families`)
+# glibc's largest threshold for taking a block from the system (`mmap`) rather
+# than from the heap it keeps (`DEFAULT_MMAP_THRESHOLD_MAX`, 64-bit). XLA's CPU
+# runtime takes a program's temporaries as one block per call: above this
+# size every call maps it afresh and faults its pages in again (64 MLPs
+# 32-128-128-10, batch 256: 32.3 MiB of temporaries, `make_step` 40 ms per
+# step, 25 ms in chunks of 16 members; docs/benchmarks.md, compute-bound).
+SCRATCH_BYTES = 32 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +58,8 @@ class Plan:
     dispatch is unrolled, how many steps it holds and whether it loops over a
     traced trip count (`loop.Chunk.counted`), and whether its members run in
     groups of `group`, one call of one program per group (`loop.Chunk.group`;
-    `None`: all in one call)."""
+    `None`: all in one call); `member_chunk`: the vectorised members computed
+    at a time (`Execution.member_chunk`, or `scratch_chunk`'s choice)."""
 
     layout: Layout
     compiler_options: Options
@@ -60,6 +68,7 @@ class Plan:
     length: int = 1
     counted: bool = False
     group: int | None = None
+    member_chunk: int | None = None
 
 
 def plan_step(
@@ -249,4 +258,30 @@ def _plan(
     # count: one program for `length` steps, whatever the run's length.
     counted = steps is not None and platform_of(mesh) in COUNTED and not unroll
     counted = counted and not pads_on_host
-    return Plan(layout, options, check, unroll, length, counted, group)
+    if (
+        member_chunk is None
+        and steps is None
+        and mesh is None
+        and platform == "cpu"
+        and layout == "vmap"
+        and groupable
+    ):
+        # A step per call (`make_step`): its temporaries are taken at every
+        # call, so kept under the allocator's ceiling (`SCRATCH_BYTES`). A
+        # compiled loop (`fit`) takes them once per dispatch.
+        member_chunk = scratch_chunk(size, profile.intermediate_bytes)
+    return Plan(layout, options, check, unroll, length, counted, group, member_chunk)
+
+
+def scratch_chunk(size: int, intermediate_bytes: float) -> int | None:
+    """The most members, a divisor of `size`, whose temporaries fit in
+    `SCRATCH_BYTES` where all `size` members' do not (`None`: no chunks, or
+    none that fits). A member's temporaries are estimated as half its values
+    as written (`intermediate_bytes`: `StepProfile`), an overestimate: XLA's
+    fusions compute most values in place (a compiled step's temporaries were
+    a quarter to a third of them: `tests/test_member_chunk.py`)."""
+    each = intermediate_bytes / 2
+    if size * each <= SCRATCH_BYTES:
+        return None
+    fitting = [k for k in range(1, size) if size % k == 0 and k * each <= SCRATCH_BYTES]
+    return max(fitting, default=None)

@@ -22,22 +22,29 @@ class StepProfile(NamedTuple):
     FLOPs of the convolutions as written (each counted once, even inside a
     loop; a differentiated loss includes its backward convolutions);
     `dot_flops`: the FLOPs of its matmuls, a `scan`'s body counted as many
-    times as it runs (a `while` loop's once)."""
+    times as it runs (a `while` loop's once); `intermediate_bytes`: the bytes
+    of every value it computes as written, a `scan`'s body counted as for the
+    FLOPs (its backward pass keeps every iteration's), what the size of a
+    compiled step's temporaries is estimated from (`plan.scratch_chunk`)."""
 
     convolutions: bool = False
     batched_dots: bool = False
     convolution_flops: float = 0.0
     dot_flops: float = 0.0
+    intermediate_bytes: float = 0.0
 
 
 def profile_jaxpr(jaxpr: Any) -> StepProfile:
     convolutions = batched_dots = False
-    convolution_flops = dot_flops = 0.0
+    convolution_flops = dot_flops = intermediate_bytes = 0.0
 
     def search(inner: Any, times: float) -> None:
         nonlocal convolutions, batched_dots, convolution_flops, dot_flops
+        nonlocal intermediate_bytes
         for equation in inner.eqns:
             name = equation.primitive.name
+            written = sum(_bytes(v.aval) for v in equation.outvars)
+            intermediate_bytes += times * written
             if name == "conv_general_dilated":
                 convolutions = True
                 convolution_flops += _convolution_flops(equation)
@@ -52,7 +59,17 @@ def profile_jaxpr(jaxpr: Any) -> StepProfile:
                 search(sub, repeat)
 
     search(jaxpr, 1.0)
-    return StepProfile(convolutions, batched_dots, convolution_flops, dot_flops)
+    return StepProfile(
+        convolutions, batched_dots, convolution_flops, dot_flops, intermediate_bytes
+    )
+
+
+def _bytes(aval: Any) -> float:
+    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+    itemsize = getattr(dtype, "itemsize", None)  # a key's dtype has one too
+    if shape is None or not isinstance(itemsize, int):
+        return 0.0
+    return float(np.prod(shape)) * itemsize
 
 
 def _dot_flops(equation: Any, contracting: Any) -> float:

@@ -3,6 +3,8 @@
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from .._core.data import check_leading
 from .._core.heterogeneous import check_group_states, is_ensemble, is_heterogeneous
 from .._internal.keys import check_key
@@ -72,6 +74,18 @@ def check_chunkable(loss_fn: Any, ens: Any) -> None:
             "part (its gradient sums over every member); leave `member_chunk` out "
             "or freeze the shared part"
         )
+
+
+def independent_members(loss_fn: Any, ens: Any) -> bool:
+    """Whether the members can run in groups or chunks (`Plan.group`,
+    `Plan.member_chunk`): one ensemble whose every array leaf is a member's
+    (no shared part), and a loss that does not couple them."""
+    return (
+        is_ensemble(ens)
+        and not is_heterogeneous(ens)
+        and not jax.tree.leaves(ens.shared)
+        and not isinstance(loss_fn, Coupled)
+    )
 
 
 def check_heterogeneous_run(loss_fn: Any, execution: Any, where: str) -> None:

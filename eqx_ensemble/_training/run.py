@@ -38,6 +38,7 @@ from .inputs import (
     check_chunkable,
     check_components,
     check_inputs,
+    independent_members,
 )
 from .loggers import LogEntry, RunInfo
 from .loop import (
@@ -132,7 +133,7 @@ def prepare(
         track=track, batches=source.batches() if source.kind == "arrays" else None,
         train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=size,
         length=plan.length, mesh=mesh, unrolled=plan.unroll, layout=plan.layout,
-        check=plan.check, counted=plan.counted, member_chunk=execution.member_chunk,
+        check=plan.check, counted=plan.counted, member_chunk=plan.member_chunk,
         group=plan.group,
         placement=model_placement(train_state, mesh),
     )  # fmt: skip
@@ -293,7 +294,7 @@ def plan_fit(
         mesh=mesh,
         steps=steps,
         pads_on_host=source.pads_on_host,
-        groupable=_groupable(loss_fn, ens),
+        groupable=independent_members(loss_fn, ens),
     )
 
 
@@ -309,17 +310,6 @@ def _strongly_typed(tree: PyTree[Any]) -> PyTree[Any]:
         return x
 
     return jax.tree.map(strong, tree)
-
-
-def _groupable(loss_fn: LossFn, ens: Any) -> bool:
-    """Whether the members can run in groups (`Plan.group`): one ensemble whose
-    every array leaf is a member's (no shared part), and a loss that does not
-    couple them."""
-    return (
-        isinstance(ens, Ensemble)
-        and not jax.tree.leaves(ens.shared)
-        and not isinstance(loss_fn, Coupled)
-    )
 
 
 def _skips_conditional(chunk: Chunk) -> bool:

@@ -43,7 +43,12 @@ from .._execution.profile import StepProfile, first_member, profile_jaxpr, signa
 from .._internal.keys import optimizer_key
 from .._internal.tree import keystr
 from .coupled import Coupled, coupled_losses
-from .inputs import check_chunkable, check_inputs, check_losses
+from .inputs import (
+    check_chunkable,
+    check_inputs,
+    check_losses,
+    independent_members,
+)
 from .loss import (
     LossFn,
     call_loss,
@@ -748,7 +753,9 @@ class Step(eqx.Module):
     def _plan(self, ens: Any, batch: Any, state: Any = None, hyper: Any = None) -> Plan:
         if not is_ensemble(ens):  # refused when traced
             layout = "sequential" if self.layout == "sequential" else "vmap"
-            return Plan(layout, self.compiler_options or ())
+            return Plan(
+                layout, self.compiler_options or (), member_chunk=self.member_chunk
+            )
         try:
             structure: Any = (
                 signature((ens.members, state, hyper)),
@@ -773,6 +780,7 @@ class Step(eqx.Module):
             examples=_examples(batch, self.per_member_batch),
             size=len(ens),
             mesh=self.mesh,
+            groupable=independent_members(self.loss_fn, ens),
         )
 
 
@@ -853,6 +861,7 @@ def ensemble_profile(
         batched_dots=any(p.batched_dots for p in profiles),
         convolution_flops=per_member(lambda p: p.convolution_flops),
         dot_flops=per_member(lambda p: p.dot_flops),
+        intermediate_bytes=per_member(lambda p: p.intermediate_bytes),
     )
 
 
@@ -883,7 +892,7 @@ def _step_impl(
         step.per_member_batch,
         step.mesh,
         plan.layout,
-        step.member_chunk,
+        plan.member_chunk,
         plan.check,
     )
     new_ens, new_opt_state, losses, aux, new_state, _ = update(
