@@ -1093,7 +1093,25 @@ def test_step_profile_reads_convolutions_and_batched_matmuls():
     # No convolution, no batched matmul; the matmuls' FLOPs in closed form (a
     # 2-8-1 MLP on N examples).
     dot_flops = 2.0 * N * (2 * 8 + 8 * 1)
-    assert profile_step(mse_loss, mlp[0], (X, Y)) == (False, False, 0.0, dot_flops)
+    profile = profile_step(mse_loss, mlp[0], (X, Y))
+    assert profile[:4] == (False, False, 0.0, dot_flops)
+    # The values as written, in closed form on a loss of two operations and a
+    # sum, and a scan's body counted once per iteration (as its FLOPs).
+    from eqx_ensemble._execution.profile import profile_jaxpr
+
+    def tanh_dot(x, w):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    x, w = jnp.ones((N, 8)), jnp.ones((8, 16))
+    written = profile_jaxpr(jax.make_jaxpr(tanh_dot)(x, w).jaxpr).intermediate_bytes
+    assert written == 4 * (2 * N * 16 + 1)  # float32: x @ w, tanh, the sum
+
+    def scanned(x, w):
+        start = jnp.zeros((), jnp.float32)
+        return jax.lax.scan(lambda c, _: (c + tanh_dot(x, w), None), start, None, 5)[0]
+
+    looped = profile_jaxpr(jax.make_jaxpr(scanned)(x, w).jaxpr).intermediate_bytes
+    assert looped == 5 * (written + 4) + 4  # each trip adds to the carry; the result
 
 
 @pytest.mark.skipif(not ON_CPU, reason="compiler options are chosen on a CPU only")

@@ -28,6 +28,7 @@ from eqx_ensemble._execution.layout import (
 )
 from eqx_ensemble._execution.profile import StepProfile
 from eqx_ensemble._training import loop as _loop, run as _run
+from eqx_ensemble._training.inputs import independent_members
 
 pytestmark = pytest.mark.skipif(not ON_CPU, reason="a CPU plan")
 
@@ -255,15 +256,15 @@ def test_the_rule():
 
 def test_shared_parts_heterogeneous_and_coupled_losses_are_not_grouped():
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
-    assert _run._groupable(loss_fn, ens)
+    assert independent_members(loss_fn, ens)
     shared = ee.ensemble(
         CNN, size=SIZE, key=jax.random.key(0), shared=lambda m: m.conv1
     )
-    assert not _run._groupable(loss_fn, shared)
+    assert not independent_members(loss_fn, shared)
     het = ee.Heterogeneous([ens, ens])
-    assert not _run._groupable((loss_fn, loss_fn), het)
+    assert not independent_members((loss_fn, loss_fn), het)
     coupled = ee.Coupled(lambda members, batch, key: jnp.zeros(SIZE))
-    assert not _run._groupable(coupled, ens)
+    assert not independent_members(coupled, ens)
 
 
 class StepLog(ee.Tracker):
