@@ -75,7 +75,11 @@ def main() -> None:
     for chunk in chunks:
         # `compiler_options={}` on both: the measurement wraps the step in an
         # outer `jit`, which takes no options of its own.
-        execution = ee.Execution(layout="vmap", member_chunk=chunk, compiler_options={})
+        # `member_chunk=members`: all at once (left out, `make_step` on a CPU
+        # would choose chunks for a step this large itself).
+        execution = ee.Execution(
+            layout="vmap", member_chunk=chunk or members, compiler_options={}
+        )
         step = ee.make_step(loss, optimizer, execution=execution)
         dynamic, static = eqx.partition((ens, opt_state), eqx.is_array)
 

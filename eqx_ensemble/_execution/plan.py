@@ -44,8 +44,8 @@ CPU_FLOPS_PER_SECOND = 5e10  # a 2-core CPU's convolving steps (`bench_families`
 # than from the heap it keeps (`DEFAULT_MMAP_THRESHOLD_MAX`, 64-bit). XLA's CPU
 # runtime takes a program's temporaries as one block per call: above this
 # size every call maps it afresh and faults its pages in again (64 MLPs
-# 32-128-128-10, batch 256: 32.3 MiB of temporaries, `make_step` 40 ms per
-# step, 25 ms in chunks of 16 members; docs/benchmarks.md, compute-bound).
+# 32-128-128-10, batch 256: 32.3 MiB of temporaries, `make_step` 33-39 ms
+# per step, 24-29 ms in chunks; docs/benchmarks.md, compute-bound).
 SCRATCH_BYTES = 32 * 2**20
 
 
@@ -269,19 +269,34 @@ def _plan(
         # A step per call (`make_step`): its temporaries are taken at every
         # call, so kept under the allocator's ceiling (`SCRATCH_BYTES`). A
         # compiled loop (`fit`) takes them once per dispatch.
-        member_chunk = scratch_chunk(size, profile.intermediate_bytes)
+        member_chunk = scratch_chunk(size, member_temporaries(profile, members, size))
     return Plan(layout, options, check, unroll, length, counted, group, member_chunk)
 
 
-def scratch_chunk(size: int, intermediate_bytes: float) -> int | None:
+def scratch_chunk(size: int, member_bytes: float) -> int | None:
     """The most members, a divisor of `size`, whose temporaries fit in
     `SCRATCH_BYTES` where all `size` members' do not (`None`: no chunks, or
-    none that fits). A member's temporaries are estimated as half its values
-    as written (`intermediate_bytes`: `StepProfile`), an overestimate: XLA's
-    fusions compute most values in place (a compiled step's temporaries were
-    a quarter to a third of them: `tests/test_member_chunk.py`)."""
-    each = intermediate_bytes / 2
-    if size * each <= SCRATCH_BYTES:
+    none that fits). A member's temporaries are estimated before compiling
+    (`member_bytes`) as its loss's values as written (`StepProfile`'s
+    `intermediate_bytes`: the forward pass, whose values the backward pass
+    keeps) and three times its parameters (the gradient, the optimizer's
+    update and new moments): an overestimate, which XLA's fusions bring to
+    0.19-0.75 of it (`tests/test_member_chunk.py` compares it with XLA's
+    memory analysis)."""
+    if size * member_bytes <= SCRATCH_BYTES:
         return None
-    fitting = [k for k in range(1, size) if size % k == 0 and k * each <= SCRATCH_BYTES]
+    fitting = [
+        k for k in range(1, size) if size % k == 0 and k * member_bytes <= SCRATCH_BYTES
+    ]
     return max(fitting, default=None)
+
+
+def member_temporaries(profile: StepProfile, members: PyTree[Any], size: int) -> float:
+    """`scratch_chunk`'s estimate of one member's temporaries in a compiled
+    step: its loss's values as written and three times its parameters."""
+    parameters = sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(members)
+        if eqx.is_inexact_array_like(leaf) and hasattr(leaf, "dtype")
+    )
+    return profile.intermediate_bytes + 3.0 * parameters / size

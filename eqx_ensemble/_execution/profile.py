@@ -34,6 +34,11 @@ class StepProfile(NamedTuple):
     intermediate_bytes: float = 0.0
 
 
+# Primitives whose outputs are values of their own (stacked iterations, the
+# branch taken), not the outputs of a body they call.
+_LOOPS_AND_BRANCHES = frozenset({"scan", "while", "cond"})
+
+
 def profile_jaxpr(jaxpr: Any) -> StepProfile:
     convolutions = batched_dots = False
     convolution_flops = dot_flops = intermediate_bytes = 0.0
@@ -43,8 +48,12 @@ def profile_jaxpr(jaxpr: Any) -> StepProfile:
         nonlocal intermediate_bytes
         for equation in inner.eqns:
             name = equation.primitive.name
-            written = sum(_bytes(v.aval) for v in equation.outvars)
-            intermediate_bytes += times * written
+            subs = list(jax.extend.core.jaxprs_in_params(equation.params))
+            if name in _LOOPS_AND_BRANCHES or not subs:
+                # A call (a nested `jit`, a custom derivative, a checkpoint)
+                # returns what its body computed: counted there.
+                written = sum(_bytes(v.aval) for v in equation.outvars)
+                intermediate_bytes += times * written
             if name == "conv_general_dilated":
                 convolutions = True
                 convolution_flops += _convolution_flops(equation)
@@ -55,7 +64,7 @@ def profile_jaxpr(jaxpr: Any) -> StepProfile:
             repeat = (
                 times * equation.params.get("length", 1) if name == "scan" else times
             )
-            for sub in jax.extend.core.jaxprs_in_params(equation.params):
+            for sub in subs:
                 search(sub, repeat)
 
     search(jaxpr, 1.0)

@@ -988,8 +988,11 @@ def make_step(
       example axis over `"data"`; the returned ensemble and states keep that
       placement, `losses` are replicated; place the inputs with
       [`ee.shard`][eqx_ensemble.shard] to avoid a transfer per call),
-      `compiler_options` and `layout` (`"auto"`: `"sequential"` on one CPU
-      device for a loss that convolves and at most 16 members, else `"vmap"`).
+      `compiler_options`, `layout` (`"auto"`: `"sequential"` on one CPU
+      device for a loss that convolves and at most 16 members, else `"vmap"`)
+      and `member_chunk` (left out, on one CPU device a large vectorised step
+      of members that share nothing is computed in chunks that keep its
+      temporaries under the allocator's 32 MiB ceiling: the fit guide).
       The results are the same whatever it says, to floating-point rounding.
 
     **Returns:**
