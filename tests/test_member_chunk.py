@@ -213,6 +213,22 @@ def test_make_step_chunks_a_step_whose_temporaries_pass_the_allocators_ceiling()
     assert auto._plan(shared, (x, y)).member_chunk is None
     coupled = ee.Coupled(lambda members, batch, key: jnp.zeros(64))
     assert ee.make_step(coupled, opt)._plan(ens, (x, y)).member_chunk is None
+    # Nor a step that convolves (XLA's CPU convolutions in the chunks' loop
+    # ran 14x slower), here 24 small CNNs whose values pass the ceiling.
+    cnns = ee.ensemble(
+        lambda k: eqx.nn.Conv2d(1, 16, 3, padding=1, key=k),
+        size=24,
+        key=jax.random.key(0),
+    )
+    images = jnp.ones((128, 1, 16, 16))
+    convolve = lambda m, b, k: jnp.mean(jax.vmap(m)(b) ** 2)  # noqa: E731
+    step = ee.make_step(convolve, opt, execution=ee.Execution(layout="vmap"))
+    from eqx_ensemble._execution.plan import SCRATCH_BYTES, member_temporaries
+
+    assert 24 * member_temporaries(_profile(step, cnns, images), cnns.members, 24) > (
+        SCRATCH_BYTES
+    )
+    assert step._plan(cnns, images).member_chunk is None
     from eqx_ensemble._execution.plan import plan_step
 
     fit_plan = plan_step(
@@ -243,7 +259,9 @@ def test_scratch_chunk_is_the_largest_divisor_that_fits():
     assert scratch_chunk(8, 1 * mib) is None  # 8 MiB in all
     assert scratch_chunk(64, 1 * mib) == 32  # 64 MiB in all; 32 fit
     assert scratch_chunk(64, 1.5 * mib) == 16  # 32 x 1.5 = 48 MiB does not
-    assert scratch_chunk(7, 5 * mib) == 1  # 35 MiB; 7 is prime
+    assert scratch_chunk(7, 5 * mib) is None  # 35 MiB; 7 is prime: no chunk of 2+
+    assert scratch_chunk(10, 12 * mib) == 2  # 120 MiB; 2 x 12 fit, 5 x 12 not
+    assert scratch_chunk(5, 12 * mib) is None  # only 1 x 12 fits: not a chunk
     assert scratch_chunk(2, 50 * mib) is None  # one member alone is over
     assert scratch_chunk(4, SCRATCH_BYTES / 4) is None  # exactly the ceiling
 

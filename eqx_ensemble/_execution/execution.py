@@ -93,7 +93,8 @@ class Execution(Component):
       `ee.Coupled` loss. `None`: all members at once, except that on a CPU
       `make_step` chooses chunks for a step whose temporaries would pass
       glibc's 32 MiB ceiling (taken from the system afresh at every call; the
-      fit guide), of an ensemble whose members share nothing, on one device;
+      fit guide), of an ensemble whose members share nothing and a loss that
+      does not convolve, on one device, in chunks of two members or more;
       `k` equal to the member count keeps them all at once there.
     - `guard`: `fit` only: where the divergence guard checks that every member
       is finite. `"auto"` (the default): with array data, once at the end of

@@ -265,28 +265,36 @@ def _plan(
         and platform == "cpu"
         and layout == "vmap"
         and groupable
+        and not profile.convolutions
     ):
         # A step per call (`make_step`): its temporaries are taken at every
         # call, so kept under the allocator's ceiling (`SCRATCH_BYTES`). A
-        # compiled loop (`fit`) takes them once per dispatch.
+        # compiled loop (`fit`) takes them once per dispatch. Not a step that
+        # convolves: XLA's CPU convolutions inside the chunks' loop ran 14x
+        # slower (24 CNNs on 8x8 images, `fit` in chunks of 3 to 12: 2.5 s
+        # per step against 0.18 s vectorised whole, session 17).
         member_chunk = scratch_chunk(size, member_temporaries(profile, members, size))
     return Plan(layout, options, check, unroll, length, counted, group, member_chunk)
 
 
 def scratch_chunk(size: int, member_bytes: float) -> int | None:
-    """The most members, a divisor of `size`, whose temporaries fit in
-    `SCRATCH_BYTES` where all `size` members' do not (`None`: no chunks, or
-    none that fits). A member's temporaries are estimated before compiling
-    (`member_bytes`) as its loss's values as written (`StepProfile`'s
-    `intermediate_bytes`: the forward pass, whose values the backward pass
-    keeps) and three times its parameters (the gradient, the optimizer's
-    update and new moments): an overestimate, which XLA's fusions bring to
-    0.19-0.75 of it (`tests/test_member_chunk.py` compares it with XLA's
-    memory analysis)."""
+    """The most members, a divisor of `size` and at least two, whose
+    temporaries fit in `SCRATCH_BYTES` where all `size` members' do not
+    (`None`: no chunks, or none that fits). A member's temporaries are
+    estimated before compiling (`member_bytes`) as its loss's values as
+    written (`StepProfile`'s `intermediate_bytes`: the forward pass, whose
+    values the backward pass keeps) and three times its parameters (the
+    gradient, the optimizer's update and new moments): an overestimate,
+    which XLA's fusions bring to 0.19-0.75 of it (`tests/test_member_chunk.py`
+    compares it with XLA's memory analysis)."""
     if size * member_bytes <= SCRATCH_BYTES:
         return None
+    # At least two members per chunk: one at a time lost more than the
+    # allocator cost (5 transformers: 29.0 ms per step one by one, 22.8 all at
+    # once with 29.5 MiB of temporaries; 10 of them: 54.6 ms at once with 58.3
+    # MiB, 40.1 in chunks of 5, 33.0 in chunks of 2; session 17).
     fitting = [
-        k for k in range(1, size) if size % k == 0 and k * member_bytes <= SCRATCH_BYTES
+        k for k in range(2, size) if size % k == 0 and k * member_bytes <= SCRATCH_BYTES
     ]
     return max(fitting, default=None)
 

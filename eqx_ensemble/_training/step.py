@@ -991,8 +991,9 @@ def make_step(
       `compiler_options`, `layout` (`"auto"`: `"sequential"` on one CPU
       device for a loss that convolves and at most 16 members, else `"vmap"`)
       and `member_chunk` (left out, on one CPU device a large vectorised step
-      of members that share nothing is computed in chunks that keep its
-      temporaries under the allocator's 32 MiB ceiling: the fit guide).
+      of members that share nothing, without convolutions, is computed in
+      chunks that keep its temporaries under the allocator's 32 MiB ceiling:
+      the fit guide).
       The results are the same whatever it says, to floating-point rounding.
 
     **Returns:**
