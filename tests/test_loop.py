@@ -1111,6 +1111,15 @@ def test_step_profile_reads_convolutions_and_batched_matmuls():
         return jax.lax.scan(lambda c, _: (c + tanh_dot(x, w), None), start, None, 5)[0]
 
     looped = profile_jaxpr(jax.make_jaxpr(scanned)(x, w).jaxpr).intermediate_bytes
+    # A scatter's combiner is a jaxpr in its parameters, not a body it calls:
+    # its output (N x 16 floats) is counted beside the zeros it adds into.
+    rows = jnp.arange(N) % 4
+
+    def scattered(v):
+        return jnp.zeros((N, 16)).at[rows].add(v)
+
+    summed = profile_jaxpr(jax.make_jaxpr(scattered)(x @ w).jaxpr).intermediate_bytes
+    assert summed >= 2 * 4 * N * 16
     assert looped == 5 * (written + 4) + 4  # each trip adds to the carry; the result
 
 

@@ -213,6 +213,17 @@ def test_make_step_chunks_a_step_whose_temporaries_pass_the_allocators_ceiling()
     assert auto._plan(shared, (x, y)).member_chunk is None
     coupled = ee.Coupled(lambda members, batch, key: jnp.zeros(64))
     assert ee.make_step(coupled, opt)._plan(ens, (x, y)).member_chunk is None
+    # Nor inside a trace of the user's own (its program takes the temporaries
+    # once per call of its own).
+    seen = []
+
+    @eqx.filter_jit
+    def inside(ens):
+        seen.append(auto._plan(ens, (x, y)).member_chunk)
+        return 0
+
+    inside(ens)
+    assert seen == [None]
     # Nor a step that convolves (XLA's CPU convolutions in the chunks' loop
     # ran 14x slower), here 24 small CNNs whose values pass the ceiling.
     cnns = ee.ensemble(

@@ -91,10 +91,11 @@ class Execution(Component):
       (each device computes `k` of its own members at a time, no transfer).
       Vectorised layout only; not yet with a trained shared part or an
       `ee.Coupled` loss. `None`: all members at once, except that on a CPU
-      `make_step` chooses chunks for a step whose temporaries would pass
-      glibc's 32 MiB ceiling (taken from the system afresh at every call; the
-      fit guide), of an ensemble whose members share nothing and a loss that
-      does not convolve, on one device, in chunks of two members or more;
+      `make_step` chooses chunks for a step whose temporaries, by an
+      estimate, would pass glibc's 32 MiB ceiling (taken from the system
+      afresh at every call; the fit guide), where a divisor of the member
+      count, at least two, fits under it: members that share nothing, a loss
+      that does not convolve, one device, not inside a trace of your own;
       `k` equal to the member count keeps them all at once there.
     - `guard`: `fit` only: where the divergence guard checks that every member
       is finite. `"auto"` (the default): with array data, once at the end of

@@ -34,9 +34,24 @@ class StepProfile(NamedTuple):
     intermediate_bytes: float = 0.0
 
 
-# Primitives whose outputs are values of their own (stacked iterations, the
-# branch taken), not the outputs of a body they call.
-_LOOPS_AND_BRANCHES = frozenset({"scan", "while", "cond"})
+# Primitives that call a body and return what it computed (counted there).
+# Every other equation's outputs are values of its own, also where its
+# parameters hold a jaxpr (a loop's iterations, a branch taken, a scatter's or
+# a reduction's combiner).
+_CALLS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+        "remat2",
+        "checkpoint",
+        "shard_map",
+    }
+)
 
 
 def profile_jaxpr(jaxpr: Any) -> StepProfile:
@@ -49,9 +64,7 @@ def profile_jaxpr(jaxpr: Any) -> StepProfile:
         for equation in inner.eqns:
             name = equation.primitive.name
             subs = list(jax.extend.core.jaxprs_in_params(equation.params))
-            if name in _LOOPS_AND_BRANCHES or not subs:
-                # A call (a nested `jit`, a custom derivative, a checkpoint)
-                # returns what its body computed: counted there.
+            if name not in _CALLS:
                 written = sum(_bytes(v.aval) for v in equation.outvars)
                 intermediate_bytes += times * written
             if name == "conv_general_dilated":

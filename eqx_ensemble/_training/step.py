@@ -41,7 +41,7 @@ from .._execution.placement import check_step_mesh, members_devices, mesh_contex
 from .._execution.plan import Plan, plan_step
 from .._execution.profile import StepProfile, first_member, profile_jaxpr, signature
 from .._internal.keys import optimizer_key
-from .._internal.tree import keystr
+from .._internal.tree import is_traced, keystr
 from .coupled import Coupled, coupled_losses
 from .inputs import (
     check_chunkable,
@@ -780,7 +780,11 @@ class Step(eqx.Module):
             examples=_examples(batch, self.per_member_batch),
             size=len(ens),
             mesh=self.mesh,
-            groupable=independent_members(self.loss_fn, ens),
+            # Inside a trace of the user's own (a `jit`, a `scan` of steps)
+            # the temporaries are taken once per call of that program, as in
+            # `fit`'s loop: no automatic member chunks there.
+            groupable=independent_members(self.loss_fn, ens)
+            and not any(is_traced(x) for x in jax.tree.leaves(ens.members)),
         )
 
 
@@ -992,8 +996,8 @@ def make_step(
       device for a loss that convolves and at most 16 members, else `"vmap"`)
       and `member_chunk` (left out, on one CPU device a large vectorised step
       of members that share nothing, without convolutions, is computed in
-      chunks that keep its temporaries under the allocator's 32 MiB ceiling:
-      the fit guide).
+      chunks of at least two members where such a chunk keeps its estimated
+      temporaries under the allocator's 32 MiB ceiling: the fit guide).
       The results are the same whatever it says, to floating-point rounding.
 
     **Returns:**
