@@ -13,6 +13,7 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
+from .._internal.tree import trainable
 from .compile import (
     Options,
     default_steps_per_dispatch,
@@ -303,8 +304,6 @@ def member_temporaries(profile: StepProfile, members: PyTree[Any], size: int) ->
     """`scratch_chunk`'s estimate of one member's temporaries in a compiled
     step: its loss's values as written and three times its parameters."""
     parameters = sum(
-        leaf.size * leaf.dtype.itemsize
-        for leaf in jax.tree.leaves(members)
-        if eqx.is_inexact_array_like(leaf) and hasattr(leaf, "dtype")
+        leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(trainable(members))
     )
     return profile.intermediate_bytes + 3.0 * parameters / size
