@@ -14,8 +14,9 @@ With `--training`: `ee.fit` calls of `--steps` steps (default 20, a run too
 short for the sequential layout's compile time) on the CNNs of
 `bench_families.py` (`--families`, default `cnn,cnn16`), with
 `layout="vmap"`, `"sequential"` and the automatic choice (on a CPU, for such a
-run: one member per call of one program, `layout.GROUP_MIN_FLOPS`): the first
-call (trace, compile and run) and ms per step once compiled, interleaved.
+run: one member at a time in the compiled loop, `member_chunk=1`,
+`layout.GROUP_MIN_FLOPS`): the first call (trace, compile and run) and ms per
+step once compiled, interleaved.
 
 Run: `python benchmarks/bench_layout.py` (`--quick` for a smoke run;
 `--training [--steps 20] [--families cnn,cnn16]`).

@@ -286,10 +286,11 @@ def test_plan_weighs_compile_time_against_the_run_length():
         )
 
     short, long = plan(20), plan(2**30)  # a tiny CNN: only a very long run
-    # Convolutions: unrolled (XLA's CPU loops lay them out slowly), a dispatch
-    # a loop on the host of calls of one compiled step, as long whatever the
-    # run's length (one program, exact resume, one step to compile).
-    assert short.unroll and long.unroll and short.length == long.length > 20
+    # Convolutions: a compiled loop over a traced trip count on a CPU (their
+    # lowering runs fast in loops, `_execution/convolution.py`), as long
+    # whatever the run's length (one program, exact resume).
+    assert not short.unroll and not long.unroll
+    assert short.counted and long.counted and short.length == long.length > 20
     # The member-by-member layout compiles a copy per member: runs whose
     # convolutions repay that only (`test_layout.py` checks the boundary).
     assert short.layout == "vmap" and long.layout == "sequential"

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._internal.tree import is_traced
+from .convolution import canonical_convolutions
 from .intern import canonical
 
 # Turning off YNNPACK's dot/elementwise fusions on the CPU (XLA >= 0.8).
@@ -122,7 +123,8 @@ class Jit:
         if paused:
             gc.disable()
         try:
-            arrays, static_out = self._jitted(static, first, rest)
+            with canonical_convolutions():  # where this call lowers a program
+                arrays, static_out = self._jitted(static, first, rest)
         except ValueError as error:
             # Raised while tracing, before anything ran: only retried where
             # the options are the cause (called inside another trace, whether
@@ -138,7 +140,9 @@ class Jit:
     def lower(self, *args: Any) -> "Lowered":
         """Ahead-of-time lowering for these arguments (as `jax.jit(...).lower`)."""
         static, first, rest = split_arguments(args)
-        return Lowered(self, static, self._jitted.lower(static, first, rest))
+        with canonical_convolutions():
+            lowered = self._jitted.lower(static, first, rest)
+        return Lowered(self, static, lowered)
 
 
 def _any_tracer(*leaf_lists: list[Any]) -> bool:

@@ -42,9 +42,9 @@ class Execution(Component):
 
     - `steps_per_dispatch`: `fit` only: steps fused into one compiled call.
       `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100;
-      unrolled, at most about a second of estimated work (5 CNNs on 8x8
-      images: 40 steps; one step of 8 CNNs on 32x32); 1 with `steps=None`
-      and for unrolled steps of a stream.
+      unrolled (`unroll=True`), at most about a second of estimated work (5
+      CNNs on 8x8 images: 40 steps; one step of 8 CNNs on 32x32); 1 with
+      `steps=None` and for unrolled steps of a stream.
       Progress, callbacks, controllers and checkpoints run between dispatches.
       On a CPU (array data) a dispatch is compiled for this many steps and
       runs any number up to it: a run of any `steps=` reuses the program.
@@ -61,19 +61,19 @@ class Execution(Component):
       backend runs a member-batched convolution as a slow grouped convolution;
       for `fit`, only in runs whose forward convolutions add up to 1.5e11
       FLOPs, long enough to repay compiling one copy of the step per member,
-      and in shorter runs (or with more than 16 members) one member per
-      call of one program, where members convolve at least 3e7 FLOPs
-      forward per step and share nothing (the fit guide, "Convolutions: the
-      member layout");
+      and in shorter runs (or with more than 16 members) one member at a
+      time in a loop (`member_chunk=1`, vectorised layout), where members
+      convolve at least 3e7 FLOPs forward per step and share nothing (the
+      fit guide, "Convolutions: the member layout");
       on one GPU, for `fit` only, when a member convolves at least 1 GFLOP
       per step and the run 8e13 FLOPs, where cuDNN's grouped convolution
       falls behind the members' own (measured on an H100); vectorised
       otherwise).
       Coupled losses and a trained shared part are always vectorised.
     - `unroll`: `fit` only: run each step as straight-line code, one compiled
-      call per step, instead of a `lax.scan` loop over a dispatch's steps.
-      `None`: unrolled on one CPU device when the loss convolves (XLA's CPU
-      backend runs a convolution inside a loop in a slow layout).
+      call per step, instead of a compiled loop over a dispatch's steps.
+      `None` (the default): a compiled loop (on a CPU the library's programs
+      lower convolutions in the form XLA runs fast inside a loop too).
     - `compiler_options`: XLA options for the compiled step (a dict of option
       name -> str, bool, int or float). `None`: the library's choice (on a
       CPU, LLVM at optimisation level 1 unless `XLA_FLAGS` set a level, and
@@ -101,7 +101,7 @@ class Execution(Component):
       is finite. `"auto"` (the default): with array data, once at the end of
       each dispatch, and a dispatch in which a member failed is run again in
       parts to freeze it at its step (the guide "`fit` in detail"); every
-      step for streamed data, unrolled dispatches (a CPU's convolutions), an
+      step for streamed data, unrolled dispatches (`unroll=True`), an
       optimizer that replaces non-finite gradients (`optax.zero_nans`,
       `optax.apply_if_finite`), a trained shared part or an `ee.Coupled`
       loss. `"step"`: at every step, as `make_step` does: for

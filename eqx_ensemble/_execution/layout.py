@@ -7,10 +7,11 @@ backend a member-batched convolution becomes a grouped convolution
 members' plain convolutions one after another (a 5-member CNN on 8x8 images,
 value and gradient: 88 ms vectorised, 44 ms as an im2col matmul, 11 ms one
 member after another; `benchmarks/bench_families.py`). `"sequential"` runs the
-members one after another inside the same compiled step (straight-line code:
-no loop, whose convolutions XLA's CPU backend lays out slowly either). Each
-member then computes exactly what it computes alone; the results equal the
-vectorised step's to floating-point rounding.
+members one after another inside the same compiled step (straight-line code).
+Each member then computes exactly what it computes alone; the results equal
+the vectorised step's to floating-point rounding. (A convolution runs at full
+speed inside a compiled loop only in the form the library's programs lower it
+to, `_execution/convolution.py`.)
 
 The cost of `"sequential"` is the one thing `"vmap"` never has: the compiled
 step holds one copy of the member's computation per member, so trace and
@@ -87,18 +88,17 @@ GPU_SEQUENTIAL_MIN_RUN_FLOPS = 8e13
 
 
 # A run too short for the sequential layout's compile time need not run
-# vectorised: its members can run one at a time, one compiled program of one
-# member's step called once per member and step with the member's index as an
-# argument (`loop.Chunk.group`). That program compiles faster than the
-# vectorised one and steps about as fast as the sequential layout (2-vCPU AMD
-# EPYC, `benchmarks/bench_layout.py --training`, 20-step `fit` calls, first
-# call and ms per step: 8 CNNs on 16x16 images 3.6 s and 119 ms one member
-# per call, 8.0 s and 150 ms sequential, 6.5 s and 241 ms vectorised; 5 CNNs
-# on 8x8, 1.7 s and 16.7 ms, 3.6 s and 15.9 ms, 2.1 s and 23.8 ms). Two
-# members per call were no faster (4 CNNs on 8x8: 14.9 ms either way; 16x16:
-# 174 against 120 ms). The host's
-# extra call per member (about 0.3 ms) is repaid once a member convolves
-# about 8 MFLOP forward per step; from `GROUP_MIN_FLOPS`, a margin above that.
+# vectorised: its members can run one at a time in a loop inside the step
+# (`Plan.member_chunk = 1`: a `jax.lax.map` over the members, each with its
+# plain convolutions), whose program compiles like one member's and steps
+# about as fast as the sequential layout (2-vCPU AMD EPYC, round 4 session
+# 18, 20-step `fit` calls, first call and ms per step: 5 CNNs on 8x8 images
+# 2.3-3.2 s and 17.7-17.9 ms one at a time, 3.6-3.8 s and 15.9-16.5 ms
+# sequential, against 17.5-17.7 ms for a `make_step` loop; 8 CNNs on 16x16,
+# 5.9 s and 129 ms, 7.3 s and 119 ms, against 162 ms). Until session 18 it
+# was one call of a one-member program per member and step (the host's call,
+# about 0.3 ms, repaid once a member convolves about 8 MFLOP forward per
+# step, hence the threshold's margin): 18.5-18.9 ms at 8x8, 127 ms at 16x16.
 GROUP_MIN_FLOPS = 3e7
 
 

@@ -36,9 +36,10 @@ from .profile import StepProfile
 # H100: 52 us per step against 32.5 in a scan of fixed length;
 # `bench_guard.py --fit`, docs/benchmarks.md).
 COUNTED = frozenset({"cpu"})
-# An unrolled dispatch (a CPU's convolutions) returns to the host after about
-# this many seconds of estimated work (progress, callbacks, a diverged run's
-# end), at the rate below: a 5-CNN step on 8x8 images 40 steps, on 16x16 6.
+# A dispatch of a CPU's convolving steps (or an unrolled one) returns to the
+# host after about this many seconds of estimated work (progress, callbacks,
+# a diverged run's end, the replay of an optimistic dispatch), at the rate
+# below: a 5-CNN step on 8x8 images 40 steps, on 16x16 6.
 UNROLLED_DISPATCH_SECONDS = 1.0
 CPU_FLOPS_PER_SECOND = 5e10  # a 2-core CPU's convolving steps (`bench_families`)
 # glibc's largest threshold for taking a block from the system (`mmap`) rather
@@ -57,10 +58,10 @@ class Plan:
     open: the member layout, the XLA options, the form of the divergence
     guard's finiteness check (`_execution.guard`), and for `fit` whether a
     dispatch is unrolled, how many steps it holds and whether it loops over a
-    traced trip count (`loop.Chunk.counted`), and whether its members run in
-    groups of `group`, one call of one program per group (`loop.Chunk.group`;
-    `None`: all in one call); `member_chunk`: the vectorised members computed
-    at a time (`Execution.member_chunk`, or `scratch_chunk`'s choice)."""
+    traced trip count (`loop.Chunk.counted`); `member_chunk`: the vectorised
+    members computed at a time (`Execution.member_chunk`, or the plan's: one
+    at a time for a short convolving run, `scratch_chunk`'s for a large
+    `make_step`)."""
 
     layout: Layout
     compiler_options: Options
@@ -68,7 +69,6 @@ class Plan:
     unroll: bool = False
     length: int = 1
     counted: bool = False
-    group: int | None = None
     member_chunk: int | None = None
 
 
@@ -97,7 +97,7 @@ def plan_step(
     length (`None`: a step per call); `pads_on_host`: a stream's short group
     is padded on the host (no traced trip count); `groupable`: the members
     share nothing (no shared part, no coupled loss, one group of members), so
-    that `fit` may run them in groups (`Plan.group`)."""
+    that they may run in chunks (`Plan.member_chunk`)."""
     length_class = None if steps is None else run_length_class(steps)
     try:
         if structure is None:
@@ -204,9 +204,10 @@ def _plan(
         # profile for the options only (on a mesh every other choice is the
         # rules' without it).
         batched_dots = profile_of().batched_dots
-    unroll = getattr(settings, "unroll", None)
-    if unroll is None:
-        unroll = profile.convolutions and platform == "cpu"
+    # Unrolled only where asked: the library's programs lower a CPU's
+    # convolutions in the form XLA runs fast inside a loop too
+    # (`convolution.py`).
+    unroll = bool(getattr(settings, "unroll", None))
     layout = choose_layout(
         settings.layout if settings.layout in ("vmap", "sequential") else "auto",
         convolutions=profile.convolutions,
@@ -218,22 +219,21 @@ def _plan(
     )
     if member_chunk is not None:  # chunks of vectorised members
         layout = "vmap"
-    group = None
     if (
         settings.layout not in ("vmap", "sequential")
         and member_chunk is None
         and layout == "vmap"
         and groupable
-        and unroll
         and steps is not None
         and mesh is None
         and platform == "cpu"
         and profile.convolution_flops >= GROUP_MIN_FLOPS
     ):
         # A run too short for the sequential layout's compile time, or with
-        # too many members for it: one member per call of one program, whose
+        # too many members for it: one member at a time in a loop (plain
+        # convolutions, not the vectorised members' grouped one), whose
         # compile time does not grow with the members (`layout.GROUP_MIN_FLOPS`).
-        layout, group = "sequential", 1
+        member_chunk = 1
     length = getattr(settings, "steps_per_dispatch", None)
     devices = 1 if mesh is None else mesh.size
     flops = step_flops(members, examples, size, devices, profile)
@@ -248,7 +248,7 @@ def _plan(
             if steps is not None and not (unroll and pads_on_host)
             else 1
         )
-        if unroll:
+        if unroll or (profile.convolutions and platform == "cpu"):
             budget = UNROLLED_DISPATCH_SECONDS * CPU_FLOPS_PER_SECOND
             length = max(1, min(length, int(budget / max(flops, 1.0))))
     options = step_compiler_options(
@@ -275,7 +275,7 @@ def _plan(
         # slower (24 CNNs on 8x8 images, `fit` in chunks of 3 to 12: 2.5 s
         # per step against 0.18 s vectorised whole, session 17).
         member_chunk = scratch_chunk(size, member_temporaries(profile, members, size))
-    return Plan(layout, options, check, unroll, length, counted, group, member_chunk)
+    return Plan(layout, options, check, unroll, length, counted, member_chunk)
 
 
 def scratch_chunk(size: int, member_bytes: float) -> int | None:

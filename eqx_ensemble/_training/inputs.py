@@ -77,9 +77,9 @@ def check_chunkable(loss_fn: Any, ens: Any) -> None:
 
 
 def independent_members(loss_fn: Any, ens: Any) -> bool:
-    """Whether the members can run in groups or chunks (`Plan.group`,
-    `Plan.member_chunk`): one ensemble whose every array leaf is a member's
-    (no shared part), and a loss that does not couple them."""
+    """Whether the members can run in chunks (`Plan.member_chunk`): one
+    ensemble whose every array leaf is a member's (no shared part), and a
+    loss that does not couple them."""
     return (
         is_ensemble(ens)
         and not is_heterogeneous(ens)

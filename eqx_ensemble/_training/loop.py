@@ -13,15 +13,10 @@ chunk the host knows to be `full` runs its steps with no conditional (on a GPU
 each conditional waits for its predicate on the host).
 Sharding is pinned once where the state enters and leaves the loop and once per
 step on the carry; nothing inside the step names a mesh axis but the update.
-An unrolled dispatch (a CPU's convolutions: `Chunk.unrolled`) is a loop on the
+An unrolled dispatch (`Execution(unroll=True)`: `Chunk.unrolled`) is a loop on the
 host of calls of one compiled step (`_dispatch_steps`): one program whatever the
 dispatch's length, its example indices drawn once before the calls
 (`IndexedBatches`), its readouts read when the host records the dispatch.
-Where the plan runs the members in groups (`Chunk.group`: a short convolving
-run on a CPU, one member per call), each step is one call per group of that
-program, which slices its members out of the whole state and writes them back
-in place (`_run_group`); their keys and per-member batches are the whole
-ensemble's, sliced, so a member computes what it computes in any layout.
 """
 
 import dataclasses
@@ -57,9 +52,7 @@ from .tracker import Tracker
 from .train_state import (
     TrainState,
     member_select,
-    state_of_group,
     track_update,
-    with_group,
 )
 
 
@@ -105,13 +98,6 @@ class Chunk:
     check: FiniteCheck = "per_leaf"  # the guard's form (`_execution.guard`)
     # The train state's leaves split over a "model" mesh axis, kept exactly.
     placement: Any = None
-    # Members per call where they run in groups (`Plan.group`): each step of
-    # the dispatch is one call per group of one program, given the group's
-    # first member (`first`, a NumPy int32 scalar: an input, not part of the
-    # program).
-    # `None`: every member in one call.
-    group: int | None = None
-    first: Int[ArrayLike, ""] | None = None
 
 
 def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
@@ -122,8 +108,6 @@ def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., An
     # A function of its own (not `run_chunk` itself): JAX's caches keyed on the
     # function then go with this one when it is dropped.
     def run(chunk: Chunk, train_state: TrainState) -> Any:
-        if chunk.group is not None:
-            return _run_group(chunk, train_state)
         train_state, losses, scores = run_chunk(chunk, train_state)
         return train_state, _readout(chunk, train_state, losses, scores)
 
@@ -159,24 +143,21 @@ def dispatch_chunk(
     runner = chunk_runner(options, static, shapes, deferred)
     train_state, values = runner.call_split(static, first, rest)
     return train_state, DispatchReadout(
-        [values], chunk.size, 1, chunk.evaluate is not None
+        [values], chunk.size, chunk.evaluate is not None
     )
 
 
 def _dispatch_steps(
     options: Options, chunk: Chunk, train_state: TrainState, steps: int
 ) -> tuple[TrainState, "DispatchReadout"]:
-    """An unrolled dispatch: a loop on the host of calls of one compiled step,
-    one per step (and per group of members, where they run in groups: each
-    call given the whole state and updating its own members in place,
-    `_run_group`). The program is the same for every step and every dispatch
-    length (a run of any `steps=` and a resumed run reuse it; XLA's CPU runs
-    a convolution in a compiled loop slowly, so the loop is here), and for
-    array data the dispatch's example indices are drawn once, before the
-    calls (a step would otherwise draw its epoch's whole permutation). The
-    arguments are flattened once per form of the call (with and without an
-    evaluation after it): each call passes the previous one's output arrays
-    on as they are, and only the row (and the group's first member) changes.
+    """An unrolled dispatch (`Execution.unroll`): a loop on the host of calls
+    of one compiled step, one per step. The program is the same for every
+    step and every dispatch length (a run of any `steps=` and a resumed run
+    reuse it), and for array data the dispatch's example indices are drawn
+    once, before the calls (a step would otherwise draw its epoch's whole
+    permutation). The arguments are flattened once per form of the call
+    (with and without an evaluation after it): each call passes the previous
+    one's output arrays on as they are, and only the row changes.
     The readouts are read when the host records the dispatch, so that the
     calls run while it reads the next group of a stream."""
     start = int(np.asarray(chunk.end)) - steps
@@ -190,18 +171,15 @@ def _dispatch_steps(
         chunk = dataclasses.replace(
             chunk, batches=IndexedBatches(chunk.batches.data, indices)
         )
-    group = chunk.group
-    assert group is None or chunk.size % group == 0
     every = None if chunk.evaluate is None else chunk.evaluate.every
     row = np.zeros((), np.int32)  # the markers, found by identity
-    first = np.zeros((), np.int32) if group is not None else None
-    forms: dict[bool, tuple[Hashable, list[Any], int, int | None, Any]] = {}
+    forms: dict[bool, tuple[Hashable, list[Any], int, Any]] = {}
     rest, readouts, static_out = None, [], None
     for position in range(steps):
         evaluates = every is not None and (start + position + 1) % every == 0
         if evaluates not in forms:
             call = dataclasses.replace(  # (`full` means nothing to one step)
-                chunk, row=row, first=first, evaluate_last=evaluates, full=False
+                chunk, row=row, evaluate_last=evaluates, full=False
             )
             static, leaves, state_leaves = split_arguments((call, train_state))
             shapes = tuple((leaf.shape, leaf.dtype) for leaf in state_leaves)
@@ -209,23 +187,18 @@ def _dispatch_steps(
                 static,
                 leaves,
                 _position_of(row, leaves),
-                None if first is None else _position_of(first, leaves),
                 chunk_runner(options, static, shapes, chunk.check == "deferred"),
             )
             rest = state_leaves if rest is None else rest
-        static, leaves, at_row, at_first, runner = forms[evaluates]
+        static, leaves, at_row, runner = forms[evaluates]
         leaves[at_row] = np.array(position, np.int32)
-        for member in range(0, chunk.size, group or chunk.size):
-            if at_first is not None:
-                leaves[at_first] = np.array(member, np.int32)
-            arrays, static_out = runner.call_arrays(static, leaves, rest)
-            rest = arrays[:-1]  # the state's, in the order they came in
-            readouts.append(arrays[-1])
+        arrays, static_out = runner.call_arrays(static, leaves, rest)
+        rest = arrays[:-1]  # the state's, in the order they came in
+        readouts.append(arrays[-1])
     assert static_out is not None and rest is not None
     train_state, _ = static_out.unflatten([*rest, readouts[-1]])
-    groups = 1 if group is None else chunk.size // group
     return train_state, DispatchReadout(
-        readouts, group or chunk.size, groups, chunk.evaluate is not None
+        readouts, chunk.size, chunk.evaluate is not None
     )
 
 
@@ -235,13 +208,12 @@ def _position_of(marker: np.ndarray, leaves: list[Any]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DispatchReadout:
-    """A dispatch's `readout`: one array, or its calls' step by step and group
-    by group (an unrolled dispatch, `_dispatch_steps`), on the device until
-    `read` brings them to the host and joins them into one."""
+    """A dispatch's `readout`: one array, or its calls' step by step (an
+    unrolled dispatch, `_dispatch_steps`), on the device until `read` brings
+    them to the host and joins them into one."""
 
     parts: list[Any]
-    members: int  # per call
-    groups: int  # calls per step
+    members: int
     evaluated: bool
 
     def read(self, to_host: Callable[[Any], np.ndarray]) -> np.ndarray:
@@ -253,21 +225,13 @@ class DispatchReadout:
         ]
 
         def joined(name: str) -> np.ndarray:
-            steps = [
-                np.concatenate(
-                    [getattr(part, name) for part in parts[i : i + self.groups]],
-                    axis=1,
-                )
-                for i in range(0, len(parts), self.groups)
-            ]
-            return np.concatenate(steps, axis=0)
+            return np.concatenate([getattr(part, name) for part in parts], axis=0)
 
-        last = parts[-self.groups :]
         return pack_readout(
             joined("losses"),
             joined("scores") if self.evaluated else None,
-            np.concatenate([part.diverged_at for part in last]),
-            np.concatenate([part.stopped_at for part in last]),
+            parts[-1].diverged_at,
+            parts[-1].stopped_at,
         )
 
 
@@ -280,40 +244,6 @@ def _make_drawer(*program: Hashable) -> Callable[..., Any]:
 # `compile.MAX_PROGRAMS` kept, as the dispatches' programs): the same integers
 # the sampling draws inside a dispatch.
 _drawers = CompiledFunctions(_make_drawer)
-
-
-def _run_group(chunk: Chunk, train_state: TrainState) -> Any:
-    """One group's call of a grouped dispatch: the steps of members
-    `chunk.first` to `chunk.first + chunk.group` (their keys and batches as in
-    a call of every member), written back into the whole state (donated: in
-    place), and the group's readout."""
-    assert chunk.group is not None and chunk.first is not None
-    first = jnp.asarray(chunk.first, jnp.int32)
-    part = state_of_group(train_state, first, chunk.group)
-    part, losses, scores = run_chunk(chunk, part)
-    last = first + chunk.group == chunk.size
-    return (
-        with_group(train_state, part, first, last),
-        _readout(chunk, part, losses, scores),
-    )
-
-
-def members_here(chunk: Chunk) -> int:
-    """The members one call of `chunk`'s program steps: a group's, or all."""
-    return chunk.size if chunk.group is None else chunk.group
-
-
-def of_group(chunk: Chunk, per_member: Any) -> Any:
-    """`per_member` (a leading axis of `chunk.size` members on every leaf, made
-    alike for every group: keys, a batch per member) for the members this
-    call steps."""
-    group = chunk.group
-    if group is None:
-        return per_member
-    first = jnp.asarray(chunk.first, jnp.int32)
-    return jax.tree.map(
-        lambda x: jax.lax.dynamic_slice_in_dim(x, first, group), per_member
-    )
 
 
 def readout(
@@ -397,7 +327,7 @@ def unpack_readout(values: np.ndarray, size: int, evaluated: bool) -> Readout:
 
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:
     # What a step reports when it has nothing to report (split like the members).
-    row = jnp.full((members_here(chunk),), jnp.nan, dtype=jnp.float32)
+    row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
     return constrain(row, chunk.mesh, (MEMBERS,))
 
 
@@ -423,11 +353,9 @@ def _train_step(
         chunk.check,
     )
     step = ts.step
-    member_keys = of_group(
-        chunk, jax.random.split(jax.random.fold_in(chunk.train_key, step), chunk.size)
+    member_keys = jax.random.split(
+        jax.random.fold_in(chunk.train_key, step), chunk.size
     )
-    if chunk.sampling.per_member:
-        batch = of_group(chunk, batch)
     new_ens, opt_state, losses, _, model_state, diverged = update(
         ts.ensemble,
         ts.opt_state,
@@ -478,7 +406,7 @@ def _evaluate(
     def run(dynamic_ts):
         current = eqx.combine(dynamic_ts, static)
         member_keys = constrain(
-            of_group(chunk, eval_member_keys(chunk.eval_key, current.step, chunk.size)),
+            eval_member_keys(chunk.eval_key, current.step, chunk.size),
             chunk.mesh,
             (MEMBERS,),
         )
@@ -620,7 +548,7 @@ def _counted(
     ran)."""
     scanned = chunk.batches.scanned() if chunk.batches is not None else None
     rows = constrain(
-        jnp.broadcast_to(nan_row, (chunk.length, members_here(chunk))),
+        jnp.broadcast_to(nan_row, (chunk.length, chunk.size)),
         chunk.mesh,
         (None, MEMBERS),
     )
@@ -645,11 +573,8 @@ def _unrolled(
     chunk: Chunk, dynamic: Any, static: Any, batch_of: Any
 ) -> tuple[Any, Array, Array]:
     """One step as straight-line code, of row `chunk.row` of the dispatch's
-    scanned inputs: XLA's CPU backend runs a convolution inside a loop or a
-    conditional with its channels-first layout, an order of magnitude slower
-    than the channels-last one it picks outside them (small CNNs), so models
-    with convolutions run their steps unrolled, with no conditional, one call
-    per step (`_dispatch_steps`)."""
+    scanned inputs, with no conditional, one call per step
+    (`_dispatch_steps`, `Execution(unroll=True)`)."""
     ts = eqx.combine(dynamic, static)
     assert chunk.batches is not None and chunk.row is not None
     row = jnp.asarray(chunk.row, jnp.int32)

@@ -72,7 +72,7 @@ from .source import ArraySource, Batches, DataSource, StreamSource
 from .step import ensemble_profile
 from .stream import check_data
 from .tracker import Tracker
-from .train_state import TrainState, leads_with_members, start_state
+from .train_state import TrainState, start_state
 
 
 def prepare(
@@ -122,19 +122,12 @@ def prepare(
         source.start(keys.data, keys.bootstrap, mesh)
     assert plan is not None
     train_state = place_state(train_state, mesh)
-    if plan.group is not None and not leads_with_members(train_state, size):
-        # A leaf without the member axis (a user's tracker): every member in
-        # one call, as the layout rule would have it without groups.
-        plan = dataclasses.replace(plan, group=None, layout="vmap")
-    if plan.group is not None:
-        train_state = _strongly_typed(train_state)
     chunk = Chunk(
         loss_fn=loss_fn, optimizer=optimizer, sampling=sampling, evaluate=evaluate,
         track=track, batches=source.batches() if source.kind == "arrays" else None,
         train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=size,
         length=plan.length, mesh=mesh, unrolled=plan.unroll, layout=plan.layout,
         check=plan.check, counted=plan.counted, member_chunk=plan.member_chunk,
-        group=plan.group,
         placement=model_placement(train_state, mesh),
     )  # fmt: skip
     return Run(
@@ -296,20 +289,6 @@ def plan_fit(
         pads_on_host=source.pads_on_host,
         groupable=independent_members(loss_fn, ens),
     )
-
-
-def _strongly_typed(tree: PyTree[Any]) -> PyTree[Any]:
-    """`tree` with its weakly typed arrays (an `eqx.nn.BatchNorm`'s state) made
-    strongly typed, dtype unchanged. A grouped dispatch writes each group back
-    with `dynamic_update_slice`, whose result is strongly typed: without this,
-    the second dispatch would see other input types and compile again."""
-
-    def strong(x: Any) -> Any:
-        if isinstance(x, jax.Array) and jax.typeof(x).weak_type:
-            return jax.lax.convert_element_type(x, x.dtype)
-        return x
-
-    return jax.tree.map(strong, tree)
 
 
 def _skips_conditional(chunk: Chunk) -> bool:

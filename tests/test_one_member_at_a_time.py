@@ -1,13 +1,15 @@
-"""A short convolving run on a CPU steps its members one per call
-(`Plan.group`, `loop.Chunk.group`): one compiled program of one member's step,
-called once per member and step with the member's index as an argument.
+"""A short convolving run on a CPU steps its members one at a time in a loop
+(the plan's `member_chunk=1`: a `jax.lax.map` over the members inside the
+dispatch's compiled loop): each member's convolutions are plain ones, not the
+vectorised members' grouped convolution, and the program's compile time does
+not grow with the members.
 
 Each member must compute what the sequential layout computes (the same
 member's plain step, to float32 rounding), with its own keys and its own
 batches (`Independent` sampling), evaluation, trackers and model state; a
 diverging member must leave the others bit for bit as in a clean run; a
 resumed run must equal the uninterrupted one bit for bit; one program serves
-every member; and the rule must group only where members share nothing.
+every dispatch; and the rule must apply only where members share nothing.
 The test models are tiny: `GROUP_MIN_FLOPS` is lowered for them.
 """
 
@@ -52,7 +54,8 @@ Y = jax.random.randint(jax.random.fold_in(KEY, 1), (48,), 0, 3)
 
 @pytest.fixture
 def grouped(monkeypatch):
-    """Group the test's tiny CNNs, and record each dispatch's chunk."""
+    """Plan the test's tiny CNNs one at a time, and record each dispatch's
+    chunk."""
     monkeypatch.setattr(_plan, "GROUP_MIN_FLOPS", 0.0)
     chunks = []
     dispatch = _run.dispatch_chunk
@@ -67,19 +70,24 @@ def grouped(monkeypatch):
 
 @pytest.fixture
 def traced(monkeypatch):
-    """The groups' programs traced: one entry per trace of `_run_group`."""
+    """The dispatches' programs traced: one entry per trace of `run_chunk`."""
     traces = []
-    run_group = _loop._run_group
+    run_chunk = _loop.run_chunk
 
     def counting(chunk, train_state):
-        traces.append(chunk.group)
-        # The dispatch's indices are drawn once, before the members' calls
-        # (a call draws nothing: no permutation of the data per member).
-        assert type(chunk.batches).__name__ in ("IndexedBatches", "StreamedBatches")
-        return run_group(chunk, train_state)
+        traces.append(chunk.member_chunk)
+        return run_chunk(chunk, train_state)
 
-    monkeypatch.setattr(_loop, "_run_group", counting)
+    monkeypatch.setattr(_loop, "run_chunk", counting)
     return traces
+
+
+def _one_at_a_time(chunks):
+    """Every recorded dispatch ran its members one at a time in its compiled
+    loop (not unrolled, not in calls per member)."""
+    return {(c.layout, c.member_chunk, c.unrolled, c.counted) for c in chunks} == {
+        ("vmap", 1, False, True)
+    }
 
 
 def _fit(loss, ens, steps=4, layout=None, **kwargs):
@@ -106,15 +114,12 @@ def test_one_member_per_call_equals_the_sequential_layout(grouped, traced, sampl
         track=[ee.EMA(0.9), ee.SWA(start=2)],
     )
     result = _fit(loss_fn, ens, **components)
-    assert {(c.layout, c.group, c.unrolled) for c in grouped} == {
-        ("sequential", 1, True)
-    }
-    # One program for every member and step: traced once per form of the
-    # call (evaluating after its step or not), not once per member or step.
-    assert len(traced) == 2
+    assert _one_at_a_time(grouped)
+    # One program for every member and step: traced once.
+    assert traced == [1]
     grouped.clear()
     reference = _fit(loss_fn, ens, layout="sequential", **components)
-    assert {c.group for c in grouped} == {None}
+    assert {c.member_chunk for c in grouped} == {None}
     assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)
     assert_tree_allclose(result.opt_state, reference.opt_state, **TOL)
     assert_tree_allclose(result.best_ensemble, reference.best_ensemble, **TOL)
@@ -147,10 +152,7 @@ def test_model_state_and_hyperparameters_per_member(grouped, traced):
         )  # fmt: skip
 
     result = fit()
-    assert {c.group for c in grouped} == {1}
-    # BatchNorm's state holds a weakly typed array, which the write-back of a
-    # group would make strong: typed strongly from the start, the second
-    # dispatch is the same program (traced once).
+    assert _one_at_a_time(grouped)
     assert traced == [1]
     reference = fit("sequential")
     assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)
@@ -166,7 +168,7 @@ def test_a_diverging_member_leaves_the_others_bit_for_bit(grouped):
         lambda e: e.members.out.weight, ens, weight.at[1, 0, 0].set(jnp.nan)
     )
     result = _fit(loss_fn, broken)
-    assert {c.group for c in grouped} == {1}
+    assert _one_at_a_time(grouped)
     assert result.diverged == {1: 1}
     # The failing member keeps its last finite weights: its start.
     _assert_equal(result.ensemble[1].conv1, broken[1].conv1)
@@ -200,7 +202,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(grouped, tmp_pat
         )  # fmt: skip
     resumed = _fit(loss_fn, ens, checkpoints=ee.Checkpoints(folder, every=3), **kwargs)
     assert resumed.resumed_from == 3
-    assert {c.group for c in grouped} == {1}
+    assert _one_at_a_time(grouped)
     for name in ("ensemble", "opt_state", "best_ensemble", "tracked"):
         _assert_equal(getattr(resumed, name), getattr(straight, name))
     for name in ("losses", "eval_scores"):
@@ -227,31 +229,28 @@ def test_the_rule():
         )
 
     short = plan()
-    assert (short.layout, short.group, short.unroll) == ("sequential", 1, True)
+    assert (short.layout, short.member_chunk, short.unroll) == ("vmap", 1, False)
+    assert short.counted
     # Long enough for the sequential layout's compile time: every member in
-    # one program, as before.
+    # one program, straight-line, in the same compiled loop.
     long_steps = int(SEQUENTIAL_MIN_RUN_FLOPS / (SIZE * 1e8)) * 2
-    assert (plan(steps=long_steps).layout, plan(steps=long_steps).group) == (
-        "sequential",
-        None,
-    )
-    # More members than the sequential layout takes: one per call whatever
+    long = plan(steps=long_steps)
+    assert (long.layout, long.member_chunk, long.unroll) == ("sequential", None, False)
+    # More members than the sequential layout takes: one at a time whatever
     # the run's length (a program of one member compiles alike for any count).
     many = SEQUENTIAL_MAX_MEMBERS + 1
     for steps in (20, long_steps):
-        assert (plan(steps=steps, size=many).group, plan(size=many).layout) == (
-            1,
-            "sequential",
-        )
+        assert plan(steps=steps, size=many).member_chunk == 1
     # Small convolutions, members that share something, a step per call, the
-    # user's layout or chunks, or a loop that is not unrolled: no groups.
-    assert plan(flops=1e6).group is None and plan(flops=1e6).layout == "vmap"
-    assert plan(groupable=False).group is None
-    assert plan(steps=None).group is None
+    # user's layout or chunks: not one at a time.
+    assert plan(flops=1e6).member_chunk is None and plan(flops=1e6).layout == "vmap"
+    assert plan(groupable=False).member_chunk is None
+    assert plan(steps=None).member_chunk is None
     for settings in ({"layout": "vmap"}, {"layout": "sequential"}):
-        assert plan(**settings).group is None
-    assert plan(member_chunk=1).group is None
-    assert plan(unroll=False).group is None
+        assert plan(**settings).member_chunk is None
+    assert plan(member_chunk=3).member_chunk == 3
+    # Unrolled only where asked.
+    assert plan(unroll=True).unroll and not plan(flops=1e6).unroll
 
 
 def test_shared_parts_heterogeneous_and_coupled_losses_are_not_grouped():
@@ -269,7 +268,7 @@ def test_shared_parts_heterogeneous_and_coupled_losses_are_not_grouped():
 
 class StepLog(ee.Tracker):
     """A tracker keeping a leaf without the member axis (against its protocol:
-    it worked before groups, and still must)."""
+    it worked before, and still must)."""
 
     def init(self, members):
         return jnp.zeros((5,), jnp.int32)
@@ -281,11 +280,10 @@ class StepLog(ee.Tracker):
         return state
 
 
-def test_a_tracker_leaf_without_the_member_axis_runs_every_member_at_once(grouped):
+def test_a_tracker_leaf_without_the_member_axis(grouped):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     result = _fit(loss_fn, ens, track=[StepLog()])
-    assert {c.group for c in grouped} == {None}
+    assert _one_at_a_time(grouped)
     np.testing.assert_array_equal(result.tracked[0], [1, 2, 3, 4, 0])
-    # Vectorised, as the layout rule has it without groups: bit for bit.
     reference = _fit(loss_fn, ens, layout="vmap", track=[StepLog()])
-    _assert_equal(result.ensemble, reference.ensemble)
+    assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)
