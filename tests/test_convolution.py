@@ -5,9 +5,10 @@ feature)`, kernel `(*spatial, in, out)`, with transposes around it.
 What must hold: the values and gradients equal JAX's own lowering's (to
 float32 rounding: the same sums, maybe added in another order) for every kind
 of convolution the primitive takes (1-3 spatial dimensions, strides,
-padding, both dilations, any dimension order, feature groups left alone),
-inside loops too; the library's programs carry the fast form; a user's own
-programs are lowered as JAX lowers them, before and after the library's.
+padding, both dilations, any dimension order; feature groups and complex
+numbers left to JAX), inside loops too; the library's programs carry the
+fast form; a user's own programs are lowered as JAX lowers them, before and
+after the library's.
 """
 
 import re
@@ -148,3 +149,19 @@ def test_canonical_numbers():
     assert canonical_numbers(1) == jax.lax.conv_dimension_numbers(
         (1, 1, 1), (1, 1, 1), ("NHC", "HIO", "NHC")
     )
+
+
+def test_complex_convolutions_keep_jaxs_cpu_rule():
+    # JAX's CPU rule splits a complex convolution into real ones (three
+    # products); the library's rule defers to it, in its programs and in a
+    # user's alike.
+    x = jax.random.normal(jax.random.key(0), (2, 3, 6, 6), jnp.complex64)
+    w = jax.random.normal(jax.random.key(1), (4, 3, 3, 3), jnp.complex64)
+    conv = _conv(("NCHW", "OIHW", "NCHW"), {"padding": "SAME"})
+    users = _convolution_numbers(jax.jit(conv).lower(x, w).as_text())
+    ours = _convolution_numbers(filter_jit(conv, ()).lower(x, w).as_text())
+    assert len(users) == len(ours) == 3
+    np.testing.assert_allclose(
+        np.asarray(filter_jit(conv, ())(x, w)), np.asarray(jax.jit(conv)(x, w)),
+        rtol=1e-5, atol=1e-4,
+    )  # fmt: skip

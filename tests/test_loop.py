@@ -977,9 +977,12 @@ def test_unrolled_dispatches_equal_the_fused_loop(sampling):
     np.testing.assert_array_equal(unrolled.best_step, looped.best_step)
 
 
-def test_convolutions_on_cpu_run_in_the_compiled_loop_by_default():
-    # Unrolled only where asked: the library lowers a CPU's convolutions in
-    # the form XLA runs fast inside a loop (`_execution/convolution.py`).
+def test_convolutions_on_cpu_are_unrolled_only_where_vectorised(monkeypatch):
+    # The library lowers a CPU's plain convolutions in the form XLA runs fast
+    # inside a loop (`_execution/convolution.py`), not the vectorised
+    # members' grouped ones: a tiny CNN stays vectorised and unrolled, larger
+    # ones (one member at a time) run in the compiled loop.
+    from eqx_ensemble._execution import plan as plan_module
     from eqx_ensemble._training.run import prepare
 
     cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
@@ -997,9 +1000,17 @@ def test_convolutions_on_cpu_run_in_the_compiled_loop_by_default():
         callbacks=(),
         execution=ee.Execution(),
     )
+    cpu = jax.default_backend() == "cpu"
     run = prepare(cnn, cnn_loss, ADAM, (IMAGES, Y), **common)
-    assert not run.chunk.unrolled
-    assert run.chunk.counted == (jax.default_backend() == "cpu")
+    assert run.chunk.unrolled == cpu and run.chunk.member_chunk is None
+    monkeypatch.setattr(plan_module, "GROUP_MIN_FLOPS", 0.0)
+
+    def other_loss(model, batch, key):  # (plans are kept per loss)
+        return cnn_loss(model, batch, key)
+
+    run = prepare(cnn, other_loss, ADAM, (IMAGES, Y), **common)
+    assert not run.chunk.unrolled and run.chunk.counted == cpu
+    assert run.chunk.member_chunk == (1 if cpu else None)
     mlp = ee.ensemble(make_mlp, size=2, key=jax.random.key(3))
     assert not prepare(mlp, mse_loss, ADAM, (X, Y), **common).chunk.unrolled
 

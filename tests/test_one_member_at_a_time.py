@@ -35,7 +35,7 @@ from eqx_ensemble._training.inputs import independent_members
 pytestmark = pytest.mark.skipif(not ON_CPU, reason="a CPU plan")
 
 SIZE = 3
-# The sequential layout against one member per call: the same member's step
+# The sequential layout against one member at a time: the same member's step
 # in two programs (XLA may fuse it otherwise: float32 rounding).
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
@@ -53,7 +53,7 @@ Y = jax.random.randint(jax.random.fold_in(KEY, 1), (48,), 0, 3)
 
 
 @pytest.fixture
-def grouped(monkeypatch):
+def planned(monkeypatch):
     """Plan the test's tiny CNNs one at a time, and record each dispatch's
     chunk."""
     monkeypatch.setattr(_plan, "GROUP_MIN_FLOPS", 0.0)
@@ -106,7 +106,7 @@ def _assert_equal(a, b):
 
 
 @pytest.mark.parametrize("sampling", ["shared", "independent"])
-def test_one_member_per_call_equals_the_sequential_layout(grouped, traced, sampling):
+def test_one_at_a_time_equals_the_sequential_layout(planned, traced, sampling):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     components = dict(
         sampling=sampling,
@@ -114,12 +114,12 @@ def test_one_member_per_call_equals_the_sequential_layout(grouped, traced, sampl
         track=[ee.EMA(0.9), ee.SWA(start=2)],
     )
     result = _fit(loss_fn, ens, **components)
-    assert _one_at_a_time(grouped)
+    assert _one_at_a_time(planned)
     # One program for every member and step: traced once.
     assert traced == [1]
-    grouped.clear()
+    planned.clear()
     reference = _fit(loss_fn, ens, layout="sequential", **components)
-    assert {c.member_chunk for c in grouped} == {None}
+    assert {c.member_chunk for c in planned} == {None}
     assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)
     assert_tree_allclose(result.opt_state, reference.opt_state, **TOL)
     assert_tree_allclose(result.best_ensemble, reference.best_ensemble, **TOL)
@@ -133,7 +133,7 @@ def test_one_member_per_call_equals_the_sequential_layout(grouped, traced, sampl
     assert len(set(np.asarray(result.history.losses[-1]).tolist())) == SIZE
 
 
-def test_model_state_and_hyperparameters_per_member(grouped, traced):
+def test_model_state_and_hyperparameters_per_member(planned, traced):
     ens, state = ee.ensemble(
         lambda k: eqx.nn.make_with_state(CNN)(k, norm=True),
         size=SIZE,
@@ -152,7 +152,7 @@ def test_model_state_and_hyperparameters_per_member(grouped, traced):
         )  # fmt: skip
 
     result = fit()
-    assert _one_at_a_time(grouped)
+    assert _one_at_a_time(planned)
     assert traced == [1]
     reference = fit("sequential")
     assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)
@@ -160,7 +160,7 @@ def test_model_state_and_hyperparameters_per_member(grouped, traced):
     np.testing.assert_allclose(result.history.losses, reference.history.losses, **TOL)
 
 
-def test_a_diverging_member_leaves_the_others_bit_for_bit(grouped):
+def test_a_diverging_member_leaves_the_others_bit_for_bit(planned):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     clean = _fit(loss_fn, ens)
     weight = ens.members.out.weight
@@ -168,7 +168,7 @@ def test_a_diverging_member_leaves_the_others_bit_for_bit(grouped):
         lambda e: e.members.out.weight, ens, weight.at[1, 0, 0].set(jnp.nan)
     )
     result = _fit(loss_fn, broken)
-    assert _one_at_a_time(grouped)
+    assert _one_at_a_time(planned)
     assert result.diverged == {1: 1}
     # The failing member keeps its last finite weights: its start.
     _assert_equal(result.ensemble[1].conv1, broken[1].conv1)
@@ -179,7 +179,7 @@ def test_a_diverging_member_leaves_the_others_bit_for_bit(grouped):
         )
 
 
-def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(grouped, tmp_path):
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(planned, tmp_path):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     kwargs = dict(
         steps=6, sampling="independent", track=[ee.EMA(0.9)],
@@ -202,7 +202,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(grouped, tmp_pat
         )  # fmt: skip
     resumed = _fit(loss_fn, ens, checkpoints=ee.Checkpoints(folder, every=3), **kwargs)
     assert resumed.resumed_from == 3
-    assert _one_at_a_time(grouped)
+    assert _one_at_a_time(planned)
     for name in ("ensemble", "opt_state", "best_ensemble", "tracked"):
         _assert_equal(getattr(resumed, name), getattr(straight, name))
     for name in ("losses", "eval_scores"):
@@ -249,11 +249,16 @@ def test_the_rule():
     for settings in ({"layout": "vmap"}, {"layout": "sequential"}):
         assert plan(**settings).member_chunk is None
     assert plan(member_chunk=3).member_chunk == 3
-    # Unrolled only where asked.
-    assert plan(unroll=True).unroll and not plan(flops=1e6).unroll
+    # A loop (of a traced trip count) where the members' convolutions are
+    # plain; straight-line calls per step (unrolled) where they stay the
+    # vectorised members' grouped convolutions, or where asked.
+    assert not short.unroll and plan(unroll=True).unroll
+    assert plan(flops=1e6).unroll and plan(groupable=False).unroll
+    assert plan(layout="vmap").unroll and not plan(member_chunk=3).unroll
+    assert not plan(groupable=False, steps=long_steps).unroll  # sequential
 
 
-def test_shared_parts_heterogeneous_and_coupled_losses_are_not_grouped():
+def test_shared_parts_heterogeneous_and_coupled_losses_are_not_one_at_a_time():
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     assert independent_members(loss_fn, ens)
     shared = ee.ensemble(
@@ -280,10 +285,10 @@ class StepLog(ee.Tracker):
         return state
 
 
-def test_a_tracker_leaf_without_the_member_axis(grouped):
+def test_a_tracker_leaf_without_the_member_axis(planned):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     result = _fit(loss_fn, ens, track=[StepLog()])
-    assert _one_at_a_time(grouped)
+    assert _one_at_a_time(planned)
     np.testing.assert_array_equal(result.tracked[0], [1, 2, 3, 4, 0])
     reference = _fit(loss_fn, ens, layout="vmap", track=[StepLog()])
     assert_tree_allclose(result.ensemble, reference.ensemble, **TOL)

@@ -286,11 +286,14 @@ def test_plan_weighs_compile_time_against_the_run_length():
         )
 
     short, long = plan(20), plan(2**30)  # a tiny CNN: only a very long run
-    # Convolutions: a compiled loop over a traced trip count on a CPU (their
-    # lowering runs fast in loops, `_execution/convolution.py`), as long
-    # whatever the run's length (one program, exact resume).
-    assert not short.unroll and not long.unroll
-    assert short.counted and long.counted and short.length == long.length > 20
+    # Convolutions vectorised (a tiny CNN: grouped convolutions): unrolled, a
+    # dispatch a loop on the host of calls of one compiled step; member by
+    # member (plain convolutions, lowered in the form XLA runs fast in
+    # loops, `_execution/convolution.py`): a compiled loop over a traced
+    # trip count. As long whatever the run's length (one program, exact
+    # resume).
+    assert short.unroll and not long.unroll and long.counted
+    assert short.length == long.length > 20
     # The member-by-member layout compiles a copy per member: runs whose
     # convolutions repay that only (`test_layout.py` checks the boundary).
     assert short.layout == "vmap" and long.layout == "sequential"

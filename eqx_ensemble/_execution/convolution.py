@@ -12,8 +12,10 @@ backward pass's convolutions of any layout are others again (the kernel's
 gradient convolves over the batch).
 
 While the library's own programs are lowered (`canonical_convolutions`), every
-convolution of plain groups on a CPU is lowered as that form: its operands
-transposed in, the result transposed out. The sums are the same (XLA's own
+real convolution of plain groups (no feature or batch groups: the members'
+own, not the vectorised members' grouped one) with no output sharding of
+its own is lowered on a CPU as that form: its operands transposed in, the
+result transposed out. The sums are the same (XLA's own
 transposes outside loops are these); the convolution then runs on the fast
 kernels inside the compiled loops of `fit` and in a `lax.map` over members. A
 user's own programs are lowered as JAX lowers them.
@@ -24,14 +26,25 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import mlir
 
 _ACTIVE = contextvars.ContextVar("eqx_ensemble_canonical_convolutions", default=False)
 _PRIMITIVE = lax.conv_general_dilated_p
-# JAX's own lowering of the primitive (for every platform), which the CPU
-# rule below defers to for a convolution already in that form, or grouped.
-_JAX_LOWERING = mlir._lowerings[_PRIMITIVE].rule
+
+
+def _jax_lowering() -> Any:
+    """JAX's own CPU lowering of the primitive (its CPU rule expands complex
+    convolutions into real ones; else the rule of every platform), which the
+    rule below defers to (never itself, should this module run again)."""
+    entry = mlir._platform_specific_lowerings["cpu"].get(_PRIMITIVE)
+    if entry is not None and getattr(entry.rule, "__module__", None) != __name__:
+        return entry.rule
+    return mlir._lowerings[_PRIMITIVE].rule
+
+
+_JAX_LOWERING = _jax_lowering()
 
 
 @contextlib.contextmanager
@@ -75,6 +88,10 @@ def _lower(
         or feature_group_count != 1
         or batch_group_count != 1
         or tuple(numbers) == tuple(canonical)
+        # JAX's CPU rule splits a complex convolution into real ones; an
+        # output sharding is written in the dimension order given.
+        or jnp.issubdtype(ctx.avals_in[0].dtype, jnp.complexfloating)
+        or params.get("out_sharding") is not None
     ):
         return _JAX_LOWERING(
             ctx,

@@ -204,10 +204,6 @@ def _plan(
         # profile for the options only (on a mesh every other choice is the
         # rules' without it).
         batched_dots = profile_of().batched_dots
-    # Unrolled only where asked: the library's programs lower a CPU's
-    # convolutions in the form XLA runs fast inside a loop too
-    # (`convolution.py`).
-    unroll = bool(getattr(settings, "unroll", None))
     layout = choose_layout(
         settings.layout if settings.layout in ("vmap", "sequential") else "auto",
         convolutions=profile.convolutions,
@@ -234,6 +230,18 @@ def _plan(
         # convolutions, not the vectorised members' grouped one), whose
         # compile time does not grow with the members (`layout.GROUP_MIN_FLOPS`).
         member_chunk = 1
+    unroll = getattr(settings, "unroll", None)
+    if unroll is None:
+        # The library's programs lower a CPU's convolutions in the form XLA
+        # runs fast inside a loop too (`convolution.py`), but not the
+        # vectorised members' grouped ones: those stay straight-line code,
+        # a call per step, where XLA moves them itself.
+        unroll = (
+            profile.convolutions
+            and platform == "cpu"
+            and layout == "vmap"
+            and member_chunk is None
+        )
     length = getattr(settings, "steps_per_dispatch", None)
     devices = 1 if mesh is None else mesh.size
     flops = step_flops(members, examples, size, devices, profile)

@@ -448,7 +448,9 @@ def _skip_if_frozen(
 
     Not for a step that convolves: XLA's CPU backend gives a convolution inside
     a conditional its slow channels-first layout (an order of magnitude slower
-    for small CNNs), so such a step always runs, and `member_update`'s select keeps a
+    for small CNNs, measured with JAX's lowering; the library's own,
+    `_execution/convolution.py`, was not measured under a conditional), so
+    such a step always runs, and `member_update`'s select keeps a
     frozen member's weights as the vectorised layout does."""
 
     def fresh():

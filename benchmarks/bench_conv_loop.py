@@ -1,0 +1,151 @@
+"""Convolutions inside a compiled loop on a CPU: JAX's lowering against the
+library's (`_execution/convolution.py`).
+
+XLA's CPU backend hands a convolution to its fast kernels only in the layout
+(batch, spatial, features) x (spatial, in, out), and moves other convolutions
+into it only at a program's top level (jax-ml/jax issue 12868). This script
+times, on the CNN of `bench_families.py` (two 3x3 convolutions, batch 128,
+Adam, `--members` members on `--side` x `--side` images), the members' step
+(value, gradient, update):
+
+- one member after another in a `jax.lax.scan` (a loop), lowered by JAX
+  (`jax.jit`) and by the library (`compile.filter_jit`, what `fit` and
+  `make_step` compile with);
+- the same members as straight-line code (no loop: XLA moves the
+  convolutions itself), lowered by JAX;
+- the scan of members inside a 20-step loop (what a `fit` dispatch is), both
+  lowerings.
+
+It prints ms per step and the library's lowering against JAX's in the same
+run, and checks that both compute the same (to float32 rounding).
+
+Run: `python benchmarks/bench_conv_loop.py [--side 8] [--members 5]
+[--repeats 5]` (`--quick`: 2 repeats).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+
+def main(args) -> dict:
+    import time
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from eqx_ensemble._execution.compile import filter_jit
+
+    _common.print_header(
+        f"convolutions in a loop: {args.members} CNNs on {args.side}x{args.side} "
+        "images, batch 128, Adam"
+    )
+    side, members = args.side, args.members
+
+    class CNN(eqx.Module):
+        conv1: eqx.nn.Conv2d
+        conv2: eqx.nn.Conv2d
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2, k3 = jax.random.split(key, 3)
+            self.conv1 = eqx.nn.Conv2d(1, 16, 3, padding=1, key=k1)
+            self.conv2 = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
+            self.out = eqx.nn.Linear(32 * side * side, 10, key=k3)
+
+        def __call__(self, x):
+            x = jax.nn.relu(self.conv1(x))
+            return self.out(jax.nn.relu(self.conv2(x)).reshape(-1))
+
+    stacked = eqx.filter_vmap(CNN)(jax.random.split(jax.random.key(0), members))
+    params, static = eqx.partition(stacked, eqx.is_array)
+    optimizer = optax.adam(1e-3)
+    opt_state = jax.vmap(optimizer.init)(params)
+    x = jax.random.normal(jax.random.key(1), (128, 1, side, side))
+    y = jax.random.randint(jax.random.key(2), (128,), 0, 10)
+
+    def loss(p):
+        logits = jax.vmap(eqx.combine(p, static))(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def one(p, o):
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, o = optimizer.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, value
+
+    def scanned(p, o):
+        return jax.lax.scan(lambda c, po: (c, one(*po)), None, (p, o))[1]
+
+    def straight(p, o):
+        outs = [one(*jax.tree.map(lambda a: a[i], (p, o))) for i in range(members)]
+        return jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+    def dispatch(p, o):
+        def body(carry, _):
+            p, o, losses = scanned(*carry)
+            return (p, o), losses
+
+        return jax.lax.scan(body, (p, o), None, length=20)
+
+    programs = {
+        "members in a scan, JAX's lowering": (jax.jit(scanned), 1),
+        "members in a scan, the library's": (filter_jit(scanned, ()), 1),
+        "straight-line members, JAX's lowering": (jax.jit(straight), 1),
+        "20-step dispatch, JAX's lowering": (jax.jit(dispatch), 20),
+        "20-step dispatch, the library's": (filter_jit(dispatch, ()), 20),
+    }
+    outputs, first = {}, {}
+    for name, (program, _) in programs.items():
+        start = time.perf_counter()
+        outputs[name] = jax.block_until_ready(program(params, opt_state))
+        first[name] = time.perf_counter() - start
+    for a, b in [
+        ("members in a scan, JAX's lowering", "members in a scan, the library's"),
+        ("20-step dispatch, JAX's lowering", "20-step dispatch, the library's"),
+    ]:
+        for u, v in zip(
+            jax.tree.leaves(outputs[a]), jax.tree.leaves(outputs[b]), strict=True
+        ):
+            scale = float(np.max(np.abs(np.asarray(u)))) or 1.0
+            np.testing.assert_allclose(
+                np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5 * scale
+            )
+    calls = {
+        name: (lambda p=program: jax.block_until_ready(p(params, opt_state)))
+        for name, (program, _) in programs.items()
+    }
+    times = _common.interleaved(
+        calls, repeats=args.repeats or (2 if args.quick else 5), warmup=0
+    )
+    ms = {
+        name: _common.median(times[name]) / programs[name][1] * 1e3 for name in programs
+    }
+    for name in programs:
+        print(f"   {name:<40} first call {first[name]:5.2f} s  {ms[name]:9.2f} ms/step")
+    ratios = {
+        "scan: library / JAX (speed-up)": ms["members in a scan, JAX's lowering"]
+        / ms["members in a scan, the library's"],
+        "dispatch: library / JAX (speed-up)": ms["20-step dispatch, JAX's lowering"]
+        / ms["20-step dispatch, the library's"],
+        "library's scan / straight-line (speed-up)": ms[
+            "straight-line members, JAX's lowering"
+        ]
+        / ms["members in a scan, the library's"],
+    }
+    for name, ratio in ratios.items():
+        print(f"   {name}: {ratio:.2f}x")
+    return {"ms_per_step": ms, "first_s": first, "ratios": ratios}
+
+
+if __name__ == "__main__":
+    p = _common.parser(__doc__)
+    p.add_argument("--side", type=int, default=8)
+    p.add_argument("--members", type=int, default=5)
+    args = p.parse_args()
+    _common.emit_summary("conv_loop", main(args), args.json)
