@@ -289,14 +289,19 @@ def _chunked_vmap(
                 full[i] = eqx.combine(dynamic_group[position], parts[position][1])
             return vmapped(*full)
 
-        first = jax.tree.map(lambda x: x[0], split)
-        static = eqx.filter(
-            eqx.filter_eval_shape(group, first),
-            lambda x: not isinstance(x, jax.ShapeDtypeStruct),
-        )
-        outputs = jax.lax.map(lambda g: eqx.filter(group(g), eqx.is_array), split)
+        # The outputs' non-array leaves, kept from the map's own trace of
+        # `group` (not a second trace: a member's step is most of a first
+        # call's trace time).
+        statics = []
+
+        def arrays_of(dynamic_group: Any) -> Any:
+            arrays, static = eqx.partition(group(dynamic_group), eqx.is_array)
+            statics.append(static)
+            return arrays
+
+        outputs = jax.lax.map(arrays_of, split)
         outputs = jax.tree.map(from_groups, outputs)
-        return eqx.combine(outputs, static)
+        return eqx.combine(outputs, statics[-1])
 
     return run
 
