@@ -4,9 +4,9 @@ library's (`_execution/convolution.py`).
 XLA's CPU backend hands a convolution to its fast kernels only in the layout
 (batch, spatial, features) x (spatial, in, out), and moves other convolutions
 into it only at a program's top level (jax-ml/jax issue 12868). This script
-times, on the CNN of `bench_families.py` (two 3x3 convolutions, batch 128,
-Adam, `--members` members on `--side` x `--side` images), the members' step
-(value, gradient, update):
+times, on a CNN of `bench_families.py` (two 3x3 convolutions, batch 128,
+Adam, `--members` members; `--family cnn`, `cnn16` or `cnn32`: 8x8, 16x16
+or 32x32 images), the members' step (value, gradient, update):
 
 - one member after another in a `jax.lax.scan` (a loop), lowered by JAX
   (`jax.jit`) and by the library (`compile.filter_jit`, what `fit` and
@@ -19,7 +19,7 @@ Adam, `--members` members on `--side` x `--side` images), the members' step
 It prints ms per step and the library's lowering against JAX's in the same
 run, and checks that both compute the same (to float32 rounding).
 
-Run: `python benchmarks/bench_conv_loop.py [--side 8] [--members 5]
+Run: `python benchmarks/bench_conv_loop.py [--family cnn] [--members 5]
 [--repeats 5]` (`--quick`: 2 repeats).
 """
 
@@ -39,36 +39,21 @@ def main(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from bench_families import _families, _side
 
     from eqx_ensemble._execution.compile import filter_jit
 
+    side, members = _side(args.family), args.members
     _common.print_header(
-        f"convolutions in a loop: {args.members} CNNs on {args.side}x{args.side} "
-        "images, batch 128, Adam"
+        f"convolutions in a loop: {members} CNNs on {side}x{side} images "
+        f"(`bench_families.py`'s {args.family}), batch 128, Adam"
     )
-    side, members = args.side, args.members
-
-    class CNN(eqx.Module):
-        conv1: eqx.nn.Conv2d
-        conv2: eqx.nn.Conv2d
-        out: eqx.nn.Linear
-
-        def __init__(self, key):
-            k1, k2, k3 = jax.random.split(key, 3)
-            self.conv1 = eqx.nn.Conv2d(1, 16, 3, padding=1, key=k1)
-            self.conv2 = eqx.nn.Conv2d(16, 32, 3, padding=1, key=k2)
-            self.out = eqx.nn.Linear(32 * side * side, 10, key=k3)
-
-        def __call__(self, x):
-            x = jax.nn.relu(self.conv1(x))
-            return self.out(jax.nn.relu(self.conv2(x)).reshape(-1))
-
-    stacked = eqx.filter_vmap(CNN)(jax.random.split(jax.random.key(0), members))
+    make, _, _, images, labels = _families(jax, jnp, eqx)[args.family]
+    stacked = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), members))
     params, static = eqx.partition(stacked, eqx.is_array)
     optimizer = optax.adam(1e-3)
     opt_state = jax.vmap(optimizer.init)(params)
-    x = jax.random.normal(jax.random.key(1), (128, 1, side, side))
-    y = jax.random.randint(jax.random.key(2), (128,), 0, 10)
+    x, y = images[:128], labels[:128]
 
     def loss(p):
         logits = jax.vmap(eqx.combine(p, static))(x)
@@ -159,7 +144,7 @@ def main(args) -> dict:
 
 if __name__ == "__main__":
     p = _common.parser(__doc__)
-    p.add_argument("--side", type=int, default=8)
+    p.add_argument("--family", default="cnn", choices=("cnn", "cnn16", "cnn32"))
     p.add_argument("--members", type=int, default=5)
     args = p.parse_args()
     _common.emit_summary("conv_loop", main(args), args.json)
