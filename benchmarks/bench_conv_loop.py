@@ -90,31 +90,20 @@ def main(args) -> dict:
         start = time.perf_counter()
         outputs[name] = jax.block_until_ready(program(params, opt_state))
         first[name] = time.perf_counter() - start
-    # The same computation: one step's weights and losses to float32
-    # rounding (Adam's first update is about the gradient's sign times the
-    # rate, 1e-3: a gradient near zero may round to another update, by up to
-    # ~1e-5 here), and the 20 steps' losses.
-    pairs = [
+    # The same computation: the losses (the weights after an Adam step are
+    # no test of it: Adam's first update is the gradient's sign times the
+    # rate, so a gradient near zero may round to another update; the tests
+    # compare the gradients, `tests/test_convolution.py`).
+    for pair, rtol in [
         (
-            jax.tree.leaves(outputs["members in a scan, JAX's lowering"]),
-            jax.tree.leaves(outputs["members in a scan, the library's"]),
-            1e-4,
+            ("members in a scan, JAX's lowering", "members in a scan, the library's"),
+            1e-5,
         ),
-        (
-            [outputs["20-step dispatch, JAX's lowering"][1]],
-            [outputs["20-step dispatch, the library's"][1]],
-            1e-3,
-        ),
-    ]
-    for ours, theirs, rtol in pairs:
-        for u, v in zip(ours, theirs, strict=True):
-            scale = float(np.max(np.abs(np.asarray(u)))) or 1.0
-            np.testing.assert_allclose(
-                np.asarray(u),
-                np.asarray(v),
-                rtol=rtol,
-                atol=max(1e-5, rtol * 0.1 * scale),
-            )
+        (("20-step dispatch, JAX's lowering", "20-step dispatch, the library's"), 1e-3),
+    ]:
+        np.testing.assert_allclose(
+            *(np.asarray(outputs[name][-1]) for name in pair), rtol=rtol
+        )
     calls = {
         name: (lambda p=program: jax.block_until_ready(p(params, opt_state)))
         for name, (program, _) in programs.items()
