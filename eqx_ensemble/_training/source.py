@@ -192,14 +192,21 @@ class ArraySource(DataSource):
         sampling: Sampling,
         batch_size: int | None,
         size: int,
+        checked: bool = False,
     ):
+        # `checked`: data of the structure, shapes and dtypes of data checked
+        # before with these arguments (`run.prepare`): the checks are skipped.
         if batch_size is None:
             raise TypeError("`fit` on array data needs `batch_size`")
-        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.batch_size = (
+            batch_size if checked else check_positive_int(batch_size, "batch_size")
+        )
         self.examples = num_examples(data)
         self.num_examples = self.examples
-        sampling.check(self.examples, self.batch_size, size)
-        _check_batch_memory(data, self.batch_size, size if sampling.per_member else 1)
+        if not checked:
+            sampling.check(self.examples, self.batch_size, size)
+            per_member = size if sampling.per_member else 1
+            _check_batch_memory(data, self.batch_size, per_member)
         self.per_member = sampling.per_member
         self.data = data
         self.sampling = sampling
