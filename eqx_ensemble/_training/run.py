@@ -71,7 +71,7 @@ from .result import EnsembleDivergedError, FitResult, make_result
 from .sampling import Sampling, as_sampling
 from .source import ArraySource, Batches, DataSource, StreamSource
 from .step import ensemble_profile
-from .stream import check_data
+from .stream import check_data, is_source
 from .tracker import Tracker
 from .train_state import TrainState, start_state
 
@@ -170,13 +170,17 @@ _CHECKED: "weakref.WeakKeyDictionary[Any, dict[Any, tuple[int, Plan]]]" = (
 
 
 def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
-    """The settings (numbers with their types: `steps=True` is not `1`), the
-    backend and x64 mode, and every leaf of the call's inputs: an array as its
-    type, shape and dtype, anything else as itself (hashed where it is looked
-    up: TypeError there where a part is unhashable)."""
-    leaves, treedef = jax.tree.flatten(call)
+    """`call`: `fit`'s inputs, `data` last. The settings (numbers with their
+    types: `steps=True` is not `1`), the backend and x64 mode, and every leaf
+    of the inputs (a stream is one leaf): an array as its type, shape and
+    dtype, anything else as itself (hashed where it is looked up: TypeError
+    there where a part is unhashable)."""
+    *inputs, data = call
+    leaves, treedef = jax.tree.flatten(inputs)
+    # (a stream is a leaf: not flattened, nor warned about, as an iterable)
+    data_leaves, data_def = jax.tree.flatten(data, is_leaf=is_source)
     record = []
-    for leaf in leaves:
+    for leaf in leaves + data_leaves:
         shape = getattr(leaf, "shape", None)
         record.append(leaf if shape is None else (type(leaf), shape, leaf.dtype))
     return (
@@ -185,6 +189,7 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
         jax.default_backend(),
         jax.config.jax_enable_x64,
         treedef,
+        data_def,
         tuple(record),
     )
 

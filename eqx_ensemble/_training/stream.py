@@ -28,11 +28,11 @@ from .._internal.tree import keystr
 def is_array_data(data: Any) -> bool:
     """Whether `data` is a PyTree of arrays (sampled inside compiled code), as
     opposed to a source of batches."""
-    leaves = jax.tree.leaves(data, is_leaf=_is_source)
+    leaves = jax.tree.leaves(data, is_leaf=is_source)
     return bool(leaves) and all(isinstance(x, np.ndarray | jax.Array) for x in leaves)
 
 
-def _is_source(x: Any) -> bool:
+def is_source(x: Any) -> bool:
     # Iterables that are not PyTree containers (generators, loaders) are leaves.
     return isinstance(x, Iterable) and not isinstance(
         x, tuple | list | dict | np.ndarray | jax.Array
@@ -48,7 +48,7 @@ def check_data(data: Any) -> bool:
         raise TypeError("`data` is a string; pass arrays or an iterable of batches")
     if callable(data) or isinstance(data, Iterable):
         return False
-    leaves = jax.tree.leaves(data, is_leaf=_is_source)
+    leaves = jax.tree.leaves(data, is_leaf=is_source)
     kinds = sorted({type(x).__name__ for x in leaves}) or ["nothing"]
     raise TypeError(
         f"`data` must be a PyTree of arrays (sampled inside compiled code), an "
