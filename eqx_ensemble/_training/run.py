@@ -95,12 +95,12 @@ def prepare(
     simple = hyper is None and evaluate is None and checkpoints is None
     if simple and not (track or callbacks):
         known = _checked(loss_fn, settings, call)
+    source: DataSource | None
     if known is not None:  # a call like one checked before: the same checks pass
         size, plan = known
+        steps = check_positive_int(steps, "steps", high=MAX_INT32)  # (as an int)
         track, components = (), ()
-        source: ArraySource | None = ArraySource(
-            data, sampling, batch_size, size, checked=True
-        )
+        source = ArraySource(data, sampling, batch_size, size, checked=True)
     else:
         size = check_inputs(
             ens, loss_fn, optimizer, key, state=state, hyper=hyper,
@@ -117,7 +117,7 @@ def prepare(
             ArraySource(data, sampling, batch_size, size) if check_data(data) else None
         )
         plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)
-        if simple and source is not None and not components:
+        if simple and source is not None and plan is not None and not components:
             _remember(loss_fn, settings, call, (size, plan))
     train_state, keys = start_state(
         ens, optimizer, opt_state, state, hyper=hyper, track=track,
@@ -187,7 +187,7 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
         *settings,
         *(type(value) for value in settings[-2:]),
         jax.default_backend(),
-        jax.config.jax_enable_x64,
+        jax.dtypes.canonicalize_dtype(np.float64),  # x64 on or off
         treedef,
         data_def,
         tuple(record),

@@ -198,9 +198,7 @@ class ArraySource(DataSource):
         # before with these arguments (`run.prepare`): the checks are skipped.
         if batch_size is None:
             raise TypeError("`fit` on array data needs `batch_size`")
-        self.batch_size = (
-            batch_size if checked else check_positive_int(batch_size, "batch_size")
-        )
+        self.batch_size = check_positive_int(batch_size, "batch_size")
         self.examples = num_examples(data)
         self.num_examples = self.examples
         if not checked:
