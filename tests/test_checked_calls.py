@@ -126,6 +126,30 @@ def test_a_number_equal_to_a_checked_one_but_of_another_type_is_checked():
         _fit(ens, loss, steps=True)
 
 
+class _Shaped:  # a leaf with a shape and no dtype, as a data frame
+    shape = (32, 1)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(track=""), "track"),  # (past the annotation: a sequence)
+        (dict(data=_Shaped()), "data"),
+    ],
+)
+def test_what_a_known_call_would_skip_is_refused_as_on_a_first_call(change, match):
+    def loss(model, batch, key):
+        return _loss(model, batch, key)
+
+    ens = _ens()
+    with pytest.raises(TypeError, match=match):  # first
+        _fit(ens, loss, **change)
+    _fit(ens, loss)
+    _fit(ens, loss)
+    with pytest.raises(TypeError, match=match):  # after known calls
+        _fit(ens, loss, **change)
+
+
 def test_hyperparameters_values_are_checked_on_every_call():
     ens = _ens()
     _fit(ens, _hyper_loss, hyper={"scale": jnp.ones(3)})

@@ -200,7 +200,9 @@ def _kind_of(leaf: Any) -> str:
     kind = (
         _ARRAY if eqx.is_array(leaf) else _NUMBER if type(leaf) in _NUMBERS else _OTHER
     )
-    if not is_traced(leaf) and len(_KINDS) < 1024:  # (bounded: types made in a loop)
+    # Not a tracer, nor an object whose `__class__` is not its type (a proxy:
+    # `isinstance` reads `__class__`); bounded (types made in a loop).
+    if type(leaf) is leaf.__class__ and not is_traced(leaf) and len(_KINDS) < 1024:
         _KINDS[type(leaf)] = kind
     return kind
 

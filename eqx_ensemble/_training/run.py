@@ -88,17 +88,17 @@ def prepare(
     check_optimizer(optimizer)
     # Equal losses and optimizers are one program (`_execution.intern`).
     loss_fn, optimizer = canonical_tree(loss_fn), canonical_tree(optimizer)
-    sampling = as_sampling(sampling)
     call = (ens, opt_state, state, hyper, key, data)
     settings = (optimizer, execution, sampling, steps, batch_size)
     known = None
     simple = hyper is None and evaluate is None and checkpoints is None
-    if simple and not (track or callbacks):
+    if simple and _empty(track) and _empty(callbacks):
         known = _checked(loss_fn, settings, call)
     source: DataSource | None
     if known is not None:  # a call like one checked before: the same checks pass
         size, plan = known
         steps = check_positive_int(steps, "steps", high=MAX_INT32)  # (as an int)
+        sampling = as_sampling(sampling)
         track, components = (), ()
         source = ArraySource(data, sampling, batch_size, size, checked=True)
     else:
@@ -107,7 +107,7 @@ def prepare(
             opt_state=opt_state, runner=execution, where="fit",
         )  # fmt: skip
         steps = check_positive_int(steps, "steps", high=MAX_INT32)
-        sampling = check_sampling(loss_fn, sampling)
+        sampling = check_sampling(loss_fn, as_sampling(sampling))
         track, components = _components(
             ens, size, steps, state, evaluate, checkpoints, track, callbacks
         )
@@ -163,7 +163,9 @@ def prepare(
 # are checked): its checks read only the inputs' structure, types, shapes and
 # dtypes and the call's settings, so a call that matches one checked before
 # (`_call_key`) skips them and the plan's lookup, ~0.3 ms of a `fit` call in
-# a loop. Per loss, held weakly (the entries go with it), at most 16 per loss.
+# a loop. Per loss, held weakly (the entries go with it), at most 16 per loss;
+# a key holds the optimizer, the settings and the inputs' non-array leaves
+# (no arrays) for as long as its loss lives.
 _CHECKED: "weakref.WeakKeyDictionary[Any, dict[Any, tuple[int, Plan]]]" = (
     weakref.WeakKeyDictionary()
 )
@@ -194,13 +196,20 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
     )
 
 
+def _empty(components: Any) -> bool:
+    # (not `None` or `""`: refused by the checks, never skipped)
+    return isinstance(components, list | tuple) and not components
+
+
 def _checked(loss_fn: Any, settings: tuple[Any, ...], call: Any) -> Any:
     """`(size, plan)` of a call checked before with these settings and inputs,
     or `None`."""
     try:
         table = _CHECKED.get(loss_fn)
         return None if table is None else table.get(_call_key(settings, call))
-    except TypeError:  # an unhashable setting or leaf, or a loss not weakly held
+    # An unhashable setting or leaf, a loss not weakly held, a leaf with a
+    # shape and no dtype (a data frame): checked, and refused there.
+    except (TypeError, AttributeError):
         return None
 
 
@@ -212,7 +221,7 @@ def _remember(
         if len(table) >= 16:
             table.clear()
         table[_call_key(settings, call)] = found
-    except TypeError:  # as in `_checked`
+    except (TypeError, AttributeError):  # as in `_checked`
         return
 
 
