@@ -165,7 +165,8 @@ def prepare(
 # (`_call_key`) skips them and the plan's lookup, ~0.3 ms of a `fit` call in
 # a loop. Per loss, held weakly (the entries go with it), at most 16 per loss;
 # a key holds the optimizer, the settings and the inputs' non-array leaves
-# (no arrays) for as long as its loss lives.
+# (no arrays) for as long as its loss lives. It keeps the call's plan: code
+# that makes plans anew (`plan._PLANS` emptied) empties this too.
 _CHECKED: "weakref.WeakKeyDictionary[Any, dict[Any, tuple[int, Plan]]]" = (
     weakref.WeakKeyDictionary()
 )
