@@ -196,14 +196,11 @@ def library_codegen(monkeypatch):
     import weakref
 
     from eqx_ensemble._execution import compile as compile_module, plan
-    from eqx_ensemble._training import run
 
     level = tuple(sorted(compile_module.FAST_CODEGEN.items()))
     monkeypatch.setattr(compile_module, "cpu_codegen_options", lambda: level)
     monkeypatch.setattr(plan, "_PLANS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(plan, "_BY_ID", {})
-    # (`fit`'s known calls keep their plans too)
-    monkeypatch.setattr(run, "_CHECKED", weakref.WeakKeyDictionary())
 
 
 def needs_devices(n: int) -> pytest.MarkDecorator:

@@ -1,6 +1,6 @@
 """`fit`'s per-call work: a call like one checked before skips the checks that
-read only its inputs' structure (`run._CHECKED`), every call that differs is
-checked again, and the compiled calls sort array leaves from the rest as
+read only its inputs' structure (`run._checked`, kept with the loss's plans),
+every call that differs is checked again, and the compiled calls sort array leaves from the rest as
 `eqx.is_array` does (`compile._split_leaves`)."""
 
 import equinox as eqx
@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import eqx_ensemble as ee
+from eqx_ensemble._execution import plan as plan_module
 from eqx_ensemble._execution.compile import _split_leaves
 from eqx_ensemble._training import run as run_module
 
@@ -64,7 +65,7 @@ def test_a_call_like_one_checked_before_skips_its_checks_with_the_same_bits(
     first = _fit(ens, loss)
     again = _fit(_ens(), loss)  # equal inputs, new arrays: no checks
     assert len(calls) == 1
-    run_module._CHECKED.clear()
+    plan_module.owner_table(loss).clear()  # forgotten with the plans
     checked = _fit(_ens(), loss)
     assert len(calls) == 2
     for result in (again, checked):

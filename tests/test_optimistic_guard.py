@@ -155,8 +155,6 @@ def _as_off_a_cpu(monkeypatch):
     anew, no traced trip count, full dispatches without the per-step
     conditional."""
     monkeypatch.setattr(plan_module, "_PLANS", weakref.WeakKeyDictionary())
-    # (`fit`'s known calls keep their plans too)
-    monkeypatch.setattr(run_module, "_CHECKED", weakref.WeakKeyDictionary())
     monkeypatch.setattr(plan_module, "COUNTED", frozenset())
     monkeypatch.setattr(run_module, "_skips_conditional", lambda chunk: True)
 

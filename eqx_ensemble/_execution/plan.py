@@ -103,7 +103,7 @@ def plan_step(
     try:
         if structure is None:
             raise TypeError
-        table = _table_of(owner[0] if isinstance(owner, tuple) and owner else owner)
+        table = owner_table(owner[0] if isinstance(owner, tuple) and owner else owner)
         key = (
             owner if isinstance(owner, tuple) else None,  # a loss per group
             _settings_key(settings),
@@ -140,13 +140,15 @@ def plan_step(
 
 
 # Plans per loss (held weakly: the entry goes with the loss) and inputs; a
-# loss that cannot be hashed (a module holding arrays) by identity.
-_PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, Plan]]" = weakref.WeakKeyDictionary()
-_BY_ID: dict[int, tuple[Any, dict[Any, Plan]]] = {}
+# loss that cannot be hashed (a module holding arrays) by identity. `fit`'s
+# known calls are kept beside them (`run._checked`): emptying this empties both.
+_PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+_BY_ID: dict[int, tuple[Any, dict[Any, Any]]] = {}
 
 
-def _table_of(owner: Any) -> dict[Any, Plan]:
-    """The plans of `owner` (TypeError: it cannot be referred to weakly)."""
+def owner_table(owner: Any) -> dict[Any, Any]:
+    """What is kept per `owner` (a loss): its plans, and `fit`'s known calls
+    under keys of their own (TypeError: it cannot be referred to weakly)."""
     try:
         return _PLANS.setdefault(owner, {})
     except TypeError:

@@ -2,7 +2,6 @@
 dispatches (history, controllers, checkpoints, results)."""
 
 import dataclasses
-import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, NoReturn
 
@@ -26,7 +25,7 @@ from .._execution.layout import (
     check_member_chunk,
 )
 from .._execution.placement import check_fit_mesh, members_devices
-from .._execution.plan import Plan, plan_step
+from .._execution.plan import Plan, owner_table, plan_step
 from .._execution.profile import signature
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.tree import first_difference, with_fields
@@ -162,14 +161,10 @@ def prepare(
 # trackers, evaluation, checkpoints or callbacks) nor `hyper` (whose values
 # are checked): its checks read only the inputs' structure, types, shapes and
 # dtypes and the call's settings, so a call that matches one checked before
-# (`_call_key`) skips them and the plan's lookup, ~0.3 ms of a `fit` call in
-# a loop. Per loss, held weakly (the entries go with it), at most 16 per loss;
-# a key holds the optimizer, the settings and the inputs' non-array leaves
-# (no arrays) for as long as its loss lives. It keeps the call's plan: code
-# that makes plans anew (`plan._PLANS` emptied) empties this too.
-_CHECKED: "weakref.WeakKeyDictionary[Any, dict[Any, tuple[int, Plan]]]" = (
-    weakref.WeakKeyDictionary()
-)
+# (`_call_key`) skips them and the plan's lookup, ~0.1 ms of a `fit` call in
+# a loop. Kept with the loss's plans (`plan.owner_table`: held weakly, bounded,
+# emptied with them); a key holds the optimizer, the settings and the inputs'
+# non-array leaves (no arrays) for as long as its loss lives.
 
 
 def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
@@ -187,6 +182,7 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
         shape = getattr(leaf, "shape", None)
         record.append(leaf if shape is None else (type(leaf), shape, leaf.dtype))
     return (
+        "fit call",  # (apart from the plans' keys in the same table)
         *settings,
         *(type(value) for value in settings[-2:]),
         jax.default_backend(),
@@ -206,8 +202,7 @@ def _checked(loss_fn: Any, settings: tuple[Any, ...], call: Any) -> Any:
     """`(size, plan)` of a call checked before with these settings and inputs,
     or `None`."""
     try:
-        table = _CHECKED.get(loss_fn)
-        return None if table is None else table.get(_call_key(settings, call))
+        return owner_table(loss_fn).get(_call_key(settings, call))
     # An unhashable setting or leaf, a loss not weakly held, a leaf with a
     # shape and no dtype (a data frame): checked, and refused there.
     except (TypeError, AttributeError):
@@ -218,8 +213,8 @@ def _remember(
     loss_fn: Any, settings: tuple[Any, ...], call: Any, found: tuple[int, Plan]
 ) -> None:
     try:
-        table = _CHECKED.setdefault(loss_fn, {})
-        if len(table) >= 16:
+        table = owner_table(loss_fn)
+        if len(table) > 64:  # (as the plans)
             table.clear()
         table[_call_key(settings, call)] = found
     except (TypeError, AttributeError):  # as in `_checked`
