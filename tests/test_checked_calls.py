@@ -1,7 +1,8 @@
 """`fit`'s per-call work: a call like one checked before skips the checks that
 read only its inputs' structure (`run._checked`, kept with the loss's plans),
-every call that differs is checked again, and the compiled calls sort array leaves from the rest as
-`eqx.is_array` does (`compile._split_leaves`)."""
+every call that differs is checked again, a known fresh call starts without
+the start program (`train_state.FreshStart`), and the compiled calls sort
+array leaves from the rest as `eqx.is_array` does (`compile._split_leaves`)."""
 
 import equinox as eqx
 import jax
@@ -13,6 +14,7 @@ import pytest
 import eqx_ensemble as ee
 from eqx_ensemble._execution import plan as plan_module
 from eqx_ensemble._execution.compile import _split_leaves
+from eqx_ensemble._execution.intern import canonical_tree
 from eqx_ensemble._training import run as run_module
 
 X = jnp.linspace(-1, 1, 32)[:, None]
@@ -176,3 +178,165 @@ def test_leaves_are_sorted_as_equinox_sorts_them_traced_or_not():
     # Numbers keep their type in the static part: `1` and `True` are apart.
     assert _split_leaves([1])[1] != _split_leaves([True])[1]
     assert _split_leaves([1.0])[1] != _split_leaves([1])[1]
+
+
+# A known call of a fresh run whose dispatches donate nothing starts from its
+# own arrays and a kept optimizer state, without the start program
+# (`train_state.FreshStart`).
+
+
+def _starts(monkeypatch):
+    calls = []
+    original = run_module.start_state
+
+    def start_state(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "start_state", start_state)
+    return calls
+
+
+def _own(loss):
+    # Equal losses are one (`intern`): this test's starts with no known call.
+    _table(loss).clear()
+    return loss
+
+
+def _table(loss):
+    return plan_module.owner_table(canonical_tree(loss))
+
+
+def _fresh_start(loss):
+    (entry,) = [
+        found
+        for key, found in _table(loss).items()
+        if isinstance(key, tuple) and key[0] == "fit call"
+    ]
+    return entry[2]
+
+
+def test_a_known_fresh_call_starts_without_its_program_with_the_same_bits(
+    monkeypatch,
+):
+    starts = _starts(monkeypatch)
+
+    @_own
+    def loss(model, batch, key):
+        return _loss(model, batch, key)
+
+    ens = _ens()
+    first = _fit(ens, loss)
+    again = _fit(ens, loss)
+    assert len(starts) == 1  # the first call only
+    _table(loss).clear()  # its own start program: the same bits
+    made = _fit(ens, loss)
+    assert len(starts) == 2
+    for result in (again, made):
+        _same(result.ensemble, first.ensemble)
+        _same(result.opt_state, first.opt_state)
+        np.testing.assert_array_equal(result.history.losses, first.history.losses)
+    # The caller's arrays are read, never donated nor changed.
+    _same(ens, _ens())
+    # A call passing its own optimizer state (another call) starts from it.
+    opt_state = ee.init_optimizer(optax.adam(1e-2), ens)
+    given = [_fit(ens, loss, opt_state=opt_state) for _ in range(2)]
+    assert len(starts) == 3
+    for result in given:
+        _same(result.ensemble, first.ensemble)
+        _same(result.opt_state, first.opt_state)
+    _same(opt_state, ee.init_optimizer(optax.adam(1e-2), ens))
+
+
+def test_kept_start_arrays_the_caller_donated_are_made_and_kept_again(monkeypatch):
+    starts = _starts(monkeypatch)
+
+    @_own
+    def loss(model, batch, key):
+        return _loss(model, batch, key)
+
+    first = _fit(_ens(), loss)
+    kept = _fresh_start(loss).kept
+    assert kept  # the fresh Adam state and the counters
+    kept[0].delete()  # (as a donation of a result's leaf by the caller would)
+    again = _fit(_ens(), loss)
+    assert len(starts) == 2
+    assert not any(leaf.is_deleted() for leaf in _fresh_start(loss).kept)
+    third = _fit(_ens(), loss)
+    assert len(starts) == 2
+    for result in (again, third):
+        _same(result.ensemble, first.ensemble)
+        _same(result.opt_state, first.opt_state)
+
+
+def _copying(inner):
+    # An optimizer whose state holds a copy of the weights (as Lookahead's).
+    copy = optax.GradientTransformation(
+        lambda params: {"start": params},
+        lambda updates, state, params=None: (updates, state),
+    )
+    return optax.chain(inner, copy)
+
+
+def test_only_an_optimizer_state_that_reads_no_weight_is_kept(monkeypatch):
+    from eqx_ensemble._training.train_state import reads_weights
+
+    ens = _ens()
+    assert not reads_weights(optax.adam(1e-2), ens)
+    assert not reads_weights(optax.inject_hyperparams(optax.sgd)(0.1, 0.9), ens)
+    assert reads_weights(_copying(optax.sgd(0.1)), ens)
+    starts = _starts(monkeypatch)
+
+    @_own
+    def loss(model, batch, key):
+        return _loss(model, batch, key)
+
+    def fit(ens):
+        return ee.fit(
+            ens, loss, _copying(optax.sgd(0.1)), DATA, steps=2, batch_size=8,
+            key=jax.random.key(1), callbacks=(),
+        )  # fmt: skip
+
+    fit(_ens())
+    assert _fresh_start(loss) is None
+    other = jax.tree.map(lambda x: x + 1 if eqx.is_array(x) else x, _ens())
+    result = fit(other)
+    assert len(starts) == 2
+    kept = result.opt_state[1]["start"]  # this call's weights
+    _same(eqx.filter(kept, eqx.is_array), eqx.filter(other, eqx.is_array))
+
+
+def test_a_committed_ensemble_on_another_device_is_another_call(monkeypatch):
+    starts = _starts(monkeypatch)
+
+    @_own
+    def loss(model, batch, key):
+        return _loss(model, batch, key)
+
+    first = _fit(_ens(), loss)
+    device = jax.devices()[1]
+    params, static = eqx.partition(_ens(), eqx.is_array)
+    moved = _fit(eqx.combine(jax.device_put(params, device), static), loss)
+    assert len(starts) == 2
+    assert all(
+        leaf.devices() == {device}
+        for leaf in jax.tree.leaves((moved.ensemble, moved.opt_state))
+        if eqx.is_array(leaf)
+    )
+    _same(moved.ensemble, first.ensemble)
+
+
+def test_a_guard_at_every_step_keeps_its_start_program(monkeypatch):
+    starts = _starts(monkeypatch)
+
+    @_own
+    def loss(model, batch, key):
+        return _loss(model, batch, key)
+
+    step = ee.Execution(guard="step")
+    ens = _ens()
+    results = [_fit(ens, loss, execution=step) for _ in range(2)]
+    assert len(starts) == 2  # its dispatches donate their state
+    assert _fresh_start(loss) is None
+    _same(results[1].ensemble, results[0].ensemble)
+    _same(ens, _ens())

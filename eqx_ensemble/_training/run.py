@@ -72,7 +72,7 @@ from .source import ArraySource, Batches, DataSource, StreamSource
 from .step import ensemble_profile
 from .stream import check_data, is_source
 from .tracker import Tracker
-from .train_state import TrainState, start_state
+from .train_state import FreshStart, TrainState, reads_weights, start_state
 
 
 def prepare(
@@ -89,13 +89,13 @@ def prepare(
     loss_fn, optimizer = canonical_tree(loss_fn), canonical_tree(optimizer)
     call = (ens, opt_state, state, hyper, key, data)
     settings = (optimizer, execution, sampling, steps, batch_size)
-    known = None
+    known = fresh = None
     simple = hyper is None and evaluate is None and checkpoints is None
     if simple and _empty(track) and _empty(callbacks):
         known = _checked(loss_fn, settings, call)
     source: DataSource | None
     if known is not None:  # a call like one checked before: the same checks pass
-        size, plan = known
+        size, plan, fresh = known
         steps = check_positive_int(steps, "steps", high=MAX_INT32)  # (as an int)
         sampling = as_sampling(sampling)
         track, components = (), ()
@@ -116,12 +116,22 @@ def prepare(
             ArraySource(data, sampling, batch_size, size) if check_data(data) else None
         )
         plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)
-        if simple and source is not None and plan is not None and not components:
-            _remember(loss_fn, settings, call, (size, plan))
-    train_state, keys = start_state(
-        ens, optimizer, opt_state, state, hyper=hyper, track=track,
-        with_eval=evaluate is not None, key=key, controlled=stateful(components),
-    )  # fmt: skip
+    started = renew = None
+    if fresh is not None:  # (a known call: of arrays, planned)
+        assert source is not None and plan is not None
+        if optimistic(
+            execution.guard, source, plan.unroll, loss_fn, optimizer, ens,
+            fresh.template.opt_state if opt_state is None else opt_state,
+        ):  # fmt: skip
+            started = fresh(ens, opt_state, state, key)
+            # (kept arrays donated since: the start state made again, kept anew)
+            renew = started is None
+    if started is None:
+        started = start_state(
+            ens, optimizer, opt_state, state, hyper=hyper, track=track,
+            with_eval=evaluate is not None, key=key, controlled=stateful(components),
+        )  # fmt: skip
+    train_state, keys = started
     mesh = execution.mesh
     record = None if checkpoints is None else run_record(
         ens, optimizer, opt_state, train_state, source, sampling, batch_size, key,
@@ -148,13 +158,18 @@ def prepare(
         check=plan.check, counted=plan.counted, member_chunk=plan.member_chunk,
         placement=model_placement(train_state, mesh),
     )  # fmt: skip
-    return Run(
+    run = Run(
         chunk=on_mesh(chunk, mesh), options=plan.compiler_options,
         train_state=train_state, recorder=Recorder(size, history), steps=steps,
         source=source, callbacks=components, track=track, record=record,
         sampling=sampling, key=key, guard=execution.guard,
         resumed_from=None if history is None else done,
     )  # fmt: skip
+    arrays = source.kind == "arrays"
+    if (known is None or renew) and simple and arrays and not components:
+        found = (size, plan, _fresh_start(run, optimizer, opt_state, ens))
+        _remember(loss_fn, settings, call, found)
+    return run
 
 
 # What `prepare` found for a call of array data with no components (no
@@ -170,9 +185,9 @@ def prepare(
 def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
     """`call`: `fit`'s inputs, `data` last. The settings (numbers with their
     types: `steps=True` is not `1`), the backend and x64 mode, and every leaf
-    of the inputs (a stream is one leaf): an array as its type, shape and
-    dtype, anything else as itself (hashed where it is looked up: TypeError
-    there where a part is unhashable)."""
+    of the inputs (a stream is one leaf): an array as its type, shape, dtype
+    and (committed) sharding, anything else as itself (hashed where it is
+    looked up: TypeError there where a part is unhashable)."""
     *inputs, data = call
     leaves, treedef = jax.tree.flatten(inputs)
     # (a stream is a leaf: not flattened, nor warned about, as an iterable)
@@ -180,7 +195,12 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
     record = []
     for leaf in leaves + data_leaves:
         shape = getattr(leaf, "shape", None)
-        record.append(leaf if shape is None else (type(leaf), shape, leaf.dtype))
+        if shape is None:
+            record.append(leaf)
+        else:  # (a committed array's device too: a known call starts from
+            # arrays kept on the device of the first: `FreshStart`)
+            placed = leaf.sharding if getattr(leaf, "committed", False) else None
+            record.append((type(leaf), shape, leaf.dtype, placed))
     return (
         "fit call",  # (apart from the plans' keys in the same table)
         *settings,
@@ -191,6 +211,19 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
         data_def,
         tuple(record),
     )
+
+
+def _fresh_start(
+    run: "Run", optimizer: Any, opt_state: Any, ens: Any
+) -> FreshStart | None:
+    """How a call like `run`'s starts without a start program (`FreshStart`),
+    kept from `run`'s start state: where its dispatches donate nothing (the
+    optimistic guard, no mesh) and a fresh optimizer state reads no weight."""
+    if not run.optimistic or run.chunk.mesh is not None:
+        return None
+    if opt_state is None and reads_weights(optimizer, ens):
+        return None
+    return FreshStart.of(run.train_state, fresh_optimizer=opt_state is None)
 
 
 def _empty(components: Any) -> bool:
@@ -210,7 +243,10 @@ def _checked(loss_fn: Any, settings: tuple[Any, ...], call: Any) -> Any:
 
 
 def _remember(
-    loss_fn: Any, settings: tuple[Any, ...], call: Any, found: tuple[int, Plan]
+    loss_fn: Any,
+    settings: tuple[Any, ...],
+    call: Any,
+    found: tuple[int, Plan, FreshStart | None],
 ) -> None:
     try:
         table = owner_table(loss_fn)
@@ -448,15 +484,12 @@ class Run:
         # check could not see them), nor where members share anything
         # trained (a trained shared part, a coupled loss: a frozen member
         # must drop out of those at every step).
-        self._optimistic = (
-            self.guard == "auto"
-            and self.source.kind == "arrays"
-            and not self.chunk.unrolled
-            and not isinstance(self.chunk.loss_fn, Coupled)
-            and not _trains_shared(self.train_state.ensemble)
-            and not _hides_non_finite(self.chunk.optimizer, self.train_state)
-        )
-        if self._optimistic:
+        chunk, train_state = self.chunk, self.train_state
+        self.optimistic = optimistic(
+            self.guard, self.source, chunk.unrolled, chunk.loss_fn, chunk.optimizer,
+            train_state.ensemble, train_state.opt_state,
+        )  # fmt: skip
+        if self.optimistic:
             self.chunk = dataclasses.replace(self.chunk, check="deferred")
         self._replay: tuple[Chunk, TrainState, np.ndarray] | None = None
 
@@ -700,7 +733,7 @@ class Run:
         # dispatch donates nothing) with the same program, in parts, to find
         # the step it failed at and freeze it there (`_settle`).
         self._replay = None
-        if self._optimistic:
+        if self.optimistic:
             frozen = _frozen(self._diverged_at, self._stopped_at)
             self._replay = (chunk, self.train_state, frozen)
         return self._run_dispatch(chunk, end - self.done)
@@ -914,12 +947,27 @@ class Run:
 _HIDES: dict[Any, bool] = {}
 
 
-def _hides_non_finite(optimizer: Any, train_state: TrainState) -> bool:
+def optimistic(
+    guard: str, source: DataSource, unrolled: bool, loss_fn: Any, optimizer: Any,
+    ens: Any, opt_state: Any,
+) -> bool:  # fmt: skip
+    """Whether a run's dispatches take the optimistic guard (`Run.dispatch`)."""
+    return (
+        guard == "auto"
+        and source.kind == "arrays"
+        and not unrolled
+        and not isinstance(loss_fn, Coupled)
+        and not _trains_shared(ens)
+        and not _hides_non_finite(optimizer, opt_state)
+    )
+
+
+def _hides_non_finite(optimizer: Any, opt_state: Any) -> bool:
     try:
         return _HIDES[optimizer]
     except (KeyError, TypeError):
         pass
-    hides = hides_non_finite(train_state.opt_state)
+    hides = hides_non_finite(opt_state)
     try:
         if len(_HIDES) > 64:
             _HIDES.clear()
