@@ -182,7 +182,8 @@ def test_leaves_are_sorted_as_equinox_sorts_them_traced_or_not():
 
 # A known call of a fresh run whose dispatches donate nothing starts from its
 # own arrays and a kept optimizer state, without the start program
-# (`train_state.FreshStart`).
+# (`train_state.FreshStart`): kept on a call's second sight, used from its
+# third.
 
 
 def _starts(monkeypatch):
@@ -207,7 +208,7 @@ def _table(loss):
     return plan_module.owner_table(canonical_tree(loss))
 
 
-def _fresh_start(loss):
+def _kept(loss):
     (entry,) = [
         found
         for key, found in _table(loss).items()
@@ -216,7 +217,11 @@ def _fresh_start(loss):
     return entry[2]
 
 
-def test_a_known_fresh_call_starts_without_its_program_with_the_same_bits(
+def _shifted(tree, by):
+    return jax.tree.map(lambda x: x + by if eqx.is_inexact_array(x) else x, tree)
+
+
+def test_a_call_seen_twice_starts_without_its_program_with_the_same_bits(
     monkeypatch,
 ):
     starts = _starts(monkeypatch)
@@ -227,43 +232,89 @@ def test_a_known_fresh_call_starts_without_its_program_with_the_same_bits(
 
     ens = _ens()
     first = _fit(ens, loss)
-    again = _fit(ens, loss)
-    assert len(starts) == 1  # the first call only
-    _table(loss).clear()  # its own start program: the same bits
-    made = _fit(ens, loss)
+    assert _kept(loss) is None  # seen once: nothing kept (a sweep keeps none)
+    _fit(ens, loss)
+    assert len(starts) == 2 and _kept(loss).kept  # seen twice: kept
+    # Other weights and another optimizer state, equal in structure: from
+    # the kept start, the bits of a run from its own start program.
+    other = _shifted(ens, 0.25)
+    opt_state = _shifted(ee.init_optimizer(optax.adam(1e-2), ens), 0.5)
+    fresh = [_fit(other, loss), _fit(ens, loss)]
     assert len(starts) == 2
-    for result in (again, made):
-        _same(result.ensemble, first.ensemble)
-        _same(result.opt_state, first.opt_state)
-        np.testing.assert_array_equal(result.history.losses, first.history.losses)
+    _fit(ens, loss, opt_state=opt_state)  # (another call: seen once, twice)
+    _fit(ens, loss, opt_state=opt_state)
+    given = _fit(other, loss, opt_state=opt_state)
+    assert len(starts) == 4
+    _table(loss).clear()  # each made by its start program
+    made = [_fit(other, loss), _fit(ens, loss), _fit(other, loss, opt_state=opt_state)]
+    assert len(starts) == 7
+    for got, want in zip([*fresh, given], made, strict=True):
+        _same(got.ensemble, want.ensemble)
+        _same(got.opt_state, want.opt_state)
+        np.testing.assert_array_equal(got.history.losses, want.history.losses)
+    _same(fresh[1].ensemble, first.ensemble)
     # The caller's arrays are read, never donated nor changed.
     _same(ens, _ens())
-    # A call passing its own optimizer state (another call) starts from it.
-    opt_state = ee.init_optimizer(optax.adam(1e-2), ens)
-    given = [_fit(ens, loss, opt_state=opt_state) for _ in range(2)]
-    assert len(starts) == 3
-    for result in given:
-        _same(result.ensemble, first.ensemble)
-        _same(result.opt_state, first.opt_state)
-    _same(opt_state, ee.init_optimizer(optax.adam(1e-2), ens))
+    _same(other, _shifted(_ens(), 0.25))
+    _same(opt_state, _shifted(ee.init_optimizer(optax.adam(1e-2), ens), 0.5))
 
 
-def test_kept_start_arrays_the_caller_donated_are_made_and_kept_again(monkeypatch):
+def test_a_member_diverging_in_a_fresh_start_run_is_settled_as_from_its_program(
+    monkeypatch,
+):
+    # The optimistic guard runs the dispatch again from its start state: here
+    # the caller's arrays and the kept ones, which must come out unchanged.
     starts = _starts(monkeypatch)
 
     @_own
     def loss(model, batch, key):
         return _loss(model, batch, key)
 
-    first = _fit(_ens(), loss)
-    kept = _fresh_start(loss).kept
+    sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
+    ens = _ens()
+
+    def fit(rates):
+        opt_state = ee.init_optimizer(sgd, ens, hyperparams={"learning_rate": rates})
+        result = ee.fit(
+            ens, loss, sgd, DATA, steps=30, batch_size=8, key=jax.random.key(1),
+            opt_state=opt_state, callbacks=(),
+        )  # fmt: skip
+        return result, opt_state
+
+    wild, tame = jnp.array([0.01, 1e4, 0.02]), jnp.array([0.01, 0.01, 0.02])
+    for _ in range(2):
+        fit(tame)
+    diverged, opt_state = fit(wild)  # a fresh start
+    healthy, _ = fit(tame)  # and after it, fresh counters
+    assert len(starts) == 2
+    assert set(diverged.diverged) == {1} and healthy.diverged == {}
+    _same(ens, _ens())
+    _same(opt_state, ee.init_optimizer(sgd, ens, hyperparams={"learning_rate": wild}))
+    _table(loss).clear()
+    made, _ = fit(wild)
+    assert len(starts) == 3
+    assert made.diverged == diverged.diverged
+    _same(diverged.ensemble, made.ensemble)
+    _same(diverged.opt_state, made.opt_state)
+    np.testing.assert_array_equal(diverged.history.losses, made.history.losses)
+
+
+def test_kept_start_arrays_deleted_since_are_made_and_kept_again(monkeypatch):
+    starts = _starts(monkeypatch)
+
+    @_own
+    def loss(model, batch, key):
+        return _loss(model, batch, key)
+
+    first, _ = _fit(_ens(), loss), _fit(_ens(), loss)
+    kept = _kept(loss).kept
     assert kept  # the fresh Adam state and the counters
-    kept[0].delete()  # (as a donation of a result's leaf by the caller would)
+    kept[0].delete()  # (by the caller: the live arrays cleared, say)
     again = _fit(_ens(), loss)
-    assert len(starts) == 2
-    assert not any(leaf.is_deleted() for leaf in _fresh_start(loss).kept)
+    assert len(starts) == 3
+    assert not any(leaf.is_deleted() for leaf in _kept(loss).kept)
     third = _fit(_ens(), loss)
-    assert len(starts) == 2
+    assert len(starts) == 3
     for result in (again, third):
         _same(result.ensemble, first.ensemble)
         _same(result.opt_state, first.opt_state)
@@ -297,33 +348,41 @@ def test_only_an_optimizer_state_that_reads_no_weight_is_kept(monkeypatch):
             key=jax.random.key(1), callbacks=(),
         )  # fmt: skip
 
-    fit(_ens())
-    assert _fresh_start(loss) is None
-    other = jax.tree.map(lambda x: x + 1 if eqx.is_array(x) else x, _ens())
+    for _ in range(2):
+        fit(_ens())
+    assert _kept(loss) is False  # never
+    other = _shifted(_ens(), 1.0)
     result = fit(other)
-    assert len(starts) == 2
+    assert len(starts) == 3
     kept = result.opt_state[1]["start"]  # this call's weights
     _same(eqx.filter(kept, eqx.is_array), eqx.filter(other, eqx.is_array))
 
 
-def test_a_committed_ensemble_on_another_device_is_another_call(monkeypatch):
+def test_committed_arrays_and_another_default_device_start_by_their_program(
+    monkeypatch,
+):
     starts = _starts(monkeypatch)
 
     @_own
     def loss(model, batch, key):
         return _loss(model, batch, key)
 
-    first = _fit(_ens(), loss)
+    first, _ = _fit(_ens(), loss), _fit(_ens(), loss)
     device = jax.devices()[1]
     params, static = eqx.partition(_ens(), eqx.is_array)
-    moved = _fit(eqx.combine(jax.device_put(params, device), static), loss)
-    assert len(starts) == 2
-    assert all(
-        leaf.devices() == {device}
-        for leaf in jax.tree.leaves((moved.ensemble, moved.opt_state))
-        if eqx.is_array(leaf)
-    )
-    _same(moved.ensemble, first.ensemble)
+    committed = eqx.combine(jax.device_put(params, device), static)
+    moved = [_fit(committed, loss) for _ in range(3)]
+    assert len(starts) == 5  # another call, never from kept arrays
+    with jax.default_device(device):
+        elsewhere = [_fit(_ens(), loss) for _ in range(3)]
+    assert len(starts) == 7  # another call: kept on its own device
+    for result in [*moved, *elsewhere]:
+        assert all(
+            leaf.devices() == {device}
+            for leaf in jax.tree.leaves((result.ensemble, result.opt_state))
+            if eqx.is_array(leaf)
+        )
+        _same(result.ensemble, first.ensemble)
 
 
 def test_a_guard_at_every_step_keeps_its_start_program(monkeypatch):
@@ -335,8 +394,8 @@ def test_a_guard_at_every_step_keeps_its_start_program(monkeypatch):
 
     step = ee.Execution(guard="step")
     ens = _ens()
-    results = [_fit(ens, loss, execution=step) for _ in range(2)]
-    assert len(starts) == 2  # its dispatches donate their state
-    assert _fresh_start(loss) is None
-    _same(results[1].ensemble, results[0].ensemble)
+    results = [_fit(ens, loss, execution=step) for _ in range(3)]
+    assert len(starts) == 3  # its dispatches donate their state
+    assert _kept(loss) is False
+    _same(results[2].ensemble, results[0].ensemble)
     _same(ens, _ens())

@@ -116,16 +116,15 @@ def prepare(
             ArraySource(data, sampling, batch_size, size) if check_data(data) else None
         )
         plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)
-    started = renew = None
-    if fresh is not None:  # (a known call: of arrays, planned)
+    started = None
+    if isinstance(fresh, FreshStart):  # (a known call: of arrays, planned)
         assert source is not None and plan is not None
         if optimistic(
             execution.guard, source, plan.unroll, loss_fn, optimizer, ens,
             fresh.template.opt_state if opt_state is None else opt_state,
         ):  # fmt: skip
-            started = fresh(ens, opt_state, state, key)
-            # (kept arrays donated since: the start state made again, kept anew)
-            renew = started is None
+            started = fresh(ens, opt_state, state, key)  # (None: deleted since)
+    fresh_started = started is not None
     if started is None:
         started = start_state(
             ens, optimizer, opt_state, state, hyper=hyper, track=track,
@@ -165,10 +164,14 @@ def prepare(
         sampling=sampling, key=key, guard=execution.guard,
         resumed_from=None if history is None else done,
     )  # fmt: skip
-    arrays = source.kind == "arrays"
-    if (known is None or renew) and simple and arrays and not components:
-        found = (size, plan, _fresh_start(run, optimizer, opt_state, ens))
-        _remember(loss_fn, settings, call, found)
+    if fresh_started:  # (its arrays are the caller's: never donated)
+        assert run.optimistic, "internal error: a fresh start for a donating run"
+    elif known is None:
+        if simple and source.kind == "arrays" and not components:
+            _remember(loss_fn, settings, call, (size, plan, None))
+    elif fresh is not False:  # seen again (or its kept arrays deleted since)
+        kept = _fresh_start(run, optimizer, opt_state, (ens, opt_state, state))
+        _remember(loss_fn, settings, call, (size, plan, kept or False))
     return run
 
 
@@ -179,12 +182,16 @@ def prepare(
 # (`_call_key`) skips them and the plan's lookup, ~0.1 ms of a `fit` call in
 # a loop. Kept with the loss's plans (`plan.owner_table`: held weakly, bounded,
 # emptied with them); a key holds the optimizer, the settings and the inputs'
-# non-array leaves (no arrays) for as long as its loss lives.
+# non-array leaves (no arrays) for as long as its loss lives. A call seen a
+# second time also keeps how it starts (`FreshStart`: a fresh optimizer
+# state's arrays, not the weights), or `False` where it cannot; a sweep whose
+# every call differs keeps no arrays.
 
 
 def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
     """`call`: `fit`'s inputs, `data` last. The settings (numbers with their
-    types: `steps=True` is not `1`), the backend and x64 mode, and every leaf
+    types: `steps=True` is not `1`), the backend, the default device and x64
+    mode, and every leaf
     of the inputs (a stream is one leaf): an array as its type, shape, dtype
     and (committed) sharding, anything else as itself (hashed where it is
     looked up: TypeError there where a part is unhashable)."""
@@ -206,6 +213,8 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
         *settings,
         *(type(value) for value in settings[-2:]),
         jax.default_backend(),
+        # `jax.default_device`'s (a config value pyright's stubs do not list)
+        jax.config.jax_default_device,  # pyright: ignore[reportAttributeAccessIssue]
         jax.dtypes.canonicalize_dtype(np.float64),  # x64 on or off
         treedef,
         data_def,
@@ -214,14 +223,22 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
 
 
 def _fresh_start(
-    run: "Run", optimizer: Any, opt_state: Any, ens: Any
+    run: "Run", optimizer: Any, opt_state: Any, inputs: Any
 ) -> FreshStart | None:
     """How a call like `run`'s starts without a start program (`FreshStart`),
     kept from `run`'s start state: where its dispatches donate nothing (the
-    optimistic guard, no mesh) and a fresh optimizer state reads no weight."""
+    optimistic guard, no mesh), its `inputs` (the ensemble, optimizer and
+    model states) are JAX arrays on no device of their own (so that the
+    dispatch sees what the start program gave it: no other program), and a
+    fresh optimizer state reads no weight."""
     if not run.optimistic or run.chunk.mesh is not None:
         return None
-    if opt_state is None and reads_weights(optimizer, ens):
+    for leaf in jax.tree.leaves(inputs):
+        if eqx.is_array(leaf) and not (
+            isinstance(leaf, jax.Array) and not leaf.committed
+        ):
+            return None
+    if opt_state is None and reads_weights(optimizer, inputs[0]):
         return None
     return FreshStart.of(run.train_state, fresh_optimizer=opt_state is None)
 
@@ -246,7 +263,7 @@ def _remember(
     loss_fn: Any,
     settings: tuple[Any, ...],
     call: Any,
-    found: tuple[int, Plan, FreshStart | None],
+    found: tuple[int, Plan, FreshStart | bool | None],
 ) -> None:
     try:
         table = owner_table(loss_fn)

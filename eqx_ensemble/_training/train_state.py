@@ -274,15 +274,15 @@ def reads_weights(optimizer: Any, ens: Ensemble | Heterogeneous) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class FreshStart:
-    """A fresh run's start state without a start program, for a call like one
-    made before (`fit`'s known calls) whose dispatches donate nothing (the
-    optimistic guard, one device, no trackers, evaluation or controllers): the
-    call's own arrays (nothing copies them: nothing is donated), a fresh
-    optimizer state that reads no weight (`reads_weights`) and the counters,
-    kept from the first such call's start state (`template`: the same values
-    for every ensemble of the structure), and the run's keys from a program
-    of their own. What the start program computes, to the bit; ~0.3 ms less
-    per call on a CPU."""
+    """A fresh run's start state without a start program, for a call made
+    twice before (`fit`'s known calls) whose dispatches donate nothing (the
+    optimistic guard, no mesh, no trackers, evaluation or controllers) and
+    whose arrays are JAX arrays committed to no device: the call's own arrays
+    (nothing copies them: nothing is donated), a fresh optimizer state that
+    reads no weight (`reads_weights`) and the counters, kept from the second
+    such call's start state (`template`: the same values for every ensemble
+    of the structure), and the run's keys from a program of their own. What
+    the start program computes, to the bit; ~0.3 ms less per call on a CPU."""
 
     template: TrainState  # no weights; `opt_state` `None`: the call passes its own
     kept: tuple[jax.Array, ...]  # the template's arrays
@@ -307,8 +307,8 @@ class FreshStart:
     def __call__(
         self, ens: Any, opt_state: Any, model_state: Any, key: PRNGKeyArray
     ) -> tuple[TrainState, RunKeys] | None:
-        """The start state and keys, or `None` where a kept array was donated
-        since (by the caller: a result's leaf may be a kept one)."""
+        """The start state and keys, or `None` where a kept array was deleted
+        since (by the caller: `jax.Array.delete`, the live arrays cleared)."""
         if any(leaf.is_deleted() for leaf in self.kept):
             return None
         template = self.template
