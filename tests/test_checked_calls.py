@@ -399,3 +399,42 @@ def test_a_guard_at_every_step_keeps_its_start_program(monkeypatch):
     assert _kept(loss) is False
     _same(results[2].ensemble, results[0].ensemble)
     _same(ens, _ens())
+
+
+def test_a_key_objects_run_keys_are_derived_once_while_it_lives(monkeypatch):
+    from eqx_ensemble._internal.keys import run_keys
+    from eqx_ensemble._training import train_state as train_state_module
+
+    made = []
+    program = train_state_module._keys()
+
+    def counting():
+        def keys(key):
+            made.append(1)
+            return program(key)
+
+        return keys
+
+    monkeypatch.setattr(train_state_module, "_keys", counting)
+    derive = train_state_module.derived_keys
+
+    def derived(key):
+        return derive(key)
+
+    def same_keys(a, b):
+        _same(*(jax.tree.map(jax.random.key_data, keys) for keys in (a, b)))
+
+    key = jax.random.key(7)
+    first = derived(key)
+    assert derive(key) is first and len(made) == 1  # the same object: kept
+    same_keys(first, run_keys(key))
+    equal = jax.random.key(7)  # another object, of equal value: derived again
+    same_keys(derived(equal), first)
+    assert len(made) == 2
+    first.train.delete()  # (deleted since: derived again)
+    same_keys(derived(key), run_keys(key))
+    assert len(made) == 3
+    # In `fit`: one key object in a loop, the bits of keys derived anew.
+    results = [_fit(_ens(), key=key) for _ in range(3)]
+    _same(results[2].ensemble, _fit(_ens(), key=jax.random.key(7)).ensemble)
+    assert results[0].key is key
