@@ -38,15 +38,16 @@ def _fit(ens, loss=_loss, data=DATA, **kwargs):
     return ee.fit(ens, loss, optax.adam(1e-2), data, **arguments)
 
 
-def _counting(monkeypatch):
+def _counting(monkeypatch, name="check_inputs"):
+    """The calls of `run.<name>` (its checks, or its start program's)."""
     calls = []
-    original = run_module.check_inputs
+    original = getattr(run_module, name)
 
-    def check_inputs(*args, **kwargs):
+    def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(run_module, "check_inputs", check_inputs)
+    monkeypatch.setattr(run_module, name, counted)
     return calls
 
 
@@ -186,16 +187,15 @@ def test_leaves_are_sorted_as_equinox_sorts_them_traced_or_not():
 # third.
 
 
-def _starts(monkeypatch):
-    calls = []
-    original = run_module.start_state
+@pytest.fixture
+def counted(monkeypatch):
+    """The start programs `fit` runs (counted), and a loss of the test's own."""
 
-    def start_state(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+    @_own
+    def loss(model, batch, key):
+        return _loss(model, batch, key)
 
-    monkeypatch.setattr(run_module, "start_state", start_state)
-    return calls
+    return _counting(monkeypatch, "start_state"), loss
 
 
 def _own(loss):
@@ -221,14 +221,8 @@ def _shifted(tree, by):
     return jax.tree.map(lambda x: x + by if eqx.is_inexact_array(x) else x, tree)
 
 
-def test_a_call_seen_twice_starts_without_its_program_with_the_same_bits(
-    monkeypatch,
-):
-    starts = _starts(monkeypatch)
-
-    @_own
-    def loss(model, batch, key):
-        return _loss(model, batch, key)
+def test_a_call_seen_twice_starts_without_its_program_with_the_same_bits(counted):
+    starts, loss = counted
 
     ens = _ens()
     first = _fit(ens, loss)
@@ -260,15 +254,11 @@ def test_a_call_seen_twice_starts_without_its_program_with_the_same_bits(
 
 
 def test_a_member_diverging_in_a_fresh_start_run_is_settled_as_from_its_program(
-    monkeypatch,
+    counted,
 ):
     # The optimistic guard runs the dispatch again from its start state: here
     # the caller's arrays and the kept ones, which must come out unchanged.
-    starts = _starts(monkeypatch)
-
-    @_own
-    def loss(model, batch, key):
-        return _loss(model, batch, key)
+    starts, loss = counted
 
     sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
     ens = _ens()
@@ -299,12 +289,8 @@ def test_a_member_diverging_in_a_fresh_start_run_is_settled_as_from_its_program(
     np.testing.assert_array_equal(diverged.history.losses, made.history.losses)
 
 
-def test_kept_start_arrays_deleted_since_are_made_and_kept_again(monkeypatch):
-    starts = _starts(monkeypatch)
-
-    @_own
-    def loss(model, batch, key):
-        return _loss(model, batch, key)
+def test_kept_start_arrays_deleted_since_are_made_and_kept_again(counted):
+    starts, loss = counted
 
     first, _ = _fit(_ens(), loss), _fit(_ens(), loss)
     kept = _kept(loss).kept
@@ -329,18 +315,14 @@ def _copying(inner):
     return optax.chain(inner, copy)
 
 
-def test_only_an_optimizer_state_that_reads_no_weight_is_kept(monkeypatch):
+def test_only_an_optimizer_state_that_reads_no_weight_is_kept(counted):
     from eqx_ensemble._training.train_state import reads_weights
 
     ens = _ens()
     assert not reads_weights(optax.adam(1e-2), ens)
     assert not reads_weights(optax.inject_hyperparams(optax.sgd)(0.1, 0.9), ens)
     assert reads_weights(_copying(optax.sgd(0.1)), ens)
-    starts = _starts(monkeypatch)
-
-    @_own
-    def loss(model, batch, key):
-        return _loss(model, batch, key)
+    starts, loss = counted
 
     def fit(ens):
         return ee.fit(
@@ -358,14 +340,8 @@ def test_only_an_optimizer_state_that_reads_no_weight_is_kept(monkeypatch):
     _same(eqx.filter(kept, eqx.is_array), eqx.filter(other, eqx.is_array))
 
 
-def test_committed_arrays_and_another_default_device_start_by_their_program(
-    monkeypatch,
-):
-    starts = _starts(monkeypatch)
-
-    @_own
-    def loss(model, batch, key):
-        return _loss(model, batch, key)
+def test_committed_arrays_and_another_default_device_start_by_their_program(counted):
+    starts, loss = counted
 
     first, _ = _fit(_ens(), loss), _fit(_ens(), loss)
     device = jax.devices()[1]
@@ -385,12 +361,8 @@ def test_committed_arrays_and_another_default_device_start_by_their_program(
         _same(result.ensemble, first.ensemble)
 
 
-def test_a_guard_at_every_step_keeps_its_start_program(monkeypatch):
-    starts = _starts(monkeypatch)
-
-    @_own
-    def loss(model, batch, key):
-        return _loss(model, batch, key)
+def test_a_guard_at_every_step_keeps_its_start_program(counted):
+    starts, loss = counted
 
     step = ee.Execution(guard="step")
     ens = _ens()
