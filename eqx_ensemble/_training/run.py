@@ -191,10 +191,10 @@ def prepare(
 def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
     """`call`: `fit`'s inputs, `data` last. The settings (numbers with their
     types: `steps=True` is not `1`), the backend, the default device and x64
-    mode, and every leaf
-    of the inputs (a stream is one leaf): an array as its type, shape, dtype
-    and (committed) sharding, anything else as itself (hashed where it is
-    looked up: TypeError there where a part is unhashable)."""
+    mode, and every leaf of the inputs (a stream is one leaf): an array as
+    its type, shape, dtype and (committed) sharding, anything else as itself
+    (hashed where it is looked up: TypeError there where a part is
+    unhashable)."""
     *inputs, data = call
     leaves, treedef = jax.tree.flatten(inputs)
     # (a stream is a leaf: not flattened, nor warned about, as an iterable)
@@ -204,8 +204,8 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
         shape = getattr(leaf, "shape", None)
         if shape is None:
             record.append(leaf)
-        else:  # (a committed array's device too: a known call starts from
-            # arrays kept on the device of the first: `FreshStart`)
+        else:  # (a committed array's device too: only calls of arrays
+            # committed to no device start from kept ones, `FreshStart`)
             placed = leaf.sharding if getattr(leaf, "committed", False) else None
             record.append((type(leaf), shape, leaf.dtype, placed))
     return (
