@@ -325,7 +325,11 @@ def derived_keys(key: PRNGKeyArray) -> RunKeys:
     """`run_keys(key)`, computed once per key object while it lives (a loop of
     `fit` calls given one `key`: one compiled call less per call, ~40 us on a
     CPU). A JAX array is immutable, so the same object derives the same keys;
-    found by identity, held weakly (the entry goes with the key), bounded."""
+    found by identity, held weakly (the entry goes with the key), bounded.
+    Not under a mesh (`jax.set_mesh`, a run on a mesh): the keys made there
+    carry it."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return _keys()(key)
     found = _DERIVED.get(id(key))
     if found is not None and found[0]() is key:
         if not any(derived.is_deleted() for derived in found[1]):
