@@ -15,6 +15,10 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # programs on dynamics that amplify rounding (a heterogeneous group and the
 # same members alone under Adam, a diverging member) pin the library's level 1
 # with the `library_codegen` fixture (tests/README.md).
+# XLA also splits each program's LLVM module in up to 32 parts compiled on its
+# thread pool: on two cores, for programs this small, one part compiles sooner
+# (test_loop.py and test_heterogeneous.py: 54 -> 44 s of compilation, round 4
+# session 21), and no test's result changed.
 # `EE_TEST_XLA_DEFAULTS=1` (set by `make test-all`) runs the suite with XLA's
 # defaults, the programs users run.
 # A test whose claim is about XLA's own output (a demo's numbers, "these options
@@ -23,6 +27,7 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 FAST_COMPILE_FLAGS = (
     "--xla_cpu_use_fusion_emitters=false",
     "--xla_backend_optimization_level=0",
+    "--xla_cpu_parallel_codegen_split_count=1",
 )
 
 
@@ -56,6 +61,13 @@ if not os.environ.get("EE_TEST_XLA_DEFAULTS") and not os.environ.get(
         os.environ["XLA_FLAGS"] += " " + _flag
     os.environ["EE_TEST_XLA_FLAGS_TRIED"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Bytecode is written even where the environment says not to
+# (`PYTHONDONTWRITEBYTECODE`, set on the CI machines): jaxtyping's import hook
+# rewrites every library module for the type checks, and pytest every test
+# module for its asserts, in each worker and each process a test starts;
+# from their cached bytecode a worker collects the suite in 8 s instead of 13.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # One on-disk compilation cache for the whole test run, shared by the xdist
 # workers and every process the tests start (multi-process runs, killed and
 # resumed runs, notebooks inherit the environment): a program that one test
@@ -106,6 +118,22 @@ def _bounded_memory_maps():
     if count is not None and count > MAX_MAPS:
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_caches_per_file():
+    """JAX's caches emptied after each test file. A worker that keeps every
+    file's programs lowers and compiles ever slower: `tests/test_map.py`'s
+    programs lowered in 10 ms each in a fresh worker and in 40 ms after 800
+    other tests (MLIR's context for one lowering alone: 3.7 ms in a fresh
+    process, 8 ms after 1,500 programs kept). Two single-worker runs of the
+    same 34 files side by side (round 4, session 21): the same 643 tests took
+    333 s with this and 402 s without (lowering 61 s against 98 s, compiling
+    131 s against 161 s), although 14% more programs were compiled again (a
+    file's programs are seldom another file's; the disk cache has them). No
+    `gc.collect()`: over a worker's heap it cost about a second per file."""
+    yield
+    jax.clear_caches()
 
 
 def run_with_xla_defaults(code: str, *args: str, timeout: float = 300) -> str:
