@@ -7,7 +7,8 @@ computes on a CPU. This script runs the fixed set below on a git revision (the
 previous `main`, in a temporary worktree, with this environment's packages) and
 on the working tree, in two fresh processes, and compares every array:
 
-- MLP, shared batches; bootstrap batches; a stream (a step-indexed factory)
+- MLP, shared batches; bootstrap batches; a stream (a step-indexed factory);
+  independent batches from 4,096 examples (two epochs and a half)
 - EMA + SWAG trackers
 - PBT with evaluation
 - checkpoints, then a resume from the checkpoint of step 30 to step 60
@@ -100,6 +101,14 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
 
     result("shared", fit(ens, loss, opt, (x, y), **common))
     result("bootstrap", fit(ens, loss, opt, (x, y), sampling="bootstrap", **common))
+    # Epochs of 4096 examples, one per member: a CPU sorts the permutations'
+    # keys alone (session 22), which must give `jax.random.permutation`'s bits.
+    big_x = jnp.linspace(-2, 2, 4096)[:, None]
+    result(
+        "independent 4096",
+        fit(ens, loss, opt, (big_x, big_x**3), sampling="independent", steps=40,
+            batch_size=256, key=jax.random.key(1)),
+    )  # fmt: skip
 
     def stream(step):
         rng = np.random.default_rng(0)

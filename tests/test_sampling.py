@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import eqx_ensemble as ee
+from eqx_ensemble._core.data import SORT_ALONE_FROM, _sorted_alone, permutation
 from eqx_ensemble._training.sampling import as_sampling
 
 
@@ -21,6 +22,7 @@ from eqx_ensemble._training.sampling import as_sampling
         (50, 7, 13, 23),
         (256, 16, 100, 3),
         (10, 5, 4, 1),
+        (4096, 1024, 6, 2),  # large enough for a CPU's sort of keys alone
     ],
 )
 def test_chunk_indices_match_per_step_indices(name, n, batch_size, chunk, first_step):
@@ -51,9 +53,9 @@ def test_chunk_indices_match_per_step_indices(name, n, batch_size, chunk, first_
         np.testing.assert_array_equal(got[offset], np.asarray(expected))
 
 
-@pytest.mark.parametrize("step", [0, 3, 9])
-def test_indices_follow_the_documented_recipe(step):
-    n, batch_size, size = 20, 4, 3
+@pytest.mark.parametrize("n, step", [(20, 0), (20, 3), (20, 9), (SORT_ALONE_FROM, 5)])
+def test_indices_follow_the_documented_recipe(n, step):
+    batch_size, size = 4 * n // 20, 3
     data_key, bootstrap_key = jax.random.split(jax.random.key(1))
     per_epoch = n // batch_size
     order = jax.random.permutation(jax.random.fold_in(data_key, step // per_epoch), n)
@@ -83,6 +85,30 @@ def test_indices_follow_the_documented_recipe(step):
     for i, resample_key in enumerate(jax.random.split(bootstrap_key, size)):
         resample = jax.random.randint(resample_key, (n,), 0, n)
         np.testing.assert_array_equal(drawn[i], resample[positions[i]])
+
+
+@pytest.mark.parametrize("n", [SORT_ALONE_FROM - 1, SORT_ALONE_FROM, 70_000])
+def test_permutation_is_jax_random_permutation_bit_for_bit(n):
+    # On a CPU from `SORT_ALONE_FROM` indices on, the rounds sort their keys
+    # alone; the result must be JAX's own permutation, under `vmap` too.
+    keys = jax.random.split(jax.random.key(n), 3)
+    ours = jax.jit(jax.vmap(lambda k: permutation(k, n)))(keys)
+    for key, got in zip(keys, ours, strict=True):
+        np.testing.assert_array_equal(got, jax.random.permutation(key, n))
+
+
+@pytest.mark.parametrize("n", [1, 7, 3000])
+@pytest.mark.parametrize("distinct", [1, 3, 2**32])
+def test_sorting_keys_alone_is_a_stable_sort_of_keys_and_values(n, distinct):
+    # Few distinct keys make ties (runs of equal keys) of every length, which
+    # random 32-bit keys make only rarely; values go where a stable sort of the
+    # pairs puts them.
+    rng = np.random.default_rng(n + distinct)
+    keys = jnp.asarray(rng.integers(0, distinct, n, dtype=np.uint64).astype(np.uint32))
+    values = jnp.asarray(rng.permutation(n).astype(np.int32) * 3 - 5)
+    expected = np.asarray(values)[np.argsort(np.asarray(keys), kind="stable")]
+    np.testing.assert_array_equal(jax.jit(_sorted_alone)(keys, values), expected)
+    np.testing.assert_array_equal(jax.lax.sort_key_val(keys, values)[1], expected)
 
 
 def test_in_bag_counts_rebuild_the_resamples():

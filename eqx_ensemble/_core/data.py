@@ -1,10 +1,12 @@
 """Array data for `fit`: checks, epoch permutations, bootstrap resamples, gathers."""
 
+from functools import partial
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._internal.tree import agreed_leading_size, keystr
@@ -59,8 +61,85 @@ def epoch_indices(
     steps_per_epoch = n // batch_size
     epoch = step // steps_per_epoch
     position = step % steps_per_epoch
-    permutation = jax.random.permutation(jax.random.fold_in(data_key, epoch), n)
-    return jax.lax.dynamic_slice(permutation, (position * batch_size,), (batch_size,))
+    indices = permutation(jax.random.fold_in(data_key, epoch), n)
+    return jax.lax.dynamic_slice(indices, (position * batch_size,), (batch_size,))
+
+
+# From this many indices on, a CPU sorts each round's random keys alone
+# (`_sorted_alone`): below it `jax.random.permutation` is as fast or faster.
+SORT_ALONE_FROM = 2048
+
+
+def permutation(key: PRNGKeyArray, n: int) -> Int[Array, " n"]:
+    """`jax.random.permutation(key, n)`, bit for bit, in a third of its time on
+    a CPU for large `n`.
+
+    JAX shuffles `arange(n)` in `ceil(3 log n / log(2**32 - 1))` rounds, each a
+    stable sort of the indices by fresh 32-bit random keys. XLA's CPU sort of
+    one primitive array is ~10x faster than its sort of keys with values (a
+    comparator per comparison), so on a CPU each round sorts its keys alone
+    and puts every index where the stable sort would (`_sorted_alone`): 60,000
+    indices 41 -> 14 ms on a 2-vCPU Xeon. Other platforms (and small `n`) run
+    `jax.random.permutation` itself; a test holds the two equal.
+
+    **Example:**
+
+    ```python
+    key = jax.random.key(0)
+    indices = permutation(key, 5000)
+    assert (indices == jax.random.permutation(key, 5000)).all()
+    ```
+    """
+
+    def reference(key: PRNGKeyArray) -> Array:
+        return jax.random.permutation(key, n)
+
+    if n < SORT_ALONE_FROM:
+        return reference(key)
+    return jax.lax.platform_dependent(
+        key, cpu=partial(_permutation_sorting_alone, n=n), default=reference
+    )
+
+
+def _permutation_sorting_alone(key: PRNGKeyArray, n: int) -> Array:
+    """`jax.random.permutation(key, n)`'s rounds (JAX's `_shuffle`: the
+    heuristic round count of tjablin's analysis, one split per round, 32 random
+    bits per index), each with `_sorted_alone` for `lax.sort_key_val`."""
+    rounds = int(np.ceil(3 * np.log(max(1, n)) / np.log(np.iinfo(np.uint32).max)))
+    indices = jnp.arange(n)
+    for _ in range(rounds):
+        key, subkey = jax.random.split(key)
+        bits = jax.random.bits(subkey, (n,), jnp.uint32)
+        indices = _sorted_alone(bits, indices)
+    return indices
+
+
+def _sorted_alone(keys: Array, values: Array) -> Array:
+    """`lax.sort_key_val(keys, values)[1]` (a stable sort) for one axis of
+    unsigned keys, by sorting the keys alone: a value goes to the first sorted
+    position of its key, plus the number of equal keys before it. Those ties
+    (rare: about `n**2 / 2**33` pairs) are settled in rounds: at each slot the
+    earliest index still unplaced takes it, and the others move one slot on."""
+    n = keys.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.searchsorted(jnp.sort(keys), keys, method="scan_unrolled")
+    first = first.astype(jnp.int32)
+
+    def unplaced(carry: tuple[Array, Array, Array]) -> Array:
+        return ~carry[1].all()
+
+    def place(carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        slot, placed, out = carry
+        earliest = (
+            jnp.full((n,), n, jnp.int32).at[slot].min(jnp.where(placed, n, index))
+        )
+        takes = ~placed & (earliest[slot] == index)
+        out = out.at[jnp.where(takes, slot, n)].set(values, mode="drop")
+        moved = (~placed & ~takes).astype(jnp.int32)
+        return slot + moved, placed | takes, out
+
+    init = (first, jnp.zeros((n,), bool), jnp.zeros_like(values))
+    return jax.lax.while_loop(unplaced, place, init)[2]
 
 
 def bootstrap_resamples(
