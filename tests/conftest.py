@@ -62,10 +62,11 @@ if not os.environ.get("EE_TEST_XLA_DEFAULTS") and not os.environ.get(
     os.environ["EE_TEST_XLA_FLAGS_TRIED"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Bytecode is written even where the environment says not to
-# (`PYTHONDONTWRITEBYTECODE`, set on the CI machines): jaxtyping's import hook
-# rewrites every library module for the type checks, and pytest every test
-# module for its asserts, in each worker and each process a test starts;
-# from their cached bytecode a worker collects the suite in 8 s instead of 13.
+# (`PYTHONDONTWRITEBYTECODE`, set on this project's machines): jaxtyping's
+# import hook rewrites every library module for the type checks, and pytest
+# every test module for its asserts, in each worker and each process a test
+# starts; from their cached bytecode a worker collects the suite in 8 s
+# instead of 13.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 # One on-disk compilation cache for the whole test run, shared by the xdist
@@ -293,15 +294,15 @@ _EVENTS = {
 _BY_PROGRAM: dict[str, list[float]] = {}
 
 
-def _on_duration(event: str, duration: float, fun_name: str = "?", **_: object) -> None:
+def _on_duration(event: str, duration_secs: float, **metadata: str | int) -> None:
     name = _EVENTS.get(event)
     if name is not None:
-        _SPENT[name] += duration
+        _SPENT[name] += duration_secs
         if name == "compile":
             _SPENT["compiles"] += 1
-            spent = _BY_PROGRAM.setdefault(fun_name, [0, 0.0])
+            spent = _BY_PROGRAM.setdefault(str(metadata.get("fun_name", "?")), [0, 0.0])
             spent[0] += 1
-            spent[1] += duration
+            spent[1] += duration_secs
 
 
 if _COMPILE_LOG:

@@ -290,6 +290,7 @@ def test_fit_with_options_does_not_retrace():
         traces.append(None)
         return xent(model, batch, key)
 
+    once = None
     for seed in range(2):
         ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(seed))
         _fit(
