@@ -22,10 +22,20 @@ from eqx_ensemble._training.sampling import as_sampling
         (50, 7, 13, 23),
         (256, 16, 100, 3),
         (10, 5, 4, 1),
-        (4096, 1024, 6, 2),  # large enough for a CPU's sort of keys alone
     ],
 )
 def test_chunk_indices_match_per_step_indices(name, n, batch_size, chunk, first_step):
+    _check_chunk_indices(name, n, batch_size, chunk, first_step)
+
+
+@pytest.mark.parametrize("name", ["shared", "independent"])
+def test_chunk_indices_of_large_epochs_match_per_step_indices(name):
+    # Epochs large enough for a CPU's sort of keys alone (the samplings that
+    # draw permutations), crossing from one epoch to the next.
+    _check_chunk_indices(name, 4096, 1024, 6, 2)
+
+
+def _check_chunk_indices(name, n, batch_size, chunk, first_step):
     size = 3
     sampling = as_sampling(name)
     data_key, bootstrap_key = jax.random.split(jax.random.key(0))
