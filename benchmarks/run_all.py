@@ -30,7 +30,7 @@ SCRIPTS = {
     "trackers": "bench_trackers.py",
     "overhead": "bench_overhead.py",
     "logging": "bench_logging.py",
-    "permutation": "bench_permutation.py",
+    "large_data": "bench_large_data.py",
 }
 if os.path.exists(os.path.join(HERE, "bench_sharding.py")):
     SCRIPTS["sharding"] = "bench_sharding.py"  # owned by the sharding work
