@@ -71,16 +71,17 @@ SORT_ALONE_FROM = 2048
 
 
 def permutation(key: PRNGKeyArray, n: int) -> Int[Array, " n"]:
-    """`jax.random.permutation(key, n)`, bit for bit, in a third of its time on
-    a CPU for large `n`.
+    """`jax.random.permutation(key, n)`, bit for bit, in about a quarter of its
+    time on a CPU for large `n`.
 
     JAX shuffles `arange(n)` in `ceil(3 log n / log(2**32 - 1))` rounds, each a
     stable sort of the indices by fresh 32-bit random keys. XLA's CPU sort of
     one primitive array is ~10x faster than its sort of keys with values (a
     comparator per comparison), so on a CPU each round sorts its keys alone
     and puts every index where the stable sort would (`_sorted_alone`): 60,000
-    indices 41 -> 14 ms on a 2-vCPU Xeon. Other platforms (and small `n`) run
-    `jax.random.permutation` itself; a test holds the two equal.
+    indices 40 -> 10.5 ms on a 2-vCPU Xeon (`benchmarks/bench_large_data.py`).
+    Other platforms (and small `n`) run `jax.random.permutation` itself; a
+    test holds the two equal.
 
     **Example:**
 
