@@ -3,7 +3,7 @@
 Without replacement (`ee.Shared`, `ee.Independent`), step `s` takes a slice of
 `jax.random.permutation(fold_in(data_key, s // E), n)`, drawn inside the
 compiled dispatch. JAX shuffles by sorting random keys with the indices as
-values, which XLA's CPU runs ~10x slower than a sort of the keys alone; on a
+values, which XLA's CPU runs ~5x slower than a sort of the keys alone; on a
 CPU the library sorts the keys alone and places each index where the stable
 sort would (`_core.data.permutation`: the same bits). Printed, in one run:
 

@@ -102,7 +102,7 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
     result("shared", fit(ens, loss, opt, (x, y), **common))
     result("bootstrap", fit(ens, loss, opt, (x, y), sampling="bootstrap", **common))
     # Epochs of 4096 examples, one per member: a CPU sorts the permutations'
-    # keys alone (session 22), which must give `jax.random.permutation`'s bits.
+    # keys alone, which must give `jax.random.permutation`'s bits.
     big_x = jnp.linspace(-2, 2, 4096)[:, None]
     result(
         "independent 4096",

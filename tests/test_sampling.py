@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 import eqx_ensemble as ee
-from eqx_ensemble._core.data import SORT_ALONE_FROM, _sorted_alone, permutation
+from eqx_ensemble._core.data import (
+    SORT_ALONE_FROM,
+    _permutation_sorting_alone,
+    _sorted_alone,
+    permutation,
+)
 from eqx_ensemble._training.sampling import as_sampling
 
 
@@ -107,18 +112,46 @@ def test_permutation_is_jax_random_permutation_bit_for_bit(n):
         np.testing.assert_array_equal(got, jax.random.permutation(key, n))
 
 
-@pytest.mark.parametrize("n", [1, 7, 3000])
+def _sorts(jaxpr) -> int:
+    """The `sort` operations of a jaxpr, in its inner jaxprs too."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "sort"
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, tuple | list) else [param]:
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    count += _sorts(inner)
+    return count
+
+
+@pytest.mark.parametrize("n", [SORT_ALONE_FROM, 1625, 1626, 2_642_245, 2_642_246])
+def test_permutation_sorts_as_many_rounds_as_jax(n):
+    # JAX's round count changes at 1,626 and 2,642,246 indices; traced only.
+    key = jax.random.key(0)
+    theirs = jax.make_jaxpr(lambda k: jax.random.permutation(k, n))(key).jaxpr
+    ours = jax.make_jaxpr(lambda k: _permutation_sorting_alone(k, n))(key).jaxpr
+    assert _sorts(ours) == _sorts(theirs) > 0
+
+
+@pytest.mark.parametrize("n", [1, 7, 600])
 @pytest.mark.parametrize("distinct", [1, 3, 2**32])
 def test_sorting_keys_alone_is_a_stable_sort_of_keys_and_values(n, distinct):
     # Few distinct keys make ties (runs of equal keys) of every length, which
     # random 32-bit keys make only rarely; values go where a stable sort of the
-    # pairs puts them.
+    # pairs puts them, also for rows of a `vmap` with other ties (its loop
+    # runs until every row is placed).
     rng = np.random.default_rng(n + distinct)
-    keys = jnp.asarray(rng.integers(0, distinct, n, dtype=np.uint64).astype(np.uint32))
+    keys = rng.integers(0, distinct, (2, n), dtype=np.uint64).astype(np.uint32)
+    keys[1] = rng.permutation(n)  # no ties in the second row
     values = jnp.asarray(rng.permutation(n).astype(np.int32) * 3 - 5)
-    expected = np.asarray(values)[np.argsort(np.asarray(keys), kind="stable")]
-    np.testing.assert_array_equal(jax.jit(_sorted_alone)(keys, values), expected)
-    np.testing.assert_array_equal(jax.lax.sort_key_val(keys, values)[1], expected)
+    rows = jax.jit(jax.vmap(_sorted_alone, (0, None)))(jnp.asarray(keys), values)
+    for row, row_keys in zip(rows, keys, strict=True):
+        expected = np.asarray(values)[np.argsort(row_keys, kind="stable")]
+        np.testing.assert_array_equal(row, expected)
+        np.testing.assert_array_equal(
+            jax.lax.sort_key_val(jnp.asarray(row_keys), values)[1], expected
+        )
 
 
 def test_in_bag_counts_rebuild_the_resamples():

@@ -18,6 +18,7 @@ from conftest import assert_tree_allclose
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import eqx_ensemble as ee
+from eqx_ensemble._core.data import SORT_ALONE_FROM, permutation
 from eqx_ensemble._training.placement import gather_batch
 
 MESHES = {
@@ -331,6 +332,20 @@ def test_fit_on_a_mesh_equals_one_device(
     assert_placed(result.opt_state, mesh, ("members",))
     if with_eval:
         assert_placed(result.best_ensemble, mesh, ("members",))
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=lambda t: t.name)
+def test_permutations_of_keys_split_over_a_mesh_are_jaxs(axis_type):
+    # Per-member epoch orders (`ee.Independent`) are a `vmap` over keys; on a
+    # CPU they sort their keys alone, which must batch over a mesh axis too.
+    mesh = ee.make_mesh(members=8, axis_types=axis_type)
+    keys = jax.random.split(jax.random.key(5), 8)
+    placed = jax.device_put(keys, NamedSharding(mesh, PartitionSpec("members")))
+    n = SORT_ALONE_FROM
+    with jax.set_mesh(mesh):
+        orders = jax.jit(jax.vmap(lambda k: permutation(k, n)))(placed)
+    for key, order in zip(keys, np.asarray(orders), strict=True):
+        np.testing.assert_array_equal(order, jax.random.permutation(key, n))
 
 
 def test_fit_keeps_the_callers_arrays_and_feeds_split_batches():
