@@ -8,7 +8,7 @@ previous `main`, in a temporary worktree, with this environment's packages) and
 on the working tree, in two fresh processes, and compares every array:
 
 - MLP, shared batches; bootstrap batches; a stream (a step-indexed factory);
-  independent batches from 4,096 examples (two epochs and a half)
+  independent batches from 16,384 examples (two epochs and a half)
 - EMA + SWAG trackers
 - PBT with evaluation
 - checkpoints, then a resume from the checkpoint of step 30 to step 60
@@ -101,13 +101,13 @@ def _runs(workdir: pathlib.Path) -> dict[str, np.ndarray]:
 
     result("shared", fit(ens, loss, opt, (x, y), **common))
     result("bootstrap", fit(ens, loss, opt, (x, y), sampling="bootstrap", **common))
-    # Epochs of 4096 examples, one per member: a CPU sorts the permutations'
+    # Epochs of 16,384 examples, one per member: a CPU sorts the permutations'
     # keys alone, which must give `jax.random.permutation`'s bits.
-    big_x = jnp.linspace(-2, 2, 4096)[:, None]
+    big_x = jnp.linspace(-2, 2, 16384)[:, None]
     result(
-        "independent 4096",
+        "independent 16384",
         fit(ens, loss, opt, (big_x, big_x**3), sampling="independent", steps=40,
-            batch_size=256, key=jax.random.key(1)),
+            batch_size=1024, key=jax.random.key(1)),
     )  # fmt: skip
 
     def stream(step):

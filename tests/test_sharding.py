@@ -272,9 +272,10 @@ def _eval_fn(model, data, key):
 
 def _fit(mesh, sampling, with_eval, presharded, steps=7):
     ens = _mlp_ensemble()
-    # Independent epochs of 2048 examples: on a CPU the members' permutations
-    # sort their keys alone (`_core.data.permutation`), on the mesh too.
-    data = _data(2048 if sampling == "independent" else 64)
+    # Independent epochs of `SORT_ALONE_FROM` examples: on a CPU the members'
+    # permutations sort their keys alone (`_core.data.permutation`), on the
+    # mesh too.
+    data = _data(SORT_ALONE_FROM if sampling == "independent" else 64)
     if presharded:
         ens = ee.shard(ens, mesh)
         data = ee.shard(data, mesh, axes="data")

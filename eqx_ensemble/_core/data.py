@@ -66,30 +66,31 @@ def epoch_indices(
 
 
 # From this many indices on, a CPU sorts each round's random keys alone
-# (`_sorted_alone`): 1.3-2.6x faster from 1,000 indices on, mixed at 500 and
-# slower at 256, on a 2-vCPU Xeon.
-SORT_ALONE_FROM = 1024
+# (`_sorted_alone`): its program compiles ~0.12 s longer than JAX's, so only
+# where a permutation saves enough (60,000 indices: 39 -> 11.6 ms).
+SORT_ALONE_FROM = 16384
 
 
 def permutation(key: PRNGKeyArray, n: int) -> Int[Array, " n"]:
-    """`jax.random.permutation(key, n)`, bit for bit, in about a quarter of its
+    """`jax.random.permutation(key, n)`, bit for bit, in about a third of its
     time on a CPU for large `n`.
 
-    JAX shuffles `arange(n)` in `ceil(3 log n / log(2**32 - 1))` rounds, each a
-    stable sort of the indices by fresh 32-bit random keys. XLA's CPU sort of
-    one primitive array is ~5x faster than its sort of keys with values (a
-    comparator per comparison), so on a CPU each round sorts its keys alone
-    and puts every index where the stable sort would (`_sorted_alone`): 60,000
-    indices 40 -> 10.5 ms on a 2-vCPU Xeon (`benchmarks/bench_large_data.py`).
-    Other platforms (and small `n`) run `jax.random.permutation` itself; a
-    test holds the two equal.
+    JAX shuffles `arange(n)` in `rounds(n)` rounds, each a stable sort of the
+    indices by fresh 32-bit random keys. XLA's CPU sort of one primitive
+    array is ~5x faster than its sort of keys with values (a comparator per
+    comparison), so on a CPU each round sorts its keys alone and puts every
+    index where the stable sort would (`_sorted_alone`): 60,000 indices
+    39 -> 11.6 ms on a 2-vCPU Xeon (`benchmarks/bench_large_data.py`), for
+    ~0.12 s more compilation. Other platforms (and `n` below
+    `SORT_ALONE_FROM`) run `jax.random.permutation` itself; a test holds the
+    two equal.
 
     **Example:**
 
     ```python
     key = jax.random.key(0)
-    indices = permutation(key, 5000)
-    assert (indices == jax.random.permutation(key, 5000)).all()
+    indices = permutation(key, 20000)
+    assert (indices == jax.random.permutation(key, 20000)).all()
     ```
     """
 
@@ -103,19 +104,24 @@ def permutation(key: PRNGKeyArray, n: int) -> Int[Array, " n"]:
     )
 
 
+def rounds(n: int) -> int:
+    """The rounds of JAX's shuffle (`_shuffle`: the heuristic count of
+    tjablin's analysis), in NumPy's floating point as JAX computes it."""
+    return int(np.ceil(3 * np.log(max(1, n)) / np.log(np.iinfo(np.uint32).max)))
+
+
 def _permutation_sorting_alone(key: PRNGKeyArray, n: int) -> Array:
-    """`jax.random.permutation(key, n)`'s rounds (JAX's `_shuffle`: the
-    heuristic round count of tjablin's analysis, one split per round, 32 random
-    bits per index), each with `_sorted_alone` for `lax.sort_key_val`. The
-    round count is JAX's formula in NumPy's floating point, as JAX computes it
-    (a test compares the rounds with JAX's sorts, past 2,642,245 indices too)."""
-    rounds = int(np.ceil(3 * np.log(max(1, n)) / np.log(np.iinfo(np.uint32).max)))
-    indices = jnp.arange(n)
-    for _ in range(rounds):
+    """`jax.random.permutation(key, n)`'s rounds (one split per round, 32
+    random bits per index), each with `_sorted_alone` for `lax.sort_key_val`,
+    in a loop: one round's program, however many rounds."""
+
+    def one_round(_: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        key, indices = carry
         key, subkey = jax.random.split(key)
         bits = jax.random.bits(subkey, (n,), jnp.uint32)
-        indices = _sorted_alone(bits, indices)
-    return indices
+        return key, _sorted_alone(bits, indices)
+
+    return jax.lax.fori_loop(0, rounds(n), one_round, (key, jnp.arange(n)))[1]
 
 
 def _sorted_alone(keys: Array, values: Array) -> Array:
@@ -131,38 +137,37 @@ def _sorted_alone(keys: Array, values: Array) -> Array:
     index = jnp.arange(n, dtype=jnp.int32)
     first = _first_positions(jnp.sort(keys), keys)
 
-    def unplaced(carry: tuple[Array, Array, Array]) -> Array:
-        _, placed, _ = carry
+    def unplaced(carry: tuple[Array, Array]) -> Array:
+        _, placed = carry
         return ~placed.all()
 
-    def place(carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
-        slot, placed, out = carry
+    def place(carry: tuple[Array, Array]) -> tuple[Array, Array]:
+        slot, placed = carry
         earliest = (
             jnp.full((n,), n, jnp.int32).at[slot].min(jnp.where(placed, n, index))
         )
         takes = ~placed & (earliest[slot] == index)
-        out = out.at[jnp.where(takes, slot, n)].set(values, mode="drop")
         moved = (~placed & ~takes).astype(jnp.int32)
-        return slot + moved, placed | takes, out
+        return slot + moved, placed | takes
 
-    init = (first, jnp.zeros((n,), bool), jnp.zeros_like(values))
-    return jax.lax.while_loop(unplaced, place, init)[2]
+    init = (first, jnp.zeros((n,), bool))
+    slot, _ = jax.lax.while_loop(unplaced, place, init)
+    return jnp.zeros_like(values).at[slot].set(values, unique_indices=True)
 
 
 def _first_positions(sorted_keys: Array, keys: Array) -> Array:
     """`jnp.searchsorted(sorted_keys, keys)` (the count of smaller keys), as a
-    binary search of `log2 n` unrolled steps: as fast as its `scan_unrolled`
-    method on a CPU, which JAX 0.10.2 cannot batch over an axis of an
-    Explicit mesh."""
+    binary search in a loop of `log2 n` steps (JAX 0.10.2's own cannot batch
+    over an axis of an Explicit mesh)."""
     n = sorted_keys.shape[0]
-    position = jnp.zeros(keys.shape, jnp.int32)
-    step = 1 << (n.bit_length() - 1)  # the largest power of two <= n
-    while step:
-        candidate = position + step
+    steps = n.bit_length()  # the first step is the largest power of two <= n
+
+    def halve(i: Array, position: Array) -> Array:
+        candidate = position + jnp.left_shift(jnp.int32(1), steps - 1 - i)
         below = sorted_keys[jnp.minimum(candidate, n) - 1] < keys
-        position = jnp.where((candidate <= n) & below, candidate, position)
-        step >>= 1
-    return position
+        return jnp.where((candidate <= n) & below, candidate, position)
+
+    return jax.lax.fori_loop(0, steps, halve, jnp.zeros(keys.shape, jnp.int32))
 
 
 def bootstrap_resamples(
