@@ -9,6 +9,7 @@ import pytest
 import eqx_ensemble as ee
 from eqx_ensemble._core.data import (
     SORT_ALONE_FROM,
+    _permutation_sorting_alone,
     _sorted_alone,
     permutation,
     rounds,
@@ -110,6 +111,16 @@ def test_permutation_is_jax_random_permutation_bit_for_bit(n):
     ours = jax.jit(jax.vmap(lambda k: permutation(k, n)))(keys)
     for key, got in zip(keys, ours, strict=True):
         np.testing.assert_array_equal(got, jax.random.permutation(key, n))
+
+
+def test_sorting_alone_takes_jaxs_rounds_below_the_threshold_too():
+    # 1,024 indices shuffle in one round, 70,000 in two: the rounds come from
+    # `rounds(n)`, not from the sizes the CPU path is chosen for.
+    key = jax.random.key(3)
+    np.testing.assert_array_equal(
+        jax.jit(lambda k: _permutation_sorting_alone(k, 1024))(key),
+        jax.random.permutation(key, 1024),
+    )
 
 
 def _sorts(jaxpr) -> int:
