@@ -691,3 +691,17 @@ def test_init_programs_are_shared_bounded_and_not_poisoned():
     np.testing.assert_array_equal(compiled_call(typed, x, 2), x)
     np.testing.assert_array_equal(compiled_call(typed, x, 2.0), x + 1.0)
     np.testing.assert_array_equal(compiled_call(typed, x, True), x)
+
+
+def test_a_per_member_calibrator_search_and_fit_share_one_program():
+    # The penalty search's 30 fits (one `l2` for every member) and the final
+    # fit (each member's chosen `l2`) are one program: the penalty is passed
+    # as one value per member in both (a first fit compiled two, ~4 s each).
+    logits = 3 * jax.random.normal(jax.random.key(0), (2, 90, 3))
+    labels = jax.random.randint(jax.random.key(1), (90,), 0, 3)
+    names = compiled_programs(
+        lambda: ee.calibration.fit_vector_scaling(
+            logits, labels, per_member=True, iterations=30
+        )
+    )
+    assert names.count("jit(_fit_affine_params)") == 1, names
