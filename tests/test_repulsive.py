@@ -131,7 +131,9 @@ def test_function_space_repulsion_spreads_the_members_beyond_the_data():
     )
     spread, error = {}, {}
     for name, objective in {"deep": regression_loss, "repulsive": repel}.items():
-        run = ee.fit(ens, objective, optax.adam(3e-3), (x, y), steps=1500,
+        # 500 steps at 1e-2 (spread 2.6x the deep ensemble's, the same error)
+        # in place of 1,500 at 3e-3 (2.4x): a third of the steps at `-O0`.
+        run = ee.fit(ens, objective, optax.adam(1e-2), (x, y), steps=500,
                      batch_size=n, key=jax.random.key(2), callbacks=())  # fmt: skip
         inside = ee.predict(run.ensemble, x)[..., 0]
         spread[name] = float(
