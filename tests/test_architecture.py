@@ -9,8 +9,6 @@ import subprocess
 import sys
 import types
 
-import pytest
-
 import eqx_ensemble as ee
 
 PACKAGE = pathlib.Path(ee.__file__).parent
@@ -164,18 +162,25 @@ def test_no_library_private_attributes():
     assert not offences, offences
 
 
-@pytest.mark.parametrize("family", ["_core", "_training", "_metrics", "_checkpoints"])
-def test_each_family_imports_alone(family):
-    # Every module of a family imports on its own in a fresh interpreter (no
-    # module relies on another having been imported first). One interpreter
-    # per family loads the third-party libraries once (most of an import's
+FAMILIES = ("_core", "_training", "_metrics", "_checkpoints")
+
+
+def test_each_family_imports_alone():
+    # Every module of these families imports on its own in a fresh interpreter
+    # (no module relies on another having been imported first). One
+    # interpreter loads the third-party libraries once (most of an import's
     # time), then forks a child per module, which imports it with nothing of
     # this package loaded: the package itself stands in its `sys.modules`
     # entry without its `__init__` run (which imports every module: importing
     # a module through it checked only that the package imports, once per
     # module, 10 s for `_training`), so only what the module imports is
-    # loaded.
-    modules = [_module_name(p) for p in sorted((PACKAGE / family).glob("*.py"))]
+    # loaded. (One interpreter for the four families, not one each: ~3 s of
+    # start-up apiece.)
+    modules = [
+        _module_name(p)
+        for family in FAMILIES
+        for p in sorted((PACKAGE / family).glob("*.py"))
+    ]
     result = subprocess.run(
         [sys.executable, "-c", _IMPORT_EACH_ALONE, *modules],
         capture_output=True,
