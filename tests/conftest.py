@@ -157,25 +157,38 @@ def run_with_xla_defaults(code: str, *args: str, timeout: float = 300) -> str:
 
 
 # How `make test` spreads the tests over its xdist workers (`--dist loadgroup`):
-# a test file is one group (its module fixtures built once), except in the
-# files below, where every test is a group of its own: each docs page,
-# notebook and docstring compiles programs of its own, and a file of them on
-# one worker would outlast the rest of the suite. Those come first, so that
-# the long ones start first and the short files fill in around them.
+# a test file is one unit of work (its module fixtures built and its programs
+# traced on one worker only), except in the files below, where every test is
+# a unit of its own: each docs page, notebook and docstring compiles programs
+# of its own, and a file of them on one worker would outlast the rest of the
+# suite. xdist hands out the units with the most tests first, so the last
+# ones are single tests (the longest ~30 s). A scheduler of our own gives the
+# units (xdist's `xdist_group` marks did it until pytest 9, whose `Item.nodeid` no
+# longer reads the `_nodeid` that xdist 3.8 renames: every test was then
+# scheduled alone and a file's tests spread over both workers:
+# pytest-dev/pytest-xdist#1386).
 _SPLIT_FILES = ("test_docs.py", "test_docs_training.py", "test_docs_methods.py",
                 "test_docs_scale.py", "test_docstrings.py",
                 "test_docstrings_modules.py", "test_notebooks.py",
                 "test_notebooks_more.py", "test_multiprocess.py")  # fmt: skip
 
 
-def pytest_collection_modifyitems(config, items):
-    def group(item) -> str:
-        path = item.nodeid.split("::")[0]
-        return item.nodeid if path.endswith(_SPLIT_FILES) else path
+def unit_of_work(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or itself in a split file."""
+    path = nodeid.split("::")[0]
+    return nodeid if path.endswith(_SPLIT_FILES) else path
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: not item.nodeid.split("::")[0].endswith(_SPLIT_FILES))
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnitOfWork(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_work(nodeid)
+
+    return ByUnitOfWork(config, log)
 
 
 _CACHE_OPTIONS = (
