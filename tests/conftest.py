@@ -179,6 +179,7 @@ def unit_of_work(nodeid: str) -> str:
     return nodeid if path.endswith(_SPLIT_FILES) else path
 
 
+@pytest.hookimpl(optionalhook=True)  # without xdist (`-p no:xdist`): no such hook
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadgroup":
         return None
