@@ -19,7 +19,7 @@ from eqx_ensemble._execution.intern import canonical, structural_key
 _COMPILES = [0]
 
 
-def _count(event: str, duration: float, **_: object) -> None:
+def _count(event: str, duration_secs: float, **_: str | int) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _COMPILES[0] += 1
 
