@@ -163,7 +163,7 @@ def run_with_xla_defaults(code: str, *args: str, timeout: float = 300) -> str:
 # of its own, and a file of them on one worker would outlast the rest of the
 # suite. xdist hands out the units with the most tests first, so the last
 # ones are single tests (the longest ~30 s). A scheduler of our own gives the
-# units (xdist's `xdist_group` marks did it until pytest 9, whose `Item.nodeid` no
+# units (xdist's `xdist_group` marks did it until pytest 9.2, whose `Item.nodeid` no
 # longer reads the `_nodeid` that xdist 3.8 renames: every test was then
 # scheduled alone and a file's tests spread over both workers:
 # pytest-dev/pytest-xdist#1386).
@@ -176,7 +176,7 @@ _SPLIT_FILES = ("test_docs.py", "test_docs_training.py", "test_docs_methods.py",
 def unit_of_work(nodeid: str) -> str:
     """The unit of work a test belongs to: its file, or itself in a split file."""
     path = nodeid.split("::")[0]
-    return nodeid if path.endswith(_SPLIT_FILES) else path
+    return nodeid if os.path.basename(path) in _SPLIT_FILES else path
 
 
 @pytest.hookimpl(optionalhook=True)  # without xdist (`-p no:xdist`): no such hook

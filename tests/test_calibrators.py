@@ -142,6 +142,25 @@ def test_per_member_equals_each_member_fitted_alone(split, fit):
         )
 
 
+def test_per_member_fits_alike_on_a_cpu_and_elsewhere(split, monkeypatch):
+    # A CPU fits the members one after another (`lax.map`), other backends
+    # together (`vmap`): the same calibrators, to rounding.
+    from eqx_ensemble._metrics import calibrators
+
+    logits, labels, test = split
+    fit = ee.calibration.fit_vector_scaling
+    mapped = fit(logits, labels, per_member=True, l2=1e-2)
+    monkeypatch.setattr(calibrators.jax, "default_backend", lambda: "gpu")
+    # One more member (a copy of the first): another shape, so the fit is
+    # traced again, now under the patched backend.
+    batched = fit(
+        jnp.concatenate([logits, logits[:1]]), labels, per_member=True, l2=1e-2
+    )
+    out = batched(jnp.concatenate([test, test[:1]]))
+    np.testing.assert_allclose(mapped(test), out[:-1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out[0], out[-1])
+
+
 def test_calibrators_lower_the_nll_of_miscalibrated_logits(split):
     logits, labels, _ = split
     before = float(ee.metrics.nll(logits, labels, from_logits=True))
