@@ -75,11 +75,19 @@ sys.dont_write_bytecode = False
 # compiled is read back by the next that compiles the same computation. Kept
 # between runs in `.cache/xla-tests` (`make clean` removes it); a damaged entry
 # is compiled again (JAX warns, pyproject's filterwarnings lets that through).
+# Only programs that took 0.1 s or more to compile are written: the suite's
+# ~12,000 small ones (an eager `jnp` operation, a metric, a key program; 10-40
+# ms each with the flags above) cost more to serialise, compress (zlib) and
+# write than to compile again. A cold run of the whole suite (round 4, session
+# 24, the same tests, half an hour apart): 14:22 writing every program, 11:43
+# writing those of 0.1 s and more; six test files side by side: 144.8 s, 130.3
+# s, and 129.9 s with no disk cache at all. The `fit` and `make_step` programs
+# (0.2-0.5 s each) are still shared with the processes the tests start.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache", "xla-tests"),
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import gc  # noqa: E402
@@ -244,6 +252,27 @@ def library_codegen(monkeypatch):
     monkeypatch.setattr(compile_module, "cpu_codegen_options", lambda: level)
     monkeypatch.setattr(plan, "_PLANS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(plan, "_BY_ID", {})
+
+
+def repeat(*values: object, id: str | None = None) -> object:
+    """A parametrised case that repeats a check the default tier already makes
+    with another case (a second axis type, sampling or size): run by
+    `make test-all` only (marked slow). tests/README.md, "Repeats"."""
+    return pytest.param(*values, id=id, marks=pytest.mark.slow)
+
+
+def alternating(cases: list[object], variants: list[object]) -> list[object]:
+    """Every case with every variant, as parameters (a case's values, then the
+    variant); the default tier runs case `i` with variant `i % len(variants)`,
+    so that each case and each variant runs there, and the other pairs are
+    `repeat`s."""
+    params = []
+    for i, case in enumerate(cases):
+        values = case if isinstance(case, tuple) else (case,)
+        for j, variant in enumerate(variants):
+            pair = (*values, variant)
+            params.append(pair if j == i % len(variants) else repeat(*pair))
+    return params
 
 
 def needs_devices(n: int) -> pytest.MarkDecorator:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import repeat
 
 import eqx_ensemble as ee
 
@@ -27,7 +28,7 @@ def _heteroscedastic(seed, n):
     )
 
 
-@pytest.mark.parametrize("alpha", [0.1, 0.3])
+@pytest.mark.parametrize("alpha", [0.1, repeat(0.3)])
 def test_split_conformal_covers_at_the_nominal_level(alpha):
     calibration, test, seeds = 200, 500, 200
     coverages = []

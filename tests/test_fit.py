@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, repeat
 
 import eqx_ensemble as ee
 
@@ -446,7 +446,7 @@ def test_steps_per_dispatch_does_not_change_the_result(mlp_ens):
         np.testing.assert_array_equal(other.history.losses, results[0].history.losses)
 
 
-@pytest.mark.parametrize("sampling", ["shared", "independent", "bootstrap"])
+@pytest.mark.parametrize("sampling", [repeat("shared"), "independent", "bootstrap"])
 def test_a_run_split_into_more_dispatches_draws_the_same_batches_and_keys(
     mlp_ens, sampling
 ):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import repeat
 
 import eqx_ensemble as ee
 
@@ -209,7 +210,7 @@ def test_predict_with_a_state_per_group():
 # --- fit ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampling", ["shared", "independent", "bootstrap"])
+@pytest.mark.parametrize("sampling", [repeat("shared"), "independent", "bootstrap"])
 def test_slices_of_one_ensemble_train_as_that_ensemble(sampling):
     full = ee.ensemble(mlp(8), size=5, key=jax.random.key(0))
     het = ee.Heterogeneous([full[:2], full[2:3], full[3:]])

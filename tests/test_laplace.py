@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import alternating
 from jax.flatten_util import ravel_pytree
 from scipy.optimize import minimize_scalar
 from scipy.stats import multivariate_normal
@@ -53,8 +54,9 @@ def dense_ggn(model, part, x, likelihood, sigma=1.0):
     return total, theta, output
 
 
-@pytest.mark.parametrize("curvature", ["diagonal", "full"])
-@pytest.mark.parametrize("where", ["last", "first"])
+@pytest.mark.parametrize(
+    "where,curvature", alternating(["last", "first"], ["diagonal", "full"])
+)
 def test_diagonal_and_full_equal_the_dense_ggn(small, curvature, where):
     ens, x, labels = small
     part = _last if where == "last" else (lambda m: m.layers[0])

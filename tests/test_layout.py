@@ -13,7 +13,13 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import MEMBERWISE_TOL, ON_CPU, assert_tree_allclose, needs_devices
+from conftest import (
+    MEMBERWISE_TOL,
+    ON_CPU,
+    assert_tree_allclose,
+    needs_devices,
+    repeat,
+)
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution import layout as _layout
@@ -209,7 +215,7 @@ def test_rule_on_a_gpu():
     assert rule(10**9, cnn32, platform="tpu") == "vmap"
 
 
-@pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
+@pytest.mark.parametrize("sampling", [repeat("shared"), "bootstrap"])
 def test_fit_sequential_equals_vmap_with_batchnorm(data, sampling):
     ens, state = ee.ensemble(
         lambda k: eqx.nn.make_with_state(CNN)(k, norm=True),

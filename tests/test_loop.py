@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ON_CPU, assert_tree_allclose, needs_devices
+from conftest import ON_CPU, alternating, assert_tree_allclose, needs_devices, repeat
 from test_fit import BatchNormMLP, batchnorm_loss
 
 import eqx_ensemble as ee
@@ -792,8 +792,9 @@ def test_make_step_is_a_module_with_lower(ens):
 
 
 @needs_devices(4)
-@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
-@pytest.mark.parametrize("per_member", [False, True])
+@pytest.mark.parametrize(
+    "per_member,axis_type", alternating([False, True], ["Auto", "Explicit"])
+)
 def test_stream_on_a_mesh_equals_one_device(axis_type, per_member):
     from jax.sharding import AxisType
 
@@ -840,7 +841,7 @@ def decayed_loss(model, batch, key, *, hyper):
     return mse_loss(model, batch, key) + hyper["decay"] * penalty
 
 
-@pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
+@pytest.mark.parametrize("sampling", ["shared", repeat("bootstrap")])
 def test_hyper_members_equal_solo_training(ens, sampling):
     import functools
 
@@ -938,7 +939,7 @@ def cnn_loss(model, batch, key):
     return jnp.mean((jax.vmap(model)(xb) - yb) ** 2)
 
 
-@pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
+@pytest.mark.parametrize("sampling", [repeat("shared"), "bootstrap"])
 def test_unrolled_dispatches_equal_the_fused_loop(sampling):
     cnn = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
     common = dict(

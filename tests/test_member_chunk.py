@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import MEMBERWISE_TOL, ON_CPU, needs_devices
+from conftest import MEMBERWISE_TOL, ON_CPU, needs_devices, repeat
 
 import eqx_ensemble as ee
 
@@ -72,7 +72,7 @@ def _close(a, b, atol=1e-6):
         np.testing.assert_allclose(u, v, rtol=rtol, atol=max(atol, 1e-5 * scale))
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 4])
+@pytest.mark.parametrize("chunk", [1, 2, repeat(4)])
 def test_fit_equals_the_unchunked_run(problem, chunk):
     ens, state, data = problem
 

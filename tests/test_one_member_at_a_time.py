@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ON_CPU, assert_tree_allclose
+from conftest import ON_CPU, assert_tree_allclose, repeat
 from test_layout import CNN, stateful_loss, xent
 
 import eqx_ensemble as ee
@@ -105,7 +105,7 @@ def _assert_equal(a, b):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("sampling", ["shared", "independent"])
+@pytest.mark.parametrize("sampling", [repeat("shared"), "independent"])
 def test_one_at_a_time_equals_the_sequential_layout(planned, traced, sampling):
     ens = ee.ensemble(CNN, size=SIZE, key=jax.random.key(0))
     components = dict(

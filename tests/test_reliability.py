@@ -41,6 +41,7 @@ import jaxtyping
 import numpy as np
 import optax
 import pytest
+from conftest import alternating
 from hypothesis import given, settings, strategies as st
 
 import eqx_ensemble as ee
@@ -174,8 +175,9 @@ def opt_member(opt_state, i):
     return member_slice(opt_state, i)
 
 
-@pytest.mark.parametrize("sampling", ["shared", "bootstrap"])
-@pytest.mark.parametrize("optimizer", ["adam", "clip_adam"])
+@pytest.mark.parametrize(
+    "optimizer,sampling", alternating(["adam", "clip_adam"], ["shared", "bootstrap"])
+)
 def test_one_diverging_member_is_isolated_reported_and_frozen(optimizer, sampling):
     optimizer = OPTIMIZERS[optimizer]
     wild = run(optimizer, sampling, WILD_LR)
@@ -247,9 +249,9 @@ class Interrupt(Exception):
     pass
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize(
-    ("optimizer", "sampling"), [("adam", "shared"), ("clip_adam", "bootstrap")]
+    ("optimizer", "sampling", "when"),
+    alternating([("adam", "shared"), ("clip_adam", "bootstrap")], ["before", "after"]),
 )
 def test_divergence_record_survives_interrupt_and_resume(
     tmp_path, optimizer, sampling, when

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_tree_allclose
+from conftest import alternating, assert_tree_allclose, repeat
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import eqx_ensemble as ee
@@ -320,8 +320,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("kind,sampling,with_eval,presharded", CASES)
+def _axis_id(value):
+    return value.name if isinstance(value, AxisType) else None
+
+
+@pytest.mark.parametrize(
+    "kind,sampling,with_eval,presharded,axis_type",
+    alternating(CASES, AXIS_TYPES),
+    ids=_axis_id,
+)
 def test_fit_on_a_mesh_equals_one_device(
     kind, sampling, with_eval, presharded, axis_type
 ):
@@ -403,7 +410,9 @@ def _stateful_loss(model, state, batch, key):
     return jnp.mean((predictions - y) ** 2), state
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "axis_type", [repeat(AxisType.Auto), AxisType.Explicit], ids=_axis_id
+)
 def test_fit_with_model_state_on_a_mesh(axis_type):
     model, state = eqx.filter_vmap(lambda k: eqx.nn.make_with_state(_BatchNormNet)(k))(
         jax.random.split(jax.random.key(0), 4)
@@ -456,8 +465,9 @@ def test_fit_resumes_on_a_mesh(tmp_path):
 # --------------------------------------------------------------------- make_step
 
 
-@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("per_member_batch", [False, True])
+@pytest.mark.parametrize(
+    "per_member_batch,axis_type", alternating([False, True], AXIS_TYPES), ids=_axis_id
+)
 def test_make_step_on_a_mesh(axis_type, per_member_batch):
     ens = _mlp_ensemble()
     optimizer = optax.adam(1e-2)
