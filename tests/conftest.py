@@ -93,6 +93,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import gc  # noqa: E402
 import itertools  # noqa: E402
 import subprocess  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -261,7 +262,7 @@ def repeat(*values: object, id: str | None = None) -> object:
     return pytest.param(*values, id=id, marks=pytest.mark.slow)
 
 
-def alternating(cases: list[object], variants: list[object]) -> list[object]:
+def alternating(cases: Sequence[object], variants: Sequence[object]) -> list[object]:
     """Every case with every variant, as parameters (a case's values, then the
     variant); the default tier runs case `i` with variant `i % len(variants)`,
     so that each case and each variant runs there, and the other pairs are
