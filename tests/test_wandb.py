@@ -128,3 +128,29 @@ def test_a_real_offline_run_writes_its_files(tmp_path, monkeypatch):
     assert len(runs) == 1
     (log,) = runs[0].glob("*.wandb")
     assert log.stat().st_size > 0
+
+
+def test_a_relative_folder_is_the_working_directorys_when_the_run_opens(
+    tmp_path, monkeypatch
+):
+    # W&B's service process starts with the process's first run and keeps the
+    # working directory it started in: a relative folder (or none) given to a
+    # later run, after a `chdir`, left that run's console log in the first
+    # folder and its data file nowhere.
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(first)
+    _fit([ee.WandbLogger(project="eqx_ensemble_test", directory="logs")], steps=2)
+    monkeypatch.chdir(second)
+    _fit([ee.WandbLogger(project="eqx_ensemble_test", directory="logs")], steps=2)
+    _fit([ee.WandbLogger(project="eqx_ensemble_test")], steps=2)
+    for folder in (first / "logs", second / "logs", second):
+        (run,) = (folder / "wandb").glob("offline-run-*")
+        (log,) = run.glob("*.wandb")
+        assert log.stat().st_size > 0, folder
+    # Nothing of the later runs in the first folder.
+    assert [p.name for p in first.iterdir()] == ["logs"]
+    assert len(list((first / "logs" / "wandb").glob("offline-run-*"))) == 1

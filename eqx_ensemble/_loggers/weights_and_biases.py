@@ -30,7 +30,8 @@ class WandbLogger(Logger):
 
     - `project`: the W&B project (`None`: W&B's default).
     - `directory`: where W&B writes (`None`: the working directory); checked to
-      be writable before any training.
+      be writable before any training. A relative folder is taken from the
+      working directory when the run opens.
     - `mode`: `"offline"`, `"online"` or `"disabled"`.
     - `name`, `group`: the W&B run's name and group.
     - `every`: log the loss at every `every`-th step (default 1: all; W&B
@@ -73,9 +74,14 @@ class WandbLogger(Logger):
         config: dict[str, Any] = dict(run.hparams)
         for name, values in run.member_hparams.items():
             config[name] = np.asarray(values).tolist()
+        # An absolute folder: W&B's service process, started by the process's
+        # first run, resolves a relative one (and `None`) against the working
+        # directory it started in, so a run opened after a `chdir` split its
+        # files between two folders and lost its data file.
+        directory = os.getcwd() if self.directory is None else self.directory
         handle = wandb.init(
             project=self.project,
-            dir=None if self.directory is None else os.fspath(self.directory),
+            dir=os.path.abspath(directory),
             mode=self.mode,
             name=self.name,
             group=self.group,
