@@ -264,9 +264,10 @@ def repeat(*values: object, id: str | None = None) -> object:
 
 def alternating(cases: Sequence[object], variants: Sequence[object]) -> list[object]:
     """Every case with every variant, as parameters (a case's values, then the
-    variant); the default tier runs case `i` with variant `i % len(variants)`,
-    so that each case and each variant runs there, and the other pairs are
-    `repeat`s."""
+    variant); the default tier runs case `i` with variant `i % len(variants)`
+    (so each case runs there, and each variant where there are at least as
+    many cases as variants), and the other pairs are `repeat`s. A case is a
+    tuple of values or a single value that is not a tuple."""
     params = []
     for i, case in enumerate(cases):
         values = case if isinstance(case, tuple) else (case,)

@@ -326,7 +326,9 @@ def _axis_id(value):
 
 @pytest.mark.parametrize(
     "kind,sampling,with_eval,presharded,axis_type",
-    alternating(CASES, AXIS_TYPES),
+    # Bootstrap draws (the 2-D mesh's case) gather by indices of their own,
+    # and an Explicit mesh types its gathers: that case runs on both types.
+    alternating(CASES[:2], AXIS_TYPES) + [(*CASES[2], t) for t in AXIS_TYPES],
     ids=_axis_id,
 )
 def test_fit_on_a_mesh_equals_one_device(
