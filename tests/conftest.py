@@ -75,19 +75,14 @@ sys.dont_write_bytecode = False
 # compiled is read back by the next that compiles the same computation. Kept
 # between runs in `.cache/xla-tests` (`make clean` removes it); a damaged entry
 # is compiled again (JAX warns, pyproject's filterwarnings lets that through).
-# Only programs that took 0.1 s or more to compile are written: the suite's
-# ~12,000 small ones (an eager `jnp` operation, a metric, a key program; 10-40
-# ms each with the flags above) cost more to serialise, compress (zlib) and
-# write than to compile again. A cold run of the whole suite (round 4, session
-# 24, the same tests, half an hour apart): 14:22 writing every program, 11:43
-# writing those of 0.1 s and more; six test files side by side: 144.8 s, 130.3
-# s, and 129.9 s with no disk cache at all. The `fit` and `make_step` programs
-# (0.2-0.5 s each) are still shared with the processes the tests start.
+# Writing only the programs that took 0.1 s or more to compile (the `fit`
+# programs, not ~12,000 small ones) made no difference: 233.2 against 233.9 s
+# on seven files, two single-worker runs side by side (round 4, session 24).
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache", "xla-tests"),
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import gc  # noqa: E402
