@@ -167,9 +167,9 @@ def run_with_xla_defaults(code: str, *args: str, timeout: float = 300) -> str:
 # of its own, and a file of them on one worker would outlast the rest of the
 # suite. xdist hands out the units with the most tests first, so the last
 # ones are single tests (the longest ~30 s). A scheduler of our own gives the
-# units (xdist's `xdist_group` marks did it until pytest 9.2, whose `Item.nodeid` no
-# longer reads the `_nodeid` that xdist 3.8 renames: every test was then
-# scheduled alone and a file's tests spread over both workers:
+# units (xdist's `xdist_group` marks did it until pytest 9.2, whose
+# `Item.nodeid` no longer reads the `_nodeid` that xdist 3.8 renames: every
+# test was then scheduled alone and a file's tests spread over both workers:
 # pytest-dev/pytest-xdist#1386).
 _SPLIT_FILES = ("test_docs.py", "test_docs_training.py", "test_docs_methods.py",
                 "test_docs_scale.py", "test_docstrings.py",
@@ -250,11 +250,11 @@ def library_codegen(monkeypatch):
     monkeypatch.setattr(plan, "_BY_ID", {})
 
 
-def repeat(*values: object, id: str | None = None) -> object:
+def repeat(*values: object) -> object:
     """A parametrised case that repeats a check the default tier already makes
     with another case (a second axis type, sampling or size): run by
     `make test-all` only (marked slow). tests/README.md, "Repeats"."""
-    return pytest.param(*values, id=id, marks=pytest.mark.slow)
+    return pytest.param(*values, marks=pytest.mark.slow)
 
 
 def alternating(cases: Sequence[object], variants: Sequence[object]) -> list[object]:
