@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 from ._core.ensemble import Ensemble
 from ._core.heterogeneous import Heterogeneous
 from ._execution.compile import compiled_call
+from ._internal.tree import as_array
 
 __all__ = [
     "Architectures",
@@ -314,9 +315,7 @@ def architectures(
         order.extend(members)
     permutation = np.asarray(order)
     # Reordered on the host (as `jnp` indexing, a program per operation).
-    settings = {
-        name: jnp.asarray(np.asarray(drawn[name])[permutation]) for name in names
-    }
+    settings = {name: as_array(np.asarray(drawn[name])[permutation]) for name in names}
     with_state = [state is not None for state in states]
     if any(with_state) and not all(with_state):
         raise ValueError(

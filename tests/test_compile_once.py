@@ -445,6 +445,38 @@ def test_predict_and_a_metric_compile_one_program_per_shape():
     np.testing.assert_allclose(nll[0], expected, rtol=1e-5)
 
 
+def test_host_data_reaches_the_device_without_a_program(tmp_path):
+    # `jnp.asarray` of NumPy data is a compiled program per shape and dtype
+    # since JAX 0.10 (`jit(stage)`); the library copies host data with
+    # `jax.device_put`, which compiles nothing. Shapes no other test uses.
+    ens = ee.ensemble(
+        lambda k: eqx.nn.MLP(5, 7, 13, 2, key=k), size=3, key=jax.random.key(5)
+    )
+    state = optax.adam(1e-3).init(eqx.filter(ens, eqx.is_inexact_array))
+    path = ee.save(tmp_path / "run.eqx", (ens, state))
+    loaded = []
+    assert compilations(lambda: loaded.append(ee.load(path, (ens, state)))) == 0
+    assert eqx.tree_equal(loaded[0], (ens, state))
+    # A metric's first call on NumPy data compiles what it does on JAX arrays
+    # of another new shape: its checks and its computation, nothing per input.
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 37, 4)).astype(np.float32)
+    labels = rng.integers(0, 4, size=37)
+    on_device = (jnp.asarray(logits[:, :31]), jnp.asarray(labels[:31]))
+    assert compilations(lambda: ee.metrics.nll(*on_device, from_logits=True)) == 3
+    value = []
+    assert (
+        compilations(
+            lambda: value.append(ee.metrics.nll(logits, labels, from_logits=True))
+        )
+        == 3
+    )
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected = -np.log(probs.mean(0)[np.arange(37), labels]).mean()
+    np.testing.assert_allclose(value[0], expected, rtol=1e-5)
+
+
 def test_a_metric_in_a_callers_jit_checks_the_arrays_it_closes_over():
     # Labels, probabilities and variances closed over by the caller's trace
     # are concrete: their checks read them there (before: a

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._internal.tree import is_traced, keystr
+from .._internal.tree import as_array, is_traced, keystr
 from .file import aligned
 from .structure import ARRAY_KINDS, PYTHON_KINDS, classify
 
@@ -149,7 +149,7 @@ def _place_array(host: np.ndarray, like_leaf: Any) -> Any:
         if base.dtype == host.dtype:
             value = base.at[...].set(host)
     if sharding is None:
-        return jnp.asarray(value)
+        return as_array(value)
     if sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
@@ -181,7 +181,7 @@ def place_key(lazy: Any, impl: str, like_leaf: Any) -> Any:
 def _place_key(host: Any, impl: str, like_leaf: Any) -> Any:
     sharding, _ = _placement(like_leaf)
     if sharding is None or sharding.is_fully_addressable:
-        keys = jax.random.wrap_key_data(jnp.asarray(host), impl=impl)
+        keys = jax.random.wrap_key_data(as_array(host), impl=impl)
         return keys if sharding is None else jax.device_put(keys, sharding)
     # Across processes: build the global key data on the same (leading-axes)
     # sharding, then wrap it.

@@ -9,6 +9,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal.checks import check_positive_int
+from .._internal.tree import as_array
 from .._training.controller import Controller
 from .._training.history import History
 from .._training.train_state import TrainState, member_select
@@ -145,22 +146,22 @@ class EarlyStopping(Controller):
             stopped_at = np.where(stopping, int(step), stopped_at)
         newly = (stopped_at >= 0) & (np.asarray(train_state.stopped_at) < 0)
         new_state = {
-            "best": jnp.asarray(best, jnp.float32),
-            "waited": jnp.asarray(waited, jnp.int32),
-            "seen": jnp.asarray(len(history.eval_steps), jnp.int32),
-            "stopped_at": jnp.asarray(stopped_at, jnp.int32),
+            "best": as_array(best, jnp.float32),
+            "waited": as_array(waited, jnp.int32),
+            "seen": as_array(len(history.eval_steps), jnp.int32),
+            "stopped_at": as_array(stopped_at, jnp.int32),
         }
         if not newly.any():
             return train_state, new_state
         assert train_state.best_ensemble is not None  # `check`: there is evaluation
         # Stopped members take their best weights; the others (and a shared
         # part, one copy) keep the current ones.
-        keep = jnp.asarray(~newly)
+        keep = as_array(~newly)
         train_state = dataclasses.replace(
             train_state,
             ensemble=member_select(
                 keep, train_state.ensemble, train_state.best_ensemble
             ),
-            stopped_at=jnp.asarray(stopped_at, jnp.int32),
+            stopped_at=as_array(stopped_at, jnp.int32),
         )
         return train_state, new_state

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .tree import is_traced
+from .tree import as_array, is_traced
 
 # The largest step count or period the library accepts: steps are counted in
 # int32 inside compiled code.
@@ -74,7 +74,7 @@ def real_array(value: Any, name: str) -> jax.Array:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # NumPy's on a list of strings
-            array = jnp.asarray(value)  # lists of traced scalars too
+            array = as_array(value)  # lists of traced scalars too
     except (TypeError, ValueError):
         array = None
     if array is not None and jnp.issubdtype(array.dtype, jnp.complexfloating):
@@ -142,4 +142,4 @@ def normalised_weights(weights: Any, size: int, dtype: Any, holder: str) -> jax.
             "`weights` must be finite and non-negative with a positive sum, got "
             f"{np.asarray(array)}"
         )
-    return jnp.asarray(host / host.sum(), dtype=dtype)
+    return as_array(host / host.sum(), dtype=dtype)

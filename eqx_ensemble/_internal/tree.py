@@ -5,6 +5,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax.core import Tracer
@@ -236,6 +237,18 @@ def leading_size(tree: Any, *, what: str = "ensemble") -> int:
 def is_traced(x: Any) -> bool:
     """Whether `x` is a tracer (its value is unknown until run time)."""
     return isinstance(x, Tracer)
+
+
+def as_array(value: Any, dtype: Any = None) -> Any:
+    """`jnp.asarray(value, dtype)`, but host data (NumPy arrays and scalars,
+    Python numbers) is copied to the device without compiling anything: since
+    JAX 0.10 `jnp.asarray` of NumPy data runs a program of its own per shape
+    and dtype (`jit(stage)`, 15-50 ms each on a CPU; jax-ml/jax#27460), which
+    a checkpoint's load or a metric's first call paid per leaf or input. A JAX
+    array, a tracer or a list goes to `jnp.asarray`."""
+    if isinstance(value, np.ndarray | np.generic | int | float | complex):
+        return jax.device_put(value if dtype is None else np.asarray(value, dtype))
+    return jnp.asarray(value, dtype)
 
 
 def trainable(members: PyTree[Any]) -> PyTree[Any]:

@@ -14,6 +14,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray, PyTree
 
 from .._internal.checks import check_positive_int
 from .._internal.keys import check_key
+from .._internal.tree import as_array
 
 
 def _check_alpha(alpha: Any) -> float:
@@ -434,7 +435,7 @@ def masksembles_masks(
             row[rng.choice(positions, kept, replace=False)] = True
         masks = masks[:, masks.any(axis=0)]
         if masks.shape[1] == features:
-            return jnp.asarray(masks)
+            return as_array(masks)
         if masks.shape[1] > features:
             high = middle
         else:

@@ -13,7 +13,7 @@ from jaxtyping import ArrayLike, PyTree, Real
 from .._core.ensemble import Ensemble
 from .._core.stack import check_same_structure
 from .._internal.checks import normalised_weights, real_array
-from .._internal.tree import is_traced, keystr
+from .._internal.tree import as_array, is_traced, keystr
 
 T = TypeVar("T")
 
@@ -75,7 +75,7 @@ def tree_weighted_sum(
     def combine(*leaves):
         if not _is_summable(leaves[0]):
             return leaves[0]
-        stacked = jnp.stack([jnp.asarray(leaf) for leaf in leaves])
+        stacked = jnp.stack([as_array(leaf) for leaf in leaves])
         if jnp.issubdtype(stacked.dtype, jnp.inexact):
             dtype = stacked.dtype
         elif jnp.issubdtype(array.dtype, jnp.inexact):

@@ -16,7 +16,7 @@ from jaxtyping import Array
 
 from .._execution.compile import one_shot_jit
 from .._internal.checks import first_non_finite
-from .._internal.tree import is_traced
+from .._internal.tree import as_array, is_traced
 
 _SINGLE_MODEL_HINT = (
     "metrics take stacked per-member predictions with a leading member axis; "
@@ -30,7 +30,7 @@ def as_float_array(x: Any, name: str) -> Array:
     if isinstance(x, str | bytes):
         raise TypeError(f"`{name}` must be a floating-point array, got a string")
     try:
-        array = jnp.asarray(x)
+        array = as_array(x)
     except TypeError as error:  # strings in a list, objects
         raise TypeError(
             f"`{name}` must be a floating-point array, got {type(x).__name__} that "

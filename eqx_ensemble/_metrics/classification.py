@@ -9,6 +9,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._execution.compile import one_shot_jit
+from .._internal.tree import as_array
 from .checks import (
     as_float_array,
     check_classification_predictions,
@@ -35,7 +36,7 @@ def prepare_predictions(
 
 def prepare_labels(labels: ArrayLike, predictions: Array) -> Array:
     """Validated `(batch,)` integer labels matching `predictions`."""
-    array = jnp.asarray(labels)
+    array = as_array(labels)
     _, batch, classes = predictions.shape
     check_labels(array, classes, batch, predictions_shape=tuple(predictions.shape))
     return array

@@ -11,6 +11,7 @@ import numpy as np
 from jax.scipy.special import ndtr
 from jaxtyping import Array, ArrayLike, Float
 
+from .._internal.tree import as_array
 from ..combine import gaussian_mixture
 from .checks import check_level
 from .regression import _means_variances, means_variances_targets
@@ -178,7 +179,7 @@ class QuantileRecalibration(eqx.Module):
         """The calibrated central interval at `level`: the quantiles at
         `(1 - level) / 2` and `(1 + level) / 2`."""
         check_level(level)
-        level = jnp.asarray(level)
+        level = as_array(level)
         low = self.quantile(means, variances, (1 - level) / 2)
         return low, self.quantile(means, variances, (1 + level) / 2)
 
@@ -243,6 +244,4 @@ def fit_quantile_recalibration(
     if len(z_unique) == 1:  # two equal residuals: a step, as two points
         z_unique, fitted = np.repeat(z_unique, 2), np.repeat(fitted, 2)
     dtype = means.dtype
-    return QuantileRecalibration(
-        jnp.asarray(z_unique, dtype), jnp.asarray(fitted, dtype)
-    )
+    return QuantileRecalibration(as_array(z_unique, dtype), as_array(fitted, dtype))

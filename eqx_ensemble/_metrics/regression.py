@@ -10,6 +10,7 @@ from jax.scipy.special import ndtri
 from jaxtyping import Array, ArrayLike, Float
 
 from .._execution.compile import one_shot_jit
+from .._internal.tree import as_array
 from ..combine import gaussian_mixture
 from .checks import (
     as_float_array,
@@ -400,7 +401,7 @@ def interval_coverage(
     """
     check_level(level)
     means, variances, targets = means_variances_targets(means, variances, targets)
-    return _interval_coverage(means, variances, targets, jnp.asarray(level))
+    return _interval_coverage(means, variances, targets, as_array(level))
 
 
 @one_shot_jit

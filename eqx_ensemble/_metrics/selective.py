@@ -20,13 +20,13 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Real
 
 from .._execution.compile import one_shot_jit
-from .._internal.tree import is_traced
+from .._internal.tree import as_array, is_traced
 from .checks import as_float_array
 
 
 def _check_selective(confidence: ArrayLike, losses: ArrayLike, loss_name: str):
     confidence = as_float_array(confidence, "confidence")
-    losses = jnp.asarray(losses)
+    losses = as_array(losses)
     if losses.dtype == bool:
         losses = losses.astype(confidence.dtype)
     losses = as_float_array(losses, loss_name)
@@ -200,7 +200,7 @@ def accuracy_at_coverage(
         raise TypeError(f"`coverage` must be a float in (0, 1], got {coverage!r}")
     if not 0 < coverage <= 1:
         raise ValueError(f"`coverage` must lie in (0, 1], got {coverage}")
-    correct = jnp.asarray(correct)
+    correct = as_array(correct)
     if not (correct.dtype == bool or jnp.issubdtype(correct.dtype, jnp.number)):
         raise TypeError(f"`correct` must be bool or 0/1, got dtype {correct.dtype}")
     errors = 1.0 - correct.astype(jnp.float32)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-from .._internal.tree import is_traced
+from .._internal.tree import as_array, is_traced
 from .checks import check_alpha
 from .regression import one_output
 
@@ -44,8 +44,8 @@ def out_of_bag(
     whose resamples are rebuilt from its key) or of given in-bag counts."""
     from .._training.sampling import Bootstrap
 
-    means = one_output(jnp.asarray(train_means), "train_means", 2)
-    target_array = one_output(jnp.asarray(targets), "targets", 1)
+    means = one_output(as_array(train_means), "train_means", 2)
+    target_array = one_output(as_array(targets), "targets", 1)
     if means.ndim != 2 or target_array.shape != means.shape[1:]:
         raise ValueError(
             "`train_means` must be (members, n) and `targets` (n,), got "
@@ -175,7 +175,7 @@ class EnbPI(eqx.Module):
     excluded: int = eqx.field(static=True)
 
     def _means(self, means: Any) -> Array:
-        array = one_output(jnp.asarray(means), "means", 2)
+        array = one_output(as_array(means), "means", 2)
         if array.ndim != 2 or not jnp.issubdtype(array.dtype, jnp.floating):
             raise ValueError(
                 "`means` must be a float array of shape (members, batch), got "
@@ -242,7 +242,7 @@ class EnbPI(eqx.Module):
                     f"`alpha={level}` is too small for the window of {n} residuals: "
                     f"the smallest possible is about 2 / (n + 1) = {2 / (n + 1):.4g}"
                 )
-            low_rank, high_rank = jnp.asarray(low), jnp.asarray(high)
+            low_rank, high_rank = as_array(low), as_array(high)
         else:
             if optimize_beta:
                 raise TypeError(
@@ -296,7 +296,7 @@ class EnbPI(eqx.Module):
         **Example:** see [`EnbPI`][eqx_ensemble.conformal.EnbPI].
         """
         centre = self.predict(means)
-        target_array = one_output(jnp.asarray(targets), "targets", 1)
+        target_array = one_output(as_array(targets), "targets", 1)
         if target_array.shape != centre.shape:
             raise ValueError(
                 f"`targets` must have shape {tuple(centre.shape)} (one per column of "
@@ -373,7 +373,7 @@ def enbpi(
             f"{2 / (n_kept + 1):.4g}"
         )
     return EnbPI(
-        weights=jnp.asarray(bag.weights.mean(axis=0), jnp.float32),
+        weights=as_array(bag.weights.mean(axis=0), jnp.float32),
         residuals=jnp.asarray(bag.targets - bag.predictions, jnp.float32),
         alpha=alpha,
         members=int(bag.weights.shape[1]),
