@@ -92,7 +92,7 @@ from collections.abc import Sequence  # noqa: E402
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -300,20 +300,45 @@ def getkey():
     return _getkey
 
 
-def tree_allclose(a, b, *, rtol=1e-5, atol=1e-6) -> bool:
-    """`eqx.tree_equal` with float32 tolerances, as a plain bool."""
-    return bool(eqx.tree_equal(a, b, rtol=rtol, atol=atol))
+def _on_host(tree):
+    """`tree` with its JAX arrays copied to NumPy (PRNG keys as their data).
+    Compared there, a check compiles nothing: eagerly, `jnp` compiles a
+    program per operation, shape and dtype (~20 ms each on these CPUs), and
+    the suite's comparisons made about a thousand of them (round 4, session
+    25)."""
+
+    def host(leaf):
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(leaf)
+
+    return jax.tree.map(host, tree)
+
+
+def tree_equal(*trees, rtol=0.0, atol=0.0) -> bool:
+    """`eqx.tree_equal` (structure, shapes, dtypes and values; exact unless
+    given tolerances) as a plain bool, compared on the host."""
+    return bool(eqx.tree_equal(*map(_on_host, trees), rtol=rtol, atol=atol))
 
 
 def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
-    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
-    flat_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
+    """Equal structures and `allclose` array leaves (NumPy's rule, in the
+    arrays' dtype), compared on the host; the first leaf that differs named."""
+    flat_a, tree_a = jax.tree_util.tree_flatten_with_path(_on_host(a))
+    flat_b, tree_b = jax.tree_util.tree_flatten_with_path(_on_host(b))
     assert tree_a == tree_b, f"structures differ:\n{tree_a}\n{tree_b}"
     for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
         if eqx.is_array(x):
-            assert jnp.allclose(x, y, rtol=rtol, atol=atol), (
+            close = (
+                np.array_equal(x, y)
+                if x.dtype == bool
+                else np.allclose(x, y, rtol=rtol, atol=atol)
+            )
+            assert close, (
                 f"leaf {jax.tree_util.keystr(path)} differs: max abs diff "
-                f"{float(jnp.max(jnp.abs(x - y)))}"
+                f"{np.max(np.abs(np.asarray(x, float) - np.asarray(y, float)))}"
             )
         else:
             assert x == y, f"leaf {jax.tree_util.keystr(path)}: {x!r} != {y!r}"

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, tree_equal
 
 import eqx_ensemble as ee
 
@@ -61,7 +61,7 @@ def test_a_step_per_feature_is_fgsm_with_that_step(setup):
     before = ee.fit(ens, wrapped, opt, batch, **common).ensemble
     again = ee.adversarial(loss_fn, epsilon=2 * epsilon)
     after = ee.fit(ens, again, opt, batch, **common).ensemble
-    assert not eqx.tree_equal(before, after)
+    assert not tree_equal(before, after)
     with pytest.raises(ValueError, match="finite and non-negative"):
         ee.adversarial(loss_fn, epsilon=jnp.array([0.1, -0.1]))
     with pytest.raises(TypeError, match="epsilon"):  # integer steps

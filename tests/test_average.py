@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tree_equal
 
 import eqx_ensemble as ee
 
@@ -95,13 +96,13 @@ def test_average_weighted(ens):
         )
     # A one-hot weight gives that member back.
     picked = ee.average(ens, jnp.eye(5)[3])
-    assert bool(eqx.tree_equal(picked, ens[3], rtol=1e-6, atol=1e-7))
+    assert bool(tree_equal(picked, ens[3], rtol=1e-6, atol=1e-7))
 
 
 def test_average_traced_weights(ens):
     weights = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0])
     soup = eqx.filter_jit(ee.average)(ens, weights)
-    assert bool(eqx.tree_equal(soup, ee.average(ens, weights), rtol=1e-6, atol=1e-7))
+    assert bool(tree_equal(soup, ee.average(ens, weights), rtol=1e-6, atol=1e-7))
 
 
 def test_average_integer_leaves():
@@ -138,7 +139,7 @@ def test_weights_as_lists_and_integers(ens):
     expected = ee.average(ens, jnp.asarray(counts, dtype=jnp.float32))
     for weights in (counts, [float(c) for c in counts], jnp.asarray(counts)):
         got = ee.average(ens, weights)
-        assert bool(eqx.tree_equal(got, expected, rtol=1e-6, atol=1e-7))
+        assert bool(tree_equal(got, expected, rtol=1e-6, atol=1e-7))
     a, b = {"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 5.0])}
     for weights in ([2, -1], jnp.array([2, -1]), [2.0, -1.0]):
         np.testing.assert_allclose(

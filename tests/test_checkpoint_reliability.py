@@ -19,11 +19,11 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tree_equal
 
 import eqx_ensemble as ee
 from eqx_ensemble._checkpoints import file as _checkpoint_file
@@ -310,7 +310,7 @@ def test_a_writer_whose_fresh_file_was_taken_starts_over(tmp_path, monkeypatch):
     ee.save(tmp_path / "a.ckpt", _tree())
     assert calls  # the race happened
     assert os.listdir(tmp_path) == ["a.ckpt"]
-    assert eqx.tree_equal(ee.load(tmp_path / "a.ckpt", _tree())["w"], _tree()["w"])
+    assert tree_equal(ee.load(tmp_path / "a.ckpt", _tree())["w"], _tree()["w"])
 
 
 def test_what_is_not_an_abandoned_temporary_is_left_alone(tmp_path):

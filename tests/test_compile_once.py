@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import tree_equal
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution.intern import canonical, structural_key
@@ -293,7 +294,7 @@ def test_building_an_ensemble_is_one_program_and_a_rebuild_none():
     ens = build(13)
     alone = [eqx.nn.MLP(5, 3, 13, 2, key=k) for k in jax.random.split(key, 4)]
     for i, member in enumerate(alone):
-        assert eqx.tree_equal(ens[i], member), i
+        assert tree_equal(ens[i], member), i
 
 
 def test_rebuilding_an_ensemble_with_a_shared_part_compiles_nothing():
@@ -400,7 +401,7 @@ def test_a_make_that_reads_an_array_value_is_built_op_by_op():
     ens = ee.ensemble(make, size=3, key=key)
     assert ens.members.weight.shape == (3, 4, 3)
     for i, member_key in enumerate(jax.random.split(key, 3)):
-        assert eqx.tree_equal(ens[i], make(member_key)), i
+        assert tree_equal(ens[i], make(member_key)), i
 
 
 def test_predict_and_a_metric_compile_one_program_per_shape():
@@ -456,7 +457,7 @@ def test_host_data_reaches_the_device_without_a_program(tmp_path):
     path = ee.save(tmp_path / "run.eqx", (ens, state))
     loaded = []
     assert compilations(lambda: loaded.append(ee.load(path, (ens, state)))) == 0
-    assert eqx.tree_equal(loaded[0], (ens, state))
+    assert tree_equal(loaded[0], (ens, state))
     # A metric's first call on NumPy data compiles what it does on JAX arrays
     # of another new shape: its checks and its computation, nothing per input.
     rng = np.random.default_rng(0)

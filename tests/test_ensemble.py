@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, tree_equal
 
 import eqx_ensemble as ee
 from eqx_ensemble._internal.keys import check_key, split_member_keys
@@ -15,7 +15,7 @@ SIZE = 6
 
 
 def _equal(a, b) -> bool:
-    return bool(eqx.tree_equal(a, b))
+    return bool(tree_equal(a, b))
 
 
 @pytest.fixture

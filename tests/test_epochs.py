@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import tree_equal
 
 import eqx_ensemble as ee
 from eqx_ensemble._checkpoints.io import load_manifest
@@ -149,7 +150,7 @@ def _fit(data, steps, checkpoints=None, sampling=ee.Shared()):
 
 
 def _same_run(a, b):
-    assert bool(eqx.tree_equal(a.ensemble, b.ensemble))
+    assert bool(tree_equal(a.ensemble, b.ensemble))
     np.testing.assert_array_equal(a.history.losses, b.history.losses)
 
 

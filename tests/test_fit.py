@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_tree_allclose, repeat
+from conftest import assert_tree_allclose, repeat, tree_equal
 
 import eqx_ensemble as ee
 
@@ -336,7 +336,7 @@ def test_clipping_is_per_member(mlp_ens):
         assert_tree_allclose(result.ensemble[i], solo, rtol=1e-5, atol=1e-5)
     # ...and the quiet members are exactly the ones of a run without the loud one.
     quiet = fit(mlp_ens, mse_loss, CLIP_SGD)
-    assert eqx.tree_equal(result.ensemble[1:], quiet.ensemble[1:])
+    assert tree_equal(result.ensemble[1:], quiet.ensemble[1:])
 
 
 # --------------------------------------------------------------------------------
@@ -362,9 +362,9 @@ def test_per_member_learning_rates():
     for i, learning_rate in enumerate(learning_rates):
         if learning_rate == 0.0:
             # Bit for bit: a zero learning rate leaves the weights untouched.
-            assert eqx.tree_equal(result.ensemble[i], ens[i])
+            assert tree_equal(result.ensemble[i], ens[i])
             continue
-        assert not eqx.tree_equal(result.ensemble[i], ens[i])
+        assert not tree_equal(result.ensemble[i], ens[i])
         solo, _, _, _ = solo_fit(
             ens[i], mse_loss, optax.adam(learning_rate), member=i, size=4
         )
@@ -408,8 +408,8 @@ def test_diverging_member_is_reported_and_isolated(mlp_ens):
     # each member's computation is its own slice of the vmapped program, and the
     # NaN/inf of member 1 is only ever combined with others through `jnp.where`.
     for i in (0, 2):
-        assert eqx.tree_equal(result.ensemble[i], tame.ensemble[i])
-        assert eqx.tree_equal(
+        assert tree_equal(result.ensemble[i], tame.ensemble[i])
+        assert tree_equal(
             jax.tree.map(lambda x: x[i], result.opt_state),
             jax.tree.map(lambda x: x[i], tame.opt_state),
         )
@@ -441,8 +441,8 @@ def test_steps_per_dispatch_does_not_change_the_result(mlp_ens):
     for other in results[1:]:
         # Bit for bit: the scanned body is the same compiled computation whatever
         # the scan length, so nothing is reassociated.
-        assert eqx.tree_equal(other.ensemble, results[0].ensemble)
-        assert eqx.tree_equal(other.opt_state, results[0].opt_state)
+        assert tree_equal(other.ensemble, results[0].ensemble)
+        assert tree_equal(other.opt_state, results[0].opt_state)
         np.testing.assert_array_equal(other.history.losses, results[0].history.losses)
 
 
@@ -472,8 +472,8 @@ def test_a_run_split_into_more_dispatches_draws_the_same_batches_and_keys(
     # Bit for bit: every unrolled step is a call of the same one-step program.
     # Batches or member keys from other keys would differ at the first step of
     # the second dispatch.
-    assert eqx.tree_equal(one.ensemble, two.ensemble)
-    assert eqx.tree_equal(one.opt_state, two.opt_state)
+    assert tree_equal(one.ensemble, two.ensemble)
+    assert tree_equal(one.opt_state, two.opt_state)
     for name in ("losses", "eval_scores", "eval_steps"):
         np.testing.assert_array_equal(
             getattr(one.history, name), getattr(two.history, name)
@@ -527,7 +527,7 @@ def test_evaluation_and_best_members(mlp_ens):
         best_row = int(np.argmin(result.history.eval_scores[:, i]))
         best_step = eval_steps[best_row]
         assert result.best_step[i] == best_step
-        assert eqx.tree_equal(result.best_ensemble[i], at_step[best_step].ensemble[i])
+        assert tree_equal(result.best_ensemble[i], at_step[best_step].ensemble[i])
     assert len(set(result.best_step.tolist())) > 1
 
 
@@ -593,7 +593,7 @@ def test_numpy_data_and_aux_outputs(mlp_ens):
         steps=10,
         execution=ee.Execution(steps_per_dispatch=5),
     )
-    assert eqx.tree_equal(as_numpy.ensemble, reference.ensemble)
+    assert tree_equal(as_numpy.ensemble, reference.ensemble)
 
 
 def test_callback_sees_each_dispatch_and_results_stay_valid(mlp_ens):
@@ -612,11 +612,11 @@ def test_callback_sees_each_dispatch_and_results_stay_valid(mlp_ens):
     for r in seen:
         jax.block_until_ready(jax.tree.leaves(eqx.filter(r.ensemble, eqx.is_array)))
         assert r.history.losses.shape == (r.step, SIZE)
-    assert eqx.tree_equal(seen[-1].ensemble, result.ensemble)
+    assert tree_equal(seen[-1].ensemble, result.ensemble)
     direct = fit(
         mlp_ens, mse_loss, ADAM, steps=10, execution=ee.Execution(steps_per_dispatch=5)
     )
-    assert eqx.tree_equal(seen[1].ensemble, direct.ensemble)
+    assert tree_equal(seen[1].ensemble, direct.ensemble)
 
 
 def test_inputs_are_not_consumed(mlp_ens):

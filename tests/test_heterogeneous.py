@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import repeat
+from conftest import repeat, tree_equal
 
 import eqx_ensemble as ee
 
@@ -792,7 +792,7 @@ def test_unstack_distillation_and_laplace_take_a_heterogeneous(het):
     models = ee.unstack(het)
     assert len(models) == len(het)
     for i, model in enumerate(models):
-        assert eqx.tree_equal(model, het[i])
+        assert tree_equal(model, het[i])
     # Distillation: the teacher's mean prediction over all groups' members,
     # written by hand from the members one by one.
     classes = lambda w: lambda k: eqx.nn.MLP(2, 3, w, 1, key=k)  # noqa: E731

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import alternating
+from conftest import alternating, tree_equal
 from jax.flatten_util import ravel_pytree
 from scipy.optimize import minimize_scalar
 from scipy.stats import multivariate_normal
@@ -352,7 +352,7 @@ def test_shared_part_head_is_approximated_and_backbone_refused():
     draws = posterior.sample(jax.random.key(2), samples=3)
     assert ee.predict(draws, x).shape == (6, 12, 3)
     # Every draw keeps the shared backbone; member 0's draws are around its head.
-    assert eqx.tree_equal(draws.shared, ens.shared)
+    assert tree_equal(draws.shared, ens.shared)
     # The shared backbone has no per-member posterior: refused before any work.
     with pytest.raises(ValueError, match="shared part"):
         ee.laplace(

@@ -15,7 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ON_CPU, alternating, assert_tree_allclose, needs_devices, repeat
+from conftest import (
+    ON_CPU,
+    alternating,
+    assert_tree_allclose,
+    needs_devices,
+    repeat,
+    tree_equal,
+)
 from test_fit import BatchNormMLP, batchnorm_loss
 
 import eqx_ensemble as ee
@@ -200,7 +207,7 @@ def test_stream_resume_with_factory_equals_uninterrupted(ens, tmp_path):
     run = ee.Checkpoints(tmp_path, every=4)
     ee.fit(ens, mse_loss, ADAM, factory, steps=8, checkpoints=run, **common)
     resumed = ee.fit(ens, mse_loss, ADAM, factory, steps=20, checkpoints=run, **common)
-    assert eqx.tree_equal(resumed.ensemble, reference.ensemble)
+    assert tree_equal(resumed.ensemble, reference.ensemble)
     np.testing.assert_array_equal(resumed.history.losses, reference.history.losses)
     with pytest.raises(ValueError, match="Resuming at step 20 from a stream"):
         ee.fit(ens, mse_loss, ADAM, iter(batches), steps=24, checkpoints=run, **common)
@@ -470,14 +477,14 @@ def test_resume_with_tracker_and_evaluation_is_bit_exact(ens, tmp_path):
     run = ee.Checkpoints(tmp_path, every=5)
     ee.fit(ens, mse_loss, ADAM, (X, Y), steps=10, checkpoints=run, **common)
     resumed = ee.fit(ens, mse_loss, ADAM, (X, Y), steps=14, checkpoints=run, **common)
-    assert eqx.tree_equal(resumed.train_state, reference.train_state)
-    assert eqx.tree_equal(resumed.tracked[0], reference.tracked[0])
+    assert tree_equal(resumed.train_state, reference.train_state)
+    assert tree_equal(resumed.tracked[0], reference.tracked[0])
     np.testing.assert_array_equal(
         resumed.history.eval_scores, reference.history.eval_scores
     )
     latest = run.latest(ens, ADAM, evaluate=common["evaluate"], track=common["track"])
     assert latest is not None and latest.step == 14
-    assert eqx.tree_equal(latest.ensemble, reference.ensemble)
+    assert tree_equal(latest.ensemble, reference.ensemble)
     assert isinstance(latest.sampling, ee.Bootstrap)
 
 
@@ -745,7 +752,7 @@ def test_corrupt_newest_checkpoint_falls_back_when_asked(ens, tmp_path):
             checkpoints=ee.Checkpoints(tmp_path, every=4, on_corrupt="previous"),
             **common,
         )
-    assert eqx.tree_equal(resumed.ensemble, reference.ensemble)
+    assert tree_equal(resumed.ensemble, reference.ensemble)
 
 
 def test_checkpoint_renamed_to_another_step_is_noticed(ens, tmp_path):
@@ -875,7 +882,7 @@ def test_hyper_members_equal_solo_training(ens, sampling):
         )
         assert_tree_allclose(result.ensemble[i], solo, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(result.history.losses[:, i], losses, rtol=1e-5)
-    assert eqx.tree_equal(result.train_state.hyper, {"decay": decays})
+    assert tree_equal(result.train_state.hyper, {"decay": decays})
 
 
 def test_new_hyper_values_do_not_recompile(ens):
@@ -1063,8 +1070,8 @@ def test_unrolled_run_is_one_program_of_one_step_for_any_length(monkeypatch):
     in_pairs = run(9, steps_per_dispatch=2)  # fewer rows drawn: one more trace
     assert len(draws) == 5 + 5
     for other in (stopped[0], in_pairs):
-        assert eqx.tree_equal(other.ensemble, whole.ensemble)
-        assert eqx.tree_equal(other.opt_state, whole.opt_state)
+        assert tree_equal(other.ensemble, whole.ensemble)
+        assert tree_equal(other.opt_state, whole.opt_state)
         np.testing.assert_array_equal(other.history.losses, whole.history.losses)
     np.testing.assert_array_equal(short[0].history.losses, whole.history.losses[:5])
 
@@ -1173,8 +1180,8 @@ def test_latest_reads_back_a_run_with_hyper(ens, tmp_path):
     )
     latest = run.latest(ens, ADAM, hyper=hyper)
     assert latest is not None and latest.step == 3
-    assert eqx.tree_equal(latest.ensemble, result.ensemble)
-    assert eqx.tree_equal(latest.train_state.hyper, hyper)
+    assert tree_equal(latest.ensemble, result.ensemble)
+    assert tree_equal(latest.train_state.hyper, hyper)
 
 
 @pytest.mark.parametrize("sampling", ["shared", "bootstrap"])

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tree_equal
 
 import eqx_ensemble as ee
 
@@ -56,8 +57,8 @@ def test_the_weights_are_held_once():
     stacked = [leaf for leaf in jax.tree.leaves(passes.members) if eqx.is_array(leaf)]
     assert len(stacked) == 1 and stacked[0].shape == (50,)  # the keys only
     shared = eqx.filter(passes.shared, eqx.is_inexact_array)
-    assert eqx.tree_equal(shared.model.first, model.first)
-    assert eqx.tree_equal(shared.model.head, model.head)
+    assert tree_equal(shared.model.first, model.first)
+    assert tree_equal(shared.model.head, model.head)
 
 
 def test_the_passes_mean_is_the_deterministic_model_where_it_is_linear():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import tree_equal
 
 import eqx_ensemble as ee
 
@@ -91,7 +92,7 @@ def test_resume_with_pbt_is_bit_exact(ens, tmp_path):
     run = ee.Checkpoints(tmp_path, every=4)
     ee.fit(ens, loss, OPT, DATA, **{**settings, "steps": 9, "checkpoints": run})
     resumed = ee.fit(ens, loss, OPT, DATA, **{**settings, "checkpoints": run})
-    assert eqx.tree_equal(resumed.train_state, reference.train_state)
+    assert tree_equal(resumed.train_state, reference.train_state)
     for a, b in zip(pbt.lineage(resumed), pbt.lineage(reference)):
         np.testing.assert_array_equal(a, b)
     assert len(pbt.lineage(reference)[0]) == 4 * 2

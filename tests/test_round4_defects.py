@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import tree_equal
 
 import eqx_ensemble as ee
 
@@ -287,7 +288,7 @@ def test_every_step_number_counts_from_one(tmp_path):
     ) if t > 1 else None  # fmt: skip
     if before is not None:
         assert before.diverged == {}
-        assert eqx.tree_equal(result.ensemble[1], before.ensemble[1])
+        assert tree_equal(result.ensemble[1], before.ensemble[1])
     np.testing.assert_array_equal(result.history.eval_steps, [5, 10, 15, 20])
     assert [step for step, _ in ee.list_checkpoints(tmp_path / "ckpt")] == [10, 20]
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, tree_equal
 
 import eqx_ensemble as ee
 
@@ -57,12 +57,12 @@ def test_shared_part_is_held_once_and_members_are_plain_models(getkey):
     assert ens.members.layers[1].weight.shape == (SIZE, 8, 8)
     for i, model in enumerate(plain_members(ens)):
         assert isinstance(ens[i], eqx.nn.MLP)
-        assert eqx.tree_equal(ens[i], model)
+        assert tree_equal(ens[i], model)
     # The shared part is member 0's: the model `make` builds with member 0's key.
     key = jax.random.key(7)
     ens = ee.ensemble(make, size=SIZE, key=key, shared=backbone)
     alone = make(jax.random.split(key, SIZE)[0])
-    assert eqx.tree_equal(ens.shared.layers[0], alone.layers[0])
+    assert tree_equal(ens.shared.layers[0], alone.layers[0])
     # The stacked parts are those of a plain ensemble made with the same key.
     plain = ee.ensemble(make, size=SIZE, key=key)
     assert_tree_allclose(ens.members.layers[1:], plain.members.layers[1:])
@@ -79,7 +79,7 @@ def test_forward_map_predict_and_average_equal_rebuilt_members(getkey, data):
     )
     assert_tree_allclose(ens(x[0]), expected[:, 0])
     soup = ee.average(ens)
-    assert eqx.tree_equal(soup.layers[0], ens.shared.layers[0])
+    assert tree_equal(soup.layers[0], ens.shared.layers[0])
     mean = jax.tree.map(
         lambda *ws: (
             (functools.reduce(jnp.add, ws) / SIZE) if eqx.is_array(ws[0]) else ws[0]
@@ -93,22 +93,22 @@ def test_slicing_unstack_stack_concatenate_round_trip(getkey):
     ens = ee.ensemble(make, size=SIZE, key=getkey(), shared=backbone)
     sub = ens[1:3]
     assert len(sub) == 2 and sub.shared is ens.shared
-    assert eqx.tree_equal(sub[0], ens[1])
+    assert tree_equal(sub[0], ens[1])
     picked = ens[jnp.array([3, 0])]
-    assert eqx.tree_equal(picked[0], ens[3]) and eqx.tree_equal(picked[1], ens[0])
+    assert tree_equal(picked[0], ens[3]) and tree_equal(picked[1], ens[0])
     models = ee.unstack(ens)
-    assert all(eqx.tree_equal(m, e) for m, e in zip(models, plain_members(ens)))
+    assert all(tree_equal(m, e) for m, e in zip(models, plain_members(ens)))
     again = ee.stack(models, shared=backbone)
-    assert eqx.tree_equal(again, ens)
+    assert tree_equal(again, ens)
     joined = ee.concatenate([ens, ens[:2]])
-    assert len(joined) == SIZE + 2 and eqx.tree_equal(joined[SIZE + 1], ens[1])
+    assert len(joined) == SIZE + 2 and tree_equal(joined[SIZE + 1], ens[1])
 
 
 def test_save_load_round_trip(tmp_path, getkey):
     ens = ee.ensemble(make, size=SIZE, key=getkey(), shared=backbone, train_shared=True)
     ee.save(tmp_path / "ens.eqx", ens)
     back = ee.load(tmp_path / "ens.eqx", like=ens)
-    assert eqx.tree_equal(back, ens)
+    assert tree_equal(back, ens)
     assert back.train_shared
 
 
@@ -122,13 +122,13 @@ def test_frozen_shared_part_has_no_gradient_no_state_and_members_train_alone(
     expected_state = eqx.filter_vmap(opt.init)(
         eqx.filter(ens.members, eqx.is_inexact_array)
     )
-    assert eqx.tree_equal(opt_state, expected_state)
+    assert tree_equal(opt_state, expected_state)
     assert opt_state[0].mu.layers[0].weight is None
     step = ee.make_step(loss_fn, opt)
     ens1, state1 = ens, opt_state
     for i in range(3):
         ens1, state1, *_ = step(ens1, state1, data, jax.random.key(i))
-    assert eqx.tree_equal(ens1.shared, ens.shared)
+    assert tree_equal(ens1.shared, ens.shared)
     # Member i alone, by hand: optax on its stacked part, the backbone closed over.
     with jax.numpy_dtype_promotion("standard"):
         hand = [train_alone(ens, opt, data, i) for i in range(SIZE)]
@@ -220,7 +220,7 @@ def test_fit_equals_make_step_loop(getkey, data, train_shared, sampling):
     )
     assert result.ensemble.train_shared == train_shared
     if not train_shared:
-        assert eqx.tree_equal(result.ensemble.shared, ens.shared)
+        assert tree_equal(result.ensemble.shared, ens.shared)
     if sampling == "shared":
         step = ee.make_step(loss_fn, opt)
         got, state = ens, ee.init_optimizer(opt, ens)
@@ -270,7 +270,7 @@ def test_stateful_members_with_a_shared_part(getkey):
         state=state,
         callbacks=(),
     )
-    assert eqx.tree_equal(result.ensemble.shared, ens.shared)
+    assert tree_equal(result.ensemble.shared, ens.shared)
     # Member 1 by hand, with its own state slice.
     member_state = jax.tree.map(lambda s: s[1], state)
     opt = optax.sgd(0.1)
@@ -307,7 +307,7 @@ def test_a_diverging_member_does_not_poison_the_trained_shared_part(getkey, data
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
     # The diverged member keeps its last finite weights; the shared part and the
     # other members went on training (their losses fell).
-    assert not eqx.tree_equal(result.ensemble.shared, ens.shared)
+    assert not tree_equal(result.ensemble.shared, ens.shared)
     losses = result.history.losses
     for member in (0, 1, 3):
         assert losses[-1, member] < losses[0, member]
@@ -328,7 +328,7 @@ def test_trackers_and_evaluation_keep_the_shared_part(getkey, data):
         callbacks=(),
     )
     ema = result.tracked[0]
-    assert eqx.tree_equal(ema.shared, result.ensemble.shared)
+    assert tree_equal(ema.shared, result.ensemble.shared)
     assert result.best_ensemble is not None
     assert np.isfinite(result.history.eval_scores).all()
 
@@ -386,7 +386,7 @@ def test_filter_specification_selects_the_same_leaves(getkey):
         backbone, spec, replace_fn=lambda n: jax.tree.map(lambda _: True, n)
     )
     by_spec = ee.ensemble(make, size=3, key=key, shared=spec)
-    assert eqx.tree_equal(by_function, by_spec)
+    assert tree_equal(by_function, by_spec)
 
 
 # --- Efficient-ensemble layers (ee.nn) ------------------------------------------
@@ -514,7 +514,7 @@ def test_lora_adapter_ensemble_over_a_frozen_base(getkey, data):
         shared=ee.nn.lora_base,
     )
     assert ens.shared.layers[1].base.weight.shape == (16, 16)
-    assert eqx.tree_equal(ens.shared.layers[1].base, base.layers[1])
+    assert tree_equal(ens.shared.layers[1].base, base.layers[1])
     assert ens.members.layers[1].a.shape == (SIZE, 2, 16)
     assert ens.members.layers[1].base.weight is None
     x, _ = data
@@ -532,7 +532,7 @@ def test_lora_adapter_ensemble_over_a_frozen_base(getkey, data):
         key=getkey(),
         callbacks=(),
     )
-    assert eqx.tree_equal(result.ensemble.shared, ens.shared)  # the base is frozen
+    assert tree_equal(result.ensemble.shared, ens.shared)  # the base is frozen
     moved = result.ensemble.members.layers[1].b
     assert bool(jnp.all(jnp.abs(moved).sum(axis=(1, 2)) > 0))  # every adapter trained
     only_adapters = ee.nn.lora(

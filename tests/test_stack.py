@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, tree_equal
 from hypothesis import given, settings
 
 import eqx_ensemble as ee
@@ -16,7 +16,7 @@ ROUND_TRIP = settings(max_examples=15, deadline=None)
 
 
 def _equal(a, b) -> bool:
-    return bool(eqx.tree_equal(a, b))
+    return bool(tree_equal(a, b))
 
 
 # --------------------------------------------------------------------------------

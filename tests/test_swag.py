@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import tree_equal
 
 import eqx_ensemble as ee
 
@@ -134,7 +135,7 @@ def test_swag_in_fit_is_per_member_and_resumes_exactly(ens, getkey, tmp_path):
     resumed = ee.fit(
         ens, loss_fn, optax.sgd(0.1), (X, Y), steps=12, checkpoints=run, **common
     )
-    assert eqx.tree_equal(resumed.tracked[0], whole.tracked[0])
+    assert tree_equal(resumed.tracked[0], whole.tracked[0])
 
 
 def test_snapshots_hold_the_weights_at_the_chosen_steps(ens):
@@ -165,7 +166,7 @@ def test_snapshots_hold_the_weights_at_the_chosen_steps(ens):
     for member in range(3):
         for k in range(3):
             got = snapshots[member * 3 + k]
-            assert eqx.tree_equal(got, kept[k][member], rtol=1e-4, atol=1e-6)
+            assert tree_equal(got, kept[k][member], rtol=1e-4, atol=1e-6)
 
 
 def test_schedules_are_the_papers_formulas():

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tree_equal
 from scipy import stats
 
 import eqx_ensemble as ee
@@ -37,7 +38,7 @@ def test_uniform_choice_and_sample():
     assert not np.allclose(settings["lr"], settings["wd"])  # independent keys
     np.testing.assert_allclose(settings["momentum"], 0.9)
     again = ee.sweep.sample(jax.random.key(3), space, size=16)
-    assert eqx.tree_equal(settings, again)
+    assert tree_equal(settings, again)
 
 
 def test_sampler_errors():
@@ -120,7 +121,7 @@ def test_greedy_soup_is_the_papers_loop(getkey):
             kept, best = trial, value
     assert chosen.tolist() == kept
     assert 3 not in kept  # the far-off member spoils the soup
-    assert eqx.tree_equal(soup, ee.average(ens[np.asarray(kept)]))
+    assert tree_equal(soup, ee.average(ens[np.asarray(kept)]))
 
 
 def test_selection_errors():
