@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Real
 
+from ._execution.compile import one_shot_jit
 from ._internal.checks import check_positive_int, normalised_weights
-from ._internal.tree import is_traced
+from ._internal.tree import as_array, is_traced
 
 __all__ = [
     "mean_probs",
@@ -33,7 +34,7 @@ __all__ = [
 def _check_floating(x: Array, name: str) -> Array:
     """`x` as an array of floats, or a clear error (integer predictions would be
     averaged with integer weights: zeros)."""
-    x = jnp.asarray(x)
+    x = as_array(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
             f"`{name}` must hold floating-point values, got dtype {x.dtype}; convert "
@@ -130,12 +131,15 @@ def log_mean_probs_from_logits(
     logits = _check_floating(logits, "logits")
     _check_no_nan_or_inf(logits, "logits", allow_negative_inf=True)
     members = logits.shape[0]
-    log_w = jnp.log(
-        normalised_weights(weights, members, logits.dtype, "predictions have")
-    )
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    log_w = log_w.reshape((members,) + (1,) * (logits.ndim - 1))
-    return jax.nn.logsumexp(log_probs + log_w, axis=0)
+    w = normalised_weights(weights, members, logits.dtype, "predictions have")
+    return _log_mean_probs(logits, w)
+
+
+@one_shot_jit
+def _log_mean_probs(logits: Array, w: Array) -> Array:
+    # One program per shape (op by op, a first call compiled ten).
+    log_w = jnp.log(w).reshape((logits.shape[0],) + (1,) * (logits.ndim - 1))
+    return jax.nn.logsumexp(jax.nn.log_softmax(logits, axis=-1) + log_w, axis=0)
 
 
 def mean_logits(
@@ -246,6 +250,12 @@ def gaussian_mixture(
         raise ValueError(
             f"`variances` must be non-negative, found {float(np.min(variances))}"
         )
-    mean = _weighted_mean(means, weights)
-    spread = _weighted_mean(jnp.square(means - mean[None]), weights)
-    return mean, _weighted_mean(variances, weights) + spread
+    w = normalised_weights(weights, means.shape[0], means.dtype, "predictions have")
+    return _mixture(means, variances, w)
+
+
+@one_shot_jit
+def _mixture(means: Array, variances: Array, w: Array) -> tuple[Array, Array]:
+    mean = jnp.tensordot(w, means, axes=1)
+    spread = jnp.tensordot(w, jnp.square(means - mean[None]), axes=1)
+    return mean, jnp.tensordot(w, variances, axes=1) + spread

@@ -478,6 +478,37 @@ def test_host_data_reaches_the_device_without_a_program(tmp_path):
     np.testing.assert_allclose(value[0], expected, rtol=1e-5)
 
 
+def test_combining_and_in_bag_counts_are_one_program_each():
+    # Op by op, a first call of `log_mean_probs_from_logits` compiled ten
+    # programs per shape, `gaussian_mixture` five, `Bootstrap.in_bag` sixteen.
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(5, 29, 3)).astype(np.float32) * 3)
+    out = []
+    combined = lambda: out.append(ee.combine.log_mean_probs_from_logits(logits))
+    assert compilations(combined) == 1
+    host = np.asarray(logits, np.float64)
+    probs = np.exp(host - host.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out[0], np.log(probs.mean(0)), rtol=1e-5, atol=1e-6)
+
+    means, variances = logits[..., 0], jnp.abs(logits[..., 1])
+    mixed = lambda: out.append(ee.combine.gaussian_mixture(means, variances))
+    assert compilations(mixed) == 1
+    m, v = np.asarray(means, np.float64), np.asarray(variances, np.float64)
+    np.testing.assert_allclose(out[1][0], m.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[1][1], v.mean(0) + m.var(0), rtol=1e-5, atol=1e-6)
+
+    key, bootstrap = jax.random.key(7), ee.Bootstrap()
+    bootstrap.in_bag(key, size=4, num_examples=40)  # the run's keys: compiled
+    counted = lambda: out.append(bootstrap.in_bag(key, size=4, num_examples=41))
+    assert compilations(counted) == 1
+    from eqx_ensemble._internal.keys import run_keys
+
+    resamples = np.asarray(bootstrap.prepare(run_keys(key).bootstrap, 4, 41))
+    by_hand = np.stack([np.bincount(row, minlength=41) for row in resamples])
+    np.testing.assert_array_equal(out[2], by_hand)
+
+
 def test_a_metric_in_a_callers_jit_checks_the_arrays_it_closes_over():
     # Labels, probabilities and variances closed over by the caller's trace
     # are concrete: their checks read them there (before: a

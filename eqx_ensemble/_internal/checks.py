@@ -126,7 +126,7 @@ def normalised_weights(weights: Any, size: int, dtype: Any, holder: str) -> jax.
     not overflow (2**31 - 1 twice summed to -2 in int32), float16 ones must not
     round to infinity (60000 + 60000)."""
     if weights is None:
-        return jnp.full((size,), 1.0 / size, dtype=dtype)
+        return as_array(np.full((size,), 1.0 / size, dtype=dtype))
     array = real_array(weights, "weights")
     if array.ndim != 1 or array.shape[0] != size:
         raise ValueError(

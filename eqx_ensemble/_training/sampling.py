@@ -28,6 +28,7 @@ from .._core.data import (
     epoch_indices,
     permutation,
 )
+from .._execution.compile import one_shot_jit
 from .._internal.component import Component
 from .._internal.keys import run_keys
 
@@ -361,8 +362,14 @@ class Bootstrap(Sampling):
         ```
         """
         bootstrap_key = run_keys(key).bootstrap  # the key `fit` drew from
-        resamples = self.prepare(bootstrap_key, size, num_examples)
-        return jax.vmap(lambda r: jnp.bincount(r, length=num_examples))(resamples)
+        return _in_bag(self, bootstrap_key, size, num_examples)
+
+
+@one_shot_jit(static_argnums=(0, 2, 3))
+def _in_bag(sampling: Bootstrap, key: Array, size: int, num_examples: int) -> Array:
+    # One program (op by op, a first call compiled sixteen).
+    resamples = sampling.prepare(key, size, num_examples)
+    return jax.vmap(lambda r: jnp.bincount(r, length=num_examples))(resamples)
 
 
 _BY_NAME: dict[str, type[Sampling]] = {
