@@ -239,7 +239,7 @@ def is_traced(x: Any) -> bool:
     return isinstance(x, Tracer)
 
 
-def as_array(value: Any, dtype: Any = None) -> Any:
+def as_array(value: Any, dtype: Any = None) -> jax.Array:
     """`jnp.asarray(value, dtype)`, but host data (NumPy arrays and scalars,
     Python numbers) is copied to the device without compiling anything: since
     JAX 0.10 `jnp.asarray` of NumPy data runs a program of its own per shape
