@@ -137,7 +137,7 @@ def log_mean_probs_from_logits(
 
 @one_shot_jit
 def _log_mean_probs(logits: Array, w: Array) -> Array:
-    # One program per shape (op by op, a first call compiled ten).
+    # One program per shape (op by op, a first call compiled twenty).
     log_w = jnp.log(w).reshape((logits.shape[0],) + (1,) * (logits.ndim - 1))
     return jax.nn.logsumexp(jax.nn.log_softmax(logits, axis=-1) + log_w, axis=0)
 

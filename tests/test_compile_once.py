@@ -479,8 +479,8 @@ def test_host_data_reaches_the_device_without_a_program(tmp_path):
 
 
 def test_combining_and_in_bag_counts_are_one_program_each():
-    # Op by op, a first call of `log_mean_probs_from_logits` compiled ten
-    # programs per shape, `gaussian_mixture` five, `Bootstrap.in_bag` sixteen.
+    # Op by op, a first call of `log_mean_probs_from_logits` compiled twenty
+    # programs per shape, `gaussian_mixture` five, `Bootstrap.in_bag` eleven.
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.normal(size=(5, 29, 3)).astype(np.float32) * 3)
     out = []

@@ -367,7 +367,7 @@ class Bootstrap(Sampling):
 
 @one_shot_jit(static_argnums=(0, 2, 3))
 def _in_bag(sampling: Bootstrap, key: Array, size: int, num_examples: int) -> Array:
-    # One program (op by op, a first call compiled sixteen).
+    # One program (op by op, a first call compiled eleven).
     resamples = sampling.prepare(key, size, num_examples)
     return jax.vmap(lambda r: jnp.bincount(r, length=num_examples))(resamples)
 
