@@ -11,6 +11,7 @@ ee.combine.mean_probs(probs)                  # (batch, classes)
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +110,8 @@ def mean_probs_from_logits(
     ee.combine.mean_probs_from_logits(logits)          # all 1/3, shape (8, 3)
     ```
     """
-    return jnp.exp(log_mean_probs_from_logits(logits, weights))
+    logits, w = _logits_and_weights(logits, weights)
+    return _mean_probs(logits, w)
 
 
 def log_mean_probs_from_logits(
@@ -128,18 +130,29 @@ def log_mean_probs_from_logits(
     ee.combine.log_mean_probs_from_logits(logits)      # finite, about [[0, -200.7]]
     ```
     """
-    logits = _check_floating(logits, "logits")
-    _check_no_nan_or_inf(logits, "logits", allow_negative_inf=True)
-    members = logits.shape[0]
-    w = normalised_weights(weights, members, logits.dtype, "predictions have")
+    logits, w = _logits_and_weights(logits, weights)
     return _log_mean_probs(logits, w)
 
 
+def _logits_and_weights(logits: Any, weights: Any) -> tuple[Array, Array]:
+    logits = _check_floating(logits, "logits")
+    _check_no_nan_or_inf(logits, "logits", allow_negative_inf=True)
+    members = logits.shape[0]
+    return logits, normalised_weights(
+        weights, members, logits.dtype, "predictions have"
+    )
+
+
+# One program per shape each (op by op, a first call compiled twenty).
 @one_shot_jit
 def _log_mean_probs(logits: Array, w: Array) -> Array:
-    # One program per shape (op by op, a first call compiled twenty).
     log_w = jnp.log(w).reshape((logits.shape[0],) + (1,) * (logits.ndim - 1))
     return jax.nn.logsumexp(jax.nn.log_softmax(logits, axis=-1) + log_w, axis=0)
+
+
+@one_shot_jit
+def _mean_probs(logits: Array, w: Array) -> Array:
+    return jnp.exp(_log_mean_probs(logits, w))
 
 
 def mean_logits(
@@ -250,12 +263,17 @@ def gaussian_mixture(
         raise ValueError(
             f"`variances` must be non-negative, found {float(np.min(variances))}"
         )
-    w = normalised_weights(weights, means.shape[0], means.dtype, "predictions have")
-    return _mixture(means, variances, w)
+    size = means.shape[0]
+    w = normalised_weights(weights, size, means.dtype, "predictions have")
+    # Each term weighted in its own array's dtype (bf16 means, f32 variances).
+    w_var = normalised_weights(weights, size, variances.dtype, "predictions have")
+    return _mixture(means, variances, w, w_var)
 
 
 @one_shot_jit
-def _mixture(means: Array, variances: Array, w: Array) -> tuple[Array, Array]:
+def _mixture(
+    means: Array, variances: Array, w: Array, w_var: Array
+) -> tuple[Array, Array]:
     mean = jnp.tensordot(w, means, axes=1)
     spread = jnp.tensordot(w, jnp.square(means - mean[None]), axes=1)
-    return mean, jnp.tensordot(w, variances, axes=1) + spread
+    return mean, jnp.tensordot(w_var, variances, axes=1) + spread

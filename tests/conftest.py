@@ -301,18 +301,29 @@ def getkey():
 
 
 def _on_host(tree):
-    """`tree` with its JAX arrays copied to NumPy (PRNG keys as their data).
-    Compared there, a check compiles nothing: eagerly, `jnp` compiles a
-    program per operation, shape and dtype (~20 ms each on these CPUs), and
-    the suite's comparisons made about a thousand of them (round 4, session
-    25)."""
+    """`tree` with its JAX arrays copied to NumPy. Compared there, a check
+    compiles nothing: eagerly, `jnp` compiles a program per operation, shape
+    and dtype (~20 ms each on these CPUs), and the suite's comparisons made
+    about a thousand of them (round 4, session 25).
+
+    A typed PRNG key becomes `("PRNG key", its implementation, its data)` and
+    a float NumPy does not know as inexact (bfloat16, the float8s) becomes
+    `(its dtype's name, the values as float32)` (exact, and compared with
+    tolerances as NumPy's own floats are): neither equals raw key data, a
+    key of another implementation or an array of another dtype."""
 
     def host(leaf):
-        if not isinstance(leaf, jax.Array):
+        if not isinstance(leaf, jax.Array | np.ndarray):
             return leaf
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        return np.asarray(leaf)
+            impl = str(jax.random.key_impl(leaf))
+            return ("PRNG key", impl, np.asarray(jax.random.key_data(leaf)))
+        leaf = np.asarray(leaf)
+        if jax.dtypes.issubdtype(leaf.dtype, np.floating) and not np.issubdtype(
+            leaf.dtype, np.inexact
+        ):
+            return (leaf.dtype.name, leaf.astype(np.float32))
+        return leaf
 
     return jax.tree.map(host, tree)
 
@@ -324,24 +335,32 @@ def tree_equal(*trees, rtol=0.0, atol=0.0) -> bool:
 
 
 def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
-    """Equal structures and `allclose` array leaves (NumPy's rule, in the
-    arrays' dtype), compared on the host; the first leaf that differs named."""
+    """Equal structures, shapes and dtypes (as JAX holds them: a NumPy float64
+    reference is float32 without x64) and `allclose` array leaves (NumPy's
+    rule), compared on the host; the first leaf that differs named."""
     flat_a, tree_a = jax.tree_util.tree_flatten_with_path(_on_host(a))
     flat_b, tree_b = jax.tree_util.tree_flatten_with_path(_on_host(b))
     assert tree_a == tree_b, f"structures differ:\n{tree_a}\n{tree_b}"
     for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
-        if eqx.is_array(x):
+        where = f"leaf {jax.tree_util.keystr(path)}"
+        if eqx.is_array(x) and eqx.is_array(y):
+            dtypes = [jax.dtypes.canonicalize_dtype(v.dtype) for v in (x, y)]
+            assert x.shape == y.shape and dtypes[0] == dtypes[1], (
+                f"{where}: {dtypes[0]}{list(x.shape)} against "
+                f"{dtypes[1]}{list(y.shape)}"
+            )
             close = (
                 np.array_equal(x, y)
                 if x.dtype == bool
                 else np.allclose(x, y, rtol=rtol, atol=atol)
             )
+            wide = np.result_type(x, y, np.float64)
             assert close, (
-                f"leaf {jax.tree_util.keystr(path)} differs: max abs diff "
-                f"{np.max(np.abs(np.asarray(x, float) - np.asarray(y, float)))}"
+                f"{where} differs: max abs diff "
+                f"{np.max(np.abs(np.subtract(x, y, dtype=wide)), initial=0)}"
             )
         else:
-            assert x == y, f"leaf {jax.tree_util.keystr(path)}: {x!r} != {y!r}"
+            assert x == y, f"{where}: {x!r} != {y!r}"
 
 
 # Where a test's time goes: with EE_COMPILE_LOG=FILE, every worker appends one

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import tree_equal
+from conftest import assert_tree_allclose, tree_equal
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution.intern import canonical, structural_key
+from eqx_ensemble._internal.tree import as_array
 
 _COMPILES = [0]
 
@@ -478,6 +479,38 @@ def test_host_data_reaches_the_device_without_a_program(tmp_path):
     np.testing.assert_allclose(value[0], expected, rtol=1e-5)
 
 
+def _aligned(n: int) -> np.ndarray:
+    """Ones in a 64-byte aligned buffer: what `jax.device_put` on a CPU holds
+    without a copy (an aligned array's memory is aliased)."""
+    buffer = np.empty(n + 16, np.float32)
+    start = (-buffer.ctypes.data % 64) // 4
+    out = buffer[start : start + n]
+    out[:] = 1.0
+    return out
+
+
+def test_host_data_is_copied_and_a_transfer_guard_still_sees_it():
+    # `as_array` copies a NumPy array before `jax.device_put`: on a CPU that
+    # aliases an aligned array's memory, and the work queued on it runs after
+    # the call returns, so a caller writing into its buffer changed results
+    # (a review found `gaussian_mixture` and `ee.metrics.nll` wrong in 14/30
+    # and 6/20 tries). Deterministic here: the array itself is read back.
+    host = _aligned(4096)
+    held = as_array(host)
+    host[:] = 5.0
+    np.testing.assert_array_equal(np.asarray(held), np.ones(4096, np.float32))
+    logits = _aligned(4096).reshape(2, 1024, 2)
+    labels = np.zeros(1024, np.int32)
+    value = ee.metrics.nll(logits, labels, from_logits=True)
+    logits[..., 1] = 1000.0
+    np.testing.assert_allclose(float(value), np.log(2.0), rtol=1e-6)
+    # A host-to-device guard sees the library's transfers as the implicit
+    # ones they are (as `jnp.asarray`'s were), not as explicit `device_put`s.
+    with jax.transfer_guard_host_to_device("disallow"):
+        with pytest.raises(Exception, match="host-to-device transfer"):
+            ee.metrics.nll(np.zeros((2, 3, 2), np.float32), labels[:3])
+
+
 def test_combining_and_in_bag_counts_are_one_program_each():
     # Op by op, a first call of `log_mean_probs_from_logits` compiled twenty
     # programs per shape, `gaussian_mixture` five, `Bootstrap.in_bag` eleven.
@@ -489,7 +522,8 @@ def test_combining_and_in_bag_counts_are_one_program_each():
     host = np.asarray(logits, np.float64)
     probs = np.exp(host - host.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    np.testing.assert_allclose(out[0], np.log(probs.mean(0)), rtol=1e-5, atol=1e-6)
+    probs_mean = probs.mean(0)
+    np.testing.assert_allclose(out[0], np.log(probs_mean), rtol=1e-5, atol=1e-6)
 
     means, variances = logits[..., 0], jnp.abs(logits[..., 1])
     mixed = lambda: out.append(ee.combine.gaussian_mixture(means, variances))
@@ -507,6 +541,23 @@ def test_combining_and_in_bag_counts_are_one_program_each():
     resamples = np.asarray(bootstrap.prepare(run_keys(key).bootstrap, 4, 41))
     by_hand = np.stack([np.bincount(row, minlength=41) for row in resamples])
     np.testing.assert_array_equal(out[2], by_hand)
+    # The counts are static in the program: checked as ints there.
+    for bad, message in [(True, "got bool"), (0, "at least 1")]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            bootstrap.in_bag(key, size=bad, num_examples=41)
+    # `mean_probs_from_logits` is one program too: exp of the log-mean.
+    probs = lambda: out.append(ee.combine.mean_probs_from_logits(logits))
+    assert compilations(probs) == 1
+    np.testing.assert_allclose(out[3], probs_mean, rtol=1e-5, atol=1e-6)
+    # Each term of the mixture is weighted in its own array's dtype: bf16
+    # means do not round f32 variances' weights (7 members: 1/7 in bf16 is
+    # 0.1426..., and 7 of them sum to 0.998).
+    with jax.numpy_dtype_promotion("standard"):
+        _, var = ee.combine.gaussian_mixture(
+            jnp.zeros((7, 3), jnp.bfloat16), jnp.full((7, 3), 1000.0)
+        )
+    assert var.dtype == jnp.float32
+    np.testing.assert_allclose(var, 1000.0, rtol=1e-6)
 
 
 def test_a_metric_in_a_callers_jit_checks_the_arrays_it_closes_over():
@@ -769,3 +820,31 @@ def test_a_per_member_calibrator_search_and_fit_share_one_program():
         )
     )
     assert names.count("jit(_fit_affine_params)") == 1, names
+
+
+def test_the_host_comparisons_see_what_eqx_tree_equal_and_strict_jnp_saw():
+    # The suite compares on the host (compiling nothing); these are the
+    # differences a host copy could lose, each still a difference.
+    key = jax.random.key(0)
+    assert tree_equal(key, jax.random.key(0))
+    assert not tree_equal(key, jax.random.key_data(key))  # raw data, not a key
+    rbg, unsafe = (jax.random.key(0, impl=i) for i in ("rbg", "unsafe_rbg"))
+    assert not tree_equal(rbg, unsafe)  # the same data, another implementation
+    half = jnp.ones(3, jnp.bfloat16)
+    assert not tree_equal(half, jnp.ones(3))  # another dtype
+    assert not tree_equal(half, half * 1.0078125)  # one bf16 ulp, exactly
+    assert tree_equal(half, half * 1.0078125, rtol=1e-2)  # bf16 takes tolerances
+    assert not tree_equal(jnp.array([jnp.nan]), jnp.array([jnp.nan]))
+    assert_tree_allclose(jnp.ones(3), np.ones(3))  # a float64 reference, as held
+    assert_tree_allclose(key, jax.random.key(0))
+    differ = [
+        (jnp.ones(3), half),
+        (jnp.ones(3), jnp.ones(3, jnp.int32)),
+        (jnp.ones(3, bool), jnp.ones(3, jnp.int32)),
+        (key, jax.random.key_data(key)),
+        (jnp.ones(3), jnp.ones((1, 3))),
+        (jnp.ones(2, jnp.complex64), jnp.zeros(2, jnp.complex64)),
+    ]
+    for a, b in differ:
+        with pytest.raises(AssertionError):
+            assert_tree_allclose(a, b)

@@ -245,9 +245,25 @@ def as_array(value: Any, dtype: Any = None) -> jax.Array:
     JAX 0.10 `jnp.asarray` of NumPy data runs a program of its own per shape
     and dtype (`jit(stage)`, 15-50 ms each on a CPU; jax-ml/jax#27460), which
     a checkpoint's load or a metric's first call paid per leaf or input. A JAX
-    array, a tracer or a list goes to `jnp.asarray`."""
-    if isinstance(value, np.ndarray | np.generic | int | float | complex):
-        return jax.device_put(value if dtype is None else np.asarray(value, dtype))
+    array, a tracer or a list goes to `jnp.asarray`, and so does everything
+    while a host-to-device transfer guard is set (`jax.transfer_guard`: it
+    sees this transfer as the implicit one it is).
+
+    A NumPy array is copied first: on a CPU `jax.device_put` may alias its
+    memory, and the work queued on it runs after this returns, so a caller
+    that reuses its buffer (or a checkpoint's read buffer that a view
+    shares) would change the result."""
+    if isinstance(value, np.ndarray | np.generic | int | float | complex) and (
+        getattr(jax.config, "jax_transfer_guard_host_to_device", None)
+        in (None, "allow")
+    ):
+        if dtype is not None:  # one rounding, to the dtype JAX will hold
+            dtype = jax.dtypes.canonicalize_dtype(dtype)
+        if isinstance(value, np.ndarray):
+            value = np.array(value, dtype=dtype, copy=True)
+        elif dtype is not None:
+            value = np.asarray(value, dtype)
+        return jax.device_put(value)
     return jnp.asarray(value, dtype)
 
 

@@ -13,6 +13,7 @@ was a quarter of the step time.
 """
 
 import abc
+import operator
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ from .._core.data import (
     permutation,
 )
 from .._execution.compile import one_shot_jit
+from .._internal.checks import check_positive_int
 from .._internal.component import Component
 from .._internal.keys import run_keys
 
@@ -362,7 +364,18 @@ class Bootstrap(Sampling):
         ```
         """
         bootstrap_key = run_keys(key).bootstrap  # the key `fit` drew from
-        return _in_bag(self, bootstrap_key, size, num_examples)
+        # Static in the program: plain ints (a concrete JAX integer too).
+        counts = {"size": size, "num_examples": num_examples}
+        for name, value in counts.items():
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                counts[name] = check_positive_int(operator.index(value), name)
+            except TypeError:
+                raise TypeError(
+                    f"`{name}` must be an int, got {type(value).__name__}"
+                ) from None
+        return _in_bag(self, bootstrap_key, counts["size"], counts["num_examples"])
 
 
 @one_shot_jit(static_argnums=(0, 2, 3))
