@@ -406,6 +406,21 @@ def test_a_key_objects_run_keys_are_derived_once_while_it_lives(monkeypatch):
     first.train.delete()  # (deleted since: derived again)
     same_keys(derived(key), run_keys(key))
     assert len(made) == 3
+    # `jax_threefry_partitionable` changes what `split` gives: the same key
+    # object derives again under the other setting (a review found the keys
+    # of the first setting returned).
+    flag = jax.config.jax_threefry_partitionable
+    try:
+        jax.config.update("jax_threefry_partitionable", not flag)
+        other = derived(key)
+        assert len(made) == 4
+        same_keys(other, run_keys(key))
+        assert not np.array_equal(
+            jax.random.key_data(other.data), jax.random.key_data(first.data)
+        )
+    finally:
+        jax.config.update("jax_threefry_partitionable", flag)
+    assert derive(key) is not other and len(made) == 4  # its own entry again
     # In `fit`: one key object in a loop, the bits of keys derived anew.
     results = [_fit(_ens(), key=key) for _ in range(3)]
     _same(results[2].ensemble, _fit(_ens(), key=jax.random.key(7)).ensemble)

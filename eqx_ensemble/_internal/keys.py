@@ -28,6 +28,12 @@ def check_key(key: Any, *, what: str = "key") -> None:
             f"`{what}` must be a single PRNG key (`jax.random.key(seed)`, or a raw "
             f"uint32 key of shape (2,)), got an array of shape {tuple(key.shape)} and "
             f"dtype {key.dtype}; pass one key and the library splits it"
+            + (
+                " (a raw key of another implementation, e.g. rbg's shape (4,), "
+                "is taken typed: `jax.random.wrap_key_data(key, impl=...)`)"
+                if key.dtype == jnp.uint32 and key.shape != (2,) and key.ndim == 1
+                else ""
+            )
         )
 
 

@@ -325,12 +325,14 @@ def derived_keys(key: PRNGKeyArray) -> RunKeys:
     """`run_keys(key)`, computed once per key object while it lives (a loop of
     `fit` calls given one `key`: one compiled call less per call, ~40 us on a
     CPU). A JAX array is immutable, so the same object derives the same keys;
-    found by identity, held weakly (the entry goes with the key), bounded.
-    Not under a mesh (`jax.set_mesh`, a run on a mesh): the keys made there
-    carry it."""
+    found by identity, held weakly (the entry goes with the key), bounded,
+    and for the `jax_threefry_partitionable` setting it was derived under
+    (which changes what `split` gives). Not under a mesh (`jax.set_mesh`, a
+    run on a mesh): the keys made there carry it."""
     if not jax.sharding.get_abstract_mesh().empty:
         return _keys()(key)
-    found = _DERIVED.get(id(key))
+    entry = (id(key), bool(jax.config.jax_threefry_partitionable))
+    found = _DERIVED.get(entry)
     if found is not None and found[0]() is key:
         if not any(derived.is_deleted() for derived in found[1]):
             return found[1]
@@ -338,11 +340,11 @@ def derived_keys(key: PRNGKeyArray) -> RunKeys:
     if isinstance(key, jax.Array):  # (not a NumPy key: it could change in place)
         if len(_DERIVED) >= 64:
             _DERIVED.clear()
-        _DERIVED[id(key)] = (weakref.ref(key), keys)
+        _DERIVED[entry] = (weakref.ref(key), keys)
     return keys
 
 
-_DERIVED: dict[int, tuple[Any, RunKeys]] = {}
+_DERIVED: dict[tuple[int, bool], tuple[Any, RunKeys]] = {}
 
 
 @functools.cache
