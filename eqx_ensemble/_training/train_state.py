@@ -331,7 +331,8 @@ def derived_keys(key: PRNGKeyArray) -> RunKeys:
     run on a mesh): the keys made there carry it."""
     if not jax.sharding.get_abstract_mesh().empty:
         return _keys()(key)
-    entry = (id(key), bool(jax.config.jax_threefry_partitionable))
+    partitionable = jax.config.jax_threefry_partitionable  # pyright: ignore[reportAttributeAccessIssue]
+    entry = (id(key), bool(partitionable))
     found = _DERIVED.get(entry)
     if found is not None and found[0]() is key:
         if not any(derived.is_deleted() for derived in found[1]):
