@@ -313,6 +313,8 @@ def _on_host(tree):
     key of another implementation or an array of another dtype."""
 
     def host(leaf):
+        if isinstance(leaf, np.generic) and leaf.dtype.kind == "V":  # bf16 scalar
+            leaf = np.asarray(leaf)
         if not isinstance(leaf, jax.Array | np.ndarray):
             return leaf
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -343,12 +345,14 @@ def assert_tree_allclose(a, b, *, rtol=1e-5, atol=1e-6):
     assert tree_a == tree_b, f"structures differ:\n{tree_a}\n{tree_b}"
     for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
         where = f"leaf {jax.tree_util.keystr(path)}"
-        if eqx.is_array(x) and eqx.is_array(y):
-            dtypes = [jax.dtypes.canonicalize_dtype(v.dtype) for v in (x, y)]
-            assert x.shape == y.shape and dtypes[0] == dtypes[1], (
-                f"{where}: {dtypes[0]}{list(x.shape)} against "
-                f"{dtypes[1]}{list(y.shape)}"
-            )
+        if eqx.is_array(x) or eqx.is_array(y):
+            if eqx.is_array(x) and eqx.is_array(y):  # (a number: its value only)
+                dtypes = [jax.dtypes.canonicalize_dtype(v.dtype) for v in (x, y)]
+                assert x.shape == y.shape and dtypes[0] == dtypes[1], (
+                    f"{where}: {dtypes[0]}{list(x.shape)} against "
+                    f"{dtypes[1]}{list(y.shape)}"
+                )
+            x, y = np.asarray(x), np.asarray(y)
             close = (
                 np.array_equal(x, y)
                 if x.dtype == bool

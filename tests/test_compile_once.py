@@ -504,6 +504,10 @@ def test_host_data_is_copied_and_a_transfer_guard_still_sees_it():
     value = ee.metrics.nll(logits, labels, from_logits=True)
     logits[..., 1] = 1000.0
     np.testing.assert_allclose(float(value), np.log(2.0), rtol=1e-6)
+    # A masked array is refused, as `jnp.asarray` refuses it (a copy to a
+    # plain array would have used its masked values).
+    with pytest.raises(ValueError, match="masked arrays are not supported"):
+        as_array(np.ma.masked_array([0.0, 1e6], mask=[0, 1]))
     # A host-to-device guard sees the library's transfers as the implicit
     # ones they are (as `jnp.asarray`'s were), not as explicit `device_put`s.
     with jax.transfer_guard_host_to_device("disallow"):
@@ -837,6 +841,9 @@ def test_the_host_comparisons_see_what_eqx_tree_equal_and_strict_jnp_saw():
     assert not tree_equal(jnp.array([jnp.nan]), jnp.array([jnp.nan]))
     assert_tree_allclose(jnp.ones(3), np.ones(3))  # a float64 reference, as held
     assert_tree_allclose(key, jax.random.key(0))
+    assert_tree_allclose(jnp.full(3, 1.0000001), 1.0)  # a number: tolerances
+    bf16_scalar = np.asarray(jnp.ones((), jnp.bfloat16))[()]
+    assert_tree_allclose(jnp.ones((), jnp.bfloat16), bf16_scalar)
     differ = [
         (jnp.ones(3), half),
         (jnp.ones(3), jnp.ones(3, jnp.int32)),

@@ -253,8 +253,10 @@ def as_array(value: Any, dtype: Any = None) -> jax.Array:
     memory, and the work queued on it runs after this returns, so a caller
     that reuses its buffer (or a checkpoint's read buffer that a view
     shares) would change the result."""
-    if isinstance(value, np.ndarray | np.generic | int | float | complex) and (
-        getattr(jax.config, "jax_transfer_guard_host_to_device", None)
+    if (
+        isinstance(value, np.ndarray | np.generic | int | float | complex)
+        and not isinstance(value, np.ma.MaskedArray)  # refused, not unmasked
+        and getattr(jax.config, "jax_transfer_guard_host_to_device", None)
         in (None, "allow")
     ):
         if dtype is not None:  # one rounding, to the dtype JAX will hold
