@@ -184,7 +184,7 @@ def _grouped_normals(key_data: Array, sizes: list[int]) -> Array:
 
 
 try:  # the hash's primitive: one call site for many counters
-    from jax._src.random.threefry2x32 import threefry2x32_p as _THREEFRY
+    from jax.extend.random import threefry2x32_p as _THREEFRY
 except ImportError:  # pragma: no cover - another JAX: every leaf draws its own
     _THREEFRY = None
 

@@ -164,6 +164,104 @@ def test_no_library_private_attributes():
     assert not offences, offences
 
 
+def private_jax_uses(source: str) -> list[str]:
+    """Every use of JAX's private API in `source`: an import of or from a
+    `jax._src` (or any underscore) module, an underscore name imported from a
+    JAX module, and an underscore attribute (or `getattr` of one) read from a
+    name bound to a JAX module or object, at any depth of attribute access."""
+    found = []
+    tree = ast.parse(source)
+    jax_names: set[str] = set()
+
+    def private(parts: list[str]) -> str | None:
+        return next(
+            (p for p in parts if p.startswith("_") and not p.startswith("__")), None
+        )
+
+    def is_jax(module: str | None) -> bool:
+        return bool(module) and module.split(".")[0] in ("jax", "jaxlib")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if is_jax(alias.name):
+                    jax_names.add((alias.asname or alias.name).split(".")[0])
+                    if private(alias.name.split(".")):
+                        found.append(f"line {node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            if is_jax(node.module):
+                assert node.module is not None
+                for alias in node.names:
+                    jax_names.add(alias.asname or alias.name)
+                    name = f"{node.module}.{alias.name}"
+                    if private(name.split(".")):
+                        found.append(f"line {node.lineno}: from {node.module} "
+                                     f"import {alias.name}")  # fmt: skip
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            parts, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                parts.append(base.attr)
+                base = base.value
+            if (
+                isinstance(base, ast.Name)
+                and base.id in jax_names
+                and private(parts[:1])
+            ):
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and private([node.args[1].value])
+            and any(
+                isinstance(n, ast.Name) and n.id in jax_names
+                for n in ast.walk(node.args[0])
+            )
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_public_jax():
+    """No `jax._src`, no underscore name of a JAX module or object, anywhere
+    in the package: a JAX release may move or change them at any time."""
+    offences = [
+        f"{path.relative_to(PACKAGE)} {use}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for use in private_jax_uses(path.read_text())
+    ]
+    assert not offences, offences
+
+
+def test_the_private_jax_check_catches_each_form():
+    # The forms the package used before (`sgmcmc.py`'s import of the threefry
+    # primitive, `convolution.py`'s lowering registry) and their variants.
+    planted = {
+        "from jax._src.random.threefry2x32 import threefry2x32_p": 1,
+        "import jax._src.core as core": 1,
+        "from jax.interpreters import mlir\n"
+        "mlir._platform_specific_lowerings['cpu'].get(p)\n"
+        "rule = mlir._lowerings[p].rule": 2,
+        "import jax\njax.interpreters.mlir._lowerings": 1,
+        "import jax.numpy as jnp\njnp._something(1)": 1,
+        "from jax import lax\ngetattr(lax, '_private')": 1,
+        "from jax import _src": 1,
+        "from jax.sharding import Mesh\nMesh._cache": 1,
+        # Public uses, and a private name of an object of our own:
+        "import jax\njax.extend.random.threefry2x32_p\nself._jitted(x)": 0,
+        "from jax import lax\nlax.conv_general_dilated_p.bind(x)\nx.__class__": 0,
+    }
+    for source, count in planted.items():
+        assert len(private_jax_uses(source)) == count, (
+            source,
+            private_jax_uses(source),
+        )
+
+
 FAMILIES = ("_core", "_training", "_metrics", "_checkpoints")
 
 

@@ -15,7 +15,12 @@ import pytest
 from conftest import assert_tree_allclose, tree_equal
 
 import eqx_ensemble as ee
-from eqx_ensemble._execution.intern import canonical, structural_key
+from eqx_ensemble._execution.intern import (
+    MAX_ARRAY,
+    Doubtful,
+    canonical,
+    structural_key,
+)
 from eqx_ensemble._internal.tree import as_array
 
 _COMPILES = [0]
@@ -195,6 +200,155 @@ def test_structural_keys():
     assert structural_key(optax.adam(1e-3)) == structural_key(optax.adam(1e-3))
     assert structural_key(optax.adam(1e-3)) != structural_key(optax.adam(2e-3))
     assert structural_key(optax.adam(1e-3)) != structural_key(optax.adamw(1e-3))
+
+
+def _first_loss(loss_fn) -> float:
+    """The first step's mean loss of a short `fit` (the same weights whatever
+    the loss, so a loss scaled by `s` reports `s` times the plain one)."""
+    result = fit(optax.sgd(1e-2), steps=2, loss_fn=loss_fn)
+    return float(np.mean(np.asarray(result.history.losses)[0]))
+
+
+class _Trainer:
+    def __init__(self, scale):
+        self.scale = scale
+
+    def loss(self, model, batch, key):
+        return self.scale * make_loss()(model, batch, key)
+
+
+def _scaled(model, batch, key, cfg):
+    return cfg.scale * make_loss()(model, batch, key)
+
+
+def _cell(source: str, namespace: dict) -> dict:
+    """A notebook cell run (again): its functions are new objects of `__main__`."""
+    namespace.setdefault("__name__", "__main__")
+    namespace.update(jnp=jnp, jax=jax, make_loss=make_loss)
+    exec(source, namespace)
+    return namespace
+
+
+_CELL = (
+    "def loss_fn(model, batch, key):\n    return {} * make_loss()(model, batch, key)\n"
+)
+
+
+def _kinds_of_state():
+    """For each kind of state a loss can reach: `(make, change)`, where `make()`
+    gives a new loss object reading the state and `change()` sets its scale to
+    3 (from 1)."""
+    import sys
+    import types
+
+    trainer = _Trainer(1.0)
+    cfg = types.SimpleNamespace(scale=1.0)
+    cell = _cell(_CELL.format("CFG.scale"), {"CFG": types.SimpleNamespace(scale=1.0)})
+    user_module = types.ModuleType("user_config_for_the_cache_rule")
+    user_module.scale = 1.0
+    sys.modules[user_module.__name__] = user_module
+    module_cell = _cell(_CELL.format("config.scale"), {"config": user_module})
+    helper_module = types.ModuleType("user_helpers_for_the_cache_rule")
+    sys.modules[helper_module.__name__] = helper_module
+    helpers = _cell(
+        "SCALE = 1.0\ndef helper():\n    return SCALE\n", vars(helper_module)
+    )
+    helper_cell = _cell(_CELL.format("helper()"), {"helper": helpers["helper"]})
+    small = np.ones(3, np.float32)  # read by value
+    big = np.ones(MAX_ARRAY + 1, np.float32)  # may be written in place
+    nested = {"inner": [types.SimpleNamespace(scale=1.0)]}
+
+    def closing_over(array):
+        return lambda model, batch, key: array[0] * make_loss()(model, batch, key)
+
+    def set_scale(obj, name="scale"):
+        return lambda: setattr(obj, name, 3.0)
+
+    def write(array):
+        return lambda: array.__setitem__(0, 3.0)
+
+    return {
+        "bound method of an object": (lambda: trainer.loss, set_scale(trainer)),
+        "partial over a namespace": (
+            lambda: functools.partial(_scaled, cfg=cfg),
+            set_scale(cfg),
+        ),
+        "notebook cell reading a global namespace": (
+            lambda: _cell(_CELL.format("CFG.scale"), cell)["loss_fn"],
+            set_scale(cell["CFG"]),
+        ),
+        "attribute of a user module": (
+            lambda: _cell(_CELL.format("config.scale"), module_cell)["loss_fn"],
+            set_scale(user_module),
+        ),
+        "global of a user module's helper": (
+            lambda: _cell(_CELL.format("helper()"), helper_cell)["loss_fn"],
+            lambda: helpers.__setitem__("SCALE", 3.0),
+        ),
+        "small NumPy array closed over": (lambda: closing_over(small), write(small)),
+        "large NumPy array closed over": (lambda: closing_over(big), write(big)),
+        "object inside a closed-over container": (
+            lambda: functools.partial(_scaled, cfg=nested["inner"][0]),
+            set_scale(nested["inner"][0]),
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_kinds_of_state()))
+def test_a_program_is_never_reused_for_changed_state(kind):
+    # The rule: a program is reused for a new function object only where a
+    # fresh `jax.jit` of it could not trace differently. Each kind of state a
+    # loss reaches is changed between two `fit`s of new, otherwise equal,
+    # function objects: the second run sees the new scale (3x the loss).
+    make, change = _kinds_of_state()[kind]
+    before = _first_loss(make())
+    change()
+    after = _first_loss(make())
+    np.testing.assert_allclose(after, 3.0 * before, rtol=1e-5)
+
+
+def test_equal_state_still_shares_a_program():
+    # Unchanged state read by value is still one program for new objects.
+    import types
+
+    cfg = types.SimpleNamespace(scale=2.0)
+    _first_loss(functools.partial(_scaled, cfg=cfg))
+    again = types.SimpleNamespace(scale=2.0)
+    assert compilations(lambda: _first_loss(functools.partial(_scaled, cfg=again))) == 0
+    assert canonical(_Trainer(2.0).loss) is not canonical(_Trainer(3.0).loss)
+
+
+def test_a_rebuilt_ensemble_sees_a_changed_config():
+    import types
+
+    cfg = types.SimpleNamespace(scale=1.0)
+
+    class Particle(eqx.Module):
+        weight: jax.Array
+
+        def __init__(self, key, scale):
+            self.weight = scale * jax.random.normal(key, (3,))
+
+    key = jax.random.key(3)
+    first = ee.ensemble(lambda k: Particle(k, scale=cfg.scale), size=2, key=key)
+    cfg.scale = 5.0
+    second = ee.ensemble(lambda k: Particle(k, scale=cfg.scale), size=2, key=key)
+    np.testing.assert_allclose(second.members.weight, 5.0 * first.members.weight)
+
+
+def test_doubtful_state_is_its_own_key():
+    import types
+
+    module = types.ModuleType("a_user_module")
+    with pytest.raises(Doubtful, match="a_user_module"):
+        structural_key(module)
+    with pytest.raises(Doubtful, match="NumPy array"):
+        structural_key(np.zeros(MAX_ARRAY + 1))
+    reads = lambda x: module  # noqa: E731
+    assert canonical(reads) is reads
+    assert canonical(jnp.sum) is jnp.sum  # a library's code by identity
+    big = jnp.zeros(MAX_ARRAY + 1)  # a JAX array cannot change: by identity
+    assert structural_key((big,)) == structural_key((big,))
 
 
 def test_one_function_written_twice_is_one_function():

@@ -256,12 +256,6 @@ def test_the_rule(monkeypatch):
     assert plan(flops=1e6).unroll and plan(groupable=False).unroll
     assert plan(layout="vmap").unroll and not plan(member_chunk=3).unroll
     assert not plan(groupable=False, steps=long_steps).unroll  # sequential
-    # Without the library's convolution lowering (a JAX whose lowering
-    # registry moved): every convolving run unrolled, vectorised, as before.
-    monkeypatch.setattr(_plan, "canonical_convolutions_available", False)
-    for steps in (20, long_steps):
-        fallback = plan(steps=steps)
-        assert fallback.unroll and fallback.member_chunk is None
 
 
 def test_shared_parts_heterogeneous_and_coupled_losses_are_not_one_at_a_time():

@@ -151,6 +151,34 @@ def test_gaussian_and_student_t_losses_are_scipys_densities():
         ee.losses.student_t_nll(m, s, -1.0, y)
 
 
+@pytest.mark.parametrize("df", [16.5, 1e3, 1e6, 1e12, np.inf])
+def test_student_t_nll_at_many_degrees_of_freedom_is_scipys(df):
+    # float32 `gammaln` differences lose the digits for a large `df` (1.3468
+    # against SciPy's 1.2857 at df = 1e6; NaN at inf): SciPy in float64.
+    rng = np.random.default_rng(1)
+    m = rng.normal(size=50).astype(np.float32)
+    s = rng.uniform(0.5, 2.0, 50).astype(np.float32)
+    y = rng.normal(size=50).astype(np.float32)
+    expected = -stats.t.logpdf(y.astype(np.float64), df, m, s).mean()
+    got = ee.losses.student_t_nll(m, s, np.float32(df), y)
+    np.testing.assert_allclose(got, expected, rtol=2e-6)
+    # The gradients stay finite at the switch and at infinity.
+    grads = jax.grad(lambda m: ee.losses.student_t_nll(m, s, np.float32(df), y))(m)
+    assert np.all(np.isfinite(grads))
+
+
+def test_negative_variances_and_scales_are_refused():
+    m, y = jnp.zeros(3), jnp.zeros(3)
+    bad = jnp.array([1.0, -1.0, 2.0])
+    for loss in (ee.losses.gaussian_nll, ee.losses.beta_nll):
+        with pytest.raises(ValueError, match="`variance` must not be negative"):
+            loss(m, bad, y)
+    with pytest.raises(ValueError, match="`scale` must not be negative"):
+        ee.losses.student_t_nll(m, bad, 3.0, y)
+    # A NumPy number is a number.
+    ee.losses.beta_nll(m, jnp.ones(3), y, beta=np.float32(0.5))
+
+
 def test_beta_nll_weights_each_nll_by_its_variance_held_constant():
     m, v, y = jnp.array([1.0, -0.5]), jnp.array([4.0, 0.25]), jnp.array([0.0, 0.5])
     nll = 0.5 * (jnp.log(2 * jnp.pi * v) + (y - m) ** 2 / v)

@@ -82,8 +82,11 @@ class Jit:
         # `jax.jit` of a function that does not refer back to this object: no
         # reference cycle, so the programs go as soon as the last reference
         # to this object does (not at the next full garbage collection).
+        # On a CPU the library's own programs carry their convolutions in the
+        # form XLA runs fast inside loops (`convolution.py`).
+        on_cpu = jax.default_backend() == "cpu"
         self._jitted = jax.jit(
-            functools.partial(_traced, fn),
+            functools.partial(_traced, fn, canonical=on_cpu),
             static_argnums=0,
             donate_argnums=(2,) if donate else (),
             compiler_options=dict(options) or None,
@@ -91,7 +94,8 @@ class Jit:
         # Called inside a trace of the user's own (`jax.jit`, `eqx.filter_jit`,
         # `jax.make_jaxpr`...), the function is inlined into that program,
         # which JAX refuses for a `jax.jit` carrying compiler options: there it
-        # is called without them (the outer program's options apply).
+        # is called without them (the outer program's options apply), as
+        # written.
         self._nested = (
             jax.jit(functools.partial(_traced, fn), static_argnums=0)
             if options
@@ -123,8 +127,7 @@ class Jit:
         if paused:
             gc.disable()
         try:
-            with canonical_convolutions():  # where this call lowers a program
-                arrays, static_out = self._jitted(static, first, rest)
+            arrays, static_out = self._jitted(static, first, rest)
         except ValueError as error:
             # Raised while tracing, before anything ran: only retried where
             # the options are the cause (called inside another trace, whether
@@ -140,8 +143,7 @@ class Jit:
     def lower(self, *args: Any) -> "Lowered":
         """Ahead-of-time lowering for these arguments (as `jax.jit(...).lower`)."""
         static, first, rest = split_arguments(args)
-        with canonical_convolutions():
-            lowered = self._jitted.lower(static, first, rest)
+        lowered = self._jitted.lower(static, first, rest)
         return Lowered(self, static, lowered)
 
 
@@ -256,17 +258,27 @@ class Compiled:
 
 
 def _traced(
-    fn: Callable[..., Any], static: Hashable, first: list[Any], rest: list[Any]
+    fn: Callable[..., Any],
+    static: Hashable,
+    first: list[Any],
+    rest: list[Any],
+    *,
+    canonical: bool = False,
 ) -> tuple[list[Any], "_StaticOutput"]:
-    out = fn(*_merge(static, first, rest))
-    leaves, treedef = jax.tree_util.tree_flatten(out)
-    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
-    # The outputs' structure and static leaves travel as a leafless node: JAX
-    # keeps them with each trace (as Equinox's `filter_jit` does).
-    static_out = _StaticOutput(
-        treedef, tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
-    )
-    return arrays, static_out
+    def arrays_out(first: list[Any], rest: list[Any]) -> Any:
+        out = fn(*_merge(static, first, rest))
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
+        # The outputs' structure and static leaves travel as a leafless node:
+        # JAX keeps them with each trace (as Equinox's `filter_jit` does).
+        static_out = _StaticOutput(
+            treedef, tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+        )
+        return arrays, static_out
+
+    if canonical:
+        return canonical_convolutions(arrays_out)(first, rest)
+    return arrays_out(first, rest)
 
 
 def _merge(static: Any, first: list[Any], rest: list[Any]) -> tuple[Any, ...]:

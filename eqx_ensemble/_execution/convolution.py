@@ -11,57 +11,44 @@ issue 12868). Equinox's convolutions are written channels first, and the
 backward pass's convolutions of any layout are others again (the kernel's
 gradient convolves over the batch).
 
-While the library's own programs are lowered (`canonical_convolutions`), every
-real convolution of plain groups (no feature or batch groups: the members'
-own, not the vectorised members' grouped one) with no output sharding of
-its own is lowered on a CPU as that form: its operands transposed in, the
-result transposed out. The sums are the same (XLA's own
-transposes outside loops are these); the convolution then runs on the fast
-kernels inside the compiled loops of `fit` and in a `lax.map` over members. A
-user's own programs are lowered as JAX lowers them.
+`canonical_convolutions(fn)` is `fn` with every real convolution of plain
+groups (no feature or batch groups: the members' own, not the vectorised
+members' grouped one) and no output sharding of its own written in that form:
+its operands transposed in, the result transposed out. The sums are the same
+(XLA's own transposes outside loops are these). It is a rewrite of `fn`'s
+jaxpr with JAX's public APIs (`jax.make_jaxpr`, `jax.extend.core`): the
+whole program is traced once, the rewrite walks its equations and those of
+the programs they hold (loops, conditionals, nested `jit`s, custom
+derivatives' primal programs), and the result is evaluated in the caller's
+trace. The library compiles its own programs on a CPU through it; a user's
+own programs are lowered as JAX lowers them.
 """
 
 import contextlib
-import contextvars
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 from jax import lax
-from jax.interpreters import mlir
 
-_ACTIVE = contextvars.ContextVar("eqx_ensemble_canonical_convolutions", default=False)
 _PRIMITIVE = lax.conv_general_dilated_p
 
 
-def _jax_lowering() -> Any:
-    """JAX's own CPU lowering of the primitive (its CPU rule expands complex
-    convolutions into real ones; else the rule of every platform), which the
-    rule below defers to (never itself, should this module run again)."""
-    entry = mlir._platform_specific_lowerings["cpu"].get(_PRIMITIVE)
-    if entry is not None and getattr(entry.rule, "__module__", None) != __name__:
-        return entry.rule
-    return mlir._lowerings[_PRIMITIVE].rule
+def canonical_convolutions(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with its convolutions in XLA's fast form (see the module), for
+    positional arguments that are PyTrees of arrays. Traced once; where the
+    program holds no convolution to rewrite, its jaxpr is evaluated as it is."""
 
+    @functools.wraps(fn)
+    def rewritten(*args: Any) -> Any:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outputs = _Rewriter().evaluate(closed, jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outputs)
 
-try:
-    _JAX_LOWERING = _jax_lowering()
-except (AttributeError, KeyError):  # JAX's registry moved: its lowering stands
-    _JAX_LOWERING = None
-# Whether the library's programs get the fast form (`plan.py` unrolls a
-# convolving `fit` on a CPU without it, as before).
-AVAILABLE = _JAX_LOWERING is not None
-
-
-@contextlib.contextmanager
-def canonical_convolutions() -> Iterator[None]:
-    """Convolutions lowered for a CPU in XLA's fast form (see the module) while
-    in this context: around the library's own programs' trace and lowering."""
-    token = _ACTIVE.set(True)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return rewritten
 
 
 def canonical_numbers(spatial: int) -> lax.ConvDimensionNumbers:
@@ -76,61 +63,141 @@ def canonical_numbers(spatial: int) -> lax.ConvDimensionNumbers:
     )
 
 
-def _lower(
-    ctx: Any,
-    lhs: Any,
-    rhs: Any,
-    *,
-    dimension_numbers: lax.ConvDimensionNumbers,
-    feature_group_count: int,
-    batch_group_count: int,
-    **params: Any,
-) -> Any:
-    numbers = dimension_numbers
+def _rewritable(eqn: Any) -> bool:
+    if eqn.primitive is not _PRIMITIVE:
+        return False
+    params = eqn.params
+    numbers = params["dimension_numbers"]
     spatial = len(numbers.lhs_spec) - 2
-    canonical = canonical_numbers(spatial)
-    if (
-        not _ACTIVE.get()
-        or feature_group_count != 1
-        or batch_group_count != 1
-        or tuple(numbers) == tuple(canonical)
-        # JAX's CPU rule splits a complex convolution into real ones; an
-        # output sharding is written in the dimension order given.
-        or jnp.issubdtype(ctx.avals_in[0].dtype, jnp.complexfloating)
-        or params.get("out_sharding") is not None
-    ):
-        assert _JAX_LOWERING is not None
-        return _JAX_LOWERING(
-            ctx,
-            lhs,
-            rhs,
-            dimension_numbers=numbers,
-            feature_group_count=feature_group_count,
-            batch_group_count=batch_group_count,
-            **params,
-        )
+    return (
+        params["feature_group_count"] == 1
+        and params["batch_group_count"] == 1
+        and tuple(numbers) != tuple(canonical_numbers(spatial))
+        and not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.complexfloating)
+        and params.get("out_sharding") is None
+    )
+
+
+def _canonical_convolution(lhs: Any, rhs: Any, **params: Any) -> Any:
+    numbers = params.pop("dimension_numbers")
     lhs_spec, rhs_spec, out_spec = numbers
+    spatial = len(lhs_spec) - 2
     # Where each dimension of the written output comes from in the canonical one.
     out_order = [0] * (spatial + 2)
     out_order[out_spec[0]], out_order[out_spec[1]] = 0, spatial + 1
     for position, dimension in enumerate(out_spec[2:]):
         out_order[dimension] = position + 1
-
-    def canonical_form(lhs: Any, rhs: Any) -> Any:
-        lhs = lax.transpose(lhs, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
-        rhs = lax.transpose(rhs, (*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
-        out = _PRIMITIVE.bind(
-            lhs,
-            rhs,
-            dimension_numbers=canonical,
-            feature_group_count=1,
-            batch_group_count=1,
-            **params,
-        )
-        return lax.transpose(out, tuple(out_order))
-
-    return mlir.lower_fun(canonical_form, multiple_results=False)(ctx, lhs, rhs)
+    lhs = lax.transpose(lhs, (lhs_spec[0], *lhs_spec[2:], lhs_spec[1]))
+    rhs = lax.transpose(rhs, (*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
+    out = _PRIMITIVE.bind(
+        lhs, rhs, dimension_numbers=canonical_numbers(spatial), **params
+    )
+    return lax.transpose(out, tuple(out_order))
 
 
-if AVAILABLE:
-    mlir.register_lowering(_PRIMITIVE, _lower, platform="cpu")
+class _Rewriter:
+    """One program's rewrite: each inner program rewritten once (by identity)."""
+
+    def __init__(self) -> None:
+        self._closed: dict[int, Any] = {}
+        self._convolves: dict[int, bool] = {}
+
+    def convolves(self, jaxpr: Any) -> bool:
+        """Whether `jaxpr` (or a program it holds) has a convolution to rewrite."""
+        found = self._convolves.get(id(jaxpr))
+        if found is None:
+            found = any(
+                _rewritable(eqn)
+                or any(
+                    self.convolves(inner.jaxpr)
+                    for inner in _closed_jaxprs(eqn.params)
+                )
+                for eqn in jaxpr.eqns
+            )
+            self._convolves[id(jaxpr)] = found
+        return found
+
+    def evaluate(self, closed: Any, args: list[Any]) -> list[Any]:
+        if not self.convolves(closed.jaxpr):
+            return jex.jaxpr_as_fun(closed)(*args)
+        return self._eval(closed.jaxpr, closed.consts, args)
+
+    def _eval(self, jaxpr: Any, consts: Any, args: Any) -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(var: Any) -> Any:
+            return var.val if isinstance(var, jex.Literal) else env[var]
+
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args, strict=True):
+            env[var] = value
+        for eqn in jaxpr.eqns:
+            inputs = [read(var) for var in eqn.invars]
+            if _rewritable(eqn):
+                outputs = [_canonical_convolution(*inputs, **eqn.params)]
+            else:
+                params = {
+                    name: self._param(value) for name, value in eqn.params.items()
+                }
+                outputs = _bind(eqn, inputs, params)
+            for var, value in zip(eqn.outvars, outputs, strict=True):
+                if not isinstance(var, jex.DropVar):
+                    env[var] = value
+        return [read(var) for var in jaxpr.outvars]
+
+    def _param(self, value: Any) -> Any:
+        if isinstance(value, jex.ClosedJaxpr):
+            return self._rewrite(value)
+        if isinstance(value, tuple) and any(
+            isinstance(item, jex.ClosedJaxpr) for item in value
+        ):
+            return tuple(self._param(item) for item in value)
+        return value
+
+    def _rewrite(self, closed: Any) -> Any:
+        """`closed` with its convolutions rewritten: the same inputs and
+        outputs. Left as it is where it has none, or where its inputs carry a
+        sharding of their own (a mesh of explicit axes)."""
+        found = self._closed.get(id(closed))
+        if found is not None:
+            return found
+        found = closed
+        avals = [var.aval for var in closed.jaxpr.invars]
+        if self.convolves(closed.jaxpr) and not any(map(_sharded, avals)):
+            structs = [
+                jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+                for aval in avals
+            ]
+            found = jax.make_jaxpr(
+                lambda *xs: self._eval(closed.jaxpr, closed.consts, xs)
+            )(*structs)
+        self._closed[id(closed)] = found
+        return found
+
+
+def _bind(eqn: Any, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
+    """`eqn`'s primitive bound to `inputs` with `params`, in its context (as
+    `jax.extend.core.jaxpr_as_fun` evaluates an equation)."""
+    bind_params = eqn.primitive.get_bind_params(params)
+    subfuns: Any = ()
+    if isinstance(bind_params, tuple):  # JAX < 0.8: (subfunctions, parameters)
+        subfuns, bind_params = bind_params
+    context = getattr(getattr(eqn, "ctx", None), "manager", None)
+    with context if context is not None else contextlib.nullcontext():
+        outputs = eqn.primitive.bind(*subfuns, *inputs, **bind_params)
+    return outputs if eqn.primitive.multiple_results else [outputs]
+
+
+def _closed_jaxprs(params: dict[str, Any]) -> list[Any]:
+    found = []
+    for value in params.values():
+        items = value if isinstance(value, tuple) else (value,)
+        found.extend(item for item in items if isinstance(item, jex.ClosedJaxpr))
+    return found
+
+
+def _sharded(aval: Any) -> bool:
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return mesh is not None and not getattr(mesh, "empty", True)

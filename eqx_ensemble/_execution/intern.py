@@ -3,54 +3,71 @@
 Every optax constructor returns new closures: two `optax.adam(1e-3)` are two
 `(init, update)` pairs of distinct functions, and a cache keyed on them (JAX's
 own `jit` cache, the library's compiled functions, its plans) compiles the same
-program twice. `canonical(fn)` returns the first function seen that computes
-the same thing as `fn`: same bytecode and constants (wherever it was written),
-same closure contents, same defaults and the same values of the globals the
-code names. The library interns the functions
-it compiles for (losses, optimizers, schedules, components' functions) at its
-entry points, so every identity-keyed cache below them sees equal functions as
-one.
+program twice. `canonical(fn)` returns the first function seen that provably
+computes the same thing as `fn`, else `fn` itself.
 
-What counts as "the same" (`structural_key`): numbers, strings and other plain
-values by value; tuples, lists and dicts by their contents (up to
-`MAX_CONTAINER` items); NumPy and JAX arrays by shape, dtype and contents (up
-to `MAX_ARRAY` elements); functions, `functools.partial`s and bound methods by
-their code and what they close over, recursively (a function that is its
-module's own global, such as a library's, by identity: it is the same object
-while the module is loaded); pytrees (`eqx.Module`s,
-optax's named tuples) by their structure and leaves. Anything else (modules,
-classes, jitted functions, large arrays, objects of other types) by identity:
-where equality cannot be proven, the cache falls back to identity, as JAX does.
-As in `jax.jit`, a closure cell or a global that changes after a function was
-first seen is not noticed for that same function object.
+The rule: a program is reused for a new function object only where a fresh
+`jax.jit` of that object could not trace differently. So everything a function
+can reach while it is traced is keyed by value (`structural_key`):
+
+- numbers, strings and other plain values by value; tuples, lists and dicts by
+  their contents (up to `MAX_CONTAINER` items); NumPy and JAX arrays by shape,
+  dtype and contents (up to `MAX_ARRAY` elements; a larger JAX array, which
+  cannot change, by identity);
+- functions, `functools.partial`s and bound methods by their code, closure
+  cells, defaults and the current values of the globals their code names,
+  recursively (a user's module-level helper too, with the globals it reads);
+- pytrees (`eqx.Module`s, optax's named tuples) by their structure and leaves;
+  other objects by their type and their attributes (`vars(obj)`), recursively;
+- the code of installed libraries and of Python itself (their modules,
+  functions and classes: `jnp`, `optax.adam`, `eqx.nn.MLP`) by identity, and
+  every class by identity (as JAX's tree definitions are keyed).
+
+Anything that cannot be keyed so (a user's module object, whose attributes any
+code may reassign; a NumPy array above `MAX_ARRAY` elements, which may be
+written in place; a container above `MAX_CONTAINER` items; an object with no
+attributes to read) makes the function *doubtful*: it is its own key, so a new
+function object traces and compiles again, as with `jax.jit`. As in `jax.jit`,
+the same function object passed again is not traced again (a global changed
+since is not seen for it).
 """
 
 import collections
 import enum
 import functools
+import os
+import site
 import sys
+import sysconfig
 import types
 import weakref
 from collections.abc import Hashable
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 
 from .._internal.tree import is_traced
 
-# Arrays with at most this many elements are keyed by value; larger by identity.
+# Arrays with at most this many elements are keyed by value.
 MAX_ARRAY = 4096
-# Tuples, lists and dicts with at most this many items are keyed by contents.
+# Tuples, lists, dicts and objects' attributes with at most this many items
+# are keyed by contents.
 MAX_CONTAINER = 256
 # Canonical functions kept (the least recently used dropped first): each is one
 # entry in the caches below it, which are bounded too.
 MAX_CANONICAL = 512
 
 
+class Doubtful(Exception):
+    """Raised while keying an object whose equality cannot be shown by value."""
+
+
 class _Identity:
     """A key part that is its object's identity (and keeps the object alive, so
-    the identity cannot be reused while the key exists)."""
+    the identity cannot be reused while the key exists): only for objects that
+    cannot change what a trace of them sees."""
 
     __slots__ = ("obj",)
 
@@ -65,11 +82,21 @@ class _Identity:
 
 
 _PLAIN = (type(None), bool, int, str, bytes, type(Ellipsis))
+# Callables implemented in C (`len`, `jnp.float32`'s methods, a ufunc): code
+# that cannot be changed from Python.
+_BUILTIN = (
+    types.BuiltinFunctionType,
+    types.MethodWrapperType,
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    types.ClassMethodDescriptorType,
+    np.ufunc,
+)
 
 
 def structural_key(obj: Any) -> Hashable:
     """A hashable key equal for two objects that compute the same thing (see
-    the module's docstring); identity where that cannot be shown."""
+    the module's docstring). Raises `Doubtful` where that cannot be shown."""
     return _key(obj, set())
 
 
@@ -94,26 +121,47 @@ def _key(obj: Any, visiting: set[int]) -> Hashable:
         return (kind, _key(obj.__func__, visiting), _key(obj.__self__, visiting))
     if isinstance(obj, np.ndarray | np.generic | jax.Array):
         return _array_key(obj)
-    if isinstance(obj, enum.Enum | np.dtype):
-        return (kind, obj)
+    if isinstance(obj, (enum.Enum, np.dtype, type, *_BUILTIN)):
+        return _Identity(obj)  # code, or a value that cannot change
+    if kind is types.ModuleType:
+        if _is_library(obj.__name__):
+            return _Identity(obj)
+        raise Doubtful(f"the module {obj.__name__}")
     if kind in (tuple, list, dict):
         if len(obj) > MAX_CONTAINER:
-            return _Identity(obj)
+            raise Doubtful(f"a {kind.__name__} of {len(obj)} items")
         items = obj.items() if kind is dict else enumerate(obj)
         return (kind, tuple((_key(k, visiting), _key(v, visiting)) for k, v in items))
-    if id(obj) not in visiting and _is_pytree_node(obj):
-        visiting.add(id(obj))
-        try:
+    if id(obj) in visiting:  # a cycle through an object: its place in the walk
+        return ("cycle", kind)
+    visiting.add(id(obj))
+    try:
+        if _is_pytree_node(obj):
             leaves, treedef = jax.tree_util.tree_flatten(obj)
-            if len(leaves) <= MAX_CONTAINER:
-                key = (treedef, tuple(_key(leaf, visiting) for leaf in leaves))
-                hash(key)  # a static field that cannot be hashed: identity
-                return key
-        except Exception:  # noqa: BLE001 - anything unusual: identity
-            pass
-        finally:
-            visiting.discard(id(obj))
-    return _Identity(obj)
+            if len(leaves) > MAX_CONTAINER:
+                raise Doubtful(f"a {kind.__name__} of {len(leaves)} leaves")
+            key = (treedef, tuple(_key(leaf, visiting) for leaf in leaves))
+            try:
+                hash(key)
+            except TypeError:  # a static field that cannot be hashed
+                raise Doubtful(f"a {kind.__name__} with an unhashable field")
+            return key
+        return _object_key(obj, visiting)
+    finally:
+        visiting.discard(id(obj))
+
+
+def _object_key(obj: Any, visiting: set[int]) -> Hashable:
+    # An instance of a plain class: by its class and its attributes. One from
+    # a library with no attributes to read (a lock, a device, a jitted
+    # function) by identity where its class is a library's.
+    kind = type(obj)
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict) and len(attributes) <= MAX_CONTAINER:
+        return (_Identity(kind), "object", _key(attributes, visiting))
+    if attributes is None and _is_library(kind.__module__):
+        return _Identity(obj)
+    raise Doubtful(f"an object of type {kind.__qualname__}")
 
 
 def _is_pytree_node(obj: Any) -> bool:
@@ -127,33 +175,49 @@ def _is_pytree_node(obj: Any) -> bool:
 
 
 def _array_key(array: Any) -> Hashable:
-    if is_traced(array) or array.size > MAX_ARRAY:
+    if is_traced(array):
         return _Identity(array)
-    if isinstance(array, jax.Array) and not array.is_fully_addressable:
-        return _Identity(array)
+    if isinstance(array, jax.Array) and (
+        array.size > MAX_ARRAY or not array.is_fully_addressable
+    ):
+        return _Identity(array)  # cannot change
+    if array.size > MAX_ARRAY:
+        raise Doubtful(f"a NumPy array of {array.size} elements (written in place?)")
     values = np.asarray(array)
     return (type(array), values.shape, str(values.dtype), values.tobytes())
 
 
-def _is_module_global(fn: types.FunctionType) -> bool:
-    # A function that is its module's own global (a library's function, a
-    # test module's helper): the same object for as long as the module is
-    # loaded, so its identity says what it computes, and the walk stops there
-    # (walking every global it names would walk a library's whole call graph).
-    # A script's or notebook's `__main__` functions are keyed by their code: a
-    # re-run cell defines them again.
-    if fn.__module__ in (None, "__main__") or "<locals>" in fn.__qualname__:
+@functools.cache
+def _library_folders() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    folders = {paths[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    folders.update(site.getsitepackages())
+    folders.add(site.getusersitepackages())
+    return tuple(os.path.realpath(folder) + os.sep for folder in folders)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library(module_name: str | None) -> bool:
+    """Whether `module_name` is Python's, an installed package's or this
+    library's: code whose functions and classes are keyed by identity."""
+    if not module_name or module_name == "__main__":
         return False
-    found: Any = sys.modules.get(fn.__module__)
-    for part in fn.__qualname__.split("."):
-        found = getattr(found, part, None)
-    return found is fn
+    top = module_name.partition(".")[0]
+    if top == "eqx_ensemble" or top in sys.builtin_module_names:
+        return True
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return top in sys.stdlib_module_names
+    return os.path.realpath(path).startswith(_library_folders())
 
 
 def _function_key(fn: types.FunctionType, visiting: set[int]) -> Hashable:
     if id(fn) in visiting:  # recursion (a function naming itself): its name
         return ("recursive", fn.__module__, fn.__qualname__)
-    if _is_module_global(fn):
+    if _is_library(fn.__module__) and "<locals>" not in fn.__qualname__:
+        # A library's own function: the same code while the module is loaded
+        # (walking every global it names would walk the library's call graph).
         return _Identity(fn)
     visiting.add(id(fn))
     try:
@@ -250,23 +314,28 @@ class _Key:
 
 def canonical(obj: Any) -> Any:
     """`obj` if it is not a function, else the first function seen that
-    computes the same thing (`structural_key`): pass the result wherever a
-    cache keys on identity."""
+    provably computes the same thing (`structural_key`), else `obj` itself
+    (a doubtful function: its own program, as with `jax.jit`): pass the
+    result wherever a cache keys on identity."""
     if type(obj) not in _INTERNABLE:
         return obj
-    try:
-        key = _SEEN.get(obj)
-    except TypeError:  # not weakly referable
-        key = None
+    remembered = _remembered(obj)
+    if not remembered:
+        # A bound method equals every other of the same object and function
+        # (`==`, `hash`), whatever the object's state since: as a key of an
+        # identity-keyed cache it would find the program of an earlier state.
+        # The same call as a partial, which compares by identity.
+        obj = functools.partial(obj.__func__, obj.__self__)
+    key = _SEEN.get(obj) if remembered else None
     if key is None:
         try:
             key = _Key(structural_key(obj))
-        except TypeError:  # a part that cannot be hashed
-            return obj
-        try:
+        except (Doubtful, TypeError):  # cannot be shown equal to another
+            key = _DOUBTFUL
+        if remembered:
             _SEEN[obj] = key
-        except TypeError:
-            pass
+    if key is _DOUBTFUL:
+        return obj
     found = _CANONICAL.get(key)
     if found is None:
         _CANONICAL[key] = found = obj
@@ -275,6 +344,21 @@ def canonical(obj: Any) -> Any:
     else:
         _CANONICAL.move_to_end(key)
     return found
+
+
+# The key of a function found doubtful.
+_DOUBTFUL = object()
+
+
+def _remembered(obj: Any) -> bool:
+    # A function's or partial's key is kept for the object (as `jax.jit` keeps
+    # its trace for the same function object). Not a bound method's: Python
+    # makes one per attribute read, equal to every other of the same object
+    # and function, so a kept key would outlive a change of the object; but
+    # for an `eqx.Module`'s, which is frozen.
+    if type(obj) is types.MethodType:
+        return isinstance(obj.__self__, eqx.Module)
+    return True
 
 
 def canonical_tree(tree: Any) -> Any:

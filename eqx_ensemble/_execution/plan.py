@@ -21,7 +21,6 @@ from .compile import (
     step_compiler_options,
     with_eigen_dots,
 )
-from .convolution import AVAILABLE as canonical_convolutions_available
 from .guard import FiniteCheck, choose_finite_check, step_flops
 from .layout import (
     GROUP_MIN_FLOPS,
@@ -227,7 +226,6 @@ def _plan(
         and mesh is None
         and platform == "cpu"
         and profile.convolution_flops >= GROUP_MIN_FLOPS
-        and canonical_convolutions_available
     ):
         # A run too short for the sequential layout's compile time, or with
         # too many members for it: one member at a time in a loop (plain
@@ -243,10 +241,8 @@ def _plan(
         unroll = (
             profile.convolutions
             and platform == "cpu"
-            and (
-                (layout == "vmap" and member_chunk is None)
-                or not canonical_convolutions_available
-            )
+            and layout == "vmap"
+            and member_chunk is None
         )
     length = getattr(settings, "steps_per_dispatch", None)
     devices = 1 if mesh is None else mesh.size

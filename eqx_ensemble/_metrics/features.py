@@ -13,6 +13,7 @@ from jax.scipy.special import logsumexp
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._execution.compile import one_shot_jit
+from .._internal.tree import is_traced
 from .checks import as_float_array
 
 
@@ -82,20 +83,68 @@ class Mahalanobis(eqx.Module):
 
     means: Float[Array, "members classes dim"]
     precision: Float[Array, "members dim dim"]
+    # A square root `W` of the precision (`W' W = P`: its eigenvectors as rows,
+    # scaled): a distance is the squared length of the whitened offset `W c`,
+    # a sum of squares, where `c' P c` in float32 cancels (0.75% off
+    # scikit-learn for feature scales 1 to 1e-3, 71% at 1e-4). Computed in
+    # float64 from the covariance by `fit_mahalanobis` (a float32 precision
+    # has already lost the large-variance directions at such scales), else
+    # from `precision`.
+    whitening: Float[Array, "members dim dim"]
+
+    def __init__(
+        self,
+        means: Float[ArrayLike, "members classes dim"],
+        precision: Float[ArrayLike, "members dim dim"],
+        whitening: Float[ArrayLike, "members dim dim"] | None = None,
+    ):
+        self.means = jnp.asarray(means)
+        self.precision = jnp.asarray(precision)
+        self.whitening = (
+            _square_root(precision, self.precision.dtype)
+            if whitening is None
+            else jnp.asarray(whitening, self.precision.dtype)
+        )
 
     def __call__(
         self, features: Float[ArrayLike, "members batch dim"]
     ) -> Float[Array, "members batch"]:
         members, dim = self.precision.shape[:2]
         f = _applied(features, members, dim, "Mahalanobis")
-        return _mahalanobis(self.means, self.precision, f)
+        return _mahalanobis(self.means, self.whitening, f)
+
+
+def _square_root(precision: Any, dtype: Any) -> Array:
+    """`W` with `W' W = precision` for each member (eigenvectors as rows,
+    times the square roots of their eigenvalues; a negative one, rounding's,
+    taken as 0), computed in float64 on the host (in the precision's dtype
+    inside a trace)."""
+    if is_traced(precision):
+        values, vectors = jnp.linalg.eigh(precision)
+        root = jnp.sqrt(jnp.maximum(values, 0))
+        return root[:, :, None] * jnp.swapaxes(vectors, -1, -2)
+    array = np.asarray(precision, np.float64)
+    values, vectors = np.linalg.eigh((array + np.swapaxes(array, -1, -2)) / 2)
+    root = np.sqrt(np.maximum(values, 0))
+    return jnp.asarray(root[:, :, None] * np.swapaxes(vectors, -1, -2), dtype)
+
+
+def _inverse_square_root(covariance: np.ndarray) -> np.ndarray:
+    """`W` with `W' W = pinv(covariance)` for each member, in float64: the
+    eigenvectors as rows over the square roots of their eigenvalues, those
+    under `np.linalg.pinv`'s cut-off (relative 1e-15) taken as 0."""
+    values, vectors = np.linalg.eigh(covariance)
+    cutoff = 1e-15 * np.max(np.abs(values), axis=-1, keepdims=True)
+    kept = values > cutoff
+    scale = np.where(kept, 1 / np.sqrt(np.where(kept, values, 1.0)), 0.0)
+    return scale[:, :, None] * np.swapaxes(vectors, -1, -2)
 
 
 @one_shot_jit
-def _mahalanobis(means: Array, precision: Array, f: Array) -> Array:
+def _mahalanobis(means: Array, whitening: Array, f: Array) -> Array:
     centred = f[:, :, None, :] - means[:, None, :, :]  # (members, batch, classes, dim)
-    distances = jnp.einsum("mbcd,mde,mbce->mbc", centred, precision, centred)
-    return jnp.min(distances, axis=-1)
+    whitened = jnp.einsum("mde,mbce->mbcd", whitening, centred)
+    return jnp.min(jnp.sum(whitened**2, axis=-1), axis=-1)
 
 
 def fit_mahalanobis(
@@ -133,7 +182,11 @@ def fit_mahalanobis(
     centred = array - means[:, y]
     covariance = np.einsum("mbd,mbe->mde", centred, centred) / array.shape[1]
     precision = np.stack([np.linalg.pinv(c, hermitian=True) for c in covariance])
-    return Mahalanobis(jnp.asarray(means, f.dtype), jnp.asarray(precision, f.dtype))
+    return Mahalanobis(
+        jnp.asarray(means, f.dtype),
+        jnp.asarray(precision, f.dtype),
+        jnp.asarray(_inverse_square_root(covariance), f.dtype),
+    )
 
 
 class GaussianDensity(eqx.Module):

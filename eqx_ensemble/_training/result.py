@@ -25,7 +25,9 @@ class FitResult:
       became non-finite at that step (steps count from 1, as everywhere: the
       logs, `steps=`, checkpoints); the member keeps its parameters after the
       step before (its last finite ones) and trains no more, the others train
-      on. Its losses from that step on are NaN: `history.losses[step - 1:]`.
+      on. Row `step - 1` of `history.losses` holds the loss computed at
+      that step (finite where only the gradient or the update was not), and
+      its losses after it are NaN: `history.losses[step:]`.
     - `stopped`: `{member: step}` for members stopped before the end (by
       [`ee.EarlyStopping`][eqx_ensemble.EarlyStopping]): the last step each
       trained; from then on they were frozen. When every member has
