@@ -109,8 +109,7 @@ class _Rewriter:
             found = any(
                 _rewritable(eqn)
                 or any(
-                    self.convolves(inner.jaxpr)
-                    for inner in _closed_jaxprs(eqn.params)
+                    self.convolves(inner.jaxpr) for inner in _closed_jaxprs(eqn.params)
                 )
                 for eqn in jaxpr.eqns
             )

@@ -347,7 +347,7 @@ def canonical(obj: Any) -> Any:
 
 
 # The key of a function found doubtful.
-_DOUBTFUL = object()
+_DOUBTFUL = _Key(("doubtful",))
 
 
 def _remembered(obj: Any) -> bool:
