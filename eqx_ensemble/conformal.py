@@ -44,6 +44,7 @@ from ._metrics.regression import means_variances_targets, one_output
 from ._metrics.time_series import (
     EnbPI,
     Sequential,
+    UnboundedIntervalWarning,
     enbpi,
     out_of_bag,
     sequential,
@@ -64,6 +65,7 @@ __all__ = [
     "enbpi",
     "Sequential",
     "sequential",
+    "UnboundedIntervalWarning",
 ]
 
 

@@ -298,10 +298,14 @@ def test_a_member_whose_optimizer_state_alone_overflows_is_found_step_by_step(
         lambda: optax.chain(optax.zero_nans(), optax.sgd(0.01)),
         lambda: optax.apply_if_finite(optax.sgd(0.01), 3),
         lambda: optax.MultiSteps(
+            optax.sgd(0.01), 1, should_skip_update_fn=optax.skip_not_finite
+        ).gradient_transformation(),
+        # (`skip_not_finite` given positionally is `use_grad_mean`: no skip.)
+        lambda: optax.MultiSteps(
             optax.sgd(0.01), 1, optax.skip_not_finite
         ).gradient_transformation(),
     ],
-    ids=["zero_nans", "apply_if_finite", "multisteps_skip"],
+    ids=["zero_nans", "apply_if_finite", "multisteps_skip", "multisteps_no_skip"],
 )
 def test_an_optimizer_that_hides_non_finite_gradients_keeps_the_guarded_step(
     checks, make_optimizer, request
@@ -309,8 +313,9 @@ def test_an_optimizer_that_hides_non_finite_gradients_keeps_the_guarded_step(
     # Such an optimizer keeps the weights finite where a gradient was not: the
     # end-of-dispatch check could not see it, so every step is checked, and a
     # member whose gradient alone is NaN is frozen at its start weights.
-    # (`MultiSteps` with a skip function accumulates the NaN gradient in its
-    # state first: the end-of-dispatch check sees it and replays.)
+    # `MultiSteps` with a skip function skips the step (its weights and
+    # accumulator stay finite); without one it accumulates the NaN gradient
+    # in its state: the end-of-dispatch check sees it and replays.
     optimizer = make_optimizer()
     ens = ee.ensemble(
         lambda k: eqx.nn.MLP(2, 1, 8, 1, key=k), size=SIZE, key=jax.random.key(0)
@@ -342,7 +347,7 @@ def test_an_optimizer_that_hides_non_finite_gradients_keeps_the_guarded_step(
         key=jax.random.key(2),
         callbacks=(),
     )
-    hidden = request.node.callspec.id != "multisteps_skip"
+    hidden = request.node.callspec.id != "multisteps_no_skip"
     assert checks and ("deferred" not in checks) == hidden
     assert set(result.diverged) == {1}
     _assert_same(result.ensemble[1], ens[1])

@@ -8,6 +8,7 @@ bootstrap (`conformal.jackknife_plus_after_bootstrap`).
 
 import math
 import numbers
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -118,10 +119,15 @@ def _is_real(value: Any) -> bool:
 def _traced_ranks(alpha: Array, n: Any) -> tuple[Array, Array]:
     """The ranks of `interval` with `beta = alpha / 2` for a traced `alpha`:
     `k = floor(alpha / 2 (n + 1))` below and `n + 1 - k` above (the same
-    whole numbers as `ceil((1 - alpha / 2)(n + 1))`), with a float32-sized
-    nudge so that a level the Python path puts exactly on a rank gets that
-    rank here too."""
-    k = jnp.floor(alpha / 2 * (n + 1) + 1e-6 * (n + 1))
+    whole numbers as `ceil((1 - alpha / 2)(n + 1))`), nudged up by float32's
+    resolution (relative `eps`) so that a level the Python path puts exactly
+    on a rank (0.06 at n = 99, which float32 rounds to 0.0599999986) gets that
+    rank here too. A level whose rank lies within that resolution of a whole
+    number without being one cannot be told apart in float32; an absolute
+    nudge (`1e-6 (n + 1)`) moved levels such as 0.099999 at n = 999 a rank
+    away."""
+    x = alpha / 2 * (n + 1)
+    k = jnp.floor(x + jnp.finfo(jnp.float32).eps * x)
     return k, n + 1 - k
 
 
@@ -458,9 +464,13 @@ def sequential(
     After a miss the level drops (wider intervals), after a hit it rises; over
     any stretch of `T` steps the miss rate is within `(max(alpha_1, 1 - alpha_1)
     + gamma) / (gamma T)` of `alpha`, whatever the series does. As in the paper,
-    `alpha_t` is not clipped: below 0 the interval is infinite (`lower = -inf`,
-    `upper = inf`), from 1 on it is empty (`lower = inf`, `upper = -inf`).
-    (MAPIE clips `alpha_t` to `[0, 1]`; the two agree while it stays inside.)
+    `alpha_t` is not clipped: below the smallest level the window resolves
+    (about `2 / (n + 1)` for `n` residuals; below 0 certainly) a side is
+    infinite (`lower = -inf`, `upper = inf`), from 1 on the interval is empty
+    (`lower = inf`, `upper = -inf`). Such intervals are warned about, with
+    their count (a mean width would be infinite): summarise the finite ones
+    (`np.isfinite`), or take a smaller `gamma` or a longer window. (MAPIE clips
+    `alpha_t` to `[0, 1]`; the two agree while it stays inside.)
 
     **Arguments:**
 
@@ -522,6 +532,7 @@ def sequential(
         start,
         bool(update),
     )
+    _warn_unbounded(lower, upper, int(calibrated.residuals.shape[0]))
     return Sequential(
         lower=lower,
         upper=upper,
@@ -530,3 +541,26 @@ def sequential(
         calibrated=state,
         next_alpha=next_alpha,
     )
+
+
+class UnboundedIntervalWarning(UserWarning):
+    """Some intervals of [`sequential`][eqx_ensemble.conformal.sequential] are
+    infinite or empty: the adaptive level left the range the window resolves."""
+
+
+def _warn_unbounded(lower: Array, upper: Array, n: int) -> None:
+    if is_traced(lower):
+        return
+    unbounded = ~(np.isfinite(np.asarray(lower)) & np.isfinite(np.asarray(upper)))
+    count = int(unbounded.sum())
+    if count:
+        warnings.warn(
+            f"{count} of {unbounded.size} intervals are unbounded (infinite, or "
+            f"empty from a level of 1 on): the adaptive level went below the "
+            f"smallest the window of {n} residuals resolves (about "
+            f"{2 / (n + 1):.3g}) or reached 1. Their width is infinite; summarise "
+            "the finite ones (`np.isfinite`), or take a smaller `gamma` or a "
+            "longer window",
+            UnboundedIntervalWarning,
+            stacklevel=3,
+        )

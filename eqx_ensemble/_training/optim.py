@@ -109,11 +109,19 @@ def hides_non_finite(opt_state: PyTree[Any]) -> bool:
     skips non-finite gradients itself (`optax.zero_nans`,
     `optax.apply_if_finite`): its weights and state stay finite where the
     gradient was not, so `fit` checks every step rather than the end of each
-    dispatch (`Run.dispatch`). (`optax.MultiSteps` with a skip function
-    accumulates the gradient first: its state shows it.)"""
-    kinds = (optax.ZeroNansState, optax.ApplyIfFiniteState)
+    dispatch (`Run.dispatch`). So does `optax.MultiSteps` given a
+    `should_skip_update_fn` (`optax.skip_not_finite`): a skipped step leaves
+    its accumulator and weights as they were; its state holds the skip
+    function's state."""
+    kinds = (optax.ZeroNansState, optax.ApplyIfFiniteState, optax.MultiStepsState)
     nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
-    return any(isinstance(x, kinds) for x in nodes)
+    return any(
+        isinstance(x, kinds)
+        and not (
+            isinstance(x, optax.MultiStepsState) and not jax.tree.leaves(x.skip_state)
+        )
+        for x in nodes
+    )
 
 
 def is_hyperparam_node(x: Any) -> bool:
