@@ -89,6 +89,7 @@ from ._metrics.selective import (
     risk_coverage_curve as risk_coverage_curve,
 )
 from ._metrics.temperature import (
+    TemperatureAtBoundWarning as TemperatureAtBoundWarning,
     apply_temperature as apply_temperature,
     fit_temperature as fit_temperature,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "adaptive_calibration_error",
     "max_calibration_error",
     "fit_temperature",
+    "TemperatureAtBoundWarning",
     "apply_temperature",
     # Regression.
     "predictive_mean",

@@ -545,7 +545,24 @@ def sequential(
 
 class UnboundedIntervalWarning(UserWarning):
     """Some intervals of [`sequential`][eqx_ensemble.conformal.sequential] are
-    infinite or empty: the adaptive level left the range the window resolves."""
+    infinite or empty: the adaptive level left the range the window resolves.
+
+    **Example:**
+
+    ```python
+    import warnings
+
+    counts = ee.Bootstrap().in_bag(jax.random.key(0), size=10, num_examples=60)
+    calibrated = ee.conformal.enbpi(
+        jax.random.normal(jax.random.key(1), (10, 60)),
+        jax.random.normal(jax.random.key(2), (60,)), alpha=0.2, in_bag=counts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ee.conformal.sequential(calibrated, jnp.zeros((10, 30)),
+                                10 + jnp.zeros(30), gamma=0.5)   # every miss
+    caught[0].category is ee.conformal.UnboundedIntervalWarning   # True
+    ```
+    """
 
 
 def _warn_unbounded(lower: Array, upper: Array, n: int) -> None:
