@@ -673,6 +673,7 @@ def test_ood_auroc_with_an_ensembles_uncertainty():
 # ---------------------------------------------------------------------------
 # Exact zeros and ones, jit, gradients.
 
+
 def _temperature_of_any_data(logits, labels):
     # Random labels: the fitted temperature may lie at its bound (warned).
     with warnings.catch_warnings():
