@@ -436,3 +436,32 @@ def test_the_run_names_no_component():
     from eqx_ensemble._training import fit
 
     assert components_named(fit) == ["Checkpointer", "ProgressBar"]
+
+
+def test_the_declared_floor_is_the_tested_one():
+    """Every core dependency's lower bound in pyproject.toml is the version
+    `make test-floor` (CI) installs from tests/floor.txt, and the reverse: the
+    declared range is a promise tested at its floor."""
+    import tomllib
+
+    root = PACKAGE.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    declared = {}
+    for requirement in project["dependencies"]:
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement)
+        assert match, f"{requirement!r}: give each core dependency a floor (>=)"
+        declared[match[1].lower()] = match[2]
+    pinned = {}
+    for line in (root / "tests" / "floor.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pinned[name.lower()] = version
+
+    def same(a: str, b: str) -> bool:
+        pad = lambda v: [int(x) for x in v.split(".")] + [0] * (3 - v.count(".") - 1)  # noqa: E731
+        return pad(a) == pad(b)
+
+    assert set(declared) == set(pinned), (declared, pinned)
+    for name, version in declared.items():
+        assert same(version, pinned[name]), (name, version, pinned[name])

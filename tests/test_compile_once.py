@@ -382,6 +382,8 @@ def test_compilation_cache_writes_programs(tmp_path):
     assert any(folder.iterdir()), "no program was written to the cache folder"
     with pytest.raises(ValueError, match="min_compile_seconds"):
         ee.compilation_cache(tmp_path, min_compile_seconds=-1.0)
+    with pytest.raises(TypeError, match="directory"):
+        ee.compilation_cache(3)  # type: ignore[arg-type]
 
 
 def test_a_loss_holding_arrays_is_planned_once(monkeypatch):

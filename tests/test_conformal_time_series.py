@@ -371,6 +371,17 @@ def test_levels_outside_zero_one_and_bad_values():
         ee.conformal.sequential(calibrated, means, jnp.array([0.0, jnp.inf]))
     with pytest.raises(ValueError, match="`targets` holds"):
         calibrated.update(means, jnp.array([0.0, jnp.nan]))
+    # A NaN prediction: refused, not NaN bounds or a NaN in the window.
+    nan_means = means.at[1, 0].set(jnp.nan)
+    with pytest.raises(ValueError, match="`means` holds 1 non-finite"):
+        calibrated.update(nan_means, jnp.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match="`means` holds 1 non-finite"):
+        calibrated.interval(nan_means)
+    # Half-precision means give float32 bounds, as float32 means would.
+    lower, upper = calibrated.interval(means.astype(jnp.bfloat16))
+    assert lower.dtype == upper.dtype == jnp.float32
+    with pytest.raises(TypeError, match="update"):
+        ee.conformal.sequential(calibrated, means, jnp.zeros(2), update="no")
     for gamma in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="gamma"):
             ee.conformal.sequential(calibrated, means, jnp.zeros(2), gamma=gamma)

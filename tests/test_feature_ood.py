@@ -125,3 +125,13 @@ def test_bad_input_is_refused():
     bad[0, 3, 1] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         ee.ood.fit_knn(bad)
+    # Fitted on finite features, a NaN feature is refused, not scored NaN.
+    nan_test = TEST.copy()
+    nan_test[1, 4, 2] = np.nan
+    for fitted in (
+        detector,
+        ee.ood.fit_gaussian_density(TRAIN, LABELS),
+        ee.ood.fit_knn(TRAIN, k=np.int64(5)),  # a NumPy integer is an int
+    ):
+        with pytest.raises(ValueError, match="member 1, example 4"):
+            fitted(nan_test)

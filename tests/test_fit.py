@@ -172,7 +172,8 @@ def solo_step(model, opt_state, batch, key, loss_fn, optimizer):
     # with strict dtype promotion, so trace optax with standard promotion.
     with jax.numpy_dtype_promotion("standard"):
         updates, opt_state = optimizer.update(grads, opt_state, params(model))
-    return eqx.apply_updates(model, updates), opt_state, loss, optax.tree.norm(grads)
+    norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
+    return eqx.apply_updates(model, updates), opt_state, loss, norm
 
 
 @eqx.filter_jit

@@ -141,8 +141,7 @@ class _Rewriter:
                 }
                 outputs = _bind(eqn, inputs, params)
             for var, value in zip(eqn.outvars, outputs, strict=True):
-                if not isinstance(var, jex.DropVar):
-                    env[var] = value
+                env[var] = value  # (a dropped output too: never read)
         return [read(var) for var in jaxpr.outvars]
 
     def _param(self, value: Any) -> Any:

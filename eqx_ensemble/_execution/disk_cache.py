@@ -58,6 +58,11 @@ def compilation_cache(
     ens(jnp.ones(1)).shape     # (2, 1): compiled once, then read from `folder`
     ```
     """
+    if directory is not None and not isinstance(directory, str | os.PathLike):
+        raise TypeError(
+            "`directory` must be a folder's path (a str or pathlib.Path) or None, "
+            f"got {type(directory).__name__} {directory!r}"
+        )
     if min_compile_seconds < 0:
         raise ValueError(
             f"`min_compile_seconds` must be at least 0, got {min_compile_seconds}"

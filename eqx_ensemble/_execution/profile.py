@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.extend
+import jax.extend.core as jex
 import numpy as np
 from jaxtyping import PyTree
 
@@ -54,6 +54,19 @@ _CALLS = frozenset(
 )
 
 
+def inner_jaxprs(params: dict[str, Any]) -> list[Any]:
+    """The jaxprs an equation's parameters hold (a closed one's own), as
+    `jax.extend.core.jaxprs_in_params` gives them (which JAX 0.8 lacks)."""
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(item, jex.ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, jex.Jaxpr):
+                found.append(item)
+    return found
+
+
 def profile_jaxpr(jaxpr: Any) -> StepProfile:
     convolutions = batched_dots = False
     convolution_flops = dot_flops = intermediate_bytes = 0.0
@@ -63,7 +76,7 @@ def profile_jaxpr(jaxpr: Any) -> StepProfile:
         nonlocal intermediate_bytes
         for equation in inner.eqns:
             name = equation.primitive.name
-            subs = list(jax.extend.core.jaxprs_in_params(equation.params))
+            subs = inner_jaxprs(equation.params)
             if name not in _CALLS:
                 written = sum(_bytes(v.aval) for v in equation.outvars)
                 intermediate_bytes += times * written

@@ -91,6 +91,12 @@ def _lead(vector: Array, like: Array) -> Array:
     return jnp.reshape(vector, (1,) * (like.ndim - 1) + vector.shape)
 
 
+def _norm(tree: Any) -> Array:
+    # The L2 norm of a tree (`optax.tree_utils.tree_norm`, which optax 0.2.4
+    # lacks; its `tree_l2_norm` is deprecated from 0.2.5).
+    return jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(tree)))
+
+
 class _Affine(eqx.Module):
     """Shared by the three parametric calibrators: `weight` and `bias` (with a
     leading member axis when fitted per member)."""
@@ -219,7 +225,7 @@ def _lbfgs(
         updates, state = solver.update(
             grad, state, params, value=value, grad=grad, value_fn=objective
         )
-        norm = otu.tree_norm(grad)
+        norm = _norm(grad)
         # Progress: an objective below the lowest so far, or a gradient norm
         # half the one at the last progress (a float32 objective can stay
         # flat for a dozen steps while the gradient still shrinks, and then
@@ -238,9 +244,7 @@ def _lbfgs(
         count = otu.tree_get(state, "count")
         grad = otu.tree_get(state, "grad")
         return (count == 0) | (
-            (count < iterations)
-            & (otu.tree_norm(grad) >= tolerance)
-            & (stalled < STALL_STEPS)
+            (count < iterations) & (_norm(grad) >= tolerance) & (stalled < STALL_STEPS)
         )
 
     infinity = jnp.asarray(jnp.inf, dtype)

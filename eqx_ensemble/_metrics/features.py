@@ -3,6 +3,7 @@ distance to the class means (Lee et al. 2018), the class-conditional Gaussian
 density of DDU (Mukhoti et al. 2023) and the k-th nearest neighbour distance
 (Sun et al. 2022), each fitted per member."""
 
+import numbers
 from typing import Any
 
 import equinox as eqx
@@ -62,6 +63,16 @@ def _applied(features: Any, members: int, dim: int, who: str) -> Array:
             f"{who} was fitted on {members} members' features of dimension {dim}, "
             f"got features of shape {tuple(f.shape)} (members, batch, dim)"
         )
+    if not is_traced(f):
+        # A NaN feature would score NaN: neither in nor out of distribution.
+        bad = ~np.isfinite(np.asarray(f))
+        if bad.any():
+            member, example, _ = np.argwhere(bad)[0].tolist()
+            raise ValueError(
+                f"{who}: `features` holds {int(bad.sum())} non-finite value(s), the "
+                f"first of member {member}, example {example}; drop diverged "
+                "members or bad inputs first"
+            )
     return f
 
 
@@ -356,7 +367,9 @@ def _kth_distance(bank: Array, f: Array, k: int) -> Array:
     return jnp.sqrt(jnp.maximum(nearest, 0.0))
 
 
-def fit_knn(features: Float[ArrayLike, "members batch dim"], *, k: int = 50) -> KNN:
+def fit_knn(
+    features: Float[ArrayLike, "members batch dim"], *, k: int | np.integer = 50
+) -> KNN:
     """Keep the normalised training features for the KNN OOD score (Sun et al.
     2022; `k=50` as in the paper for CIFAR-10 with all training data).
 
@@ -378,9 +391,13 @@ def fit_knn(features: Float[ArrayLike, "members batch dim"], *, k: int = 50) -> 
     ```
     """
     f = _features(features)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= f.shape[1]:
+    if (
+        isinstance(k, bool | np.bool_)
+        or not isinstance(k, numbers.Integral)
+        or not 1 <= k <= f.shape[1]
+    ):
         raise ValueError(
             f"`k` must be an int from 1 to the number of training examples "
             f"({f.shape[1]}), got {k!r}"
         )
-    return KNN(_normalised(f), k)
+    return KNN(_normalised(f), int(k))

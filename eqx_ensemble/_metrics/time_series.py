@@ -193,7 +193,10 @@ class EnbPI(eqx.Module):
                 f"{self.members}: predict with every member of the bootstrapped "
                 "ensemble"
             )
-        return array
+        # A NaN prediction would give NaN bounds, or a NaN in the window that
+        # every later interval reads; half precision computes in float32.
+        _check_finite(array, "means")
+        return array.astype(jnp.float32) if jnp.finfo(array.dtype).bits < 32 else array
 
     def predict(
         self, means: Float[ArrayLike, "members batch *one"]
@@ -517,6 +520,8 @@ def sequential(
             f"`targets` must have shape ({array.shape[1]},) (one per column of "
             f"`means`), got {tuple(target_array.shape)}"
         )
+    if not isinstance(update, bool | np.bool_):
+        raise TypeError(f"`update` must be True or False, got {update!r}")
     start = calibrated.alpha if start_alpha is None else start_alpha
     start = jnp.asarray(start, jnp.float32)
     if start.shape != ():

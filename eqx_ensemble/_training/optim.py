@@ -598,8 +598,7 @@ def _kept_inputs(
             if isinstance(inner, jex_core.Jaxpr) and len(inner.invars) == len(ins):
                 outs = _kept_inputs(inner, ins)
         for var, found in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(var, jex_core.DropVar):
-                origin[var] = found
+            origin[var] = found  # (a dropped output too: never read)
     return [of(atom) for atom in jaxpr.outvars]
 
 
