@@ -253,6 +253,10 @@ def test_misuse_is_refused_before_any_work(ens, tmp_path):
     counter = CountDispatches()
     with pytest.raises(ValueError, match=r"`callbacks\[1\]`.*is given twice"):
         run(ens, callbacks=[counter, counter])
+    # A tracker goes in `track=` (it is callable: as a plain function it was
+    # called after each dispatch, far from here).
+    with pytest.raises(TypeError, match=r"`callbacks\[0\]` is a `EMA`.*track="):
+        run(ens, callbacks=[ee.EMA(0.9), observer])
     assert calls == [] and not list(tmp_path.iterdir())  # nothing ran or written
     run(ens, callbacks=[counter, CountDispatches()])  # two instances: two states
 

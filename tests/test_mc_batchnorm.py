@@ -110,3 +110,12 @@ def test_bad_input_is_refused():
     with pytest.raises(TypeError, match="ONE model"):
         ee.mc_batchnorm(ens, ens_state, X, samples=2, batch_size=8,
                         key=jax.random.key(0))  # fmt: skip
+    # A NaN row would reach every batch that draws it: NaN members, refused.
+    bad = np.asarray(X).copy()
+    bad[7, 1] = np.nan
+    with pytest.raises(ValueError, match="example 7"):
+        ee.mc_batchnorm(model, state, bad, samples=2, batch_size=8,
+                        key=jax.random.key(0))  # fmt: skip
+    with pytest.raises(TypeError, match="eqx.nn.State"):
+        ee.mc_batchnorm(model, None, X, samples=2, batch_size=8,
+                        key=jax.random.key(0))  # fmt: skip

@@ -96,3 +96,5 @@ def test_bad_input_is_refused():
     ens = ee.ensemble(Net, size=2, key=jax.random.key(0))
     with pytest.raises(TypeError, match="ONE model"):
         ee.mc_dropout(ens, 4, key=jax.random.key(1))
+    with pytest.raises(TypeError, match="ONE model, got an `Heterogeneous`"):
+        ee.mc_dropout(ee.Heterogeneous([ens, ens]), 4, key=jax.random.key(1))

@@ -122,6 +122,17 @@ def test_recalibration_refuses_bad_input():
     targets[3] = np.nan
     with pytest.raises(ValueError, match="NaN|nan|finite"):
         ee.calibration.fit_quantile_recalibration(means, variances, targets)
+    # No spread (members that agree and predict a variance of 0): refused, not
+    # intervals of width 0.
+    targets[3] = 0.0
+    fitted = ee.calibration.fit_quantile_recalibration(means, variances, targets)
+    same = np.repeat(means[:1], means.shape[0], axis=0)
+    flat = np.asarray(variances).copy()
+    flat[:, 5] = 0.0
+    with pytest.raises(ValueError, match="not positive at 1 example.*index 5"):
+        fitted.interval(same, flat, 0.9)
+    with pytest.raises(ValueError, match="not positive"):
+        ee.calibration.fit_quantile_recalibration(same, flat, targets)
 
 
 def test_gaussian_and_student_t_losses_are_scipys_densities():

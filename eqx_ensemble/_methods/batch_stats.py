@@ -9,12 +9,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.data import num_examples
 from .._core.ensemble import Ensemble
 from .._internal.checks import check_positive_int
 from .._internal.keys import check_key
+from .._internal.tree import is_traced
 
 
 def _batch_norms(model: Any) -> list[eqx.nn.BatchNorm]:
@@ -268,6 +270,11 @@ def mc_batchnorm(
             "`ee.mc_batchnorm` takes ONE model; for an ensemble, call it per "
             "member (`ens[i]`, with that member's state)"
         )
+    if not isinstance(state, eqx.nn.State):
+        raise TypeError(
+            "`state` must be the model's `eqx.nn.State` (from "
+            f"`eqx.nn.make_with_state`), got {type(state).__name__}"
+        )
     layers = _batch_norms(model)
     if not layers:
         raise ValueError(
@@ -275,6 +282,17 @@ def mc_batchnorm(
             f"{type(model).__name__} has none"
         )
     n = num_examples(x, "x")
+    # One NaN row reaches every batch that draws it: NaN statistics, NaN members.
+    for path, leaf in jax.tree_util.tree_flatten_with_path(x)[0]:
+        if is_traced(leaf) or not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact):
+            continue
+        bad = ~np.isfinite(np.asarray(leaf))
+        if bad.any():
+            row = int(np.argwhere(bad)[0][0])
+            raise ValueError(
+                f"`x{jax.tree_util.keystr(path)}` holds {int(bad.sum())} non-finite "
+                f"value(s), the first in example {row}: drop such rows first"
+            )
     batch_size = check_positive_int(batch_size, "batch_size")
     if batch_size > n:
         raise ValueError(

@@ -11,7 +11,7 @@ import numpy as np
 from jax.scipy.special import ndtr
 from jaxtyping import Array, ArrayLike, Float
 
-from .._internal.tree import as_array
+from .._internal.tree import as_array, is_traced
 from ..combine import gaussian_mixture
 from .checks import check_level
 from .regression import _means_variances, means_variances_targets
@@ -167,6 +167,7 @@ class QuantileRecalibration(eqx.Module):
         check_level(level)
         means, variances = _means_variances(means, variances)
         mean, variance = gaussian_mixture(means, variances)
+        _check_spread(variance, "quantile")
         z = self._inverse(jnp.asarray(level, mean.dtype))
         return mean + jnp.sqrt(variance) * z
 
@@ -222,6 +223,7 @@ def fit_quantile_recalibration(
     ```
     """
     means, variances, targets = means_variances_targets(means, variances, targets)
+    _check_spread(gaussian_mixture(means, variances)[1], "fit_quantile_recalibration")
     z = np.asarray(_standardised(means, variances, targets), np.float64).ravel()
     if z.size < 2:
         raise ValueError(
@@ -245,3 +247,21 @@ def fit_quantile_recalibration(
         z_unique, fitted = np.repeat(z_unique, 2), np.repeat(fitted, 2)
     dtype = means.dtype
     return QuantileRecalibration(as_array(z_unique, dtype), as_array(fitted, dtype))
+
+
+def _check_spread(variance: Array, who: str) -> None:
+    # A predictive variance of 0 (every member the same mean and a variance of
+    # 0) has no spread to recalibrate: its quantiles would all be the mean,
+    # an interval of width 0 at any level. Refused where it can be read.
+    if is_traced(variance):
+        return
+    flat = np.asarray(variance).reshape(-1)
+    zero = ~(flat > 0)
+    if zero.any():
+        raise ValueError(
+            f"`{who}`: the predictive variance is not positive at "
+            f"{int(zero.sum())} example(s), the first at index "
+            f"{int(np.argmax(zero))} (members that agree on the mean and predict "
+            "a variance of 0): recalibration scales a spread, and there is none; "
+            "floor the members' variances (e.g. `softplus(raw) + 1e-6`)"
+        )

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from .._core.ensemble import Ensemble
+from .._core.heterogeneous import is_ensemble
 from .._internal.checks import check_positive_int
 from .._internal.keys import check_key
 
@@ -112,10 +113,11 @@ def mc_dropout(model: Any, samples: int, *, key: PRNGKeyArray) -> Ensemble:
     """
     samples = check_positive_int(samples, "samples")
     check_key(key)
-    if isinstance(model, Ensemble):
+    if is_ensemble(model):  # an `ee.Ensemble` or `ee.Heterogeneous`
         raise TypeError(
-            "`ee.mc_dropout` takes ONE model; for every member of an ensemble, "
-            "call it per member (`ens[i]`): one ensemble of passes per member"
+            f"`ee.mc_dropout` takes ONE model, got an `{type(model).__name__}`; for "
+            "every member of an ensemble, call it per member (`ens[i]`): one "
+            "ensemble of passes per member"
         )
     if not any(map(_is_dropout, jax.tree.leaves(model, is_leaf=_is_dropout))):
         raise ValueError(

@@ -174,6 +174,14 @@ def check_callbacks(callbacks: Any) -> None:
                 f"`callbacks[{position}]` is a `{type(item).__name__}`: pass it as "
                 "`fit(..., checkpoints=...)`, which also resumes the run from it"
             )
+        if isinstance(item, Tracker):
+            # (A tracker is callable: taken for a plain function, it would be
+            # called after every dispatch and fail far from here.)
+            raise TypeError(
+                f"`callbacks[{position}]` is a `{type(item).__name__}`, a tracker "
+                "updated inside the compiled loop: pass it as "
+                f"`fit(..., track=[{type(item).__name__}(...)])`"
+            )
         if getattr(item, "checkpointed", False):
             if id(item) in seen:
                 raise ValueError(
