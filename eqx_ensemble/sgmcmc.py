@@ -40,6 +40,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,6 +194,19 @@ def _increment(count: Array) -> Array:
     return jnp.asarray(optax.safe_int32_increment(count))
 
 
+def _non_negative(value: Any, who: str, what: str) -> Any:
+    """`value`, checked where it is computed: a schedule that goes below 0
+    mid-run would make the noise's scale NaN and end as "members diverged"."""
+    if not callable(getattr(value, "shape", None)) and isinstance(value, int | float):
+        return value  # a constant, checked when the sampler was made
+    return eqx.error_if(
+        value,
+        value < 0,
+        f"`ee.sgmcmc.{who}`: the {what} schedule gave a negative value; a "
+        "schedule must stay at or above 0 for the whole run",
+    )
+
+
 def _require_key(key: Any, who: str) -> None:
     if key is None:
         raise ValueError(
@@ -269,8 +283,9 @@ def sgld(
     def update(updates, state, params=None, *, key=None, **extra_args):
         del params, extra_args
         _require_key(key, "sgld")
-        lr = lr_at(state.count)
-        scale = jnp.sqrt(2.0 * lr * temperature_at(state.count) / num_data)
+        lr = _non_negative(lr_at(state.count), "sgld", "learning rate")
+        temperature = _non_negative(temperature_at(state.count), "sgld", "temperature")
+        scale = jnp.sqrt(2.0 * lr * temperature / num_data)
         noise = _noise(key, updates, scale)
         new = jax.tree.map(lambda g, n: (-lr * g).astype(g.dtype) + n, updates, noise)
         return new, SGLDState(count=_increment(state.count))
@@ -348,8 +363,9 @@ def sghmc(
     def update(updates, state, params=None, *, key=None, **extra_args):
         del params, extra_args
         _require_key(key, "sghmc")
-        lr = lr_at(state.count)
-        scale = jnp.sqrt(2.0 * friction * lr * temperature_at(state.count) / num_data)
+        lr = _non_negative(lr_at(state.count), "sghmc", "learning rate")
+        temperature = _non_negative(temperature_at(state.count), "sghmc", "temperature")
+        scale = jnp.sqrt(2.0 * friction * lr * temperature / num_data)
         noise = _noise(key, updates, scale)
         momentum = jax.tree.map(
             lambda v, g, n: ((1.0 - friction) * v - lr * g).astype(v.dtype) + n,

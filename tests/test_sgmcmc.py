@@ -331,3 +331,20 @@ def test_grouped_noise_is_each_leafs_own_normal_draw():
     calls = jax.jit(grouped).lower(key).as_text().count("call @threefry2x32")
     assert calls == 3, calls
     assert jax.jit(by_leaf).lower(key).as_text().count("call @threefry2x32") == 7
+
+
+@pytest.mark.parametrize("sampler", [ee.sgmcmc.sgld, ee.sgmcmc.sghmc])
+def test_a_schedule_that_goes_negative_is_named(sampler):
+    # Below 0 the noise's scale is NaN: the run used to end as "members
+    # diverged", far from the cause.
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 1, key=k), size=2,
+                      key=jax.random.key(0))  # fmt: skip
+    x = jnp.linspace(-1, 1, 32)[:, None]
+
+    def loss(model, batch, key):
+        return jnp.mean((jax.vmap(model)(batch[0]) - batch[1]) ** 2)
+
+    falling = optax.linear_schedule(1e-3, -2e-3, 30)  # negative from step 11
+    with pytest.raises(Exception, match="schedule gave a negative value"):
+        ee.fit(ens, loss, sampler(falling, num_data=32), (x, x), steps=30,
+               batch_size=8, key=jax.random.key(1), callbacks=())  # fmt: skip
