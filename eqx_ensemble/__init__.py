@@ -63,6 +63,7 @@ from ._methods.svgd import repulsive as repulsive, svgd as svgd
 from ._posteriors.dropout import DropoutPass as DropoutPass, mc_dropout as mc_dropout
 from ._posteriors.laplace import (
     LaplacePosterior as LaplacePosterior,
+    PriorAtGridEndWarning as PriorAtGridEndWarning,
     laplace as laplace,
 )
 from ._trackers.averages import EMA as EMA, SWA as SWA

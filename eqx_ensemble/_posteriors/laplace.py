@@ -3,6 +3,7 @@ one part of the model (the last layer by default), and the mixture over members
 (Eschenhagen et al. 2021)."""
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -270,9 +271,15 @@ class LaplacePosterior(eqx.Module):
           for a network trained without the matching weight decay it can pick a
           far too weak prior (underconfident predictions).
         - With `validation=(x, y)`: for each member, the value of `grid`
-          (default: 41 values from `1e-4` to `1e4`, evenly spaced in log) whose
+          (default: 41 values from `1e-4` to `1e4`, evenly spaced in log,
+          extended by 20 values over 4 more decades on a side whose end a
+          member chose; its top, `1e8`, is the trained weights' own
+          predictive to rounding) whose
           linearised predictive has the lowest negative log likelihood on the
-          held-out data (laplace-torch's `gridsearch`).
+          held-out data (laplace-torch's `gridsearch`). A member whose best
+          value is the grid's lowest (or either end of a `grid` given) is
+          warned about ([`ee.PriorAtGridEndWarning`][eqx_ensemble.PriorAtGridEndWarning]):
+          the search stopped short of its best.
 
         **Arguments:**
 
@@ -294,7 +301,13 @@ class LaplacePosterior(eqx.Module):
         fixed = ee.laplace(ens, (x, y), likelihood="classification",
                           prior_precision=1.0)
         fixed.optimize_prior_precision().prior_precision   # as `posterior`'s
-        fixed.optimize_prior_precision((x[:20], y[:20])).prior_precision  # by NLL
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tuned = fixed.optimize_prior_precision((x[:20], y[:20]))  # by NLL
+        tuned.prior_precision    # untrained members: more spread always helps,
+        caught[0].category       # to the grid's end: ee.PriorAtGridEndWarning
         ```
         """
         if validation is None:
@@ -934,8 +947,14 @@ def _optimize_prior(posterior: LaplacePosterior) -> Array:
     return jnp.exp(golden_section(objective, low, high, PRIOR_ITERATIONS))
 
 
+# The default grid, and how far it is extended where a member's best value is
+# at one of its ends (4 more decades on that side).
+DEFAULT_GRID = np.logspace(-4, 4, 41)
+EXTENDED_GRID = {0: np.logspace(-8, -4.2, 20), 1: np.logspace(4.2, 8, 20)}
+
+
 def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -> Array:
-    values = np.logspace(-4, 4, 41) if grid is None else np.asarray(grid, np.float64)
+    values = DEFAULT_GRID if grid is None else np.asarray(grid, np.float64)
     if (
         values.ndim != 1
         or values.size < 1
@@ -949,7 +968,63 @@ def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -
     _check_targets(posterior.ensemble, x, y, posterior.likelihood)
     losses = np.asarray(_grid_nll(posterior, x, y, jnp.asarray(values, jnp.float32)))
     best = np.argmin(losses, axis=0)  # (members,): first of ties
+    if grid is None:
+        # The default grid's end chosen: search 4 more decades that way.
+        for side, at_end in ((0, 0), (1, values.size - 1)):
+            if (best == at_end).any():
+                more = EXTENDED_GRID[side]
+                extra = np.asarray(
+                    _grid_nll(posterior, x, y, jnp.asarray(more, jnp.float32))
+                )
+                joined = (more, values) if side == 0 else (values, more)
+                stacked = (extra, losses) if side == 0 else (losses, extra)
+                values, losses = np.concatenate(joined), np.concatenate(stacked)
+                best = np.argmin(losses, axis=0)
+    # (The default grid's top, 1e8, is the limit itself: the trained weights'
+    # own predictive, to rounding. Its bottom, and a given grid's ends, cut
+    # the search short.)
+    _warn_at_grid_end(values, best, top_is_limit=grid is None)
     return jnp.asarray(values[best], jnp.float32)
+
+
+class PriorAtGridEndWarning(UserWarning):
+    """[`optimize_prior_precision`][eqx_ensemble.LaplacePosterior.optimize_prior_precision]'s
+    validation search chose an end of its grid for some members: the best
+    prior precision may lie beyond it.
+
+    **Example:**
+
+    ```python
+    issubclass(ee.PriorAtGridEndWarning, UserWarning)   # True
+    ```
+    """
+
+
+def _warn_at_grid_end(
+    values: np.ndarray, best: np.ndarray, *, top_is_limit: bool
+) -> None:
+    # (On the results page's digits, seed 0: the grid's top, 1e4, for 3 of 5
+    # members, said nowhere.)
+    if values.size < 2:
+        return
+    meaning = {
+        0: "the posterior wants more spread than the grid allows",
+        values.size - 1: "the predictive is close to the trained weights alone: "
+        "the Laplace approximation does not help on this split",
+    }
+    if top_is_limit:
+        del meaning[values.size - 1]
+    for index, why in meaning.items():
+        members = np.flatnonzero(best == index).tolist()
+        if members:
+            end = "lowest" if index == 0 else "highest"
+            warnings.warn(
+                f"the validation NLL is lowest at the grid's {end} prior precision "
+                f"({values[index]:g}) for member(s) {members}: {why}; the best value "
+                "may lie beyond the grid (pass a wider `grid=`)",
+                PriorAtGridEndWarning,
+                stacklevel=4,
+            )
 
 
 @eqx.filter_jit
