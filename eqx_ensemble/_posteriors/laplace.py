@@ -278,7 +278,8 @@ class LaplacePosterior(eqx.Module):
           linearised predictive has the lowest negative log likelihood on the
           held-out data (laplace-torch's `gridsearch`). A member whose best
           value is the grid's lowest (or either end of a `grid` given) is
-          warned about ([`ee.PriorAtGridEndWarning`][eqx_ensemble.PriorAtGridEndWarning]):
+          warned about, with an
+          [`ee.PriorAtGridEndWarning`][eqx_ensemble.PriorAtGridEndWarning]:
           the search stopped short of its best.
 
         **Arguments:**
