@@ -10,19 +10,16 @@ training features of each member (the ensemble's score: the mean over members).
 
 Scores are higher for inputs more likely out of distribution, as the scores of
 `ee.metrics` (rank them with `ee.metrics.ood_auroc`). The features come from a
-function of each member, e.g. everything but the last layer, through `ee.map`:
+function of each member: for MLPs and Sequentials, everything but the last
+layer, [`penultimate_features`][eqx_ensemble.ood.penultimate_features];
+for any other model, a function of one member through `ee.map`:
 
 ```python
 ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 3, 16, 2, key=k), size=4,
                   key=jax.random.key(0))
 
-def penultimate(model, x):
-    for layer in model.layers[:-1]:
-        x = model.activation(layer(x))
-    return x
-
 def features(x):
-    return ee.map(lambda m, xs: jax.vmap(lambda xi: penultimate(m, xi))(xs), ens, x)
+    return ee.ood.penultimate_features(ens, x)       # (members, batch, 16)
 
 x = jax.random.normal(jax.random.key(1), (300, 2))
 labels = (x[:, 0] > 0).astype(jnp.int32) + (x[:, 1] > 0).astype(jnp.int32)
@@ -39,6 +36,7 @@ from ._metrics.features import (
     fit_gaussian_density as fit_gaussian_density,
     fit_knn as fit_knn,
     fit_mahalanobis as fit_mahalanobis,
+    penultimate_features as penultimate_features,
 )
 
 __all__ = [
@@ -48,4 +46,5 @@ __all__ = [
     "Mahalanobis",
     "GaussianDensity",
     "KNN",
+    "penultimate_features",
 ]

@@ -135,3 +135,53 @@ def test_bad_input_is_refused():
     ):
         with pytest.raises(ValueError, match="member 1, example 4"):
             fitted(nan_test)
+
+
+def test_penultimate_features_are_each_members_own():
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(1), (30, 2))
+
+    def by_hand(model, xs):
+        def one(xi):
+            for layer in model.layers[:-1]:
+                xi = model.activation(layer(xi))
+            return xi
+
+        return jax.vmap(one)(xs)
+
+    # An MLP whose final activation would change the output: left out too.
+    mlps = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 3, 16, 2, final_activation=jax.nn.softmax, key=k),
+        size=3,
+        key=jax.random.key(0),
+    )
+    got = ee.ood.penultimate_features(mlps, x)
+    assert got.shape == (3, 30, 16)
+    for i in range(3):
+        np.testing.assert_allclose(got[i], by_hand(mlps[i], x), atol=1e-6)
+
+    def sequential(key):
+        k1, k2 = jax.random.split(key)
+        return eqx.nn.Sequential([eqx.nn.Linear(2, 8, key=k1),
+                                  eqx.nn.Lambda(jnp.tanh),
+                                  eqx.nn.Linear(8, 1, key=k2)])  # fmt: skip
+
+    seqs = ee.ensemble(sequential, size=2, key=jax.random.key(2))
+    got = ee.ood.penultimate_features(seqs, x)
+    for i in range(2):
+        member = seqs[i]
+        expected = jnp.tanh(jax.vmap(member.layers[0])(x))
+        np.testing.assert_allclose(got[i], expected, atol=1e-6)
+    # Members sharing their first layer: the shared part is kept.
+    shared = ee.ensemble(lambda k: eqx.nn.MLP(2, 3, 16, 2, key=k), size=2,
+                         key=jax.random.key(3), shared=lambda m: m.layers[0])  # fmt: skip
+    got = ee.ood.penultimate_features(shared, x)
+    for i in range(2):
+        np.testing.assert_allclose(got[i], by_hand(shared[i], x), atol=1e-6)
+    with pytest.raises(TypeError, match="eqx.nn.MLP or eqx.nn.Sequential"):
+        ee.ood.penultimate_features(
+            ee.ensemble(lambda k: eqx.nn.Linear(2, 2, key=k), size=2,
+                        key=jax.random.key(0)), x)  # fmt: skip

@@ -13,6 +13,8 @@ import numpy as np
 from jax.scipy.special import logsumexp
 from jaxtyping import Array, ArrayLike, Float, Int
 
+from .._core.ensemble import Ensemble
+from .._core.predict import predict
 from .._execution.compile import one_shot_jit
 from .._internal.tree import is_traced
 from .checks import as_float_array
@@ -401,3 +403,81 @@ def fit_knn(
             f"({f.shape[1]}), got {k!r}"
         )
     return KNN(_normalised(f), int(k))
+
+
+def penultimate_features(
+    ens: Ensemble,
+    x: Float[ArrayLike, " batch *input"],
+    *,
+    chunk_size: int | None = None,
+) -> Float[Array, "members batch dim"]:
+    """Every member's features before its last layer, the input the detectors
+    of this module are fitted on: each member with its last layer (and an
+    `eqx.nn.MLP`'s `final_activation`) replaced by the identity, run by
+    [`ee.predict`][eqx_ensemble.predict] (inference mode, one program).
+
+    For members that are an `eqx.nn.MLP` or an `eqx.nn.Sequential`; for any
+    other model, write the features as a function of one member and map it,
+    `ee.map(lambda m, xs: jax.vmap(m.features)(xs), ens, x)`.
+
+    **Arguments:**
+
+    - `ens`: an [`ee.Ensemble`][eqx_ensemble.Ensemble] of MLPs or Sequentials.
+    - `x`: a batch of inputs, `(batch, ...)`.
+    - `chunk_size`: as `ee.predict`'s (members at a time, to bound memory).
+
+    **Returns:**
+
+    The features, `(members, batch, dim)`.
+
+    **Example:**
+
+    ```python
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 3, 16, 2, key=k), size=4,
+                      key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (300, 2))
+    labels = (x[:, 0] > 0).astype(jnp.int32)
+    train = ee.ood.penultimate_features(ens, x)           # (4, 300, 16)
+    detector = ee.ood.fit_mahalanobis(train, labels)
+    scores = detector(ee.ood.penultimate_features(ens, x + 10.0)).mean(0)
+    ```
+    """
+    if not isinstance(ens, Ensemble):
+        raise TypeError(
+            "`ee.ood.penultimate_features` takes an ee.Ensemble, got "
+            f"{type(ens).__name__}; for an ee.Heterogeneous, take each group's"
+        )
+    members = ens.members
+    if isinstance(members, eqx.nn.MLP):
+        if members.out_size == "scalar":
+            raise ValueError(
+                "an eqx.nn.MLP with out_size='scalar' indexes its last layer's "
+                "output: write its features with ee.map (see the docstring)"
+            )
+
+        def cut(model: Any) -> Any:
+            model = eqx.tree_at(lambda m: m.layers[-1], model, eqx.nn.Identity())
+            return eqx.tree_at(lambda m: m.final_activation, model, _identity)
+
+    elif isinstance(members, eqx.nn.Sequential):
+
+        def cut(model: Any) -> Any:
+            return eqx.tree_at(lambda m: m.layers[-1], model, eqx.nn.Identity())
+
+    else:
+        raise TypeError(
+            "`ee.ood.penultimate_features` knows the last layer of an eqx.nn.MLP "
+            f"or eqx.nn.Sequential, not of {type(members).__name__}: write the "
+            "features as a function of one member and map it, e.g. "
+            "`ee.map(lambda m, xs: jax.vmap(m.features)(xs), ens, x)`"
+        )
+    cut_ens = eqx.tree_at(lambda e: e.members, ens, cut(members))
+    if ens.shared is not None:
+        cut_ens = eqx.tree_at(
+            lambda e: e.shared, cut_ens, cut(ens.shared), is_leaf=lambda v: v is None
+        )
+    return predict(cut_ens, x, chunk_size=chunk_size)
+
+
+def _identity(x: Any) -> Any:
+    return x
