@@ -176,8 +176,12 @@ def test_penultimate_features_are_each_members_own():
         expected = jnp.tanh(jax.vmap(member.layers[0])(x))
         np.testing.assert_allclose(got[i], expected, atol=1e-6)
     # Members sharing their first layer: the shared part is kept.
-    shared = ee.ensemble(lambda k: eqx.nn.MLP(2, 3, 16, 2, key=k), size=2,
-                         key=jax.random.key(3), shared=lambda m: m.layers[0])  # fmt: skip
+    shared = ee.ensemble(
+        lambda k: eqx.nn.MLP(2, 3, 16, 2, key=k),
+        size=2,
+        key=jax.random.key(3),
+        shared=lambda m: m.layers[0],
+    )
     got = ee.ood.penultimate_features(shared, x)
     for i in range(2):
         np.testing.assert_allclose(got[i], by_hand(shared[i], x), atol=1e-6)
