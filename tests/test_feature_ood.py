@@ -118,6 +118,10 @@ def test_bad_input_is_refused():
         ee.ood.fit_gaussian_density(TRAIN, np.where(LABELS == 1, 2, LABELS))
     with pytest.raises(ValueError, match="`k`"):
         ee.ood.fit_knn(TRAIN, k=N + 1)
+    with pytest.raises(ValueError, match="at least one example"):
+        ee.ood.fit_mahalanobis(TRAIN[:, :0], LABELS[:0])
+    with pytest.raises(ValueError, match="`jitter` must be a finite"):
+        ee.ood.fit_gaussian_density(TRAIN, LABELS, jitter=float("nan"))
     detector = ee.ood.fit_mahalanobis(TRAIN, LABELS)
     with pytest.raises(ValueError, match="fitted on 2 members"):
         detector(TEST[:1])

@@ -280,6 +280,14 @@ def check_level(level: Any) -> None:
     """A probability level strictly between 0 and 1 (when concrete)."""
     if is_traced(level):
         return
+    if (
+        isinstance(level, str | bytes | bool)
+        or np.asarray(level).dtype.kind not in "iuf"
+    ):
+        raise TypeError(
+            f"`level` must be a number strictly between 0 and 1 (e.g. 0.95), got "
+            f"{type(level).__name__} {level!r}"
+        )
     value = float(np.asarray(level))
     if not 0.0 < value < 1.0:
         raise ValueError(

@@ -28,6 +28,11 @@ def _features(features: Any, name: str = "features") -> Array:
             f"vector of each example (e.g. from `ee.map`), got shape "
             f"{tuple(array.shape)}"
         )
+    if array.shape[1] == 0 or array.shape[2] == 0:
+        raise ValueError(
+            f"`{name}` must hold at least one example of at least one feature, got "
+            f"shape {tuple(array.shape)} (members, batch, dim)"
+        )
     if not np.isfinite(np.asarray(array)).all():
         raise ValueError(f"`{name}` holds NaN or inf")
     return array
@@ -283,8 +288,15 @@ def fit_gaussian_density(
     detector(features).mean(axis=0).shape          # (300,): the ensemble's score
     ```
     """
-    if isinstance(jitter, bool) or not isinstance(jitter, int | float) or jitter < 0:
-        raise ValueError(f"`jitter` must be a non-negative number, got {jitter!r}")
+    if (
+        isinstance(jitter, bool)
+        or not isinstance(jitter, numbers.Real)
+        or not np.isfinite(jitter)
+        or jitter < 0
+    ):
+        raise ValueError(
+            f"`jitter` must be a finite, non-negative number, got {jitter!r}"
+        )
     f = _features(features)
     y, classes = _labels(labels, f.shape[1])
     array = np.asarray(f, np.float64)

@@ -668,16 +668,20 @@ def _check_part_per_member(ens: Ensemble, part: Any, leaves: int) -> None:
         )
 
 
-def _check_data(data: Any, likelihood: str) -> tuple[Any, Array, int]:
+def _check_data(
+    data: Any, likelihood: str, name: str = "data"
+) -> tuple[Any, Array, int]:
     if not (isinstance(data, tuple | list) and len(data) == 2):
+        length = f" of {len(data)} items" if isinstance(data, tuple | list) else ""
         raise TypeError(
-            "`data` must be `(x, y)`: inputs and targets with a leading example axis"
+            f"`{name}` must be `(x, y)`: inputs and targets with a leading example "
+            f"axis, got a {type(data).__name__}{length}"
         )
     x, y = data
     y = jnp.asarray(y)
     leaves = jtu.tree_leaves(x)
     if not leaves:
-        raise ValueError("`data`'s inputs `x` hold no array")
+        raise ValueError(f"`{name}`'s inputs `x` hold no array")
     count = int(np.shape(leaves[0])[0]) if np.ndim(leaves[0]) else 0
     if count < 1 or any(np.shape(leaf)[:1] != (count,) for leaf in leaves):
         raise ValueError(
@@ -695,6 +699,7 @@ def _check_data(data: Any, likelihood: str) -> tuple[Any, Array, int]:
         )
     # A NaN or infinity would reach the curvature and the prior's fit, and come
     # back as a posterior whose every prediction is NaN: refuse it here.
+    where_from = name
     named = [
         (f"x{keystr(path)}" if path else "x", leaf)
         for path, leaf in jtu.tree_flatten_with_path(x)[0]
@@ -704,7 +709,8 @@ def _check_data(data: Any, likelihood: str) -> tuple[Any, Array, int]:
         if found is not None:
             where, value = found
             raise ValueError(
-                f"`data`'s `{name}` (shape {tuple(np.shape(values))}) holds {value} "
+                f"`{where_from}`'s `{name}` (shape {tuple(np.shape(values))}) holds "
+                f"{value} "
                 f"at index {where} (example {where[0]}); the Laplace "
                 "approximation needs finite inputs and targets"
             )
@@ -965,7 +971,7 @@ def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -
             f"`grid` must be a 1-D array of positive, finite prior precisions, got "
             f"{values.tolist()}"
         )
-    x, y, _ = _check_data(validation, posterior.likelihood)
+    x, y, _ = _check_data(validation, posterior.likelihood, "validation")
     _check_targets(posterior.ensemble, x, y, posterior.likelihood)
     losses = np.asarray(_grid_nll(posterior, x, y, jnp.asarray(values, jnp.float32)))
     best = np.argmin(losses, axis=0)  # (members,): first of ties
