@@ -145,3 +145,51 @@ def test_weights_as_lists_and_integers(ens):
         np.testing.assert_allclose(
             ee.tree_weighted_sum([a, b], weights)["w"], [2 - 3, 4 - 5]
         )
+
+
+# -------------------------------------- weights that overflow or are not numbers
+
+
+@pytest.fixture(scope="module")
+def linear_pair():
+    return ee.ensemble(
+        lambda k: eqx.nn.Linear(2, 1, key=k), size=2, key=jax.random.key(0)
+    )
+
+
+def test_average_with_large_integer_weights_is_exact(linear_pair):
+    big = 2**31 - 1
+    soup = ee.average(linear_pair, jnp.array([big, big], dtype=jnp.int32))
+    np.testing.assert_allclose(
+        soup.weight, linear_pair.members.weight.mean(0), rtol=1e-6
+    )
+
+
+def test_average_with_float16_weights_does_not_overflow(linear_pair):
+    soup = ee.average(linear_pair, jnp.array([60000.0, 60000.0], dtype=jnp.float16))
+    np.testing.assert_allclose(
+        soup.weight, linear_pair.members.weight.mean(0), rtol=1e-6
+    )
+
+
+KEY = jax.random.key(0)
+ENS = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 1, key=k), size=3, key=KEY)
+
+
+def _unchecked(function):
+    # The function without the test run's jaxtyping/beartype hook (its error
+    # names the parameter too): what a user without the hook calls.
+    return getattr(function, "__wrapped__", function)
+
+
+@pytest.mark.parametrize("weights", ["abc", ["a", "b", "c"], [1.0, None, 2.0]])
+def test_weights_that_are_not_numbers_are_named(weights):
+    trees = [{"w": jnp.ones(2)}] * 3
+    for call in (
+        lambda: _unchecked(ee.average)(ENS, weights),
+        lambda: _unchecked(ee.tree_weighted_sum)(trees, weights),
+    ):
+        with pytest.raises(TypeError, match="`weights` must be real numbers"):
+            call()
+    with pytest.raises(TypeError, match="weights"):  # with the hook, if any
+        ee.average(ENS, weights)

@@ -388,3 +388,75 @@ def test_applied_to_other_classes_or_members(split):
     binning = ee.calibration.fit_histogram_binning(logits, labels, from_logits=True)
     with pytest.raises(ValueError, match="fitted on 4 classes"):
         binning(test[..., :3], from_logits=True)
+
+
+# ------------------------- every class kept possible; the default penalty pays
+
+
+@pytest.mark.parametrize("which", ["isotonic", "histogram"])
+def test_non_parametric_calibrators_keep_every_class_possible(which):
+    from sklearn.isotonic import IsotonicRegression
+
+    # A calibration split where class 0 never occurs: its map is 0 everywhere.
+    n = 300
+    p1 = np.random.default_rng(0).uniform(0.5, 1.0, n)
+    probs = np.stack([1 - p1, p1], axis=-1)[None].astype(np.float32)
+    labels = np.ones(n, np.int32)
+    fit = {
+        "isotonic": ee.calibration.fit_isotonic_regression,
+        "histogram": ee.calibration.fit_histogram_binning,
+    }[which]
+    test = jnp.asarray([[[0.3, 0.7]]], jnp.float32)
+    raw = fit(probs, labels, floor=0)(test)
+    assert float(raw[0, 0, 0]) == 0.0  # the raw map: class 0 impossible
+    if which == "isotonic":  # ... as scikit-learn's isotonic regression says
+        reference = IsotonicRegression(out_of_bounds="clip").fit(
+            probs[0, :, 0], labels == 0
+        )
+        assert reference.predict([0.3])[0] == 0.0
+    calibrated = fit(probs, labels)(test)  # the default floor
+    floor = 1 / (2 * (n + 1))
+    assert float(calibrated[0, 0, 0]) == pytest.approx(floor, rel=1e-5)
+    assert float(calibrated.sum()) == pytest.approx(1.0, rel=1e-6)
+    nll = ee.metrics.nll(calibrated, jnp.array([0]))
+    assert np.isfinite(float(nll)) and float(nll) == pytest.approx(
+        -np.log(floor), rel=1e-4
+    )
+    with pytest.raises(ValueError, match=r"`floor` must be in \[0, 0.5\)"):
+        fit(probs, labels, floor=0.7)
+
+
+def _tempered_problem(n, seed):
+    # Labels drawn from softmax(z / 2): temperature scaling is the true map.
+    rng = np.random.default_rng(seed)
+    z = 3.0 * rng.normal(size=(1, n, 10)).astype(np.float32)
+    p = np.asarray(jax.nn.softmax(jnp.asarray(z[0]) / 2.0, axis=-1), np.float64)
+    labels = np.array([rng.choice(10, p=row / row.sum()) for row in p], np.int32)
+    return jnp.asarray(z), jnp.asarray(labels)
+
+
+@pytest.mark.parametrize(
+    "fit",
+    [ee.calibration.fit_vector_scaling, ee.calibration.fit_dirichlet_scaling],
+    ids=["vector", "dirichlet"],
+)
+def test_parametric_calibrators_do_not_lose_to_temperature_scaling_by_default(fit):
+    # On a 300-example split, the default penalty (chosen by cross-validation,
+    # pulling to temperature scaling's family) stays within rounding of
+    # temperature scaling on held-out data, where the true map IS a
+    # temperature; a weak fixed penalty overfits the split.
+    logits, labels = _tempered_problem(300, 0)
+    test_logits, test_labels = _tempered_problem(4000, 1)
+    temperature = ee.metrics.fit_temperature(logits, labels)
+    reference = float(
+        ee.metrics.nll(test_logits / temperature, test_labels, from_logits=True)
+    )
+    calibrated = fit(logits, labels)(test_logits)
+    default = float(ee.metrics.nll(calibrated, test_labels, from_logits=True))
+    weak = float(
+        ee.metrics.nll(
+            fit(logits, labels, l2=1e-4)(test_logits), test_labels, from_logits=True
+        )
+    )
+    assert default <= reference + 0.01, (default, reference)
+    assert weak > default, (weak, default)

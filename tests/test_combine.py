@@ -347,3 +347,40 @@ def test_weights_as_lists_and_integers(logits):
         ee.combine.majority_vote(votes, CLASSES, counts),
         _vote_reference(votes, CLASSES, counts),
     )
+
+
+# -------------------------------- integer, negative and non-finite inputs named
+
+
+def test_combination_rules_refuse_integer_predictions():
+    from eqx_ensemble.combine import _check_floating
+
+    with pytest.raises(TypeError, match="`probs` must hold floating-point values"):
+        _check_floating(jnp.ones((2, 3, 4), dtype=jnp.int32), "probs")
+
+
+def test_majority_vote_refuses_float_labels():
+    votes = jnp.array([[0.0, 1.0], [1.0, 1.0]])
+    with pytest.raises(TypeError, match="predictions|Int"):
+        ee.combine.majority_vote(votes, num_classes=2)  # type: ignore[arg-type]
+
+
+def test_gaussian_mixture_refuses_negative_variances():
+    means = jnp.zeros((2, 3))
+    with pytest.raises(ValueError, match="`variances` must be non-negative"):
+        ee.combine.gaussian_mixture(means, jnp.full((2, 3), -1.0))
+
+
+def test_positive_infinite_logits_are_named_not_nan():
+    logits = jnp.array([[[0.0, jnp.inf]], [[0.0, 1.0]]])
+    with pytest.raises(ValueError, match="`logits` holds inf at index \\(0, 0, 1\\)"):
+        ee.combine.mean_probs_from_logits(logits)
+    masked = jnp.array([[[0.0, -jnp.inf]], [[0.0, 1.0]]])
+    assert np.isfinite(np.asarray(ee.combine.mean_probs_from_logits(masked))).all()
+
+
+def test_nan_regression_inputs_are_named():
+    with pytest.raises(ValueError, match="`means` holds nan"):
+        ee.combine.gaussian_mixture(
+            jnp.array([[0.0, jnp.nan]]), jnp.array([[1.0, 1.0]])
+        )

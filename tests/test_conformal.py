@@ -408,3 +408,39 @@ def test_sets_with_64_bit_floats_cover_the_calibration_rank():
             sets = np.asarray(calibrated.sets(probs, key=key))
             covered = int(sets[np.arange(batch), np.asarray(labels)].sum())
             assert covered >= rank, (seed, covered, rank)
+
+
+# ------------------------------- one rank rule; deterministic sets never empty
+
+
+def test_split_regression_and_sets_use_the_same_rank():
+    # n = 149, alpha = 0.18: (n + 1)(1 - alpha) = 123 exactly; in floating point
+    # 150 * 0.82 is 123.00000000000001, whose ceiling is 124.
+    n, alpha = 149, 0.18
+    assert math.ceil((n + 1) * (1 - alpha)) == 124  # the float trap
+    scores = np.arange(1, n + 1, dtype=np.float32)  # |y - mean| / std = i
+    means = np.zeros((1, n), np.float32)
+    variances = np.ones((1, n), np.float32)
+    calibrated = ee.conformal.split_regression(means, variances, scores, alpha=alpha)
+    assert calibrated.quantile == 123.0  # the 123rd smallest score
+
+
+@pytest.mark.parametrize("method", ["aps", "raps"])
+def test_deterministic_sets_are_never_empty(method):
+    key = jax.random.key(0)
+    # Confident predictions: the top probability is above any low quantile.
+    logits = 6.0 * jax.random.normal(key, (3, 400, 6))
+    labels = jnp.argmax(logits.mean(0), axis=-1)
+    calibrate = getattr(ee.conformal, method)
+    calibrated = calibrate(
+        logits[:, :200], labels[:200], alpha=0.3, from_logits=True, randomized=False
+    )
+    sets = np.asarray(calibrated.sets(logits[:, 200:], from_logits=True))
+    assert sets.sum(axis=1).min() >= 1
+    # The class that crosses the threshold is the only one added: the set is the
+    # prefix of classes (by the ensemble's probability) up to it.
+    probs = np.asarray(jax.nn.softmax(logits[:, 200:], axis=-1).mean(0))
+    order = np.argsort(-probs, axis=1, kind="stable")
+    sizes = sets.sum(axis=1)
+    for row in range(sets.shape[0]):
+        assert set(np.flatnonzero(sets[row])) == set(order[row, : sizes[row]])

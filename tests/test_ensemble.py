@@ -289,3 +289,53 @@ def test_len_and_size(getkey):
     for size in (1, 2, 7):
         ens = ee.ensemble(lambda k: eqx.nn.Linear(2, 2, key=k), size=size, key=getkey())
         assert len(ens) == size == ens.size
+
+
+# -------------------------------- empty indices, batches, sizes, member counts
+
+
+def _ensemble(size, seed=0):
+    return ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 2, 4, 1, key=k), size=size, key=jax.random.key(seed)
+    )
+
+
+@pytest.mark.parametrize("index", [[], np.array([], dtype=np.int32)])
+def test_empty_index_is_named(index):
+    ens = _ensemble(3)
+    with pytest.raises((IndexError, ValueError), match="at least one member|empty"):
+        ens[index]
+
+
+def test_calling_an_ensemble_on_a_batch_explains_members_take_one_example():
+    ens = _ensemble(3)
+    with pytest.raises(Exception, match="ONE example") as info:
+        ens(jnp.ones((8, 3)))
+    assert "dot_general" in str(info.value) or info.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("size", [2**31, 2**40])
+def test_impossible_ensemble_size_is_refused_before_xla(size):
+    # 2**40 members would abort the process inside XLA: refused before.
+    with pytest.raises(ValueError, match="members"):
+        ee.ensemble(
+            lambda k: eqx.nn.Linear(1, 1, key=k), size=size, key=jax.random.key(0)
+        )
+
+
+# The member count takes a path-free fast route; its errors still name the
+# leaves (the route with paths runs only on bad input).
+
+
+def test_member_count_errors_name_the_leaves_and_shapes():
+    good = {"a": jnp.zeros((3, 2)), "b": jnp.zeros((3,))}
+    assert len(ee.Ensemble(good)) == 3
+    with pytest.raises(ValueError, match=r"leaf `\['a'\]` has shape \(3, 2\).*"
+                       r"leaf `\['b'\]` has shape \(4,\)"):  # fmt: skip
+        ee.Ensemble({"a": jnp.zeros((3, 2)), "b": jnp.zeros((4,))})
+    with pytest.raises(ValueError, match=r"leaf `\['b'\]` is a scalar"):
+        ee.Ensemble({"b": jnp.zeros(()), "c": jnp.zeros((3,))})
+    with pytest.raises(ValueError, match=r"`\['c'\]` has shape \(\)"):
+        ee.Ensemble({"b": jnp.zeros((3,)), "c": jnp.zeros(())})
+    with pytest.raises(ValueError, match="no array leaves"):
+        ee.Ensemble({"f": jax.nn.relu})

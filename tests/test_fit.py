@@ -7,6 +7,8 @@ the key and batch scheme documented in `fit`'s docstring with `jax.random` direc
 
 import functools
 import re
+import tomllib
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -847,3 +849,136 @@ def test_not_an_ensemble(mlp_ens):
     # beartype (the suite's runtime type checks) or `fit` itself rejects it.
     with pytest.raises(TypeError, match="Ensemble"):
         fit(mlp_ens[0], mse_loss, ADAM)
+
+
+# The example count takes a path-free fast route; its errors still name the
+# leaves (the route with paths runs only on bad input).
+
+
+def test_example_count_errors_name_the_leaves():
+    from eqx_ensemble._core.data import num_examples
+
+    assert num_examples((np.zeros((5, 2)), jnp.zeros((5,)))) == 5
+    with pytest.raises(ValueError, match=r"`\[0\]`: 5, `\[1\]`: 4"):
+        num_examples((np.zeros((5, 2)), jnp.zeros((4,))))
+    with pytest.raises(ValueError, match=r"leaf `\[1\]` is a scalar"):
+        num_examples((np.zeros((5, 2)), jnp.zeros(())))
+    with pytest.raises(ValueError, match="0 examples"):
+        num_examples((np.zeros((0, 2)),))
+
+
+# --------------- step numbers, the divergence advice and the version errors name
+
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = jax.random.key(0)
+LINE_X = jnp.linspace(-1, 1, 32)[:, None]
+LINE_Y = jnp.sin(3 * LINE_X)
+ENS = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 1, key=k), size=3, key=KEY)
+
+
+def test_a_schedule_that_turns_negative_is_named_when_the_members_diverge():
+    schedule = optax.linear_schedule(0.05, -5.0, transition_steps=40)
+    steep = lambda model, batch, key: jnp.sum(  # noqa: E731
+        jax.vmap(model)(batch[0]) ** 2
+    )
+    with pytest.raises(ee.EnsembleDivergedError) as caught:
+        ee.fit(
+            ENS, steep, optax.sgd(schedule), (LINE_X, LINE_Y), steps=400, batch_size=8,
+            key=KEY, callbacks=(),
+        )  # fmt: skip
+    message = str(caught.value)
+    # The first negative value of the schedule, computed independently (optax
+    # reads it at the count of steps done; the message counts steps from 1):
+    first = next(count for count in range(400) if float(schedule(count)) < 0)
+    assert f"`learning_rate` schedule is negative from step {first + 1}" in message
+    assert "lower the learning rate" not in message
+
+
+def test_a_constant_learning_rate_keeps_the_usual_advice():
+    def explode(model, batch, key):
+        return jnp.mean(jax.vmap(model)(batch[0])) * jnp.inf
+
+    with pytest.raises(ee.EnsembleDivergedError, match="lower the learning rate"):
+        ee.fit(
+            ENS, explode, optax.sgd(0.1), (LINE_X, LINE_Y), steps=3, batch_size=8,
+            key=KEY, callbacks=(),
+        )  # fmt: skip
+
+
+def test_the_version_the_errors_name_is_the_package_version():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["version"] == ee.__version__
+    with pytest.raises(TypeError) as caught:
+        ee.fit(
+            ENS, mse_loss, optax.sgd(0.1), (LINE_X, LINE_Y), steps=1, key=KEY,
+            unroll=True,
+        )  # fmt: skip
+    named = re.search(r"version (\d+\.\d+)", str(caught.value))
+    assert named is not None
+    assert ee.__version__.startswith(named[1] + ".")
+
+
+def test_every_step_number_counts_from_one(tmp_path):
+    # Member 1's learning rate blows SGD up after a few steps. Its divergence
+    # step is the same number in the result, the log's event, the progress
+    # meter and (when every member diverges) the error; it is the first row of
+    # the log whose loss column is NaN from then on, and the log's step column,
+    # the evaluations and the checkpoints count the same way (step t: the
+    # t-th update, after which t steps are done).
+    sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    rates = jnp.array([0.1, 6.0, 0.1])
+    seen = []
+
+    class Meter(ee.ProgressMeter):
+        def start(self, total, done, resumed):
+            return None
+
+        def update(self, handle, done, losses, diverged_at):
+            seen.append(diverged_at.copy())
+
+        def close(self, handle):
+            pass
+
+    result = ee.fit(
+        ENS, mse_loss, sgd, (LINE_X, LINE_Y), steps=20, batch_size=8, key=KEY,
+        opt_state=ee.init_optimizer(sgd, ENS, hyperparams={"learning_rate": rates}),
+        evaluate=ee.Evaluate(mse_loss, (LINE_X, LINE_Y), every=5),
+        checkpoints=ee.Checkpoints(tmp_path / "ckpt", every=10),
+        callbacks=[ee.CSVLogger(tmp_path / "logs"), Meter()],
+        execution=ee.Execution(steps_per_dispatch=5),
+    )  # fmt: skip
+    assert set(result.diverged) == {1}
+    t = result.diverged[1]
+    assert 1 <= t <= 20
+    table = np.loadtxt(tmp_path / "logs" / "losses.csv", delimiter=",", skiprows=1)
+    np.testing.assert_array_equal(table[:, 0], np.arange(1, 21))
+    column = table[:, 2]  # member 1
+    assert np.isfinite(column[: t - 1]).all() and np.isnan(column[t:]).all()
+    np.testing.assert_allclose(column, result.history.losses[:, 1], rtol=1e-6)
+    events = (tmp_path / "logs" / "events.jsonl").read_text()
+    assert f'{{"step": {t}, "event": "diverged", "member": 1}}' in events
+    assert int(seen[-1][1]) == t and (np.delete(seen[-1], 1) == -1).all()
+    # Member 1 keeps its weights after step t - 1: a run of t - 1 steps.
+    before = ee.fit(
+        ENS, mse_loss, sgd, (LINE_X, LINE_Y), steps=t - 1, batch_size=8, key=KEY,
+        opt_state=ee.init_optimizer(sgd, ENS, hyperparams={"learning_rate": rates}),
+        callbacks=(),
+    ) if t > 1 else None  # fmt: skip
+    if before is not None:
+        assert before.diverged == {}
+        assert tree_equal(result.ensemble[1], before.ensemble[1])
+    np.testing.assert_array_equal(result.history.eval_steps, [5, 10, 15, 20])
+    assert [step for step, _ in ee.list_checkpoints(tmp_path / "ckpt")] == [10, 20]
+
+    # Every member diverging: the error names the same numbers.
+    with pytest.raises(ee.EnsembleDivergedError) as caught:
+        ee.fit(
+            ENS, mse_loss, sgd, (LINE_X, LINE_Y), steps=20, batch_size=8, key=KEY,
+            opt_state=ee.init_optimizer(sgd, ENS, hyperparams={"learning_rate": 6.0}),
+            callbacks=(),
+        )  # fmt: skip
+    steps = caught.value.result.diverged  # pyright: ignore[reportAttributeAccessIssue]
+    listed = [steps[member] for member in range(3)]
+    assert f"at steps {listed}" in str(caught.value)
+    assert min(listed) >= 1

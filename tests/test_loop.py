@@ -7,6 +7,7 @@ without interruption for resume.
 """
 
 import dataclasses
+import io
 import os
 
 import equinox as eqx
@@ -1417,3 +1418,270 @@ def test_readout_round_trip_is_exact(evaluated, mesh_kind):
     if not evaluated:  # (read as evaluated, 20 values are 1.5 steps)
         with pytest.raises(ValueError, match="readout of"):
             unpack_readout(np.asarray(out), size, True)
+
+
+# ----------------------------------------- resuming, streams failing, checks early
+
+
+def _failing_stream(good, fail_at, how):
+    def stream():
+        for position, batch in enumerate(good):
+            if position == fail_at:
+                if how == "raise":
+                    raise OSError("the loader's disk went away")
+                yield batch[0][:5], batch[1][:5]  # another shape
+            yield batch
+
+    return stream()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        optax.adam(1e-1),  # another learning rate
+        optax.sgd(1e-2),  # another transformation
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    ],
+    ids=["learning-rate", "transformation", "chain"],
+)
+def test_resume_with_another_optimizer_is_refused(ens, tmp_path, other):
+    common = dict(steps=4, batch_size=BATCH, key=KEY, callbacks=())
+    run = ee.Checkpoints(tmp_path, every=2)
+    ee.fit(ens, mse_loss, optax.adam(1e-2), (X, Y), checkpoints=run, **common)
+    with pytest.raises(ee.CheckpointError, match="different optimizer"):
+        ee.fit(ens, mse_loss, other, (X, Y), checkpoints=run, **{**common, "steps": 6})
+    # The same optimizer, built anew, resumes.
+    resumed = ee.fit(
+        ens,
+        mse_loss,
+        optax.adam(1e-2),
+        (X, Y),
+        checkpoints=run,
+        **{**common, "steps": 6},
+    )
+    assert resumed.step == 6 and resumed.resumed_from == 4
+
+
+# A stream that fails mid-run keeps the dispatch that ran.
+
+
+@pytest.mark.parametrize("how", ["raise", "shape"])
+def test_stream_failure_keeps_the_finished_dispatch(ens, tmp_path, how):
+    good = shared_batches(12)
+    run = ee.Checkpoints(tmp_path, every=4)
+    error = OSError if how == "raise" else ValueError
+    with pytest.raises(error) as raised:
+        ee.fit(
+            ens,
+            mse_loss,
+            optax.adam(1e-2),
+            _failing_stream(good, 6, how),
+            steps=12,
+            key=KEY,
+            checkpoints=run,
+            callbacks=(),
+            execution=ee.Execution(steps_per_dispatch=4),
+        )
+    # Steps 0-3 ran; the read of the next group failed while they ran: they are
+    # recorded and checkpointed, and the error carries them.
+    result = raised.value.result  # type: ignore[attr-defined]
+    assert result.step == 4 and result.history.losses.shape == (4, SIZE)
+    assert [step for step, _ in ee.list_checkpoints(tmp_path)] == [4]
+
+
+# Checks that can be made before any work are made there.
+
+
+def test_evaluation_period_is_bounded_and_named(ens):
+    with pytest.raises(ValueError, match=r"`Evaluate.every` must be at most"):
+        ee.Evaluate(mse_loss, (X, Y), every=2**40)
+    with pytest.raises(ValueError, match=r"`Checkpoints.every` must be at most"):
+        ee.Checkpoints("unused", every=2**40)
+    with pytest.raises(ValueError, match=r"`steps` must be at most"):
+        ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=2**40, batch_size=BATCH,
+               key=KEY, callbacks=())  # fmt: skip
+
+
+def test_pbt_with_a_sparser_evaluation_is_refused_before_work(ens):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    calls = []
+    with pytest.raises(ValueError, match=r"`ee.Evaluate\(every=3\)` evaluates less"):
+        ee.fit(
+            ens,
+            mse_loss,
+            opt,
+            (X, Y),
+            steps=8,
+            batch_size=BATCH,
+            key=KEY,
+            evaluate=ee.Evaluate(mse_loss, (X, Y), every=3),
+            callbacks=[ee.PBT(every=2), calls.append],
+        )
+    assert calls == []
+
+
+# fit says when it resumes.
+
+
+def test_resumed_run_says_so(ens, tmp_path, monkeypatch):
+    common = dict(batch_size=BATCH, key=KEY, checkpoints=ee.Checkpoints(tmp_path))
+    first = ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=3, callbacks=(),
+                   **common)  # fmt: skip
+    assert first.resumed_from is None
+    descriptions = []
+
+    class Recording(ee.ProgressMeter):
+        def start(self, total, done, resumed):
+            descriptions.append((total, done, resumed))
+            return None
+
+        def update(self, handle, done, losses, diverged_at):
+            pass
+
+    more = ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=5,
+                  callbacks=[Recording()], **common)  # fmt: skip
+    assert more.resumed_from == 3 and descriptions == [(5, 3, True)]
+    # The default bar's description says so too.
+    stream = io.StringIO()
+    from tqdm import tqdm
+
+    monkeypatch.setattr(
+        "tqdm.auto.tqdm", lambda *a, **k: tqdm(*a, **{**k, "file": stream})
+    )
+    ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=6,
+           callbacks=[ee.ProgressBar()], **common)  # fmt: skip
+    assert "fit (resumed at step 5)" in stream.getvalue()
+
+
+# ------------- exact resume on the CPU's default path for convolutions; its plan
+
+
+# 32 images (IMAGES above: 48), the targets their means.
+SMALL_IMAGES = np.asarray(
+    jax.random.normal(jax.random.key(1), (32, 1, 4, 4)), np.float32
+)
+SMALL_TARGETS = SMALL_IMAGES.mean(axis=(1, 2, 3))[:, None]
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_default_unrolled_run_resumes_bit_for_bit(tmp_path):
+    cnns = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+    common = dict(steps=7, batch_size=8, key=KEY)
+    whole = ee.fit(cnns, mse_loss, optax.adam(1e-2), (SMALL_IMAGES, SMALL_TARGETS),
+                   callbacks=(), **common)  # fmt: skip
+
+    def stop_at_three(result):
+        if result.step >= 3:
+            raise Interrupt
+
+    run = ee.Checkpoints(tmp_path, every=1)
+    with pytest.raises(Interrupt):
+        ee.fit(cnns, mse_loss, optax.adam(1e-2), (SMALL_IMAGES, SMALL_TARGETS),
+               checkpoints=run, callbacks=[stop_at_three], **common)  # fmt: skip
+    resumed = ee.fit(cnns, mse_loss, optax.adam(1e-2), (SMALL_IMAGES, SMALL_TARGETS),
+                     checkpoints=run, callbacks=(), **common)  # fmt: skip
+    assert resumed.resumed_from == 3
+    assert bool(tree_equal(resumed.ensemble, whole.ensemble))
+    np.testing.assert_array_equal(resumed.history.losses, whole.history.losses)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU plan")
+def test_plan_weighs_compile_time_against_the_run_length():
+    from eqx_ensemble._training.run import plan_fit
+    from eqx_ensemble._training.sampling import Shared
+    from eqx_ensemble._training.source import ArraySource
+
+    cnns = ee.ensemble(TinyCNN, size=2, key=jax.random.key(3))
+    source = ArraySource((SMALL_IMAGES, SMALL_TARGETS), Shared(), 8, 2)
+
+    def plan(steps):
+        return plan_fit(
+            ee.Execution(), mse_loss, cnns, len(cnns), source, None, None, None, steps
+        )
+
+    short, long = plan(20), plan(2**30)  # a tiny CNN: only a very long run
+    # Convolutions vectorised (a tiny CNN: grouped convolutions): unrolled, a
+    # dispatch a loop on the host of calls of one compiled step; member by
+    # member (plain convolutions, lowered in the form XLA runs fast in
+    # loops, `_execution/convolution.py`): a compiled loop over a traced
+    # trip count. As long whatever the run's length (one program, exact
+    # resume).
+    assert short.unroll and not long.unroll and long.counted
+    assert short.length == long.length > 20
+    # The member-by-member layout compiles a copy per member: runs whose
+    # convolutions repay that only (`test_layout.py` checks the boundary).
+    assert short.layout == "vmap" and long.layout == "sequential"
+
+
+# ------------------ the keywords `execution=` and `callbacks=` replaced; errors
+
+
+@pytest.mark.parametrize(
+    "call, keyword, replacement",
+    [
+        ("fit", "steps_per_dispatch", "execution=ee.Execution(steps_per_dispatch"),
+        ("fit", "mesh", "execution=ee.Execution(mesh"),
+        ("fit", "progress", "callbacks=()"),
+        ("fit", "controllers", "callbacks=[controller"),
+        ("fit", "hyperparams", "opt_state=ee.init_optimizer"),
+        ("make_step", "compiler_options", "execution=ee.Execution(compiler_options"),
+        ("map", "layout", "execution=ee.Execution(layout"),
+        ("predict", "layout", "execution=ee.Execution(layout"),
+    ],
+)
+def test_moved_keywords_name_their_replacement(ens, call, keyword, replacement):
+    calls = {
+        "fit": lambda **kw: ee.fit(ens, mse_loss, optax.sgd(0.1), (X, Y), steps=2,
+                                   batch_size=BATCH, key=KEY, **kw),
+        "make_step": lambda **kw: ee.make_step(mse_loss, optax.sgd(0.1), **kw),
+        "map": lambda **kw: ee.map(lambda m, x: m(x), ens, X[0], **kw),
+        "predict": lambda **kw: ee.predict(ens, X, **kw),
+    }  # fmt: skip
+    with pytest.raises(TypeError, match=rf"no longer takes `{keyword}=`") as raised:
+        calls[call](**{keyword: None})
+    assert replacement in str(raised.value)
+    # The replacement works (the default execution, no bar).
+    if call == "fit":
+        assert calls[call](callbacks=(), execution=ee.Execution()).step == 2
+
+
+def test_execution_refuses_fields_a_function_does_not_use():
+    with pytest.raises(ValueError, match="`ee.map` does not use `Execution.unroll`"):
+        ee.map(lambda m, x: m(x), ee.ensemble(make_mlp, size=2, key=KEY), X[0],
+               execution=ee.Execution(unroll=True))  # fmt: skip
+    with pytest.raises(ValueError, match=r"`Execution.steps_per_dispatch` must be"):
+        ee.Execution(steps_per_dispatch=0)
+
+
+# Errors that say what to do.
+
+
+def _fit_short(ens, loss, **kwargs):
+    return ee.fit(
+        ens, loss, optax.sgd(0.1), (X, Y), steps=2, batch_size=BATCH, key=KEY,
+        callbacks=(), **kwargs,
+    )  # fmt: skip
+
+
+def test_an_evaluate_function_of_model_and_data_is_named(ens):
+    with pytest.raises(TypeError, match=r"fn\(model, data, key\).*takes a `key`"):
+        _fit_short(ens, mse_loss, evaluate=ee.Evaluate(lambda m, d: 0.0, (X, Y), 1))
+
+
+def test_coupled_losses_with_aux_integers_or_state_are_named(ens):
+    def with_aux(e, b, k):
+        return jnp.zeros(SIZE), {"extra": 1.0}
+
+    with pytest.raises(TypeError, match="got a tuple; a coupled loss has no `aux`"):
+        _fit_short(ens, ee.Coupled(with_aux))
+    with pytest.raises(TypeError, match="floating-point losses"):
+        _fit_short(ens, ee.Coupled(lambda e, b, k: jnp.zeros(SIZE, jnp.int32)))
+    with pytest.raises(TypeError, match=r"does not take a model state.*drop `state=`"):
+        _fit_short(
+            ens,
+            ee.Coupled(lambda e, b, k: jnp.zeros(SIZE)),
+            state=jnp.zeros((SIZE, 1)),
+        )

@@ -323,3 +323,56 @@ def test_gradient_through_chunked_map(ens, getkey):
     unchunked = eqx.filter_grad(total)(ens, None)
     for chunk_size in (2, 3):
         assert_tree_allclose(eqx.filter_grad(total)(ens, chunk_size), unchunked)
+
+
+# ------------------------------------ chunks without a copy, one example a member
+
+
+def _ensemble(size, seed=0):
+    return ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 2, 4, 1, key=k), size=size, key=jax.random.key(seed)
+    )
+
+
+def test_chunked_map_does_not_copy_the_members():
+    ens = _ensemble(13)  # 3 chunks of 4 and a remainder of 1
+    x = jnp.ones((5, 3))
+    member_shapes = {
+        leaf.shape[1:] for leaf in jax.tree.leaves(eqx.filter(ens, eqx.is_array))
+    }
+    dynamic, static = eqx.partition(ens.members, eqx.is_array)
+
+    def run(members):
+        members = eqx.combine(members, static)
+        return ee.map(
+            lambda m, x: jax.vmap(m)(x), ee.Ensemble(members), x, chunk_size=4
+        )
+
+    jaxpr = jax.make_jaxpr(run)(dynamic)
+    # Outside the chunk loop, no operation makes a copy of more than a chunk of
+    # members (slicing the first 12 members and reshaping them into (chunks,
+    # chunk, ...) would be a copy of the ensemble, doubling peak memory).
+    for equation in jaxpr.jaxpr.eqns:
+        if equation.primitive.name == "scan":
+            continue
+        for var in equation.outvars:
+            shape = var.aval.shape
+            if shape and shape[1:] in member_shapes:
+                assert shape[0] <= 4, (equation.primitive, shape)
+
+
+def test_chunked_map_equals_unchunked_to_rounding():
+    ens = _ensemble(7)
+    x = jax.random.normal(jax.random.key(3), (9, 3))
+    fn = lambda m, x: jax.vmap(m)(x)  # noqa: E731
+    whole = ee.map(fn, ens, x)
+    for chunk in (1, 2, 3, 7):
+        np.testing.assert_allclose(
+            ee.map(fn, ens, x, chunk_size=chunk), whole, rtol=1e-6, atol=1e-7
+        )
+
+
+def test_forgetting_vmap_in_map_explains_members_take_one_example():
+    ens = _ensemble(3)
+    with pytest.raises(Exception, match="ONE example"):
+        ee.map(lambda m, x: m(x), ens, jnp.ones((8, 3)))

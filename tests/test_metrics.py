@@ -906,3 +906,117 @@ def test_value_checks_are_skipped_under_jit():
     assert np.isfinite(float(jax.jit(M.nll)(unnormalised, jnp.array([0]))))
     with pytest.raises((ValueError, TypeError), match="labels"):
         jax.jit(M.nll)(jnp.full((3, 4, 2), 0.5), jnp.array([0, 1, 1]))
+
+
+# ---------------------------- bad input named: strings, infinities, NaN, shapes
+
+
+def test_a_metric_given_a_string_names_the_argument():
+    # The library's message, or (the suite runs under jaxtyping's import hook)
+    # beartype's, which also names the parameter; never JAX's dtype error.
+    with pytest.raises(TypeError, match="confidence"):
+        ee.metrics.aurc("abc", jnp.ones(3))
+    with pytest.raises(TypeError, match="probs"):
+        ee.metrics.nll([["a", "b"]], jnp.zeros(1, jnp.int32))
+    # A level given as a string: named, not NumPy's conversion error.
+    with pytest.raises(TypeError, match="level"):
+        ee.metrics.interval_coverage(jnp.zeros((2, 4)), jnp.ones((2, 4)),
+                                     jnp.zeros(4), "0.9")  # fmt: skip
+    from eqx_ensemble._metrics.checks import check_level  # (without the hook)
+
+    with pytest.raises(TypeError, match="`level` must be a number.*str '0.9'"):
+        check_level("0.9")
+
+
+def test_non_finite_logits_and_temperatures_are_refused():
+    logits = jnp.array([[[jnp.inf, 0.0], [0.0, 1.0]]])
+    labels = jnp.array([0, 1])
+    with pytest.raises(ValueError, match=r"contains \+inf"):
+        ee.metrics.nll(logits, labels, from_logits=True)
+    with pytest.raises(ValueError, match=r"`logits`.*contains \+inf"):
+        ee.metrics.fit_temperature(logits, labels)
+    with pytest.raises(ValueError, match="positive and finite"):
+        ee.metrics.apply_temperature(jnp.ones((1, 2, 2)), jnp.inf)
+    # -inf stays allowed: a class of probability 0, against the closed form.
+    masked = jnp.array([[[-jnp.inf, 0.0], [0.0, 0.0]]])
+    np.testing.assert_allclose(
+        ee.metrics.nll(masked, jnp.array([1, 1]), from_logits=True),
+        np.log(2) / 2,  # example 0: p = 1; example 1: p = 1/2
+        rtol=1e-6,
+    )
+
+
+def test_fit_temperature_refuses_nonpositive_iterations():
+    logits = jnp.zeros((2, 4, 3))
+    labels = jnp.array([0, 1, 2, 0])
+    with pytest.raises(ValueError, match="`iterations` must be between 1"):
+        ee.metrics.fit_temperature(logits, labels, iterations=-5)
+
+
+def test_regression_metrics_refuse_nan_predictions():
+    means = jnp.zeros((2, 4)).at[1, 2].set(jnp.nan)
+    with pytest.raises(ValueError, match=r"`means` .* holds nan at index \(1, 2\)"):
+        ee.metrics.rmse(means, jnp.zeros(4))
+    with pytest.raises(ValueError, match="`targets`.* holds inf"):
+        ee.metrics.rmse(jnp.zeros((2, 4)), jnp.array([0.0, jnp.inf, 0.0, 0.0]))
+
+
+def test_regression_metrics_take_one_output_axis():
+    # What `eqx.nn.MLP(out_size=1)` returns: (members, batch, 1).
+    means = jax.random.normal(jax.random.key(0), (3, 6, 1))
+    variances = jnp.full((3, 6, 1), 0.5)
+    targets = jax.random.normal(jax.random.key(1), (6,))
+    np.testing.assert_allclose(
+        ee.metrics.rmse(means, targets), ee.metrics.rmse(means[..., 0], targets)
+    )
+    np.testing.assert_allclose(
+        ee.metrics.gaussian_nll(means, variances, targets[:, None]),
+        ee.metrics.gaussian_nll(means[..., 0], variances[..., 0], targets),
+    )
+    # Several outputs are accepted (tests/test_metrics_multi_output.py); targets
+    # must then carry the output axis too, and the message says so.
+    with pytest.raises(ValueError, match=r"\(batch, outputs\) = \(6, 2\)"):
+        ee.metrics.rmse(jnp.zeros((3, 6, 2)), targets)
+
+
+# ------------------------------------------------ exact and float32 computation
+
+
+def test_pairwise_disagreement_has_an_exact_zero_diagonal():
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(1), (5, 97, 7)), -1)
+    matrix = np.asarray(ee.metrics.pairwise_disagreement(probs))
+    assert (np.diag(matrix) == 0).all()
+    np.testing.assert_array_equal(matrix, matrix.T)
+    votes = np.asarray(jnp.argmax(probs, -1))
+    expected = (votes[:, None, :] != votes[None, :, :]).mean(-1)
+    np.testing.assert_allclose(matrix, expected, rtol=1e-6)
+
+
+def test_metrics_of_bfloat16_predictions_are_computed_in_float32():
+    from sklearn.metrics import accuracy_score
+
+    rng = np.random.default_rng(0)
+    n = 497
+    labels = rng.integers(0, 2, n)
+    # Two classes, confidences exact in bfloat16 (and summing to exactly 1), so
+    # the same values held in float32 are an exact reference.
+    confidence = rng.choice([0.5625, 0.625, 0.75, 0.875, 0.9375], size=(2, n))
+    right = rng.permutation(n) < 468  # 468 of 497 right (0.9453 in bfloat16)
+    top = np.where(right, labels, 1 - labels)
+    probs = np.empty((2, n, 2), np.float32)
+    probs[:, np.arange(n), top] = confidence
+    probs[:, np.arange(n), 1 - top] = 1 - confidence
+    narrow = jnp.asarray(probs, jnp.bfloat16)
+    wide = jnp.asarray(probs)
+    assert (np.asarray(narrow.astype(jnp.float32)) == probs).all()
+    exact = accuracy_score(labels, probs.mean(0).argmax(-1))
+    assert exact == pytest.approx(468 / 497)
+    assert float(ee.metrics.accuracy(narrow, labels)) == pytest.approx(exact, abs=1e-6)
+    for metric in (
+        ee.metrics.expected_calibration_error,
+        ee.metrics.nll,
+        ee.metrics.brier_score,
+    ):
+        value = metric(narrow, labels)
+        assert value.dtype == jnp.float32, metric
+        assert float(value) == pytest.approx(float(metric(wide, labels)), abs=1e-6)

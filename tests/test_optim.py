@@ -468,3 +468,63 @@ def test_hyperparameter_kept_only_where_the_update_provably_passes_it_on(
 def test_not_an_ensemble(ens):
     with pytest.raises(TypeError, match="Ensemble"):
         ee.init_optimizer(optax.adam(0.1), ens[0])
+
+
+# ------------------------------------- hyperparameters and optimizers misgiven
+
+
+@pytest.fixture(scope="module")
+def linear_pair():
+    return ee.ensemble(
+        lambda k: eqx.nn.Linear(2, 1, key=k), size=2, key=jax.random.key(0)
+    )
+
+
+def test_set_hyperparams_with_another_size_is_refused(linear_pair):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = ee.init_optimizer(opt, linear_pair)
+    with pytest.raises(ValueError, match="`size` is 3 but the optimizer state holds 2"):
+        ee.set_hyperparams(state, {"learning_rate": 0.1}, size=3)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_hyperparameters_are_refused(linear_pair, value):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = ee.init_optimizer(opt, linear_pair)
+    with pytest.raises(ValueError, match="not finite for members \\[1\\]"):
+        ee.set_hyperparams(state, {"learning_rate": jnp.array([0.1, value])}, size=2)
+
+
+def test_complex_hyperparameters_are_refused(linear_pair):
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = ee.init_optimizer(opt, linear_pair)
+    with pytest.raises(TypeError, match="real numbers|hyperparams"):
+        ee.set_hyperparams(state, {"learning_rate": jnp.array([0.1, 1j])}, size=2)
+
+
+def test_an_optimizer_name_gets_an_actionable_error(linear_pair):
+    # (the suite's runtime type checker may answer first; both name the problem)
+    with pytest.raises(TypeError, match="optax|optimizer"):
+        ee.init_optimizer("adam", linear_pair)  # type: ignore[arg-type]
+
+
+KEY = jax.random.key(0)
+ENS = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 8, 1, key=k), size=3, key=KEY)
+
+
+def _unchecked(function):
+    # The function without the test run's jaxtyping/beartype hook (its error
+    # names the parameter too): what a user without the hook calls.
+    return getattr(function, "__wrapped__", function)
+
+
+def test_hyperparams_that_are_not_a_dict_of_numbers_are_named():
+    opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    init = _unchecked(ee.init_optimizer)
+    with pytest.raises(TypeError, match="`hyperparams` must be a dict"):
+        init(opt, ENS, hyperparams=[0.1, 0.2, 0.3])
+    state = ee.init_optimizer(opt, ENS)
+    with pytest.raises(TypeError, match=r"`hyperparams\['learning_rate'\]` must be"):
+        _unchecked(ee.set_hyperparams)(state, {"learning_rate": "abc"}, size=3)
+    with pytest.raises(TypeError, match="`hyperparams` must be a dict"):
+        _unchecked(ee.set_hyperparams)(state, [("learning_rate", 0.1)], size=3)

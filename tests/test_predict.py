@@ -159,3 +159,26 @@ def test_predict_keeps_the_members_errors_and_any_static_field():
     expected = jnp.stack([jax.vmap(hashable[i])(x) for i in range(2)])
     np.testing.assert_allclose(ee.predict(unhashable, x), expected, rtol=1e-6)
     np.testing.assert_allclose(ee.predict(hashable, x), expected, rtol=1e-6)
+
+
+SIZE = 3
+
+
+def make_mlp(key):
+    return eqx.nn.MLP(2, 1, 8, 1, key=key)
+
+
+@pytest.fixture
+def ens():
+    return ee.ensemble(make_mlp, size=SIZE, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("x", [np.ones((5, 3), np.float32), np.ones(2, np.float32)])
+def test_predict_on_the_wrong_examples_names_x(ens, x):
+    # 3 features for a model of 2; one example of 2 features instead of a batch.
+    with pytest.raises((TypeError, ValueError)) as error:
+        ee.predict(ens, x)
+    notes = " ".join(getattr(error.value, "__notes__", []))
+    assert "`ee.predict` on ONE example of `x`" in notes
+    assert f"shape {x.shape}" in notes
+    assert "jax.vmap(model)" not in notes  # predict already maps over examples

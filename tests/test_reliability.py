@@ -1624,3 +1624,15 @@ def test_resume_on_another_device_count_and_mesh(tmp_path):
 def _raise_if(condition):
     if condition:
         raise Interrupt
+
+
+def test_small_misuses_are_named():
+    with pytest.raises(TypeError, match="num_classes"):
+        ee.combine.majority_vote(jnp.zeros((2, 3), jnp.int32), num_classes=2.5)
+    with pytest.raises(TypeError, match="takes a list .* got str"):
+        ee.stack("ab")
+    key = jax.random.key(0)
+    with pytest.raises(TypeError, match="PRNG key array"):
+        ee.tree_weighted_sum([{"k": key}, {"k": key}], jnp.array([0.5, 0.5]))
+    with pytest.raises(ValueError, match="`num_examples` must be at least 1"):
+        ee.process_rows(ee.make_mesh(members=1), 0)

@@ -564,3 +564,9 @@ def test_leaves_on_different_devices_are_indexed_stacked_and_joined():
     assert ee.stack([ens[0], ens[3]]).members["b"].tolist() == [[0, 1], [6, 7]]
     joined = ee.concatenate([ens, ens[:1]])
     assert joined.members["a"][4].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_make_mesh_with_a_repeated_device_is_refused():
+    device = jax.devices()[0]
+    with pytest.raises(ValueError, match="more than once"):
+        ee.make_mesh(members=2, devices=[device, device])

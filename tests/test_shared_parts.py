@@ -724,3 +724,79 @@ def test_a_diverged_member_drops_out_of_the_shared_gradient(getkey, data, kind):
         strict=True,
     ):
         np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(start[2]))
+
+
+N = 48
+X = np.asarray(jax.random.normal(jax.random.key(10), (N, 2)), dtype=np.float32)
+Y = np.sin(2 * X[:, :1]) + X[:, 1:] ** 2
+KEY = jax.random.key(5)
+
+
+def test_a_member_whose_forward_overflows_drops_out_of_the_shared_gradient():
+    def make(key):
+        return eqx.nn.MLP(2, 1, 8, 1, key=key)
+
+    def backbone(model):
+        return model.layers[0]
+
+    def loss(model, batch, key):
+        x, y = batch
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    ens = ee.ensemble(make, size=4, key=jax.random.key(3), shared=backbone,
+                      train_shared=True)  # fmt: skip
+    # Member 2's head weights are finite but so large (3e38) that its output
+    # overflows to inf at every step with the weights it keeps (its gradient is
+    # NaN: inf * 0): it diverges at step 0.
+    ens = eqx.tree_at(
+        lambda e: e.members.layers[1].weight,
+        ens,
+        ens.members.layers[1].weight.at[2].set(3e38),
+    )
+    rate, steps = 0.05, 6
+    data = (jnp.asarray(X), jnp.asarray(Y))
+    result = ee.fit(
+        ens, loss, optax.sgd(rate), data, steps=steps, batch_size=N, key=KEY,
+        callbacks=(),
+    )  # fmt: skip
+    assert result.diverged == {2: 1}  # its first step (steps count from 1)
+    # By hand: the healthy members train from step 0, and so does the shared
+    # part, with the sum of the HEALTHY members' gradients (member 2 drops out
+    # at the step it diverges at, that step included: step 0 here).
+    healthy = [0, 1, 3]
+    shared = ens.shared
+    members = [
+        jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, ens.members)
+        for i in healthy
+    ]
+
+    def total(parts):
+        shared, members = parts
+        return sum(loss(eqx.combine(m, shared), data, None) for m in members)
+
+    for step in range(steps):
+        shared_grad, member_grads = eqx.filter_grad(total)((shared, members))
+        members = [
+            eqx.apply_updates(m, jax.tree.map(lambda g: -rate * g, grad))
+            for m, grad in zip(members, member_grads, strict=True)
+        ]
+        shared = eqx.apply_updates(
+            shared, jax.tree.map(lambda g: -rate * g, shared_grad)
+        )
+    assert not tree_equal(shared, ens.shared)
+    np.testing.assert_allclose(
+        result.ensemble.shared.layers[0].weight,
+        shared.layers[0].weight,
+        rtol=2e-5,
+        atol=1e-6,
+    )
+    for position, member in enumerate(healthy):
+        mine = jax.tree.map(
+            lambda a, m=member: a[m] if eqx.is_array(a) else a, result.ensemble.members
+        )
+        np.testing.assert_allclose(
+            mine.layers[1].weight, members[position].layers[1].weight,
+            rtol=2e-5, atol=1e-6,
+        )  # fmt: skip
+    # The diverged member's later losses are not computed: NaN, not its stand-in's.
+    assert np.isnan(result.history.losses[1:, 2]).all()

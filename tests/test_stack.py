@@ -10,6 +10,7 @@ from conftest import assert_tree_allclose, tree_equal
 from hypothesis import given, settings
 
 import eqx_ensemble as ee
+from eqx_ensemble._execution.profile import inner_jaxprs
 
 ACTIVATIONS = [jax.nn.relu, jax.nn.tanh, jax.nn.gelu, jax.nn.sigmoid, jnp.sin]
 ROUND_TRIP = settings(max_examples=15, deadline=None)
@@ -342,3 +343,75 @@ def test_stack_error_empty_and_wrong_type(getkey):
 def test_stack_same_models_round_trip_with_assert_helper(getkey):
     models = [eqx.nn.Conv1d(2, 3, 3, key=getkey()) for _ in range(3)]
     assert_tree_allclose(ee.unstack(ee.stack(models)), models, rtol=0, atol=0)
+
+
+# ------------------------------------------ many members, 64-bit and wide leaves
+
+
+def _ensemble(size, seed=0):
+    return ee.ensemble(
+        lambda k: eqx.nn.MLP(3, 2, 4, 1, key=k), size=size, key=jax.random.key(seed)
+    )
+
+
+def _widest_equation(jaxpr):
+    """The most inputs and outputs of any one operation of a jaxpr (nested calls
+    included): the size of the programs XLA is asked to compile."""
+    widest = (0, 0)
+    for equation in jaxpr.eqns:
+        widest = max(widest, (len(equation.invars), len(equation.outvars)))
+        for sub in inner_jaxprs(equation.params):
+            widest = max(widest, _widest_equation(sub))
+    return widest
+
+
+def test_unstack_and_stack_programs_do_not_grow_with_the_member_count():
+    ens = _ensemble(300)
+    leaves = len(jax.tree.leaves(eqx.filter(ens, eqx.is_array)))
+    dynamic, static = eqx.partition(ens, eqx.is_array)
+    unstack_jaxpr = jax.make_jaxpr(
+        lambda d: eqx.filter(ee.unstack(eqx.combine(d, static)), eqx.is_array)
+    )(dynamic)
+    # No operation with an output per member (300 here): the compilation of
+    # such a program grows with the member count (512 members: 26 s; 4096: 8 min).
+    assert _widest_equation(unstack_jaxpr.jaxpr)[1] <= leaves
+    models = ee.unstack(ens)
+    model_dynamic = [eqx.filter(m, eqx.is_array) for m in models]
+    stack_jaxpr = jax.make_jaxpr(
+        lambda ms: eqx.filter(
+            ee.stack(
+                [
+                    eqx.combine(m, eqx.filter(models[0], eqx.is_array, inverse=True))
+                    for m in ms
+                ]
+            ),
+            eqx.is_array,
+        )
+    )(model_dynamic)
+    # Not a stack with an input per model (4096 models: 133 s to compile):
+    # blocks of 64 models, a few leaves per call, at most 256 inputs.
+    assert _widest_equation(stack_jaxpr.jaxpr)[0] <= 256
+    assert tree_equal(ee.stack(models), ens)
+    assert tree_equal(models[123], ens[123])
+
+
+def test_stack_says_when_it_narrows_64_bit_leaves():
+    models = [(np.ones(3, np.float64), np.arange(2, dtype=np.int64)) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"leaf `\[0\]` is float64; .* float32"):
+        ens = ee.stack(models)
+    assert ens.members[0].dtype == jnp.float32
+    # 32-bit leaves: nothing to say.
+    ee.stack([(np.ones(3, np.float32),) for _ in range(2)])
+
+
+def test_stack_refuses_integers_that_would_wrap():
+    assert not jax.config.jax_enable_x64
+    fine = [{"w": np.ones(2, np.float32), "n": np.array([7], np.int64)}] * 2
+    with pytest.warns(UserWarning, match="stores it as int32"):
+        assert int(ee.stack(fine).members["n"][1, 0]) == 7
+    big = [
+        {"w": np.ones(2, np.float32), "n": np.array([7], np.int64)},
+        {"w": np.ones(2, np.float32), "n": np.array([3_000_000_000], np.int64)},
+    ]
+    with pytest.raises(ValueError, match=r"leaf `\['n'\]` of model 1.*3000000000"):
+        ee.stack(big)

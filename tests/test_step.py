@@ -322,3 +322,32 @@ def test_several_keys_instead_of_one(dropout_ens):
             make_batch(jax.random.key(0)),
             jax.random.split(jax.random.key(1), SIZE),
         )
+
+
+N = 48
+X = np.asarray(jax.random.normal(jax.random.key(10), (N, 2)), dtype=np.float32)
+Y = np.sin(2 * X[:, :1]) + X[:, 1:] ** 2
+KEY = jax.random.key(5)
+
+
+def make_mlp(key):
+    return eqx.nn.MLP(2, 1, 8, 1, key=key)
+
+
+def mse_loss(model, batch, key):
+    x, y = batch
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+@pytest.fixture
+def ens():
+    return ee.ensemble(make_mlp, size=SIZE, key=jax.random.key(0))
+
+
+def test_make_step_on_a_batch_of_no_examples_is_refused(ens):
+    step = ee.make_step(mse_loss, optax.sgd(0.1))
+    opt_state = ee.init_optimizer(optax.sgd(0.1), ens)
+    with pytest.raises(
+        ValueError, match=r"no examples: leaf `\[0\]` has shape \(0, 2\)"
+    ):
+        step(ens, opt_state, (X[:0], Y[:0]), KEY)

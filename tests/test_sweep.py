@@ -133,3 +133,16 @@ def test_selection_errors():
         ee.greedy_selection(jnp.ones((3, 4)), jnp.sum, size=5, start=4)
     with pytest.raises(TypeError, match="Ensemble"):
         ee.greedy_soup([eqx.nn.Linear(1, 1, key=jax.random.key(0))], lambda m: 0.0)
+
+
+def test_greedy_selection_never_picks_a_nan_member():
+    predictions = jnp.stack([jnp.full((4,), v) for v in (0.3, 0.1, 0.2, 0.0)])
+
+    def score(selected):  # member 3's predictions give a NaN score
+        mean = selected.mean(0)
+        return jnp.where(jnp.any(mean == 0.0), jnp.nan, jnp.mean((mean - 0.1) ** 2))
+
+    chosen = ee.greedy_selection(predictions, score, size=2)
+    assert 3 not in np.asarray(chosen).tolist()
+    with pytest.raises(ValueError, match="NaN"):
+        ee.greedy_selection(predictions[3:], score, size=1)
