@@ -165,3 +165,70 @@ def test_complex_convolutions_keep_jaxs_cpu_rule():
         np.asarray(filter_jit(conv, ())(x, w)), np.asarray(jax.jit(conv)(x, w)),
         rtol=1e-5, atol=1e-4,
     )  # fmt: skip
+
+
+FAST = "[b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f]"
+
+
+def test_checkpointed_and_mesh_placed_loops_are_rewritten_too():
+    # A `jax.checkpoint`-ed body holds an open jaxpr; an Auto mesh puts a mesh
+    # into the loop carry's type: both are rewritten (neither was before).
+    conv = _conv(("NCHW", "OIHW", "NCHW"), {"padding": "SAME"})
+    x, w = _inputs((4, 3, 8, 8), (3, 3, 3, 3))
+
+    def checkpointed(x, w):
+        def body(c, _):
+            return jax.checkpoint(lambda c: jnp.tanh(conv(c, w)))(c), None
+
+        def loss(x, w):
+            return jnp.sum(jax.lax.scan(body, x, None, length=3)[0])
+
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    ours = filter_jit(checkpointed, ())
+    found = _convolution_numbers(ours.lower(x, w).as_text())
+    assert found and set(found) == {FAST}, found
+    expected = jax.jit(checkpointed)(x, w)
+    for a, b in zip(
+        jax.tree.leaves(ours(x, w)), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    placed = jax.device_put(
+        jnp.tile(x, (2, 1, 1, 1)),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")),
+    )
+
+    def looped(x, w):
+        return jax.lax.fori_loop(0, 2, lambda i, c: jnp.tanh(conv(c, w)), x)
+
+    found = _convolution_numbers(filter_jit(looped, ()).lower(placed, w).as_text())
+    assert found and set(found) == {FAST}, found
+    np.testing.assert_allclose(
+        np.asarray(filter_jit(looped, ())(placed, w)),
+        np.asarray(jax.jit(looped)(placed, w)),
+        rtol=2e-5,
+        atol=2e-5,
+    )
+
+
+@pytest.mark.skipif(not hasattr(jax, "new_ref"), reason="a JAX without mutable refs")
+def test_a_loop_over_a_mutable_ref_is_left_as_written():
+    # A trace from shape and dtype would drop an input's `Ref` type ("get must
+    # be called on Ref types"): such a program is evaluated as it is.
+    conv = _conv(("NCHW", "OIHW", "NCHW"), {"padding": "SAME"})
+    x, w = _inputs((1, 2, 4, 4), (2, 2, 3, 3))
+
+    def accumulating(x, w):
+        total = jax.new_ref(jnp.zeros(()))
+
+        def body(i, c):
+            y = conv(c, w)
+            total[...] += jnp.sum(y)
+            return y
+
+        return jax.lax.fori_loop(0, 2, body, x), total[...]
+
+    ours, theirs = filter_jit(accumulating, ())(x, w), jax.jit(accumulating)(x, w)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)

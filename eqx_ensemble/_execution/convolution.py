@@ -147,6 +147,12 @@ class _Rewriter:
     def _param(self, value: Any) -> Any:
         if isinstance(value, jex.ClosedJaxpr):
             return self._rewrite(value)
+        if isinstance(value, jex.Jaxpr) and not value.constvars:
+            # An open program (`jax.checkpoint`'s): rewritten as a closed one
+            # of no constants, kept as it is where the rewrite would add some.
+            closed = jex.ClosedJaxpr(value, [])
+            found = self._rewrite(closed)
+            return value if found is closed or found.consts else found.jaxpr
         if isinstance(value, tuple) and any(
             isinstance(item, jex.ClosedJaxpr) for item in value
         ):
@@ -155,16 +161,26 @@ class _Rewriter:
 
     def _rewrite(self, closed: Any) -> Any:
         """`closed` with its convolutions rewritten: the same inputs and
-        outputs. Left as it is where it has none, or where its inputs carry a
-        sharding of their own (a mesh of explicit axes)."""
+        outputs. Left as it is where it has none, or where an input is not a
+        plain shaped array (a mutable `Ref`) or carries a sharding of its own
+        (a mesh of explicit axes): a trace from shape and dtype would lose
+        that."""
         found = self._closed.get(id(closed))
         if found is not None:
             return found
         found = closed
         avals = [var.aval for var in closed.jaxpr.invars]
-        if self.convolves(closed.jaxpr) and not any(map(_sharded, avals)):
+        plain = all(type(aval) is jax.core.ShapedArray for aval in avals)
+        if plain and self.convolves(closed.jaxpr) and not any(map(_explicit, avals)):
             structs = [
-                jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+                jax.ShapeDtypeStruct(
+                    aval.shape,
+                    aval.dtype,
+                    weak_type=aval.weak_type,
+                    sharding=getattr(aval, "sharding", None)
+                    if _on_mesh(aval)
+                    else None,
+                )
                 for aval in avals
             ]
             found = jax.make_jaxpr(
@@ -191,11 +207,23 @@ def _closed_jaxprs(params: dict[str, Any]) -> list[Any]:
     found = []
     for value in params.values():
         items = value if isinstance(value, tuple) else (value,)
-        found.extend(item for item in items if isinstance(item, jex.ClosedJaxpr))
+        for item in items:
+            if isinstance(item, jex.ClosedJaxpr):
+                found.append(item)
+            elif isinstance(item, jex.Jaxpr):
+                found.append(jex.ClosedJaxpr(item, []))
     return found
 
 
-def _sharded(aval: Any) -> bool:
-    sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
+def _on_mesh(aval: Any) -> bool:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     return mesh is not None and not getattr(mesh, "empty", True)
+
+
+def _explicit(aval: Any) -> bool:
+    """Whether `aval`'s sharding names an explicit mesh axis (part of its
+    type: a trace from shape and dtype would drop it)."""
+    if not _on_mesh(aval):
+        return False
+    axis_types = getattr(aval.sharding.mesh, "axis_types", ())
+    return any("Explicit" in str(kind) for kind in axis_types)
