@@ -4,6 +4,7 @@ compute different things never share one (checked against separate runs)."""
 
 import functools
 import logging
+import os
 import re
 
 import equinox as eqx
@@ -221,6 +222,10 @@ def _scaled(model, batch, key, cfg):
     return cfg.scale * make_loss()(model, batch, key)
 
 
+def _scaled_item(model, batch, key, cfg):
+    return cfg["scale"] * make_loss()(model, batch, key)
+
+
 def _cell(source: str, namespace: dict) -> dict:
     """A notebook cell run (again): its functions are new objects of `__main__`."""
     namespace.setdefault("__name__", "__main__")
@@ -255,6 +260,37 @@ def _kinds_of_state():
     )
     helper_cell = _cell(_CELL.format("helper()"), {"helper": helpers["helper"]})
     small = np.ones(3, np.float32)  # read by value
+
+    class ClassConfig:
+        scale = 1.0
+
+    class ClassConfig2:
+        scale = 1.0
+
+    class Settings(ClassConfig2):
+        pass
+
+    instance_of_class = Settings()
+
+    class DictConfig(dict):
+        pass
+
+    dict_config = DictConfig(scale=1.0)
+
+    class Slotted:
+        __slots__ = ("scale",)
+
+    class SlottedChild(Slotted):
+        pass
+
+    slotted = SlottedChild()
+    slotted.scale = 1.0
+    os.environ["EE_TEST_SCALE"] = "1.0"
+
+    def marked():
+        return None
+
+    marked.scale = 1.0
     big = np.ones(MAX_ARRAY + 1, np.float32)  # may be written in place
     nested = {"inner": [types.SimpleNamespace(scale=1.0)]}
 
@@ -291,6 +327,41 @@ def _kinds_of_state():
             lambda: functools.partial(_scaled, cfg=nested["inner"][0]),
             set_scale(nested["inner"][0]),
         ),
+        "class attribute": (
+            lambda: functools.partial(_scaled, cfg=ClassConfig),
+            set_scale(ClassConfig),
+        ),
+        "instance reading its class's attribute": (
+            lambda: functools.partial(_scaled, cfg=instance_of_class),
+            set_scale(ClassConfig2),
+        ),
+        "dict subclass": (
+            lambda: functools.partial(_scaled_item, cfg=dict_config),
+            lambda: dict_config.__setitem__("scale", 3.0),
+        ),
+        "subclass of a slotted class": (
+            lambda: functools.partial(_scaled, cfg=slotted),
+            set_scale(slotted),
+        ),
+        "environment variable": (
+            lambda: _cell(
+                _CELL.format("float(os.environ['EE_TEST_SCALE'])"), {"os": os}
+            )["loss_fn"],  # fmt: skip
+            lambda: os.environ.__setitem__("EE_TEST_SCALE", "3.0"),
+        ),
+        "module imported inside the loss": (
+            lambda: _cell(
+                "def loss_fn(model, batch, key):\n"
+                "    import user_config_for_the_cache_rule as config\n"
+                "    return config.scale * make_loss()(model, batch, key)\n",
+                {},
+            )["loss_fn"],
+            set_scale(user_module),
+        ),
+        "attribute of a helper function": (
+            lambda: _cell(_CELL.format("helper.scale"), {"helper": marked})["loss_fn"],
+            set_scale(marked),
+        ),
     }
 
 
@@ -305,6 +376,60 @@ def test_a_program_is_never_reused_for_changed_state(kind):
     change()
     after = _first_loss(make())
     np.testing.assert_allclose(after, 3.0 * before, rtol=1e-5)
+
+
+def test_a_canonical_function_whose_state_changed_is_not_reused():
+    # A is seen with its dict at 1, the dict is then set to 3; C, a new
+    # closure over its own dict at 1, must not be given A (which a new batch
+    # shape would trace again, reading 3).
+    def factory(cfg):
+        def loss(model, batch, key):
+            return cfg["s"] * make_loss()(model, batch, key)
+
+        return loss
+
+    state = {"s": 1.0}
+    first = factory(state)
+    assert canonical(first) is first
+    state["s"] = 3.0
+    fresh = factory({"s": 1.0})
+    assert canonical(fresh) is fresh
+
+    def at_16(loss_fn):  # another batch shape: traced again
+        run = ee.fit(ENS, loss_fn, optax.sgd(1e-2), DATA, steps=2, batch_size=16,
+                     key=jax.random.key(1), callbacks=())  # fmt: skip
+        return run.history.losses[0]
+
+    np.testing.assert_allclose(at_16(fresh), at_16(make_loss()))
+
+
+def test_keys_see_weak_types_cycles_and_object_arrays():
+    weak, strong = jnp.asarray(2.0), jnp.array(2.0, jnp.float32)
+    assert structural_key((weak,)) != structural_key((strong,))
+
+    class Node:
+        pass
+
+    a, b, c = Node(), Node(), Node()
+    a.s, b.s, c.s = 1.0, 1.0, 2.0
+    a.next, b.next = b, a  # a -> b -> a
+    c.next = c
+    d, e = Node(), Node()
+    d.s, e.s = 1.0, 1.0
+    d.next, e.next = e, e  # d -> e -> e
+    assert structural_key(a) != structural_key(d)
+    with pytest.raises(Doubtful, match="objects"):
+        structural_key(np.array([Node()], dtype=object))
+
+
+def test_an_optax_schedule_that_rewrites_its_closure_still_compiles_once():
+    # optax's cosine decay turns its `decay_steps` cell into a float on its
+    # first call: a key taken again would differ from the one stored.
+    def make():
+        return optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100))
+
+    fit(make(), steps=5)
+    assert compilations(lambda: fit(make(), steps=5)) == 0
 
 
 def test_equal_state_still_shares_a_program():

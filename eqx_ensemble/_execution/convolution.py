@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend.core as jex
 import jax.numpy as jnp
 from jax import lax

@@ -10,29 +10,44 @@ The rule: a program is reused for a new function object only where a fresh
 `jax.jit` of that object could not trace differently. So everything a function
 can reach while it is traced is keyed by value (`structural_key`):
 
-- numbers, strings and other plain values by value; tuples, lists and dicts by
-  their contents (up to `MAX_CONTAINER` items); NumPy and JAX arrays by shape,
-  dtype and contents (up to `MAX_ARRAY` elements; a larger JAX array, which
-  cannot change, by identity);
+- numbers, strings and other plain values by value; tuples, lists, dicts,
+  sets, ranges and slices by their contents (up to `MAX_CONTAINER` items);
+  NumPy and JAX arrays by shape, dtype, weak type and contents (up to
+  `MAX_ARRAY` elements; a larger JAX array, which cannot change, by identity);
 - functions, `functools.partial`s and bound methods by their code, closure
-  cells, defaults and the current values of the globals their code names,
-  recursively (a user's module-level helper too, with the globals it reads);
+  cells, defaults, attributes and the current values of the globals their
+  code names, recursively (a user's module-level helper too), and the data
+  attributes their code may read of a module they name (`os.environ`);
 - pytrees (`eqx.Module`s, optax's named tuples) by their structure and leaves;
-  other objects by their type and their attributes (`vars(obj)`), recursively;
+  other objects by their class and their attributes (`vars(obj)`); a user's
+  class by its identity and its own attributes (class attributes, methods,
+  properties, those of its user bases);
 - the code of installed libraries and of Python itself (their modules,
-  functions and classes: `jnp`, `optax.adam`, `eqx.nn.MLP`) by identity, and
-  every class by identity (as JAX's tree definitions are keyed).
+  functions and classes: `jnp`, `optax.adam`, `eqx.nn.MLP`) and JAX's own
+  callables (jitted functions) by identity.
 
-Anything that cannot be keyed so (a user's module object, whose attributes any
-code may reassign; a NumPy array above `MAX_ARRAY` elements, which may be
-written in place; a container above `MAX_CONTAINER` items; an object with no
-attributes to read) makes the function *doubtful*: it is its own key, so a new
-function object traces and compiles again, as with `jax.jit`. As in `jax.jit`,
-the same function object passed again is not traced again (a global changed
-since is not seen for it).
+Anything that cannot be keyed so makes the function *doubtful*: a user's
+module object, a NumPy array above `MAX_ARRAY` elements or of Python objects,
+a container above `MAX_CONTAINER` items, an object whose state lives outside
+`vars` (a builtin base such as a `dict` or `float` subclass, `__slots__`, a
+library object with nothing to read: a `deque`, a NumPy generator), code that
+imports a module or reads its namespace by name (`globals()`, `eval`). A
+doubtful function is its own key, so a new function object traces and
+compiles again, as with `jax.jit`. A canonical function whose dicts or
+objects changed in place since it was first seen is not given to a new,
+equal object (it is keyed again on such a hit).
+
+As in `jax.jit`, the same function object passed again is not traced again (a
+global changed since is not seen for it), and a closure cell reassigned after
+a function was first seen is not looked at again (optax's own schedules do
+so on their first call). A class reached only through an argument's tree
+structure (the model's class) is keyed by identity, as JAX keys tree
+definitions: a class attribute of the model's class changed between calls is
+not seen.
 """
 
 import collections
+import dis
 import enum
 import functools
 import os
@@ -97,10 +112,21 @@ _BUILTIN = (
 def structural_key(obj: Any) -> Hashable:
     """A hashable key equal for two objects that compute the same thing (see
     the module's docstring). Raises `Doubtful` where that cannot be shown."""
-    return _key(obj, set())
+    return _key(obj, _Walk())
 
 
-def _key(obj: Any, visiting: set[int]) -> Hashable:
+class _Walk(dict):
+    """The objects being walked (id -> depth), and whether the walk read
+    state that can change in place (a list, a dict, an object's or a class's
+    attributes): `mutable`."""
+
+    mutable = False
+    # Inside a library's own closure (an optax schedule's list of
+    # boundaries): its state is the library's, not marked.
+    library = 0
+
+
+def _key(obj: Any, visiting: dict[int, int]) -> Hashable:
     kind = type(obj)
     if kind in _PLAIN:
         return (kind, obj)
@@ -121,7 +147,9 @@ def _key(obj: Any, visiting: set[int]) -> Hashable:
         return (kind, _key(obj.__func__, visiting), _key(obj.__self__, visiting))
     if isinstance(obj, np.ndarray | np.generic | jax.Array):
         return _array_key(obj)
-    if isinstance(obj, (enum.Enum, np.dtype, type, *_BUILTIN)):
+    if isinstance(obj, type):
+        return _class_key(obj, visiting)
+    if isinstance(obj, (enum.Enum, np.dtype, *_BUILTIN)):
         return _Identity(obj)  # code, or a value that cannot change
     if kind is types.ModuleType:
         if _is_library(obj.__name__):
@@ -130,11 +158,20 @@ def _key(obj: Any, visiting: set[int]) -> Hashable:
     if kind in (tuple, list, dict):
         if len(obj) > MAX_CONTAINER:
             raise Doubtful(f"a {kind.__name__} of {len(obj)} items")
+        if kind is not tuple:
+            _mark_mutable(visiting)
         items = obj.items() if kind is dict else enumerate(obj)
         return (kind, tuple((_key(k, visiting), _key(v, visiting)) for k, v in items))
-    if id(obj) in visiting:  # a cycle through an object: its place in the walk
-        return ("cycle", kind)
-    visiting.add(id(obj))
+    if kind in (frozenset, range, slice):
+        items = (
+            sorted(obj, key=repr)
+            if kind is frozenset
+            else ((obj.start, obj.stop, obj.step))
+        )
+        return (kind, tuple(_key(item, visiting) for item in items))
+    if id(obj) in visiting:  # a cycle: the depth of the object it returns to
+        return ("cycle", visiting[id(obj)])
+    visiting[id(obj)] = len(visiting)
     try:
         if _is_pytree_node(obj):
             leaves, treedef = jax.tree_util.tree_flatten(obj)
@@ -148,20 +185,74 @@ def _key(obj: Any, visiting: set[int]) -> Hashable:
             return key
         return _object_key(obj, visiting)
     finally:
-        visiting.discard(id(obj))
+        del visiting[id(obj)]
 
 
-def _object_key(obj: Any, visiting: set[int]) -> Hashable:
-    # An instance of a plain class: by its class and its attributes. One from
-    # a library with no attributes to read (a lock, a device, a jitted
-    # function) by identity where its class is a library's.
+def _object_key(obj: Any, visiting: dict[int, int]) -> Hashable:
+    # An instance of a plain class: by its class (and the class's own
+    # attributes) and its attributes. Doubtful where state may live elsewhere:
+    # a builtin base (a `dict` or `float` subclass holds its contents outside
+    # `vars`), slots, or a library object with nothing to read (a `deque`, a
+    # NumPy generator) but a JAX callable (a jitted function: JAX keys it so).
     kind = type(obj)
+    if any(
+        base is not object and base.__module__ == "builtins" for base in kind.__mro__
+    ) or any("__slots__" in vars(base) for base in kind.__mro__):
+        raise Doubtful(f"an object of type {kind.__qualname__} (builtin base, slots)")
     attributes = getattr(obj, "__dict__", None)
     if isinstance(attributes, dict) and len(attributes) <= MAX_CONTAINER:
-        return (_Identity(kind), "object", _key(attributes, visiting))
-    if attributes is None and _is_library(kind.__module__):
+        _mark_mutable(visiting)
+        return (_key(kind, visiting), "object", _key(attributes, visiting))
+    if attributes is None and callable(obj) and _package(kind.__module__) in _JAX:
         return _Identity(obj)
     raise Doubtful(f"an object of type {kind.__qualname__}")
+
+
+_JAX = ("jax", "jaxlib")
+
+
+def _package(module: str | None) -> str:
+    return (module or "").partition(".")[0]
+
+
+def _class_key(cls: type, visiting: dict[int, int]) -> Hashable:
+    """A class by identity, and a user's class also by its own attributes
+    (class attributes, methods, properties), those of its user bases too: a
+    `Config.lr = ...` or a method replaced changes what a trace reads."""
+    own = [
+        base
+        for base in cls.__mro__
+        if not _is_library(base.__module__) or "<locals>" in base.__qualname__
+    ]
+    if not own:
+        return _Identity(cls)
+    if id(cls) in visiting:
+        return ("cycle", visiting[id(cls)])
+    _mark_mutable(visiting)
+    visiting[id(cls)] = len(visiting)
+    try:
+        parts = []
+        for base in own:
+            for name, value in vars(base).items():
+                if name.startswith("__") or name in _CLASS_MACHINERY:
+                    continue
+                if isinstance(value, staticmethod | classmethod):
+                    value = value.__func__
+                elif isinstance(value, property):
+                    value = (value.fget, value.fset, value.fdel)
+                parts.append((base.__qualname__, name, _key(value, visiting)))
+        return (_Identity(cls), tuple(parts))
+    finally:
+        del visiting[id(cls)]
+
+
+def _mark_mutable(visiting: dict[int, int]) -> None:
+    if isinstance(visiting, _Walk) and not visiting.library:
+        visiting.mutable = True
+
+
+# Attributes Python and Equinox add to a class (not the user's state).
+_CLASS_MACHINERY = frozenset({"_abc_impl"})
 
 
 def _is_pytree_node(obj: Any) -> bool:
@@ -183,8 +274,11 @@ def _array_key(array: Any) -> Hashable:
         return _Identity(array)  # cannot change
     if array.size > MAX_ARRAY:
         raise Doubtful(f"a NumPy array of {array.size} elements (written in place?)")
+    if np.dtype(getattr(array, "dtype", np.float32)).kind == "O":
+        raise Doubtful("a NumPy array of Python objects")
     values = np.asarray(array)
-    return (type(array), values.shape, str(values.dtype), values.tobytes())
+    weak = bool(getattr(array, "weak_type", False))  # (promotes as a Python number)
+    return (type(array), values.shape, str(values.dtype), weak, values.tobytes())
 
 
 @functools.cache
@@ -212,35 +306,86 @@ def _is_library(module_name: str | None) -> bool:
     return os.path.realpath(path).startswith(_library_folders())
 
 
-def _function_key(fn: types.FunctionType, visiting: set[int]) -> Hashable:
+def _function_key(fn: types.FunctionType, visiting: dict[int, int]) -> Hashable:
     if id(fn) in visiting:  # recursion (a function naming itself): its name
         return ("recursive", fn.__module__, fn.__qualname__)
     if _is_library(fn.__module__) and "<locals>" not in fn.__qualname__:
         # A library's own function: the same code while the module is loaded
         # (walking every global it names would walk the library's call graph).
         return _Identity(fn)
-    visiting.add(id(fn))
+    code = fn.__code__
+    if _reads_beyond_its_names(code, fn.__globals__):
+        raise Doubtful(f"{fn.__qualname__} imports or reads its namespace by name")
+    visiting[id(fn)] = len(visiting)
+    library = _is_library(fn.__module__) and isinstance(visiting, _Walk)
+    if library:
+        visiting.library += 1  # pyright: ignore[reportAttributeAccessIssue]
     try:
         closure = tuple(_cell_key(cell, visiting) for cell in (fn.__closure__ or ()))
         fn_globals = fn.__globals__
         named = tuple(
             (name, _key(fn_globals[name], visiting))
-            for name in _global_names(fn.__code__)
+            for name in _global_names(code)
             if name in fn_globals
+        )
+        # A library module's data attributes the code may read (`os.environ`,
+        # `some_module.SCALE`): by value; its functions and classes are code.
+        read = tuple(
+            (name, attribute, _key(getattr(module, attribute), visiting))
+            for name, module in ((n, fn_globals.get(n)) for n in _global_names(code))
+            if isinstance(module, types.ModuleType)
+            for attribute in code.co_names
+            if _is_data(getattr(module, attribute, _ABSENT))
         )
         return (
             types.FunctionType,
-            _code_key(fn.__code__),
+            _code_key(code),
             closure,
             _key(fn.__defaults__, visiting),
             _key(fn.__kwdefaults__, visiting),
             named,
+            read,
+            _key(dict(vars(fn)), visiting),  # attributes set on the function
         )
     finally:
-        visiting.discard(id(fn))
+        del visiting[id(fn)]
+        if library:
+            visiting.library -= 1  # pyright: ignore[reportAttributeAccessIssue]
 
 
-def _cell_key(cell: Any, visiting: set[int]) -> Hashable:
+_ABSENT = object()
+# Builtins that read a namespace by a name only known when run.
+_DYNAMIC = frozenset({"globals", "locals", "vars", "eval", "exec", "__import__"})
+
+
+def _is_data(value: Any) -> bool:
+    return (
+        value is not _ABSENT
+        and not isinstance(
+            value,
+            (types.ModuleType, type, types.FunctionType, *_BUILTIN),
+        )
+        and not (callable(value) and _package(type(value).__module__) in _JAX)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _imports(code: types.CodeType) -> bool:
+    """Whether the code (or a function defined in it) imports a module when
+    run (what it then reads is not among its globals)."""
+    if any(op.opname == "IMPORT_NAME" for op in dis.get_instructions(code)):
+        return True
+    return any(_imports(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def _reads_beyond_its_names(code: types.CodeType, fn_globals: dict) -> bool:
+    names = set(_global_names(code))
+    return _imports(code) or any(
+        name in names and name not in fn_globals for name in _DYNAMIC
+    )
+
+
+def _cell_key(cell: Any, visiting: dict[int, int]) -> Hashable:
     try:
         contents = cell.cell_contents
     except ValueError:  # an empty cell
@@ -298,10 +443,11 @@ class _Key:
     (every `fit` call, every dispatch's static leaves) hashes no nested tuple,
     and finds the stored key by identity."""
 
-    __slots__ = ("value", "hash")
+    __slots__ = ("value", "hash", "mutable")
 
     def __init__(self, value: Hashable):
         self.value, self.hash = value, hash(value)
+        self.mutable = False  # (whether it reads state that changes in place)
 
     def __hash__(self) -> int:
         return self.hash
@@ -328,8 +474,10 @@ def canonical(obj: Any) -> Any:
         obj = functools.partial(obj.__func__, obj.__self__)
     key = _SEEN.get(obj) if remembered else None
     if key is None:
+        walk = _Walk()
         try:
-            key = _Key(structural_key(obj))
+            key = _Key(_key(obj, walk))
+            key.mutable = walk.mutable
         except (Doubtful, TypeError):  # cannot be shown equal to another
             key = _DOUBTFUL
         if remembered:
@@ -337,6 +485,17 @@ def canonical(obj: Any) -> Any:
     if key is _DOUBTFUL:
         return obj
     found = _CANONICAL.get(key)
+    if (
+        found is not None
+        and found is not obj
+        and key.mutable
+        and not _still(found, key)
+    ):
+        # Its state (a dict, an object's attributes) changed since it was
+        # first seen: it no longer computes what `key` says. (A closure cell
+        # reassigned, as optax's own schedules do on their first call, is
+        # not looked at again: as in `jax.jit`, for the same function object.)
+        found = None
     if found is None:
         _CANONICAL[key] = found = obj
         while len(_CANONICAL) > MAX_CANONICAL:
@@ -344,6 +503,15 @@ def canonical(obj: Any) -> Any:
     else:
         _CANONICAL.move_to_end(key)
     return found
+
+
+def _still(found: Any, key: "_Key") -> bool:
+    """Whether the canonical function `found` still computes what `key`
+    says (its closure or an object it reads may have changed since)."""
+    try:
+        return _Key(structural_key(found)) == key
+    except (Doubtful, TypeError):
+        return False
 
 
 # The key of a function found doubtful.
