@@ -283,6 +283,17 @@ def test_a_checkpoint_remembers_the_block_length(tmp_path):
         run(ee.Bootstrap(block_length=3), 4)
 
 
+def _calibrated(members, n, alpha):
+    """EnbPI on random predictions, members 1.. out of bag of every example."""
+    counts = jnp.zeros((members, n), jnp.int32).at[0].set(1)
+    return ee.conformal.enbpi(
+        jax.random.normal(jax.random.key(0), (members, n)),
+        jax.random.normal(jax.random.key(1), (n,)),
+        alpha=alpha,
+        in_bag=counts,
+    )
+
+
 def test_a_traced_level_gives_the_python_levels_interval():
     """`sequential` makes its intervals at a traced (float32) level: its ranks
     equal `interval`'s at the same Python level for every window size up to
@@ -305,14 +316,7 @@ def test_a_traced_level_gives_the_python_levels_interval():
             np.testing.assert_array_equal(
                 np.asarray(got)[distinct], want[distinct], str(alpha)
             )
-    n = 29
-    counts = jnp.zeros((4, n), jnp.int32).at[0].set(1)  # members 1-3 out of bag
-    calibrated = ee.conformal.enbpi(
-        jax.random.normal(jax.random.key(0), (4, n)),
-        jax.random.normal(jax.random.key(1), (n,)),
-        alpha=0.2,
-        in_bag=counts,
-    )
+    calibrated = _calibrated(members=4, n=29, alpha=0.2)
     means = jnp.zeros((4, 1))
     traced = jax.jit(lambda a: calibrated.interval(means, alpha=a))(jnp.float32(0.2))
     expected = calibrated.interval(means)
@@ -325,14 +329,7 @@ def test_a_traced_level_gives_the_python_levels_interval():
 def test_a_traced_level_near_a_rank_keeps_the_python_levels_interval():
     # 999 residuals, alpha 0.099999: the lower rank is 49 (49.9995); an
     # absolute nudge made it 50, intervals 0.0133 apart.
-    n = 999
-    counts = jnp.zeros((3, n), jnp.int32).at[0].set(1)
-    calibrated = ee.conformal.enbpi(
-        jax.random.normal(jax.random.key(0), (3, n)),
-        jax.random.normal(jax.random.key(1), (n,)),
-        alpha=0.1,
-        in_bag=counts,
-    )
+    calibrated = _calibrated(members=3, n=999, alpha=0.1)
     means = jnp.zeros((3, 1))
     python = calibrated.interval(means, alpha=0.099999)
     traced = jax.jit(lambda a: calibrated.interval(means, alpha=a))(
