@@ -197,7 +197,7 @@ def _increment(count: Array) -> Array:
 def _non_negative(value: Any, who: str, what: str) -> Any:
     """`value`, checked where it is computed: a schedule that goes below 0
     mid-run would make the noise's scale NaN and end as "members diverged"."""
-    if not callable(getattr(value, "shape", None)) and isinstance(value, int | float):
+    if isinstance(value, int | float):
         return value  # a constant, checked when the sampler was made
     return eqx.error_if(
         value,

@@ -1,5 +1,6 @@
 """Array data for `fit`: checks, epoch permutations, bootstrap resamples, gathers."""
 
+from functools import partial
 from typing import Any
 
 import equinox as eqx
@@ -96,11 +97,11 @@ def permutation(key: PRNGKeyArray, n: int) -> Int[Array, " n"]:
     def reference(key: PRNGKeyArray) -> Array:
         return jax.random.permutation(key, n)
 
-    if n < SORT_ALONE_FROM or jax.default_backend() != "cpu":
+    if n < SORT_ALONE_FROM:
         return reference(key)
-    # (Chosen by the default backend, not `jax.lax.platform_dependent`: both
-    # give the same indices.)
-    return _permutation_sorting_alone(key, n)
+    return jax.lax.platform_dependent(
+        key, cpu=partial(_permutation_sorting_alone, n=n), default=reference
+    )
 
 
 def rounds(n: int) -> int:

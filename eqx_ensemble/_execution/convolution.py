@@ -100,7 +100,7 @@ class _Rewriter:
     """One program's rewrite: each inner program rewritten once (by identity)."""
 
     def __init__(self) -> None:
-        self._closed: dict[int, Any] = {}
+        self._closed: dict[int, tuple[Any, Any]] = {}
         self._convolves: dict[int, bool] = {}
 
     def convolves(self, jaxpr: Any) -> bool:
@@ -166,9 +166,9 @@ class _Rewriter:
         plain shaped array (a mutable `Ref`) or carries a sharding of its own
         (a mesh of explicit axes): a trace from shape and dtype would lose
         that."""
-        found = self._closed.get(id(closed))
-        if found is not None:
-            return found
+        kept = self._closed.get(id(closed))
+        if kept is not None:
+            return kept[1]
         found = closed
         avals = [var.aval for var in closed.jaxpr.invars]
         plain = all(type(aval) is jax.core.ShapedArray for aval in avals)
@@ -187,7 +187,9 @@ class _Rewriter:
             found = jax.make_jaxpr(
                 lambda *xs: self._eval(closed.jaxpr, closed.consts, xs)
             )(*structs)
-        self._closed[id(closed)] = found
+        # (Kept with the program it was made from: an id is only unique
+        # while its object lives, and `_param` wraps open programs anew.)
+        self._closed[id(closed)] = (closed, found)
         return found
 
 

@@ -115,7 +115,7 @@ def structural_key(obj: Any) -> Hashable:
     return _key(obj, _Walk())
 
 
-class _Walk(dict):
+class _Walk(dict[int, int]):
     """The objects being walked (id -> depth), and whether the walk read
     state that can change in place (a list, a dict, an object's or a class's
     attributes): `mutable`."""
@@ -126,7 +126,7 @@ class _Walk(dict):
     library = 0
 
 
-def _key(obj: Any, visiting: dict[int, int]) -> Hashable:
+def _key(obj: Any, visiting: "_Walk") -> Hashable:
     kind = type(obj)
     if kind in _PLAIN:
         return (kind, obj)
@@ -166,7 +166,7 @@ def _key(obj: Any, visiting: dict[int, int]) -> Hashable:
         items = (
             sorted(obj, key=repr)
             if kind is frozenset
-            else ((obj.start, obj.stop, obj.step))
+            else (obj.start, obj.stop, obj.step)
         )
         return (kind, tuple(_key(item, visiting) for item in items))
     if id(obj) in visiting:  # a cycle: the depth of the object it returns to
@@ -188,7 +188,7 @@ def _key(obj: Any, visiting: dict[int, int]) -> Hashable:
         del visiting[id(obj)]
 
 
-def _object_key(obj: Any, visiting: dict[int, int]) -> Hashable:
+def _object_key(obj: Any, visiting: "_Walk") -> Hashable:
     # An instance of a plain class: by its class (and the class's own
     # attributes) and its attributes. Doubtful where state may live elsewhere:
     # a builtin base (a `dict` or `float` subclass holds its contents outside
@@ -215,7 +215,7 @@ def _package(module: str | None) -> str:
     return (module or "").partition(".")[0]
 
 
-def _class_key(cls: type, visiting: dict[int, int]) -> Hashable:
+def _class_key(cls: type, visiting: "_Walk") -> Hashable:
     """A class by identity, and a user's class also by its own attributes
     (class attributes, methods, properties), those of its user bases too: a
     `Config.lr = ...` or a method replaced changes what a trace reads."""
@@ -246,8 +246,8 @@ def _class_key(cls: type, visiting: dict[int, int]) -> Hashable:
         del visiting[id(cls)]
 
 
-def _mark_mutable(visiting: dict[int, int]) -> None:
-    if isinstance(visiting, _Walk) and not visiting.library:
+def _mark_mutable(visiting: "_Walk") -> None:
+    if not visiting.library:
         visiting.mutable = True
 
 
@@ -274,7 +274,7 @@ def _array_key(array: Any) -> Hashable:
         return _Identity(array)  # cannot change
     if array.size > MAX_ARRAY:
         raise Doubtful(f"a NumPy array of {array.size} elements (written in place?)")
-    if np.dtype(getattr(array, "dtype", np.float32)).kind == "O":
+    if isinstance(array, np.ndarray | np.generic) and array.dtype.kind == "O":
         raise Doubtful("a NumPy array of Python objects")
     values = np.asarray(array)
     weak = bool(getattr(array, "weak_type", False))  # (promotes as a Python number)
@@ -306,7 +306,7 @@ def _is_library(module_name: str | None) -> bool:
     return os.path.realpath(path).startswith(_library_folders())
 
 
-def _function_key(fn: types.FunctionType, visiting: dict[int, int]) -> Hashable:
+def _function_key(fn: types.FunctionType, visiting: "_Walk") -> Hashable:
     if id(fn) in visiting:  # recursion (a function naming itself): its name
         return ("recursive", fn.__module__, fn.__qualname__)
     if _is_library(fn.__module__) and "<locals>" not in fn.__qualname__:
@@ -317,9 +317,8 @@ def _function_key(fn: types.FunctionType, visiting: dict[int, int]) -> Hashable:
     if _reads_beyond_its_names(code, fn.__globals__):
         raise Doubtful(f"{fn.__qualname__} imports or reads its namespace by name")
     visiting[id(fn)] = len(visiting)
-    library = _is_library(fn.__module__) and isinstance(visiting, _Walk)
-    if library:
-        visiting.library += 1  # pyright: ignore[reportAttributeAccessIssue]
+    library = _is_library(fn.__module__)
+    visiting.library += library
     try:
         closure = tuple(_cell_key(cell, visiting) for cell in (fn.__closure__ or ()))
         fn_globals = fn.__globals__
@@ -349,8 +348,7 @@ def _function_key(fn: types.FunctionType, visiting: dict[int, int]) -> Hashable:
         )
     finally:
         del visiting[id(fn)]
-        if library:
-            visiting.library -= 1  # pyright: ignore[reportAttributeAccessIssue]
+        visiting.library -= library
 
 
 _ABSENT = object()
@@ -385,7 +383,7 @@ def _reads_beyond_its_names(code: types.CodeType, fn_globals: dict) -> bool:
     )
 
 
-def _cell_key(cell: Any, visiting: dict[int, int]) -> Hashable:
+def _cell_key(cell: Any, visiting: "_Walk") -> Hashable:
     try:
         contents = cell.cell_contents
     except ValueError:  # an empty cell
