@@ -554,16 +554,18 @@ MLP = ee.ensemble(lambda k: eqx.nn.MLP(2, 4, 4, 1, key=k), size=2, key=K)
 LOGITS = jnp.log(PROBS)
 cases["laplace"] = [
     ("a part selecting no weights", lambda: ee.laplace(
-        MLP, (X, LAB), likelihood="classification", part=lambda m: m.activation,
+        MLP, (X, LAB), likelihood="classification",
+        prior_precision="marglik", part=lambda m: m.activation,
         curvature="diagonal")),
     ("prior precision -1", lambda: ee.laplace(
         MLP, (X, LAB), likelihood="classification", prior_precision=-1.0)),
     ("prior precision nan", lambda: ee.laplace(
         MLP, (X, LAB), likelihood="classification", prior_precision=float("nan"))),
     ("labels out of range", lambda: ee.laplace(
-        MLP, (X, LAB + 4), likelihood="classification")),
+        MLP, (X, LAB + 4), likelihood="classification", prior_precision="marglik")),
     ("kfac of a whole MLP", lambda: ee.laplace(
-        MLP, (X, LAB), likelihood="classification", part=lambda m: m)),
+        MLP, (X, LAB), likelihood="classification",
+        prior_precision="marglik", part=lambda m: m)),
 ]  # fmt: skip
 cases["sgmcmc"] = [
     ("sgld learning rate 0", lambda: ee.sgmcmc.sgld(0.0, num_data=8)),
@@ -636,6 +638,7 @@ cases["Heterogeneous"] = [
 cases["laplace"] += [
     ("a NaN in x", lambda: ee.laplace(
         ENS, (X.at[1, 0].set(jnp.nan), Y), likelihood="regression",
+        prior_precision="marglik",
         curvature="diagonal")),
 ]  # fmt: skip
 cases["average"] = cases.get("average", []) + [

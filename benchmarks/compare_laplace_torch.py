@@ -83,7 +83,13 @@ def main() -> None:
         "max |probit diff|"
     )
     for ours_name, theirs_name in STRUCTURES.items():
-        ours = ee.laplace(ens, (x, y), likelihood="classification", curvature=ours_name)
+        ours = ee.laplace(
+            ens,
+            (x, y),
+            likelihood="classification",
+            prior_precision="marglik",
+            curvature=ours_name,
+        )
         fixed = ours.log_marginal_likelihood(1.0)
         ours_probs = np.asarray(ours.predict(x_test))
         for member in range(MEMBERS):

@@ -17,6 +17,7 @@ from . import (
     nn as nn,
     ood as ood,
     plot as plot,
+    predictive as predictive,
     schedules as schedules,
     sgmcmc as sgmcmc,
     sweep as sweep,

@@ -1136,3 +1136,86 @@ def test_the_host_comparisons_see_what_eqx_tree_equal_and_strict_jnp_saw():
     for a, b in differ:
         with pytest.raises(AssertionError):
             assert_tree_allclose(a, b)
+
+
+# Float hyperparameters Optax applies as one multiplication are inputs of the
+# program (`_execution/lift.py`): a sweep over them compiles once.
+LIFTED = {
+    "learning rate": lambda v: optax.adam(v),
+    "momentum": lambda v: optax.sgd(0.05, momentum=v),
+    "weight decay and learning rate": lambda v: optax.adamw(v / 100, weight_decay=v),
+}
+
+
+@pytest.mark.parametrize("name", LIFTED)
+def test_a_new_learning_rate_momentum_or_weight_decay_compiles_nothing(name):
+    make = LIFTED[name]
+    first = fit(make(0.5))
+    assert compilations(lambda: fit(make(0.25))) == 0
+    second = fit(make(0.25))
+    assert not tree_equal(first.ensemble, second.ensemble)  # the value is used
+    opt = make(0.5)
+    ee.make_step(make_loss(), opt)(ENS, ee.init_optimizer(opt, ENS), DATA, KEY)
+    opt = make(0.125)
+    step = ee.make_step(make_loss(), opt)
+    opt_state = ee.init_optimizer(opt, ENS)
+    assert compilations(lambda: step(ENS, opt_state, DATA, KEY)) == 0
+
+
+KEY = jax.random.key(3)
+
+
+def test_other_optimizer_constants_still_compile():
+    # Adam's b1 enters as `1 - b1`, computed in double precision: a constant.
+    fit(optax.adam(1e-2, b1=0.8))
+    assert compilations(lambda: fit(optax.adam(1e-2, b1=0.7))) > 0
+
+
+_LIFTED_RUN = """
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+import optax
+from test_compile_once import bits, fit
+from eqx_ensemble._execution import lift
+
+def run():
+    return [bits(fit(optax.adamw(2e-3, weight_decay=0.3))),
+            bits(fit(optax.sgd(0.05, momentum=0.7), steps=7))]
+
+fresh = run()
+lift._CODES.clear()  # every value a constant of its program, as before
+lift._LIFTS.clear()
+constant = run()
+np.savez({out!r}, *fresh, *constant)
+"""
+
+
+def bits(result) -> np.ndarray:
+    """A run's losses and trained weights, one flat array."""
+    leaves = jax.tree.leaves(eqx.filter(result.ensemble, eqx.is_array))
+    parts = [result.history.losses, *leaves]
+    return np.concatenate([np.ravel(np.asarray(x)) for x in parts])
+
+
+def test_lifted_values_give_the_bits_of_constants_and_of_a_fresh_process(tmp_path):
+    import subprocess
+    import sys
+
+    fit(optax.adamw(1e-3, weight_decay=0.1))  # programs traced for other values
+    fit(optax.sgd(0.1, momentum=0.9), steps=7)
+    here = [
+        bits(fit(optax.adamw(2e-3, weight_decay=0.3))),
+        bits(fit(optax.sgd(0.05, momentum=0.7), steps=7)),
+    ]
+    out = tmp_path / "out.npz"
+    script = _LIFTED_RUN.format(tests=os.path.dirname(__file__), out=str(out))
+    subprocess.run([sys.executable, "-c", script], check=True)
+    saved = np.load(out)
+    fresh_adamw, fresh_sgd, constant_adamw, constant_sgd = (
+        saved[f"arr_{i}"] for i in range(4)
+    )
+    np.testing.assert_array_equal(here[0], fresh_adamw)
+    np.testing.assert_array_equal(here[1], fresh_sgd)
+    np.testing.assert_array_equal(constant_adamw, fresh_adamw)
+    np.testing.assert_array_equal(constant_sgd, fresh_sgd)

@@ -159,7 +159,8 @@ def test_marginal_likelihood_optimum_is_the_closed_form(curvature):
     ens = ee.stack([model, model])
     data = (jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
     posterior = ee.laplace(
-        ens, data, likelihood="regression", part=lambda m: m, curvature=curvature,
+        ens, data, likelihood="regression",
+        prior_precision="marglik", part=lambda m: m, curvature=curvature,
         sigma_noise=sigma,
     )  # fmt: skip
     np.testing.assert_allclose(posterior.prior_precision, delta, rtol=2e-3)
@@ -195,16 +196,29 @@ def test_linearised_predictive_by_hand(small):
                 else:
                     z = f / np.sqrt(1 + np.pi / 8 * np.diag(s))
                     p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
-                    np.testing.assert_allclose(got[i, n], p, rtol=1e-4, atol=1e-6)
+                    # (logits: the predictive's log-probabilities)
+                    np.testing.assert_allclose(
+                        np.exp(got[i, n]), p, rtol=1e-4, atol=1e-6
+                    )
+                    np.testing.assert_allclose(
+                        jax.nn.logsumexp(got[i, n]), 0.0, atol=1e-6
+                    )
 
 
 def test_mixture_is_each_member_fitted_alone(small):
     ens, x, labels = small
     ens = ee.concatenate([ens, ens[:1]])
-    together = ee.laplace(ens, (x, labels), likelihood="classification")
-    probs = together.predict(x)
+    together = ee.laplace(
+        ens, (x, labels), likelihood="classification", prior_precision="marglik"
+    )
+    probs = jax.nn.softmax(together.predict(x), axis=-1)
     for i in range(len(ens)):
-        alone = ee.laplace(ens[i : i + 1], (x, labels), likelihood="classification")
+        alone = ee.laplace(
+            ens[i : i + 1],
+            (x, labels),
+            likelihood="classification",
+            prior_precision="marglik",
+        )
         # Member i's objective is the member's own: the same log marginal
         # likelihood at the same prior precision.
         at = together.prior_precision[i]
@@ -222,7 +236,8 @@ def test_mixture_is_each_member_fitted_alone(small):
             alone.log_marginal_likelihood()[0],
             rtol=1e-5,
         )
-        np.testing.assert_allclose(probs[i], alone.predict(x)[0], rtol=1e-4, atol=1e-5)
+        alone_probs = jax.nn.softmax(alone.predict(x)[0], axis=-1)
+        np.testing.assert_allclose(probs[i], alone_probs, rtol=1e-4, atol=1e-5)
     # The mixture's predictive, as the metrics read it, is the members' mean.
     mixture = ee.combine.mean_probs(probs)
     np.testing.assert_allclose(mixture, np.mean(np.asarray(probs), axis=0), atol=1e-6)
@@ -262,7 +277,7 @@ def test_part_selecting_no_weights(small):
     ens, x, labels = small
     with pytest.raises(ValueError, match="selects no floating-point array"):
         ee.laplace(
-            ens, (x, labels), likelihood="classification",
+            ens, (x, labels), likelihood="classification", prior_precision="marglik",
             part=lambda m: m.activation, curvature="diagonal",
         )  # fmt: skip
 
@@ -272,7 +287,9 @@ def test_bad_prior_precision(small, prior):
     ens, x, labels = small
     with pytest.raises(ValueError, match="prior_precision"):
         ee.laplace(ens, (x, labels), likelihood="classification", prior_precision=prior)
-    posterior = ee.laplace(ens, (x, labels), likelihood="classification")
+    posterior = ee.laplace(
+        ens, (x, labels), likelihood="classification", prior_precision="marglik"
+    )
     with pytest.raises(ValueError, match="prior_precision"):
         posterior.log_marginal_likelihood(prior)
 
@@ -280,7 +297,13 @@ def test_bad_prior_precision(small, prior):
 def test_kfac_needs_a_linear_part(small):
     ens, x, labels = small
     with pytest.raises(ValueError, match="one `eqx.nn.Linear`"):
-        ee.laplace(ens, (x, labels), likelihood="classification", part=lambda m: m)
+        ee.laplace(
+            ens,
+            (x, labels),
+            likelihood="classification",
+            prior_precision="marglik",
+            part=lambda m: m,
+        )
 
 
 def test_full_curvature_of_a_large_part():
@@ -291,6 +314,7 @@ def test_full_curvature_of_a_large_part():
     with pytest.raises(ValueError, match="at most 4096"):
         ee.laplace(
             ens, (x, jnp.zeros(4, jnp.int32)), likelihood="classification",
+            prior_precision="marglik",
             part=lambda m: m, curvature="full",
         )  # fmt: skip
 
@@ -298,26 +322,56 @@ def test_full_curvature_of_a_large_part():
 def test_bad_targets_and_options(small):
     ens, x, labels = small
     with pytest.raises(ValueError, match=r"lie in \[0, 3\)"):
-        ee.laplace(ens, (x, labels + 1), likelihood="classification")
+        ee.laplace(
+            ens, (x, labels + 1), likelihood="classification", prior_precision="marglik"
+        )
     with pytest.raises(TypeError, match="integer labels"):
-        ee.laplace(ens, (x, labels.astype(jnp.float32)), likelihood="classification")
+        ee.laplace(
+            ens,
+            (x, labels.astype(jnp.float32)),
+            likelihood="classification",
+            prior_precision="marglik",
+        )
     with pytest.raises(ValueError, match="do not match"):
-        ee.laplace(ens, (x, jnp.zeros((12, 2))), likelihood="regression")
+        ee.laplace(
+            ens,
+            (x, jnp.zeros((12, 2))),
+            likelihood="regression",
+            prior_precision="marglik",
+        )
     with pytest.raises((ValueError, TypeError), match="likelihood"):
-        ee.laplace(ens, (x, labels), likelihood="poisson")  # type: ignore[arg-type]
+        ee.laplace(ens, (x, labels), likelihood="poisson", prior_precision="marglik")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="sigma_noise"):
         ee.laplace(ens, (x, jnp.zeros((12, 3))), likelihood="regression",
+        prior_precision="marglik",
                    sigma_noise=0.0)  # fmt: skip
     with pytest.raises(ValueError, match="12 examples"):
-        ee.laplace(ens, (x, labels[:5]), likelihood="classification")
-    posterior = ee.laplace(ens, (x, labels), likelihood="classification")
+        ee.laplace(
+            ens, (x, labels[:5]), likelihood="classification", prior_precision="marglik"
+        )
+    # No default prior precision: the marginal likelihood's misleads for
+    # weights trained without the matching weight decay (the guide).
+    with pytest.raises(TypeError, match=r"needs `validation=\(x, y\)`.*marglik"):
+        ee.laplace(ens, (x, labels), likelihood="classification")
+    with pytest.raises((ValueError, TypeError), match="prior_precision"):
+        ee.laplace(
+            ens, (x, labels), likelihood="classification", prior_precision="auto"
+        )  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pass one of them"):
+        ee.laplace(ens, (x, labels), likelihood="classification",
+                   prior_precision="marglik", validation=(x, labels))  # fmt: skip
+    posterior = ee.laplace(
+        ens, (x, labels), likelihood="classification", prior_precision="marglik"
+    )
     with pytest.raises(ValueError, match="samples"):
         posterior.predict(x, samples=10)
 
 
 def test_prior_tuned_on_validation_data_minimises_each_members_nll(small):
     ens, x, labels = small
-    posterior = ee.laplace(ens, (x, labels), likelihood="classification")
+    posterior = ee.laplace(
+        ens, (x, labels), likelihood="classification", prior_precision="marglik"
+    )
     grid = np.array([0.1, 1.0, 10.0, 100.0])
     # (Untrained members: more spread always helps, to the grid's end: said.)
     with pytest.warns(ee.PriorAtGridEndWarning, match="lowest prior precision"):
@@ -330,7 +384,7 @@ def test_prior_tuned_on_validation_data_minimises_each_members_nll(small):
                 ens[i : i + 1], (x, labels), likelihood="classification",
                 prior_precision=float(value),
             )  # fmt: skip
-            probs = np.asarray(fixed.predict(x[:8]))[0]
+            probs = np.asarray(jax.nn.softmax(fixed.predict(x[:8]), axis=-1))[0]
             nlls.append(-np.mean(np.log(probs[np.arange(8), np.asarray(labels[:8])])))
         assert tuned.prior_precision[i] == np.float32(grid[int(np.argmin(nlls))])
     with pytest.raises(ValueError, match="grid"):
@@ -358,7 +412,11 @@ def test_shared_part_head_is_approximated_and_backbone_refused():
     )
     # A per-member head: fitted and sampled as for an ensemble without sharing.
     posterior = ee.laplace(
-        ens, (x, labels), likelihood="classification", curvature="diagonal"
+        ens,
+        (x, labels),
+        likelihood="classification",
+        prior_precision="marglik",
+        curvature="diagonal",
     )
     draws = posterior.sample(jax.random.key(2), samples=3)
     assert ee.predict(draws, x).shape == (6, 12, 3)
@@ -370,6 +428,7 @@ def test_shared_part_head_is_approximated_and_backbone_refused():
             ens,
             (x, labels),
             likelihood="classification",
+            prior_precision="marglik",
             part=lambda m: m.layers[0],
             curvature="diagonal",
         )
@@ -426,7 +485,8 @@ def test_kfac_of_a_scalar_head_equals_the_one_output_head():
     # reference (same factors, evidence, prior and predictive).
     x, y, (scalar, one) = _regression_heads()
     posteriors = [
-        ee.laplace(ens, (x, target), likelihood="regression", curvature="kfac",
+        ee.laplace(ens, (x, target), likelihood="regression",
+        prior_precision="marglik", curvature="kfac",
                    sigma_noise=0.7)
         for ens, target in ((scalar, y), (one, y[:, None]))
     ]  # fmt: skip
@@ -447,6 +507,7 @@ def test_a_saved_posterior_loads_into_a_template_of_a_fresh_ensemble(
 ):
     x, y, (scalar, _) = _regression_heads()
     posterior = ee.laplace(scalar, (x, y), likelihood="regression",
+                           prior_precision="marglik",
                            curvature=curvature, sigma_noise=0.7)  # fmt: skip
     path = ee.save(tmp_path / "posterior.ckpt", posterior)
     # A new process has the architecture, not the trained weights or the data.
@@ -493,7 +554,13 @@ def test_laplace_refuses_a_nan_in_the_data(where):
     x, y = np.asarray(X).copy(), np.asarray(Y).copy()
     (x if where == "x" else y)[5, 0] = np.nan
     with pytest.raises(ValueError, match=rf"`{where}`.*nan at index \(5, 0\)"):
-        ee.laplace(ENS, (x, y), likelihood="regression", curvature="diagonal")
+        ee.laplace(
+            ENS,
+            (x, y),
+            likelihood="regression",
+            prior_precision="marglik",
+            curvature="diagonal",
+        )
 
 
 def test_laplace_tuned_on_validation_does_not_lose_to_the_members_on_digits():
@@ -537,9 +604,11 @@ def test_laplace_tuned_on_validation_does_not_lose_to_the_members_on_digits():
 
     _, members_own = nll(jax.nn.softmax(ee.predict(deep, test[0]), axis=-1))
     posterior = ee.laplace(deep, train, likelihood="classification", validation=val)
-    mixture, _ = nll(posterior.predict(test[0]))
+    mixture, _ = nll(jax.nn.softmax(posterior.predict(test[0]), axis=-1))
     assert mixture <= members_own.mean(), (mixture, members_own)
-    by_hand = ee.laplace(deep, train, likelihood="classification")
+    by_hand = ee.laplace(
+        deep, train, likelihood="classification", prior_precision="marglik"
+    )
     tuned = by_hand.optimize_prior_precision(val)
     np.testing.assert_array_equal(posterior.prior_precision, tuned.prior_precision)
     with pytest.raises(ValueError, match="pass one of them"):
@@ -547,3 +616,23 @@ def test_laplace_tuned_on_validation_does_not_lose_to_the_members_on_digits():
             deep, train, likelihood="classification", validation=val,
             prior_precision=1.0,
         )  # fmt: skip
+
+
+def test_the_predictive_is_logits_as_ee_predict_gives(small):
+    # Probit and Monte Carlo: log-probabilities (normalised logits), which the
+    # metrics take with `from_logits=True`, near each other.
+    ens, x, labels = small
+    posterior = ee.laplace(
+        ens, (x, labels), likelihood="classification", prior_precision="marglik"
+    )
+    probit = posterior.predict(x)
+    drawn = posterior.predict(x, samples=4000, key=jax.random.key(0))
+    for logits in (probit, drawn):
+        assert logits.shape == ee.predict(ens, x).shape
+        np.testing.assert_allclose(jax.nn.logsumexp(logits, axis=-1), 0.0, atol=1e-5)
+    np.testing.assert_allclose(np.exp(drawn), np.exp(probit), atol=0.05)
+    np.testing.assert_allclose(
+        ee.metrics.nll(probit, labels, from_logits=True),
+        ee.metrics.nll(jax.nn.softmax(probit, axis=-1), labels),
+        rtol=1e-5,
+    )

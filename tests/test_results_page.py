@@ -3,6 +3,7 @@ summaries and its verdicts, against NumPy and hand-made tables; the whole run at
 toy size in the slow tier."""
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -48,73 +49,95 @@ def test_cells_are_the_mean_and_standard_error_and_times_the_median():
     assert results.cell([2.0]) == "2.000"  # one seed: no error bar
 
 
-def test_claims_follow_the_tables():
+def test_paired_differences_use_the_corrected_resampled_t_test():
+    a, b, ratio = [1.0, 1.2, 0.9, 1.1], [1.1, 1.25, 1.05, 1.2], 0.25
+    d = np.subtract(a, b)
+    # Nadeau and Bengio (2003): (1/J + n_test/n_train) s^2, J = 4 splits.
+    want = math.sqrt((1 / 4 + 0.25) * np.var(d, ddof=1))
+    got = results.paired(a, b, ratio)
+    np.testing.assert_allclose(got, (np.mean(d), want))
+    assert got[1] > np.std(d, ddof=1) / 2  # wider than the naive s / sqrt(J)
+    assert results.verdict(-0.1, 0.04) == "supported"
+    assert results.verdict(-0.1, 0.06) == "no difference measured"
+    assert results.verdict(0.1, 0.04) == "not supported"
+    assert results.verdict(0.1, 0.04, lower_is_better=False) == "supported"
+    assert results.verdict(-0.1, float("nan")) == "no difference measured"
+    with pytest.raises(ValueError, match="equal lengths"):
+        results.paired([1.0, 2.0], [1.0], ratio)
+
+
+def test_claims_follow_the_paired_differences():
     recipe = results.RECIPE
     regression = {
-        # Boston within the paper's deviations, Concrete's RMSE outside them.
-        "Boston": {
-            recipe: {"RMSE": [3.0, 3.4], "NLL": [2.3, 2.5]},
-            "deep ensemble (NLL)": {"RMSE": [3.0], "NLL": [2.6]},
+        "Boston": {  # within the paper's error bars; NLL lower beyond 2 s.e.
+            recipe: {"RMSE": [3.0, 3.4, 3.2], "NLL": [2.3, 2.5, 2.4]},
+            "deep ensemble (NLL)": {"RMSE": [3.0] * 3, "NLL": [2.6, 2.7, 2.65]},
         },
-        "Concrete": {
-            recipe: {"RMSE": [7.0, 7.2], "NLL": [3.0, 3.1]},
-            "deep ensemble (NLL)": {"RMSE": [7.0], "NLL": [3.0]},
-            "MC dropout (1 x 20 passes, NLL)": {"RMSE": [7.0], "NLL": [3.0]},
+        "Concrete": {  # RMSE far outside; NLL inside the noise; dropout better
+            recipe: {"RMSE": [7.0, 7.2, 7.1], "NLL": [3.0, 3.1, 3.05]},
+            "deep ensemble (NLL)": {"RMSE": [7.0] * 3, "NLL": [3.02, 3.05, 3.1]},
+            "MC dropout (1 x 20 passes, NLL)": {
+                "RMSE": [7.0] * 3, "NLL": [2.9, 2.95, 2.92]},
         },
-    }
+    }  # fmt: skip
     deep = f"deep ensemble ({results.MEMBERS})"
     rows = {
-        "single model": {"NLL": [0.5, 0.5], "ECE": [0.1, 0.1], "parameters": [10]},
-        deep: {"NLL": [0.29, 0.31], "ECE": [0.2, 0.2], "parameters": [50],
-               "AUROC far": [0.8, 0.8], "AUROC near": [0.7, 0.7]},
-        f"{deep}, Mahalanobis OOD score": {"AUROC far": [0.9, 0.9],
-                                           "AUROC near": [0.6, 0.6]},
-        f"{deep} + temperature": {"NLL": [0.3, 0.3], "ECE": [0.05, 0.05],
-                                  "parameters": [51]},
+        "single model": {"NLL": [0.5, 0.52, 0.48], "parameters": [10]},
+        deep: {"NLL": [0.29, 0.31, 0.30], "ECE": [0.2, 0.21, 0.19],
+               "parameters": [50], "AUROC far": [0.8] * 3, "AUROC near": [0.7] * 3},
+        f"{deep}, Mahalanobis OOD score": {"AUROC far": [0.9, 0.91, 0.89],
+                                           "AUROC near": [0.6, 0.61, 0.59]},
+        f"{deep} + temperature": {"ECE": [0.05, 0.06, 0.04], "parameters": [51]},
         f"Packed-Ensembles ({results.MEMBERS}, alpha 2)": {
-            "NLL": [0.30, 0.32], "parameters": [20]},
-        "Laplace mixture (KFAC, marglik)": {"NLL": [0.4, 0.4], "parameters": [50]},
-        "MC dropout (1 x 20 passes)": {"NLL": [0.35, 0.35], "parameters": [10]},
-        f"MultiSWAG ({results.MEMBERS} x 4)": {"NLL": [0.2, 0.2], "parameters": [200]},
+            "NLL": [0.31, 0.30, 0.32], "parameters": [20]},
+        "Laplace mixture (KFAC, marglik)": {"NLL": [0.4, 0.42, 0.41]},
+        "MC dropout (1 x 20 passes)": {"NLL": [0.35, 0.36, 0.34]},
+        f"MultiSWAG ({results.MEMBERS} x 4)": {"NLL": [0.2, 0.21, 0.19]},
         f"hyper-deep ({results.MEMBERS} of {2 * results.MEMBERS}: L2, label "
-        "smoothing)": {"NLL": [0.28, 0.28], "parameters": [50]},
-        "MC BatchNorm (1 x 20 batches)": {"NLL": [0.6, 0.6], "parameters": [11]},
+        "smoothing)": {"NLL": [0.30, 0.29, 0.31]},
+        "MC BatchNorm (1 x 20 batches)": {"NLL": [0.6, 0.62, 0.61]},
+        results.MAP_ROW: {"AUROC far": [0.8] * 3, "AUROC near": [0.7] * 3},
         f"repulsive, function space ({results.MEMBERS})": {
-            "AUROC far": [0.85, 0.85], "AUROC near": [0.65, 0.65]},
+            "AUROC far": [0.85, 0.86, 0.84], "AUROC near": [0.65, 0.66, 0.64]},
     }  # fmt: skip
-    lines = results.claims(regression, {"toy": rows})
-    text = "\n".join(lines)
-    assert "Table 1 on Boston" in text and "Table 1 on Concrete" in text
-    boston = next(line for line in lines if "Table 1 on Boston" in line)
-    concrete = next(line for line in lines if "Table 1 on Concrete" in line)
-    assert "**reproduced**" in boston and "**not reproduced**" in concrete
-    adversarial = [line for line in lines if "Adversarial training" in line]
-    assert "**supported**" in adversarial[0]  # 2.4 < 2.6 on Boston
-    assert "**not supported**" in adversarial[1]  # 3.05 > 3.0 on Concrete
+    lines = results.claims(regression, {"digits": rows})
 
-    def verdict(fragment):
-        line = next(line for line in lines if fragment in line)
-        return "**supported**" in line
+    def verdict(*fragments):
+        line = next(ln for ln in lines if all(f in ln for f in fragments))
+        return line.rsplit("**", 2)[-2]
 
-    assert verdict("a deep ensemble beats a single model")
-    assert verdict("Packed-Ensembles match")  # 0.31 within 2 s.e. of 0.30, fewer
-    assert not verdict("Laplace approximations beats")
-    assert verdict("a deep ensemble beats MC dropout")  # 0.30 < 0.35
-    assert verdict("MultiSWAG beats")
-    assert verdict("temperature scaling lowers")
-    assert verdict("hyper-deep ensemble beats")  # 0.28 < 0.30
-    assert not verdict("MC BatchNorm beats")  # 0.6 > 0.5
-    # MC dropout in regression: Concrete only (Boston has no such row), 3.05 > 3.0.
-    dropout = [line for line in lines if "beats MC dropout on NLL on" in line]
-    assert len(dropout) == 1 and "**not supported**" in dropout[0]
-    repulsion = [line for line in lines if "function-space repulsion" in line]
-    assert len(repulsion) == 2
-    assert "**supported**" in next(r for r in repulsion if "far" in r)  # 0.85 > 0.8
-    assert "**not supported**" in next(r for r in repulsion if "near" in r)
-    mahalanobis = [line for line in lines if "Mahalanobis distance" in line]
-    assert len(mahalanobis) == 2  # one per OOD set
-    assert "**supported**" in next(m for m in mahalanobis if "far" in m)
-    assert "**not supported**" in next(m for m in mahalanobis if "near" in m)
+    assert verdict("Table 1 on Boston") == "reproduced"
+    assert verdict("Table 1 on Concrete") == "not reproduced"
+    assert verdict("Adversarial", "Boston") == "supported"
+    assert verdict("Adversarial", "Concrete") == "no difference measured"
+    assert verdict("beats MC dropout on NLL on Concrete") == "not supported"
+    assert verdict("a deep ensemble beats a single model") == "supported"
+    assert verdict("Packed-Ensembles match") == "supported"  # inside 2 s.e., fewer
+    assert verdict("Laplace approximations beats") == "not supported"
+    assert verdict("digits: a deep ensemble beats MC dropout") == "supported"
+    assert verdict("MultiSWAG beats") == "supported"
+    assert verdict("temperature scaling lowers") == "supported"
+    assert verdict("hyper-deep ensemble beats") == "no difference measured"
+    assert verdict("MC BatchNorm beats") == "not supported"
+    assert verdict("function-space repulsion", "far") == "supported"
+    assert verdict("function-space repulsion", "near") == "not supported"
+    assert verdict("Mahalanobis distance", "far") == "supported"
+    assert verdict("Mahalanobis distance", "near") == "not supported"
+    assert all("paired difference" in ln for ln in lines if "Table 1" not in ln)
+
+
+def test_mnist_ood_images_are_test_images_no_member_trained_on():
+    x = np.arange(40, dtype=np.float64)[:, None] * np.ones((1, 3))
+    data = {
+        "x": x, "y": np.arange(40) % 2, "sizes": (20, 5),
+        "ood": {"shifted": x + 0.5}, "ood_of_its_images": True,
+    }  # fmt: skip
+    for seed in range(3):
+        split = results.classification_split(data, seed)
+        order = np.random.default_rng(seed).permutation(40)
+        train, test = set(order[:20]), set(order[25:])
+        rows = set(np.asarray(split["ood_rows"]["shifted"]).tolist())
+        assert rows == test and not rows & train
 
 
 def test_the_page_in_the_docs_is_generated():

@@ -18,6 +18,7 @@ import functools
 import gc
 import os
 import re
+import types
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -31,6 +32,7 @@ from jaxtyping import PyTree
 from .._internal.tree import is_traced
 from .convolution import canonical_convolutions
 from .intern import canonical
+from .lift import Lifted, lifted
 
 # Turning off YNNPACK's dot/elementwise fusions on the CPU (XLA >= 0.8).
 EIGEN_DOTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -187,7 +189,13 @@ def _split_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[Any, ...]]:
             # program traced for one would run for the other (its dtype).
             static.append(_Number(leaf))
         else:
-            static.append(canonical(leaf))
+            leaf = canonical(leaf)
+            found = lifted(leaf) if type(leaf) is types.FunctionType else None
+            if found is None:
+                static.append(leaf)
+            else:  # an optimizer's learning rate...: inputs (`lift.py`)
+                static.append(found[0])
+                arrays.extend(found[1])
     return arrays, tuple(static)
 
 
@@ -207,6 +215,12 @@ def _kind_of(leaf: Any) -> str:
     if type(leaf) is leaf.__class__ and not is_traced(leaf) and len(_KINDS) < 1024:
         _KINDS[type(leaf)] = kind
     return kind
+
+
+def _spec(leaf: Any) -> Hashable:
+    # An array's shape and dtype; a lifted hyperparameter (`lift.py`) is a
+    # Python float, traced as a weakly typed scalar.
+    return float if type(leaf) is float else (leaf.shape, leaf.dtype)
 
 
 class _Number:
@@ -291,7 +305,13 @@ def _merge(static: Any, first: list[Any], rest: list[Any]) -> tuple[Any, ...]:
 def _fill(static_leaves: tuple[Any, ...], arrays: list[Any]) -> list[Any]:
     it = iter(arrays)
     return [
-        next(it) if leaf is None else leaf.value if type(leaf) is _Number else leaf
+        next(it)
+        if leaf is None
+        else leaf.value
+        if type(leaf) is _Number
+        else leaf.filled(it)
+        if type(leaf) is Lifted
+        else leaf
         for leaf in static_leaves
     ]
 
@@ -361,7 +381,7 @@ class CompiledFunctions:
         are bounded. Where a non-array leaf cannot be hashed, `unhashable(*args)`
         (`None`: the TypeError)."""
         static, first, rest = split_arguments(args)
-        shapes = tuple((leaf.shape, leaf.dtype) for leaf in (*first, *rest))
+        shapes = tuple(map(_spec, (*first, *rest)))
         if unhashable is not None:
             try:
                 hash(static)
@@ -582,7 +602,7 @@ def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
                 return fn(*args)
         except TypeError:  # a non-array leaf that cannot be hashed
             return fn(*args)
-        shapes = tuple((x.shape, x.dtype) for x in (*first, *rest))
+        shapes = tuple(map(_spec, (*first, *rest)))
         try:
             # A program per function, structure and shapes, in the bounded
             # cache (`MAX_PROGRAMS`): each holds one program.

@@ -37,6 +37,7 @@ from .._execution.execution import (
 from .._execution.guard import FiniteCheck
 from .._execution.intern import canonical_tree
 from .._execution.layout import Layout, member_map
+from .._execution.lift import lifts
 from .._execution.placement import check_step_mesh, members_devices, mesh_context
 from .._execution.plan import Plan, plan_step
 from .._execution.profile import StepProfile, first_member, profile_jaxpr, signature
@@ -928,12 +929,14 @@ def _compiled_step(step: Step, plan: Plan) -> Callable[..., StepOutput]:
     and plan, compiled with the plan's XLA options, each with its own cache,
     taking the arguments of a step call. A step holding arrays (a `loss_fn`
     that is a Module with weights) cannot be a cache key; it is passed as a
-    traced argument instead."""
+    traced argument instead, as is a step whose optimizer's learning rate
+    (momentum, weight decay) is an input of the program."""
     try:
         hash(step)
     except TypeError:
-        generic = _compiled_generic(plan)
-        return functools.partial(generic, step)
+        return functools.partial(_compiled_generic(plan), step)
+    if lifts(step.optimizer):  # its learning rate...: an input (`lift.py`)
+        return functools.partial(_compiled_generic(plan), step)
     return _compiled_for(step, plan)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import optax
 from jax.extend.core import Var
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
@@ -21,6 +22,7 @@ from .._core.heterogeneous import (
     split_by_group,
 )
 from .._execution.compile import CompiledFunctions, filter_jit, one_shot_options
+from .._execution.lift import lifts
 from .._internal.keys import RunKeys, run_keys
 from .._internal.tree import with_fields
 from .optim import init_state
@@ -183,7 +185,7 @@ def initial_state(
 
 
 def fresh_state(
-    optimizer: Any,
+    init: Any,
     track: tuple[Any, ...],
     with_eval: bool,
     ens: Ensemble | Heterogeneous,
@@ -192,9 +194,9 @@ def fresh_state(
     hyper: PyTree[Any],
 ) -> TrainState:
     """The state before the first step (traced: inside a compiled call), a fresh
-    optimizer state when `opt_state` is `None`."""
+    optimizer state (from the optimizer's `init`) when `opt_state` is `None`."""
     if opt_state is None:
-        opt_state = init_state(optimizer, ens)
+        opt_state = init_state(optax.GradientTransformation(init, _no_update), ens)
     train_state = initial_state(
         ens, opt_state, model_state, hyper=hyper, track=track, with_eval=with_eval
     )
@@ -203,15 +205,20 @@ def fresh_state(
     return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, train_state)
 
 
-def _make_start(optimizer: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
+def _no_update(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("internal error: a start program updates nothing")
+
+
+def _make_start(init: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
     # A function of its own: JAX's caches keyed on it go when it is dropped.
     def start(*args: Any) -> TrainState:
-        return fresh_state(optimizer, track, with_eval, *args)
+        return fresh_state(init, track, with_eval, *args)
 
     return filter_jit(start, one_shot_options())
 
 
-# One start program per optimizer, trackers and evaluation (bounded, least
+# One start program per optimizer `init` (two learning rates share it),
+# trackers and evaluation (bounded, least
 # recently used dropped: `compile.CompiledFunctions`); a program that runs
 # once per call: compiled with `ONE_SHOT`.
 _started = CompiledFunctions(_make_start)
@@ -242,14 +249,19 @@ def start_state(
     optimizer and structure then need not compile again). `controlled`: the
     checkpointed callbacks, whose `init` states (made on the host) fill
     `TrainState.controlled`."""
+    init = optimizer.init
     try:
-        hash((optimizer, track))
-    except TypeError:  # an unhashable optimizer or tracker: passed as arguments
+        # An unhashable optimizer or tracker, or an `init` reading a lifted
+        # weight decay (`lift.py`): passed as arguments.
+        generic = hash((init, track)) is None or lifts(init)
+    except TypeError:
+        generic = True
+    if generic:
         train_state = _start_generic()(
-            optimizer, track, with_eval, ens, opt_state, model_state, hyper
+            init, track, with_eval, ens, opt_state, model_state, hyper
         )
     else:
-        train_state = _started(optimizer, track, with_eval)(
+        train_state = _started(init, track, with_eval)(
             ens, opt_state, model_state, hyper
         )
     keys = derived_keys(key)
