@@ -23,6 +23,9 @@ low, high = ens.interval(0.9)                               # (100,) each
 """
 
 import math
+import numbers
+import warnings
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -60,8 +63,18 @@ def _positive(value: Array, name: str, owner: str) -> None:
         )
 
 
-def _float(value: ArrayLike) -> Array:
+def _check_p(p: Array) -> Array:
+    if not is_traced(p) and not bool(jnp.all((p >= 0) & (p <= 1))):
+        raise ValueError(
+            f"quantile levels must lie in [0, 1], got {np.asarray(p).reshape(-1)[:5]}"
+        )
+    return p
+
+
+def _float(value: Any) -> Array:
     array = jnp.asarray(value)
+    if jnp.issubdtype(array.dtype, jnp.complexfloating):
+        raise TypeError(f"a predictive's parameters are real, got {array.dtype}")
     if not jnp.issubdtype(array.dtype, jnp.floating):
         array = array.astype(jnp.result_type(float))
     return array
@@ -110,7 +123,8 @@ class Normal(_Distribution):
 
     def quantile(self, p: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
         """The `p`-quantile."""
-        return self.loc + self.scale * ndtri(jnp.asarray(p, self.loc.dtype))
+        p = _check_p(jnp.asarray(p, self.loc.dtype))
+        return _ends(self.loc + self.scale * ndtri(p), p)
 
     def crps(self, y: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
         """The continuous ranked probability score at `y` (Gneiting and
@@ -174,24 +188,27 @@ class StudentT(_Distribution):
         return _t_cdf(self._z(y), self.df)
 
     def quantile(self, p: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
-        """The `p`-quantile (by bisection on the CDF, to float precision)."""
-        return self._quantile(jnp.asarray(p, self.loc.dtype))
+        """The `p`-quantile (by bisection on the CDF, to float precision;
+        differentiable by the implicit function theorem)."""
+        return self._quantile(_check_p(jnp.asarray(p, self.loc.dtype)))
 
     @eqx.filter_jit
     def _quantile(self, p: Array) -> Array:
         shape = jnp.broadcast_shapes(
             p.shape, self.loc.shape, self.scale.shape, self.df.shape
         )
-        z = _bisect(lambda z: _t_cdf(z, self.df), jnp.broadcast_to(p, shape), -1.0, 1.0)
-        return self.loc + self.scale * z
+        p = jnp.broadcast_to(p, shape)
+        z = _bisect(lambda z: _t_cdf(z, self.df), p, -1.0, 1.0)
+        q = self.loc + self.scale * jax.lax.stop_gradient(z)
+        return _ends(_implicit(self, q, p), p)
 
     def crps(self, y: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
         """The continuous ranked probability score at `y`, in closed form
-        (Jordan, Krüger and Lerch 2019); infinite for `df <= 1`, where the
-        distribution has no mean."""
+        (Jordan, Krüger and Lerch 2019) for `df >= 2`, by quadrature below;
+        infinite for `df <= 1/2`, where the integral diverges."""
         z, df = self._z(y), self.df
         infinite = jnp.isinf(df)
-        nu = jnp.where(infinite | (df <= 1), 3.0, df)
+        nu = jnp.where(infinite | (df < 2), 3.0, df)
         density = jnp.exp(self.log_prob(y) + jnp.log(self.scale))
         # 2 sqrt(nu) B(1/2, nu - 1/2) / ((nu - 1) B(1/2, nu / 2)^2), with
         # log B(1/2, b) = log(pi) / 2 - [log Gamma(b + 1/2) - log Gamma(b)]
@@ -202,8 +219,19 @@ class StudentT(_Distribution):
             z * (2 * _t_cdf(z, nu) - 1) + 2 * density * (nu + z**2) / (nu - 1) - spread
         )
         gaussian = z * (2 * ndtr(z) - 1) + 2 * _phi(z) - 1 / math.sqrt(math.pi)
-        score = jnp.where(infinite, gaussian, finite)
-        return self.scale * jnp.where(df <= 1, jnp.inf, score)
+        score = self.scale * jnp.where(infinite, gaussian, finite)
+        # Below df = 2 the closed form's 1 / (df - 1) loses float32's digits
+        # (and has no value at or below 1, where the integral still
+        # converges above 1/2): quadrature there.
+        y = jnp.broadcast_to(jnp.asarray(y), score.shape)
+        heavy = _crps_by_quadrature(
+            self.cdf,
+            y,
+            jnp.broadcast_to(self.loc, score.shape),
+            jnp.broadcast_to(self.scale, score.shape),
+        )
+        score = jnp.where(df < 2, heavy, score)
+        return jnp.where(df <= 0.5, jnp.inf, score)
 
     def mean(self) -> Float[Array, "..."]:
         """`loc` (NaN where `df <= 1`: no mean)."""
@@ -230,19 +258,34 @@ _LARGE_DF = 100.0
 def _t_cdf(z: Array, df: Array) -> Array:
     large = df > _LARGE_DF
     nu = jnp.where(large, 1.0, df)
-    # The tail `I_{nu/(nu+z^2)}(nu/2, 1/2) / 2` far out; near the centre,
+    # The tail `I_{nu/(nu+z^2)}(nu/2, 1/2) / 2` for |z| >= 1; near the centre,
     # where `nu / (nu + z^2)` rounds to 1, the mass between 0 and `|z|`,
-    # `I_{z^2/(nu+z^2)}(1/2, nu/2) / 2`.
-    centre = z**2 < nu
+    # `I_{z^2/(nu+z^2)}(1/2, nu/2) / 2`. At z = +-inf: 0 and 1.
+    centre = z**2 < 1  # (beyond, the tail's argument is at most nu / (nu + 1))
     tail = 0.5 * betainc(nu / 2, 0.5, jnp.where(centre, 0.5, nu / (nu + z**2)))
     inner = 0.5 * betainc(0.5, nu / 2, jnp.where(centre, z**2 / (nu + z**2), 0.5))
     t = jnp.where(centre, 0.5 + jnp.sign(z) * inner, jnp.where(z < 0, tail, 1 - tail))
     # Phi(z (1 - 1/(4 df)) / sqrt(1 + z^2 / (2 df))) (Abramowitz and Stegun
     # 26.7.8's form), exact at df = inf.
     big = jnp.where(large, df, _LARGE_DF)
-    return jnp.where(
-        large, ndtr(z * (1 - 0.25 / big) / jnp.sqrt(1 + z**2 / (2 * big))), t
-    )
+    finite_z = jnp.where(jnp.isinf(z), 0.0, z)
+    approx = ndtr(finite_z * (1 - 0.25 / big) / jnp.sqrt(1 + finite_z**2 / (2 * big)))
+    value = jnp.where(large, approx, t)
+    return jnp.where(jnp.isinf(z), (z > 0).astype(value.dtype), value)
+
+
+def _implicit(dist: Any, q: Array, p: Array) -> Array:
+    """`q` (a quantile found without gradients, `F(q) = p`) with the
+    implicit function theorem's derivatives: `q - (F(q) - p) / f(q)` is `q`
+    in value (to rounding), and its derivatives are `dq = (dp - dF) / f`."""
+    correction = (dist.cdf(q) - p) / jnp.exp(dist.log_prob(q))
+    return q - (correction - jax.lax.stop_gradient(correction))
+
+
+def _ends(q: Array, p: Array) -> Array:
+    # The quantiles at 0 and 1 are -inf and +inf; outside [0, 1], NaN.
+    q = jnp.where(p <= 0, -jnp.inf, jnp.where(p >= 1, jnp.inf, q))
+    return jnp.where((p < 0) | (p > 1) | jnp.isnan(p), jnp.nan, q)
 
 
 def _bisect(
@@ -294,7 +337,9 @@ class Mixture(_Distribution):
     """
 
     components: Normal | StudentT
-    weights: Float[Array, " members"] | None = None
+    weights: Float[Array, " members"] | None = eqx.field(
+        default=None, converter=lambda w: None if w is None else _float(w)
+    )
 
     def __check_init__(self):
         if not isinstance(self.components, Normal | StudentT):
@@ -339,7 +384,7 @@ class Mixture(_Distribution):
     def quantile(self, p: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
         """The `p`-quantile, by bisection on the CDF between the members' own
         `p`-quantiles (which bracket it)."""
-        return self._quantile(jnp.asarray(p, self.components.loc.dtype))
+        return self._quantile(_check_p(jnp.asarray(p, self.components.loc.dtype)))
 
     @eqx.filter_jit
     def _quantile(self, p: Array) -> Array:
@@ -355,14 +400,16 @@ class Mixture(_Distribution):
         # (the bracket holds the quantile: not widened, and a bracket of no
         # width, members that agree, is its own answer; 40 halvings of it
         # leave less than float32's rounding of `low + t * width`)
-        return low + _bisect(cdf, p, 0.0, 1.0, 40, widen=False) * width
+        t = _bisect(cdf, p, 0.0, 1.0, 40, widen=False)
+        q = jax.lax.stop_gradient(low + t * width)
+        return _ends(_implicit(self, q, p), p)
 
     def crps(self, y: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
         """The continuous ranked probability score at `y`: in closed form for
         Gaussian members (`E|X - y| - E|X - X'| / 2`, Grimit et al. 2006);
-        for Student-t members by Gauss-Legendre quadrature (128 nodes on
-        each side of `y`) of `int (F(x) - 1{x >= y})^2 dx`, infinite where a
-        member's `df <= 1`."""
+        for Student-t members by Gauss-Legendre quadrature of `int (F(x) -
+        1{x >= y})^2 dx` (`_crps_by_quadrature`), infinite where a member
+        of positive weight has `df <= 1/2`."""
         return self._crps(jnp.asarray(y))
 
     @eqx.filter_jit
@@ -375,21 +422,15 @@ class Mixture(_Distribution):
             pair = _abs_normal(mu[:, None] - mu[None], s[:, None] ** 2 + s[None] ** 2)
             weights = w[:, None] * w[None]
             return to_y - 0.5 * jnp.sum(weights * pair, axis=(0, 1))
-        # int_-inf^y F^2 + int_y^inf (1 - F)^2, each side mapped onto (0, 1)
-        # by x = y -+ s t / (1 - t) (`s`: the mixture's spread), where the
-        # tails' integrands stay bounded for any df >= 1.
-        nodes, node_weights = np.polynomial.legendre.leggauss(_NODES)
-        t = jnp.asarray((nodes + 1) / 2, y.dtype).reshape((-1,) + (1,) * y.ndim)
-        w = jnp.asarray(node_weights / 2, y.dtype).reshape(t.shape)
         loc, scale = jnp.broadcast_arrays(self.components.loc, self.components.scale)
-        spread = jnp.mean(scale, axis=0) + jnp.std(loc, axis=0)
-        step = spread[None] * t / (1 - t)
-        jacobian = spread[None] / (1 - t) ** 2
-        left = jax.vmap(self.cdf)(y[None] - step) ** 2
-        right = (1 - jax.vmap(self.cdf)(y[None] + step)) ** 2
-        score = jnp.sum(w * jacobian * (left + right), axis=0)
-        no_mean = jnp.any(jnp.broadcast_to(self.components.df, loc.shape) <= 1, axis=0)
-        return jnp.where(no_mean, jnp.inf, score)
+        df = jnp.broadcast_to(self.components.df, loc.shape)
+        # Finite for df > 1/2 (the integral converges), not for df <= 1/2.
+        heavy = jnp.any((df <= 0.5) & (self._w(loc) > 0), axis=0)
+        centre = jnp.sum(self._w(loc) * loc, axis=0)
+        spread = jnp.sum(self._w(scale) * scale, axis=0) + jnp.std(loc, axis=0)
+        return jnp.where(
+            heavy, jnp.inf, _crps_by_quadrature(self.cdf, y, centre, spread)
+        )
 
     def mean(self) -> Float[Array, "..."]:
         means = self.components.mean()
@@ -404,8 +445,28 @@ class Mixture(_Distribution):
         return jnp.sum(w * (variances + (means - mean) ** 2), axis=0)
 
 
-# Gauss-Legendre nodes per side of a Student-t mixture's CRPS integral.
+# Gauss-Legendre nodes per piece of a CRPS integral by quadrature.
 _NODES = 128
+
+
+def _crps_by_quadrature(cdf: Any, y: Array, centre: Array, spread: Array) -> Array:
+    """`int_-inf^y F^2 + int_y^inf (1 - F)^2` in three pieces: the tails
+    beyond `a = min(centre, y)` and `b = max(centre, y)`, mapped onto (0, 1)
+    by `x = a - s t / (1 - t)` and `x = b + s t / (1 - t)` (`s`: the spread;
+    the tails' integrands stay bounded for df >= 1 and integrable above 1/2),
+    and `[a, b]` as it is; 128 Gauss-Legendre nodes each."""
+    nodes, node_weights = np.polynomial.legendre.leggauss(_NODES)
+    t = jnp.asarray((nodes + 1) / 2, y.dtype).reshape((-1,) + (1,) * y.ndim)
+    w = jnp.asarray(node_weights / 2, y.dtype).reshape(t.shape)
+    low, high = jnp.minimum(centre, y), jnp.maximum(centre, y)
+    step = spread[None] * t / (1 - t)
+    jacobian = spread[None] / (1 - t) ** 2
+    left = jnp.sum(w * jacobian * jax.vmap(cdf)(low[None] - step) ** 2, axis=0)
+    right = jnp.sum(w * jacobian * (1 - jax.vmap(cdf)(high[None] + step)) ** 2, axis=0)
+    inside = jax.vmap(cdf)(low[None] + t * (high - low)[None])
+    # On [a, b]: (1 - F)^2 where it lies above y (y <= centre), else F^2.
+    middle = jnp.where((y <= centre)[None], (1 - inside) ** 2, inside**2)
+    return left + right + (high - low) * jnp.sum(w * middle, axis=0)
 
 
 def _abs_normal(m: Array, v: Array) -> Array:
@@ -481,7 +542,10 @@ def coverage(
 
 
 def calibration_error(
-    dist: Distribution, targets: Float[ArrayLike, "..."], *, levels: int = 99
+    dist: Distribution,
+    targets: Float[ArrayLike, "..."],
+    *,
+    levels: int | np.integer = 99,
 ) -> Float[Array, ""]:
     """The mean, over `levels` evenly spaced `p` in `(0, 1)`, of `|p -
     freq(F(y) <= p)|`: as
@@ -496,10 +560,14 @@ def calibration_error(
     ee.predictive.calibration_error(dist, y)     # too narrow: ~0.07
     ```
     """
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+    if (
+        isinstance(levels, bool)
+        or not isinstance(levels, numbers.Integral)
+        or levels < 1
+    ):
         raise ValueError(f"`levels` must be a positive int, got {levels!r}")
     pit = dist.cdf(_targets(dist, targets, "calibration_error")).reshape(-1)
-    p = jnp.arange(1, levels + 1, dtype=pit.dtype) / (levels + 1)
+    p = jnp.arange(1, int(levels) + 1, dtype=pit.dtype) / (int(levels) + 1)
     observed = jnp.mean((pit[None, :] <= p[:, None]).astype(pit.dtype), axis=1)
     return jnp.mean(jnp.abs(p - observed))
 
@@ -597,6 +665,17 @@ def fit_recalibration(
             "the predictive CDF is not finite at some targets (the first at flat "
             f"index {int(np.argmax(~np.isfinite(pit)))}): NaN or inf in the "
             "predictive or the targets"
+        )
+    ends = int(np.sum((pit <= 0) | (pit >= 1)))
+    if ends:
+        warnings.warn(
+            f"the predictive CDF is exactly 0 or 1 at {ends} of {pit.size} "
+            f"calibration targets (beyond the {np.dtype(y.dtype).name} CDF's "
+            "range: a predictive far too narrow for them); recalibration cannot "
+            "order them, and its extreme quantiles come out infinite. Widen the "
+            "predictive first, or compute in float64 (`jax_enable_x64`)",
+            RuntimeWarning,
+            stacklevel=2,
         )
     empirical = np.searchsorted(np.sort(pit), pit, side="right") / pit.size
     unique, inverse = np.unique(pit, return_inverse=True)

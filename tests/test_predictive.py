@@ -30,12 +30,13 @@ def test_student_t_against_scipy(df):
     np.testing.assert_allclose(dist.log_prob(Y), ref.logpdf(Y), atol=2e-6)
     np.testing.assert_allclose(dist.cdf(Y), ref.cdf(Y), atol=1e-5)
     np.testing.assert_allclose(dist.quantile(LEVELS), ref.ppf(LEVELS), rtol=1e-3)
+    want = [_crps_by_integration(ref.cdf, float(y)) for y in Y]
+    # (finite for df > 1/2 though there is no mean at df <= 1; by quadrature
+    # below df = 2)
+    np.testing.assert_allclose(dist.crps(Y), want, rtol=1e-3 if df < 2 else 1e-4)
     if df <= 1:
-        assert np.isinf(np.asarray(dist.crps(Y))).all()
         assert np.isnan(np.asarray(dist.mean())).all()
         return
-    want = [_crps_by_integration(ref.cdf, float(y)) for y in Y]
-    np.testing.assert_allclose(dist.crps(Y), want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(dist.variance(), np.full(5, ref.var()), rtol=1e-5)
 
 
@@ -82,10 +83,19 @@ def test_mixture_against_its_members_in_scipy(kind):
     np.testing.assert_allclose(dist.variance(), [total], rtol=1e-5)
 
 
-def test_a_member_without_a_mean_makes_the_mixtures_crps_infinite():
+def test_a_mixtures_crps_is_finite_down_to_df_one_half():
     loc, scale = jnp.zeros((2, 3)), jnp.ones((2, 3))
-    dist = P.Mixture(P.StudentT(loc, scale, jnp.array([[1.0], [5.0]])))
-    assert np.isinf(np.asarray(dist.crps(jnp.zeros(3)))).all()
+    cauchy = P.Mixture(P.StudentT(loc, scale, jnp.array([[1.0], [5.0]])))
+    members = [stats.t(1.0), stats.t(5.0)]
+    want = _crps_by_integration(lambda x: np.mean([m.cdf(x) for m in members]), 0.0)
+    np.testing.assert_allclose(cauchy.crps(jnp.zeros(3)), [want] * 3, rtol=1e-3)
+    diverging = P.Mixture(P.StudentT(loc, scale, jnp.array([[0.4], [5.0]])))
+    assert np.isinf(np.asarray(diverging.crps(jnp.zeros(3)))).all()
+    # (a member of weight 0 counts for nothing)
+    weights = jnp.array([0.0, 1.0])
+    assert np.isfinite(
+        np.asarray(P.Mixture(diverging.components, weights).crps(0.0 * loc[0]))
+    ).all()
 
 
 def test_scores_of_a_gaussian_mixture_are_the_metrics_own():
@@ -172,3 +182,55 @@ def test_bad_input_is_named():
         P.fit_recalibration(P.Normal(jnp.zeros(1), jnp.ones(1)), jnp.zeros(1))
     with pytest.raises(ValueError, match="not finite"):
         P.fit_recalibration(dist, jnp.array([0.0, jnp.nan, 1.0]))
+
+
+def test_edges_far_targets_and_gradients():
+    # CRPS of targets far from a Student-t mixture (the integral in pieces).
+    heavy = P.Mixture(P.StudentT(jnp.zeros((2, 2)), jnp.ones((2, 2)), 4.0))
+    ref = stats.t(4.0)
+    for y in (50.0, 1000.0):
+        want = _crps_by_integration(ref.cdf, y)
+        np.testing.assert_allclose(heavy.crps(jnp.full(2, y)), [want] * 2, rtol=1e-4)
+    assert np.isinf(np.asarray(P.StudentT(0.0, 1.0, 0.4).crps(0.0)))
+    # Quantiles at 0 and 1, CDFs at infinities.
+    for dist in (P.Normal(0.0, 1.0), P.StudentT(0.0, 1.0, 3.0), heavy):
+        q = np.asarray(dist.quantile(jnp.array([0.0, 1.0])))
+        np.testing.assert_array_equal(q.reshape(-1, 2)[0], [-np.inf, np.inf])
+        with pytest.raises(ValueError, match=r"lie in \[0, 1\]"):
+            dist.quantile(1.5)
+    t = P.StudentT(0.0, 1.0, jnp.array([3.0, 150.0, jnp.inf]))
+    np.testing.assert_array_equal(t.cdf(jnp.full(3, jnp.inf)), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(t.cdf(jnp.full(3, -jnp.inf)), [0.0, 0.0, 0.0])
+    # Far tails of the CDF: monotone, near SciPy (df 60, z -7 and -8).
+    tail = np.asarray(P.StudentT(0.0, 1.0, 60.0).cdf(jnp.array([-8.0, -7.0])))
+    np.testing.assert_allclose(tail, stats.t(60.0).cdf([-8.0, -7.0]), rtol=1e-2)
+    # The quantile's gradient (implicit function theorem) against differences.
+    for make in (
+        lambda m: P.Mixture(P.Normal(jnp.stack([m, -m]), jnp.ones(2))),
+        lambda m: P.Mixture(P.StudentT(jnp.stack([m, -m]), jnp.ones(2), 3.0)),
+        lambda m: P.StudentT(m, 1.5, 3.0),
+    ):
+
+        def q(m, make=make):
+            return make(m).quantile(0.9)
+
+        m = jnp.asarray(0.7)
+        difference = (q(m + 1e-2) - q(m - 1e-2)) / 2e-2
+        np.testing.assert_allclose(jax.grad(q)(m), difference, rtol=2e-2)
+
+
+def test_recalibration_says_when_the_cdf_rounds_to_its_ends():
+    y = 10.0 * jax.random.normal(jax.random.key(0), (500,))
+    dist = P.Normal(jnp.zeros(500), jnp.ones(500))  # 10x too narrow
+    with pytest.warns(RuntimeWarning, match="exactly 0 or 1 at"):
+        P.fit_recalibration(dist, y)
+
+
+def test_weights_lists_are_taken_and_complex_parameters_refused():
+    members = P.Normal(jnp.zeros((2, 3)), jnp.ones((2, 3)))
+    mixed = P.Mixture(members, [0.3, 0.7])  # type: ignore[arg-type]
+    np.testing.assert_allclose(mixed.cdf(jnp.zeros(3)), 0.5)
+    with pytest.raises(TypeError, match="real"):
+        P.Normal(jnp.zeros(2, jnp.complex64), jnp.ones(2))
+    y = jnp.zeros(3)
+    assert P.calibration_error(members and P.Normal(y, 1.0 + y), y, levels=np.int64(9))

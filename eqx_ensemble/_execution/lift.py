@@ -3,14 +3,17 @@
 A float hyperparameter closed over by an optimizer is a constant of its
 program (`intern.py` keys it by value): a new learning rate compiles again,
 seconds per value in a sweep. The hyperparameters Optax applies as a single
-multiplication are made inputs instead, where an input computes the bits the
-constant does (a Python float and a weakly typed float32 input meet an array
-alike): the step size of `optax.scale` (every Optax optimizer's
+multiplication are made inputs instead (a Python float and a weakly typed
+float32 input meet an array alike; float16 parameters see the value rounded
+through float32 first): the step size of `optax.scale` (every Optax optimizer's
 `learning_rate`, through `scale_by_learning_rate`), the decay of
 `optax.trace` (momentum) and a nonzero weight decay of
 `optax.add_decayed_weights` (a zero one skips its update: a constant).
 Others (Adam's `b1`, which enters as `1 - b1` computed in double precision,
 `eps`, a clipping norm) stay constants: a new value compiles, as `jax.jit`.
+A fresh process computes the same bits; against the constant program, bits
+differ by rounding only where XLA folded a second constant factor into the
+learning rate (a chain of two `optax.scale`s, Adafactor: 1.5e-8 measured).
 
 `lifted(fn)`: for a canonical function (`intern.canonical`), `None` where it
 holds none of those values, else a `Lifted` static leaf (equal for two
