@@ -36,6 +36,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ._internal.tree import as_array, is_traced
 from ._metrics.checks import check_level
+from ._metrics.quantile import isotonic_frequencies, map_inverse
 from .losses import _log_t_normaliser
 
 __all__ = [
@@ -609,13 +610,7 @@ class Recalibration(eqx.Module):
         """The calibrated `level`-quantile: `F^-1(R^-1(level))`."""
         check_level(level)
         level = as_array(level, self.pit.dtype)
-        p, y = self.pit, self.levels
-        k = jnp.clip(jnp.searchsorted(y, level, side="left"), 1, len(y) - 1)
-        rise = jnp.where(y[k] > y[k - 1], y[k] - y[k - 1], 1.0)
-        inverse = jnp.clip(
-            p[k - 1] + (level - y[k - 1]) / rise * (p[k] - p[k - 1]), p[0], p[-1]
-        )
-        return dist.quantile(inverse)
+        return dist.quantile(map_inverse(self.pit, self.levels, level))
 
     def interval(
         self, dist: Distribution, level: Float[ArrayLike, ""] | float = 0.9
@@ -677,11 +672,7 @@ def fit_recalibration(
             RuntimeWarning,
             stacklevel=2,
         )
-    empirical = np.searchsorted(np.sort(pit), pit, side="right") / pit.size
-    unique, inverse = np.unique(pit, return_inverse=True)
-    fitted = np.bincount(inverse, empirical) / np.bincount(inverse)
-    if len(unique) == 1:
-        unique, fitted = np.repeat(unique, 2), np.repeat(fitted, 2)
+    unique, fitted = isotonic_frequencies(pit)
     dtype = (
         jnp.result_type(y.dtype, float)
         if not jnp.issubdtype(y.dtype, jnp.floating)

@@ -137,14 +137,7 @@ class QuantileRecalibration(eqx.Module):
     levels: Float[Array, " points"]
 
     def _inverse(self, level: Array) -> Array:
-        # The generalised inverse `min {z : R(z) >= level}` of the piecewise
-        # linear `R`: linear on each rising segment, flat ones skipped, the
-        # extreme points beyond the fitted levels.
-        z, y = self.z.astype(level.dtype), self.levels.astype(level.dtype)
-        k = jnp.clip(jnp.searchsorted(y, level, side="left"), 1, len(y) - 1)
-        y0, y1, z0, z1 = y[k - 1], y[k], z[k - 1], z[k]
-        rise = jnp.where(y1 > y0, y1 - y0, 1.0)
-        return jnp.clip(z0 + (level - y0) / rise * (z1 - z0), z[0], z[-1])
+        return map_inverse(self.z, self.levels, level)
 
     def cdf(
         self,
@@ -236,17 +229,34 @@ def fit_quantile_recalibration(
         )
     # F(y_t) <= F(y_s) exactly when z_t <= z_s: the empirical frequencies and
     # the isotonic fit depend only on that order.
-    empirical = np.searchsorted(np.sort(z), z, side="right") / z.size
-    z_unique, inverse = np.unique(z, return_inverse=True)
-    counts = np.bincount(inverse).astype(np.float64)
-    # The frequencies are already non-decreasing in `z` (they are the
-    # empirical CDF of the calibration PIT values): their isotonic regression
-    # is themselves, equal residuals sharing one value.
-    fitted = np.bincount(inverse, empirical) / counts
-    if len(z_unique) == 1:  # two equal residuals: a step, as two points
-        z_unique, fitted = np.repeat(z_unique, 2), np.repeat(fitted, 2)
+    z_unique, fitted = isotonic_frequencies(z)
     dtype = means.dtype
     return QuantileRecalibration(as_array(z_unique, dtype), as_array(fitted, dtype))
+
+
+def isotonic_frequencies(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Kuleshov et al.'s recalibration map at the calibration points: the
+    distinct `values` (increasing) and the empirical frequencies `#{s : v_s <=
+    v_t} / T` there. Those are non-decreasing in `v` already (the empirical
+    CDF of the values): their isotonic regression is themselves, equal values
+    sharing one. One distinct value is a step, as two points."""
+    empirical = np.searchsorted(np.sort(values), values, side="right") / values.size
+    unique, inverse = np.unique(values, return_inverse=True)
+    fitted = np.bincount(inverse, empirical) / np.bincount(inverse)
+    if len(unique) == 1:
+        unique, fitted = np.repeat(unique, 2), np.repeat(fitted, 2)
+    return unique, fitted
+
+
+def map_inverse(points: Array, levels: Array, level: Array) -> Array:
+    """The generalised inverse `min {x : R(x) >= level}` of the piecewise
+    linear map `R` through `(points, levels)`: linear on each rising segment,
+    flat ones skipped, the extreme points beyond the fitted levels."""
+    x, y = points.astype(level.dtype), levels.astype(level.dtype)
+    k = jnp.clip(jnp.searchsorted(y, level, side="left"), 1, len(y) - 1)
+    y0, y1, x0, x1 = y[k - 1], y[k], x[k - 1], x[k]
+    rise = jnp.where(y1 > y0, y1 - y0, 1.0)
+    return jnp.clip(x0 + (level - y0) / rise * (x1 - x0), x[0], x[-1])
 
 
 def _check_spread(variance: Array, who: str) -> None:
