@@ -1,4 +1,4 @@
-"""`fit`'s optimistic divergence guard (`Run.dispatch`, `Run._settle`,
+"""`fit`'s optimistic divergence guard (`guard.Deferred`,
 `loop._settle_members`).
 
 On a CPU a dispatch runs the step with no per-step finiteness check or select;
@@ -21,7 +21,11 @@ import pytest
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution import plan as plan_module
-from eqx_ensemble._training import loop as loop_module, run as run_module
+from eqx_ensemble._training import (
+    guard as guard_module,
+    loop as loop_module,
+    run as run_module,
+)
 
 SIZE = 4
 X = jax.random.normal(jax.random.key(1), (48, 2))
@@ -140,7 +144,7 @@ def test_members_diverging_mid_dispatch_are_frozen_at_their_step(
 
     # The guarded step, checked at every step, freezes them at the same steps.
     checks.clear()
-    monkeypatch.setattr(run_module, "_hides_non_finite", lambda *_: True)
+    monkeypatch.setattr(guard_module, "_hides_non_finite", lambda *_: True)
     guarded = _fit(ens, WILD, layout=layout, track=[SWA])
     assert "deferred" not in checks
     assert guarded.diverged == wild.diverged
@@ -197,7 +201,7 @@ def test_a_dispatch_of_fixed_length_is_optimistic_too(monkeypatch, checks):
         ):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # The same steps as the guarded step at every step.
-    monkeypatch.setattr(run_module, "_hides_non_finite", lambda *_: True)
+    monkeypatch.setattr(guard_module, "_hides_non_finite", lambda *_: True)
     assert _fit(ens, WILD).diverged == wild.diverged
 
 
@@ -213,19 +217,19 @@ def test_a_member_failing_only_in_the_rerun_of_the_failing_step(monkeypatch, cou
         _as_off_a_cpu(monkeypatch)
     plain = _fit(_ensemble(), WILD)  # member 1 fails first, at `step`
     step = plain.diverged[1]
-    part, injected = run_module.Run._part, []
+    part, injected = guard_module.Deferred.part, []
 
-    def edged(self, chunk, state, start, end):
-        readout = part(self, chunk, state, start, end)
+    def edged(self, run, chunk, state, start, end):
+        readout, after = part(self, run, chunk, state, start, end)
         marks = np.asarray(state.diverged_at)
         if end - start == 1 and (marks == start).any() and not injected:
             injected.append(start)  # the rerun, its failing members frozen
             losses = readout.losses.copy()
             losses[0, 0] = np.nan
             readout = readout._replace(losses=losses)
-        return readout
+        return readout, after
 
-    monkeypatch.setattr(run_module.Run, "_part", edged)
+    monkeypatch.setattr(guard_module.Deferred, "part", edged)
     if counted:
         with pytest.raises(RuntimeError, match=f"internal error: step {step} fai"):
             _fit(_ensemble(), WILD)

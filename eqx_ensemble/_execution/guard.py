@@ -28,7 +28,7 @@ from .profile import StepProfile
 
 # `"deferred"`: no check and no select in the step (`fit`'s optimistic
 # dispatch, `_training.loop._settle_members`): the dispatch checks its
-# end state once, and `Run._settle` finds the step a member failed at.
+# end state once, and `_training.guard.Deferred` finds the step a member failed at.
 FiniteCheck = Literal["per_leaf", "by_shape", "deferred"]
 
 

@@ -7,7 +7,6 @@ from typing import Any, NoReturn
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -32,6 +31,7 @@ from .._internal.tree import first_difference, with_fields
 from .callback import Callback, RunSetup, RunView, as_callbacks, stateful
 from .coupled import Coupled
 from .evaluate import Evaluate
+from .guard import choose_guard
 from .history import Recorder
 from .inputs import (
     check_callbacks,
@@ -40,11 +40,10 @@ from .inputs import (
     check_inputs,
     independent_members,
 )
+from .logbook import LogBook
 from .loggers import LogEntry, RunInfo
 from .loop import (
-    NOT_FINITE,
     Chunk,
-    Readout,
     copy,
     dispatch_chunk,
     unpack_readout,
@@ -54,8 +53,6 @@ from .loss import (
     check_optimizer,
 )
 from .optim import (
-    hides_non_finite,
-    member_hparams,
     schedule_problem,
 )
 from .placement import model_placement, on_mesh, place_state, restore_placement
@@ -119,10 +116,10 @@ def prepare(
     started = None
     if isinstance(fresh, FreshStart):  # (a known call: of arrays, planned)
         assert source is not None and plan is not None
-        if optimistic(
-            execution.guard, source, plan.unroll, loss_fn, optimizer, ens,
+        if choose_guard(
+            execution.guard, True, plan.unroll, loss_fn, optimizer, groups_of(ens),
             fresh.template.opt_state if opt_state is None else opt_state,
-        ):  # fmt: skip
+        ).deferred:  # fmt: skip
             started = fresh(ens, opt_state, state, key)  # (None: deleted since)
     fresh_started = started is not None
     if started is None:
@@ -165,7 +162,9 @@ def prepare(
         resumed_from=None if history is None else done,
     )  # fmt: skip
     if fresh_started:  # (its arrays are the caller's: never donated)
-        assert run.optimistic, "internal error: a fresh start for a donating run"
+        assert run.guard_strategy.deferred, (
+            "internal error: a fresh start for a donating run"
+        )
     elif known is None:
         if simple and source.kind == "arrays" and not components:
             _remember(loss_fn, settings, call, (size, plan, None))
@@ -231,7 +230,7 @@ def _fresh_start(
     model states) are JAX arrays on no device of their own (so that the
     dispatch sees what the start program gave it: no other program), and a
     fresh optimizer state reads no weight."""
-    if not run.optimistic or run.chunk.mesh is not None:
+    if not run.guard_strategy.deferred or run.chunk.mesh is not None:
         return None
     for leaf in jax.tree.leaves(inputs):
         if eqx.is_array(leaf) and not (
@@ -460,55 +459,37 @@ class Run:
     def __post_init__(self):
         if self.resumed_from is None:  # fresh: known without reading the state
             self.done = 0
-            self._diverged_at = np.full((self.chunk.size,), -1, np.int32)
+            self.diverged_at = np.full((self.chunk.size,), -1, np.int32)
             self._stopped_at = np.full((self.chunk.size,), -1, np.int32)
         else:
             self.done = int(self.train_state.step)
-            self._diverged_at = np.asarray(self.train_state.diverged_at)
+            self.diverged_at = np.asarray(self.train_state.diverged_at)
             self._stopped_at = np.asarray(self.train_state.stopped_at)
         # Members stop only by a callback's change (or were stopped before a
         # resume): until then there is nothing to read.
         self._may_stop = self.resumed_from is not None
         self.losses = np.zeros((0, self.chunk.size), np.float32)  # last dispatch's
-        self._stateful = stateful(self.callbacks)
+        self.stateful = stateful(self.callbacks)
         # Where the callbacks after `OBSERVE` begin: when every member diverged
         # only the observers and recorders see the dispatch.
         self._observers = sum(item.phase <= Callback.OBSERVE for item in self.callbacks)
         self._handles: list[Any] = []
         self._attached: set[int] = set()  # errors carrying this run
         self._phase: int | None = None  # of the callback being called
-        self._info: RunInfo | None = None
-        self._entry: tuple[int, LogEntry] | None = None
-        # What the loggers were given so far (`log_entry`): a resumed run's
-        # earlier events and evaluations were logged (a fresh run: nothing).
-        self._logged: tuple[np.ndarray, int, list[int]] | None = None
-        if self.resumed_from is not None:
-            self._logged = (
-                self._diverged_at.copy(),
-                len(self.recorder.eval_steps),
-                [
-                    len(item.events(state))
-                    for item, state in zip(
-                        self._stateful, self.train_state.controlled, strict=True
-                    )
-                ],
-            )
-        self._hparams: bool | None = None  # whether the members have any
-        # The optimistic guard (`dispatch`): on dispatches of array data that
-        # are not unrolled (a part of one is the same program, or on a GPU
-        # its variant with the per-step conditional), not where the
-        # optimizer replaces non-finite gradients itself (the end-of-dispatch
-        # check could not see them), nor where members share anything
-        # trained (a trained shared part, a coupled loss: a frozen member
-        # must drop out of those at every step).
+        self._logbook = LogBook(self)
         chunk, train_state = self.chunk, self.train_state
-        self.optimistic = optimistic(
-            self.guard, self.source, chunk.unrolled, chunk.loss_fn, chunk.optimizer,
-            train_state.ensemble, train_state.opt_state,
+        self.guard_strategy = choose_guard(
+            self.guard, self.source.kind == "arrays", chunk.unrolled, chunk.loss_fn,
+            chunk.optimizer, groups_of(train_state.ensemble), train_state.opt_state,
         )  # fmt: skip
-        if self.optimistic:
+        if self.guard_strategy.deferred:
             self.chunk = dataclasses.replace(self.chunk, check="deferred")
-        self._replay: tuple[Chunk, TrainState, np.ndarray] | None = None
+        self._kept: Any = None  # what the guard keeps of a dispatch's start
+        # (`np.asarray` of a CPU array is no transfer, so no transfer guard
+        # applies; elsewhere `jax.device_get`, an explicit transfer that
+        # `jax.transfer_guard("disallow")` allows.)
+        cpu = chunk.mesh is None and jax.default_backend() == "cpu"
+        self.to_host = np.asarray if cpu else jax.device_get
 
     def run(self) -> FitResult:
         """Drive the run to its last step: one dispatch, then the host's work
@@ -523,7 +504,7 @@ class Run:
             group = (None, 0) if finished else self.read_group(self.done)
             while self.done < self.steps and not finished:
                 if group[1] == 0:
-                    self.fail(ValueError, self.stream_ended_message())
+                    self.fail(ValueError, _stream_ended_message(self))
                 end = self.dispatch_end(self.done, group[1])
                 values = self.dispatch(group[0], end)  # asynchronous: overlaps
                 read_error = None
@@ -572,12 +553,12 @@ class Run:
         for item, handle in pairs[: self._observers]:
             self._phase = item.phase
             self._call(item.on_dispatch, handle, view)
-        if (self._diverged_at >= 0).all():
+        if (self.diverged_at >= 0).all():
             for item, handle in pairs[self._observers :]:
                 if item.phase == Callback.RECORD:
                     self._phase = item.phase
                     self._call(item.on_dispatch, handle, view)
-            self.fail(EnsembleDivergedError, self.diverged_message())
+            self.fail(EnsembleDivergedError, _diverged_message(self))
         for item, handle in pairs[self._observers :]:
             self._phase = item.phase
             self._call(item.on_dispatch, handle, view)
@@ -599,7 +580,7 @@ class Run:
 
     def slot(self, callback: Callback) -> int:
         """`callback`'s place in `TrainState.controlled`."""
-        for position, item in enumerate(self._stateful):
+        for position, item in enumerate(self.stateful):
             if item is callback:
                 return position
         raise ValueError(
@@ -609,18 +590,9 @@ class Run:
 
     def update(self, callback: Callback, new_state: TrainState, own: Any) -> None:
         """A callback's new train state (values only) and its own state."""
-        difference = first_difference(
-            jax.tree.map(_spec, eqx.filter(self.state(), eqx.is_array)),
-            jax.tree.map(_spec, eqx.filter(new_state, eqx.is_array)),
-        )
-        if difference is not None:
-            self.fail(
-                TypeError,
-                f"The callback `{type(callback).__name__}` (in `callbacks`) changed "
-                f"the structure, shapes or dtypes of the train state at step "
-                f"{self.done}: {difference}. A callback may change values only; "
-                "the run up to this step is `error.result`",
-            )
+        problem = _changed_structure(callback, self.done, self.train_state, new_state)
+        if problem:
+            self.fail(TypeError, problem)
         # Host-side edits (PBT's copies) may move leaves; put a "model"-split
         # state back where it was.
         new_state = restore_placement(new_state, self.chunk.placement)
@@ -629,31 +601,13 @@ class Run:
             states[self.slot(callback)] = own
         self.train_state = dataclasses.replace(new_state, controlled=tuple(states))
         # A callback may stop members (or revive them).
-        self._diverged_at = np.asarray(self.state().diverged_at)
+        self.diverged_at = np.asarray(self.state().diverged_at)
         self._stopped_at = np.asarray(self.state().stopped_at)
         self._may_stop = True
 
     def run_info(self) -> RunInfo:
         """The run's description for loggers."""
-        if self._info is None:
-            start_hparams = member_hparams(self.state())
-            self._hparams = bool(start_hparams)  # none at the start: none later
-            self._info = RunInfo(
-                steps=self.steps,
-                size=len(self._diverged_at),
-                start=self.done,
-                resumed=self.resumed_from is not None,
-                hparams={
-                    "members": self.chunk.size,
-                    "steps": self.steps,
-                    "batch_size": self.source.batch_size,
-                    "sampling": type(self.sampling).__name__,
-                    "data": self.source.kind,
-                    "resumed_from": self.resumed_from or 0,
-                },  # fmt: skip
-                member_hparams=start_hparams,
-            )
-        return self._info
+        return self._logbook.info(self)
 
     def log_entry(self) -> LogEntry:
         """The last dispatch's record for loggers: built once per dispatch,
@@ -663,45 +617,7 @@ class Run:
                 "`RunView.log_entry()` is the dispatch's record after the "
                 "controllers ran: read it from a callback of phase `RECORD` or later"
             )
-        if self._entry is not None and self._entry[0] == self.done:
-            return self._entry[1]
-        if self._hparams is None:
-            self._hparams = bool(member_hparams(self.state()))
-        losses, end = self.losses, self.done
-        events: list[dict[str, Any]] = []
-        if self._logged is None:
-            self._logged = (
-                np.full_like(self._diverged_at, -1),
-                0,
-                [0] * len(self._stateful),
-            )
-        diverged, evaluations, counts = self._logged
-        newly = (diverged < 0) & (self._diverged_at >= 0)
-        for member in np.flatnonzero(newly):
-            step = int(self._diverged_at[member]) + 1  # counted like `steps`
-            events.append({"step": step, "event": "diverged", "member": int(member)})
-        for position, item in enumerate(self._stateful):
-            made = item.events(self.state().controlled[position])
-            events += made[counts[position] :]
-            counts[position] = len(made)
-        for tracker in self.track:
-            events += tracker.events(end - len(losses), end)
-        events.sort(key=lambda event: event["step"])  # stable: by step, then kind
-        recorded = self.recorder.eval_steps[evaluations:]
-        scores = self.recorder.eval_scores[evaluations:]
-        self._logged = (self._diverged_at.copy(), len(self.recorder.eval_steps), counts)
-        size = len(self._diverged_at)
-        entry = LogEntry(
-            steps=np.arange(end - len(losses) + 1, end + 1),
-            losses=np.asarray(losses, np.float32),
-            eval_steps=np.asarray(recorded, np.int64),
-            eval_scores=np.asarray(scores, np.float32).reshape(len(recorded), size),
-            diverged_at=self.diverged_steps(),
-            member_hparams=member_hparams(self.state()) if self._hparams else {},
-            events=tuple(events),
-        )
-        self._entry = (end, entry)
-        return entry
+        return self._logbook.entry(self)
 
     def _attach(self, error: Exception) -> None:
         attached: Any = error
@@ -742,23 +658,14 @@ class Run:
             full=_skips_conditional(self.chunk)
             and end - self.done == self.chunk.length,
         )
-        # The optimistic guard: the dispatch runs the step with no finiteness
-        # check or select per step (frozen members compute along and get
-        # their weights back at its end) and checks every member's state
-        # once, at its end. Where a member was not finite, `record_dispatch`
-        # runs the dispatch again from its start state (kept: an optimistic
-        # dispatch donates nothing) with the same program, in parts, to find
-        # the step it failed at and freeze it there (`_settle`).
-        self._replay = None
-        if self.optimistic:
-            frozen = _frozen(self._diverged_at, self._stopped_at)
-            self._replay = (chunk, self.train_state, frozen)
-        return self._run_dispatch(chunk, end - self.done)
+        if self.guard_strategy.deferred:  # (its dispatch donates nothing)
+            frozen = (self.diverged_at >= 0) | (self._stopped_at >= 0)
+            self._kept = (chunk, self.train_state, frozen, self.done)
+        return self.run_dispatch(chunk, end - self.done)
 
-    def _run_dispatch(self, chunk: Chunk, steps: int) -> Any:
-        # The controllers' states stay on the host side of the run (they run
-        # between dispatches): the program is the same with or without
-        # controllers.
+    def run_dispatch(self, chunk: Chunk, steps: int) -> Any:
+        """`chunk`'s dispatch of `steps` steps from the run's state (the
+        controllers' states stay on the host: one program with or without)."""
         controlled = self.train_state.controlled
         state, values = dispatch_chunk(
             self.options,
@@ -774,18 +681,12 @@ class Run:
         everything the host needs); returns its `(steps, members)` losses."""
         active = end - self.done
         evaluated = self.chunk.evaluate is not None
-        cpu = self.chunk.mesh is None and jax.default_backend() == "cpu"
-        values = values.read(lambda value: _to_host(value, cpu))
-        losses, scores, self._diverged_at, self._stopped_at = unpack_readout(
-            values, self.chunk.size, evaluated
-        )
-        replay, self._replay = self._replay, None
-        if replay is not None:
-            chunk, start, frozen = replay
-            readout = Readout(losses, scores, self._diverged_at, self._stopped_at)
-            if _failing(readout, active, frozen).any():
-                readout = self._settle(chunk, start, frozen, self.done, end, readout)
-                losses, scores, self._diverged_at, self._stopped_at = readout
+        readout = unpack_readout(values.read(self.to_host), self.chunk.size, evaluated)
+        kept, self._kept = self._kept, None
+        readout, settled = self.guard_strategy.settle(self, kept, end, readout)
+        if settled is not None:
+            self.train_state = settled
+        losses, scores, self.diverged_at, self._stopped_at = readout
         losses = losses[:active]
         if scores is not None:
             scores = scores[:active]
@@ -794,114 +695,6 @@ class Run:
         self.done = end
         return losses
 
-    def _part(self, chunk: Chunk, state: TrainState, start: int, end: int) -> Readout:
-        """Steps `start` (`state.step`) to `end` of an optimistic dispatch,
-        from `state` (kept), as one dispatch of the same program (a CPU's
-        counted loop). Off a CPU a dispatch is a scan of fixed length: a
-        longer part runs its program with the per-step conditional, and a
-        single step a program of one step (the scan would run its whole
-        length of conditional steps for it, which the GPU's host waits on:
-        a search step by step would cost length squared)."""
-        if chunk.counted:
-            chunk = dataclasses.replace(chunk, end=np.int32(end))
-        else:
-            one = end - start == 1
-            chunk = dataclasses.replace(
-                chunk,
-                end=np.int32(end),
-                full=one or (chunk.full and end - start == chunk.length),
-                length=1 if one else chunk.length,
-            )
-        self.train_state = state
-        cpu = self.chunk.mesh is None and jax.default_backend() == "cpu"
-        values = self._run_dispatch(chunk, end - start).read(
-            lambda value: _to_host(value, cpu)
-        )
-        return unpack_readout(values, self.chunk.size, self.chunk.evaluate is not None)
-
-    def _settle(
-        self,
-        chunk: Chunk,
-        state: TrainState,
-        frozen: np.ndarray,
-        start: int,
-        end: int,
-        first: Readout,
-    ) -> Readout:
-        """An optimistic dispatch in which a member was not finite, run again
-        from its start `state` in parts of the same program (a CPU's counted
-        loop: a step computes the same bits in a dispatch of any length, as a
-        resumed run does; off a CPU the parts shorter than the dispatch run
-        its program with the per-step conditional, and single steps a
-        one-step program, the same steps to rounding): up to just before the
-        first non-finite loss in one part, then step by step up to the
-        failing step. There the failing members are marked diverged (at that
-        step's index, as the guarded step marks them) and the step is run
-        again with them frozen (off a CPU, with any member that fails only in
-        that run too): they
-        keep their last finite weights, trackers and evaluation see those,
-        and their loss of that step is the one computed. Then the rest of
-        the dispatch, in the same way. `frozen`: the members frozen at its
-        start. Returns the dispatch's readout. (The members' marks are read
-        from the readouts only: replicated on every process.)"""
-        size, evaluated = self.chunk.size, self.chunk.evaluate is not None
-        losses = np.full((end - start, size), np.nan, np.float32)
-        scores = np.full((end - start, size), np.nan, np.float32)
-        position, readout, stepwise, last = start, first, False, first
-        marks = first.diverged_at.copy()
-        marks[marks == NOT_FINITE] = -1
-        while position < end:
-            if not stepwise:
-                if readout is None:
-                    readout = self._part(chunk, state, position, end)
-                bad = _failing(readout, end - position, frozen)
-                if not bad.any():  # the rest ran clean: take it
-                    _rows(losses, scores, readout, position - start, end - position)
-                    state, last = self.train_state, readout
-                    break
-                rows = ~np.isfinite(readout.losses[: end - position][:, bad])
-                hint = int(np.flatnonzero(rows.any(axis=1))[0]) if rows.any() else 0
-                if hint > 1:  # clean up to just before the first NaN loss?
-                    part = self._part(chunk, state, position, position + hint - 1)
-                    if not _failing(part, hint - 1, frozen).any():
-                        _rows(losses, scores, part, position - start, hint - 1)
-                        state, position = self.train_state, position + hint - 1
-                # Then (or where it failed earlier, or no loss says where)
-                # step by step up to the failing step.
-                stepwise, readout = True, None
-            one = self._part(chunk, state, position, position + 1)
-            failed = _failing(one, 1, frozen)
-            if failed.any():
-                now, computed, again = failed, one.losses[0].copy(), one
-                while failed.any():
-                    marks = np.where(failed, position, marks).astype(np.int32)
-                    frozen = frozen | failed
-                    state = dataclasses.replace(
-                        state, diverged_at=jnp.asarray(marks, jnp.int32)
-                    )
-                    state = restore_placement(state, self.chunk.placement)
-                    again = self._part(chunk, state, position, position + 1)
-                    failed = _failing(again, 1, frozen)
-                    if failed.any() and chunk.counted:  # one program: determined
-                        raise RuntimeError(
-                            f"internal error: step {position + 1} failed again "
-                            "with its failing members frozen; please report it"
-                        )
-                    # Off a CPU the step ran as another program, whose kernels
-                    # may round otherwise (a GPU's atomic scatter-adds): a
-                    # member at the edge failed in it; frozen at it too.
-                    computed[failed] = again.losses[0, failed]
-                    now = now | failed
-                row = again.losses[:1].copy()
-                row[0, now] = computed[now]
-                one, stepwise = again._replace(losses=row), False
-            _rows(losses, scores, one, position - start, 1)
-            state, position, last = self.train_state, position + 1, one
-        self.train_state = state
-        return Readout(
-            losses, scores if evaluated else None, last.diverged_at, last.stopped_at
-        )
-
     def finished(self) -> bool:
         """Whether every member has stopped or diverged, at least one stopped
         (the run ends early; all diverged is an error). Stops come from
@@ -909,7 +702,7 @@ class Run:
         if not self._may_stop:
             return False
         stopped = self._stopped_at >= 0
-        return bool(stopped.any() and (stopped | (self._diverged_at >= 0)).all())
+        return bool(stopped.any() and (stopped | (self.diverged_at >= 0)).all())
 
     def state(self) -> TrainState:
         """The run's train state."""
@@ -925,7 +718,7 @@ class Run:
             key=self.key,
             num_examples=self.source.num_examples,
             resumed_from=self.resumed_from,
-            read=(self._diverged_at, self._stopped_at, self.done),
+            read=(self.diverged_at, self._stopped_at, self.done),
         )
 
     def fail(self, cls: type[Exception], message: str) -> NoReturn:
@@ -936,95 +729,42 @@ class Run:
     def diverged_steps(self) -> np.ndarray:
         """Each member's divergence step counted from 1, as every step number
         users read (`-1`: healthy); `diverged_at` holds the step's index."""
-        return np.where(self._diverged_at >= 0, self._diverged_at + 1, -1)
-
-    def diverged_message(self) -> str:
-        steps = self.diverged_steps().tolist()
-        problem = schedule_problem(self.chunk.optimizer, self._diverged_at.tolist())
-        advice = (
-            problem
-            if problem is not None
-            else "lower the learning rate or check the loss"
-        )
-        return (
-            f"All {len(self._diverged_at)} members diverged (non-finite loss, "
-            f"gradient or update) at steps {steps}; {advice}"
-        )
-
-    def stream_ended_message(self) -> str:
-        return (
-            f"The data stream ended after step {self.done}, before `steps="
-            f"{self.steps}`; give `steps` at most the number of batches, or a "
-            "stream that does not end. The run so far is `error.result`"
-        )
+        return np.where(self.diverged_at >= 0, self.diverged_at + 1, -1)
 
 
-# `hides_non_finite` per optimizer (its state's kinds follow from it): a
-# tree walk of the state is tens of microseconds, on every `fit` call.
-_HIDES: dict[Any, bool] = {}
-
-
-def optimistic(
-    guard: str, source: DataSource, unrolled: bool, loss_fn: Any, optimizer: Any,
-    ens: Any, opt_state: Any,
-) -> bool:  # fmt: skip
-    """Whether a run's dispatches take the optimistic guard (`Run.dispatch`)."""
+def _diverged_message(run: Run) -> str:
+    steps = run.diverged_steps().tolist()
+    problem = schedule_problem(run.chunk.optimizer, run.diverged_at.tolist())
+    advice = problem or "lower the learning rate or check the loss"
     return (
-        guard == "auto"
-        and source.kind == "arrays"
-        and not unrolled
-        and not isinstance(loss_fn, Coupled)
-        and not _trains_shared(ens)
-        and not _hides_non_finite(optimizer, opt_state)
+        f"All {len(run.diverged_at)} members diverged (non-finite loss, "
+        f"gradient or update) at steps {steps}; {advice}"
     )
 
 
-def _hides_non_finite(optimizer: Any, opt_state: Any) -> bool:
-    try:
-        return _HIDES[optimizer]
-    except (KeyError, TypeError):
-        pass
-    hides = hides_non_finite(opt_state)
-    try:
-        if len(_HIDES) > 64:
-            _HIDES.clear()
-        _HIDES[optimizer] = hides
-    except TypeError:  # unhashable
-        pass
-    return hides
+def _stream_ended_message(run: Run) -> str:
+    return (
+        f"The data stream ended after step {run.done}, before `steps="
+        f"{run.steps}`; give `steps` at most the number of batches, or a "
+        "stream that does not end. The run so far is `error.result`"
+    )
 
 
-def _trains_shared(ens: Any) -> bool:
-    return any(getattr(group, "train_shared", False) for group in groups_of(ens))
-
-
-def _frozen(diverged_at: np.ndarray, stopped_at: np.ndarray) -> np.ndarray:
-    return (diverged_at >= 0) | (stopped_at >= 0)
-
-
-def _failing(readout: Readout, steps: int, frozen: np.ndarray) -> np.ndarray:
-    """The members an optimistic dispatch's `readout` (of `steps` steps) shows
-    not finite: a non-finite loss, or the end check's mark; frozen members
-    (their losses NaN, their state restored) are not failing."""
-    bad = readout.diverged_at == NOT_FINITE
-    bad |= ~np.isfinite(readout.losses[:steps]).all(axis=0)
-    return bad & ~frozen
-
-
-def _rows(
-    losses: np.ndarray, scores: np.ndarray, readout: Readout, at: int, steps: int
-) -> None:
-    losses[at : at + steps] = readout.losses[:steps]
-    if readout.scores is not None:
-        scores[at : at + steps] = readout.scores[:steps]
-
-
-def _to_host(value: Any, cpu: bool) -> np.ndarray:
-    """`jax.device_get` of one array. On a CPU without its per-call tree work
-    (`np.asarray` of a CPU array is no transfer, so no transfer guard
-    applies); elsewhere `jax.device_get` itself, an explicit transfer that
-    `jax.transfer_guard("disallow")` allows."""
-    return np.asarray(value) if cpu else jax.device_get(value)
+def _changed_structure(callback: Callback, done: int, old: Any, new: Any) -> str:
+    """The error for a callback's new train state whose structure, shapes or
+    dtypes differ from the run's (`""`: none differ)."""
+    difference = first_difference(
+        jax.tree.map(_spec, eqx.filter(old, eqx.is_array)),
+        jax.tree.map(_spec, eqx.filter(new, eqx.is_array)),
+    )
+    if difference is None:
+        return ""
+    return (
+        f"The callback `{type(callback).__name__}` (in `callbacks`) changed "
+        f"the structure, shapes or dtypes of the train state at step "
+        f"{done}: {difference}. A callback may change values only; "
+        "the run up to this step is `error.result`"
+    )
 
 
 def _spec(x: Any) -> str:
