@@ -140,13 +140,15 @@ def test_auto_layout_runs_members_one_by_one_for_convolutions(data):
 
 @cpu_only
 def test_rule():
-    assert choose_layout("auto", convolutions=True, size=4, mesh=None) == "sequential"
-    assert choose_layout("auto", convolutions=False, size=4, mesh=None) == "vmap"
-    big = SEQUENTIAL_MAX_MEMBERS + 1
-    assert choose_layout("auto", convolutions=True, size=big, mesh=None) == "vmap"
-    assert choose_layout("vmap", convolutions=True, size=4, mesh=None) == "vmap"
     assert (
-        choose_layout("sequential", convolutions=False, size=64, mesh=None)
+        choose_layout("auto", convolutions=True, size=4, sharded=False) == "sequential"
+    )
+    assert choose_layout("auto", convolutions=False, size=4, sharded=False) == "vmap"
+    big = SEQUENTIAL_MAX_MEMBERS + 1
+    assert choose_layout("auto", convolutions=True, size=big, sharded=False) == "vmap"
+    assert choose_layout("vmap", convolutions=True, size=4, sharded=False) == "vmap"
+    assert (
+        choose_layout("sequential", convolutions=False, size=64, sharded=False)
         == "sequential"
     )
 
@@ -158,7 +160,7 @@ def test_rule_for_a_run_weighs_its_convolutions():
 
     def rule(steps, flops, size=5):
         return choose_layout(
-            "auto", convolutions=True, size=size, mesh=None, steps=steps,
+            "auto", convolutions=True, size=size, sharded=False, steps=steps,
             convolution_flops=flops,
         )  # fmt: skip
 
@@ -185,13 +187,13 @@ def test_rule_on_a_gpu():
         steps,
         flops,
         size=8,
-        mesh=None,
+        sharded=False,
         convolutions=True,
         layout="auto",
         platform="gpu",
     ):
         return choose_layout(
-            layout, convolutions=convolutions, size=size, mesh=mesh, steps=steps,
+            layout, convolutions=convolutions, size=size, sharded=sharded, steps=steps,
             convolution_flops=flops, platform=platform,
         )  # fmt: skip
 
@@ -207,8 +209,7 @@ def test_rule_on_a_gpu():
     assert rule(None, cnn32 * 100) == "vmap"  # make_step
     assert rule(10**9, cnn32, size=SEQUENTIAL_MAX_MEMBERS + 1) == "vmap"
     assert rule(10**9, cnn32, convolutions=False) == "vmap"
-    mesh = jax.make_mesh((1,), ("members",))
-    assert rule(10**9, cnn32, mesh=mesh) == "vmap"
+    assert rule(10**9, cnn32, sharded=True) == "vmap"
     # The user's choice stands; another platform (a TPU) stays vectorised.
     for layout in ("vmap", "sequential"):
         assert rule(10**9, cnn32, layout=layout) == layout

@@ -1153,15 +1153,16 @@ def test_batched_matmuls_keep_xla_defaults():
         cpu_codegen_options,
         step_compiler_options,
     )
+    from eqx_ensemble._training.placement import SINGLE_DEVICE
 
     big = ee.ensemble(
         lambda k: eqx.nn.MLP(256, 256, 256, 2, key=k), size=8, key=jax.random.key(0)
     )
-    options = step_compiler_options(None, big.members, 256, 8, None)
+    options = step_compiler_options(None, big.members, 256, 8, SINGLE_DEVICE)
     fast = cpu_codegen_options()
     if dict(options) != dict(fast):  # a multi-core CPU with the option available
         assert dict(options) == EIGEN_DOTS | dict(fast)
-    assert step_compiler_options(None, big.members, 256, 8, None, True) == fast
+    assert step_compiler_options(None, big.members, 256, 8, SINGLE_DEVICE, True) == fast
 
 
 def test_latest_reads_back_a_run_with_hyper(ens, tmp_path):
@@ -1372,8 +1373,8 @@ def test_readout_round_trip_is_exact(evaluated, mesh_kind):
     (NaN, a NaN with a payload and inf included: bit for bit), scores and the
     members' step counts exactly, and is replicated on a mesh whatever the
     parts' placement (members split)."""
-    from eqx_ensemble._execution.placement import mesh_context
     from eqx_ensemble._training.loop import readout, unpack_readout
+    from eqx_ensemble._training.placement import placement_of
 
     steps, size = 3, 4
     losses = jax.random.normal(jax.random.key(0), (steps, size))
@@ -1394,9 +1395,10 @@ def test_readout_round_trip_is_exact(evaluated, mesh_kind):
             mesh, jax.sharding.PartitionSpec(None, "members")
         )
         losses, scores = jax.device_put((losses, scores), rows)
-    with mesh_context(mesh):
+    placement = placement_of(mesh)
+    with placement.context():
         out = jax.jit(readout, static_argnums=4)(
-            losses, scores, diverged, stopped, mesh
+            losses, scores, diverged, stopped, placement
         )
     assert out.dtype == jnp.int32 and out.ndim == 1
     assert out.sharding.is_fully_replicated
@@ -1590,6 +1592,7 @@ def test_default_unrolled_run_resumes_bit_for_bit(tmp_path):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU plan")
 def test_plan_weighs_compile_time_against_the_run_length():
+    from eqx_ensemble._training.placement import SINGLE_DEVICE
     from eqx_ensemble._training.run import plan_fit
     from eqx_ensemble._training.sampling import Shared
     from eqx_ensemble._training.source import ArraySource
@@ -1599,8 +1602,9 @@ def test_plan_weighs_compile_time_against_the_run_length():
 
     def plan(steps):
         return plan_fit(
-            ee.Execution(), mse_loss, cnns, len(cnns), source, None, None, None, steps
-        )
+            ee.Execution(), mse_loss, cnns, len(cnns), source, None, None,
+            SINGLE_DEVICE, steps,
+        )  # fmt: skip
 
     short, long = plan(20), plan(2**30)  # a tiny CNN: only a very long run
     # Convolutions vectorised (a tiny CNN: grouped convolutions): unrolled, a

@@ -11,6 +11,7 @@ import pytest
 from conftest import MEMBERWISE_TOL, ON_CPU, needs_devices, repeat
 
 import eqx_ensemble as ee
+from eqx_ensemble._training.placement import SINGLE_DEVICE
 
 SIZE = 8
 
@@ -250,7 +251,7 @@ def test_make_step_chunks_a_step_whose_temporaries_pass_the_allocators_ceiling()
         members=ens.members,
         examples=256,
         size=64,
-        mesh=None,
+        placement=SINGLE_DEVICE,
         steps=1000,
         groupable=True,
     )

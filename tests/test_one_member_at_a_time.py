@@ -31,6 +31,7 @@ from eqx_ensemble._execution.layout import (
 from eqx_ensemble._execution.profile import StepProfile
 from eqx_ensemble._training import loop as _loop, run as _run
 from eqx_ensemble._training.inputs import independent_members
+from eqx_ensemble._training.placement import SINGLE_DEVICE
 
 pytestmark = pytest.mark.skipif(not ON_CPU, reason="a CPU plan")
 
@@ -223,7 +224,7 @@ def test_the_rule(monkeypatch):
             members=members,
             examples=8,
             size=size,
-            mesh=None,
+            placement=SINGLE_DEVICE,
             steps=steps,
             groupable=groupable,
         )

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import eqx_ensemble as ee
 from eqx_ensemble._core.data import SORT_ALONE_FROM, permutation
-from eqx_ensemble._training.placement import gather_batch
+from eqx_ensemble._training.placement import OnMesh
 
 MESHES = {
     "members": dict(members=8),
@@ -253,7 +253,7 @@ def test_gather_batch_is_split_over_the_mesh(axis_type, per_member):
     placed = ee.shard(x, mesh, axes="data")
     shape = (2, 8) if per_member else (8,)
     indices = jax.random.randint(jax.random.key(0), shape, 0, 32)
-    batch = jax.jit(lambda d, i: gather_batch(d, i, mesh))(placed, indices)
+    batch = jax.jit(lambda d, i: OnMesh(mesh).gather_batch(d, i))(placed, indices)
     np.testing.assert_array_equal(np.asarray(batch), np.asarray(x)[indices])
     axes = ("members", "data") if per_member else ("data",)
     assert_placed(batch, mesh, axes)

@@ -20,6 +20,7 @@ from conftest import assert_tree_allclose, run_with_xla_defaults, tree_equal
 
 import eqx_ensemble as ee
 from eqx_ensemble._execution import compile as _xla
+from eqx_ensemble._training.placement import SINGLE_DEVICE, OnMesh
 
 EIGEN = dict(_xla.EIGEN_DOTS)
 SGD = optax.sgd(0.05)
@@ -61,21 +62,21 @@ def test_automatic_choice(monkeypatch):
     small = _members(8, 1, 32, 1)  # the dispatch-bound regime: ~1 MFLOP per step
     big = _members(64, 32, 128, 10)  # the compute-bound regime: ~2 GFLOP per step
     fast = tuple(sorted(_xla.FAST_CODEGEN.items()))
-    assert _xla.step_compiler_options(None, small, 16, 8, None) == fast
+    assert _xla.step_compiler_options(None, small, 16, 8, SINGLE_DEVICE) == fast
     expected = tuple(sorted((EIGEN | _xla.FAST_CODEGEN).items()))
-    assert _xla.step_compiler_options(None, big, 256, 64, None) == expected
+    assert _xla.step_compiler_options(None, big, 256, 64, SINGLE_DEVICE) == expected
     # The user's options always win, `{}` included.
-    assert _xla.step_compiler_options((), big, 256, 64, None) == ()
+    assert _xla.step_compiler_options((), big, 256, 64, SINGLE_DEVICE) == ()
     user = (("xla_cpu_enable_fast_math", False),)
-    assert _xla.step_compiler_options(user, small, 16, 8, None) == user
+    assert _xla.step_compiler_options(user, small, 16, 8, SINGLE_DEVICE) == user
     # On a mesh, each device's share of the work counts.
     mesh = ee.make_mesh(members=8)
     threshold_batch = int(_xla.MIN_STEP_FLOPS / _xla.step_matmul_flops(big, 1, 64))
     batch = 2 * threshold_batch  # above the threshold alone, below it per device
-    assert _xla.step_compiler_options(None, big, batch, 64, None) == expected
-    assert _xla.step_compiler_options(None, big, batch, 64, mesh) == fast
+    assert _xla.step_compiler_options(None, big, batch, 64, SINGLE_DEVICE) == expected
+    assert _xla.step_compiler_options(None, big, batch, 64, OnMesh(mesh)) == fast
     # Attention heads' batched matmuls keep YNNPACK (Eigen runs them slower).
-    assert _xla.step_compiler_options(None, big, 256, 64, None, True) == fast
+    assert _xla.step_compiler_options(None, big, 256, 64, SINGLE_DEVICE, True) == fast
 
 
 def test_the_librarys_options_leave_what_xla_flags_set(monkeypatch):
@@ -99,7 +100,7 @@ def test_the_librarys_options_leave_what_xla_flags_set(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
     assert _xla.cpu_codegen_options() == ()
     small = _members(8, 1, 32, 1)
-    assert _xla.step_compiler_options(None, small, 16, 8, None) == ()
+    assert _xla.step_compiler_options(None, small, 16, 8, SINGLE_DEVICE) == ()
 
 
 def test_options_reach_xla():
@@ -352,8 +353,8 @@ def test_unknown_option_is_named_before_any_step(tmp_path):
 def test_default_steps_per_dispatch():
     small = _members(8, 1, 32, 1)
     big = _members(64, 32, 128, 10)
-    assert _xla.default_steps_per_dispatch(small, 16, 8, None) == 1000
-    assert _xla.default_steps_per_dispatch(big, 256, 64, None) == 100
+    assert _xla.default_steps_per_dispatch(small, 16, 8, 1) == 1000
+    assert _xla.default_steps_per_dispatch(big, 256, 64, 1) == 100
 
 
 def test_fit_default_steps_per_dispatch_is_used():

@@ -163,7 +163,7 @@ def map_members(
         return _map_groups(
             fn, ens, args, axes, masks, chunk_size, member_keys, layout, profile_owner
         )
-    choice = check_layout(layout, None)
+    choice = check_layout(layout, False)
     if choice == "sequential" and chunk_size is not None and chunk_size != size:
         raise ValueError(
             "`Execution(layout='sequential')` already computes one member at a time; "

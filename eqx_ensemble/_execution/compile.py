@@ -26,13 +26,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._internal.tree import is_traced
 from .convolution import canonical_convolutions
 from .intern import canonical
 from .lift import Lifted, lifted
+from .placement import Devices
 
 # Turning off YNNPACK's dot/elementwise fusions on the CPU (XLA >= 0.8).
 EIGEN_DOTS: dict[str, Any] = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -437,13 +437,6 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
-def platform_of(mesh: Mesh | None) -> str:
-    """The platform a step runs on: the mesh's devices', else JAX's default."""
-    if mesh is not None:
-        return mesh.devices.flat[0].platform
-    return jax.default_backend()
-
-
 def step_matmul_flops(members: PyTree[Any], examples: int, size: int) -> float:
     """Estimated matmul FLOPs of one training step of the whole ensemble: forward,
     input and weight gradients (3 x 2 FLOPs) per example for every weight of every
@@ -456,11 +449,8 @@ def step_matmul_flops(members: PyTree[Any], examples: int, size: int) -> float:
     return 6.0 * examples * weights * size
 
 
-def is_tiny_step(
-    members: PyTree[Any], examples: int, size: int, mesh: Mesh | None
-) -> bool:
+def is_tiny_step(members: PyTree[Any], examples: int, size: int, devices: int) -> bool:
     """Whether a step has under `MIN_STEP_FLOPS` of matmuls per device."""
-    devices = 1 if mesh is None else mesh.size
     return step_matmul_flops(members, examples, size) / devices < MIN_STEP_FLOPS
 
 
@@ -469,7 +459,7 @@ def step_compiler_options(
     members: PyTree[Any],
     examples: int,
     size: int,
-    mesh: Mesh | None,
+    placement: Devices,
     batched_dots: bool = False,
 ) -> Options:
     """The options a training step is compiled with: the user's if given; on a
@@ -480,19 +470,17 @@ def step_compiler_options(
     left out."""
     if user is not None:
         return user
-    if platform_of(mesh) != "cpu":
+    if placement.platform != "cpu":
         return ()
     fast = cpu_codegen_options()
     cores = _cores()
     if batched_dots or cores < 2:
         return fast
-    if mesh is not None:
+    if placement.local_devices >= cores:
         # Virtual CPU devices already put one core on each device's share of the
         # members; Eigen's thread pool on top of that only adds contention.
-        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        if local >= cores:
-            return fast
-    if is_tiny_step(members, examples, size, mesh):
+        return fast
+    if is_tiny_step(members, examples, size, placement.devices):
         return fast
     options = tuple(sorted((dict(fast) | EIGEN_DOTS).items()))
     return options if _supported(options) else fast
@@ -678,7 +666,7 @@ def with_eigen_dots(options: Options) -> bool:
 
 
 def default_steps_per_dispatch(
-    members: PyTree[Any], examples: int, size: int, mesh: Mesh | None
+    members: PyTree[Any], examples: int, size: int, devices: int
 ) -> int:
     """`fit`'s default `steps_per_dispatch`: 1000 for tiny steps, else 100.
 
@@ -687,4 +675,4 @@ def default_steps_per_dispatch(
     few tens of microseconds that is a fifth of the time at 100 steps per
     dispatch. 1000 tiny steps still take well under a second, so the progress bar
     and callbacks stay responsive."""
-    return 1000 if is_tiny_step(members, examples, size, mesh) else 100
+    return 1000 if is_tiny_step(members, examples, size, devices) else 100

@@ -220,7 +220,7 @@ def _closed_jaxprs(params: dict[str, Any]) -> list[Any]:
 
 def _on_mesh(aval: Any) -> bool:
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-    return mesh is not None and not getattr(mesh, "empty", True)
+    return not getattr(mesh, "empty", True)  # (no mesh: no `empty`)
 
 
 def _explicit(aval: Any) -> bool:

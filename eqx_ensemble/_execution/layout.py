@@ -28,7 +28,6 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._internal.checks import check_choice
@@ -52,11 +51,11 @@ EAGER_SEQUENTIAL_MIN_FLOPS = 1e8
 _CHOICES = ("auto", "vmap", "sequential")
 
 
-def check_layout(layout: Any, mesh: Mesh | None) -> str:
+def check_layout(layout: Any, sharded: bool) -> str:
     """`layout` as given (`None` means `"auto"`), refused with the choices when
     it is not one of them, and `"sequential"` refused on a mesh."""
     layout = check_choice(layout, "layout", _CHOICES, "auto")
-    if layout == "sequential" and mesh is not None:
+    if layout == "sequential" and sharded:
         raise ValueError(
             "`layout='sequential'` runs the members one after another on one "
             "device; on a mesh the members are split over devices and run "
@@ -115,7 +114,7 @@ def choose_layout(
     *,
     convolutions: bool,
     size: int,
-    mesh: Mesh | None,
+    sharded: bool,
     steps: int | None = None,
     convolution_flops: float = 0.0,
     platform: str | None = None,
@@ -135,7 +134,7 @@ def choose_layout(
     """
     if layout == "vmap" or layout == "sequential":
         return layout
-    if not convolutions or mesh is not None or size > SEQUENTIAL_MAX_MEMBERS:
+    if not convolutions or sharded or size > SEQUENTIAL_MAX_MEMBERS:
         return "vmap"
     platform = jax.default_backend() if platform is None else platform
     run_flops = (
@@ -314,7 +313,7 @@ def _explicit_spec(x: Any, axis: int = 0) -> tuple[Any, Any]:
     and the entries of its trailing axes; `(None, None)` otherwise."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not any(
+    if not any(  # (no mesh: no axis types)
         kind == jax.sharding.AxisType.Explicit
         for kind in getattr(mesh, "axis_types", ())
     ):

@@ -2,10 +2,9 @@
 library places arrays on (`"members"`, `"data"`, `"model"`), `ee.make_mesh`,
 the checks of a mesh and of what splits over it, `ee.process_rows`."""
 
-import contextlib
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -16,6 +15,22 @@ from jaxtyping import PyTree
 
 from .._internal.checks import check_positive_int
 from .._internal.tree import keystr
+
+
+@runtime_checkable
+class Devices(Protocol):
+    """What a step's plan reads of where it runs (`_training.placement`'s
+    `SingleDevice` or `OnMesh`)."""
+
+    @property
+    def sharded(self) -> bool: ...  # on a mesh
+    @property
+    def devices(self) -> int: ...
+    @property
+    def local_devices(self) -> int: ...  # this process's
+    @property
+    def platform(self) -> str: ...
+
 
 MEMBERS = "members"
 DATA = "data"
@@ -223,13 +238,6 @@ def divisibility_error(name: str, length: int, devices: int, where: str) -> Valu
     )
 
 
-def members_devices(mesh: Mesh | None) -> int:
-    """The number of devices of a mesh's `"members"` axis (1: no mesh or axis)."""
-    if mesh is None or MEMBERS not in mesh.axis_names:
-        return 1
-    return axis_size(mesh, MEMBERS)
-
-
 def process_rows(mesh: Mesh, num_examples: int) -> slice:
     """The rows of the data THIS process must feed in a multi-process run.
 
@@ -307,10 +315,3 @@ def check_step_mesh(
             raise divisibility_error(
                 DATA, leaf.shape[axis], devices, f"`batch` leaf `{keystr(path)}`"
             )
-
-
-def mesh_context(mesh: Any) -> Any:
-    """`jax.set_mesh(mesh)`, or nothing when `mesh` is not a mesh. Explicit meshes
-    need it for eager operations on their arrays (e.g. initialising an optimizer
-    state); under it, user code may also name the mesh axes."""
-    return jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext()

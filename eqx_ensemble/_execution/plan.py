@@ -10,14 +10,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._internal.tree import trainable
 from .compile import (
     Options,
     default_steps_per_dispatch,
-    platform_of,
     step_compiler_options,
     with_eigen_dots,
 )
@@ -29,6 +27,7 @@ from .layout import (
     choose_layout,
     run_length_class,
 )
+from .placement import Devices
 from .profile import StepProfile
 
 # The platforms whose dispatches loop over a traced trip count. Not a GPU: its
@@ -81,7 +80,7 @@ def plan_step(
     members: PyTree[Any],
     examples: int,
     size: int,
-    mesh: Mesh | None,
+    placement: Devices,
     steps: int | None = None,
     pads_on_host: bool = False,
     groupable: bool = False,
@@ -93,7 +92,7 @@ def plan_step(
     (one CPU device; one GPU where `fit`'s layout is automatic; options with
     Eigen's dots, which batched matmuls refuse). Looked up per `owner` (the
     loss, held weakly), `structure` (the inputs' shapes; `None`: planned every
-    time), settings, mesh, backend and run length class. `steps`: `fit`'s run
+    time), settings, placement, backend and run length class. `steps`: `fit`'s run
     length (`None`: a step per call); `pads_on_host`: a stream's short group
     is padded on the host (no traced trip count); `groupable`: the members
     share nothing (no shared part, no coupled loss, one group of members), so
@@ -108,7 +107,7 @@ def plan_step(
             _settings_key(settings),
             structure,
             examples,
-            mesh,
+            placement,
             jax.default_backend(),
             length_class,
             pads_on_host,
@@ -124,7 +123,7 @@ def plan_step(
             members,
             examples,
             size,
-            mesh,
+            placement,
             steps,
             pads_on_host,
             groupable,
@@ -178,7 +177,7 @@ def _plan(
     members: PyTree[Any],
     examples: int,
     size: int,
-    mesh: Mesh | None,
+    placement: Devices,
     steps: int | None,
     pads_on_host: bool,
     groupable: bool = False,
@@ -191,7 +190,8 @@ def _plan(
         and member_chunk is None
         and size <= SEQUENTIAL_MAX_MEMBERS
     )
-    reads_profile = mesh is None and (
+    sharded = placement.sharded
+    reads_profile = not sharded and (
         platform == "cpu"
         or (platform == "gpu" and automatic_layout and steps is not None)
     )
@@ -200,7 +200,9 @@ def _plan(
     if (
         user_options is None
         and not reads_profile
-        and with_eigen_dots(step_compiler_options(None, members, examples, size, mesh))
+        and with_eigen_dots(
+            step_compiler_options(None, members, examples, size, placement)
+        )
     ):
         # Eigen's dots run batched matmuls slower: read that much of the
         # profile for the options only (on a mesh every other choice is the
@@ -210,7 +212,7 @@ def _plan(
         settings.layout if settings.layout in ("vmap", "sequential") else "auto",
         convolutions=profile.convolutions,
         size=size,
-        mesh=mesh,
+        sharded=sharded,
         steps=steps,
         convolution_flops=profile.convolution_flops,
         platform=platform,
@@ -223,7 +225,7 @@ def _plan(
         and layout == "vmap"
         and groupable
         and steps is not None
-        and mesh is None
+        and not sharded
         and platform == "cpu"
         and profile.convolution_flops >= GROUP_MIN_FLOPS
     ):
@@ -245,8 +247,7 @@ def _plan(
             and member_chunk is None
         )
     length = getattr(settings, "steps_per_dispatch", None)
-    devices = 1 if mesh is None else mesh.size
-    flops = step_flops(members, examples, size, devices, profile)
+    flops = step_flops(members, examples, size, placement.devices, profile)
     if length is None:
         # An unrolled dispatch of array data is a loop on the host of calls of
         # one compiled step, given `length` rows of drawn indices (one program
@@ -254,7 +255,7 @@ def _plan(
         # second of work long. A stream's would be given its group padded to
         # `length` batches: one step per dispatch, as the stream is read.
         length = (
-            default_steps_per_dispatch(members, examples, size, mesh)
+            default_steps_per_dispatch(members, examples, size, placement.devices)
             if steps is not None and not (unroll and pads_on_host)
             else 1
         )
@@ -262,17 +263,17 @@ def _plan(
             budget = UNROLLED_DISPATCH_SECONDS * CPU_FLOPS_PER_SECOND
             length = max(1, min(length, int(budget / max(flops, 1.0))))
     options = step_compiler_options(
-        user_options, members, examples, size, mesh, batched_dots
+        user_options, members, examples, size, placement, batched_dots
     )
-    check = choose_finite_check(flops=flops, platform=platform_of(mesh))
+    check = choose_finite_check(flops=flops, platform=placement.platform)
     # On a CPU a scanned dispatch of array data loops over a traced trip
     # count: one program for `length` steps, whatever the run's length.
-    counted = steps is not None and platform_of(mesh) in COUNTED and not unroll
+    counted = steps is not None and placement.platform in COUNTED and not unroll
     counted = counted and not pads_on_host
     if (
         member_chunk is None
         and steps is None
-        and mesh is None
+        and not sharded
         and platform == "cpu"
         and layout == "vmap"
         and groupable

@@ -18,10 +18,10 @@ from .._execution.execution import (
     as_execution,
     refuses_moved,
 )
-from .._execution.placement import mesh_context
 from .checkpointer import Checkpointer
 from .evaluate import Evaluate
 from .loss import LossFn
+from .placement import placement_of
 from .progress import ProgressBar
 from .result import FitResult
 from .run import prepare
@@ -164,7 +164,7 @@ def fit(
     ```
     """
     execution = as_execution(execution, "fit", FIELDS)
-    with mesh_context(execution.mesh):
+    with placement_of(execution.mesh).context():
         run = prepare(
             ens,
             loss_fn,

@@ -135,7 +135,7 @@ class Deferred:
                     state = dataclasses.replace(
                         state, diverged_at=jnp.asarray(marks, jnp.int32)
                     )
-                    state = restore_placement(state, chunk.placement)
+                    state = restore_placement(state, chunk.pinned)
                     again, after = self.part(run, chunk, state, position, position + 1)
                     failed = _failing(again, 1, frozen)
                     if failed.any() and chunk.counted:  # one program: determined

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.heterogeneous import group_parts, joined
@@ -41,10 +40,10 @@ from .._execution.compile import (
 )
 from .._execution.guard import FiniteCheck
 from .._execution.layout import Layout
-from .._execution.placement import MEMBERS, members_devices
+from .._execution.placement import MEMBERS
 from .evaluate import Evaluate, eval_member_keys
 from .loss import LossFn
-from .placement import constrain, place_state, replicate
+from .placement import Placement
 from .sampling import Sampling
 from .source import Batches, IndexedBatches, SampledBatches
 from .step import all_finite, vmapped_update
@@ -78,7 +77,7 @@ class Chunk:
     end: Int[ArrayLike, ""]  # a NumPy int32 scalar: no dispatch to make it
     size: int
     length: int
-    mesh: Mesh | None
+    placement: Placement  # one device, or a mesh
     # Unrolled: straight-line code (no loop, no conditional), one call of a
     # one-step program per step of the dispatch (`_dispatch_steps`); a call
     # runs the step of row `row` of the dispatch's `length` rows of scanned
@@ -97,7 +96,7 @@ class Chunk:
     member_chunk: int | None = None  # vectorised members per group (`Execution`)
     check: FiniteCheck = "per_leaf"  # the guard's form (`_execution.guard`)
     # The train state's leaves split over a "model" mesh axis, kept exactly.
-    placement: Any = None
+    pinned: Any = None
 
 
 def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
@@ -251,10 +250,10 @@ def readout(
     scores: Float[Array, "steps members"] | None,
     diverged_at: Int[Array, " members"],
     stopped_at: Int[Array, " members"],
-    mesh: Mesh | None = None,
+    placement: Placement,
 ) -> Int[Array, " n"]:
     """Everything the host reads after a dispatch, in one int32 vector,
-    replicated over `mesh`: the float32 losses and the scores (where the chunk
+    replicated over the mesh: the float32 losses and the scores (where the chunk
     evaluates; `None` otherwise) bit-cast to int32, then the members'
     `diverged_at` and `stopped_at`; `unpack_readout` casts back, exactly.
     Integers, so that no float operation can touch the values on the way (a
@@ -262,20 +261,20 @@ def readout(
     for the host: on a GPU each array read is its own device-to-host copy and
     completion callback (a fraction of a millisecond each)."""
     floats = [losses] if scores is None else [losses, scores]
-    *floats, diverged_at, stopped_at = replicate(
-        [*floats, diverged_at, stopped_at], mesh
+    *floats, diverged_at, stopped_at = placement.replicate(
+        [*floats, diverged_at, stopped_at]
     )
     ints = [
         jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32).reshape(-1)
         for x in floats
     ]
     ints += [diverged_at.astype(jnp.int32), stopped_at.astype(jnp.int32)]
-    return replicate(jnp.concatenate(ints), mesh)
+    return placement.replicate(jnp.concatenate(ints))
 
 
 def _readout(chunk: Chunk, ts: TrainState, losses: Any, scores: Any) -> Any:
     scores = scores if chunk.evaluate is not None else None
-    return readout(losses, scores, ts.diverged_at, ts.stopped_at, chunk.mesh)
+    return readout(losses, scores, ts.diverged_at, ts.stopped_at, chunk.placement)
 
 
 class Readout(NamedTuple):
@@ -328,7 +327,7 @@ def unpack_readout(values: np.ndarray, size: int, evaluated: bool) -> Readout:
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:
     # What a step reports when it has nothing to report (split like the members).
     row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
-    return constrain(row, chunk.mesh, (MEMBERS,))
+    return chunk.placement.constrain(row, (MEMBERS,))
 
 
 def _train_step(
@@ -347,7 +346,7 @@ def _train_step(
         chunk.loss_fn,
         chunk.optimizer,
         chunk.sampling.per_member,
-        chunk.mesh,
+        chunk.placement,
         chunk.layout,
         chunk.member_chunk,
         chunk.check,
@@ -369,7 +368,7 @@ def _train_step(
     seen_ens, seen_state = new_ens, model_state
     if kept is not None and (chunk.track or chunk.evaluate is not None):
         training = (ts.diverged_at < 0) & (ts.stopped_at < 0)
-        training = constrain(training, chunk.mesh, (MEMBERS,))
+        training = chunk.placement.constrain(training, (MEMBERS,))
         seen_ens = member_select(training, new_ens, kept.ensemble)
         seen_state = member_select(training, model_state, kept.model_state, new_ens)
     ts = dataclasses.replace(
@@ -390,8 +389,9 @@ def _train_step(
         scores, ts = _evaluate(chunk, chunk.evaluate, ts, nan_row, evaluate == "due")
     if seen_ens is not new_ens:
         ts = dataclasses.replace(ts, ensemble=new_ens, model_state=model_state)
-    losses = constrain(jnp.asarray(losses, jnp.float32), chunk.mesh, (MEMBERS,))
-    return ts, losses, constrain(scores, chunk.mesh, (MEMBERS,))
+    constrain = chunk.placement.constrain
+    losses = constrain(jnp.asarray(losses, jnp.float32), (MEMBERS,))
+    return ts, losses, constrain(scores, (MEMBERS,))
 
 
 def _evaluate(
@@ -405,10 +405,8 @@ def _evaluate(
 
     def run(dynamic_ts):
         current = eqx.combine(dynamic_ts, static)
-        member_keys = constrain(
-            eval_member_keys(chunk.eval_key, current.step, chunk.size),
-            chunk.mesh,
-            (MEMBERS,),
+        member_keys = chunk.placement.constrain(
+            eval_member_keys(chunk.eval_key, current.step, chunk.size), (MEMBERS,)
         )
         scores = evaluate.scores(
             current.ensemble,
@@ -416,16 +414,16 @@ def _evaluate(
             member_keys,
             chunk.layout,
             chunk.member_chunk,
-            members_devices(chunk.mesh),
+            chunk.placement.members_devices,
         )
-        return constrain(scores, chunk.mesh, (MEMBERS,))
+        return chunk.placement.constrain(scores, (MEMBERS,))
 
     if conditional:
         scores = jax.lax.cond(evaluate.due(ts.step), run, lambda _: nan_row, dynamic)
     else:
         scores = run(dynamic)
     assert ts.best_score is not None and ts.best_step is not None
-    better = constrain(scores < ts.best_score, chunk.mesh, (MEMBERS,))
+    better = chunk.placement.constrain(scores < ts.best_score, (MEMBERS,))
     ts = dataclasses.replace(
         ts,
         best_ensemble=member_select(better, ts.ensemble, ts.best_ensemble),
@@ -439,12 +437,12 @@ def run_chunk(
     chunk: Chunk, train_state: TrainState
 ) -> tuple[TrainState, Float[Array, "steps members"], Float[Array, "steps members"]]:
     """`chunk.length` steps (those before `chunk.end`) from `train_state`."""
-    mesh = chunk.mesh
+    placement, pinned = chunk.placement, chunk.pinned
     dynamic, static = eqx.partition(train_state, eqx.is_array)
     nan_row = _nan_row(chunk)
     assert chunk.batches is not None, "a dispatch is given its data"
     count = jnp.asarray(chunk.end - train_state.step) if chunk.counted else None
-    batch_of = chunk.batches.maker(train_state.step, chunk.length, mesh, count)
+    batch_of = chunk.batches.maker(train_state.step, chunk.length, placement, count)
 
     kept = train_state if chunk.check == "deferred" else None
 
@@ -452,9 +450,7 @@ def run_chunk(
         ts = eqx.combine(carry, static)
         batch = batch_of(ts.step, scanned)
         ts, losses, scores = _train_step(chunk, ts, batch, kept=kept)
-        ts = place_state(
-            ts, mesh, inside_jit=True, in_loop=True, placement=chunk.placement
-        )
+        ts = placement.place_state(ts, inside_jit=True, in_loop=True, placement=pinned)
         return eqx.filter(ts, eqx.is_array), (losses, scores)
 
     def inactive(carry, scanned):
@@ -466,8 +462,8 @@ def run_chunk(
             return active(carry, scanned)
         return jax.lax.cond(carry.step < chunk.end, active, inactive, carry, scanned)
 
-    dynamic = place_state(
-        dynamic, mesh, inside_jit=True, in_loop=True, placement=chunk.placement
+    dynamic = placement.place_state(
+        dynamic, inside_jit=True, in_loop=True, placement=pinned
     )
     if chunk.unrolled:
         dynamic, losses, scores = _unrolled(chunk, dynamic, static, batch_of)
@@ -477,16 +473,16 @@ def run_chunk(
         dynamic, (losses, scores) = jax.lax.scan(
             body, dynamic, chunk.batches.scanned(), length=chunk.length
         )
-    dynamic = place_state(dynamic, mesh, inside_jit=True, placement=chunk.placement)
-    losses, scores = replicate((losses, scores), mesh)
+    dynamic = placement.place_state(dynamic, inside_jit=True, placement=pinned)
+    losses, scores = placement.replicate((losses, scores))
     state = eqx.combine(dynamic, static)
     if chunk.check == "deferred":
-        state = _settle_members(train_state, state, mesh)
+        state = _settle_members(train_state, state, placement)
     return state, losses, scores
 
 
 def _settle_members(
-    start: TrainState, end: TrainState, mesh: Mesh | None
+    start: TrainState, end: TrainState, placement: Placement
 ) -> TrainState:
     """The end of an optimistic dispatch (`Run.dispatch`): the members frozen
     at its start (diverged or stopped: they computed along, unchecked) get
@@ -499,9 +495,9 @@ def _settle_members(
     not replace it (those that do run the guarded step: `hides_non_finite`);
     a non-finite loss the host reads from the losses."""
     frozen = (start.diverged_at >= 0) | (start.stopped_at >= 0)
-    frozen = constrain(frozen, mesh, (MEMBERS,))
+    frozen = placement.constrain(frozen, (MEMBERS,))
     ens, opt_state, model_state = end.ensemble, end.opt_state, end.model_state
-    finite = constrain(_members_finite(ens, opt_state), mesh, (MEMBERS,))
+    finite = placement.constrain(_members_finite(ens, opt_state), (MEMBERS,))
     return dataclasses.replace(
         end,
         ensemble=member_select(~frozen, ens, start.ensemble),
@@ -547,10 +543,8 @@ def _counted(
     step. The rows of steps not run stay NaN (the host reads only the rows it
     ran)."""
     scanned = chunk.batches.scanned() if chunk.batches is not None else None
-    rows = constrain(
-        jnp.broadcast_to(nan_row, (chunk.length, chunk.size)),
-        chunk.mesh,
-        (None, MEMBERS),
+    rows = chunk.placement.constrain(
+        jnp.broadcast_to(nan_row, (chunk.length, chunk.size)), (None, MEMBERS)
     )
 
     def body(loop):
@@ -585,8 +579,8 @@ def _unrolled(
     ts, losses, scores = _train_step(
         chunk, ts, batch_of(ts.step, inputs), evaluate=chunk.evaluate_last
     )
-    ts = place_state(
-        ts, chunk.mesh, inside_jit=True, in_loop=True, placement=chunk.placement
+    ts = chunk.placement.place_state(
+        ts, inside_jit=True, in_loop=True, placement=chunk.pinned
     )
     return eqx.filter(ts, eqx.is_array), losses[None], scores[None]
 

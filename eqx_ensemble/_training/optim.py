@@ -22,7 +22,6 @@ from .._core.heterogeneous import (
     joined,
     per_group,
 )
-from .._core.sharding import shard
 from .._execution.compile import compiled_call
 from .._execution.intern import canonical_tree
 from .._execution.profile import first_member, signature
@@ -30,7 +29,7 @@ from .._internal.checks import real_array
 from .._internal.keys import optimizer_key
 from .._internal.tree import first_difference, is_traced, keystr, trainable
 from .loss import check_optimizer
-from .placement import follow_model, members_mesh, model_mesh
+from .placement import members_mesh, model_mesh, placement_of
 
 
 def optimizer_update(
@@ -434,13 +433,11 @@ def init_optimizer(
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
         check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
-    opt_state = follow_model(opt_state, ens, model_mesh(ens))
-    mesh = members_mesh(ens)
-    if mesh is not None:
-        # Beside its weights, as `fit` places it: global arrays split over
-        # "members" (so that every process of a multi-process run holds, and
-        # saves, only its members' part), not copies on each default device.
-        opt_state = shard(opt_state, mesh)
+    opt_state = placement_of(model_mesh(ens)).follow_model(opt_state, ens)
+    # Beside its weights, as `fit` places it: global arrays split over
+    # "members" (so that every process of a multi-process run holds, and
+    # saves, only its members' part), not copies on each default device.
+    opt_state = placement_of(members_mesh(ens)).shard(opt_state)
     return opt_state
 
 

@@ -1,9 +1,13 @@
-"""Placement inside `fit` and `make_step`: what the training code alone uses
-of a mesh (`_core/sharding.py` places an ensemble; `_execution/placement.py`
-holds the rules): optimizer states that follow a member's "model" split, the
-sharding constraints of a dispatch, the batch gather, and a train state's
-placement recorded outside `jit` and pinned or restored inside it."""
+"""Placement inside `fit` and `make_step`, as one object per run: `SingleDevice`
+(no mesh: every method leaves arrays where JAX puts them) or `OnMesh` (the
+member, data and model axes of a mesh: optimizer states that follow a member's
+"model" split, the sharding constraints of a dispatch, the batch gather, a
+train state's placement recorded outside `jit` and pinned or restored inside
+it). `placement_of(mesh)` chooses; nothing else asks whether there is a mesh.
+(`_core/sharding.py` places an ensemble; `_execution/placement.py` holds the
+mesh's rules.)"""
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,6 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PyTree
 
@@ -26,18 +31,327 @@ from .._execution.placement import (
     DATA,
     MEMBERS,
     MODEL,
+    axis_size,
+    check_fit_mesh,
+    check_step_mesh,
     is_explicit,
     partition_spec,
 )
 from .._internal.tree import is_traced
 
 
-def follow_model(tree: PyTree[Any], ens: Any, mesh: Mesh | None) -> PyTree[Any]:
+class SingleDevice:
+    """A run on one device, JAX's default (no mesh): placing is a no-op. One
+    instance (`SINGLE_DEVICE`): equal programs see the same static value."""
+
+    mesh = None
+    sharded = False
+    members_devices = 1
+
+    @property
+    def devices(self) -> int:
+        return 1
+
+    @property
+    def local_devices(self) -> int:
+        return 1
+
+    @property
+    def platform(self) -> str:
+        return jax.default_backend()
+
+    def to_host(self, value: Any) -> np.ndarray:
+        """One array on the host: on a CPU `np.asarray` (no transfer, so no
+        transfer guard applies), elsewhere `jax.device_get` (an explicit
+        transfer, which `jax.transfer_guard("disallow")` allows)."""
+        return np.asarray(value) if self.platform == "cpu" else jax.device_get(value)
+
+    def context(self) -> Any:
+        return contextlib.nullcontext()
+
+    def check_fit(self, size: int, batch_size: int) -> None:
+        del size, batch_size
+
+    def check_step(self, size: int, batch: Any, per_member_batch: bool) -> None:
+        del size, batch, per_member_batch
+
+    def shard(self, tree: PyTree[Any]) -> Any:
+        return tree
+
+    def follow_model(self, tree: PyTree[Any], ens: Any) -> PyTree[Any]:
+        del ens
+        return tree
+
+    def constrain(
+        self, tree: PyTree[Any], axes: Sequence[str | None], *, weights: bool = False
+    ) -> Any:
+        del axes, weights
+        return tree
+
+    def replicate(self, tree: PyTree[Any]) -> Any:
+        return tree
+
+    def gather_batch(self, data: PyTree[Any], indices: Array) -> Any:
+        return gather(data, indices)
+
+    def on_mesh(self, tree: PyTree[Any]) -> Any:
+        return tree
+
+    def model_placement(self, state: Any) -> Any:
+        del state
+
+    def tree_placement(self, tree: PyTree[Any]) -> Any:
+        del tree
+
+    def pin(self, tree: PyTree[Any], placement: Any) -> Any:
+        del placement
+        return tree
+
+    def place_state(
+        self, state: Any, *, inside_jit: bool = False, in_loop: bool = False,
+        placement: Any = None,
+    ) -> Any:  # fmt: skip
+        del inside_jit, in_loop, placement
+        return state
+
+    def sharded_update(
+        self, vmapped: Callable[..., Any], per_member_batch: bool
+    ) -> Callable[..., Any]:
+        del per_member_batch
+        return vmapped
+
+
+SINGLE_DEVICE = SingleDevice()
+
+
+@dataclasses.dataclass(frozen=True)
+class OnMesh(SingleDevice):
+    """A run on `mesh`: members split over its `"members"` axis, batches over
+    `"data"`, weights that `ee.shard` split over `"model"` kept so."""
+
+    mesh: Mesh  # pyright: ignore[reportIncompatibleVariableOverride]
+    sharded = True
+
+    @property
+    def members_devices(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return axis_size(self.mesh, MEMBERS)
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.size
+
+    @property
+    def local_devices(self) -> int:
+        index = jax.process_index()
+        return sum(d.process_index == index for d in self.mesh.devices.flat)
+
+    @property
+    def platform(self) -> str:
+        return self.mesh.devices.flat[0].platform
+
+    def to_host(self, value: Any) -> np.ndarray:
+        return jax.device_get(value)
+
+    def context(self) -> Any:
+        return jax.set_mesh(self.mesh)
+
+    def check_fit(self, size: int, batch_size: int) -> None:
+        check_fit_mesh(self.mesh, size, batch_size)
+
+    def check_step(self, size: int, batch: Any, per_member_batch: bool) -> None:
+        check_step_mesh(self.mesh, size, batch, per_member_batch)
+
+    def shard(self, tree: PyTree[Any]) -> Any:
+        return shard(tree, self.mesh)
+
+    def follow_model(self, tree: PyTree[Any], ens: Any) -> PyTree[Any]:
+        """`tree` (an optimizer state, a tracker's state: leaves shaped like
+        an ensemble's weights) placed so that each leaf matching a weight of
+        `ens` by path suffix and shape keeps that weight's `"model"` split
+        (outside `jit`)."""
+        return _follow_model(tree, ens, self.mesh)
+
+    def constrain(
+        self, tree: PyTree[Any], axes: Sequence[str | None], *, weights: bool = False
+    ) -> Any:
+        """Pin the sharding of every array leaf of `tree` (inside or outside
+        `jit`). `weights=True` (weights and the states that follow them) on a
+        mesh with a `"model"` axis: pin only the leading axes and keep the rest
+        of each leaf's placement (Auto: those axes left to the compiler, which
+        propagates the inputs' split; Explicit: carried over from the leaf's
+        type)."""
+        mesh = self.mesh
+        sharding = NamedSharding(mesh, partition_spec(mesh, axes))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        explicit = is_explicit(mesh)
+        inner = weights and MODEL in mesh.axis_names
+
+        def pin(leaf, split):
+            if not eqx.is_array(leaf):
+                return leaf
+            target = sharding if split else replicated
+            if inner:
+                target = _keep_inner_target(leaf, mesh, axes if split else (), explicit)
+            if explicit:
+                return jax.sharding.reshard(leaf, target)
+            return jax.lax.with_sharding_constraint(leaf, target)
+
+        return jax.tree.map(pin, tree, per_member_flags(tree, axes))
+
+    def replicate(self, tree: PyTree[Any]) -> Any:
+        """Every array leaf replicated over the mesh (inside `jit`)."""
+        return self.constrain(tree, ())
+
+    def gather_batch(self, data: PyTree[Any], indices: Array) -> Any:
+        """`gather(data, indices)` with the batch split over the mesh: the
+        example axis over `"data"`, and a leading member axis of per-member
+        indices over `"members"`. Each device gathers only its own part."""
+        axes = (MEMBERS, DATA) if indices.ndim == 2 else (DATA,)
+        indices = self.constrain(indices, axes)
+        if is_explicit(self.mesh):
+            sharding = NamedSharding(self.mesh, partition_spec(self.mesh, axes))
+            return jax.tree.map(
+                lambda x: (
+                    x.at[indices].get(out_sharding=sharding) if eqx.is_array(x) else x
+                ),
+                data,
+            )
+        return self.constrain(gather(data, indices), axes)
+
+    def on_mesh(self, tree: PyTree[Any]) -> Any:
+        """Leaves already placed on the mesh stay as they are; the others are
+        replicated on it (outside `jit`)."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def put(leaf):
+            if not eqx.is_array(leaf):
+                return leaf
+            sharding = getattr(leaf, "sharding", None)
+            if isinstance(sharding, NamedSharding) and sharding.mesh == self.mesh:
+                return leaf
+            return place_leaf(leaf, replicated, False)
+
+        return jax.tree.map(put, tree)
+
+    def model_placement(self, state: Any) -> Any:
+        """With a `"model"` axis, the shardings of every array leaf of a
+        training state's weight fields (those whose metadata says
+        `"stacked"`: the ensemble and what follows its weights), read outside
+        `jit`, as a hashable record `((path, sharding), ...)` for `place_state`
+        to pin them exactly inside `jit`; `None` otherwise."""
+        if MODEL not in self.mesh.axis_names:
+            return None
+        placed = []
+        for field in dataclasses.fields(state):
+            if field.metadata.get("member_axis") != "stacked":
+                continue
+            value = getattr(state, field.name)
+            for path, leaf in jtu.tree_flatten_with_path(value)[0]:
+                sharding = getattr(leaf, "sharding", None)
+                if eqx.is_array(leaf) and isinstance(sharding, NamedSharding):
+                    key = (jtu.GetAttrKey(field.name), *path)
+                    placed.append((key, sharding))
+        return tuple(placed) or None
+
+    def tree_placement(self, tree: PyTree[Any]) -> Any:
+        """With a `"model"` axis, the shardings of every placed array leaf of
+        `tree` (outside `jit`), as `model_placement` records them."""
+        if MODEL not in self.mesh.axis_names:
+            return None
+        placed = tuple(
+            (tuple(path), leaf.sharding)
+            for path, leaf in jtu.tree_flatten_with_path(tree)[0]
+            if eqx.is_array(leaf)
+            and not is_traced(leaf)
+            and isinstance(getattr(leaf, "sharding", None), NamedSharding)
+        )
+        return placed or None
+
+    def pin(self, tree: PyTree[Any], placement: Any) -> Any:
+        """Inside `jit`: `tree`'s leaves recorded in `placement` pinned there."""
+        if placement is None:
+            return tree
+        table, explicit = dict(placement), is_explicit(self.mesh)
+
+        def pin(path, leaf):
+            sharding = table.get(tuple(path))
+            if sharding is None or not eqx.is_array(leaf):
+                return leaf
+            if explicit:
+                return jax.sharding.reshard(leaf, sharding)
+            return jax.lax.with_sharding_constraint(leaf, sharding)
+
+        return jtu.tree_map_with_path(pin, tree)
+
+    def place_state(
+        self, state: Any, *, inside_jit: bool = False, in_loop: bool = False,
+        placement: Any = None,
+    ) -> Any:  # fmt: skip
+        """A training state (a dataclass such as `fit`'s `TrainState`) on the
+        mesh. Each field declares its member axis in its metadata
+        (`"member_axis"`): `"stacked"` fields are split over `"members"`;
+        `"bookkeeping"` fields (small per-member arrays) are split over
+        `"members"` inside the compiled loop (`in_loop=True`, so that a step
+        needs no collective) and replicated outside it (readable from every
+        process); other fields are replicated. Inside `jit`, `placement` (from
+        `model_placement` of the state outside it) pins the leaves split over
+        `"model"` exactly where they were."""
+        changes = {}
+        for field in dataclasses.fields(state):
+            kind = field.metadata.get("member_axis")
+            per_member = kind == "stacked" or (in_loop and kind == "bookkeeping")
+            axes = (MEMBERS,) if per_member else ()
+            value = getattr(state, field.name)
+            weights = kind == "stacked"
+            if inside_jit:
+                changes[field.name] = self.constrain(value, axes, weights=weights)
+            else:
+                if weights and field.name != "ensemble":
+                    value = _follow_model(
+                        value, getattr(state, "ensemble", None), self.mesh
+                    )
+                changes[field.name] = shard(value, self.mesh, axes=axes)
+        state = dataclasses.replace(state, **changes)
+        return self.pin(state, placement) if inside_jit else state
+
+    def sharded_update(
+        self, vmapped: Callable[..., Any], per_member_batch: bool
+    ) -> Callable[..., Any]:
+        """Wrap the member-vmapped update `(members, opt_state, batch, keys,
+        state, frozen, hyper) -> (members, opt_state, losses, aux, state,
+        diverged)` so that every member-mapped input and output is split over
+        `"members"` and the batch over `"data"` (Explicit meshes need every
+        mapped input of a `vmap` sharded alike; Auto meshes get the placement
+        pinned instead of guessed)."""
+        batch_axes = (MEMBERS, DATA) if per_member_batch else (DATA,)
+
+        def update(members, opt_state, batch, keys, state, frozen, hyper):
+            members, opt_state, keys, state, frozen, hyper = self.constrain(
+                (members, opt_state, keys, state, frozen, hyper),
+                (MEMBERS,),
+                weights=True,
+            )
+            batch = self.constrain(batch, batch_axes)
+            outputs = vmapped(members, opt_state, batch, keys, state, frozen, hyper)
+            return self.constrain(outputs, (MEMBERS,), weights=True)
+
+        return update
+
+
+Placement = SingleDevice  # (`OnMesh` is one too)
+
+
+def placement_of(mesh: Mesh | None) -> SingleDevice:
+    """`SINGLE_DEVICE` without a mesh, else `OnMesh(mesh)`."""
+    return SINGLE_DEVICE if mesh is None else OnMesh(mesh)
+
+
+def _follow_model(tree: PyTree[Any], ens: Any, mesh: Mesh) -> PyTree[Any]:
     """`tree` (an optimizer state, a tracker's state: leaves shaped like an
     ensemble's weights) placed so that each leaf matching a weight of `ens` by
     path suffix and shape keeps that weight's `"model"` split (outside `jit`).
     Unchanged without a `"model"` axis or with no split weight."""
-    if mesh is None or MODEL not in mesh.axis_names or not hasattr(ens, "shared"):
+    if MODEL not in mesh.axis_names or not hasattr(ens, "shared"):
         return tree
     table = _model_table(ens, mesh)
     if table is None:
@@ -134,42 +448,6 @@ def _lookup(
     return None
 
 
-# ---------------------------------------------------------------------------
-# Inside compiled code (private: used by `fit` and `make_step`).
-
-
-def constrain(
-    tree: PyTree[Any],
-    mesh: Mesh | None,
-    axes: Sequence[str | None],
-    *,
-    weights: bool = False,
-) -> Any:
-    """Pin the sharding of every array leaf of `tree` (inside or outside `jit`).
-    `weights=True` (weights and the states that follow them) on a mesh with a
-    `"model"` axis: pin only the leading axes and keep the rest of each leaf's
-    placement (Auto: those axes left to the compiler, which propagates the
-    inputs' split; Explicit: carried over from the leaf's type)."""
-    if mesh is None:
-        return tree
-    sharding = NamedSharding(mesh, partition_spec(mesh, axes))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    explicit = is_explicit(mesh)
-    inner = weights and MODEL in mesh.axis_names
-
-    def pin(leaf, split):
-        if not eqx.is_array(leaf):
-            return leaf
-        target = sharding if split else replicated
-        if inner:
-            target = _keep_inner_target(leaf, mesh, axes if split else (), explicit)
-        if explicit:
-            return jax.sharding.reshard(leaf, target)
-        return jax.lax.with_sharding_constraint(leaf, target)
-
-    return jax.tree.map(pin, tree, per_member_flags(tree, axes))
-
-
 def _keep_inner_target(
     leaf: Any, mesh: Mesh, axes: Sequence[str | None], explicit: bool
 ) -> NamedSharding:
@@ -182,91 +460,6 @@ def _keep_inner_target(
     else:
         entries = leading + [PartitionSpec.UNCONSTRAINED] * rest
     return NamedSharding(mesh, PartitionSpec(*entries))
-
-
-def replicate(tree: PyTree[Any], mesh: Mesh | None) -> Any:
-    """Every array leaf replicated over the mesh (inside `jit`)."""
-    return constrain(tree, mesh, ())
-
-
-def gather_batch(data: PyTree[Any], indices: Array, mesh: Mesh | None) -> Any:
-    """`gather(data, indices)` with the batch split over the mesh: the example axis
-    over `"data"`, and a leading member axis of per-member indices over
-    `"members"`. Each device gathers only its own part of the batch."""
-    if mesh is None:
-        return gather(data, indices)
-    axes = (MEMBERS, DATA) if indices.ndim == 2 else (DATA,)
-    indices = constrain(indices, mesh, axes)
-    if is_explicit(mesh):
-        sharding = NamedSharding(mesh, partition_spec(mesh, axes))
-        return jax.tree.map(
-            lambda x: (
-                x.at[indices].get(out_sharding=sharding) if eqx.is_array(x) else x
-            ),
-            data,
-        )
-    return constrain(gather(data, indices), mesh, axes)
-
-
-def on_mesh(tree: PyTree[Any], mesh: Mesh | None) -> Any:
-    """Leaves already placed on `mesh` stay as they are; the others are replicated
-    on it (outside `jit`)."""
-    if mesh is None:
-        return tree
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def put(leaf):
-        if not eqx.is_array(leaf):
-            return leaf
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
-            return leaf
-        return place_leaf(leaf, replicated, False)
-
-    return jax.tree.map(put, tree)
-
-
-def model_placement(state: Any, mesh: Mesh | None) -> Any:
-    """On a mesh with a `"model"` axis, the shardings of every array leaf of a
-    training state's weight fields (those whose metadata says `"stacked"`:
-    the ensemble and what follows its weights), read outside `jit`, as a
-    hashable record `((path, sharding), ...)` for `place_state` to pin them
-    exactly inside `jit`; `None` otherwise."""
-    if mesh is None or MODEL not in mesh.axis_names:
-        return None
-    placed = []
-    for field in dataclasses.fields(state):
-        if field.metadata.get("member_axis") != "stacked":
-            continue
-        value = getattr(state, field.name)
-        for path, leaf in jtu.tree_flatten_with_path(value)[0]:
-            sharding = getattr(leaf, "sharding", None)
-            if eqx.is_array(leaf) and isinstance(sharding, NamedSharding):
-                key = (jtu.GetAttrKey(field.name), *path)
-                placed.append((key, sharding))
-    return tuple(placed) or None
-
-
-def tree_placement(tree: PyTree[Any], mesh: Mesh | None) -> Any:
-    """On a mesh with a `"model"` axis, the shardings of every placed array leaf
-    of `tree` (outside `jit`), as `model_placement` records them; else `None`."""
-    if mesh is None or MODEL not in mesh.axis_names:
-        return None
-    placed = tuple(
-        (tuple(path), leaf.sharding)
-        for path, leaf in jtu.tree_flatten_with_path(tree)[0]
-        if eqx.is_array(leaf)
-        and not is_traced(leaf)
-        and isinstance(getattr(leaf, "sharding", None), NamedSharding)
-    )
-    return placed or None
-
-
-def pin_placement(tree: PyTree[Any], placement: Any, mesh: Mesh | None) -> Any:
-    """Inside `jit`: `tree`'s leaves recorded in `placement` pinned there."""
-    if placement is None or mesh is None:
-        return tree
-    return _pin_placement(tree, placement, mesh)
 
 
 def restore_placement(tree: PyTree[Any], placement: Any) -> Any:
@@ -283,81 +476,3 @@ def restore_placement(tree: PyTree[Any], placement: Any) -> Any:
         return place_leaf(leaf, sharding, False)
 
     return jtu.tree_map_with_path(put, tree)
-
-
-def _pin_placement(tree: PyTree[Any], placement: Any, mesh: Mesh) -> Any:
-    table = dict(placement)
-    explicit = is_explicit(mesh)
-
-    def pin(path, leaf):
-        sharding = table.get(tuple(path))
-        if sharding is None or not eqx.is_array(leaf):
-            return leaf
-        if explicit:
-            return jax.sharding.reshard(leaf, sharding)
-        return jax.lax.with_sharding_constraint(leaf, sharding)
-
-    return jtu.tree_map_with_path(pin, tree)
-
-
-def place_state(
-    state: Any,
-    mesh: Mesh | None,
-    *,
-    inside_jit: bool = False,
-    in_loop: bool = False,
-    placement: Any = None,
-) -> Any:
-    """A training state (a dataclass such as `fit`'s `TrainState`) on `mesh`. Each
-    field declares its member axis in its metadata (`"member_axis"`):
-    `"stacked"` fields are split over `"members"`; `"bookkeeping"` fields (small
-    per-member arrays) are split over `"members"` inside the compiled loop
-    (`in_loop=True`, so that a step needs no collective) and replicated outside
-    it (readable from every process); other fields are replicated. Inside
-    `jit`, `placement` (from `model_placement` of the state outside it) pins
-    the leaves split over `"model"` exactly where they were."""
-    if mesh is None:
-        return state
-    changes = {}
-    for field in dataclasses.fields(state):
-        kind = field.metadata.get("member_axis")
-        per_member = kind == "stacked" or (in_loop and kind == "bookkeeping")
-        axes = (MEMBERS,) if per_member else ()
-        value = getattr(state, field.name)
-        weights = kind == "stacked"
-        if inside_jit:
-            changes[field.name] = constrain(value, mesh, axes, weights=weights)
-        else:
-            if weights and field.name != "ensemble":
-                value = follow_model(value, getattr(state, "ensemble", None), mesh)
-            changes[field.name] = shard(value, mesh, axes=axes)
-    state = dataclasses.replace(state, **changes)
-    if inside_jit and placement is not None:
-        state = _pin_placement(state, placement, mesh)
-    return state
-
-
-def sharded_update(
-    vmapped: Callable[..., Any], mesh: Mesh | None, per_member_batch: bool
-) -> Callable[..., Any]:
-    """Wrap the member-vmapped update `(members, opt_state, batch, keys, state,
-    frozen, hyper) -> (members, opt_state, losses, aux, state, diverged)` so that,
-    on a mesh, every member-mapped input and output is split over `"members"` and
-    the batch over `"data"` (Explicit meshes need every mapped input of a `vmap`
-    sharded alike; Auto meshes get the placement pinned instead of guessed)."""
-    if mesh is None:
-        return vmapped
-    batch_axes = (MEMBERS, DATA) if per_member_batch else (DATA,)
-
-    def update(members, opt_state, batch, keys, state, frozen, hyper):
-        members, opt_state, keys, state, frozen, hyper = constrain(
-            (members, opt_state, keys, state, frozen, hyper),
-            mesh,
-            (MEMBERS,),
-            weights=True,
-        )
-        batch = constrain(batch, mesh, batch_axes)
-        outputs = vmapped(members, opt_state, batch, keys, state, frozen, hyper)
-        return constrain(outputs, mesh, (MEMBERS,), weights=True)
-
-    return update

@@ -9,21 +9,18 @@ import equinox as eqx
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import Heterogeneous, groups_of, is_heterogeneous
 from .._execution.compile import (
     Options,
-    platform_of,
 )
 from .._execution.execution import Execution
 from .._execution.intern import canonical_tree
 from .._execution.layout import (
     check_member_chunk,
 )
-from .._execution.placement import check_fit_mesh, members_devices
 from .._execution.plan import Plan, owner_table, plan_step
 from .._execution.profile import signature
 from .._internal.checks import MAX_INT32, check_positive_int
@@ -55,7 +52,7 @@ from .loss import (
 from .optim import (
     schedule_problem,
 )
-from .placement import model_placement, on_mesh, place_state, restore_placement
+from .placement import Placement, placement_of, restore_placement
 from .record import (
     RunRecord,
     hyperparams_record,
@@ -128,13 +125,13 @@ def prepare(
             with_eval=evaluate is not None, key=key, controlled=stateful(components),
         )  # fmt: skip
     train_state, keys = started
-    mesh = execution.mesh
+    placement = placement_of(execution.mesh)
     record = None if checkpoints is None else run_record(
         ens, optimizer, opt_state, train_state, source, sampling, batch_size, key,
         evaluate, track, hyper,
     )  # fmt: skip
     train_state, history, saved_data = _resumed(
-        checkpoints, train_state, record, steps, mesh, size
+        checkpoints, train_state, record, steps, placement, size
     )
     # A run not resumed starts at step 0 (`initial_state`): no host read, which
     # would wait for the start state's program before the dispatch is queued.
@@ -143,19 +140,19 @@ def prepare(
         source = StreamSource(data, sampling, batch_size, size, done, saved_data)
         plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)
     else:
-        source.start(keys.data, keys.bootstrap, mesh)
+        source.start(keys.data, keys.bootstrap, placement)
     assert plan is not None
-    train_state = place_state(train_state, mesh)
+    train_state = placement.place_state(train_state)
     chunk = Chunk(
         loss_fn=loss_fn, optimizer=optimizer, sampling=sampling, evaluate=evaluate,
         track=track, batches=source.batches() if source.kind == "arrays" else None,
         train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=size,
-        length=plan.length, mesh=mesh, unrolled=plan.unroll, layout=plan.layout,
-        check=plan.check, counted=plan.counted, member_chunk=plan.member_chunk,
-        placement=model_placement(train_state, mesh),
+        length=plan.length, placement=placement, unrolled=plan.unroll,
+        layout=plan.layout, check=plan.check, counted=plan.counted,
+        member_chunk=plan.member_chunk, pinned=placement.model_placement(train_state),
     )  # fmt: skip
     run = Run(
-        chunk=on_mesh(chunk, mesh), options=plan.compiler_options,
+        chunk=placement.on_mesh(chunk), options=plan.compiler_options,
         train_state=train_state, recorder=Recorder(size, history), steps=steps,
         source=source, callbacks=components, track=track, record=record,
         sampling=sampling, key=key, guard=execution.guard,
@@ -230,7 +227,7 @@ def _fresh_start(
     model states) are JAX arrays on no device of their own (so that the
     dispatch sees what the start program gave it: no other program), and a
     fresh optimizer state reads no weight."""
-    if not run.guard_strategy.deferred or run.chunk.mesh is not None:
+    if not run.guard_strategy.deferred or run.chunk.placement.sharded:
         return None
     for leaf in jax.tree.leaves(inputs):
         if eqx.is_array(leaf) and not (
@@ -281,10 +278,10 @@ def _plan(
     members and the batch first)."""
     if source is None:
         return None
-    if execution.mesh is not None:
-        check_fit_mesh(execution.mesh, size, source.batch_size)
+    placement = placement_of(execution.mesh)
+    placement.check_fit(size, source.batch_size)
     return plan_fit(
-        execution, loss_fn, ens, size, source, state, hyper, execution.mesh, steps
+        execution, loss_fn, ens, size, source, state, hyper, placement, steps
     )
 
 
@@ -336,7 +333,7 @@ def _resumed(
     train_state: TrainState,
     record: RunRecord | None,
     steps: int,
-    mesh: Mesh | None,
+    placement: Placement,
     size: int,
 ) -> tuple[TrainState, Any, Any]:
     """The newest checkpoint's `(train_state, history, data position)`, or the
@@ -345,10 +342,11 @@ def _resumed(
         return train_state, None, None
     checkpoints.prepare()
     template = train_state
-    if mesh is not None and checkpoints.has_checkpoints():
-        # Loaded straight onto the mesh: from a sharded checkpoint, each
+    if checkpoints.has_checkpoints():
+        # Loaded straight onto a mesh: from a sharded checkpoint, each
         # process reads only the shards its devices hold.
-        template = place_state(train_state, check_fit_mesh(mesh, size, 0))
+        placement.check_fit(size, 0)
+        template = placement.place_state(train_state)
     resumed = checkpoints.resume(template, record, steps)
     return (train_state, None, None) if resumed is None else resumed
 
@@ -394,14 +392,14 @@ def plan_fit(
     source: DataSource,
     state: PyTree[Any],
     hyper: PyTree[Any],
-    mesh: Mesh | None,
+    placement: Placement,
     steps: int,
 ) -> Plan:
     """`execution`'s choices, with the library's where it leaves them open
-    (`_execution.plan`), looked up per loss, execution, input structure, mesh
+    (`_execution.plan`), looked up per loss, execution, input structure, placement
     and run length class."""
     if execution.member_chunk is not None:
-        check_member_chunk(execution.member_chunk, size, members_devices(mesh))
+        check_member_chunk(execution.member_chunk, size, placement.members_devices)
         check_chunkable(loss_fn, ens)
     try:
         structure: Any = (
@@ -418,7 +416,7 @@ def plan_fit(
         members=ens.members,
         examples=source.batch_size,
         size=size,
-        mesh=mesh,
+        placement=placement,
         steps=steps,
         pads_on_host=source.pads_on_host,
         groupable=independent_members(loss_fn, ens),
@@ -432,7 +430,7 @@ def _skips_conditional(chunk: Chunk) -> bool:
     run bitwise equal to an uninterrupted one (two programs may round one step
     differently, by an ulp). On a GPU a conditional waits for its predicate on the
     host (a measurable share of a small step)."""
-    return platform_of(chunk.mesh) != "cpu"
+    return chunk.placement.platform != "cpu"
 
 
 @dataclasses.dataclass
@@ -485,11 +483,7 @@ class Run:
         if self.guard_strategy.deferred:
             self.chunk = dataclasses.replace(self.chunk, check="deferred")
         self._kept: Any = None  # what the guard keeps of a dispatch's start
-        # (`np.asarray` of a CPU array is no transfer, so no transfer guard
-        # applies; elsewhere `jax.device_get`, an explicit transfer that
-        # `jax.transfer_guard("disallow")` allows.)
-        cpu = chunk.mesh is None and jax.default_backend() == "cpu"
-        self.to_host = np.asarray if cpu else jax.device_get
+        self.to_host = chunk.placement.to_host
 
     def run(self) -> FitResult:
         """Drive the run to its last step: one dispatch, then the host's work
@@ -595,7 +589,7 @@ class Run:
             self.fail(TypeError, problem)
         # Host-side edits (PBT's copies) may move leaves; put a "model"-split
         # state back where it was.
-        new_state = restore_placement(new_state, self.chunk.placement)
+        new_state = restore_placement(new_state, self.chunk.pinned)
         states = list(self.train_state.controlled)
         if callback.checkpointed:
             states[self.slot(callback)] = own
@@ -647,7 +641,7 @@ class Run:
         """The data for the dispatch that starts at `start`, and how many steps
         it holds."""
         count = self.dispatch_end(start) - start
-        real = self.source.next_group(count, self.chunk.length, self.chunk.mesh)
+        real = self.source.next_group(count, self.chunk.length, self.chunk.placement)
         return (self.source.batches() if real else None), real
 
     def dispatch(self, batches: Batches | None, end: int) -> Any:

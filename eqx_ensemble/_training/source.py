@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from .._core.data import num_examples
@@ -25,7 +24,7 @@ from .._execution.placement import DATA, MEMBERS
 from .._execution.profile import example_structs, first_member, signature
 from .._internal.checks import check_positive_int
 from .epochs import EpochIterator, Epochs
-from .placement import constrain, gather_batch, on_mesh
+from .placement import Placement
 from .sampling import MAX_INDICES, Bootstrap, Sampling
 from .stream import BatchGroups, batch_digest, example_count, open_stream
 
@@ -45,7 +44,7 @@ class Batches(abc.ABC):
         self,
         first_step: Int[Array, ""],
         length: int,
-        mesh: Mesh | None,
+        placement: Placement,
         count: Int[Array, ""] | None = None,
     ) -> Callable[[Int[Array, ""], Any], PyTree[Any]]:
         """`batch(step, scanned_slice)` for the steps of a dispatch that starts at
@@ -69,9 +68,9 @@ class SampledBatches(Batches):
     def scanned(self) -> PyTree[Any]:
         return None
 
-    def maker(self, first_step, length, mesh, count=None):
+    def maker(self, first_step, length, placement, count=None):
         indices_of = self.indices_maker(first_step, length, count)
-        return lambda step, _: gather_batch(self.data, indices_of(step), mesh)
+        return lambda step, _: placement.gather_batch(self.data, indices_of(step))
 
     def draw(
         self, first_step: Int[Array, ""], length: int, count: Int[Array, ""]
@@ -123,9 +122,9 @@ class IndexedBatches(Batches):
     def scanned(self) -> PyTree[Any]:
         return self.indices
 
-    def maker(self, first_step, length, mesh, count=None):
+    def maker(self, first_step, length, placement, count=None):
         del first_step, length, count
-        return lambda step, indices: gather_batch(self.data, indices, mesh)
+        return lambda step, indices: placement.gather_batch(self.data, indices)
 
 
 @jax.tree_util.register_dataclass
@@ -139,10 +138,10 @@ class StreamedBatches(Batches):
     def scanned(self) -> PyTree[Any]:
         return self.group
 
-    def maker(self, first_step, length, mesh, count=None):
+    def maker(self, first_step, length, placement, count=None):
         del first_step, length, count
         axes = (MEMBERS, DATA) if self.per_member else (DATA,)
-        return lambda step, batch: constrain(batch, mesh, axes)
+        return lambda step, batch: placement.constrain(batch, axes)
 
 
 class DataSource(abc.ABC):
@@ -167,7 +166,7 @@ class DataSource(abc.ABC):
         return signature(self.member_batch())
 
     @abc.abstractmethod
-    def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
+    def next_group(self, count: int, length: int, placement: Placement) -> int:
         """Read the next `count` steps' batches (padded to `length`), placed on
         the devices; returns how many steps they hold (fewer: the data ends)."""
 
@@ -223,8 +222,8 @@ class ArraySource(DataSource):
             tuple((leaf.shape[1:], leaf.dtype) for leaf in leaves),
         )
 
-    def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
-        del length, mesh
+    def next_group(self, count: int, length: int, placement: Placement) -> int:
+        del length, placement
         return count
 
     def batches(self) -> Batches:
@@ -232,10 +231,10 @@ class ArraySource(DataSource):
         return self._batches
 
     def start(
-        self, data_key: PRNGKeyArray, bootstrap_key: PRNGKeyArray, mesh: Mesh | None
+        self, data_key: PRNGKeyArray, bootstrap_key: PRNGKeyArray, placement: Placement
     ) -> None:
         """The run's sampling from its keys (`fit`'s documented derivation), the
-        arrays put on `mesh`; once, before the first dispatch."""
+        arrays put where `placement` says; once, before the first dispatch."""
         batches = SampledBatches(
             data=self.data,
             sampling=self.sampling,
@@ -245,7 +244,7 @@ class ArraySource(DataSource):
             batch_size=self.batch_size,
             size=self.size,
         )
-        self._batches = on_mesh(batches, mesh)
+        self._batches = placement.on_mesh(batches)
 
 
 # A stream's group is cut short once reading it has taken this long, so that a
@@ -345,11 +344,11 @@ class StreamSource(DataSource):
             "stream_state": groups.group_state,
         }
 
-    def next_group(self, count: int, length: int, mesh: Mesh | None) -> int:
+    def next_group(self, count: int, length: int, placement: Placement) -> int:
         group, real = self._groups.next_group(count, length, READ_SECONDS)
         self._batches = None
         if group is not None:
-            group = on_mesh(jax.device_put(group), mesh)
+            group = placement.on_mesh(jax.device_put(group))
             self._batches = StreamedBatches(group, self.per_member)
         return real
 

@@ -38,7 +38,6 @@ from .._execution.guard import FiniteCheck
 from .._execution.intern import canonical_tree
 from .._execution.layout import Layout, member_map
 from .._execution.lift import lifts
-from .._execution.placement import check_step_mesh, members_devices, mesh_context
 from .._execution.plan import Plan, plan_step
 from .._execution.profile import StepProfile, first_member, profile_jaxpr, signature
 from .._internal.keys import optimizer_key
@@ -57,7 +56,7 @@ from .loss import (
     profile_step,
 )
 from .optim import SharedOptState, optimizer_update, trainable
-from .placement import pin_placement, replicate, sharded_update, tree_placement
+from .placement import SINGLE_DEVICE, Placement, placement_of
 
 
 class StepOutput(NamedTuple):
@@ -498,14 +497,14 @@ def vmapped_update(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     per_member_batch: bool,
-    mesh: Mesh | None = None,
+    placement: Placement = SINGLE_DEVICE,
     layout: Layout = "vmap",
     member_chunk: int | None = None,
     check: FiniteCheck = "per_leaf",
 ) -> Callable[..., Any]:
     """`(ens, opt_state, batch, keys, state, frozen, hyper) -> (ens, opt_state,
     losses, aux, state, diverged)`: `member_update` under `eqx.filter_vmap` over
-    the member axis (on `mesh`: members split over its `"members"` axis, the
+    the member axis (on a mesh: members split over its `"members"` axis, the
     batch over `"data"`), `member_chunk` members at a time if given, or member
     by member with `layout="sequential"` (see `_layout`), the finiteness
     check in the form `check` names (`_execution.guard`). A frozen shared part
@@ -523,7 +522,7 @@ def vmapped_update(
                         fn,
                         optimizer,
                         per_member_batch,
-                        mesh,
+                        placement,
                         layout,
                         member_chunk,
                         check,
@@ -538,11 +537,12 @@ def vmapped_update(
                 hyper,
             )  # fmt: skip
         return _plain_update(
-            loss_fn, optimizer, batch_axes, layout, member_chunk, mesh, check,
-            ens, opt_state, batch, keys, state, frozen, hyper,
+            loss_fn, optimizer, batch_axes, layout, member_chunk,
+            placement.members_devices, check, ens, opt_state, batch, keys, state,
+            frozen, hyper,
         )  # fmt: skip
 
-    return sharded_update(update, mesh, per_member_batch)
+    return placement.sharded_update(update, per_member_batch)
 
 
 def _plain_update(
@@ -551,7 +551,7 @@ def _plain_update(
     batch_axes: Any,
     layout: Layout,
     member_chunk: int | None,
-    mesh: Mesh | None,
+    members_devices: int,
     check: FiniteCheck,
     ens: Ensemble,
     opt_state: Any,
@@ -615,7 +615,7 @@ def _plain_update(
         layout,
         len(ens),
         member_chunk,
-        members_devices(mesh),
+        members_devices,
     )(ens.members, opt_state, batch, keys, state, frozen, hyper)
     return (with_members(ens, members), *rest)
 
@@ -704,13 +704,17 @@ class Step(eqx.Module):
     member_chunk: int | None = None
     # On a mesh with a "model" axis: where the call's weights and states lived
     # (set per call by `_placed`), so that the outputs are pinned there.
-    placement: Any = None
+    pinned: Any = None
+
+    @property
+    def placement(self) -> Placement:
+        return placement_of(self.mesh)
 
     def _placed(self, ens: Any, opt_state: Any, state: Any) -> "Step":
-        placement = tree_placement((ens, opt_state, state), self.mesh)
-        if placement is None or placement == self.placement:
+        pinned = self.placement.tree_placement((ens, opt_state, state))
+        if pinned is None or pinned == self.pinned:
             return self
-        return dataclasses.replace(self, placement=placement)
+        return dataclasses.replace(self, pinned=pinned)
 
     def __call__(
         self,
@@ -724,12 +728,10 @@ class Step(eqx.Module):
     ) -> StepOutput:
         # The plan (layout, XLA options, guard) is looked up per call by the
         # inputs' structure, and compiled with.
-        if self.mesh is None:
-            compiled = _compiled_step(self, self._plan(ens, batch, state, hyper))
-            return compiled(ens, opt_state, batch, key, state, hyper)
+        placement = self.placement
         step = self._placed(ens, opt_state, state)
         compiled = _compiled_step(step, step._plan(ens, batch, state, hyper))
-        with mesh_context(self.mesh):
+        with placement.context():
             return compiled(ens, opt_state, batch, key, state, hyper)
 
     def lower(
@@ -743,8 +745,8 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
-        step = self if self.mesh is None else self._placed(ens, opt_state, state)
-        with mesh_context(self.mesh):
+        step = self._placed(ens, opt_state, state)
+        with self.placement.context():
             compiled: Any = _compiled_step(step, step._plan(ens, batch, state, hyper))
             if isinstance(compiled, functools.partial):  # a step holding arrays
                 generic: Any = compiled.func
@@ -782,7 +784,7 @@ class Step(eqx.Module):
             members=ens.members,
             examples=_examples(batch, self.per_member_batch),
             size=len(ens),
-            mesh=self.mesh,
+            placement=self.placement,
             # Inside a trace of the user's own (a `jit`, a `scan` of steps)
             # the temporaries are taken once per call of that program, as in
             # `fit`'s loop: no automatic member chunks there.
@@ -889,15 +891,15 @@ def _step_impl(
     if step.per_member_batch:
         check_per_member_args((batch,), (0,), size)
     _check_not_empty(batch, step.per_member_batch)
-    if step.mesh is not None:
-        check_step_mesh(step.mesh, size, batch, step.per_member_batch)
+    placement = step.placement
+    placement.check_step(size, batch, step.per_member_batch)
     member_keys = jax.random.split(key, size)
     frozen = jnp.zeros((size,), dtype=bool)
     update = vmapped_update(
         step.loss_fn,
         step.optimizer,
         step.per_member_batch,
-        step.mesh,
+        placement,
         plan.layout,
         plan.member_chunk,
         plan.check,
@@ -905,9 +907,9 @@ def _step_impl(
     new_ens, new_opt_state, losses, aux, new_state, _ = update(
         ens, opt_state, batch, member_keys, state, frozen, hyper
     )
-    losses = replicate(losses, step.mesh)
-    new_ens, new_opt_state, new_state = pin_placement(
-        (new_ens, new_opt_state, new_state), step.placement, step.mesh
+    losses = placement.replicate(losses)
+    new_ens, new_opt_state, new_state = placement.pin(
+        (new_ens, new_opt_state, new_state), step.pinned
     )
     return StepOutput(new_ens, new_opt_state, losses, aux, new_state)
 
