@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PyTree
 
-from .._core.ensemble import member_axis_mask
-from .._core.heterogeneous import is_heterogeneous
+from .._core.ensemble import Ensemble, member_axis_mask
 from .._execution.compile import compiled_call
 from .._training.controller import Controller
 from .._training.history import History
@@ -193,7 +192,7 @@ class PBT(Controller):
         member takes its parent's weights, but EarlyStopping's per-member
         record (best score, evaluations without improvement) is its own, so the
         copy would be judged by the replaced member's history."""
-        if is_heterogeneous(ens):
+        if not isinstance(ens, Ensemble):  # (an `ee.Heterogeneous`)
             raise ValueError(
                 "`ee.PBT` copies one member's weights into another, which members "
                 "of different architectures cannot take: run PBT on each group of "

@@ -271,7 +271,10 @@ def per_group_values(
 
 
 def group_parts(
-    ens: Any, *values: Any, members: Sequence[Any] = ()
+    ens: Any,
+    *values: Any,
+    members: Sequence[Any] = (),
+    what: str = "A value held per group",
 ) -> list[tuple[Any, ...]]:
     """`(group, *group_values, *group_members)` for each of `ens`'s groups, to
     run a group's own code on (the caller runs it: the groups interface calls
@@ -282,7 +285,7 @@ def group_parts(
     at the groups' bounds."""
     if not isinstance(ens, Heterogeneous):
         return [(ens, *values, *members)]
-    held = [per_group_values(ens, value) for value in values]
+    held = [per_group_values(ens, value, what) for value in values]
     cut = [split_by_group(ens, tree) for tree in members]
     return list(zip(ens.groups, *held, *cut, strict=True))
 
@@ -295,6 +298,73 @@ def joined(
     joined by `join` (a tuple, one per group: how its optimizer and model
     states are held; `jnp.concatenate` for per-member arrays)."""
     return join(results) if isinstance(ens, Heterogeneous) else results[0]
+
+
+def regroup(like: Any, groups: Sequence[Any]) -> Any:
+    """`groups` (ensembles) held as `like` holds its own: an `ee.Heterogeneous`
+    of them, or a plain ensemble's one group as it is."""
+    return Heterogeneous(groups) if isinstance(like, Heterogeneous) else groups[0]
+
+
+def per_group_slices(
+    ens: Any, value: Any, cut: Callable[[Any, int, int], Any]
+) -> tuple[Any, ...]:
+    """`value`, given per member over all groups, as one entry per group: a
+    plain ensemble's `(value,)`; an `ee.Heterogeneous`'s `cut(value, start,
+    stop)` per group (its members' bounds)."""
+    if not isinstance(ens, Heterogeneous):
+        return (value,)
+    return tuple(cut(value, start, stop) for start, stop in ens.bounds)
+
+
+def labelled(ens: Any, value: Any) -> list[tuple[str, Any]]:
+    """`value`, held per group, as `(label, entry)` pairs: a plain ensemble's
+    `("", value)`; an `ee.Heterogeneous`'s `("[g]", value[g])` per group."""
+    if not isinstance(ens, Heterogeneous):
+        return [("", value)]
+    return [(f"[{index}]", entry) for index, entry in enumerate(value)]
+
+
+def check_group_run(
+    ens: Any, *, coupled: bool, mesh: bool, member_chunk: bool, where: str
+) -> None:
+    """What an `ee.Heterogeneous` does not (yet) train with, refused by name
+    before any work: an `ee.Coupled` loss, a mesh, member chunks."""
+    if not isinstance(ens, Heterogeneous):
+        return
+    if coupled:
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` takes a loss of ONE model; an "
+            "`ee.Coupled` loss (a function of the whole ensemble) needs every member "
+            "to have one structure"
+        )
+    if mesh:
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` does not yet run on a mesh "
+            "(`Execution(mesh=...)`); shard each group's run on its own, or leave "
+            "`mesh` out"
+        )
+    if member_chunk:
+        raise ValueError(
+            f"`{where}` of an `ee.Heterogeneous` does not yet take "
+            "`Execution(member_chunk=...)`; leave it out (each group is vectorised "
+            "on its own already)"
+        )
+
+
+def check_group_losses(ens: Any, losses: tuple[Any, ...]) -> None:
+    """A tuple of losses is one per group of an `ee.Heterogeneous`."""
+    if not isinstance(ens, Heterogeneous):
+        raise TypeError(
+            f"`loss_fn` is a tuple of {len(losses)}: a loss per group, which only "
+            "an `ee.Heterogeneous` takes; pass one loss function"
+        )
+    if len(losses) != len(ens.groups):
+        raise ValueError(
+            f"`loss_fn` is a tuple of {len(losses)} losses but the "
+            f"`ee.Heterogeneous` has {len(ens.groups)} groups: give one loss per "
+            "group, in the groups' order (or one loss for all)"
+        )
 
 
 def per_group(het: Heterogeneous, value: Any, what: str) -> tuple[Any, ...]:
@@ -316,8 +386,14 @@ def per_group(het: Heterogeneous, value: Any, what: str) -> tuple[Any, ...]:
     return value
 
 
-def check_group_states(het: Heterogeneous, state: Any, what: str) -> None:
-    """A model state per group, each with its group's member axis."""
+def check_group_states(het: Any, state: Any, what: str) -> None:
+    """A model state per group, each with its group's member axis (a plain
+    ensemble's: with its member axis; `None`: none)."""
+    if state is None:
+        return
+    if not isinstance(het, Heterogeneous):
+        check_leading(state, len(het), what)
+        return
     states = per_group(het, state, what)
     missing = [index for index, group_state in enumerate(states) if group_state is None]
     if state is not None and missing:

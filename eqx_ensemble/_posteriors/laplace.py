@@ -16,6 +16,7 @@ from jax.flatten_util import ravel_pytree
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble, with_members
+from .._core.heterogeneous import is_ensemble
 from .._internal.checks import check_choice, check_positive_int, first_non_finite
 from .._internal.keys import check_key
 from .._internal.search import golden_section
@@ -612,7 +613,7 @@ def laplace(
     ```
     """
     if not isinstance(ens, Ensemble):
-        if type(ens).__name__ == "Heterogeneous":
+        if is_ensemble(ens):  # an `ee.Heterogeneous`
             raise TypeError(
                 "`ee.laplace` takes one `ee.Ensemble` (one architecture: the "
                 "curvature is computed for all members at once); for an "

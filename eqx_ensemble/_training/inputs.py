@@ -5,8 +5,13 @@ from typing import Any
 
 import jax
 
-from .._core.data import check_leading
-from .._core.heterogeneous import check_group_states, is_ensemble, is_heterogeneous
+from .._core.ensemble import Ensemble
+from .._core.heterogeneous import (
+    check_group_losses,
+    check_group_run,
+    check_group_states,
+    is_ensemble,
+)
 from .._internal.keys import check_key
 from .checkpointer import Checkpointer
 from .coupled import Coupled
@@ -40,12 +45,13 @@ def check_inputs(
         )
     check_key(key)
     size = len(ens)
-    if is_heterogeneous(ens):
-        check_heterogeneous_run(loss_fn, runner, where)
-        if state is not None:
-            check_group_states(ens, state, "`state`")
-    elif state is not None:
-        check_leading(state, size, "`state`")
+    losses = loss_fn if isinstance(loss_fn, tuple) else (loss_fn,)
+    check_group_run(
+        ens, coupled=any(isinstance(fn, Coupled) for fn in losses),
+        mesh=getattr(runner, "mesh", None) is not None,
+        member_chunk=getattr(runner, "member_chunk", None) is not None, where=where,
+    )  # fmt: skip
+    check_group_states(ens, state, "`state`")
     if isinstance(loss_fn, Coupled) and state is not None:
         raise TypeError(
             "an `ee.Coupled` loss does not take a model state (`state=`): it is "
@@ -81,35 +87,10 @@ def independent_members(loss_fn: Any, ens: Any) -> bool:
     ensemble whose every array leaf is a member's (no shared part), and a
     loss that does not couple them."""
     return (
-        is_ensemble(ens)
-        and not is_heterogeneous(ens)
+        isinstance(ens, Ensemble)
         and not jax.tree.leaves(ens.shared)
         and not isinstance(loss_fn, Coupled)
     )
-
-
-def check_heterogeneous_run(loss_fn: Any, execution: Any, where: str) -> None:
-    """What a heterogeneous ensemble does not (yet) train with, refused by name
-    before any work: an `ee.Coupled` loss, a mesh, member chunks."""
-    losses = loss_fn if isinstance(loss_fn, tuple) else (loss_fn,)
-    if any(isinstance(fn, Coupled) for fn in losses):
-        raise ValueError(
-            f"`{where}` of an `ee.Heterogeneous` takes a loss of ONE model; an "
-            "`ee.Coupled` loss (a function of the whole ensemble) needs every member "
-            "to have one structure"
-        )
-    if getattr(execution, "mesh", None) is not None:
-        raise ValueError(
-            f"`{where}` of an `ee.Heterogeneous` does not yet run on a mesh "
-            "(`Execution(mesh=...)`); shard each group's run on its own, or leave "
-            "`mesh` out"
-        )
-    if getattr(execution, "member_chunk", None) is not None:
-        raise ValueError(
-            f"`{where}` of an `ee.Heterogeneous` does not yet take "
-            "`Execution(member_chunk=...)`; leave it out (each group is vectorised "
-            "on its own already)"
-        )
 
 
 def check_losses(loss_fn: LossFn, ens: Any, stateful: bool, with_hyper: bool) -> None:
@@ -118,17 +99,7 @@ def check_losses(loss_fn: LossFn, ens: Any, stateful: bool, with_hyper: bool) ->
     if not isinstance(loss_fn, tuple):
         check_loss_signature(loss_fn, stateful, with_hyper)
         return
-    if not is_heterogeneous(ens):
-        raise TypeError(
-            f"`loss_fn` is a tuple of {len(loss_fn)}: a loss per group, which only "
-            "an `ee.Heterogeneous` takes; pass one loss function"
-        )
-    if len(loss_fn) != len(ens.groups):
-        raise ValueError(
-            f"`loss_fn` is a tuple of {len(loss_fn)} losses but the "
-            f"`ee.Heterogeneous` has {len(ens.groups)} groups: give one loss per "
-            "group, in the groups' order (or one loss for all)"
-        )
+    check_group_losses(ens, loss_fn)
     for index, fn in enumerate(loss_fn):
         try:
             check_loss_signature(fn, stateful, with_hyper)

@@ -18,9 +18,11 @@ from .._core.ensemble import Ensemble, SharedOptState
 from .._core.heterogeneous import (
     Heterogeneous,
     group_parts,
-    is_heterogeneous,
+    groups_of,
+    is_ensemble,
     joined,
-    per_group,
+    labelled,
+    per_group_slices,
 )
 from .._execution.compile import compiled_call
 from .._execution.intern import canonical_tree
@@ -413,21 +415,21 @@ def init_optimizer(
     """
     if hyperparams is not None:
         check_hyperparams_mapping(hyperparams)
-    if is_heterogeneous(ens):
-        check_optimizer(optimizer)
-        return tuple(
-            init_optimizer(
-                optimizer,
-                group,
-                hyperparams=None
-                if not hyperparams
-                else _group_hyperparams(hyperparams, len(ens), start, stop),
-            )
-            for group, (start, stop) in zip(ens.groups, ens.bounds, strict=True)
-        )
-    if not isinstance(ens, Ensemble):
+    if not is_ensemble(ens):
         raise TypeError(f"expected an `ee.Ensemble`, got {type(ens).__name__}")
     check_optimizer(optimizer)
+    cut = functools.partial(_group_hyperparams, size=len(ens))
+    held = per_group_slices(ens, hyperparams or None, cut)
+    return joined(
+        ens,
+        [_init_group(optimizer, group, hp) for group, hp in zip(groups_of(ens), held)],
+    )
+
+
+def _init_group(
+    optimizer: optax.GradientTransformation, ens: Ensemble, hyperparams: Any
+) -> PyTree[Any]:
+    # `init_optimizer` of one group.
     size = len(ens)
     opt_state = _init_state(optimizer, trainable(ens.members), _trained_shared(ens))
     if hyperparams:
@@ -442,9 +444,11 @@ def init_optimizer(
 
 
 def _group_hyperparams(
-    hyperparams: Mapping[str, Any], size: int, start: int, stop: int
-) -> dict[str, Any]:
+    hyperparams: Mapping[str, Any] | None, start: int, stop: int, *, size: int
+) -> dict[str, Any] | None:
     # Per-member values over all groups, cut to one group's members.
+    if hyperparams is None:
+        return None
     out = {}
     for name, value in hyperparams.items():
         shape = np.shape(value)
@@ -604,17 +608,23 @@ def check_opt_state(
     ens: Ensemble | Heterogeneous,
     opt_state: Any,
 ) -> None:
-    """Raise a clear error if `opt_state` was not made for this ensemble."""
-    if is_heterogeneous(ens):
-        states = per_group(ens, opt_state, "The optimizer state")
-        for index, (group, group_state) in enumerate(
-            zip(ens.groups, states, strict=True)
-        ):
-            try:
-                check_opt_state(optimizer, group, group_state)
-            except (ValueError, TypeError) as error:
-                raise type(error)(f"group {index}: {error}") from None
-        return
+    """Raise a clear error if `opt_state` was not made for this ensemble (of
+    an `ee.Heterogeneous`: each group's, the error naming the group)."""
+    parts = group_parts(ens, opt_state, what="The optimizer state")
+    for (label, _), (group, group_state) in zip(
+        labelled(ens, parts), parts, strict=True
+    ):
+        try:
+            _check_group_state(optimizer, group, group_state)
+        except (ValueError, TypeError) as error:
+            if not label:
+                raise
+            raise type(error)(f"group {label[1:-1]}: {error}") from None
+
+
+def _check_group_state(
+    optimizer: optax.GradientTransformation, ens: Ensemble, opt_state: Any
+) -> None:
     size = len(ens)
     given_arrays = eqx.filter(opt_state, _is_array_or_struct)
     difference = first_difference(

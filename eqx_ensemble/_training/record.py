@@ -76,19 +76,10 @@ def start_record(trees: list[tuple[str, Any]]) -> dict[str, Any] | None:
     return record or None
 
 
-def hyperparams_record(
-    opt_state: PyTree[Any], groups: int | None = None
-) -> dict[str, Any] | None:
-    """The injected hyperparameters of an optimizer state, as `start_record`;
-    of an `ee.Heterogeneous`'s (a tuple of `groups` states), each group's under
-    its own prefix `[g]`."""
-    states = (
-        [("", opt_state)]
-        if groups is None
-        else [
-            (f"[{index}]", group_state) for index, group_state in enumerate(opt_state)
-        ]
-    )
+def hyperparams_record(states: list[tuple[str, Any]]) -> dict[str, Any] | None:
+    """The injected hyperparameters of an optimizer state, as `start_record`,
+    from its groups' states (`heterogeneous.labelled`: each group's under its
+    own prefix)."""
     return start_record(
         [
             (prefix, dict(node.hyperparams))

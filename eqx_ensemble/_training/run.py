@@ -12,7 +12,7 @@ import optax
 from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble
-from .._core.heterogeneous import Heterogeneous, groups_of, is_heterogeneous
+from .._core.heterogeneous import Heterogeneous, groups_of, labelled
 from .._execution.compile import (
     Options,
 )
@@ -376,9 +376,7 @@ def run_record(
         track=[repr(tracker) for tracker in track],
         hyperparams=None
         if opt_state is None
-        else hyperparams_record(
-            opt_state, len(ens.groups) if is_heterogeneous(ens) else None
-        ),
+        else hyperparams_record(labelled(ens, opt_state)),
         hyper=start_record([("", hyper)] if hyper is not None else []),
         optimizer=optimizer_record(optimizer, train_state.opt_state),
     )

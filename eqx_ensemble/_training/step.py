@@ -16,12 +16,13 @@ from .._core.ensemble import Ensemble, check_shared_shapes, with_members
 from .._core.groups import join_members
 from .._core.heterogeneous import (
     Heterogeneous,
+    check_group_losses,
+    group_parts,
     groups_of,
     is_ensemble,
-    is_heterogeneous,
-    per_group,
+    joined,
     per_group_values,
-    split_by_group,
+    regroup,
 )
 from .._core.mapping import check_per_member_args
 from .._execution.compile import (
@@ -515,38 +516,47 @@ def vmapped_update(
     batch_axes = eqx.if_array(0) if per_member_batch else None
 
     def update(ens, opt_state, batch, keys, state, frozen, hyper):
-        if is_heterogeneous(ens):
-            updates = (
-                [
-                    vmapped_update(
-                        fn,
-                        optimizer,
-                        per_member_batch,
-                        placement,
-                        layout,
-                        member_chunk,
-                        check,
-                    )
-                    for fn in loss_fn
-                ]
-                if isinstance(loss_fn, tuple)
-                else [update] * len(ens.groups)
-            )
-            return _update_groups(
-                updates, per_member_batch, ens, opt_state, batch, keys, state, frozen,
-                hyper,
+        # Every ensemble is a tuple of groups (a plain one: one group), each
+        # updated with its own loss, optimizer and model state on its slice
+        # of the per-member inputs.
+        if isinstance(loss_fn, tuple):
+            check_group_losses(ens, loss_fn)
+        per_member = (keys, frozen, hyper, batch if per_member_batch else None)
+        parts = group_parts(ens, opt_state, state, members=per_member)
+        outputs = [
+            _plain_update(
+                group_loss(loss_fn, index),
+                optimizer,
+                batch_axes,
+                layout,
+                member_chunk,
+                placement.members_devices,
+                check,
+                group,
+                group_opt,
+                group_batch if per_member_batch else batch,
+                group_keys,
+                group_state,
+                group_frozen,
+                group_hyper,
             )  # fmt: skip
-        return _plain_update(
-            loss_fn, optimizer, batch_axes, layout, member_chunk,
-            placement.members_devices, check, ens, opt_state, batch, keys, state,
-            frozen, hyper,
-        )  # fmt: skip
+            for index, (
+                group,
+                group_opt,
+                group_state,
+                group_keys,
+                group_frozen,
+                group_hyper,
+                group_batch,
+            ) in enumerate(parts)  # fmt: skip
+        ]
+        return joined(ens, outputs, functools.partial(_join_updates, ens, state))
 
     return placement.sharded_update(update, per_member_batch)
 
 
 def _plain_update(
-    loss_fn: LossFn,
+    loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     batch_axes: Any,
     layout: Layout,
@@ -565,11 +575,6 @@ def _plain_update(
     jointly, a trained shared part through `_coupled_update`, else every
     member's `member_update` mapped over the member axis."""
     member_axis = eqx.if_array(0)
-    if isinstance(loss_fn, tuple):
-        raise TypeError(
-            "`loss_fn` is a tuple (a loss per group), which only an "
-            "`ee.Heterogeneous` takes; pass one loss function"
-        )
     check_shared_shapes(ens)
     if member_chunk is not None:
         check_chunkable(loss_fn, ens)
@@ -620,40 +625,13 @@ def _plain_update(
     return (with_members(ens, members), *rest)
 
 
-def _update_groups(
-    updates: list[Callable[..., Any]],
-    per_member_batch: bool,
-    het: Heterogeneous,
-    opt_state: Any,
-    batch: PyTree[Any],
-    keys: Any,
-    state: Any,
-    frozen: Any,
-    hyper: Any,
-) -> tuple:
-    """The update of a heterogeneous ensemble: each group updated (by its own
-    `updates` entry: its loss) on its own slice of the per-member inputs (keys,
-    frozen flags, `hyper`, a per-member batch) with its own optimizer and model
-    state; per-member outputs joined along the member axis (the loss's `aux`
-    must agree across groups)."""
-    n = len(het.groups)
-    outputs = [
-        update(group, *inputs)
-        for update, group, *inputs in zip(
-            updates,
-            het.groups,
-            per_group(het, opt_state, "The optimizer state"),
-            split_by_group(het, batch) if per_member_batch else (batch,) * n,
-            split_by_group(het, keys),
-            per_group(het, state, "`state`"),
-            split_by_group(het, frozen),
-            split_by_group(het, hyper),
-            strict=True,
-        )
-    ]
+def _join_updates(ens: Any, state: Any, outputs: list[tuple]) -> tuple:
+    """The groups' updates of an `ee.Heterogeneous` as one: per-member outputs
+    joined along the member axis (the loss's `aux` must agree across groups),
+    the groups' optimizer and model states a tuple each."""
     groups, opt_states, losses, aux, states, diverged = zip(*outputs, strict=True)
     return (
-        Heterogeneous(groups),
+        regroup(ens, groups),
         tuple(opt_states),
         jnp.concatenate(losses),
         join_members(aux, "The loss's `aux`"),

@@ -17,9 +17,9 @@ from .._core.ensemble import Ensemble, member_axis_mask
 from .._core.heterogeneous import (
     Heterogeneous,
     group_parts,
-    is_heterogeneous,
+    groups_of,
     joined,
-    split_by_group,
+    regroup,
 )
 from .._execution.compile import CompiledFunctions, filter_jit, one_shot_options
 from .._execution.lift import lifts
@@ -100,20 +100,20 @@ def member_select(
     `None` stays `None`."""
     if new is None:
         return None
-    grouped = new if ens is None else ens
-    if is_heterogeneous(grouped):
-        news, olds = (new.groups, old.groups) if ens is None else (new, old)
-        parts = [
-            member_select(
-                group_better, group_new, group_old, None if ens is None else group
-            )
-            for group_better, group_new, group_old, group in zip(
-                split_by_group(grouped, better), news, olds, grouped.groups,
-                strict=True,
-            )
-        ]  # fmt: skip
-        return Heterogeneous(parts) if ens is None else tuple(parts)
+    if ens is None:  # ensembles, group by group
+        parts = zip(group_parts(new, members=(better,)), groups_of(old), strict=True)
+        return regroup(new, [_select(b, n, o, None) for (n, b), o in parts])
+    return joined(
+        ens,
+        [
+            _select(b, n, o, g)
+            for g, n, o, b in group_parts(ens, new, old, members=(better,))
+        ],
+    )
 
+
+def _select(better: Any, new: PyTree[Any], old: PyTree[Any], ens: Any) -> PyTree[Any]:
+    # `member_select` of one group.
     def pick(n, o, per_member=True):
         if not eqx.is_array(n) or not per_member:  # a shared part: the newest
             return n
