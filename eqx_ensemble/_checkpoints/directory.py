@@ -26,14 +26,7 @@ from .file import (
 )
 from .io import checked_records, open_manifest, save_tree
 from .sharded import ShardedReader
-from .writer import (
-    MANIFEST,
-    PARTIAL_SUFFIX,
-    PendingSave,
-    is_folder,
-    remove,
-    remove_tree,
-)
+from .writer import MANIFEST, PARTIAL_SUFFIX, PendingSave, remove_tree, set_aside
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
 __all__ = [
@@ -43,18 +36,13 @@ __all__ = [
     "verify_checkpoint",
 ]
 
-# Left behind by a writer killed mid-save (see `_checkpoint_file.write_file`).
+# Left behind by a writer killed mid-save (see `file.write_file`).
 _TEMPORARY_NAME = temporary_name(r"step_[0-9]+\.ckpt")
 _PARTIAL_FOLDER = re.compile(
     r"^\.(step_[0-9]+\.ckpt)(?:\.[0-9a-f]{16}\.(old|deleted))?"
     + re.escape(PARTIAL_SUFFIX)
     + "$"
 )
-
-
-def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
-    """Where `save_checkpoint(directory, step, ...)` writes: `step_<step>.ckpt`."""
-    return Path(directory) / f"step_{step:010d}.ckpt"
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -89,10 +77,9 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     for name in names:
         match = CHECKPOINT_NAME.match(name)
         path = directory / name
-        committed = is_folder(path) and (path / MANIFEST).is_file()
-        if match is not None and (path.is_file() or committed):
-            # (a named pipe under a checkpoint's name is not one; a folder is a
-            # sharded checkpoint, committed by its rename)
+        # (a named pipe under a checkpoint's name is not one; a folder is a
+        # sharded checkpoint, committed by its manifest)
+        if match is not None and (path.is_file() or (path / MANIFEST).is_file()):
             found.append((int(match.group(1)), path))
     return sorted(found)
 
@@ -179,7 +166,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"{int(named.group(1))}: the file was renamed or copied; rename it "
                 f"back to step_{step:010d}.ckpt or remove it"
             )
-        file.verify_data()
+        file.read_data(keep=False)
         if file.sharded:
             ShardedReader(folder, file).verify_all(records)
         return file.manifest
@@ -255,7 +242,7 @@ def _save_checkpoint(
         raise ValueError(f"`keep` must be None or an integer >= 1, got {keep!r}")
     keep = None if keep is None else int(keep)
     directory = as_path(directory, "directory")
-    path = checkpoint_path(directory, step)
+    path = directory / f"step_{step:010d}.ckpt"
 
     def prune() -> None:
         _prune(directory, keep=keep, written=path)
@@ -313,7 +300,7 @@ def _prune(directory: Path, *, keep: int | None, written: Path) -> None:
     for path in doomed:
         # Out of the listing first: a half-removed folder is never listed.
         with contextlib.suppress(OSError):
-            remove(path)
+            remove_tree(set_aside(path, doomed=True) if path.is_dir() else path)
     if doomed:
         fsync_directory(directory)
 

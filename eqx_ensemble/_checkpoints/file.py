@@ -13,9 +13,8 @@ Layout (integers little-endian):
 |          |          | names; `D` and the data's sha256 are in the manifest     |
 
 The file is exactly `48 + M + D` bytes long, so truncation and trailing garbage
-are detected before anything is decoded. Files are written atomically: into a
-temporary file in the same folder, flushed and fsynced, renamed over the target with
-`os.replace`, then the folder is fsynced.
+are detected before anything is decoded. Files are written atomically (see
+`write_file`).
 """
 
 import contextlib
@@ -31,7 +30,6 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 # The names `eqx_ensemble` re-exports; the rest serves the other checkpoint modules.
@@ -49,11 +47,9 @@ _READ_CHUNK = 1 << 24
 # `save_checkpoint`'s file names; the number is the step the manifest records.
 CHECKPOINT_NAME = re.compile(r"^step_([0-9]+)\.ckpt$")
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-# A temporary file is named `.<target>.<16 hex>-p<writer pid>.tmp` by writers
-# that hold a lock on it (see `remove_abandoned`), `.<target>.<16 hex>.tmp` by
-# eqx_ensemble versions that did not lock. The latter, and every temporary where
-# locks are unsupported, are taken to be abandoned after `STALE_AFTER_SECONDS`
-# untouched (a live write touches its file at least every leaf).
+# The temporaries of writers that lock them (see `remove_abandoned`); those of
+# older versions are `.<target>.<16 hex>.tmp`. A live write touches its file at
+# least every leaf: one untouched for `STALE_AFTER_SECONDS` is abandoned.
 _LOCKING_WRITER = re.compile(r"-p[0-9]+" + re.escape(TEMP_SUFFIX) + "$")
 STALE_AFTER_SECONDS = 3600.0
 
@@ -102,36 +98,24 @@ def as_path(value: Any, name: str) -> Path:
     return Path(value)
 
 
-def aligned(offset: int) -> int:
-    """`offset` rounded up to the data alignment."""
-    return -(-offset // ALIGNMENT) * ALIGNMENT
-
-
-def _sha256(chunks: Iterable[Any]) -> tuple[str, int]:
-    digest = hashlib.sha256()
-    total = 0
-    for chunk in chunks:
-        view = memoryview(chunk)
-        digest.update(view)
-        total += view.nbytes
-    return digest.hexdigest(), total
-
-
 def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
-    """Write a checkpoint file atomically.
+    """Write a checkpoint file atomically: into a temporary file in the same
+    folder, flushed and fsynced, renamed over `path`, then the folder fsynced.
 
     `chunks` are the data section in order (bytes-like objects, padding included);
     their length and sha256 are added to `manifest` under `"data"`. An `OSError`
     (a full disk, a folder that cannot be written...) is raised again with `path`
     named in it, after the temporary file is removed: nothing partial is left.
     """
-    data_sha256, data_bytes = _sha256(chunks)
-    manifest = {**manifest, "data": {"bytes": data_bytes, "sha256": data_sha256}}
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    size = sum(memoryview(chunk).nbytes for chunk in chunks)
+    manifest = {**manifest, "data": {"bytes": size, "sha256": digest.hexdigest()}}
     manifest_bytes = json.dumps(manifest, separators=(",", ":")).encode("utf-8")
     header = _HEADER.pack(
         MAGIC, len(manifest_bytes), hashlib.sha256(manifest_bytes).digest()
     )
-    directory = path.parent
     try:
         if path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "a folder is in the way")
@@ -161,7 +145,7 @@ def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
         os.close(descriptor)  # releases the lock
         with _LIVE_LOCK:
             _LIVE_TEMPORARIES.discard(temporary)
-    fsync_directory(directory)
+    fsync_directory(path.parent)
 
 
 def _naming(error: OSError, path: Path) -> OSError:
@@ -196,12 +180,9 @@ def _create_temporary(path: Path) -> tuple[Path, int]:
             return temporary, descriptor  # no locks here: the age bound protects it
         # A cleaner may have locked and removed the file between its creation and
         # our lock: then the name no longer leads to our file, and we start over.
-        try:
-            ours = os.stat(temporary).st_ino == os.fstat(descriptor).st_ino
-        except FileNotFoundError:
-            ours = False
-        if ours:
-            return temporary, descriptor
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(temporary).st_ino == os.fstat(descriptor).st_ino:
+                return temporary, descriptor
         os.close(descriptor)
         with _LIVE_LOCK:
             _LIVE_TEMPORARIES.discard(temporary)
@@ -256,18 +237,15 @@ def remove_stale_temporaries(target: Path) -> None:
 
 
 def remove_abandoned(temporaries: Iterable[Path]) -> None:
-    """Remove those of `temporaries` (names of `write_file`'s pattern) whose writer
-    is gone, never one a live writer is using.
+    """Remove those of `temporaries` (`write_file`'s) whose writer is gone, never
+    one a live writer is using.
 
-    A writer holds an exclusive `flock` on its temporary file from its creation
-    until it is renamed into place or removed, and the kernel drops the lock when
-    the writer dies (killed, crashed, powered off). A temporary of a locking
-    writer (its name ends in `-p<pid>.tmp`) that this process is not writing and
-    that can be locked is therefore abandoned: it is removed while the lock is
-    held, so no writer can adopt it in between (a writer that lost its fresh file
-    this way notices and starts over). A temporary of an older, non-locking
-    version, or any temporary where locks are unsupported, goes only once
-    untouched for `STALE_AFTER_SECONDS`.
+    A writer holds an exclusive `flock` on its temporary from its creation until
+    it is renamed or removed; the kernel drops the lock when the writer dies. A
+    locking writer's temporary (`-p<pid>.tmp`) that this process is not writing
+    and that can be locked is therefore abandoned, and is removed while the lock
+    is held (a writer that lost its fresh file this way starts over). Any other
+    goes once untouched for `STALE_AFTER_SECONDS`.
     """
     now = time.time()
     for candidate in temporaries:
@@ -337,12 +315,7 @@ class CheckpointFile:
     def __enter__(self) -> "CheckpointFile":
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._stream.close()
 
     def error(self, message: str) -> CheckpointError:
@@ -409,28 +382,17 @@ class CheckpointFile:
             )
         return manifest
 
-    def read_data(self) -> bytearray:
-        """The data section, after checking its sha256 against the manifest."""
-        data = bytearray(self.data_bytes)
-        self._check_data(memoryview(data))
-        return data
-
-    def verify_data(self) -> None:
-        """Check the data's sha256 without holding the data in memory."""
-        self._check_data(None)
-
-    def _check_data(self, into: memoryview | None) -> None:
-        if into is None:
-            into = memoryview(bytearray(min(_READ_CHUNK, self.data_bytes)))
-            chunked = True
-        else:
-            chunked = False
+    def read_data(self, keep: bool = True) -> bytearray:
+        """The data section, after checking its sha256 against the manifest
+        (`keep=False`: only checked, read a chunk at a time into one buffer)."""
+        data = bytearray(self.data_bytes if keep else min(_READ_CHUNK, self.data_bytes))
+        buffer = memoryview(data)
         self._stream.seek(self.data_offset)
         digest = hashlib.sha256()
         position = 0
         while position < self.data_bytes:
             end = min(position + _READ_CHUNK, self.data_bytes)
-            view = into[: end - position] if chunked else into[position:end]
+            view = buffer[position:end] if keep else buffer[: end - position]
             count = self._stream.readinto(view)
             if not count:
                 raise self.error("the file was truncated while it was being read")
@@ -441,3 +403,4 @@ class CheckpointFile:
                 "the data is corrupt: its sha256 does not match the manifest's "
                 f"({digest.hexdigest()} vs {self.data_sha256})"
             )
+        return data

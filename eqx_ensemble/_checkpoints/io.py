@@ -5,7 +5,7 @@ a bare stream of `np.save` records with no manifest, so it cannot say which leaf
 of a mismatched file differs, cannot detect a flipped byte, and cannot restore typed
 PRNG keys or shardings. Ours keeps its spirit (leaves stored in flattening order,
 non-array leaves taken from `like`) and adds a verified manifest; the layout is
-documented in `_checkpoint_file.py` and in `ee.save`'s docstring.
+documented in `file.py` and in `ee.save`'s docstring.
 """
 
 import json
@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PyTree
 
 from .._internal.tree import is_traced, keystr
@@ -31,15 +30,17 @@ from .file import (
     write_file,
 )
 from .leaves import (
-    decode_leaf,
+    decode_value,
     encode_leaves,
+    host_view,
     key_impl_shapes,
     place_array,
     place_key,
     record_error,
 )
-from .sharded import LazyLeaf, ShardedReader, sharded_write, store_error
+from .sharded import LazyLeaf, ShardedReader, sharded_write
 from .structure import (
+    ARRAY_KINDS,
     classify,
     describe,
     describe_nodes,
@@ -53,7 +54,7 @@ from .writer import (
     PendingSave,
     Phase,
     check_replaceable,
-    is_folder,
+    failed_processes,
     make_parent,
     put_in_place,
     write,
@@ -157,66 +158,50 @@ def save_tree(
     writing process once the file is in place (used to prune old checkpoints).
     `asynchronous`: copy the arrays to the host now, write them on a thread, and
     return a `PendingSave` (see `Checkpoints(asynchronous=True)`)."""
+    from .. import __version__
+
     metadata = _checked_metadata(metadata)
     if sharded is not None and not isinstance(sharded, bool):
         raise TypeError(f"`sharded` must be True, False or None, got {sharded!r}")
     if sharded is None:
         sharded = jax.process_count() > 1
     leaves, treedef = jtu.tree_flatten_with_path(tree)
+    ensembles = find_ensembles(tree)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "library_version": _library_version(),
+        "library_version": __version__,
         "jax_version": jax.__version__,
         "equinox_version": eqx.__version__,
         "step": step,
-        "ensemble_size": None,
-        "ensembles": find_ensembles(tree),
+        "ensemble_size": ensembles[0]["size"] if ensembles else None,
+        "ensembles": ensembles,
         "treedef": str(treedef),
         "nodes": describe_nodes(tree),
         "leaves": [],
         "metadata": metadata,
     }
-    if manifest["ensembles"]:
-        manifest["ensemble_size"] = manifest["ensembles"][0]["size"]
     if sharded:
         prepare, finish = sharded_write(path, leaves, manifest, copy=asynchronous)
-    else:
-        prepare, finish = [], [_single_file_write(path, leaves, manifest, asynchronous)]
+    else:  # process 0 writes every leaf (arrays not fully addressable gathered)
+        manifest["leaves"], chunks, _ = encode_leaves(leaves, copy=asynchronous)
+
+        def write_single() -> None:
+            make_parent(path)
+            remove_stale_temporaries(path)
+            check_replaceable(path)
+            put_in_place(path, lambda: write_file(path, manifest, chunks), folder=False)
+
+        prepare, finish = [], [Phase(write_single)]
     if after_write is not None:  # in the commit's phase, once it is in place
-        *finish, last = finish
-        finish.append(Phase(_then(last.work, after_write), last.everyone))
+        last = finish.pop()
+
+        def commit_then_prune() -> None:
+            last.work()
+            after_write()
+
+        finish.append(Phase(commit_then_prune, last.everyone))
     return write(path, prepare, finish, asynchronous)
-
-
-def _then(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
-    def both() -> None:
-        first()
-        then()
-
-    return both
-
-
-def _single_file_write(
-    path: Path, leaves: list[tuple[Any, Any]], manifest: dict[str, Any], copy: bool
-) -> Phase:
-    """The single-file format's write (process 0 writes every leaf; arrays not
-    fully addressable are gathered first)."""
-    manifest["leaves"], chunks = encode_leaves(leaves, copy=copy)
-
-    def write_single() -> None:
-        make_parent(path)
-        remove_stale_temporaries(path)
-        check_replaceable(path)
-        put_in_place(path, lambda: write_file(path, manifest, chunks), folder=False)
-
-    return Phase(write_single)
-
-
-def _library_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
@@ -301,27 +286,27 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
             for index, (record, (_, like_leaf)) in enumerate(
                 zip(records, like_leaves, strict=True)
             ):
-                if "store" not in record:  # (only a folder's records have one)
-                    leaves.append(decode_leaf(record, like_leaf, data))
+                if record["kind"] not in ARRAY_KINDS:
+                    leaves.append(decode_value(record, like_leaf))
                     continue
-                lazy = LazyLeaf(reader, index, record)
-                if record["kind"] == "key":
-                    leaves.append(place_key(lazy, record["impl"], like_leaf))
+                if "store" in record:  # (only a folder's records have one)
+                    source: Any = LazyLeaf(reader, index, record)
                 else:
-                    leaves.append(place_array(lazy, like_leaf))
+                    source = host_view(data, record)
+                if record["kind"] == "key":
+                    leaves.append(place_key(source, record["impl"], like_leaf))
+                else:
+                    leaves.append(place_array(source, like_leaf))
                 reader.forget()
     except Exception as error:  # noqa: BLE001 - raised below, after the agreement
         failure = error
-    if jax.process_count() > 1 and is_folder(path):
+    if jax.process_count() > 1 and path.is_dir():
         # Each process read only its chunks of a sharded checkpoint: all must
         # have succeeded, or all refuse the checkpoint (a resume then falls
         # back, or fails, together). Any error counts: one process raising
         # alone would leave the others waiting here. A single file is read
         # whole by each process that loads it (one may load it on its own).
-        from jax.experimental import multihost_utils
-
-        ok = multihost_utils.process_allgather(np.asarray(failure is None))
-        failed = [int(p) for p in np.flatnonzero(~np.asarray(ok).astype(bool))]
+        failed = failed_processes(failure)
         if failed and failure is None:
             raise CheckpointError(
                 f"Checkpoint {path}: process(es) {failed} failed to load their "
@@ -335,7 +320,7 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
 def open_manifest(path: Path) -> CheckpointFile:
     """The verified manifest file of a checkpoint: the file itself, or a sharded
     checkpoint's `manifest.ckpt`."""
-    if not is_folder(path):
+    if not path.is_dir():
         return CheckpointFile(path)
     manifest = path / MANIFEST
     if not manifest.is_file():
@@ -355,9 +340,15 @@ def _verified_records(
     """The manifest's leaf records, once they are known to match `like`."""
     records = checked_records(file)
     try:
-        message = _structure_difference(
-            file.manifest, like, like_leaves
-        ) or _first_mismatch(records, like_leaves)
+        message = (
+            ensemble_difference(file.manifest["ensembles"], find_ensembles(like))
+            or node_difference(file.manifest["nodes"], describe_nodes(like))
+            or path_difference(
+                [record["path"] for record in records],
+                [keystr(path) for path, _ in like_leaves],
+            )
+            or _first_mismatch(records, like_leaves)
+        )
     except (
         KeyError,
         TypeError,
@@ -373,19 +364,6 @@ def _verified_records(
     return records
 
 
-def _structure_difference(
-    manifest: dict[str, Any], like: Any, like_leaves: list[tuple[Any, Any]]
-) -> str | None:
-    return (
-        ensemble_difference(manifest["ensembles"], find_ensembles(like))
-        or node_difference(manifest["nodes"], describe_nodes(like))
-        or path_difference(
-            [record["path"] for record in manifest["leaves"]],
-            [keystr(path) for path, _ in like_leaves],
-        )
-    )
-
-
 def _first_mismatch(
     records: list[dict[str, Any]], like_leaves: list[tuple[Any, Any]]
 ) -> str | None:
@@ -394,27 +372,25 @@ def _first_mismatch(
         found = {key: record.get(key) for key in expected}
         if record["kind"] == "static" and expected["kind"] == "static":
             continue
+        differs = f"leaf `{keystr(path)}` differs: the checkpoint holds"
         if found != expected:
+            message = f"{differs} {describe(record)}, `like` holds {describe(expected)}"
+            if {record["kind"], expected["kind"]} == {"key", "array"}:
+                message += (
+                    " (typed keys, `jax.random.key`, and raw uint32 keys, "
+                    "`jax.random.PRNGKey`, are stored differently: build `like` with "
+                    "the same kind, or convert with `jax.random.key_data` / "
+                    "`jax.random.wrap_key_data`)"
+                )
+            return message
+        # A key's data shape follows from its implementation (checked with the record).
+        found_key = key_impl_shapes(record["impl"]) if record["kind"] == "key" else None
+        if found_key is not None and found_key[0] != like_leaf.dtype:
             return (
-                f"leaf `{keystr(path)}` differs: the checkpoint holds "
-                f"{describe(record)}, `like` holds {describe(expected)}"
-                + _key_hint(record["kind"], expected["kind"])
+                f"{differs} keys of implementation {record['impl']!r}, `like` holds "
+                f"{like_leaf.dtype}"
             )
-        if record["kind"] == "key":
-            mismatch = _key_mismatch(record, like_leaf)
-            if mismatch is not None:
-                return f"leaf `{keystr(path)}` differs: the checkpoint holds {mismatch}"
     return None
-
-
-def _key_hint(saved: str, like: str) -> str:
-    if {saved, like} != {"key", "array"}:
-        return ""
-    return (
-        " (typed keys, `jax.random.key`, and raw uint32 keys, `jax.random.PRNGKey`, "
-        "are stored differently: build `like` with the same kind, or convert with "
-        "`jax.random.key_data` / `jax.random.wrap_key_data`)"
-    )
 
 
 def checked_records(file: CheckpointFile) -> list[dict[str, Any]]:
@@ -423,30 +399,10 @@ def checked_records(file: CheckpointFile) -> list[dict[str, Any]]:
     if not isinstance(records, list):
         raise file.error("the manifest is malformed (no list of leaves)")
     for record in records:
-        problem = record_error(record, file.data_bytes)
-        if problem is None and isinstance(record, dict) and "store" in record:
-            where = f"the manifest entry of leaf `{record['path']}`"
-            if not file.sharded:
-                problem = f"{where} names stored shards, which a single file has not"
-            elif record["kind"] in ("array", "key"):
-                problem = store_error(record, where)
-            else:
-                problem = f"{where} has a malformed store entry"
+        problem = record_error(record, file.data_bytes, file.sharded)
         if problem is not None:
             raise file.error(problem)
     return records
-
-
-def _key_mismatch(record: dict[str, Any], like_leaf: Any) -> str | None:
-    """A key leaf's implementation against `like`'s (the key data's shape follows
-    from the implementation and was checked with the record)."""
-    found = key_impl_shapes(record["impl"])
-    assert found is not None  # checked by `record_error`
-    if found[0] != like_leaf.dtype:
-        return (
-            f"keys of implementation {record['impl']!r}, `like` holds {like_leaf.dtype}"
-        )
-    return None
 
 
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:

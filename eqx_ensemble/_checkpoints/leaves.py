@@ -1,4 +1,5 @@
-"""Leaves to bytes and back: what `save` stores per leaf, and where `load` puts it.
+"""Leaves to bytes and back: what `save` stores per leaf, how a manifest's leaf
+records are checked, and where `load` puts each leaf.
 
 Arrays are stored as raw little-endian C-order bytes; typed PRNG keys as their
 `jax.random.key_data` plus the implementation name; Python numbers exactly in the
@@ -9,6 +10,8 @@ sharding, uncommitted on the default device otherwise, weakly typed if it is.
 
 import functools
 import math
+import re
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import jax
@@ -16,21 +19,29 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._internal.tree import as_array, is_traced, keystr
-from .file import aligned
+from .file import ALIGNMENT
 from .structure import ARRAY_KINDS, PYTHON_KINDS, classify
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def encode_leaves(
-    leaves: list[tuple[Any, Any]], *, copy: bool = False
-) -> tuple[list[dict], list[Any]]:
+    leaves: list[tuple[Any, Any]],
+    *,
+    copy: bool = False,
+    stored: Callable[[Any], bool] = lambda leaf: False,
+) -> tuple[list[dict], list[Any], list[tuple[int, dict[str, Any], Any]]]:
     """Manifest records for `(path, leaf)` pairs, and the data section's chunks
     (array bytes and alignment padding, in order). `copy`: the chunks own their
     bytes (they may alias device buffers otherwise, which a run reuses while a
-    background write reads them)."""
+    background write reads them). The array leaves that `stored` picks are not
+    in the data section (a sharded checkpoint stores them): returned as
+    `(index, record, array)`, the array a typed key's key data."""
     records: list[dict[str, Any]] = []
     chunks: list[Any] = []
+    elsewhere = []
     offset = 0
-    for path, leaf in leaves:
+    for index, (path, leaf) in enumerate(leaves):
         where = keystr(path)
         if is_traced(leaf):
             raise TypeError(
@@ -45,8 +56,28 @@ def encode_leaves(
         record = {"path": where, **classify(leaf)}
         kind = record["kind"]
         if kind in ARRAY_KINDS:
-            host = _host_bytes(leaf, where, record)
-            padding = aligned(offset) - offset
+            array = leaf
+            if kind == "key":
+                record["impl"] = str(jax.random.key_impl(leaf))
+                array = jax.random.key_data(leaf)
+                record["data_dtype"] = np.dtype(array.dtype).name
+                record["data_shape"] = list(array.shape)
+            if not _restorable(np.dtype(array.dtype)):
+                raise TypeError(
+                    f"Cannot save leaf `{where}`: arrays of dtype {array.dtype} are "
+                    "not supported (use numeric, boolean or ML dtypes such as "
+                    "bfloat16)."
+                )
+            if stored(leaf):
+                elsewhere.append((index, record, array))
+                records.append(record)
+                continue
+            if isinstance(array, jax.Array) and not array.is_fully_addressable:
+                from jax.experimental import multihost_utils
+
+                array = multihost_utils.process_allgather(array, tiled=True)
+            host = little_endian(np.asarray(array)).reshape(-1).view(np.uint8)
+            padding = -offset % ALIGNMENT
             if padding:
                 chunks.append(bytes(padding))
                 offset += padding
@@ -60,30 +91,14 @@ def encode_leaves(
         elif kind in PYTHON_KINDS:
             record["value"] = int(leaf)
         records.append(record)
-    return records, chunks
+    return records, chunks, elsewhere
 
 
-def _host_bytes(leaf: Any, where: str, record: dict[str, Any]) -> np.ndarray:
-    """The leaf's value as a flat little-endian uint8 host array."""
-    if record["kind"] == "key":
-        record["impl"] = str(jax.random.key_impl(leaf))
-        leaf = jax.random.key_data(leaf)
-        record["data_dtype"] = np.dtype(leaf.dtype).name
-        record["data_shape"] = list(leaf.shape)
-    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        host = np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-    else:
-        host = np.asarray(leaf)
-    if not _restorable(host.dtype):
-        raise TypeError(
-            f"Cannot save leaf `{where}`: arrays of dtype {host.dtype} are not "
-            "supported (use numeric, boolean or ML dtypes such as bfloat16)."
-        )
+def little_endian(host: np.ndarray) -> np.ndarray:
+    """`host` little-endian in C order (`ascontiguousarray` would make 0-d 1-d)."""
     if host.dtype.byteorder == ">":
         host = host.astype(host.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+    return np.asarray(host, order="C")
 
 
 def _restorable(dtype: np.dtype) -> bool:
@@ -94,8 +109,15 @@ def _restorable(dtype: np.dtype) -> bool:
         return False
 
 
-def decode_leaf(record: dict[str, Any], like_leaf: Any, data: bytearray) -> Any:
-    """The leaf a verified `record` describes, shaped and placed like `like_leaf`."""
+def data_of(record: dict[str, Any]) -> tuple[Any, Any]:
+    """The shape and dtype name an array record stores (a key's key data's)."""
+    if record.get("kind") == "key":
+        return record.get("data_shape"), record.get("data_dtype")
+    return record.get("shape"), record.get("dtype")
+
+
+def decode_value(record: dict[str, Any], like_leaf: Any) -> Any:
+    """The leaf a verified non-array `record` describes, of `like_leaf`'s type."""
     kind = record["kind"]
     if kind == "static":
         return like_leaf
@@ -104,24 +126,17 @@ def decode_leaf(record: dict[str, Any], like_leaf: Any, data: bytearray) -> Any:
     if kind == "complex":
         real, imag = record["value"]
         return type(like_leaf)(complex(float.fromhex(real), float.fromhex(imag)))
-    if kind in PYTHON_KINDS:
-        return type(like_leaf)(record["value"])
-    if kind == "key":
-        host = _host_view(data, record, record["data_dtype"], record["data_shape"])
-        return _place_key(host, record["impl"], like_leaf)
-    host = _host_view(data, record, record["dtype"], record["shape"])
-    return _place_array(host, like_leaf)
+    return type(like_leaf)(record["value"])
 
 
-def _host_view(
-    data: bytearray, record: dict[str, Any], dtype_name: str, shape: list[int]
-) -> np.ndarray:
+def host_view(data: bytearray, record: dict[str, Any]) -> np.ndarray:
+    """A single file's array leaf (a key's key data) in its data section."""
+    shape, dtype_name = data_of(record)
     dtype = jnp.dtype(dtype_name)
-    count = int(np.prod(shape, dtype=np.int64))
-    if count == 0:
+    if math.prod(shape) == 0:
         return np.zeros(shape, dtype)
     return np.frombuffer(
-        data, dtype=dtype, count=count, offset=record["offset"]
+        data, dtype=dtype, count=math.prod(shape), offset=record["offset"]
     ).reshape(shape)
 
 
@@ -136,107 +151,141 @@ def _placement(like_leaf: Any) -> tuple[Any, bool]:
     return None, False
 
 
-def _place_array(host: np.ndarray, like_leaf: Any) -> Any:
+def _whole(source: Any) -> np.ndarray:
+    return source if isinstance(source, np.ndarray) else source.full()
+
+
+def place_array(source: Any, like_leaf: Any) -> Any:
+    """An array leaf from `source`, placed like `like_leaf`. `source` is a host
+    array or a leaf read lazily (`source[index]` reads that part, `.full()` all
+    of it): across processes, each reads only its devices' parts."""
     if isinstance(like_leaf, np.ndarray):
-        return host.copy()
+        return _whole(source).copy()
     if isinstance(like_leaf, np.generic):
-        return host.reshape(())[()]
+        return _whole(source).reshape(())[()]
     sharding, weak = _placement(like_leaf)
+    if sharding is not None and not sharding.is_fully_addressable:
+        return jax.make_array_from_callback(source.shape, sharding, lambda i: source[i])
+    host = _whole(source)
     value: Any = host
     if weak:
         # `.at[].set` keeps the weak type of the (weakly typed) array it updates.
         base = jnp.full(host.shape, host.dtype.type(0).item())
         if base.dtype == host.dtype:
             value = base.at[...].set(host)
-    if sharding is None:
-        return as_array(value)
-    if sharding.is_fully_addressable:
-        return jax.device_put(value, sharding)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return as_array(value) if sharding is None else jax.device_put(value, sharding)
 
 
-def _whole(lazy: Any, like_leaf: Any) -> bool:
-    """Whether a lazily read leaf is needed whole here (`like`'s leaf is on this
-    process's devices only, or on the host)."""
-    if isinstance(like_leaf, np.ndarray | np.generic):
-        return True
-    sharding, _ = _placement(like_leaf)
-    return sharding is None or sharding.is_fully_addressable
-
-
-def place_array(lazy: Any, like_leaf: Any) -> Any:
-    """`_place_array` for a leaf read lazily (`lazy[index]` reads that part,
-    `lazy.full()` all of it): across processes, each reads only its devices' parts."""
-    if _whole(lazy, like_leaf):
-        return _place_array(lazy.full(), like_leaf)
-    sharding, _ = _placement(like_leaf)
-    return jax.make_array_from_callback(lazy.shape, sharding, lambda i: lazy[i])
-
-
-def place_key(lazy: Any, impl: str, like_leaf: Any) -> Any:
-    """`_place_key` for a key leaf's data read lazily (see `place_array`)."""
-    return _place_key(lazy.full() if _whole(lazy, like_leaf) else lazy, impl, like_leaf)
-
-
-def _place_key(host: Any, impl: str, like_leaf: Any) -> Any:
+def place_key(source: Any, impl: str, like_leaf: Any) -> Any:
+    """A key leaf from its key data's `source` (see `place_array`)."""
     sharding, _ = _placement(like_leaf)
     if sharding is None or sharding.is_fully_addressable:
-        keys = jax.random.wrap_key_data(as_array(host), impl=impl)
+        keys = jax.random.wrap_key_data(as_array(_whole(source)), impl=impl)
         return keys if sharding is None else jax.device_put(keys, sharding)
-    # Across processes: build the global key data on the same (leading-axes)
-    # sharding, then wrap it.
-    data = jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+    # Across processes: the global key data on the same (leading-axes) sharding.
+    data = jax.make_array_from_callback(source.shape, sharding, lambda i: source[i])
     return jax.random.wrap_key_data(data, impl=impl)
 
 
-def record_error(record: Any, data_bytes: int) -> str | None:
+def record_error(record: Any, data_bytes: int, sharded: bool) -> str | None:
     """What is wrong with one manifest leaf record on its own (no `like` needed),
     or `None`: a known kind, a restorable dtype, a known PRNG implementation whose
     key data has the recorded shape, a well-formed Python value, and a size and
-    offset inside the data section. Run before anything is allocated, so a forged
-    shape cannot ask for more memory than the file holds."""
+    offset inside the data section, or (`sharded`) a well-formed store entry. Run
+    before anything is allocated, so a forged shape cannot ask for more memory
+    than the file holds."""
     if not isinstance(record, dict) or not isinstance(record.get("path"), str):
         return f"a leaf entry is malformed: {_short(record)}"
     where = f"the manifest entry of leaf `{record['path']}`"
     kind = record.get("kind")
     if not isinstance(kind, str):
         return f"{where} has a malformed kind {_short(kind)}"
-    if kind == "static":
-        return None
-    if kind in PYTHON_KINDS:
-        if not _valid_value(kind, record.get("value")):
-            return (
-                f"{where} holds a malformed {kind} value {_short(record.get('value'))}"
-            )
-        return None
-    if kind not in ARRAY_KINDS:
+    value = record.get("value")
+    if kind in PYTHON_KINDS and not _valid_value(kind, value):
+        return f"{where} holds a malformed {kind} value {_short(value)}"
+    if kind not in (*ARRAY_KINDS, *PYTHON_KINDS, "static"):
         return f"{where} has an unknown kind {_short(kind)}"
-    key = kind == "key"
-    shape = record.get("data_shape" if key else "shape")
-    dtype_name = record.get("data_dtype" if key else "dtype")
+    if kind not in ARRAY_KINDS:
+        return _store_error(record, where, sharded) if "store" in record else None
+    shape, dtype_name = data_of(record)
     dtype = stored_dtype(dtype_name)
     if dtype is None:
         return f"{where} has an unsupported dtype {_short(dtype_name)}"
     if not _is_shape(shape):
         return f"{where} has a malformed shape {_short(shape)}"
-    if key:
+    if kind == "key":
         problem = _key_record_error(record, shape)
         if problem is not None:
             return f"{where} {problem}"
     if "store" in record:
-        return None  # a sharded checkpoint's stored array: see `sharded.store_error`
+        return _store_error(record, where, sharded)
     offset, nbytes = record.get("offset"), record.get("nbytes")
     if not (_is_int(offset) and _is_int(nbytes)):
         return (
             f"{where} has a malformed offset {_short(offset)} or size {_short(nbytes)}"
         )
     # Exact integers: a forged shape cannot overflow into a plausible size.
-    count = math.prod(shape)
-    if nbytes != count * dtype.itemsize or not 0 <= offset <= data_bytes - nbytes:
+    size = math.prod(shape) * dtype.itemsize
+    if nbytes != size or not 0 <= offset <= data_bytes - nbytes:
         return (
             f"{where} is inconsistent: {nbytes} bytes at offset {offset} of "
-            f"{data_bytes} for {dtype.name}{tuple(shape)} ({count * dtype.itemsize} "
-            "bytes)"
+            f"{data_bytes} for {dtype.name}{tuple(shape)} ({size} bytes)"
+        )
+    return None
+
+
+def _store_error(record: dict[str, Any], where: str, sharded: bool) -> str | None:
+    """What is wrong with a leaf's `"store"` entry (a sharded checkpoint's
+    array's): a supported dtype and a shape agreeing with the leaf's, a positive
+    chunk shape, and chunk entries that cover the grid exactly once, each with a
+    sha256."""
+    store = record["store"]
+    if not sharded:
+        return f"{where} names stored shards, which a single file has not"
+    if record["kind"] not in ARRAY_KINDS or not isinstance(store, dict):
+        return f"{where} has a malformed store entry"
+    shape, dtype_name = data_of(record)
+    stored, chunk, entries = store.get("shape"), store.get("chunk"), store.get("chunks")
+    if store.get("dtype") == dtype_name:
+        expected = list(shape)
+    elif store.get("dtype") == "uint8":  # a dtype tensorstore lacks, as bytes
+        expected = [*shape, jnp.dtype(dtype_name).itemsize]
+    else:
+        return f"{where} stores a dtype {store.get('dtype')!r} for {dtype_name}"
+    if stored != expected:
+        return f"{where} stores shape {stored!r} for {expected}"
+    if (
+        not isinstance(chunk, list)
+        or len(chunk) != len(expected)
+        or not all(_is_int(c) and c > 0 for c in chunk)
+    ):
+        return f"{where} has a malformed chunk shape {chunk!r}"
+    grid = [-(-size // extent) for size, extent in zip(expected, chunk)]
+    if not isinstance(entries, list) or len(entries) != math.prod(grid):
+        count = len(entries) if isinstance(entries, list) else "no"
+        return (
+            f"{where}: the checkpoint's shards do not cover the array ({count} "
+            f"chunks recorded, {math.prod(grid)} needed for shape {tuple(expected)} "
+            f"in chunks of {tuple(chunk)})"
+        )
+    seen = set()
+    for entry in entries:
+        position = entry.get("at") if isinstance(entry, dict) else None
+        if (
+            not isinstance(position, list)
+            or len(position) != len(grid)
+            or not all(
+                isinstance(i, int) and 0 <= i < n for i, n in zip(position, grid)
+            )
+            or not isinstance(entry.get("sha256"), str)
+            or not _SHA256.match(entry["sha256"])
+        ):
+            return f"{where} has a malformed chunk entry {str(entry)[:80]}"
+        seen.add(tuple(position))
+    if len(seen) != len(entries):
+        return (
+            f"{where}: the checkpoint's shards do not cover the array (a chunk is "
+            "recorded twice, another is missing)"
         )
     return None
 

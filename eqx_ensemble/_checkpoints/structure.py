@@ -33,29 +33,15 @@ PYTHON_KINDS = {"bool": bool, "int": int, "float": float, "complex": complex}
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
-def is_array_like(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
-
-
-def is_key_dtype(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def dtype_name(dtype: Any) -> str:
-    """A dtype's name that `jnp.dtype` maps back to it (`"bfloat16"`, `"key<fry>"`)."""
-    if is_key_dtype(dtype):
-        return str(dtype)
-    return np.dtype(dtype).name
-
-
 def classify(leaf: Any) -> dict[str, Any]:
-    """`{"kind": ..., "shape": ..., "dtype": ...}` (shape, dtype: arrays only)."""
-    if is_array_like(leaf):
-        kind = "key" if is_key_dtype(leaf.dtype) else "array"
+    """`{"kind": ..., "shape": ..., "dtype": ...}` (shape, dtype: arrays only; the
+    dtype's name is one `jnp.dtype` maps back to it: `"bfloat16"`, `"key<fry>"`)."""
+    if isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+        key = jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
         return {
-            "kind": kind,
+            "kind": "key" if key else "array",
             "shape": list(np.shape(leaf)),
-            "dtype": dtype_name(leaf.dtype),
+            "dtype": str(leaf.dtype) if key else np.dtype(leaf.dtype).name,
         }
     for kind, python_type in PYTHON_KINDS.items():
         if isinstance(leaf, python_type):
@@ -66,13 +52,9 @@ def classify(leaf: Any) -> dict[str, Any]:
 def describe(record: dict[str, Any]) -> str:
     """A leaf description for error messages."""
     kind = record["kind"]
-    if kind == "array":
-        return f"an array of shape {tuple(record['shape'])} and dtype {record['dtype']}"
-    if kind == "key":
-        return (
-            f"a PRNG key array of shape {tuple(record['shape'])} and dtype "
-            f"{record['dtype']}"
-        )
+    if kind in ARRAY_KINDS:
+        what = "a PRNG key array" if kind == "key" else "an array"
+        return f"{what} of shape {tuple(record['shape'])} and dtype {record['dtype']}"
     if kind in PYTHON_KINDS:
         return f"a Python {kind}"
     return f"a non-array leaf of type {record.get('type', '?')}"
@@ -133,15 +115,8 @@ def node_difference(saved: list[list[Any]], like: list[list[Any]]) -> str | None
                     f"{like_static.get(name, '<absent>')} in `like`"
                 )
     if len(saved) != len(like):
-        extra, owner = (
-            (saved, "the checkpoint")
-            if len(saved) > len(like)
-            else (
-                like,
-                "`like`",
-            )
-        )
-        path, node_type, _ = extra[min(len(saved), len(like))]
+        owner = "the checkpoint" if len(saved) > len(like) else "`like`"
+        path, node_type, _ = max(saved, like, key=len)[min(len(saved), len(like))]
         return (
             f"the tree structure differs: only {owner} has a node at `{path}` "
             f"({node_type})"

@@ -1,16 +1,13 @@
-"""The one checkpoint writer: every format (the single file, the sharded folder)
-is a list of phases that this module runs, now or on one background thread,
-with one multi-process agreement after each phase and one way to put the
-result in place.
+"""The one checkpoint writer: a format (the single file, the sharded folder) is
+a list of phases that this module runs, now or on one background thread, with
+one multi-process agreement after each phase and one way to put the result in
+place.
 
-A format describes its write as `prepare` (run on the caller's thread before
-`save` returns: copies of the arrays to the host, the temporary folder) and
-`finish` (the writing and the commit, run now or, when asynchronous, on the
-`PendingSave`'s thread). Each phase runs on every process or on process 0
-only; after each, every process waits for all of them and raises if any failed
-(`on_every_process`). On several processes an asynchronous write runs the first
-`finish` phase on the thread and the rest on the main thread in `wait()`, so the
-collectives stay in program order on every process.
+`prepare` runs before `save` returns (host copies of the arrays, the temporary
+folder); `finish` (the writing and the commit) now or on the `PendingSave`'s
+thread. On several processes an asynchronous write runs the first `finish`
+phase on the thread and the rest in `wait()`, so the collectives stay in
+program order on every process.
 """
 
 import contextlib
@@ -19,7 +16,7 @@ import os
 import secrets
 import shutil
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,34 +46,28 @@ def write(
     """Run a format's write phases for the checkpoint at `path`: `prepare` now,
     `finish` now or (`asynchronous`) on a thread, whose `PendingSave` is
     returned."""
-    for phase in prepare:
-        on_every_process(phase.here(), path)
+    run_phases(prepare, path)
     if not asynchronous:
-        for phase in finish:
-            on_every_process(phase.here(), path)
+        run_phases(finish, path)
         return path
     if jax.process_count() == 1:  # the thread commits too
-
-        def write_all() -> None:
-            for phase in finish:
-                on_every_process(phase.here(), path)
-
-        return PendingSave(path, write_all)
+        return PendingSave(path, lambda: run_phases(finish, path))
     first, *rest = finish
 
     def agree_and_commit(failure: BaseException | None) -> None:
-        # On the main thread (collectives stay in program order on every process).
         agree(failure, path)
-        for phase in rest:
-            on_every_process(phase.here(), path)
+        run_phases(rest, path)
 
     return PendingSave(path, first.here() or (lambda: None), agree_and_commit)
 
 
+def run_phases(phases: list[Phase], path: Path) -> None:
+    for phase in phases:
+        on_every_process(phase.here(), path)
+
+
 def on_every_process(work: Callable[[], None] | None, path: Path) -> None:
-    """Run `work` (on the processes given one) and wait for every process; an
-    error on any process is raised on all of them (nothing is left half done:
-    the temporary folder is removed)."""
+    """Run `work` (on the processes given one), then `agree`."""
     failure: BaseException | None = None
     if work is not None:
         try:
@@ -86,17 +77,21 @@ def on_every_process(work: Callable[[], None] | None, path: Path) -> None:
     agree(failure, path)
 
 
-def agree(failure: BaseException | None, path: Path) -> None:
-    """Wait for every process (a barrier on several) and raise on all of them
-    if any failed (`failure`: this process's error), after process 0 removed
-    the temporary folder."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+def failed_processes(failure: BaseException | None) -> list[int]:
+    """The processes whose `failure` is not `None` (a collective on several)."""
+    if jax.process_count() == 1:
+        return [] if failure is None else [0]
+    from jax.experimental import multihost_utils
 
-        ok = np.asarray(multihost_utils.process_allgather(np.asarray(failure is None)))
-        failed = [int(p) for p in np.flatnonzero(~ok.astype(bool))]
-    else:
-        failed = [] if failure is None else [0]
+    ok = np.asarray(multihost_utils.process_allgather(np.asarray(failure is None)))
+    return [int(p) for p in np.flatnonzero(~ok.astype(bool))]
+
+
+def agree(failure: BaseException | None, path: Path) -> None:
+    """Wait for every process and raise on all of them if any failed
+    (`failure`: this process's error), after process 0 removed the temporary
+    folder: nothing is left half done."""
+    failed = failed_processes(failure)
     if not failed:
         return
     if jax.process_index() == 0:
@@ -155,14 +150,11 @@ class PendingSave:
     def wait(self) -> Path:
         """Block until the checkpoint is committed; raise the write's error."""
         self._thread.join()
-        if self._waited:
-            if self._failure is not None:
-                raise self._failure
-            return self.path
-        self._waited = True
-        if self._commit is not None:
-            self._commit(self._failure)
-        elif self._failure is not None:
+        if not self._waited:
+            self._waited = True
+            if self._commit is not None:  # raises the failure, if any, on all
+                self._commit(self._failure)
+        if self._failure is not None:
             raise self._failure
         return self.path
 
@@ -180,11 +172,6 @@ class PendingSave:
 
 
 # -- putting a checkpoint in place ---------------------------------------------
-
-
-def is_folder(path: Path) -> bool:
-    """Whether `path` is a folder checkpoint (a sharded one, or a link to one)."""
-    return path.is_dir()
 
 
 def partial_folder(path: Path) -> Path:
@@ -226,12 +213,6 @@ def set_aside(path: Path, *, doomed: bool = False) -> Path:
     return aside
 
 
-def remove(path: Path) -> None:
-    """Remove the checkpoint at `path`: a folder is renamed out of the listing
-    first, so a half-removed one is never listed."""
-    remove_tree(set_aside(path, doomed=True) if is_folder(path) else path)
-
-
 def remove_tree(folder: Path) -> None:
     if folder.is_symlink() or folder.is_file():
         folder.unlink()
@@ -245,16 +226,10 @@ def put_in_place(path: Path, write: Callable[[], None], *, folder: bool) -> None
     else already there is first moved aside, put back if `write` fails, and
     removed once it succeeds: a crash in between leaves the moved-aside one,
     which the next save restores (`directory._prune`)."""
-    in_the_way = is_folder(path) or (folder and (path.exists() or path.is_symlink()))
-    with replacing(path) if in_the_way else contextlib.nullcontext():
-        write()
-
-
-@contextlib.contextmanager
-def replacing(path: Path) -> Iterator[None]:
-    aside = set_aside(path) if path.exists() or path.is_symlink() else None
+    in_the_way = path.is_dir() or (folder and (path.exists() or path.is_symlink()))
+    aside = set_aside(path) if in_the_way else None
     try:
-        yield
+        write()
     except BaseException:
         if aside is not None:
             os.rename(aside, path)  # the previous checkpoint back in place
