@@ -193,11 +193,11 @@ class Checkpoints(Checkpointer):
         """The newest checkpoint of this run (`None` if the folder has none).
         Raises a `CheckpointError` if it belongs to another run, or holds more
         than `steps` steps."""
-        if not list_checkpoints(self.directory):
+        checkpoints = list_checkpoints(self.directory)
+        if not checkpoints:
             return None
         if self.on_corrupt == "raise":
-            path = list_checkpoints(self.directory)[-1][1]
-            return self._read(path, template, run, steps)
+            return self._read(checkpoints[-1][1], template, run, steps)
         loaded: dict[Path, Resumed] = {}
         refused: list[RunMismatchError] = []
 

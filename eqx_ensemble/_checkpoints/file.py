@@ -47,6 +47,13 @@ _READ_CHUNK = 1 << 24
 # `save_checkpoint`'s file names; the number is the step the manifest records.
 CHECKPOINT_NAME = re.compile(r"^step_([0-9]+)\.ckpt$")
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_FILE_KINDS = {
+    stat.S_IFDIR: "directory",
+    stat.S_IFIFO: "named pipe (FIFO)",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+}
 # The temporaries of writers that lock them (see `remove_abandoned`); those of
 # older versions are `.<target>.<16 hex>.tmp`. A live write touches its file at
 # least every leaf: one untouched for `STALE_AFTER_SECONDS` is abandoned.
@@ -205,19 +212,6 @@ def _lock(descriptor: int, *, blocking: bool) -> bool | None:
     return True
 
 
-def _file_kind(mode: int) -> str:
-    for test, kind in (
-        (stat.S_ISDIR, "directory"),
-        (stat.S_ISFIFO, "named pipe (FIFO)"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-    ):
-        if test(mode):
-            return kind
-    return "special file"
-
-
 def temporary_name(target_regex: str) -> re.Pattern[str]:
     """The names of `write_file`'s temporary files for targets whose names match
     `target_regex` (exactly: the temporaries of `a.ckpt.1` are not `a.ckpt`'s)."""
@@ -296,9 +290,10 @@ class CheckpointFile:
         except FileNotFoundError:
             raise FileNotFoundError(f"no checkpoint file at {path}") from None
         if not stat.S_ISREG(mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(mode), "special file")
             raise self.error(
-                f"not a regular file (a {_file_kind(mode)}); a checkpoint is a file "
-                "written by `ee.save`"
+                f"not a regular file (a {kind}); a checkpoint is a file written by "
+                "`ee.save`"
             )
         # O_NONBLOCK: a special file swapped in after the check must not block.
         descriptor = os.open(path, os.O_RDONLY | _NONBLOCK)

@@ -89,7 +89,11 @@ class _Leaf:
     def __init__(self, index: int, record: dict[str, Any], array: jax.Array):
         self.index, self.record, self.array = index, record, array
         dtype = np.dtype(array.dtype)
-        self.raw = not _tensorstore_supports(dtype)  # stored as bytes
+        try:
+            _tensorstore().dtype(dtype.name)
+            self.raw = False
+        except (TypeError, ValueError):
+            self.raw = True  # a dtype tensorstore lacks: stored as bytes
         self.stored_dtype = "uint8" if self.raw else dtype.name
         indices = array.sharding.devices_indices_map(array.shape)
         self.holders: dict[tuple[int, ...], list[Any]] = {}
@@ -115,14 +119,6 @@ class _Leaf:
     def position(self, start: tuple[int, ...]) -> list[int]:
         """The grid position of the chunk at `start` (a raw leaf's byte axis: 0)."""
         return [b // e for b, e in zip(start, self.chunk)] + [0] * self.raw
-
-
-def _tensorstore_supports(dtype: np.dtype) -> bool:
-    try:
-        _tensorstore().dtype(dtype.name)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def _balance(leaves: list[_Leaf], local: list[bool]) -> dict[tuple[int, Any], int]:

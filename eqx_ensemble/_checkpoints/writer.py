@@ -113,9 +113,9 @@ def agree(failure: BaseException | None, path: Path) -> None:
 
 
 class PendingSave:
-    """A checkpoint being written in the background (`ee.save(...,
-    asynchronous=True)`, `ee.Checkpoints(asynchronous=True)`): the arrays were
-    copied to the host when the save was asked for; a thread writes them.
+    """A checkpoint being written in the background
+    (`ee.Checkpoints(asynchronous=True)`): the arrays were copied to the host
+    when the save was asked for; a thread writes them.
     `wait()` blocks until the checkpoint is committed (in place, atomically) and
     raises the write's error, if any; on several processes, every process must
     call it (a barrier, then process 0 commits)."""
@@ -142,10 +142,6 @@ class PendingSave:
             work()
         except BaseException as error:  # noqa: BLE001 - raised by `wait`
             self._failure = error
-
-    def done(self) -> bool:
-        """Whether the background write has ended (committed, on one process)."""
-        return not self._thread.is_alive()
 
     def wait(self) -> Path:
         """Block until the checkpoint is committed; raise the write's error."""
