@@ -184,56 +184,38 @@ def _plan(
 ) -> Plan:
     platform = jax.default_backend()
     member_chunk = settings.member_chunk
-    user_options = settings.compiler_options
-    automatic_layout = (
-        settings.layout not in ("vmap", "sequential")
-        and member_chunk is None
-        and size <= SEQUENTIAL_MAX_MEMBERS
+    automatic = settings.layout not in ("vmap", "sequential")
+    profile, batched_dots = _profile(
+        settings, profile_of, members, examples, size, placement, steps
     )
-    sharded = placement.sharded
-    reads_profile = not sharded and (
-        platform == "cpu"
-        or (platform == "gpu" and automatic_layout and steps is not None)
-    )
-    profile = profile_of() if reads_profile else StepProfile()
-    batched_dots = profile.batched_dots
-    if (
-        user_options is None
-        and not reads_profile
-        and with_eigen_dots(
-            step_compiler_options(None, members, examples, size, placement)
-        )
-    ):
-        # Eigen's dots run batched matmuls slower: read that much of the
-        # profile for the options only (on a mesh every other choice is the
-        # rules' without it).
-        batched_dots = profile_of().batched_dots
     layout = choose_layout(
-        settings.layout if settings.layout in ("vmap", "sequential") else "auto",
+        "auto" if automatic else settings.layout,
         convolutions=profile.convolutions,
         size=size,
-        sharded=sharded,
+        sharded=placement.sharded,
         steps=steps,
         convolution_flops=profile.convolution_flops,
         platform=platform,
     )
     if member_chunk is not None:  # chunks of vectorised members
         layout = "vmap"
-    if (
-        settings.layout not in ("vmap", "sequential")
-        and member_chunk is None
+    # One device's CPU, no chunks given, the members vectorised and sharing
+    # nothing: the library's chunks below may apply.
+    own_chunks = (
+        member_chunk is None
         and layout == "vmap"
         and groupable
-        and steps is not None
-        and not sharded
+        and not placement.sharded
         and platform == "cpu"
-        and profile.convolution_flops >= GROUP_MIN_FLOPS
-    ):
-        # A run too short for the sequential layout's compile time, or with
-        # too many members for it: one member at a time in a loop (plain
-        # convolutions, not the vectorised members' grouped one), whose
-        # compile time does not grow with the members (`layout.GROUP_MIN_FLOPS`).
-        member_chunk = 1
+    )
+    if own_chunks and automatic and steps is not None:
+        if profile.convolution_flops >= GROUP_MIN_FLOPS:
+            # A run too short for the sequential layout's compile time, or
+            # with too many members for it: one member at a time in a loop
+            # (plain convolutions, not the vectorised members' grouped one),
+            # whose compile time does not grow with the members
+            # (`layout.GROUP_MIN_FLOPS`).
+            member_chunk = 1
     unroll = getattr(settings, "unroll", None)
     if unroll is None:
         # The library's programs lower a CPU's convolutions in the form XLA
@@ -246,47 +228,87 @@ def _plan(
             and layout == "vmap"
             and member_chunk is None
         )
-    length = getattr(settings, "steps_per_dispatch", None)
     flops = step_flops(members, examples, size, placement.devices, profile)
-    if length is None:
-        # An unrolled dispatch of array data is a loop on the host of calls of
-        # one compiled step, given `length` rows of drawn indices (one program
-        # for any run length: a resumed run is bit for bit the whole), about a
-        # second of work long. A stream's would be given its group padded to
-        # `length` batches: one step per dispatch, as the stream is read.
-        length = (
-            default_steps_per_dispatch(members, examples, size, placement.devices)
-            if steps is not None and not (unroll and pads_on_host)
-            else 1
-        )
-        if unroll or (profile.convolutions and platform == "cpu"):
-            budget = UNROLLED_DISPATCH_SECONDS * CPU_FLOPS_PER_SECOND
-            length = max(1, min(length, int(budget / max(flops, 1.0))))
+    length = _length(
+        settings, members, examples, size, placement, steps, unroll, pads_on_host,
+        profile.convolutions and platform == "cpu", flops,
+    )  # fmt: skip
     options = step_compiler_options(
-        user_options, members, examples, size, placement, batched_dots
+        settings.compiler_options, members, examples, size, placement, batched_dots
     )
     check = choose_finite_check(flops=flops, platform=placement.platform)
     # On a CPU a scanned dispatch of array data loops over a traced trip
     # count: one program for `length` steps, whatever the run's length.
     counted = steps is not None and placement.platform in COUNTED and not unroll
     counted = counted and not pads_on_host
-    if (
-        member_chunk is None
-        and steps is None
-        and not sharded
-        and platform == "cpu"
-        and layout == "vmap"
-        and groupable
-        and not profile.convolutions
-    ):
+    if own_chunks and steps is None and not profile.convolutions:
         # A step per call (`make_step`): its temporaries are taken at every
         # call, so kept under the allocator's ceiling (`SCRATCH_BYTES`). A
         # compiled loop (`fit`) takes them once per dispatch. Not a step that
         # convolves: XLA's CPU convolutions inside the chunks' loop ran 14x
-        # slower (24 CNNs on 8x8 images, `fit` in chunks of 3 to 12: 2.5 s
-        # per step against 0.18 s vectorised whole, session 17).
+        # slower (24 CNNs on 8x8 images: 2.5 s per step in chunks of 3 to 12
+        # against 0.18 s vectorised whole).
         member_chunk = scratch_chunk(size, member_temporaries(profile, members, size))
     return Plan(layout, options, check, unroll, length, counted, member_chunk)
+
+
+def _profile(
+    settings: Any, profile_of: Callable[[], StepProfile], members: PyTree[Any],
+    examples: int, size: int, placement: Devices, steps: int | None,
+) -> tuple[StepProfile, bool]:  # fmt: skip
+    """The step's profile where a choice reads it (one CPU device; one GPU
+    where `fit`'s layout is automatic), and whether it has batched matmuls
+    (read for the options alone where they would take Eigen's dots, which
+    run batched matmuls slower: on a mesh every other choice is the rules'
+    without a profile)."""
+    platform = jax.default_backend()
+    automatic_layout = (
+        settings.layout not in ("vmap", "sequential")
+        and settings.member_chunk is None
+        and size <= SEQUENTIAL_MAX_MEMBERS
+    )
+    reads_profile = not placement.sharded and (
+        platform == "cpu"
+        or (platform == "gpu" and automatic_layout and steps is not None)
+    )
+    profile = profile_of() if reads_profile else StepProfile()
+    batched_dots = profile.batched_dots
+    if (
+        settings.compiler_options is None
+        and not reads_profile
+        and with_eigen_dots(
+            step_compiler_options(None, members, examples, size, placement)
+        )
+    ):
+        batched_dots = profile_of().batched_dots
+    return profile, batched_dots
+
+
+def _length(
+    settings: Any, members: PyTree[Any], examples: int, size: int,
+    placement: Devices, steps: int | None, unroll: bool, pads_on_host: bool,
+    cpu_convolutions: bool, flops: float,
+) -> int:  # fmt: skip
+    """Steps per dispatch: the user's, else `default_steps_per_dispatch` for
+    a run of `fit` (one for a step per call, and for an unrolled stream's),
+    cut to about `UNROLLED_DISPATCH_SECONDS` of work where the steps are
+    unrolled or convolve on a CPU. An unrolled dispatch of array data is a
+    loop on the host of calls of one compiled step, given `length` rows of
+    drawn indices (one program for any run length: a resumed run is bit for
+    bit the whole); a stream's would be given its group padded to `length`
+    batches: one step per dispatch, as the stream is read."""
+    length = getattr(settings, "steps_per_dispatch", None)
+    if length is not None:
+        return length
+    length = (
+        default_steps_per_dispatch(members, examples, size, placement.devices)
+        if steps is not None and not (unroll and pads_on_host)
+        else 1
+    )
+    if unroll or cpu_convolutions:
+        budget = UNROLLED_DISPATCH_SECONDS * CPU_FLOPS_PER_SECOND
+        length = max(1, min(length, int(budget / max(flops, 1.0))))
+    return length
 
 
 def scratch_chunk(size: int, member_bytes: float) -> int | None:

@@ -69,6 +69,33 @@ from .tracker import Tracker
 from .train_state import FreshStart, TrainState, reads_weights, start_state
 
 
+@dataclasses.dataclass
+class FitCall:
+    """`fit`'s arguments as `prepare` checks them (or knows them from a call
+    checked before): `size`, `source` and `plan` are filled in as it goes."""
+
+    ens: Any
+    loss_fn: LossFn
+    optimizer: optax.GradientTransformation
+    data: Any
+    steps: int
+    key: PRNGKeyArray
+    batch_size: int | None
+    sampling: Any
+    opt_state: PyTree[Any]
+    state: PyTree[Any]
+    hyper: PyTree[Any]
+    evaluate: Evaluate | None
+    checkpoints: Any
+    track: Sequence[Tracker]
+    callbacks: Sequence[Any]
+    execution: Execution
+    components: tuple[Callback, ...] = ()
+    size: int = 0
+    source: ArraySource | None = None  # (a stream's is made where it starts)
+    plan: Plan | None = None
+
+
 def prepare(
     ens: Any, loss_fn: LossFn, optimizer: optax.GradientTransformation, data: Any,
     *, steps: int, key: PRNGKeyArray, batch_size: int | None, sampling: Any,
@@ -80,95 +107,120 @@ def prepare(
     resumed) state, the data source, the plan and the compiled loop's inputs."""
     check_optimizer(optimizer)
     # Equal losses and optimizers are one program (`_execution.intern`).
-    loss_fn, optimizer = canonical_tree(loss_fn), canonical_tree(optimizer)
-    call = (ens, opt_state, state, hyper, key, data)
-    settings = (optimizer, execution, sampling, steps, batch_size)
-    known = fresh = None
+    call = FitCall(
+        ens, canonical_tree(loss_fn), canonical_tree(optimizer), data, steps, key,
+        batch_size, sampling, opt_state, state, hyper, evaluate, checkpoints, track,
+        callbacks, execution,
+    )  # fmt: skip
+    inputs = (ens, opt_state, state, hyper, key, data)
+    settings = (call.optimizer, execution, sampling, steps, batch_size)
     simple = hyper is None and evaluate is None and checkpoints is None
+    known = None
     if simple and _empty(track) and _empty(callbacks):
-        known = _checked(loss_fn, settings, call)
-    source: DataSource | None
-    if known is not None:  # a call like one checked before: the same checks pass
-        size, plan, fresh = known
-        steps = check_positive_int(steps, "steps", high=MAX_INT32)  # (as an int)
-        sampling = as_sampling(sampling)
-        track, components = (), ()
-        source = ArraySource(data, sampling, batch_size, size, checked=True)
-    else:
-        size = check_inputs(
-            ens, loss_fn, optimizer, key, state=state, hyper=hyper,
-            opt_state=opt_state, runner=execution, where="fit",
-        )  # fmt: skip
-        steps = check_positive_int(steps, "steps", high=MAX_INT32)
-        sampling = check_sampling(loss_fn, as_sampling(sampling))
-        track, components = _components(
-            ens, size, steps, state, evaluate, checkpoints, track, callbacks
-        )
-        # Arrays are checked and planned now, before any work; a stream where
-        # the run starts, below (its plan needs its first batch).
-        source = (
-            ArraySource(data, sampling, batch_size, size) if check_data(data) else None
-        )
-        plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)
-    started = None
-    if isinstance(fresh, FreshStart):  # (a known call: of arrays, planned)
-        assert source is not None and plan is not None
-        if choose_guard(
-            execution.guard, True, plan.unroll, loss_fn, optimizer, groups_of(ens),
-            fresh.template.opt_state if opt_state is None else opt_state,
-        ).deferred:  # fmt: skip
-            started = fresh(ens, opt_state, state, key)  # (None: deleted since)
+        known = _checked(call.loss_fn, settings, inputs)
+    fresh = None if known is None else known[2]
+    if known is None:
+        _check(call)
+    else:  # a call like one checked before: the same checks pass
+        call.size, call.plan = known[:2]
+        call.steps = check_positive_int(steps, "steps", high=MAX_INT32)  # (an int)
+        call.sampling, call.track = as_sampling(sampling), ()
+        call.source = ArraySource(data, call.sampling, batch_size, call.size, True)
+    started = _fresh(call, fresh)
     fresh_started = started is not None
     if started is None:
         started = start_state(
-            ens, optimizer, opt_state, state, hyper=hyper, track=track,
-            with_eval=evaluate is not None, key=key, controlled=stateful(components),
+            ens, call.optimizer, opt_state, state, hyper=hyper, track=tuple(call.track),
+            with_eval=evaluate is not None, key=key,
+            controlled=stateful(call.components),
         )  # fmt: skip
-    train_state, keys = started
-    placement = placement_of(execution.mesh)
-    record = None if checkpoints is None else run_record(
-        ens, optimizer, opt_state, train_state, source, sampling, batch_size, key,
-        evaluate, track, hyper,
+    run = _assemble(call, started[0], started[1])
+    plan = call.plan
+    assert plan is not None
+    if fresh_started:  # (its arrays are the caller's: never donated)
+        assert run.guard_strategy.deferred, "internal error: a donating fresh start"
+    elif known is None:
+        if simple and run.source.kind == "arrays" and not call.components:
+            _remember(call.loss_fn, settings, inputs, (call.size, plan, None))
+    elif fresh is not False:  # seen again (or its kept arrays deleted since)
+        kept = _fresh_start(run, call.optimizer, opt_state, (ens, opt_state, state))
+        _remember(call.loss_fn, settings, inputs, (call.size, plan, kept or False))
+    return run
+
+
+def _check(call: FitCall) -> None:
+    """The checks of a call not known: inputs, steps, sampling, components;
+    array data checked and planned now, before any work (a stream where the
+    run starts: its plan needs its first batch)."""
+    call.size = check_inputs(
+        call.ens, call.loss_fn, call.optimizer, call.key, state=call.state,
+        hyper=call.hyper, opt_state=call.opt_state, runner=call.execution,
+        where="fit",
     )  # fmt: skip
+    call.steps = check_positive_int(call.steps, "steps", high=MAX_INT32)
+    call.sampling = check_sampling(call.loss_fn, as_sampling(call.sampling))
+    call.track, call.components = _components(call)
+    if check_data(call.data):
+        call.source = ArraySource(call.data, call.sampling, call.batch_size, call.size)
+        call.plan = _plan(call, call.source)
+
+
+def _fresh(call: FitCall, fresh: Any) -> tuple[TrainState, Any] | None:
+    """A known call's start from its kept `FreshStart`, for a run of arrays
+    with the deferred guard (its dispatches donate nothing); `None` otherwise
+    (or where a kept array was deleted since)."""
+    if not isinstance(fresh, FreshStart):
+        return None
+    assert call.plan is not None
+    opt_state = fresh.template.opt_state if call.opt_state is None else call.opt_state
+    guard = choose_guard(
+        call.execution.guard, True, call.plan.unroll, call.loss_fn, call.optimizer,
+        groups_of(call.ens), opt_state,
+    )  # fmt: skip
+    if not guard.deferred:
+        return None
+    return fresh(call.ens, call.opt_state, call.state, call.key)
+
+
+def _assemble(call: FitCall, train_state: TrainState, keys: Any) -> "Run":
+    """The run from its start state: resumed from the newest checkpoint, its
+    data source started (a stream's planned now), placed, and its chunk."""
+    placement = placement_of(call.execution.mesh)
+    record = None if call.checkpoints is None else run_record(call, train_state)
     train_state, history, saved_data = _resumed(
-        checkpoints, train_state, record, steps, placement, size
+        call.checkpoints, train_state, record, call.steps, placement, call.size
     )
     # A run not resumed starts at step 0 (`initial_state`): no host read, which
     # would wait for the start state's program before the dispatch is queued.
     done = 0 if history is None else int(train_state.step)
+    source: ArraySource | StreamSource | None = call.source
     if source is None:
-        source = StreamSource(data, sampling, batch_size, size, done, saved_data)
-        plan = _plan(execution, loss_fn, ens, size, source, state, hyper, steps)
+        source = StreamSource(
+            call.data, call.sampling, call.batch_size, call.size, done, saved_data
+        )
+        call.plan = _plan(call, source)
     else:
         source.start(keys.data, keys.bootstrap, placement)
+    plan = call.plan
     assert plan is not None
     train_state = placement.place_state(train_state)
     chunk = Chunk(
-        loss_fn=loss_fn, optimizer=optimizer, sampling=sampling, evaluate=evaluate,
-        track=track, batches=source.batches() if source.kind == "arrays" else None,
-        train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=size,
+        loss_fn=call.loss_fn, optimizer=call.optimizer, sampling=call.sampling,
+        evaluate=call.evaluate, track=tuple(call.track),
+        batches=source.batches() if source.kind == "arrays" else None,
+        train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=call.size,
         length=plan.length, placement=placement, unrolled=plan.unroll,
         layout=plan.layout, check=plan.check, counted=plan.counted,
         member_chunk=plan.member_chunk, pinned=placement.model_placement(train_state),
     )  # fmt: skip
-    run = Run(
+    return Run(
         chunk=placement.on_mesh(chunk), options=plan.compiler_options,
-        train_state=train_state, recorder=Recorder(size, history), steps=steps,
-        source=source, callbacks=components, track=track, record=record,
-        sampling=sampling, key=key, guard=execution.guard,
+        train_state=train_state, recorder=Recorder(call.size, history),
+        steps=call.steps, source=source, callbacks=call.components,
+        track=tuple(call.track), record=record, sampling=call.sampling,
+        key=call.key, guard=call.execution.guard,
         resumed_from=None if history is None else done,
     )  # fmt: skip
-    if fresh_started:  # (its arrays are the caller's: never donated)
-        assert run.guard_strategy.deferred, (
-            "internal error: a fresh start for a donating run"
-        )
-    elif known is None:
-        if simple and source.kind == "arrays" and not components:
-            _remember(loss_fn, settings, call, (size, plan, None))
-    elif fresh is not False:  # seen again (or its kept arrays deleted since)
-        kept = _fresh_start(run, optimizer, opt_state, (ens, opt_state, state))
-        _remember(loss_fn, settings, call, (size, plan, kept or False))
-    return run
 
 
 # What `prepare` found for a call of array data with no components (no
@@ -270,19 +322,15 @@ def _remember(
         return
 
 
-def _plan(
-    execution: Execution, loss_fn: LossFn, ens: Any, size: int,
-    source: DataSource | None, state: Any, hyper: Any, steps: int,
-) -> Plan | None:  # fmt: skip
+def _plan(call: FitCall, source: DataSource) -> Plan:
     """The run's plan, once its source is known (the mesh checked against the
     members and the batch first)."""
-    if source is None:
-        return None
-    placement = placement_of(execution.mesh)
-    placement.check_fit(size, source.batch_size)
+    placement = placement_of(call.execution.mesh)
+    placement.check_fit(call.size, source.batch_size)
     return plan_fit(
-        execution, loss_fn, ens, size, source, state, hyper, placement, steps
-    )
+        call.execution, call.loss_fn, call.ens, call.size, source, call.state,
+        call.hyper, placement, call.steps,
+    )  # fmt: skip
 
 
 def check_sampling(loss_fn: LossFn, sampling: Sampling) -> Sampling:
@@ -297,34 +345,26 @@ def check_sampling(loss_fn: LossFn, sampling: Sampling) -> Sampling:
     return sampling
 
 
-def _components(
-    ens: Any,
-    size: int,
-    steps: int,
-    state: PyTree[Any],
-    evaluate: Evaluate | None,
-    checkpoints: Callback | None,
-    track: Sequence[Tracker],
-    callbacks: Sequence[Any],
-) -> tuple[tuple[Tracker, ...], tuple[Callback, ...]]:
+def _components(call: FitCall) -> tuple[tuple[Tracker, ...], tuple[Callback, ...]]:
     """The run's trackers and its host components in the order they run
     (`Callback.phase`), each checked: what a callback can check of the run (a
     logger's folder; that `ee.PBT` gets a fresh evaluation for every round)
     is refused before any work."""
-    track = check_components(evaluate, checkpoints, track)
-    check_callbacks(callbacks)
+    evaluate, checkpoints = call.evaluate, call.checkpoints
+    track = check_components(evaluate, checkpoints, call.track)
+    check_callbacks(call.callbacks)
     components = as_callbacks(
-        [*callbacks, *([] if checkpoints is None else [checkpoints])]
+        [*call.callbacks, *([] if checkpoints is None else [checkpoints])]
     )
     for tracker in track:
-        tracker.check(steps)
+        tracker.check(call.steps)
     if components:
         every = None if evaluate is None else evaluate.every
-        setup = RunSetup(steps, size, ens, every, components)
+        setup = RunSetup(call.steps, call.size, call.ens, every, components)
         for component in components:
             component.on_check(setup)
     if evaluate is not None:
-        evaluate.check(state is not None)
+        evaluate.check(call.state is not None)
     return track, components
 
 
@@ -351,34 +391,22 @@ def _resumed(
     return (train_state, None, None) if resumed is None else resumed
 
 
-def run_record(
-    ens: Ensemble | Heterogeneous,
-    optimizer: optax.GradientTransformation,
-    opt_state: PyTree[Any],
-    train_state: TrainState,
-    source: DataSource | None,
-    sampling: Sampling,
-    batch_size: int | None,
-    key: PRNGKeyArray,
-    evaluate: Evaluate | None,
-    track: tuple[Tracker, ...],
-    hyper: PyTree[Any],
-) -> RunRecord:
-    """What identifies the run, for its checkpoints (`opt_state`: as given, or
-    `None`)."""
+def run_record(call: FitCall, train_state: TrainState) -> RunRecord:
+    """What identifies the run, for its checkpoints."""
+    source, opt_state, evaluate = call.source, call.opt_state, call.evaluate
     return RunRecord(
-        size=len(ens),
-        batch_size=batch_size if source is None else source.batch_size,
-        sampling=sampling.record(),
+        size=len(call.ens),
+        batch_size=call.batch_size if source is None else source.batch_size,
+        sampling=call.sampling.record(),
         num_examples=None if source is None else source.num_examples,
-        key=key_record(key),
+        key=key_record(call.key),
         eval_every=None if evaluate is None else evaluate.every,
-        track=[repr(tracker) for tracker in track],
+        track=[repr(tracker) for tracker in call.track],
         hyperparams=None
         if opt_state is None
-        else hyperparams_record(labelled(ens, opt_state)),
-        hyper=start_record([("", hyper)] if hyper is not None else []),
-        optimizer=optimizer_record(optimizer, train_state.opt_state),
+        else hyperparams_record(labelled(call.ens, opt_state)),
+        hyper=start_record([("", call.hyper)] if call.hyper is not None else []),
+        optimizer=optimizer_record(call.optimizer, train_state.opt_state),
     )
 
 
