@@ -56,8 +56,8 @@ def num_examples(data: PyTree[Any], what: str = "data") -> int:
 def epoch_indices(
     data_key: PRNGKeyArray, step: Int[Array, ""], n: int, batch_size: int
 ) -> Int[Array, " batch"]:
-    """Without replacement: step `s` takes the `s % E`-th slice of epoch `s // E`'s
-    permutation (`E = n // batch_size`; the remainder of each epoch is dropped)."""
+    """Step `s` takes slice `s % E` of epoch `s // E`'s permutation
+    (`E = n // batch_size`; each epoch's remainder is dropped)."""
     steps_per_epoch = n // batch_size
     epoch = step // steps_per_epoch
     position = step % steps_per_epoch
@@ -65,34 +65,15 @@ def epoch_indices(
     return jax.lax.dynamic_slice(indices, (position * batch_size,), (batch_size,))
 
 
-# From this many indices on, a CPU sorts each round's random keys alone
-# (`_sorted_alone`): its program compiles ~0.12 s longer than JAX's, so only
-# where a permutation saves enough (60,000 indices: 39 -> 11.6 ms).
+# From here a CPU sorts keys alone (~0.12 s more compilation; 60,000: 39 -> 11.6 ms).
 SORT_ALONE_FROM = 16384
 
 
 def permutation(key: PRNGKeyArray, n: int) -> Int[Array, " n"]:
-    """`jax.random.permutation(key, n)`, bit for bit, in about a third of its
-    time on a CPU for large `n`.
-
-    JAX shuffles `arange(n)` in `rounds(n)` rounds, each a stable sort of the
-    indices by fresh 32-bit random keys. XLA's CPU sort of one primitive
-    array is ~5x faster than its sort of keys with values (a comparator per
-    comparison), so on a CPU each round sorts its keys alone and puts every
-    index where the stable sort would (`_sorted_alone`): 60,000 indices
-    39 -> 11.6 ms on a 2-vCPU Xeon (`benchmarks/bench_large_data.py`), for
-    ~0.12 s more compilation. Other platforms (and `n` below
-    `SORT_ALONE_FROM`) run `jax.random.permutation` itself; a test holds the
-    two equal.
-
-    **Example:**
-
-    ```python
-    key = jax.random.key(0)
-    indices = permutation(key, 20000)
-    assert (indices == jax.random.permutation(key, 20000)).all()
-    ```
-    """
+    """`jax.random.permutation(key, n)`, bit for bit, ~3x faster on a CPU for
+    large `n`: each round sorts its keys alone (XLA's CPU sort of one array is
+    ~5x faster than key-value), see `_sorted_alone`. Elsewhere, or below
+    `SORT_ALONE_FROM`, it is `jax.random.permutation` itself."""
 
     def reference(key: PRNGKeyArray) -> Array:
         return jax.random.permutation(key, n)
@@ -105,15 +86,12 @@ def permutation(key: PRNGKeyArray, n: int) -> Int[Array, " n"]:
 
 
 def rounds(n: int) -> int:
-    """The rounds of JAX's shuffle (`_shuffle`: the heuristic count of
-    tjablin's analysis), in NumPy's floating point as JAX computes it."""
+    """The rounds of JAX's `_shuffle`, computed as JAX computes them."""
     return int(np.ceil(3 * np.log(max(1, n)) / np.log(np.iinfo(np.uint32).max)))
 
 
 def _permutation_sorting_alone(key: PRNGKeyArray, n: int) -> Array:
-    """`jax.random.permutation(key, n)`'s rounds (one split per round, 32
-    random bits per index), each with `_sorted_alone` for `lax.sort_key_val`,
-    in a loop: one round's program, however many rounds."""
+    """`jax.random.permutation`'s rounds with `_sorted_alone`, in a loop."""
 
     def one_round(_: Array, carry: tuple[Array, Array]) -> tuple[Array, Array]:
         key, indices = carry
@@ -125,14 +103,10 @@ def _permutation_sorting_alone(key: PRNGKeyArray, n: int) -> Array:
 
 
 def _sorted_alone(keys: Array, values: Array) -> Array:
-    """`lax.sort_key_val(keys, values)[1]` (a stable sort) for one axis of
-    unsigned keys, by sorting the keys alone: a value goes to the first sorted
-    position of its key, plus the number of equal keys before it. Those ties
-    (rare: about `n**2 / 2**33` pairs) are settled in rounds: at each slot the
-    earliest index still unplaced takes it, and the others move one slot on.
-    A group of `m` equal keys takes `m` rounds, so keys all equal would take
-    `n` (quadratic); 32 random bits per key make groups of more than two
-    vanishingly rare."""
+    """`lax.sort_key_val(keys, values)[1]` by sorting the keys alone: a value
+    goes to its key's first sorted position plus the equal keys before it. Ties
+    (~`n**2 / 2**33` pairs) are settled in rounds, one per tied key (all equal
+    would be quadratic)."""
     n = keys.shape[0]
     index = jnp.arange(n, dtype=jnp.int32)
     first = _first_positions(jnp.sort(keys), keys)
@@ -156,9 +130,8 @@ def _sorted_alone(keys: Array, values: Array) -> Array:
 
 
 def _first_positions(sorted_keys: Array, keys: Array) -> Array:
-    """`jnp.searchsorted(sorted_keys, keys)` (the count of smaller keys), as a
-    binary search in a loop of `log2 n` steps (JAX 0.10.2's own cannot batch
-    over an axis of an Explicit mesh)."""
+    """`jnp.searchsorted(sorted_keys, keys)` as a loop (JAX 0.10.2's cannot
+    batch over an Explicit mesh axis)."""
     n = sorted_keys.shape[0]
     steps = n.bit_length()  # the first step is the largest power of two <= n
 
@@ -173,8 +146,7 @@ def _first_positions(sorted_keys: Array, keys: Array) -> Array:
 def bootstrap_resamples(
     bootstrap_key: PRNGKeyArray, size: int, n: int
 ) -> Int[Array, " members n"]:
-    """Member `i`'s bootstrap resample of the data: `n` indices drawn with
-    replacement with key `split(bootstrap_key, size)[i]`."""
+    """Member `i`'s `n` draws with replacement (key `split(bootstrap_key, size)[i]`)."""
     member_keys = jax.random.split(bootstrap_key, size)
     return jax.vmap(lambda k: jax.random.randint(k, (n,), 0, n))(member_keys)
 
@@ -182,10 +154,8 @@ def bootstrap_resamples(
 def block_resamples(
     bootstrap_key: PRNGKeyArray, size: int, n: int, length: int
 ) -> Int[Array, " members n"]:
-    """The moving-block bootstrap (Kunsch 1989): member `i` draws
-    `ceil(n / length)` block starts uniformly from `0..n - length` with key
-    `split(bootstrap_key, size)[i]`, and its resample is those blocks of
-    `length` consecutive indices, end to end, cut to `n`."""
+    """The moving-block bootstrap (Kunsch 1989): `ceil(n / length)` uniform
+    block starts per member, blocks end to end, cut to `n`."""
     blocks = -(-n // length)
     member_keys = jax.random.split(bootstrap_key, size)
 

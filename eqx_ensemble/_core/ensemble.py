@@ -26,28 +26,22 @@ Member = TypeVar("Member")
 class Ensemble(eqx.Module, Generic[Member]):
     """An ensemble of models stored as ONE model whose array leaves are stacked.
 
-    Every array leaf of `members` carries a leading *member* axis of the same size;
-    non-array leaves (activation functions, Python floats, static fields) are shared
-    by all members. Build one with [`ee.ensemble`][eqx_ensemble.ensemble] (weights
-    born stacked) or [`ee.stack`][eqx_ensemble.stack] (from a list of models).
+    Every array leaf of `members` carries a leading *member* axis; non-array
+    leaves are shared by all members. Build one with
+    [`ee.ensemble`][eqx_ensemble.ensemble] or [`ee.stack`][eqx_ensemble.stack].
 
-    Members may also *share parts* (a frozen backbone under stacked heads, the slow
-    weights of BatchEnsemble, the base model under stacked adapters): those array
-    leaves are held ONCE in `shared`, without a member axis, and `members` has
-    `None` in their place (the two are an `eqx.partition` of the model). Member
-    `i` is `eqx.combine(<member i of members>, shared)`, a plain model. See the
-    shared-parts guide.
+    Members may *share parts* (a frozen backbone under stacked heads): those array
+    leaves are held ONCE in `shared`, with `None` in their place in `members` (an
+    `eqx.partition` of the model); member `i` is `eqx.combine(<member i>, shared)`.
+    See the shared-parts guide.
 
     **Arguments:**
 
-    - `members`: the stacked model: any PyTree, usually an `eqx.Module` (with
-      `None` where a leaf is shared).
-    - `shared`: `None` (nothing shared, the default), or the array leaves held
-      once for all members: the same structure as `members`, with `None` at
-      every stacked leaf (non-array leaves may appear on both sides).
+    - `members`: the stacked model, any PyTree (`None` where a leaf is shared).
+    - `shared`: `None` (default), or the array leaves held once: the structure
+      of `members` with `None` at every stacked leaf.
     - `train_shared`: whether training updates the shared part (one optimizer
-      state, the sum of the members' gradients) or keeps it frozen (no gradient,
-      no optimizer state; the default).
+      state, the members' summed gradients) or keeps it frozen (the default).
 
     **Example:**
 
@@ -67,9 +61,7 @@ class Ensemble(eqx.Module, Generic[Member]):
     members: Member
     shared: Any = None
     train_shared: bool = eqx.field(static=True, default=False)
-    # The shapes of the shared leaves when the ensemble was built: a shared leaf
-    # that later gains a member axis (e.g. through `eqx.tree_at`) is refused by
-    # name instead of broadcasting silently.
+    # Shared leaf shapes at build time: one that later gains a member axis is refused.
     shared_shapes: tuple[tuple[str, tuple[int, ...]], ...] | None = eqx.field(
         static=True, default=None, repr=False
     )
@@ -98,9 +90,7 @@ class Ensemble(eqx.Module, Generic[Member]):
         _check_shared_layout(self.members, self.shared)
 
     def member(self, stacked_member: Any) -> Any:
-        """Member weights (the stacked part of ONE member, e.g. inside `ee.map` or
-        a vmap over `ens.members`) completed with the shared part: a plain model.
-        The identity for an ensemble that shares nothing."""
+        """One member's stacked part completed with the shared part: a plain model."""
         if self.shared is None:
             return stacked_member
         check_shared_shapes(self)
@@ -119,16 +109,11 @@ class Ensemble(eqx.Module, Generic[Member]):
 
         **Arguments:**
 
-        - `index`: an `int` (returns that member as a plain model), a `slice`, a
-          1-D integer array of member indices, or a 1-D boolean mask of length
-          `len(ens)` (each returns an `Ensemble`).
+        - `index`: an `int` (a plain model), or a `slice`, a 1-D integer array or
+          a boolean mask of length `len(ens)` (an `Ensemble`).
 
-        Concrete indices are bounds-checked (an `IndexError` names the ensemble
-        size). Under `jax.jit` an integer index or index array may be traced; it is
-        then not bounds-checked and follows JAX's indexing rules (out-of-range
-        indices are clamped). Boolean masks must be concrete. Every array
-        leaf is indexed in one compiled call, one program per structure and
-        kind of index (any member number, any slice of the same length).
+        Concrete indices are bounds-checked; traced ones (under `jax.jit`) follow
+        JAX's indexing rules (clamped). Boolean masks must be concrete.
         """
         size = len(self)
         if isinstance(index, slice):
@@ -173,8 +158,7 @@ class Ensemble(eqx.Module, Generic[Member]):
         **Arguments:**
 
         - `*args`, `**kwargs`: passed unchanged to every member.
-        - `key`: optional PRNG key; it is split so that member `i` is called with its
-          own `key=member_keys[i]` (for dropout and other stochastic layers).
+        - `key`: optional; member `i` is called with `key=split(key, len(ens))[i]`.
 
         **Returns:**
 
@@ -184,8 +168,7 @@ class Ensemble(eqx.Module, Generic[Member]):
         def call_member(member, *member_args, **member_kwargs):
             return member(*member_args, **kwargs, **member_kwargs)
 
-        # `call_member` is new each call: the automatic layout's profile is
-        # cached under the class (keyed by the members' and inputs' shapes).
+        # `call_member` is new each call: cache the layout profile under the class.
         return map_members(
             call_member, self, args, None, None, key, None, profile_owner=Ensemble
         )
@@ -196,8 +179,6 @@ def _is_concrete(x: Any) -> bool:
 
 
 def _member_positions(index: Any, size: int) -> Any:
-    # `index`: a list/tuple, or a JAX or NumPy integer array or boolean mask (any
-    # rank here: a clear IndexError below rejects anything but 1-D).
     if isinstance(index, list | tuple) and len(index) == 0:
         raise IndexError(
             f"the index {index!r} is empty: it selects no members of the ensemble of "
@@ -243,21 +224,14 @@ def _take(ens: Ensemble, positions: Any, size: int) -> Ensemble:
 
 @one_shot_jit(static_argnames=("one",))
 def _take_leaves(leaves: list[Any], rows: Any, one: bool) -> list[Any]:
-    # One member as a one-row gather, not a dynamic slice: on a mesh that
-    # splits the member axis, XLA gathers a whole leaf onto every device for
-    # a dynamic slice, one row for a gather.
+    # A one-row gather: on a member-split mesh a dynamic slice gathers the leaf.
     return [leaf[rows][0] if one else leaf[rows] for leaf in leaves]
 
 
 def take_members(members: Any, index: Any, *, one: bool = False) -> Any:
-    """`leaf[index]` of every array leaf of `members`: one member (`one`, an
-    int in range) or those of a 1-D index array. Concrete indices on JAX
-    arrays take ONE compiled call per structure and shapes, whatever the
-    index's value (op by op: a program per leaf shape, 10-15 for an MLP and
-    0.2-0.4 s on a first use). Op by op, as before: inside a trace, where
-    leaves are NumPy arrays, where many leaves share few shapes (op by op
-    compiles one program per shape; one call, a program per structure),
-    and where the leaves live on different devices."""
+    """`leaf[index]` of every array leaf: one member (`one`) or a 1-D index array.
+    One compiled call when it pays (op by op compiles 10-15 programs, 0.2-0.4 s,
+    for an MLP); op by op when traced, on NumPy leaves, or across devices."""
     leaves, treedef = jax.tree.flatten(members)
     arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
     if _takes_in_one_call(arrays, index):
@@ -282,10 +256,8 @@ def _takes_in_one_call(arrays: list[Any], index: Any) -> bool:
 
 
 def one_call_pays(arrays: list[Any]) -> bool:
-    """Whether one compiled call for all of `arrays` (a program per structure)
-    beats a call per array (a program per shape, which arrays of one shape
-    share): unless many arrays share few shapes (a deep stack of equal
-    layers)."""
+    """Whether one call for all `arrays` beats one per shape (not when many
+    arrays share few shapes, e.g. a deep stack of equal layers)."""
     return len(arrays) <= 2 * len({(np.shape(x), x.dtype) for x in arrays})
 
 
@@ -344,9 +316,7 @@ def _check_shared_layout(members: Any, shared: Any) -> None:
         if shared_leaf is None:
             continue
         if not _is_arrayish(shared_leaf):
-            # Non-array leaves (activations, flags such as dropout's `inference`)
-            # may be kept on both sides, so that `eqx.nn.inference_mode(ens)` and
-            # other `tree_at`s see them; `members`' copy is the one used.
+            # Non-array leaves may be on both sides; `members`' copy is used.
             continue
         if member_leaf is not None:
             raise ValueError(
@@ -359,9 +329,8 @@ def _check_shared_layout(members: Any, shared: Any) -> None:
 
 
 class SharedOptState(eqx.Module):
-    """The optimizer state of an ensemble whose shared part is trained
-    (`train_shared=True`): one state per member for the stacked part, and ONE
-    state for the shared part. Made by
+    """The optimizer state of an ensemble with `train_shared=True`: one state per
+    member and ONE for the shared part. Made by
     [`ee.init_optimizer`][eqx_ensemble.init_optimizer].
 
     **Fields:**
@@ -404,15 +373,10 @@ def member_axis_mask(tree: PyTree[Any]) -> PyTree[bool]:
 
 
 def resolve_shared(model: Any, shared: Any) -> PyTree[bool]:
-    """`model`'s structure with `True` at each array leaf `shared` picks.
-
-    `shared` is a function `model -> part` (a node, or a tuple/list of nodes, as in
-    `eqx.tree_at`), or a filter specification as in `eqx.partition` (a PyTree
-    prefix of the model whose leaves are bools or `leaf -> bool` callables)."""
+    """`model`'s structure with `True` at each array leaf `shared` picks: a
+    function `model -> node(s)` as in `eqx.tree_at`, or an `eqx.partition` filter."""
     if callable(shared) and not isinstance(shared, eqx.Module | bool):
-        # The leaves of the nodes `shared(model)` returns, found by identity (each
-        # array leaf of a model is its own object; `model` may hold
-        # `jax.ShapeDtypeStruct`s).
+        # Picked leaves are found by identity.
         try:
             nodes = shared(model)
         except Exception as error:
@@ -451,8 +415,7 @@ def _is_arrayish(leaf: Any) -> bool:
 
 
 def shared_filter(model: Any, mask: PyTree[bool]) -> Any:
-    """The shared part of `model`: the array leaves `mask` picks, and every
-    non-array leaf (kept on both sides, see `_check_shared_layout`)."""
+    """The array leaves `mask` picks, and every non-array leaf."""
     keep = jtu.tree_map(
         lambda flag, leaf: bool(flag) or not _is_arrayish(leaf), mask, model
     )
@@ -478,15 +441,12 @@ def check_shared_mask(mask: PyTree[bool], model: Any) -> None:
         )
 
 
-# Up to this many members, `ensemble` does not trace `make` a second time to
-# check the ensemble fits in memory (`make` is traced once: a promise the tests
-# keep).
+# Up to this size `make` is not traced a second time for the memory check.
 _TRACE_FREE_SIZE = 4096
 
 
 def _check_fits_in_memory(make: Callable[..., Any], key: Any, size: int) -> None:
-    # An impossible ensemble must be refused here: XLA aborts the whole process on
-    # a buffer it cannot allocate (2**40 members of a 2-weight model did).
+    # XLA aborts the process on a buffer it cannot allocate: refuse it here.
     if size > 2**31 - 1:
         raise ValueError(
             f"`size` {size} is more members than XLA can index (2**31 - 1)"
@@ -514,8 +474,7 @@ def _check_fits_in_memory(make: Callable[..., Any], key: Any, size: int) -> None
         )
 
 
-# A model may itself be a tuple, so the two overloads overlap by nature; the
-# `(model, State)` one is listed first so that it wins for stateful models.
+# A model may be a tuple: the `(model, State)` overload comes first to win.
 @overload
 def ensemble(  # pyright: ignore[reportOverlappingOverload]
     make: Callable[[PRNGKeyArray], tuple[Member, eqx.nn.State]],
@@ -549,17 +508,12 @@ def ensemble(
     """Build an ensemble whose weights are born stacked.
 
     Calls `make(member_key)` under `eqx.filter_vmap` over
-    `jax.random.split(key, size)`: the model is traced once and initialised for all
-    members in one vectorised computation, never a Python loop over members.
-    That computation is compiled as one program (as `jax.jit` would compile
-    it, with options for a program that runs once), which a `make` with the same
-    code and values reuses (a re-run notebook cell compiles nothing); Python
-    side effects in `make` happen when it is traced, as under `jax.jit`, and
-    an object `make` reads that is neither a number, an array nor a function
-    (a config object, say) is keyed by identity: changed in place after the
-    first build, it is not read again (make a new object, or a new `make`
-    that holds the values). A `make` that reads an array's value (`if
-    float(x) > 0` on an array it made) is run op by op instead.
+    `jax.random.split(key, size)`: traced once, initialised for all members in one
+    compiled program, which a `make` with the same code and values reuses. As
+    under `jax.jit`, Python side effects happen at trace time, and an object
+    `make` reads that is not a number, array or function is keyed by identity
+    (changed in place, it is not read again). A `make` that reads an array's
+    value is run op by op instead.
 
     **Arguments:**
 
@@ -567,15 +521,12 @@ def ensemble(
       It may also return `(model, state)` as `eqx.nn.make_with_state` does.
     - `size`: the number of members, at least 1.
     - `key`: ONE PRNG key; member `i` is made with `jax.random.split(key, size)[i]`.
-    - `shared`: optional; the parts held ONCE for all members instead of stacked:
-      a function of the model returning the part (a node or a tuple of nodes, as
-      in `eqx.tree_at`, e.g. `lambda m: m.backbone`) or a filter specification
-      as in `eqx.partition`. The shared part is member 0's (made with
-      `jax.random.split(key, size)[0]`); only the stacked part is built for the
-      other members. See the shared-parts guide.
-    - `train_shared`: `False` (default): the shared part is frozen (no gradient,
-      no optimizer state). `True`: training updates it with ONE optimizer state
-      and the sum of the members' gradients (the one deliberate coupling).
+    - `shared`: optional; the parts held ONCE (member 0's): a function of the
+      model returning node(s) as in `eqx.tree_at` (`lambda m: m.backbone`), or
+      an `eqx.partition` filter. See the shared-parts guide.
+    - `train_shared`: `False` (default): the shared part is frozen. `True`:
+      training updates it with ONE optimizer state and the members' summed
+      gradients.
 
     **Returns:**
 
@@ -631,8 +582,7 @@ def _ensemble_with_shared(
     mask = resolve_shared(model_shapes, shared)
     check_shared_mask(mask, model_shapes)
 
-    # Compiled, so that the shared part is not built for every member only
-    # to be dropped (a big backbone would need `size` copies for a moment).
+    # Compiled, so the shared part is not built `size` times and dropped.
     stacked, shared_part = compiled_call(
         functools.partial(_shared_parts, make, stateful, mask), member_keys
     )
@@ -645,10 +595,9 @@ def _ensemble_with_shared(
 def _shared_parts(
     make: Callable[..., Any], stateful: bool, mask: PyTree[bool], member_keys: Any
 ) -> Any:
-    """The members' own parts (with their states) under `eqx.filter_vmap`, and
-    the shared part built once, from the first member's key. (Module-level,
-    in a `functools.partial`: keyed by what it computes, also where
-    jaxtyping's import hook wraps every `def` in a new object per call.)"""
+    """The members' own parts (and states) under `eqx.filter_vmap`, and the
+    shared part built once from the first key. (Module-level so its cache key
+    is stable under jaxtyping's import hook.)"""
 
     def stacked_part(member_key: Any) -> Any:
         made = make(member_key)

@@ -1,6 +1,4 @@
-"""Per-member results of the groups of a heterogeneous ensemble: cut at the
-groups' bounds, and joined along the member axis where they agree. Knows no
-ensemble class (the map engine uses it too)."""
+"""Per-member results of a heterogeneous ensemble's groups: cut and joined."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -15,8 +13,7 @@ from .._internal.tree import first_difference
 
 
 def split_members(tree: PyTree[Any], bounds: Sequence[tuple[int, int]]) -> tuple:
-    """`tree`'s array leaves (each with the global member axis first) cut into
-    one tree per group; non-array leaves are kept in every group."""
+    """`tree`'s array leaves cut at `bounds` along the member axis, per group."""
     return tuple(
         jax.tree.map(
             lambda leaf, a=start, b=stop: leaf[a:b] if eqx.is_array(leaf) else leaf,
@@ -27,8 +24,7 @@ def split_members(tree: PyTree[Any], bounds: Sequence[tuple[int, int]]) -> tuple
 
 
 def joinable(outputs: Sequence[PyTree[Any]]) -> bool:
-    """Whether the groups' outputs have one structure and per-member shapes and
-    dtypes that agree (so they concatenate along the member axis)."""
+    """Whether the groups' outputs concatenate along the member axis."""
     first = jtu.tree_structure(outputs[0])
     if any(jtu.tree_structure(out) != first for out in outputs[1:]):
         return False
@@ -45,8 +41,7 @@ def joinable(outputs: Sequence[PyTree[Any]]) -> bool:
 
 
 def join_groups(outputs: Sequence[PyTree[Any]]) -> Any:
-    """The groups' outputs concatenated along the member axis where they agree
-    (`joinable`), else the tuple of them."""
+    """The groups' outputs concatenated if `joinable`, else their tuple."""
     outputs = tuple(outputs)
     if not joinable(outputs):
         return outputs
@@ -59,9 +54,7 @@ def join_groups(outputs: Sequence[PyTree[Any]]) -> Any:
 
 
 def join_members(outputs: Sequence[PyTree[Any]], what: str) -> Any:
-    """As `join_groups`, but the outputs must agree: an error naming `what`
-    and the first leaf that differs otherwise (per-member results of a step,
-    such as losses and `aux`, form one history)."""
+    """As `join_groups`, but raise (naming `what`) unless they join."""
     outputs = tuple(outputs)
     if joinable(outputs):
         return join_groups(outputs)

@@ -1,5 +1,4 @@
-"""`Heterogeneous`: ensembles of different architectures held as one, and the
-helpers that split per-member arrays by group and join the groups' results."""
+"""`Heterogeneous`: ensembles of different architectures held as one."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,25 +17,19 @@ from .mapping import map_members
 
 class Heterogeneous(eqx.Module):
     """Several [`ee.Ensemble`][eqx_ensemble.Ensemble]s whose members differ in
-    architecture (widths, depths, families), held and trained as one ensemble:
-    members are numbered across the groups in order (group 0's first, then group
-    1's, ...). Each group stays a natively stacked ensemble, so a step runs one
-    vectorised computation per group, all of them in one compiled program.
+    architecture, held and trained as one ensemble: members are numbered across
+    the groups in order. Each group stays stacked: a step runs one vectorised
+    computation per group, all in one compiled program.
 
     [`ee.fit`][eqx_ensemble.fit], [`ee.predict`][eqx_ensemble.predict],
-    [`ee.map`][eqx_ensemble.map] and calling it take it where they take an
-    `Ensemble`:
+    [`ee.map`][eqx_ensemble.map] and calling it take it like an `Ensemble`:
 
-    - `fit` trains every group in one call, one compiled program per dispatch:
-      one optimizer state per group (a tuple), one model state per group (a
-      tuple, or `None`), one history `(steps, members)` over all members. Member
-      `i` gets exactly the key, batches, `hyper=` row and divergence guard that
-      member `i` of an `Ensemble` of `len(het)` members gets, so a group's
-      members train as they would in a homogeneous ensemble of that size.
+    - `fit`: one optimizer state and one model state per group (tuples), one
+      history `(steps, members)` over all members. Member `i` gets exactly the
+      key, batches, `hyper=` row and divergence guard of member `i` of an
+      `Ensemble` of `len(het)` members.
     - `predict`/`map` return the groups' outputs concatenated along the member
-      axis when their structures and shapes agree (so metrics, conformal
-      prediction and combination rules take them unchanged), else a tuple with
-      one output per group.
+      axis when their structures and shapes agree, else a tuple per group.
 
     **Arguments:**
 
@@ -139,15 +132,10 @@ class Heterogeneous(eqx.Module):
         | Int[ArrayLike, " k"]
         | Bool[ArrayLike, " n"],
     ) -> Any:
-        """Global member `index` as a plain model; or, for a 1-D sequence or
-        array of member indices (repeats allowed, as
-        [`ee.greedy_selection`][eqx_ensemble.greedy_selection] returns) or a
-        boolean mask over the members, an
-        `ee.Heterogeneous` of those members: each group's selected members, in
-        the order given, groups in their order (groups with none dropped). The
-        member order may so differ from `index`'s; a member picked twice is
-        held twice: [`order`][eqx_ensemble.Heterogeneous.order] gives the
-        global indices in that order."""
+        """Global member `index` as a plain model; or, for a 1-D array of member
+        indices (repeats allowed) or a boolean mask, an `ee.Heterogeneous` of
+        those members, regrouped by group (empty groups dropped):
+        [`order`][eqx_ensemble.Heterogeneous.order] gives their global indices."""
         if isinstance(index, int | np.integer) and not isinstance(index, bool):
             group, position = self.locate(int(index))
             return self.groups[group][position]
@@ -171,8 +159,7 @@ class Heterogeneous(eqx.Module):
         self, index: Sequence[int] | Int[ArrayLike, " k"] | Bool[ArrayLike, " n"]
     ) -> Int[np.ndarray, " k"]:
         """The global member indices of `het[index]`'s members, in its member
-        order (selected members are regrouped by group): index anything held
-        per member of `het` with it to line it up with `het[index]`.
+        order: index per-member values of `het` with it to match `het[index]`.
 
         **Example:**
 
@@ -218,9 +205,7 @@ class Heterogeneous(eqx.Module):
         return [self.locate(int(i)) for i in indices]
 
     def __call__(self, *args: Any, key: PRNGKeyArray | None = None, **kwargs: Any):
-        """Call every member on the same inputs: the groups' outputs joined along
-        the member axis (see the class), member `i` with `split(key,
-        len(het))[i]` if a `key` is given."""
+        """Call every member (with `split(key, len(het))[i]`); outputs joined."""
         keys = None if key is None else jax.random.split(key, len(self))
         outputs = [
             group(*args, **kwargs)
@@ -245,13 +230,11 @@ def is_heterogeneous(x: Any) -> TypeIs[Heterogeneous]:
 
 
 def is_ensemble(x: Any) -> TypeIs[Ensemble | Heterogeneous]:
-    """Whether `x` is an ensemble the library trains: an `ee.Ensemble` or an
-    `ee.Heterogeneous`."""
+    """Whether `x` is an `ee.Ensemble` or an `ee.Heterogeneous`."""
     return isinstance(x, Ensemble | Heterogeneous)
 
 
-# The groups interface: the training code calls these instead of asking
-# whether an ensemble is heterogeneous. A plain `ee.Ensemble` is one group.
+# The groups interface: a plain `ee.Ensemble` is one group.
 
 
 def groups_of(ens: Any) -> tuple[Ensemble, ...]:
@@ -262,9 +245,7 @@ def groups_of(ens: Any) -> tuple[Ensemble, ...]:
 def per_group_values(
     ens: Any, value: Any, what: str = "A value held per group"
 ) -> tuple[Any, ...]:
-    """`value`, held once per group, as one entry per group: a plain
-    ensemble's `(value,)`; an `ee.Heterogeneous`'s tuple (`None`: `None` for
-    each group), or an error naming `what` (`per_group`)."""
+    """`value` held once per group: `(value,)`, or a heterogeneous one's tuple."""
     if not isinstance(ens, Heterogeneous):
         return (value,)
     return per_group(ens, value, what)
@@ -276,13 +257,7 @@ def group_parts(
     members: Sequence[Any] = (),
     what: str = "A value held per group",
 ) -> list[tuple[Any, ...]]:
-    """`(group, *group_values, *group_members)` for each of `ens`'s groups, to
-    run a group's own code on (the caller runs it: the groups interface calls
-    nothing back). Of a plain ensemble (one group) `values` and `members` are
-    passed as they are; of an `ee.Heterogeneous` each of `values` is held per
-    group (a tuple with one entry per group; `None`: `None` for each) and each
-    of `members` is a tree whose array leaves carry the global member axis, cut
-    at the groups' bounds."""
+    """`(group, *per-group values, *member trees cut)` for each group."""
     if not isinstance(ens, Heterogeneous):
         return [(ens, *values, *members)]
     held = [per_group_values(ens, value, what) for value in values]
@@ -293,10 +268,7 @@ def group_parts(
 def joined(
     ens: Any, results: list[Any], join: Callable[[list[Any]], Any] = tuple
 ) -> Any:
-    """The per-group `results` of `group_parts` in the form `ens` holds such a
-    thing: a plain ensemble's one result as it is, an `ee.Heterogeneous`'s
-    joined by `join` (a tuple, one per group: how its optimizer and model
-    states are held; `jnp.concatenate` for per-member arrays)."""
+    """The per-group `results` as `ens` holds them: the one result, or `join`ed."""
     return join(results) if isinstance(ens, Heterogeneous) else results[0]
 
 
@@ -368,9 +340,7 @@ def check_group_losses(ens: Any, losses: tuple[Any, ...]) -> None:
 
 
 def per_group(het: Heterogeneous, value: Any, what: str) -> tuple[Any, ...]:
-    """`value`, something held once per group (an optimizer or model state of a
-    heterogeneous ensemble): a tuple with one entry per group, or an error
-    naming `what`. `None` stays `None` for every group."""
+    """`value` as a tuple with one entry per group, or an error naming `what`."""
     if value is None:
         return (None,) * len(het.groups)
     if not isinstance(value, tuple) or len(value) != len(het.groups):
@@ -408,8 +378,7 @@ def check_group_states(het: Any, state: Any, what: str) -> None:
 
 
 def split_by_group(het: Heterogeneous, tree: Any) -> tuple[Any, ...]:
-    """A tree whose array leaves carry the global member axis, cut into one tree
-    per group (`None`: `None` per group)."""
+    """A tree with the global member axis cut into one tree per group."""
     if tree is None:
         return (None,) * len(het.groups)
     return split_members(tree, het.bounds)

@@ -30,43 +30,32 @@ def map(
 
     **Arguments:**
 
-    - `fn`: `fn(member, *args) -> output`, written for ONE model. If `key` is given
-      it is called as `fn(member, *args, key=member_key)`.
+    - `fn`: `fn(member, *args) -> output` for ONE model (with `key=member_key`
+      if `key` is given).
     - `ens`: the [`Ensemble`][eqx_ensemble.Ensemble], or an
-      [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous]: then `fn` runs group by
-      group (per-member arguments and keys cut at the groups' bounds) and the
-      groups' outputs are concatenated along the member axis where their shapes
-      agree, else returned as a tuple with one output per group.
+      [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous] (run group by group, the
+      outputs concatenated along the member axis where their shapes agree, else
+      a tuple with one per group).
     - `*args`: further arguments.
-    - `in_axes`: per argument, `None` = shared by all members, `0` = its leading axis
-      indexes members (it must have size `len(ens)`); a PyTree prefix of `None`/`0`
-      mixes both inside one argument. `None` (the default) shares every argument;
-      a bare `0` makes every argument per-member. Non-array leaves are always shared.
-    - `chunk_size`: if given, members are evaluated `chunk_size` at a time (a
-      `jax.lax.scan` over chunks, any remainder in one more call), which bounds peak
-      memory by the chunk instead of the whole ensemble. The result is the same
-      up to floating-point rounding (XLA may order a reduction differently for
-      a chunk than for the whole ensemble: differences of a few ulps).
-      `fn` is traced once (twice when `chunk_size` does not divide `len(ens)`),
-      whatever the ensemble size.
-    - `key`: optional PRNG key split into one key per member:
-      member `i` gets `jax.random.split(key, len(ens))[i]`.
+    - `in_axes`: per argument, `None` = shared, `0` = its leading axis (of size
+      `len(ens)`) indexes members; a PyTree prefix of `None`/`0` mixes both.
+      `None` (default) shares every argument, a bare `0` maps every one.
+      Non-array leaves are always shared.
+    - `chunk_size`: members are evaluated `chunk_size` at a time (a `lax.scan`
+      over chunks, a remainder in one more call), bounding peak memory; the
+      same result up to a few ulps. `fn` is traced once (twice with a remainder).
+    - `key`: optional; member `i` gets `jax.random.split(key, len(ens))[i]`.
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `map` uses its
-      `member_chunk` (the same as `chunk_size`; here it need not divide the
-      members, unlike in `fit`) and its `layout`, how the member
-      axis is computed, as in
-      [`make_step`][eqx_ensemble.make_step]. `"vmap"`: one vectorised
-      computation. `"sequential"`: `fn` on one member after another, the results
-      stacked (inside `jax.jit`: straight-line code, one copy of `fn` per
-      member). `"auto"` (the default): `"sequential"` when `fn` convolves, the
-      arrays sit on one CPU device, there are at most 16 members and no
-      `chunk_size` is given, and, called eagerly (outside `jit`), the
-      convolutions take at least 100 MFLOP per member (each operation is then
-      dispatched once per member); else `"vmap"`. XLA's CPU backend runs a
-      member-batched convolution as a grouped convolution, several times
-      slower than the members' own (see the guide "`fit` in detail"). Deciding traces
-      `fn` once per function and input shapes. The results are the same
-      either way, to floating-point rounding.
+      `member_chunk` (as `chunk_size`; it need not divide the members) and its
+      `layout`, as in [`make_step`][eqx_ensemble.make_step]. `"vmap"`: one
+      vectorised computation. `"sequential"`: one member after another, the
+      results stacked (inside `jax.jit`: one copy of `fn` per member). `"auto"`
+      (default): `"sequential"` when `fn` convolves, on one CPU device, with at
+      most 16 members and no `chunk_size`, and (called eagerly) at least 100
+      MFLOP of convolution per member; else `"vmap"` (XLA's CPU backend runs a
+      member-batched convolution several times slower; see the guide "`fit` in
+      detail"). Deciding traces `fn` once per function and input shapes.
+      Results agree to floating-point rounding.
 
     **Returns:**
 

@@ -1,9 +1,4 @@
-"""The engine under `ee.map`, `ee.predict` and `ens(x)`: a function of ONE member
-applied across the member axis (vectorised, member by member, or in chunks), with
-the per-member arguments checked and errors raised inside a member explained.
-
-It knows an ensemble only by what it reads (`members`, `shared`, `member`,
-`len`), so the `Ensemble` class can call it without an import cycle."""
+"""The engine under `ee.map`, `ee.predict` and `ens(x)` (duck-typed: no cycle)."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,9 +57,7 @@ def _mapped_mask(spec: Any, arg: Any, position: int) -> Any:
     if spec is None:
         return jtu.tree_map(lambda _: False, arg)
     try:
-        # `spec` is a PyTree prefix of `arg`: each of its leaves (None or 0) covers a
-        # whole subtree of `arg`. Flattening the result with the default rules keeps
-        # exactly one bool per leaf of `arg` (its `None` nodes stay empty subtrees).
+        # `spec` is a PyTree prefix of `arg`: one bool per leaf of `arg`.
         return jtu.tree_map(
             lambda axis, subtree: jtu.tree_map(
                 lambda leaf: axis is not None and eqx.is_array(leaf), subtree
@@ -81,11 +74,8 @@ def _mapped_mask(spec: Any, arg: Any, position: int) -> Any:
 
 
 def check_per_member_args(args: tuple, in_axes: tuple, size: int) -> tuple:
-    """Check that every per-member array leaf has leading size `size`.
-
-    `in_axes` holds one spec per argument (None, 0, or a PyTree prefix of those).
-    Returns, per argument, its `_mapped_mask`.
-    """
+    """Check that every per-member array leaf has leading size `size`; return
+    each argument's `_mapped_mask`."""
     masks = tuple(
         _mapped_mask(spec, arg, position)
         for position, (spec, arg) in enumerate(zip(in_axes, args, strict=True))
@@ -110,9 +100,7 @@ def check_per_member_args(args: tuple, in_axes: tuple, size: int) -> tuple:
 def member_chunk_size(
     chunk_size: int | None, member_chunk: int | None, size: int
 ) -> int | None:
-    """`chunk_size` and `Execution.member_chunk` say the same thing: either one,
-    or both equal. Mapping (unlike training) takes a chunk that does not divide
-    the members: the last group is smaller."""
+    """`chunk_size` or `Execution.member_chunk` (the same setting; both must agree)."""
     if member_chunk is None:
         return chunk_size
     if member_chunk > size:
@@ -139,12 +127,9 @@ def map_members(
     profile_owner: Any = None,
     member_keys: Any = None,
 ) -> PyTree[Any]:
-    """`map`, with `profile_owner`: what the automatic layout's profile of `fn` is
-    cached under (default `fn`; a caller whose `fn` is a fresh closure passes
-    something long-lived); `member_keys`: the members' keys themselves, instead
-    of a `key` to split. A heterogeneous ensemble (one with `groups`) is mapped
-    group by group, its per-member arguments and keys cut at the groups'
-    bounds, and the outputs joined (`heterogeneous.join_groups`)."""
+    """`map`, with `profile_owner` (what the layout profile is cached under,
+    default `fn`) and `member_keys` (instead of a `key` to split). A
+    heterogeneous ensemble is mapped group by group and the outputs joined."""
     size = len(ens)
     axes = _check_in_axes(in_axes, len(args))
     masks = check_per_member_args(args, axes, size)
@@ -171,7 +156,6 @@ def map_members(
         )
 
     def apply(member, member_args, member_key):
-        # A shared part (if any) is closed over: one copy for every member.
         member = ens.member(member)
         try:
             if member_key is None:
@@ -247,8 +231,7 @@ def _auto_layout(
     owner: Any,
     shared: Any,
 ) -> Layout:
-    """`_layout.choose_map_layout` for `apply` on `inputs`; traces `apply` on
-    member 0's shapes only where the answer could be `"sequential"`."""
+    """`choose_map_layout`; traces `apply` only where it could pick "sequential"."""
     if (
         chunk_size is not None
         or size > SEQUENTIAL_MAX_MEMBERS
@@ -268,8 +251,7 @@ def _auto_layout(
     )
 
 
-# How the notes added to errors raised inside a member begin (the innermost
-# caller's note is kept; an outer one does not repeat or contradict it).
+# How a member-error note begins (only the innermost caller's note is added).
 MEMBER_NOTE = "(raised inside"
 
 
@@ -288,9 +270,7 @@ def _member_context(member_args: tuple) -> str:
 
 
 def _chunked(vmapped, members, args, masks, member_keys, size, chunk_size):
-    # Split everything that is per-member into (a) `num_chunks` full chunks scanned
-    # one at a time and (b) a remainder run as one more call; shared arguments are
-    # closed over. Peak memory is then that of one chunk, not of the whole ensemble.
+    # Full chunks are scanned, a remainder runs as one more call.
     per_member = (members, _select_per_member(args, masks), member_keys)
     shared_args = _select_shared(args, masks)
     dynamic, static = eqx.partition(per_member, eqx.is_array)
@@ -311,8 +291,7 @@ def _chunked(vmapped, members, args, masks, member_keys, size, chunk_size):
         return carry, out_dynamic
 
     def take_chunk(carry, chunk_index):
-        # Slice chunk `chunk_index` out of the members inside the loop: the
-        # ensemble is read where it is, never copied into (chunks, chunk, ...).
+        # Sliced inside the loop: the ensemble is never copied into chunks.
         start = chunk_index * chunk_size
         dynamic_chunk = jax.tree.map(
             lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk_size, axis=0),

@@ -47,39 +47,31 @@ def predict(
 ) -> PyTree[Any]:
     """Every member's predictions on a batch, in inference mode.
 
-    The one-liner behind `ee.map(lambda m, xs: jax.vmap(m)(xs), ens, xs)`: each
-    member (switched to `eqx.nn.inference_mode`: dropout off, BatchNorm on its
-    running statistics) is mapped over the examples of `x`. It is one
-    compiled program per batch shape and structure, kept for the next call
-    as `jax.jit` keeps it (a global value the model reads is read when it is
-    first compiled); inside `jax.jit`, part of the caller's program.
+    `ee.map(lambda m, xs: jax.vmap(m)(xs), ens, xs)` with each member in
+    `eqx.nn.inference_mode` (dropout off, BatchNorm on running statistics).
+    One compiled program per batch shape and structure, kept as `jax.jit` keeps
+    it (a global the model reads is read when first compiled).
 
     **Arguments:**
 
     - `ens`: the ensemble.
     - `x`: a batch: an array, or a PyTree of arrays sharing a leading example axis
-      (each member is called on one example at a time, with the PyTree's
-      structure, e.g. `model(x_i)` or `model((a_i, b_i))`).
-    - `state`: the stacked model state (`eqx.nn.State`, e.g. BatchNorm running
-      statistics, one per member, as `fit` returns it). Member `i` is called as
-      `model(x_i, state_i)` and its first output is kept (inference does not
-      change the state).
-    - `key`: for stochastic models: split into one key per member, then one per
-      example, passed as `key=`.
+      (each member is called on one example, e.g. `model(x_i)`).
+    - `state`: the stacked model state (`eqx.nn.State`, one per member, as `fit`
+      returns it). Member `i` is called as `model(x_i, state_i)` and its first
+      output is kept.
+    - `key`: for stochastic models: split per member, then per example (`key=`).
     - `chunk_size`: run the members this many at a time (bounds peak memory; see
       [`ee.map`][eqx_ensemble.map]).
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `predict` uses
-      its `layout`: the members vectorised (`"vmap"`) or one after another
-      (`"sequential"`), as in [`ee.map`][eqx_ensemble.map]; `"auto"` (the
-      default) chooses (`"sequential"` for a convolutional model on one CPU
-      device).
+      its `layout` (`"vmap"`, `"sequential"`, or `"auto"`: sequential for a
+      convolutional model on one CPU device), as in [`ee.map`][eqx_ensemble.map].
 
     **Returns:**
 
-    The outputs with leading axes `(members, examples, ...)`. Of an
-    [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous] (its `state`: one per
-    group), the groups' outputs concatenated along the member axis where their
-    shapes agree, else a tuple with one output per group.
+    The outputs with leading axes `(members, examples, ...)`; of an
+    [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous] (`state`: one per group),
+    as [`ee.map`][eqx_ensemble.map] joins groups.
 
     **Example:**
 
@@ -108,15 +100,10 @@ def predict(
     args = (inference, x, state, member_keys, chunk_size, execution.layout)
     if any_traced(args):
         return _predict(*args)  # (inside a trace: part of the caller's program)
-    # One program per shape (its automatic layout the rule's for a compiled
-    # map: a convolutional model member by member on one CPU device; an
-    # `ee.Heterogeneous` group by group in the same program).
     try:
         return _predictors.call(*args, unhashable=_predict)
     except jax.errors.JaxRuntimeError:
-        # A member's own check failed at run time (`eqx.error_if`): again
-        # operation by operation, which raises it as the member raised it,
-        # with the example's note.
+        # A member's `eqx.error_if` failed: rerun op by op to raise it with a note.
         return _predict(*args)
 
 
@@ -125,8 +112,7 @@ _AXES = {False: (None, None), True: (None, 0)}
 
 
 def _one_member(stateful: bool, examples: int, x: Any) -> Any:
-    """One member's predictions on the `examples` examples of `x` (`x` named
-    in the notes of errors raised by the member)."""
+    """One member's predictions on the `examples` examples of `x`."""
 
     def one_member(member, x_arg, member_state, *, key=None):
         example_keys = None if key is None else jax.random.split(key, examples)
@@ -198,8 +184,5 @@ def _make_predictor(*program: Any) -> Any:
     return filter_jit(_predict, cpu_codegen_options())
 
 
-# `_predict` compiled, one function per structure, shapes and layout (at most
-# `compile.MAX_PROGRAMS` kept): one program per batch shape, called again
-# without tracing (op by op, each new shape compiled every operation anew and
-# every call dispatched each).
+# `_predict` compiled, one function per structure, shapes and layout.
 _predictors = CompiledFunctions(_make_predictor)

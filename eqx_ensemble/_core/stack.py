@@ -54,20 +54,14 @@ def stack(
     """Stack same-structure models into one [`Ensemble`][eqx_ensemble.Ensemble].
 
     Array leaves are stacked along a new leading member axis; non-array leaves
-    (activation functions, Python numbers, static fields) must be equal across models
-    and are kept once. Works for `eqx.Module`s and for plain PyTrees such as a list of
-    `(weight, bias)` tuples. The leaves are stacked in one compiled call per
-    block of 64 models (a few calls for a model with many leaves).
+    (activations, Python numbers, static fields) must be equal across models and
+    are kept once. Works for `eqx.Module`s and plain PyTrees.
 
     **Arguments:**
 
     - `models`: a non-empty sequence of models with the same structure.
-    - `shared`: optional; the parts held ONCE for all members (a function of the
-      model returning the part, or a filter specification, as in
-      [`ee.ensemble`][eqx_ensemble.ensemble]). They must be identical in every
-      model (checked: the first differing leaf is named).
-    - `train_shared`: whether training updates the shared part (see
-      [`ee.ensemble`][eqx_ensemble.ensemble]).
+    - `shared`, `train_shared`: as in [`ee.ensemble`][eqx_ensemble.ensemble];
+      the shared parts must be identical in every model (checked).
 
     **Returns:**
 
@@ -75,8 +69,7 @@ def stack(
 
     **Raises:**
 
-    `ValueError` naming the first differing leaf path and both shapes/dtypes, or the
-    differing static field and both values, when the models' structures differ.
+    `ValueError` naming the first difference when the models' structures differ.
 
     **Example:**
 
@@ -110,8 +103,7 @@ def stack(
 
 
 def check_same_shared(parts: Sequence[tuple[str, Any]]) -> None:
-    """Raise unless every shared part equals the first, naming the first leaf
-    that differs (and by how much)."""
+    """Raise unless every shared part equals the first, naming where it differs."""
     first_name, first = parts[0]
     first_leaves = jtu.tree_flatten_with_path(first)[0]
     for name, part in parts[1:]:
@@ -136,8 +128,7 @@ def check_same_shared(parts: Sequence[tuple[str, Any]]) -> None:
 
 
 def _refuse_overflow(models: Sequence[Any]) -> None:
-    """JAX without x64 stores 64-bit integer leaves in 32 bits, wrapping what
-    does not fit (3e9 -> -1294967296): refuse, naming the model and the leaf."""
+    """Refuse a 64-bit integer leaf that 32 bits (JAX without x64) would wrap."""
     for position, model in enumerate(models):
         for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
             dtype = getattr(leaf, "dtype", None)
@@ -165,8 +156,7 @@ def _refuse_overflow(models: Sequence[Any]) -> None:
 
 
 def _warn_if_narrowed(model: Any) -> None:
-    """JAX without x64 stores 64-bit NumPy leaves in 32 bits: say so, naming the
-    leaf, instead of narrowing without a word."""
+    """Warn, naming the leaf, when JAX without x64 narrows a 64-bit leaf."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
         dtype = getattr(leaf, "dtype", None)
         if not isinstance(leaf, np.ndarray) or dtype is None:
@@ -182,12 +172,8 @@ def _warn_if_narrowed(model: Any) -> None:
             return
 
 
-# Models are stacked in blocks of this many: one compiled stack per block size,
-# whatever the number of models (a single `jnp.stack` of 4096 arrays compiled a
-# program with 4096 parameters: 133 s).
+# Stacked in blocks (one `jnp.stack` of 4096 arrays compiled in 133 s).
 _BLOCK = 64
-# The most arrays one stacking call takes (leaves x models of a block): its
-# program's size stays bounded whatever the model and the number of models.
 _INPUTS = 256
 
 
@@ -202,10 +188,8 @@ def _concatenate_blocks(columns: list[list[Any]]) -> list[Any]:
 
 
 def _stack_columns(columns: list[tuple[Any, ...]]) -> list[Any]:
-    """Each column (one leaf of every model) stacked: blocks of up to `_BLOCK`
-    models, as many leaves per compiled call as keep it under `_INPUTS`
-    inputs (op by op: a program per leaf shape, 0.6 s for an MLP on a first
-    use; one call per leaf: 0.4 s; this: 0.06 s)."""
+    """Each column (one leaf of every model) stacked in few compiled calls (MLP,
+    first use: 0.6 s op by op, 0.4 s a call per leaf, 0.06 s this way)."""
     if not columns:
         return []
     count = len(columns[0])
@@ -228,9 +212,7 @@ def _stack_columns(columns: list[tuple[Any, ...]]) -> list[Any]:
 
 
 def _concatenate_columns(columns: list[tuple[Any, ...]]) -> list[Any]:
-    """Each column (one leaf of every ensemble) concatenated along the member
-    axis, as many leaves per compiled call as keep it under `_INPUTS`
-    inputs."""
+    """Each column concatenated along the member axis, in few compiled calls."""
     if not columns:
         return []
     per_call = max(1, _INPUTS // len(columns[0]))
@@ -243,16 +225,12 @@ def _concatenate_columns(columns: list[tuple[Any, ...]]) -> list[Any]:
 
 
 def _by_leaf(trees: Sequence[Any], combine: Any) -> Any:
-    """`trees` (one structure) joined leaf by leaf: every array leaf's column
-    (that leaf of each tree) through `combine` (columns -> joined leaves, in
-    few compiled calls); every other leaf as the first tree holds it."""
+    """`trees` joined leaf by leaf: array columns through `combine`."""
     flat = [jax.tree.flatten(tree)[0] for tree in trees]
     first, treedef = jax.tree.flatten(trees[0])
     at = [i for i, leaf in enumerate(first) if eqx.is_array(leaf)]
     leaves = list(first)
     columns = [tuple(f[i] for f in flat) for i in at]
-    # A call per leaf where many leaves share few shapes, or where they live
-    # on different devices (one call cannot take them).
     joined = None
     if one_call_pays([first[i] for i in at]):
         try:
@@ -275,12 +253,9 @@ def unstack(ens: Heterogeneous) -> list[Any]: ...
 
 
 def unstack(ens: Ensemble[Member] | Heterogeneous) -> list[Any]:
-    """Split an ensemble into a list of plain models, one per member (an
-    [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous]: its members in member
-    order, each of its group's architecture).
-
-    The inverse of [`stack`][eqx_ensemble.stack]: `unstack(stack(ms))` equals `ms`
-    leaf for leaf and `stack(unstack(ens))` equals `ens`.
+    """Split an ensemble (or an [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous],
+    in member order) into a list of plain models, one per member; the inverse of
+    [`stack`][eqx_ensemble.stack].
 
     **Example:**
 
@@ -301,10 +276,7 @@ def unstack(ens: Ensemble[Member] | Heterogeneous) -> list[Any]:
     size = len(ens)
     dynamic, static = eqx.partition(ens.members, eqx.is_array)
     leaves, treedef = jax.tree.flatten(dynamic)
-    # One compiled call per member taking every leaf (compiled once per structure,
-    # with the index traced: a one-row gather, which a member-sharded leaf
-    # serves without gathering it whole), not one program with an output per
-    # member (512 members: 26 s to compile; 4096: 8 minutes).
+    # One call per member (one program for all took 26 s for 512 members).
     return [
         ens.member(
             eqx.combine(

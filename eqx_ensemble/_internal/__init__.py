@@ -1,3 +1,1 @@
-"""Helpers every family uses: PyTree utilities, argument checks, key derivation.
-
-Nothing here knows what an ensemble is."""
+"""Helpers every family uses; nothing here knows what an ensemble is."""

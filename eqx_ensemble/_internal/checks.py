@@ -1,9 +1,4 @@
-"""Argument checks shared by every family: one home, one wording.
-
-Each check names the argument it refuses (as the user wrote it: `steps`,
-`Evaluate.every`, `controllers[0].every`), says what was expected and what was
-given, and returns the value normalised (a NumPy integer becomes an `int`).
-"""
+"""Argument checks shared by every family: one home, one wording."""
 
 import warnings
 from typing import Any
@@ -14,8 +9,7 @@ import numpy as np
 
 from .tree import as_array, is_traced
 
-# The largest step count or period the library accepts: steps are counted in
-# int32 inside compiled code.
+# The largest step count or period: compiled code counts steps in int32.
 MAX_INT32 = 2**31 - 1
 
 
@@ -27,11 +21,8 @@ def check_int(
     high: int | None = None,
     error: type[Exception] = TypeError,
 ) -> int:
-    """`value` as an `int` in `[low, high]`, or an error naming `name`.
-
-    A value that is not an integer (a bool, a float, a string) raises `error`
-    (`TypeError` by default); one out of range raises `ValueError`, except where
-    `error` is `ValueError` for both (the wording is the same)."""
+    """`value` as an `int` in `[low, high]`: a non-integer raises `error`, one
+    out of range `ValueError`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         if error is TypeError:
             raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
@@ -50,9 +41,7 @@ def _range_message(name: str, low: int | None, high: int | None, value: Any) -> 
 
 
 def check_positive_int(value: Any, name: str, *, high: int | None = None) -> int:
-    """`value` as an int >= 1 (and at most `high`, e.g. `MAX_INT32` for step
-    counts and periods, which compiled code counts in int32), or a clear error
-    naming `name`."""
+    """`value` as an int in `[1, high]`, or an error naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
     if value < 1:
@@ -66,9 +55,7 @@ def check_positive_int(value: Any, name: str, *, high: int | None = None) -> int
 
 
 def real_array(value: Any, name: str) -> jax.Array:
-    """`value` as a JAX array of real numbers (integers, floats or bools), or a
-    `TypeError` naming `name` and what was given: a string, a list holding
-    one, an object (JAX's own message names no argument)."""
+    """`value` as a JAX array of real numbers, or a `TypeError` naming `name`."""
     if isinstance(value, str | bytes):
         raise TypeError(f"`{name}` must be real numbers, got the string {value!r}")
     try:
@@ -92,9 +79,7 @@ def real_array(value: Any, name: str) -> jax.Array:
 
 
 def first_non_finite(values: Any) -> tuple[tuple[int, ...], Any] | None:
-    """`(index, value)` of the first NaN or infinity of a concrete array (on
-    the host), or `None` when every element is finite (or it holds no
-    floating-point numbers)."""
+    """`(index, value)` of a concrete array's first NaN or infinity, or `None`."""
     host = np.asarray(values)
     if not np.issubdtype(host.dtype, np.inexact):
         return None
@@ -108,8 +93,7 @@ def first_non_finite(values: Any) -> tuple[tuple[int, ...], Any] | None:
 def check_choice(
     value: Any, name: str, choices: tuple[str, ...], default: str | None = None
 ) -> str:
-    """`value` if it is one of `choices` (`None` gives `default` where there is
-    one), else a `ValueError` naming `name` and the choices."""
+    """`value` if in `choices` (`None`: `default`, if any), else a `ValueError`."""
     if value is None and default is not None:
         return default
     if not isinstance(value, str) or value not in choices:
@@ -119,12 +103,9 @@ def check_choice(
 
 
 def normalised_weights(weights: Any, size: int, dtype: Any, holder: str) -> jax.Array:
-    """One non-negative weight per member, normalised to sum to one, as `dtype`
-    (`None`: equal weights); errors name `weights` and the `holder` ("the
-    ensemble has", "predictions have") of the `size` members. Normalised in
-    float64 on the host where the weights are concrete: integer weights must
-    not overflow (2**31 - 1 twice summed to -2 in int32), float16 ones must not
-    round to infinity (60000 + 60000)."""
+    """One non-negative weight per member summing to one, as `dtype` (`None`:
+    equal). Concrete weights are normalised in float64 (int32 sums overflow,
+    float16 ones reach infinity); `holder` words the errors."""
     if weights is None:
         return as_array(np.full((size,), 1.0 / size, dtype=dtype))
     array = real_array(weights, "weights")

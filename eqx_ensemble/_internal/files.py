@@ -8,10 +8,8 @@ from pathlib import Path
 
 
 def probe_folder(path: Path, write: Callable[[Path], object]) -> None:
-    """Create the folder `path` if needed and `write` then remove a probe file
-    in it, or raise the `OSError` (not a folder, cannot be created, not
-    writable, full...). The probe's name is this process's own: the processes
-    of a multi-process run probe the same folder at once."""
+    """Create `path` if needed and `write` then remove a probe file in it (named
+    per process: several may probe at once), or raise the `OSError`."""
     probe = path / f".eqx_ensemble_write_probe-p{os.getpid()}-{secrets.token_hex(4)}"
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "it exists and is not a folder")

@@ -1,5 +1,4 @@
-"""Key derivation: one home for how keys are checked, split over members, and
-split into the streams of a `fit` run."""
+"""Key derivation: checks, per-member splits, and a `fit` run's streams."""
 
 from typing import Any, NamedTuple
 
@@ -46,10 +45,8 @@ def split_member_keys(
 
 
 class RunKeys(NamedTuple):
-    """The keys a `fit` run derives from its one `key` (documented on `fit`):
-    `data_key, bootstrap_key, train_key = split(key, 3)` and
-    `eval_key = fold_in(key, 3)`. A named tuple (a pytree of its four keys):
-    made on every `fit` call, where a module's construction costs ~10 us."""
+    """A `fit` run's keys (documented on `fit`): `split(key, 3)` and
+    `fold_in(key, 3)`. A NamedTuple: a Module costs ~10 us per `fit` call."""
 
     data: PRNGKeyArray
     bootstrap: PRNGKeyArray
@@ -62,12 +59,10 @@ def run_keys(key: PRNGKeyArray) -> RunKeys:
     return RunKeys(data_key, bootstrap_key, train_key, jax.random.fold_in(key, 3))
 
 
-# The stream an optimizer's own randomness (SG-MCMC noise) comes from, derived
-# from a member's step key without touching the key its loss receives.
+# An optimizer's own randomness (SG-MCMC noise), apart from the loss's key.
 OPTIMIZER_STREAM = 0x6F707478  # "optx"
 
 
 def optimizer_key(member_key: PRNGKeyArray) -> PRNGKeyArray:
-    """The key a member's optimizer update receives as its extra argument `key`:
-    `jax.random.fold_in(member_key, 0x6F707478)`."""
+    """The `key` a member's optimizer update receives."""
     return jax.random.fold_in(member_key, OPTIMIZER_STREAM)

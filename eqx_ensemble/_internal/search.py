@@ -13,19 +13,15 @@ _INVERSE_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 def golden_section(
     objective: Callable[[Array], Array], low: Array, high: Array, iterations: int
 ) -> Array:
-    """The middle of the bracket left after `iterations` golden-section steps.
-
-    Minimises a unimodal `objective` over `[low, high]` elementwise (arrays of
-    any shape search independently); one evaluation per step, the bracket
-    shrinking by `0.618` each time."""
+    """Minimise a unimodal `objective` over `[low, high]` elementwise: the
+    middle of the bracket after `iterations` golden-section steps."""
     inner_low = high - _INVERSE_GOLDEN * (high - low)
     inner_high = low + _INVERSE_GOLDEN * (high - low)
 
     def step(_, state):
         low, high, inner_low, inner_high, value_low, value_high = state
         keep_left = value_low < value_high
-        # Keep the bracket around the better interior point; reuse its value and
-        # evaluate the objective once, at the new interior point.
+        # Keep the better interior point; evaluate once, at the new one.
         low = jnp.where(keep_left, low, inner_low)
         high = jnp.where(keep_left, inner_high, high)
         new_point = jnp.where(

@@ -13,11 +13,8 @@ from jaxtyping import PyTree
 
 
 def with_fields(module: Any, **changes: Any) -> Any:
-    """`dataclasses.replace(module, **changes)` without running `__init__`
-    again (its checks, converters and Equinox's initialisation, ~60 us for a
-    `TrainState`), on the per-dispatch path: only for a module with no
-    converters, `__post_init__` or `__check_init__` to re-run, and new field
-    values as valid as the old ones."""
+    """`dataclasses.replace` without re-running `__init__` (~60 us for a
+    `TrainState`): only for modules with no converters or init checks."""
     fields = {field.name for field in dataclasses.fields(module)}
     unknown = set(changes) - fields
     if unknown:
@@ -93,22 +90,16 @@ def _leaves_equal(a: Any, b: Any) -> bool:
 def first_difference(
     a: Any, b: Any, *, ignore_leading_axis: bool = False, numbers_are_data: bool = False
 ) -> str | None:
-    """Describe the first place where two PyTrees differ in structure, or `None`.
-
-    Array leaves are compared by shape and dtype (the leading axis is ignored when
-    `ignore_leading_axis`), non-array leaves by equality, nodes by type, static
-    fields and children. The description names the leaf path and both values. With
-    `numbers_are_data`, Python numbers are data (like arrays) and may differ.
-    """
+    """Describe where two PyTrees first differ in structure (arrays by shape and
+    dtype, other leaves by equality), or `None`. `numbers_are_data`: Python
+    numbers may differ."""
     if _same(a, b, ignore_leading_axis, numbers_are_data):  # the common case
         return None
     return _first_difference(a, b, (), ignore_leading_axis, numbers_are_data)
 
 
 def _same(a: Any, b: Any, ignore_leading: bool, numbers: bool) -> bool:
-    """Whether `a` and `b` have one structure (node types and static metadata:
-    the treedefs) and leaves that `_first_difference` finds equal, in one
-    flatten each (it walks the trees node by node, to name a difference)."""
+    """`_first_difference(...) is None`, fast: one flatten each."""
     leaves_a, treedef_a = jtu.tree_flatten(a)
     leaves_b, treedef_b = jtu.tree_flatten(b)
     if treedef_a != treedef_b:
@@ -153,7 +144,6 @@ def _first_difference(
             f"({describe(a)} vs {describe(b)})"
         )
     if _is_leaf(a) or _is_leaf(b):
-        # A genuine leaf that is not an array (a float, a function, a string...).
         if not _leaves_equal(a, b):
             message = f"leaf `{where}` differs: {describe(a)} vs {describe(b)}"
             if callable(a) and callable(b) and describe(a) == describe(b):
@@ -193,10 +183,7 @@ def array_leaves_with_path(tree: Any) -> list[tuple[str, jax.Array]]:
 
 
 def agreed_leading_size(tree: Any) -> int | None:
-    """The leading-axis size every array leaf of `tree` shares, or `None` (no
-    arrays, a scalar, or sizes that differ). Without the leaves' paths: the
-    usual case on every call's path (`len(ens)`, the example count); the
-    callers build paths only for their error messages."""
+    """The leading-axis size all array leaves share, or `None` (no paths: cheap)."""
     arrays = [leaf for leaf in jtu.tree_leaves(tree) if eqx.is_array(leaf)]
     if not arrays or arrays[0].ndim == 0:
         return None
@@ -240,19 +227,10 @@ def is_traced(x: Any) -> bool:
 
 
 def as_array(value: Any, dtype: Any = None) -> jax.Array:
-    """`jnp.asarray(value, dtype)`, but host data (NumPy arrays and scalars,
-    Python numbers) is copied to the device without compiling anything: since
-    JAX 0.10 `jnp.asarray` of NumPy data runs a program of its own per shape
-    and dtype (`jit(stage)`, 15-50 ms each on a CPU; jax-ml/jax#27460), which
-    a checkpoint's load or a metric's first call paid per leaf or input. A JAX
-    array, a tracer or a list goes to `jnp.asarray`, and so does everything
-    while a host-to-device transfer guard is set (`jax.transfer_guard`: it
-    sees this transfer as the implicit one it is).
-
-    A NumPy array is copied first: on a CPU `jax.device_put` may alias its
-    memory, and the work queued on it runs after this returns, so a caller
-    that reuses its buffer (or a checkpoint's read buffer that a view
-    shares) would change the result."""
+    """`jnp.asarray(value, dtype)`, but host data goes to the device without
+    compiling (`jnp.asarray` compiles per shape and dtype, 15-50 ms each;
+    jax-ml/jax#27460). Not under a transfer guard. NumPy arrays are copied
+    first: on a CPU `device_put` may alias a buffer the caller reuses."""
     if (
         isinstance(value, np.ndarray | np.generic | int | float | complex)
         and not isinstance(value, np.ma.MaskedArray)  # refused, not unmasked

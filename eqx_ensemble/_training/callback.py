@@ -1,12 +1,4 @@
-"""The one protocol of `fit`'s host-side components.
-
-Progress meters, controllers, loggers, checkpoints and a user's own
-components are all `Callback`s: `fit` calls each one's hooks on the host
-between dispatches, in the order of their `phase` (then in the order given),
-and knows nothing else about them. The run hands every hook the same view of
-itself (`RunView`), through which a component reads the run and, where it
-must, changes it (a controller's new train state, a checkpoint's wait for the
-loggers)."""
+"""`Callback`: the one protocol of `fit`'s host-side components, and `RunView`."""
 
 import dataclasses
 import weakref
@@ -28,9 +20,8 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(frozen=True)
 class RunSetup:
     """What a [`Callback`][eqx_ensemble.Callback] is shown before any work
-    (`Callback.on_check`): the run's `steps`, its number of members `size`,
-    the `ensemble`, how often it evaluates (`evaluate_every`, `None`: never)
-    and all of its `callbacks` in the order they run.
+    (`on_check`): `steps`, `size` (members), the `ensemble`, `evaluate_every`
+    (`None`: never) and all `callbacks` in the order they run.
 
     **Example:**
 
@@ -62,25 +53,17 @@ class RunView:
     """A [`fit`][eqx_ensemble.fit] run between two dispatches, as its
     [`Callback`][eqx_ensemble.Callback]s see it. Read:
 
-    - `steps` (the run's step count), `done` (steps done), `size` (members),
-      `resumed_from` (the step a resumed run started at, or `None`);
+    - `steps`, `done` (steps done), `size` (members), `resumed_from` (or `None`);
     - `losses`: the last dispatch's `(steps, members)` training losses;
-    - `diverged`: each member's divergence step counted from 1 (`-1`:
-      healthy), as in `FitResult.diverged`;
-    - `finished`: whether every member has stopped or diverged, at least one
-      stopped (the run ends after this dispatch; all diverged is an error);
-      `last`: the run's last step (`steps`, or `done` when it is finished);
+    - `diverged`: each member's divergence step from 1 (`-1`: healthy);
+    - `finished`: every member stopped or diverged, at least one stopped (the
+      run ends after this dispatch); `last`: `steps`, or `done` when finished;
     - `train_state`, `history`, `result()`: the run so far.
 
-    Change (the library's components use these; so may yours):
-
-    - `state_of(callback)` and `update(callback, train_state, state)`: a
-      checkpointed callback's own state, and a new train state (values only:
-      its structure, shapes and dtypes must stay) with that state;
-    - `sync()`: every callback's `on_sync` (before the run is saved).
-
-    For loggers and checkpoints: `run_info()`, `log_entry()` (the dispatch's
-    record, from the `RECORD` phase on: after the controllers ran),
+    Change: `state_of(callback)` and `update(callback, train_state, state)` (a
+    checkpointed callback's own state; a new train state of the same structure,
+    shapes and dtypes); `sync()`: every callback's `on_sync`. For loggers and
+    checkpoints: `run_info()`, `log_entry()` (from the `RECORD` phase on),
     `run_record()` and `data_position()`.
 
     **Example:**
@@ -148,8 +131,7 @@ class RunView:
         return self._run.recorder.history()
 
     def result(self, copy: bool = True) -> "FitResult":
-        """The run so far as a `FitResult` (`copy`: of arrays the next
-        dispatch will not overwrite)."""
+        """The run so far as a `FitResult` (`copy`: safe from the next dispatch)."""
         return self._run.result(copy_state=copy)
 
     def state_of(self, callback: "Callback") -> PyTree[Any]:
@@ -159,23 +141,19 @@ class RunView:
     def update(
         self, callback: "Callback", train_state: TrainState, state: PyTree[Any]
     ) -> None:
-        """Replace the run's train state, and `callback`'s own state (a
-        checkpointed callback; others pass `None`)."""
+        """Replace the train state and `callback`'s own state (else `None`)."""
         self._run.update(callback, train_state, state)
 
     def sync(self) -> None:
         """Every callback's `on_sync` (what they wrote so far made durable)."""
         self._run.sync()
 
-    # What the library's loggers and checkpoints read.
     def run_info(self) -> Any:
         """The run's description for loggers (an `ee.RunInfo`)."""
         return self._run.run_info()
 
     def log_entry(self) -> Any:
-        """The last dispatch's record for loggers (an `ee.LogEntry`): one per
-        dispatch, the same for every logger; from the `RECORD` phase on (it
-        holds the controllers' events of the dispatch)."""
+        """The last dispatch's `ee.LogEntry`, from the `RECORD` phase on."""
         return self._run.log_entry()
 
     def run_record(self) -> dict[str, Any]:
@@ -188,39 +166,31 @@ class RunView:
 
 
 class Callback(Component):
-    """A component of a [`fit`][eqx_ensemble.fit] run on the host, passed in
-    `fit(..., callbacks=[...])`: the one protocol of progress meters,
-    controllers, loggers and checkpoints, and of your own. Every hook has a
-    default that does nothing; override those you need.
+    """A component of a [`fit`][eqx_ensemble.fit] run on the host
+    (`fit(..., callbacks=[...])`): progress meters, controllers, loggers,
+    checkpoints and your own. Every hook defaults to nothing.
 
-    - `on_check(setup: RunSetup) -> None`: before any work; raise to refuse
-      the run.
+    - `on_check(setup: RunSetup) -> None`: before any work; raise to refuse.
     - `next_stop(done) -> int | None`: the first step after `done` at which
-      this callback needs the host (a dispatch ends there; `None`: only at
-      the dispatches' own ends).
+      this callback needs the host (`None`: only at dispatch ends).
     - `on_start(run: RunView) -> handle`: before the first dispatch.
     - `on_dispatch(handle, run: RunView) -> None`: after every dispatch.
-    - `on_sync(handle) -> None`: before the run is saved (make what was
-      written so far durable).
-    - `on_end(handle, error) -> None`: when the run ends, in phase order
-      (the last checkpoint is committed before `REACT` callbacks end);
-      `error` is the exception ending it, or `None`.
+    - `on_sync(handle) -> None`: before the run is saved (make writes durable).
+    - `on_end(handle, error) -> None`: when the run ends (`error`: or `None`),
+      in phase order (the last checkpoint is committed before `REACT` ends).
 
     `phase` orders the callbacks (then the order given): `OBSERVE` (10,
     progress meters), `CHANGE` (20, controllers), `RECORD` (30, loggers),
-    `SAVE` (40, the checkpointer given as `fit(..., checkpoints=)`), `REACT`
-    (50, the default: plain functions and anything that should come after
-    the checkpoint). When every member diverged,
-    only `OBSERVE` and `RECORD` callbacks see the dispatch, and the run
-    fails. A callback with `checkpointed = True` keeps its own state in the
-    train state (`init(train_state)`; `RunView.state_of`), saved and resumed
-    with the run; `events(state)` says what it did, for loggers.
+    `SAVE` (40, `fit(..., checkpoints=)`), `REACT` (50, the default). When
+    every member diverged, only `OBSERVE` and `RECORD` callbacks see the
+    dispatch, and the run fails. A callback with `checkpointed = True` keeps
+    its own state in the train state (`init`; `RunView.state_of`), saved and
+    resumed with the run; `events(state)` says what it did, for loggers.
 
-    An error raised by a hook ends the run with the run so far attached as
-    `error.result`; every callback whose `on_start` ran still gets `on_end`.
+    A hook's error ends the run (attached as `error.result`); every callback
+    whose `on_start` ran still gets `on_end`.
 
-    **Example:** stop every member once all losses are small (a change of
-    the train state, as a controller makes):
+    **Example:** stop every member once all losses are small:
 
     ```python
     class StopAtLoss(ee.Callback):
@@ -269,8 +239,7 @@ class Callback(Component):
         return None
 
     def events(self, state: PyTree[Any]) -> list[dict[str, Any]]:
-        """What this callback did so far, read from its state, as records with
-        `"step"` and `"event"` (for loggers; default: none)."""
+        """What it did, from its state: `{"step", "event", ...}` records."""
         del state
         return []
 
@@ -292,8 +261,7 @@ class Callback(Component):
 
 
 class _Function(Callback):
-    """A plain function of the `FitResult`, called after every dispatch
-    (`target`: the function, or a weak reference to it where `weak`)."""
+    """A function of the `FitResult` (weakly referenced if `weak`), per dispatch."""
 
     target: Any
     weak: bool = False
@@ -303,9 +271,7 @@ class _Function(Callback):
         function(run.result(copy=True))
 
 
-# Plain functions wrapped once each, by identity (an `eqx.Module` costs ~70 us
-# to build on a CPU, on every `fit` call otherwise). A wrapper holds its
-# function weakly, so the cache keeps nothing alive; bounded.
+# Functions wrapped once each (a Module costs ~70 us to build), held weakly.
 _WRAPPED: dict[int, _Function] = {}
 
 
@@ -325,8 +291,7 @@ def _wrap(function: Callable[..., Any]) -> Callback:
 
 
 def as_callbacks(callbacks: Sequence[Any]) -> tuple[Callback, ...]:
-    """`fit`'s `callbacks` as `Callback`s (a plain function wrapped), in the
-    order they run: by `phase`, then as given."""
+    """`fit`'s `callbacks` as `Callback`s, sorted by `phase` (stable)."""
     if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
         raise TypeError(
             "`callbacks` must be a list (progress meters, controllers, loggers, "
@@ -348,6 +313,5 @@ def as_callbacks(callbacks: Sequence[Any]) -> tuple[Callback, ...]:
 
 
 def stateful(callbacks: tuple[Callback, ...]) -> tuple[Callback, ...]:
-    """Of callbacks in the order they run (`as_callbacks`), those that keep
-    state in the train state, in the order of `TrainState.controlled`."""
+    """The callbacks with state in the train state (`TrainState.controlled`)."""
     return tuple(item for item in callbacks if item.checkpointed)

@@ -11,20 +11,15 @@ from .train_state import TrainState
 
 
 class Checkpointer(Callback):
-    """The protocol of `fit(..., checkpoints=)`, on the host: before the first
-    step `prepare()`, `has_checkpoints()` and `resume(...)`; at a dispatch's end
-    `next_stop(done)`, `due(done, steps)` and `save(...)`. `save` returns a
-    handle for a write still in progress (`wait()`, waited for before the
-    next save and at the run's end; `abandon()`, when the run fails first;
-    `path`, named in errors), or anything else. A failure
-    is an `OSError` or an `error`, which `fit` raises as an `error` with the
-    trained run attached."""
+    """The protocol of `fit(..., checkpoints=)`: `prepare()`, `has_checkpoints()`,
+    `resume(...)` before the first step; `next_stop`, `due` and `save` at a
+    dispatch's end. `save` may return a pending write (`wait()`, `abandon()`,
+    `path`). An `OSError` or `error` is re-raised as `error` with the run."""
 
     directory: eqx.AbstractVar[Any]
     error: ClassVar[type[Exception]] = OSError
 
-    # Its `Callback` hooks: phase `SAVE` (after the controllers and loggers);
-    # the handle holds a write still in progress.
+    # The handle holds a write still in progress.
     phase = Callback.SAVE
 
     def on_start(self, run: RunView) -> list[Any]:
@@ -83,13 +78,11 @@ class Checkpointer(Callback):
     def resume(
         self, template: TrainState, run: Any, steps: int | None
     ) -> tuple[TrainState, History, Any] | None:
-        """The newest checkpoint of this run as `(train_state, history, data)`
-        (`None`: none)."""
+        """The newest checkpoint as `(train_state, history, data)`, or `None`."""
 
     @abc.abstractmethod
     def next_stop(self, done: int) -> int | None:
-        """The first step after `done` at which a checkpoint is due (`None`: at
-        the end only)."""
+        """The first step after `done` with a checkpoint due (`None`: the end)."""
 
     @abc.abstractmethod
     def due(self, done: int, steps: int) -> bool:

@@ -1,18 +1,4 @@
-"""Controllers: change a `fit` run between dispatches.
-
-The protocol (what `fit` calls for a controller in its `callbacks=[...]`):
-
-- `every`: the controller runs after every `every` steps (dispatches end there).
-- `init(train_state) -> state`: once, before the first step (checkpointed and
-  resumed with the run; a PyTree of arrays, or `None`).
-- `__call__(train_state, state, history) -> (train_state, state)`: on the host,
-  between dispatches, with the run's [`TrainState`][eqx_ensemble.TrainState] and
-  its [`History`][eqx_ensemble.History] so far. It may return a changed train
-  state (e.g. copy the weights and optimizer state of better members into worse
-  ones: population-based training) as long as the structure, shapes and dtypes
-  stay the same. It runs again on the same step after a resume only if that step
-  was not checkpointed after it ran (checkpoints are written after controllers).
-"""
+"""Controllers: change a `fit` run between dispatches."""
 
 import abc
 from typing import Any
@@ -27,9 +13,14 @@ from .train_state import TrainState
 
 
 class Controller(Callback):
-    """Changes a [`fit`][eqx_ensemble.fit] run between dispatches (abstract): see
-    the module docs above and the guide "`fit` in detail". Subclasses set `every` and
-    implement `__call__`.
+    """Changes a [`fit`][eqx_ensemble.fit] run between dispatches (abstract); see
+    the guide "`fit` in detail".
+
+    - `every`: it runs after every `every` steps (dispatches end there).
+    - `init(train_state) -> state`: its own state (arrays or `None`), checkpointed.
+    - `__call__(train_state, state, history) -> (train_state, state)`: on the
+      host; it may change the [`TrainState`][eqx_ensemble.TrainState], keeping
+      structure, shapes and dtypes. Checkpoints are written after it.
 
     **Example:**
 
@@ -58,7 +49,6 @@ class Controller(Callback):
 
     every: eqx.AbstractVar[int]
 
-    # Its `Callback` hooks: phase `CHANGE`, its state checkpointed.
     phase = Callback.CHANGE
     checkpointed = True
 
@@ -74,8 +64,7 @@ class Controller(Callback):
             run.update(self, train_state, state)
 
     def next_stop(self, done: int) -> int:
-        """The first step after `done` at which this controller needs the host
-        (a dispatch ends there)."""
+        """The first step after `done` at which this controller needs the host."""
         return (done // self.every + 1) * self.every
 
     def due(self, done: int) -> bool:
@@ -83,15 +72,13 @@ class Controller(Callback):
         return done % self.every == 0
 
     def check(self, steps: int, evaluate_every: int | None) -> None:
-        """Raise before any work if this controller cannot run in a run of
-        `steps` steps evaluating every `evaluate_every` steps (`None`: no
-        evaluation). Default: nothing to check."""
+        """Raise before any work if this controller cannot run for `steps` steps
+        evaluating every `evaluate_every` (`None`: never)."""
         del steps, evaluate_every
 
     def check_run(self, ens: Any, controllers: tuple["Controller", ...]) -> None:
         """Raise before any work if this controller cannot run on `ens` beside
-        `controllers` (the run's controllers, itself included). Default:
-        nothing to check."""
+        `controllers` (itself included)."""
         del ens, controllers
 
     def init(self, train_state: TrainState) -> PyTree[Any]:
@@ -100,8 +87,7 @@ class Controller(Callback):
         return None
 
     def events(self, state: PyTree[Any]) -> list[dict[str, Any]]:
-        """What this controller has done so far, read from its state, as
-        records with `"step"` and `"event"` (for loggers; default: none)."""
+        """What it did, from its state: `{"step", "event", ...}` records."""
         del state
         return []
 
@@ -109,5 +95,4 @@ class Controller(Callback):
     def __call__(
         self, train_state: TrainState, state: PyTree[Any], history: History
     ) -> tuple[TrainState, PyTree[Any]]:
-        """Run between dispatches; return the (possibly changed) train state and
-        the controller's state."""
+        """Run between dispatches; return the train state and its own state."""

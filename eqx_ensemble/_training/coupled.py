@@ -11,30 +11,24 @@ from jaxtyping import PyTree
 
 class Coupled(eqx.Module):
     """A loss over ALL members at once, for objectives that couple them
-    (negative correlation learning, diversity terms). Passing `ee.Coupled(fn)`
-    as `fit`'s or `make_step`'s `loss_fn` is the explicit opt-in: every other
-    loss is written for ONE member and members never interact.
+    (negative correlation learning, diversity terms): the explicit opt-in as
+    `fit`'s or `make_step`'s `loss_fn`; every other loss is for ONE member.
 
     `fn(ensemble, batch, keys, **kwargs)` gets the current
-    [`Ensemble`][eqx_ensemble.Ensemble] (call it, `ee.map` or `ee.predict` it),
-    the batch (shared, or with a member axis under `ee.Independent()`), one
-    PRNG key per member, and `hyper=` when given. It returns either one loss per
-    member, shape `(members,)`, or a scalar total. The library differentiates
-    the SUM of the members' losses with respect to all members jointly, so
-    member `j` receives the gradient of every member's loss with respect to its
-    own weights; each member then takes its own optimizer step (and keeps its
-    own divergence isolation). With a scalar total, every member reports the
-    total as its loss.
+    [`Ensemble`][eqx_ensemble.Ensemble], the batch (with a member axis under
+    `ee.Independent()`), one PRNG key per member, and `hyper=` when given. It
+    returns one loss per member, `(members,)`, or a scalar total (reported as
+    every member's loss). The SUM is differentiated with respect to all members
+    jointly; each member then takes its own optimizer step (and keeps its own
+    divergence isolation).
 
-    `shared_batch=True` says that `fn` reads ONE batch for all members (as
+    `shared_batch=True`: `fn` reads ONE batch for all members (as
     [`ee.svgd`][eqx_ensemble.svgd] and [`ee.repulsive`][eqx_ensemble.repulsive]
-    do): `fit` then refuses a sampling that gives each member its own batch.
+    do); `fit` refuses a per-member sampling. Model state (`state=`) is not
+    supported.
 
-    Model state (`state=`) is not supported with a coupled loss.
-
-    **Example:** negative correlation learning (Liu & Yao 1999), member `i`
-    minimising `(f_i - y)^2 / 2 - lam (f_i - f_mean)^2 / 2` with the mean held
-    fixed, which gives the paper's gradient `(f_i - y) - lam (f_i - f_mean)`:
+    **Example:** negative correlation learning (Liu & Yao 1999): member `i`
+    minimises `(f_i - y)^2 / 2 - lam (f_i - f_mean)^2 / 2`, the mean held fixed:
 
     ```python
     def ncl(ens, batch, keys, lam=0.5):
@@ -66,8 +60,7 @@ class Coupled(eqx.Module):
 def coupled_losses(
     loss: Coupled, ensemble: Any, batch: Any, keys: Any, hyper: Any, frozen: Any
 ):
-    """`loss` on the ensemble: the per-member losses `(members,)` (a scalar total
-    is reported for every member) and the objective that is differentiated (the
+    """The per-member losses `(members,)` and the differentiated objective (the
     sum over members not `frozen`, or the scalar total)."""
     size = len(ensemble)
     kwargs = {} if hyper is None else {"hyper": hyper}
@@ -103,21 +96,17 @@ def distillation_loss(
 ) -> Callable[..., Any]:
     """A loss that trains a student to match an ensemble's mean prediction
     (Hinton, Vinyals & Dean 2015): the KL divergence from the teacher's mean
-    probabilities, at `temperature`, to the student's, times `temperature^2`
-    (so gradients keep their scale), averaged over the batch.
-
-    The teacher is frozen (closed over, in inference mode); the student is
-    trained by the same machinery as any model: `ee.fit` on an ensemble of one
-    student (or of several students, each distilled independently).
+    probabilities at `temperature` to the student's, times `temperature^2`,
+    averaged over the batch. The teacher is frozen (in inference mode); train
+    an ensemble of one (or several) students with `ee.fit`.
 
     **Arguments:**
 
-    - `teacher`: the [`Ensemble`][eqx_ensemble.Ensemble] (or
-      [`Heterogeneous`][eqx_ensemble.Heterogeneous]) whose members return
-      logits.
+    - `teacher`: an [`Ensemble`][eqx_ensemble.Ensemble] (or
+      [`Heterogeneous`][eqx_ensemble.Heterogeneous]) returning logits.
     - `temperature`: softens both distributions, `> 0`.
-    - `inputs`: picks the inputs from a batch (default: `batch[0]` for a tuple,
-      else the whole batch), so labels in the batch are ignored.
+    - `inputs`: picks the inputs from a batch (default: `batch[0]` of a tuple,
+      else the batch).
     - `state`: the teacher's stacked model state, for stateful teachers.
 
     **Returns:**
@@ -171,7 +160,7 @@ def distillation_loss(
             )
         teacher_logits = jax.lax.stop_gradient(teacher_logits)
         teacher_log_probs = jax.nn.log_softmax(teacher_logits / t, axis=-1)
-        # The teacher's prediction: the mean of its members' probabilities.
+        # The mean of the members' probabilities.
         target = jax.nn.logsumexp(teacher_log_probs, axis=0) - jnp.log(
             teacher_logits.shape[0]
         )

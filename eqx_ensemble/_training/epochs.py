@@ -1,14 +1,4 @@
-"""`ee.epochs`: an epoch-based data loader as a stream `fit` resumes from.
-
-A loader that is iterated once per epoch (a PyTorch `DataLoader`, a grain loader
-or dataset, a NumPy shuffler) becomes a function `step -> iterator of batches`
-that never ends: step `s` reads batch `s % n` of epoch `s // n` (`n` batches per
-epoch). Resuming at step `s` opens epoch `s // n` and positions it at batch
-`s % n`: from the loader's saved iterator state when the checkpoint holds one
-(grain's checkpointable iterators: no batch is read twice), by asking the loader
-to start there when it takes a `start` argument, and by reading and dropping the
-batches before it otherwise.
-"""
+"""`ee.epochs`: an epoch-based data loader as a stream `fit` resumes from."""
 
 import base64
 import inspect
@@ -30,10 +20,8 @@ _STATE_BYTES = "base64"
 
 class Epochs:
     """An epoch-based loader as a resumable, endless stream of batches: what
-    [`ee.epochs`][eqx_ensemble.epochs] returns, and what `fit(data=...)` takes.
-
-    Calling it with a step gives an iterator of the batches from that step on;
-    `fit` calls it with the step it starts (or resumes) from.
+    [`ee.epochs`][eqx_ensemble.epochs] returns. Called with a step, it gives an
+    iterator of the batches from that step on.
 
     **Example:**
 
@@ -85,20 +73,17 @@ class Epochs:
         )
 
     def __call__(self, step: int) -> "EpochIterator":
-        """The batches from `step` on (skipping the batches before `step` in its
-        epoch by the cheapest route the loader offers)."""
+        """The batches from `step` on."""
         step = check_int(step, "step", low=0)
         return EpochIterator(self, step, None)
 
     def restore(self, step: int, state: dict[str, Any]) -> "EpochIterator":
-        """The batches from `step` on, positioned from a state that an
-        `EpochIterator` returned at `step` (`fit` keeps it in checkpoints)."""
+        """The batches from `step` on, positioned from an `EpochIterator` state."""
         step = check_int(step, "step", low=0)
         return EpochIterator(self, step, state)
 
     def open(self, epoch: int, start: int) -> tuple[list[Any], list[Any]]:
-        """One epoch's loaders (one per member with `members`) and their
-        iterators, positioned at `start` where the loader takes `start`."""
+        """One epoch's loaders (one per member) and iterators, from `start`."""
         loaders = []
         for member in range(self.members or 1):
             kwargs: dict[str, int] = {}
@@ -126,40 +111,29 @@ def epochs(
     """An epoch-based data loader as the resumable stream that
     [`fit`][eqx_ensemble.fit] takes as `data`.
 
-    `loader_for_epoch(epoch)` returns the batches of one epoch: a PyTorch
-    `DataLoader` whose shuffling is seeded with the epoch, a grain loader or
-    dataset, a generator. The result is endless (epoch after epoch) and
-    step-indexed: `fit` trains step `s` on batch `s % n` of epoch `s // n`, and a
-    run resumed from a checkpoint at step `s` continues on exactly the batches
-    the uninterrupted run would have seen, so it equals that run bit for bit.
+    `loader_for_epoch(epoch)` returns one epoch's batches. The stream is endless
+    and step-indexed: step `s` is batch `s % n` of epoch `s // n`, so a resumed
+    run equals the uninterrupted one bit for bit. It reaches its position,
+    cheapest first:
 
-    How a resumed run reaches its position in the epoch, cheapest first:
+    1. from the iterator's saved state (`get_state()` / `set_state()`, as
+       grain's), kept in the checkpoint: no batch is read twice;
+    2. by `loader_for_epoch(epoch, start=k)`, where it takes `start`;
+    3. else by reading and dropping the epoch's first `k` batches.
 
-    1. a loader whose iterator saves its state (`get_state()` / `set_state()`,
-       as grain's iterators do): the state is kept in the checkpoint and
-       restored, and no batch is read twice;
-    2. a `loader_for_epoch(epoch, start=k)` with a `start` argument gives the
-       epoch's batches from batch `k` on (for a PyTorch `DataLoader`: a batch
-       sampler sliced at `k`, which reads no data);
-    3. otherwise the first `k` batches of the epoch are read and dropped.
-
-    Every loader must give the same batches for the same epoch each time it is
-    called (seed its shuffling with `epoch`); a resumed run whose first batch
-    differs from the one the checkpoint recorded is refused.
-
-    Batches may hold NumPy arrays, JAX arrays or PyTorch tensors (copied to the
-    host only when they are on another device).
+    A loader must give the same batches for the same epoch each call (seed its
+    shuffling with `epoch`); a resumed run whose first batch differs from the
+    checkpoint's record is refused. Batches may hold NumPy or JAX arrays or
+    PyTorch tensors.
 
     **Arguments:**
 
     - `loader_for_epoch`: `epoch -> iterable of batches`; optionally with a
       `start` argument (above) and, with `members`, a `member` argument.
-    - `batches_per_epoch`: the number of batches of every epoch (`None`: the
-      loader's `len`, or counted by reading where it has none). Checked against
-      the loader's `len` and against each epoch as it is read.
-    - `members`: for per-member data (`sampling=ee.Independent()`): the number of
-      members; `loader_for_epoch(epoch, member=m)` gives member `m`'s batches,
-      stacked along a leading member axis.
+    - `batches_per_epoch`: the batches of every epoch (`None`: the loader's
+      `len`, else counted by reading); checked as each epoch is read.
+    - `members`: for per-member data (`sampling=ee.Independent()`): the number
+      of members; `loader_for_epoch(epoch, member=m)` gives member `m`'s batches.
 
     **Example:**
 
@@ -184,8 +158,7 @@ def epochs(
 
 
 class EpochIterator(Iterator[PyTree[Any]]):
-    """The batches of an `Epochs` stream from one step on; `get_state()` says
-    where it is (with the loader's own state when it has one)."""
+    """The batches of an `Epochs` stream from one step on."""
 
     def __init__(self, source: Epochs, step: int, state: dict[str, Any] | None):
         self.source = source
@@ -200,8 +173,6 @@ class EpochIterator(Iterator[PyTree[Any]]):
             epoch, position = divmod(step, self.length)
         if not self.iterators or self.epoch != epoch:
             self._open(epoch, position, state)
-
-    # -- where the stream is ------------------------------------------------
 
     def _open(self, epoch: int, position: int, state: dict[str, Any] | None) -> None:
         """Open `epoch` and place it at batch `position`."""
@@ -247,8 +218,7 @@ class EpochIterator(Iterator[PyTree[Any]]):
             )
 
     def _count_to(self, step: int) -> tuple[int, int]:
-        """Count the first epoch's batches by reading it (a loader with neither
-        `len` nor `batches_per_epoch`), then go to `step`."""
+        """Count the first epoch's batches by reading it, then go to `step`."""
         self._open(0, 0, None)
         while self.length is None:
             if self.position == step:
@@ -263,8 +233,7 @@ class EpochIterator(Iterator[PyTree[Any]]):
         return self.epoch, self.position
 
     def get_state(self) -> dict[str, Any]:
-        """Where the stream is: the epoch, the batch within it, and the loaders'
-        own iterator states where they can give one (JSON)."""
+        """The epoch, the batch within it, and the loaders' own states (JSON)."""
         state: dict[str, Any] = {"epoch": self.epoch, "position": self.position}
         if self.length is not None and self.position == self.length:
             return {"epoch": self.epoch + 1, "position": 0}
@@ -282,8 +251,6 @@ class EpochIterator(Iterator[PyTree[Any]]):
         for setter, value in zip(setters, saved, strict=True):
             setter(_decode_state(value))  # pyright: ignore[reportOptionalCall]
         return True
-
-    # -- reading ------------------------------------------------------------
 
     def __next__(self) -> PyTree[Any]:
         return self._next_batch(skipping=False)
@@ -334,8 +301,7 @@ class EpochIterator(Iterator[PyTree[Any]]):
         return jax.tree.map(lambda *leaves: np.stack(leaves), *batches)
 
     def _end_of_epoch(self) -> None:
-        """An epoch of known length must end there: one more batch is an error
-        (a `batches_per_epoch` shorter than the loader's epoch)."""
+        """Raise if an epoch of known length has one more batch."""
         if self.loaders and all(_has_len(loader) for loader in self.loaders):
             return  # its `len` was checked when it was opened
         for iterator in self.iterators:
@@ -388,8 +354,7 @@ def _saved_position(
 
 
 def _loader_state(iterator: Any) -> Any:
-    """A loader iterator's own state as JSON (`None`: it has none, or one that is
-    not JSON or bytes)."""
+    """A loader iterator's own state as JSON (`None` if it has none usable)."""
     get = getattr(iterator, "get_state", None)
     if not callable(get) or not callable(getattr(iterator, "set_state", None)):
         return None

@@ -18,24 +18,21 @@ from .._internal.component import Component
 class Evaluate(Component):
     """Evaluate every member every `every` steps, inside the compiled loop.
 
-    `fn` has the loss's signature: `fn(model, data, key)`, or with a model state
-    `fn(model, state, data, key)`, and returns a scalar score (lower is better) or
-    a tuple whose first element is the score (so the training loss itself can be
-    passed). The whole of `data` is given as the batch. Each member's best
-    parameters (lowest score) are kept in `FitResult.best_ensemble`, and the
-    scores in `FitResult.history`.
+    `fn` has the loss's signature, `fn(model, [state,] data, key)`, and returns
+    a scalar score (lower is better) or a tuple starting with it (so the loss
+    itself can be passed), on the whole of `data`. Each member's best
+    parameters are kept in `FitResult.best_ensemble`, the scores in
+    `FitResult.history`.
 
     **Arguments:**
 
-    - `fn`: the score of ONE model (the library vmaps over members).
-    - `data`: the evaluation data (any PyTree; usually arrays), shared by members.
+    - `fn`: the score of ONE model.
+    - `data`: the evaluation data (any PyTree), shared by members.
     - `every`: evaluate after every `every` steps.
-    - `inference`: call `fn` on `eqx.nn.inference_mode(model)` (dropout off,
-      BatchNorm using its running statistics). Default `True`.
+    - `inference`: call `fn` on `eqx.nn.inference_mode(model)` (default `True`).
 
     Member `i`'s key after step `s` is
-    `jax.random.split(jax.random.fold_in(jax.random.fold_in(key, 3), s), size)[i]`
-    for the `key` given to `fit`.
+    `split(fold_in(fold_in(key, 3), s), size)[i]` for `fit`'s `key`.
 
     **Example:**
 
@@ -70,9 +67,7 @@ class Evaluate(Component):
             )
 
     def check(self, stateful: bool) -> None:
-        """Raise before any work if `fn` cannot be called the way `fit` calls it:
-        `fn(model, data, key)`, or `fn(model, state, data, key)` with a model
-        state."""
+        """Raise unless `fn` takes `(model, [state,] data, key)`."""
         try:
             signature = inspect.signature(self.fn)
         except (TypeError, ValueError):  # builtins: the call itself will tell
@@ -106,11 +101,8 @@ class Evaluate(Component):
         member_chunk: int | None = None,
         devices: int = 1,
     ) -> Float[Array, " members"]:
-        """Every member's score, member `i` called with `member_keys[i]`; the
-        members vectorised or one after another (`layout`: the training step's,
-        see `_layout`), `member_chunk` at a time if given (of each of the
-        `devices` devices' members, on a mesh). A heterogeneous
-        ensemble is scored group by group (its `model_state`: one per group)."""
+        """Every member's score (member `i` with `member_keys[i]`), laid out as
+        the training step; a heterogeneous ensemble group by group."""
         parts = group_parts(ensemble, model_state, members=(member_keys,))
         scores = [
             self._group_scores(group, state, keys, layout, member_chunk, devices)
@@ -151,6 +143,5 @@ class Evaluate(Component):
 
 
 def eval_member_keys(key: PRNGKeyArray, done: Int[Array, ""], size: int) -> Any:
-    """The members' keys of the evaluation after `done` steps (`key`: the run's
-    evaluation key, `_internal.keys.run_keys(key).eval`)."""
+    """The members' keys of the evaluation after `done` steps."""
     return jax.random.split(jax.random.fold_in(key, done), size)

@@ -1,9 +1,4 @@
-"""`fit`: the training loop users call. It checks its arguments and hands
-over: `run.prepare` builds the run (its components checked, the start state or
-the resumed one, the data source, the execution plan) and `Run.run` drives it,
-one compiled dispatch at a time, with the host work between dispatches done by
-the components themselves (history, progress, controllers, checkpoints,
-callbacks)."""
+"""`fit`: the training loop users call (`run.prepare` builds it, `Run.run` runs)."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -60,92 +55,72 @@ def fit(
 ) -> FitResult:
     """Train every member of an ensemble: the loop users call.
 
-    Array data is sampled inside compiled code, a stream's batches are grouped on
-    the host, and many steps run in one dispatch with `jax.lax.scan`, so the
-    Python overhead is paid once per dispatch, not once per step or per member.
-    Everything else is a component: evaluation
-    ([`ee.Evaluate`][eqx_ensemble.Evaluate]), checkpoints and resume
-    ([`ee.Checkpoints`][eqx_ensemble.Checkpoints]), weight-trajectory trackers
-    ([`ee.EMA`][eqx_ensemble.EMA], ...), callbacks between dispatches (the
-    progress bar, controllers such as [`ee.PBT`][eqx_ensemble.PBT], your own
-    functions) and how the run executes
-    ([`ee.Execution`][eqx_ensemble.Execution]).
+    Many steps run in one dispatch under `jax.lax.scan` (array data is sampled
+    inside compiled code), so Python overhead is paid once per dispatch.
 
     **Arguments:**
 
     - `ens`: the ensemble to train.
     - `loss_fn`: the loss of ONE model, `loss_fn(model, batch, key) -> loss` or
       `(loss, aux)`; with a model `state`: `loss_fn(model, state, batch, key) ->
-      (loss, new_state)` or `(loss, new_state, aux)`. For an
-      [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous], a tuple of such losses,
-      one per group, trains each group with its own.
+      (loss, new_state)` or `(loss, new_state, aux)`. An
+      [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous] may take one per group.
     - `optimizer`: an `optax.GradientTransformation`, applied per member.
-    - `data`: a PyTree of arrays sharing a leading example axis, e.g. `(x, y)`
-      (batches of `batch_size` examples are drawn inside compiled code); OR a
-      stream: any iterable of batches (a generator, a data loader; each batch a
-      PyTree of arrays, all of the same shapes), or a function `step -> iterator`
-      yielding the batches from `step` on (needed to resume a stream).
+    - `data`: a PyTree of arrays sharing a leading example axis, e.g. `(x, y)`;
+      OR a stream: any iterable of same-shaped batches (a generator, a data
+      loader), or a function `step -> iterator` of the batches from `step` on
+      (needed to resume a stream).
     - `steps`: the number of optimisation steps (in total, counting resumed ones).
     - `key`: ONE PRNG key; everything random derives from it (see below).
-    - `batch_size`: examples per step (per member) for array data; a stream's
-      batches set their own size.
-    - `sampling`: [`ee.Shared()`][eqx_ensemble.Shared] (default: all members see
-      the same batch), [`ee.Independent()`][eqx_ensemble.Independent] (each
-      member shuffles on its own; for a stream: each batch has a leading member
-      axis) or [`ee.Bootstrap()`][eqx_ensemble.Bootstrap] (bagging, array data
-      only); or their names `"shared"`, `"independent"`, `"bootstrap"`.
+    - `batch_size`: examples per step (per member) for array data.
+    - `sampling`: [`ee.Shared()`][eqx_ensemble.Shared] (default: one batch for
+      all), [`ee.Independent()`][eqx_ensemble.Independent] (each member shuffles
+      on its own; a stream's batches then have a member axis) or
+      [`ee.Bootstrap()`][eqx_ensemble.Bootstrap] (bagging, array data only); or
+      their names `"shared"`, `"independent"`, `"bootstrap"`.
     - `opt_state`: a stacked optimizer state to continue from (default: fresh
-      [`init_optimizer`][eqx_ensemble.init_optimizer]). Per-member optimizer
-      hyperparameters (an optimizer built with `optax.inject_hyperparams`):
-      `opt_state=ee.init_optimizer(optimizer, ens, hyperparams={...})`.
+      [`init_optimizer`][eqx_ensemble.init_optimizer]; per-member
+      hyperparameters: `ee.init_optimizer(optimizer, ens, hyperparams={...})`).
     - `state`: the stacked model state for models with `eqx.nn.State`.
-    - `hyper`: per-member hyperparameters of the loss and model (weight decay,
-      dropout rate, label smoothing, ...): a PyTree of arrays with a leading
-      member axis, passed to `loss_fn` as the keyword `hyper` (member `i` sees
-      its slice). Traced, so new values do not recompile; controllers may change
-      them (they live in `TrainState.hyper`).
-    - `evaluate`: an [`ee.Evaluate`][eqx_ensemble.Evaluate]: scores every member
-      inside the loop and keeps each member's best in `best_ensemble`.
+    - `hyper`: per-member hyperparameters of the loss (weight decay, dropout
+      rate, ...): a PyTree of arrays with a leading member axis, passed to
+      `loss_fn` as the keyword `hyper` (member `i`'s slice). Traced: new values
+      do not recompile; controllers may change them (`TrainState.hyper`).
+    - `evaluate`: an [`ee.Evaluate`][eqx_ensemble.Evaluate], scoring members
+      inside the loop (each member's best kept in `best_ensemble`).
     - `checkpoints`: an [`ee.Checkpoints`][eqx_ensemble.Checkpoints]: saves the
       run, and resumes it when the folder holds one.
-    - `track`: trackers updated inside the loop after every step; their results
-      are in `FitResult.tracked`.
-    - `callbacks`: what runs on the host between dispatches: any
-      [`ee.Callback`][eqx_ensemble.Callback], in the order of its phase
-      (then as given): progress meters ([`ee.ProgressBar`][eqx_ensemble.ProgressBar],
-      the default, or any [`ee.ProgressMeter`][eqx_ensemble.ProgressMeter]),
-      controllers ([`ee.Controller`][eqx_ensemble.Controller], e.g.
-      [`ee.PBT`][eqx_ensemble.PBT]: run every `controller.every` steps),
-      loggers ([`ee.Logger`][eqx_ensemble.Logger]), your own callbacks, and
-      plain functions, called after every dispatch (and after its checkpoint)
-      with the current [`FitResult`][eqx_ensemble.FitResult]. `None` (the
-      default): `(ee.ProgressBar(),)`; `()`: nothing (no progress bar).
+    - `track`: trackers ([`ee.EMA`][eqx_ensemble.EMA], ...) updated after every
+      step; their results are in `FitResult.tracked`.
+    - `callbacks`: any [`ee.Callback`][eqx_ensemble.Callback]s run on the host
+      between dispatches, by phase (then as given): progress meters
+      ([`ee.ProgressMeter`][eqx_ensemble.ProgressMeter]), controllers
+      ([`ee.Controller`][eqx_ensemble.Controller], e.g.
+      [`ee.PBT`][eqx_ensemble.PBT]), loggers ([`ee.Logger`][eqx_ensemble.Logger]),
+      your own, and plain functions of the current
+      [`FitResult`][eqx_ensemble.FitResult] (after every dispatch and its
+      checkpoint). `None` (default): `(ee.ProgressBar(),)`; `()`: nothing.
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]: steps per
       dispatch, member layout, unrolling, compiler options and the device mesh
-      (`Execution(mesh=ee.make_mesh(...))`: the member axis of the ensemble and
-      its states is split over `"members"`, each step's batch over `"data"`;
-      results equal the single-device run's, see the sharding guide). None of
-      it changes the result beyond floating-point rounding.
+      (members split over `"members"`, batches over `"data"`; see the sharding
+      guide). None of it changes the result beyond floating-point rounding.
 
     **Returns:**
 
     A [`FitResult`][eqx_ensemble.FitResult]. Errors raised after training
-    started (every member diverged, a checkpoint could not be written, a stream
-    ended early) carry the run so far as `error.result`.
+    started carry the run so far as `error.result`.
 
-    **Randomness (exact and documented, so runs are reproducible):**
+    **Randomness (exact, so runs are reproducible):**
     `data_key, bootstrap_key, train_key = jax.random.split(key, 3)`. Steps
-    count from 1 everywhere (the logs, `FitResult.diverged`, checkpoints); at
-    step `s + 1` (`s` steps done before it) member `i`'s `loss_fn` gets key
-    `jax.random.split(jax.random.fold_in(train_key, s), len(ens))[i]`. Batches
-    of array data are drawn from `data_key` (and `bootstrap_key`) as each
-    sampling documents. Evaluations use `jax.random.fold_in(key, 3)`. An
-    optimizer that takes extra arguments (`optax.GradientTransformationExtraArgs`,
-    e.g. the samplers of [`ee.sgmcmc`][eqx_ensemble.sgmcmc]) gets member `i`'s
-    loss key folded with `0x6F707478` as `update(..., key=)`, and its loss at
-    that step as `value=` (`optax.contrib.reduce_on_plateau`,
-    `optax.polyak_sgd`; a trained shared part: the sum of the members' losses;
-    an [`ee.Coupled`][eqx_ensemble.Coupled] loss: its total, for every member).
+    count from 1 everywhere; at step `s + 1` member `i`'s `loss_fn` gets key
+    `jax.random.split(jax.random.fold_in(train_key, s), len(ens))[i]`. Array
+    batches are drawn from `data_key` (and `bootstrap_key`) as each sampling
+    documents. Evaluations use `jax.random.fold_in(key, 3)`. An optimizer
+    taking extra arguments (`optax.GradientTransformationExtraArgs`, e.g.
+    [`ee.sgmcmc`][eqx_ensemble.sgmcmc]) gets member `i`'s loss key folded with
+    `0x6F707478` as `update(..., key=)`, and its loss as `value=` (a trained
+    shared part: the members' sum; an [`ee.Coupled`][eqx_ensemble.Coupled]
+    loss: its total, for every member).
 
     **Example:**
 

@@ -9,9 +9,8 @@ import numpy as np
 class History:
     """Per-member training history.
 
-    - `losses`: `(steps, members)` training loss of every member at every step
-      (row `t - 1` is step `t`: steps count from 1, as everywhere; NaN once a
-      member has diverged or been stopped: it no longer trains).
+    - `losses`: `(steps, members)` training losses (row `t - 1` is step `t`;
+      NaN once a member has diverged or stopped).
     - `eval_steps`: `(evaluations,)` the step count after which each evaluation ran.
     - `eval_scores`: `(evaluations, members)` each member's evaluation score.
 
@@ -53,9 +52,8 @@ class Recorder:
         first_step: int,
         every: int | None,
     ) -> None:
-        """A dispatch's `(steps, members)` losses and scores, its first step being
-        `first_step` (0-based); an evaluation ran after step `s` when
-        `s % every == 0`."""
+        """A dispatch's losses and scores (`first_step` 0-based; an evaluation
+        ran after step `s` when `s % every == 0`)."""
         self.losses.append(losses)
         if scores is None or every is None:
             return

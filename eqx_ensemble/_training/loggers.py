@@ -1,8 +1,4 @@
-"""Loggers as a component: `fit` hands each a record of every dispatch (per-member
-losses and evaluation scores, divergences, hyperparameters, controllers' events)
-and the run's description; the logger decides where it goes (a CSV folder,
-TensorBoard, W&B). Writing runs on a thread of its own, so the host returns to
-the compiled loop at once."""
+"""Loggers: a `fit` run's record, written on a thread of its own."""
 
 import abc
 import dataclasses
@@ -23,10 +19,9 @@ class RunInfo:
     """What a logger is told before the first dispatch.
 
     - `steps`: the run's step count; `size`: its number of members.
-    - `start`: the step it starts from (`> 0`: `resumed` from a checkpoint, and
-      whatever a logger wrote after `start` belongs to a run that was cut off).
-    - `hparams`: the run's description (sampling, batch size, optimizer and the
-      like: numbers and strings).
+    - `start`: the step it starts from (`> 0`: `resumed`; anything logged after
+      `start` belongs to a run that was cut off).
+    - `hparams`: the run's description (numbers and strings).
     - `member_hparams`: each member's injected hyperparameters at the start
       (`name -> (members,)` values; empty without `optax.inject_hyperparams`).
 
@@ -62,13 +57,11 @@ class LogEntry:
     - `steps`: `(n,)` the steps it ran (1-based: the step count after each).
     - `losses`: `(n, members)` every member's training loss at those steps.
     - `eval_steps`, `eval_scores`: `(e,)` and `(e, members)`: evaluations it ran.
-    - `diverged_at`: `(members,)` each member's divergence step, counted like
-      `steps` (`-1`: healthy), as in `FitResult.diverged`.
-    - `member_hparams`: each member's injected hyperparameters after it
-      (controllers such as PBT change them).
+    - `diverged_at`: `(members,)` each member's divergence step (`-1`: healthy).
+    - `member_hparams`: each member's injected hyperparameters after it.
     - `events`: what happened in it, as records with `"step"` (counted like
-      `steps`) and `"event"`: `"diverged"` with `"member"` (whose update at that
-      step was refused), `"exploit"` with `"member"` and `"parent"` (PBT),
+      `steps`) and `"event"`: `"diverged"` with `"member"` (its update refused),
+      `"exploit"` with `"member"` and `"parent"` (PBT),
       `"snapshot"` (`ee.Snapshots`), `"averaging_starts"` (`ee.SWA`, `ee.SWAG`).
 
     **Example:** a logger's `write` receives one per dispatch:
@@ -100,24 +93,19 @@ class LogEntry:
 
 
 class Logger(Callback):
-    """Writes a [`fit`][eqx_ensemble.fit] run's record somewhere (abstract).
-    Passed in `fit(..., callbacks=[...])`;
-    [`ee.CSVLogger`][eqx_ensemble.CSVLogger] and
-    [`ee.TensorBoardLogger`][eqx_ensemble.TensorBoardLogger] are two.
-    `fit` calls it on the host, from a thread of its own (writes never hold up
-    the compiled loop), one call at a time and in order:
+    """Writes a [`fit`][eqx_ensemble.fit] run's record somewhere (abstract),
+    e.g. [`ee.CSVLogger`][eqx_ensemble.CSVLogger]. Passed in
+    `fit(..., callbacks=[...])`; called from a thread of its own, one call at a
+    time and in order:
 
-    - `check() -> None`: before any work (a folder that cannot be written fails
-      here, not after training).
+    - `check() -> None`: before any work (e.g. refuse an unwritable folder).
     - `open(run: RunInfo) -> handle`: before the first dispatch.
     - `write(handle, entry: LogEntry) -> None`: after every dispatch.
     - `flush(handle) -> None`: before each checkpoint (optional).
     - `close(handle) -> None`: when the run ends (also on an error).
 
-    A logger's error ends the run with it (the trained run attached as
-    `error.result`) at the next dispatch or at the end. (These are its
-    [`Callback`][eqx_ensemble.Callback] hooks, phase `RECORD`: after the
-    controllers, before the checkpoint.)
+    Its error ends the run at the next dispatch or the end. It is a
+    [`Callback`][eqx_ensemble.Callback] of phase `RECORD`.
 
     **Example:**
 
@@ -138,7 +126,6 @@ class Logger(Callback):
     ```
     """
 
-    # Its `Callback` hooks (phase `RECORD`): one writing thread per logger.
     phase = Callback.RECORD
 
     def on_check(self, setup: RunSetup) -> None:
@@ -168,9 +155,7 @@ class Logger(Callback):
         """Called after every dispatch."""
 
     def flush(self, handle: Any) -> None:
-        """Called before each checkpoint is written: make what was written so far
-        durable (a run resumed from that checkpoint drops anything after it, and
-        nothing before it may be missing). Default: nothing."""
+        """Called before each checkpoint: make what was written so far durable."""
         del handle
 
     def close(self, handle: Any) -> None:
@@ -179,8 +164,7 @@ class Logger(Callback):
 
 
 def check_writable(directory: str | os.PathLike[str], name: str) -> Path:
-    """Create `directory` if needed and check a file can be written there, or an
-    `OSError` naming `name` and the folder (before any training)."""
+    """Create `directory` if needed, or raise an `OSError` if it is unwritable."""
     path = Path(directory)
     try:
         probe_folder(path, lambda probe: probe.write_bytes(b"probe"))
@@ -204,8 +188,8 @@ class _Sync:
 
 
 class LogWriter:
-    """A logger behind a queue, written from a thread of its own; its error is
-    re-raised on the run's thread at the next `write`, `sync` or at `close`."""
+    """A logger behind a queue, written on its own thread; its error is
+    re-raised at the next `write`, `sync` or `close`."""
 
     def __init__(self, logger: Logger, run: RunInfo):
         self.error: BaseException | None = None
@@ -249,8 +233,7 @@ class LogWriter:
             raise error
 
     def close(self) -> None:
-        """Wait for the queued entries, close the logger, then raise the first
-        error it gave."""
+        """Wait for the queue, close the logger, raise its first error."""
         self.queue.put(_STOP)
         self.thread.join()
         try:

@@ -1,5 +1,4 @@
-"""The loss a user writes, as the library calls it: the signature check before
-any work, the call for one member, and the split of what it returns."""
+"""The user's loss as the library calls it: signature check, call, output split."""
 
 import inspect
 import weakref
@@ -70,8 +69,7 @@ def call_loss(
     key: Any,
     hyper: Any = None,
 ) -> tuple[Array, Any, Any]:
-    """`loss_fn` on one member, split into `(loss, aux, new_state)`; an error raised
-    inside it gets a note saying what the library passed."""
+    """`loss_fn` on one member as `(loss, aux, new_state)`; errors get a note."""
     stateful = state is not None
     kwargs = {} if hyper is None else {"hyper": hyper}
     try:
@@ -85,9 +83,7 @@ def call_loss(
     return _split_loss_output(out, stateful)
 
 
-# The (stateful, with_hyper) calls each loss was found to take: a `fit` loop
-# reads a loss's signature once, not per call. Weak keys: the entry goes with
-# the loss.
+# The (stateful, with_hyper) calls each loss was checked for, weakly keyed.
 _CHECKED: "weakref.WeakKeyDictionary[Any, set[tuple[bool, bool]]]" = (
     weakref.WeakKeyDictionary()
 )
@@ -96,9 +92,7 @@ _CHECKED: "weakref.WeakKeyDictionary[Any, set[tuple[bool, bool]]]" = (
 def check_loss_signature(
     loss_fn: Callable[..., Any], stateful: bool, with_hyper: bool = False
 ) -> None:
-    """Raise before any work if `loss_fn` cannot be called the way the library
-    calls it: `(model, batch, key)`, or `(model, state, batch, key)` with a model
-    state, plus the keyword `hyper=` when per-member hyperparameters are given."""
+    """Raise unless `loss_fn` takes `(model, [state,] batch, key[, hyper=])`."""
     try:
         if (stateful, with_hyper) in _CHECKED.get(loss_fn, ()):
             return
@@ -178,8 +172,7 @@ def check_optimizer(optimizer: Any) -> None:
 
 
 def check_hyper(hyper: PyTree[Any], size: int) -> None:
-    """Per-member hyperparameters: arrays of real numbers with a leading member
-    axis of size `size`, finite, or a clear error naming the leaf."""
+    """Raise unless `hyper` is finite real arrays with a leading axis of `size`."""
     leaves = jax.tree_util.tree_flatten_with_path(hyper)[0]
     if not leaves:
         raise ValueError("`hyper` holds no arrays; pass a PyTree of arrays or None")
@@ -212,8 +205,7 @@ def profile_step(
     state: PyTree[Any] = None,
     hyper: PyTree[Any] = None,
 ) -> StepProfile:
-    """The profile of `loss_fn` on one member and one batch (shapes only; an
-    error while tracing gives the empty profile: the step itself reports it)."""
+    """The profile of `loss_fn` on one member and one batch (shapes only)."""
 
     def loss(model: Any, batch: Any, state: Any, hyper: Any) -> Any:
         return call_loss(loss_fn, model, state, batch, jax.random.key(0), hyper)[0]

@@ -1,6 +1,4 @@
-"""Progress reporting as a component (Diffrax's `ProgressMeter` is the model):
-`fit` tells a meter where the run starts, what each dispatch did, and when it
-ends; the meter decides how to show it."""
+"""Progress meters (after Diffrax's `ProgressMeter`): how a `fit` run is shown."""
 
 import abc
 from typing import Any
@@ -11,21 +9,17 @@ from .callback import Callback, RunView
 
 
 class ProgressMeter(Callback):
-    """Shows a [`fit`][eqx_ensemble.fit] run's progress (abstract). Passed in
-    `fit(..., callbacks=[...])`; [`ee.ProgressBar`][eqx_ensemble.ProgressBar]
-    is the default. Called on the host between dispatches, never inside
-    compiled code.
+    """Shows a [`fit`][eqx_ensemble.fit] run's progress (abstract), on the host
+    between dispatches. Passed in `fit(..., callbacks=[...])`;
+    [`ee.ProgressBar`][eqx_ensemble.ProgressBar] is the default.
 
-    - `start(total, done, resumed) -> handle`: before the first dispatch
-      (`done` steps are already done when the run `resumed` from a checkpoint).
-    - `update(handle, done, losses, diverged_at) -> None`: after each dispatch,
-      with the steps done so far, the dispatch's `(steps, members)` losses and
-      each member's divergence step, counted from 1 as in
-      `FitResult.diverged` (`-1`: healthy).
+    - `start(total, done, resumed) -> handle`: before the first dispatch.
+    - `update(handle, done, losses, diverged_at) -> None`: after each dispatch:
+      the steps done, its `(steps, members)` losses and each member's divergence
+      step, counted from 1 as in `FitResult.diverged` (`-1`: healthy).
     - `close(handle) -> None`: when the run ends, also on an error.
 
-    (These are its [`Callback`][eqx_ensemble.Callback] hooks, phase `OBSERVE`:
-    the first to see each dispatch.)
+    It is a [`Callback`][eqx_ensemble.Callback] of phase `OBSERVE`.
 
     **Example:**
 
@@ -73,9 +67,8 @@ class ProgressMeter(Callback):
 
 
 class ProgressBar(ProgressMeter):
-    """A tqdm progress bar with the step and the mean, min and max member loss
-    (and how many members diverged): `fit`'s default meter. A resumed run says
-    so in the bar's description.
+    """`fit`'s default meter: a tqdm bar with the mean, min and max member loss
+    (and how many diverged); a resumed run says so in its description.
 
     **Example:**
 
@@ -105,8 +98,7 @@ class ProgressBar(ProgressMeter):
 
 
 def loss_summary(last_losses: np.ndarray, diverged_at: np.ndarray) -> str:
-    """`loss mean=... min=... max=...` over the healthy members, and how many
-    diverged."""
+    """`loss mean=... min=... max=...` of the healthy members, and the diverged."""
     healthy = last_losses[(diverged_at < 0) & np.isfinite(last_losses)]
     text = "diverged: all"
     if healthy.size:

@@ -1,5 +1,4 @@
-"""The run record: what identifies a `fit` run, saved with each checkpoint and
-compared on resume (exact resume needs the same run)."""
+"""The run record: what identifies a `fit` run, checked on resume."""
 
 import dataclasses
 import hashlib
@@ -17,8 +16,7 @@ from .optim import hyperparam_nodes, members_opt_state
 
 @dataclasses.dataclass(frozen=True)
 class RunRecord:
-    """What a resumed run must share with the run that wrote the checkpoint.
-    Saved as JSON (`as_json`) in each checkpoint's manifest."""
+    """What a resumed run must share with the checkpoint's run (JSON)."""
 
     size: int
     batch_size: int | None
@@ -27,12 +25,9 @@ class RunRecord:
     key: list[int]
     eval_every: int | None
     track: list[str]
-    # The hyperparameters the run STARTED with (controllers such as `ee.PBT`
-    # change them as it goes); `None` when the run was given no optimizer state
-    # (a resume may then continue with the saved one).
+    # The hyperparameters the run STARTED with; `None`: no optimizer state given.
     hyperparams: dict[str, Any] | None
     hyper: dict[str, Any] | None
-    # The optimizer's structure and fixed hyperparameters (see `optimizer_record`).
     optimizer: str | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -58,8 +53,7 @@ def key_record(key: PRNGKeyArray) -> list[int]:
 
 
 def start_record(trees: list[tuple[str, Any]]) -> dict[str, Any] | None:
-    """JSON-comparable values of hyperparameter PyTrees (`None` if there are
-    none): a list of numbers per leaf, or a digest for a leaf of over 256."""
+    """Hyperparameter PyTrees as JSON: numbers per leaf (a digest over 256)."""
     record: dict[str, Any] = {}
     for prefix, tree in trees:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -92,13 +86,9 @@ def hyperparams_record(states: list[tuple[str, Any]]) -> dict[str, Any] | None:
 def optimizer_record(
     optimizer: optax.GradientTransformation, opt_state: PyTree[Any]
 ) -> str:
-    """A digest of what identifies an optimizer without running it: the
-    structure of its state (on a canonical one-leaf model), and the values its
-    `update` closes over (learning rates, betas, clipping
-    thresholds: the numbers and strings in their closures), so that resuming
-    with `adam(1e-1)` a run saved with `adam(1e-2)` is refused."""
-    # The state's structure on a canonical one-leaf model (not on the ensemble,
-    # whose architecture a resume checks leaf by leaf with its own message).
+    """A digest of an optimizer: its state's structure on a one-leaf model and
+    the values its `update` closes over (so `adam(1e-1)` cannot resume a run
+    saved with `adam(1e-2)`)."""
     del opt_state
     try:
         canonical = jax.eval_shape(
@@ -112,16 +102,13 @@ def optimizer_record(
 
 
 def _closure_values(fn: Any, depth: int, seen: set[int]) -> list[str]:
-    """The plain values a function closes over, recursively through the
-    functions and optax transformations it closes over (optax builds
-    optimizers as closures over their hyperparameters)."""
+    """The plain values a function (e.g. an optax `update`) closes over, deeply."""
     if depth > 12 or id(fn) in seen:
         return []
     seen.add(id(fn))
     values: list[str] = []
     code = getattr(fn, "__code__", None)
-    # Values only (no function names, which an optax release may rename): the
-    # state's structure already tells one transformation from another.
+    # Values only: function names may change between optax releases.
     cells = getattr(fn, "__closure__", None) or ()
     names = code.co_freevars if code is not None else ()
     for name, cell in zip(names, cells, strict=False):

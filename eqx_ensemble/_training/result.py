@@ -17,33 +17,27 @@ from .train_state import TrainState, track_result
 class FitResult:
     """What [`fit`][eqx_ensemble.fit] returns.
 
-    - `ensemble`: the trained ensemble (after the last step).
+    - `ensemble`: the trained ensemble.
     - `opt_state`: the stacked optimizer state.
     - `state`: the stacked model state (`eqx.nn.State`) or `None`.
     - `history`: a [`History`][eqx_ensemble.History] of per-member losses and scores.
     - `diverged`: `{member: step}` for members whose loss, gradient or update
-      became non-finite at that step (steps count from 1, as everywhere: the
-      logs, `steps=`, checkpoints); the member keeps its parameters after the
-      step before (its last finite ones) and trains no more, the others train
-      on. Row `step - 1` of `history.losses` holds the loss computed at
-      that step (finite where only the gradient or the update was not), and
-      its losses after it are NaN: `history.losses[step:]`.
+      became non-finite at that step (counted from 1); the member keeps its last
+      finite parameters and trains no more, the others train on. Row
+      `step - 1` of `history.losses` holds the loss computed at that step, and
+      `history.losses[step:]` is NaN.
     - `stopped`: `{member: step}` for members stopped before the end (by
       [`ee.EarlyStopping`][eqx_ensemble.EarlyStopping]): the last step each
-      trained; from then on they were frozen. When every member has
-      stopped (or diverged), the run ends there: `step` is less than `steps`.
-    - `best_ensemble`: with `evaluate=`, each member at its best evaluation score
-      (lowest), else `None`; `best_step` holds the step of each member's best.
+      trained. When every member has stopped (or diverged), the run ends
+      there: `step` is less than `steps`.
+    - `best_ensemble`: with `evaluate=`, each member at its best (lowest) score,
+      else `None`; `best_step`: the step of each member's best.
     - `step`: the number of steps done.
-    - `tracked`: one result per tracker of `track=` (e.g. an `Ensemble` of
-      averaged weights for [`ee.EMA`][eqx_ensemble.EMA]), in order.
-    - `train_state`: the full [`TrainState`][eqx_ensemble.TrainState] (what a
-      checkpoint holds).
-    - `resumed_from`: the step this call of `fit` resumed from (a checkpoint in
-      `ee.Checkpoints`' folder), or `None` when it started afresh.
-    - `sampling`, `key`, `num_examples`: how the run drew its batches (for array
-      data; `num_examples` is `None` for a stream), e.g. to rebuild a bootstrap
-      run's out-of-bag examples with
+    - `tracked`: one result per tracker of `track=`, in order.
+    - `train_state`: the full [`TrainState`][eqx_ensemble.TrainState].
+    - `resumed_from`: the step this call resumed from, or `None`.
+    - `sampling`, `key`, `num_examples`: how the run drew its batches
+      (`num_examples`: `None` for a stream), e.g. for
       [`Bootstrap.in_bag`][eqx_ensemble.Bootstrap.in_bag].
 
     **Example:**
@@ -88,8 +82,8 @@ def make_result(
     resumed_from: int | None = None,
     read: tuple[np.ndarray, np.ndarray, int] | None = None,
 ) -> FitResult:
-    """A `FitResult` from a run's state; `read`: its `diverged_at`, `stopped_at`
-    and `step` already on the host (read from the state otherwise)."""
+    """A `FitResult` from a run's state (`read`: its `diverged_at`, `stopped_at`,
+    `step` already on the host)."""
     if read is None:
         read = (
             np.asarray(train_state.diverged_at),
@@ -130,9 +124,8 @@ def make_result(
 
 class EnsembleDivergedError(FloatingPointError):
     """Raised by [`fit`][eqx_ensemble.fit] when every member has diverged
-    (non-finite loss, gradient or update). While some members are healthy, `fit`
-    keeps training them and reports the others in `FitResult.diverged` instead.
-    The run so far is attached as `error.result`.
+    (while some are healthy, they train on and `FitResult.diverged` reports the
+    others). The run so far is attached as `error.result`.
 
     **Example:**
 

@@ -1,16 +1,5 @@
 """How `fit` draws each member's minibatch: `Shared`, `Independent`, `Bootstrap`.
-
-Each sampling is a small Module that owns its checks, its per-run set-up and its
-per-step indices; `fit` asks it, and never decodes a name. The strings
-`"shared"`, `"independent"` and `"bootstrap"` are accepted wherever a sampling is
-(`as_sampling` turns them into these objects); no other module names them.
-
-For array data the indices are drawn inside compiled code. A chunk of steps
-computes the epoch permutations it touches once, up front, with the same keys as
-the per-step rule (`indices`), so every step slices its batch out of them: on
-small models recomputing the permutation (a sort of `n` indices) at every step
-was a quarter of the step time.
-"""
+A chunk computes its epoch permutations up front (per step: 1/4 of step time)."""
 
 import abc
 import operator
@@ -34,14 +23,9 @@ from .._internal.checks import check_positive_int
 from .._internal.component import Component
 from .._internal.keys import run_keys
 
-# Above this many precomputed indices (int32) per chunk, compute the permutation
-# at every step rather than holding all of them at once.
+# Above this many precomputed indices per chunk, permute at every step instead.
 _MAX_PRECOMPUTED = 2**26
-# A dispatch that runs fewer steps than it is compiled for (`count`) still makes
-# all the epoch permutations it could touch when they are this few (one
-# vectorised call) and this small (indices in all); more, and it makes only
-# those its steps touch, in a loop (a permutation of 60,000 is ~10 ms on a CPU,
-# `_core.data.permutation`; ~40 ms as `jax.random.permutation` sorts it).
+# A short dispatch (`count`) makes all its epochs' permutations up to this.
 _ALL_EPOCHS = 8
 _ALL_EPOCHS_INDICES = 2**16
 # Index arrays and batch axes are int32 in XLA: nothing may reach 2**31 elements.
@@ -51,12 +35,11 @@ MAX_INDICES = 2**31 - 1
 class Sampling(Component):
     """How each member's minibatch is drawn from array data (abstract).
 
-    The built-in samplings are [`ee.Shared`][eqx_ensemble.Shared],
-    [`ee.Independent`][eqx_ensemble.Independent] and
+    Built in: [`ee.Shared`][eqx_ensemble.Shared],
+    [`ee.Independent`][eqx_ensemble.Independent],
     [`ee.Bootstrap`][eqx_ensemble.Bootstrap]. A sampling says whether batches
-    carry a member axis (`per_member`), prepares per-run arrays from the run's
-    bootstrap key (`prepare`), and gives the example indices of a step
-    (`indices`).
+    carry a member axis (`per_member`), prepares per-run arrays (`prepare`), and
+    gives a step's example indices (`indices`).
 
     **Example:**
 
@@ -73,9 +56,7 @@ class Sampling(Component):
     name: ClassVar[str]
 
     def record(self) -> str:
-        """How the sampling is named in a checkpoint's run record (a resumed run
-        must sample the same way): its `name`, or for a sampling without one
-        its `repr`."""
+        """The sampling's name in a checkpoint's run record (`name`, else `repr`)."""
         return getattr(self, "name", None) or repr(self)
 
     def check(self, num_examples: int, batch_size: int, size: int) -> None:
@@ -105,8 +86,7 @@ class Sampling(Component):
         batch_size: int,
         size: int,
     ) -> Int[Array, "..."]:
-        """The example indices of step `step`: `(batch_size,)`, or with a member
-        axis `(size, batch_size)` when `per_member`."""
+        """Step `step`'s example indices: `(batch_size,)` or `(size, batch_size)`."""
 
     def chunk_indices(
         self,
@@ -120,9 +100,8 @@ class Sampling(Component):
         chunk: int,
         count: Int[Array, ""] | None = None,
     ) -> Callable[[Int[Array, ""]], Array]:
-        """`indices` for the steps `[first_step, first_step + chunk)`, with any
-        work shared by those steps done once (for the first `count` of them
-        only, where `count` is given: a dispatch that runs fewer)."""
+        """`indices` for steps `[first_step, first_step + chunk)`, shared work
+        done once (for the first `count` steps only, where given)."""
         del first_step, chunk, count
         return lambda step: self.indices(
             data_key, prepared, step, n=n, batch_size=batch_size, size=size
@@ -130,8 +109,7 @@ class Sampling(Component):
 
 
 class _WithoutReplacement(Sampling):
-    """Epochs of `E = n // batch_size` steps; step `s` takes slice `s % E` of the
-    permutation of epoch `s // E` (the remainder of each epoch is dropped)."""
+    """Epochs of `E = n // batch_size` steps, as `_core.data.epoch_indices`."""
 
     def check(self, num_examples: int, batch_size: int, size: int) -> None:
         super().check(num_examples, batch_size, size)
@@ -181,8 +159,7 @@ class _WithoutReplacement(Sampling):
                 num_epochs <= _ALL_EPOCHS and num_epochs * n <= _ALL_EPOCHS_INDICES
             ):
                 return jax.vmap(lambda epoch: epoch_permutation(key, epoch))(epochs)
-            # Only the epochs the dispatch's `count` steps touch (a run shorter
-            # than the compiled dispatch length makes no more than it needs).
+            # Only the epochs the dispatch's `count` steps touch.
             last = (first_step + jnp.maximum(count, 1) - 1) // steps_per_epoch
             needed = jnp.minimum(last - first_epoch + 1, num_epochs)
             empty = jnp.zeros((num_epochs, n), jnp.int32)
@@ -212,9 +189,8 @@ class _WithoutReplacement(Sampling):
 class Shared(_WithoutReplacement):
     """Every member trains on the same minibatch at each step (the default).
 
-    The batch stays unbatched inside the member `vmap`, so the member axis folds
-    into the weights: one wide matmul or convolution per layer for the whole
-    ensemble. Step `s` takes slice `s % E` of
+    The member axis folds into the weights: one wide matmul per layer for the
+    whole ensemble. Step `s` takes slice `s % E` of
     `jax.random.permutation(jax.random.fold_in(data_key, s // E), n)` with
     `E = n // batch_size`.
 
@@ -237,10 +213,9 @@ class Shared(_WithoutReplacement):
 class Independent(_WithoutReplacement):
     """Each member shuffles the data on its own (its own epochs, same data).
 
-    Member `i` follows the rule of [`ee.Shared`][eqx_ensemble.Shared] with data
-    key `jax.random.split(data_key, size)[i]`. For a streamed data source,
-    `Independent()` means each batch carries a leading member axis (member `i`
-    trains on slice `i`).
+    Member `i` follows [`ee.Shared`][eqx_ensemble.Shared]'s rule with data key
+    `jax.random.split(data_key, size)[i]`. For a streamed source, each batch
+    carries a leading member axis (member `i` trains on slice `i`).
 
     **Example:**
 
@@ -269,13 +244,11 @@ class Bootstrap(Sampling):
     `jax.random.randint(jax.random.fold_in(data_key, s), (size, batch_size), 0, n)`
     into it. The examples a member never drew are its out-of-bag examples.
 
-    `block_length=L > 1` draws blocks of `L` consecutive examples instead (the
-    moving-block bootstrap, Kunsch 1989: `ceil(n / L)` block starts uniform in
-    `0..n - L` per member, the blocks end to end, cut to `n`), for time series
-    and other ordered data, where a member's out-of-bag examples should not sit
-    between the examples it trained on
+    `block_length=L > 1` draws blocks of `L` consecutive examples (the
+    moving-block bootstrap, Kunsch 1989: `ceil(n / L)` starts uniform in
+    `0..n - L`, cut to `n`), for ordered data such as time series
     ([`ee.conformal.enbpi`][eqx_ensemble.conformal.enbpi]). The first and last
-    `L - 1` examples are drawn less often than the rest.
+    `L - 1` examples are drawn less often.
 
     **Example:**
 
@@ -343,8 +316,7 @@ class Bootstrap(Sampling):
         self, key: PRNGKeyArray, *, size: int, num_examples: int
     ) -> Int[Array, "members n"]:
         """How many times each member's resample holds each example, rebuilt from
-        the `key` that [`fit`][eqx_ensemble.fit] was called with (nothing is
-        stored). Zero marks an out-of-bag example.
+        the `key` given to [`fit`][eqx_ensemble.fit]. Zero marks out-of-bag.
 
         **Arguments:**
 
@@ -364,7 +336,6 @@ class Bootstrap(Sampling):
         ```
         """
         bootstrap_key = run_keys(key).bootstrap  # the key `fit` drew from
-        # Static in the program: plain ints (a concrete JAX integer too).
         counts = {"size": size, "num_examples": num_examples}
         for name, value in counts.items():
             try:
@@ -380,7 +351,6 @@ class Bootstrap(Sampling):
 
 @one_shot_jit(static_argnums=(0, 2, 3))
 def _in_bag(sampling: Bootstrap, key: Array, size: int, num_examples: int) -> Array:
-    # One program (op by op, a first call compiled eleven).
     resamples = sampling.prepare(key, size, num_examples)
     return jax.vmap(lambda r: jnp.bincount(r, length=num_examples))(resamples)
 
@@ -408,8 +378,7 @@ def as_sampling(sampling: Any) -> Sampling:
 
 
 def from_record(record: Any) -> Sampling | None:
-    """The sampling a checkpoint's run record names (`Sampling.record`), or
-    `None` for one this version cannot rebuild."""
+    """The sampling a run record names, or `None` if it cannot be rebuilt."""
     if isinstance(record, str) and record.startswith("bootstrap(block_length="):
         length = record[len("bootstrap(block_length=") : -1]
         if record.endswith(")") and length.isdigit():

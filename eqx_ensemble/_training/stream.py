@@ -1,12 +1,4 @@
-"""Streamed data for `fit`: any iterable of batches, grouped per dispatch.
-
-`fit` takes batches from an iterator (a generator, a reader over a NumPy memmap,
-another library's data loader) a dispatch's worth at a time, stacks each group
-on the host and hands it to the compiled loop, which scans over it. The next
-group is read and transferred while the current dispatch runs (JAX dispatches
-asynchronously, so `fit` prepares group `k + 1` before it waits for the results
-of group `k`).
-"""
+"""Streamed data for `fit`: batches stacked a dispatch's worth at a time."""
 
 import hashlib
 import inspect
@@ -26,8 +18,7 @@ from .._internal.tree import keystr
 
 
 def is_array_data(data: Any) -> bool:
-    """Whether `data` is a PyTree of arrays (sampled inside compiled code), as
-    opposed to a source of batches."""
+    """Whether `data` is a PyTree of arrays (not a source of batches)."""
     leaves = jax.tree.leaves(data, is_leaf=is_source)
     return bool(leaves) and all(isinstance(x, np.ndarray | jax.Array) for x in leaves)
 
@@ -40,8 +31,7 @@ def is_source(x: Any) -> bool:
 
 
 def check_data(data: Any) -> bool:
-    """Array data, an iterable of batches or a factory `step -> iterator`, or a
-    clear error before any work. Returns whether it is array data."""
+    """Whether `data` is array data (else a stream); raise if it is neither."""
     if is_array_data(data):
         return True
     if isinstance(data, str | bytes):
@@ -60,9 +50,7 @@ def check_data(data: Any) -> bool:
 
 
 def host_array(leaf: Any) -> Any:
-    """A batch leaf as an array `fit` can stack: JAX and NumPy arrays as they
-    are, a PyTorch tensor as a NumPy array (copied to the host only when it is
-    on another device), anything else through `np.asarray`."""
+    """A batch leaf as a stackable array (a PyTorch tensor as a NumPy array)."""
     if isinstance(leaf, np.ndarray | jax.Array | np.generic):
         return leaf
     if callable(getattr(leaf, "detach", None)) and callable(getattr(leaf, "cpu", None)):
@@ -125,10 +113,8 @@ def batch_digest(leaves: list[Any]) -> str:
 
 
 class BatchGroups:
-    """Reads batches from a stream and returns them in stacked groups. It keeps
-    where the group read last starts (its step, its first batch and, for a
-    stream that can say it, the stream's state there): a checkpoint at that
-    step records them, so that a resumed run can be checked (and positioned)."""
+    """Reads batches from a stream in stacked groups, keeping where the last
+    group starts (step, first batch, stream state) for checkpoints."""
 
     def __init__(
         self,
@@ -151,8 +137,7 @@ class BatchGroups:
         self.group_first: list[Any] | None = None
 
     def state(self) -> Any:
-        """The stream's own record of where it is (JSON, copied now), for a
-        stream that keeps one (`position_state`); else `None`."""
+        """The stream's own position record (a JSON copy), or `None`."""
         if self.position_state is None:
             return None
         return json.loads(json.dumps(self.position_state()))
@@ -169,8 +154,7 @@ class BatchGroups:
         return leaves
 
     def peek(self) -> PyTree[Any]:
-        """The next batch (read now, still returned by the next group): `fit`
-        looks at it to size its dispatches before any work."""
+        """The next batch, read now and still returned by the next group."""
         leaves = self._read()
         if leaves is None:
             raise ValueError("The data stream yielded no batch at all")
@@ -228,11 +212,9 @@ class BatchGroups:
     def next_group(
         self, count: int, length: int, seconds: float | None = None
     ) -> tuple[PyTree[Any], int]:
-        """Up to `count` next batches stacked along a new leading axis, padded to
-        `length` by repeating the last one (padded steps are not run). Returns the
-        group and the number of real batches, fewer than `count` (0: `None`) when
-        the stream ends, or when reading took `seconds` (a slow stream: the
-        dispatch is shorter, so that progress is reported as the data comes)."""
+        """Up to `count` next batches stacked, padded to `length` with the last
+        one, and the number of real ones (fewer when the stream ends or reading
+        took `seconds`; `(None, 0)` for none)."""
         deadline = None if seconds is None else time.monotonic() + seconds
         self.group_first = None  # until this group's first batch is read
         if not self.pending:

@@ -1,19 +1,4 @@
-"""Trackers: weight-trajectory methods updated inside `fit`'s compiled loop.
-
-The protocol (what `fit(..., track=[...])` calls):
-
-- `init(members) -> state`: called once, before the first step, with the stacked
-  members; `state` is a PyTree whose array leaves carry the member axis (it is
-  checkpointed, resumed and sharded like the ensemble).
-- `update(state, members, done) -> state`: called inside the compiled loop after
-  every step with the updated stacked members and the number of steps done
-  (a traced int32 scalar). It must be a pure JAX function and must not couple
-  members (each member's state from that member's weights).
-- `result(state, ensemble) -> Any`: turns the final state into what
-  `FitResult.tracked` holds for this tracker (e.g. an `Ensemble`).
-- `check(steps)`: optional, raises before any work if the tracker cannot do its
-  job in a run of `steps` steps (e.g. it would start after the last step).
-"""
+"""Trackers: weight-trajectory methods updated inside `fit`'s compiled loop."""
 
 import abc
 from typing import Any
@@ -26,8 +11,8 @@ from .._internal.component import Component
 
 class Tracker(Component):
     """A weight-trajectory method run inside [`fit`][eqx_ensemble.fit]'s compiled
-    loop (abstract). See [`ee.EMA`][eqx_ensemble.EMA] for a complete example and
-    the guide "`fit` in detail" for the protocol: `init`, `update`, `result`, `check`.
+    loop (abstract); see [`ee.EMA`][eqx_ensemble.EMA] and the guide "`fit` in
+    detail". Its state carries the member axis; `update` must not couple members.
 
     **Example:**
 
@@ -56,8 +41,7 @@ class Tracker(Component):
     def update(
         self, state: PyTree[Any], members: PyTree[Any], done: Int[Array, ""]
     ) -> PyTree[Any]:
-        """The state after a step (`members`: the updated stacked members;
-        `done`: the steps done so far)."""
+        """The state after a step (`done`: steps done so far, traced int32)."""
 
     def result(self, state: PyTree[Any], ensemble: Ensemble) -> Any:
         """What `FitResult.tracked` holds for this tracker (default: the state)."""
@@ -65,8 +49,7 @@ class Tracker(Component):
         return state
 
     def events(self, first: int, last: int) -> list[dict[str, Any]]:
-        """What this tracker does after steps `first + 1` to `last`, as records
-        with `"step"` and `"event"` (for loggers; default: none)."""
+        """Its `{"step", "event", ...}` records for steps `first + 1` to `last`."""
         del first, last
         return []
 
