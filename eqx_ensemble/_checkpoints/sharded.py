@@ -170,32 +170,49 @@ def sharded_write(
     calls it with its part of the same global tree). `manifest` is completed
     with the leaves' records; `copy`: the host copies must not alias device
     buffers (the write goes on in the background)."""
-    process, count = jax.process_index(), jax.process_count()
-    # NumPy arrays and Python numbers: in the manifest's data section, as in the
-    # single-file format (process 0's values).
-    manifest["leaves"], chunks, elsewhere = encode_leaves(
-        leaves, copy=copy, stored=lambda leaf: isinstance(leaf, jax.Array)
-    )
-    ts = _tensorstore()
-    stored = [_Leaf(*leaf) for leaf in elsewhere]
-    local = [leaf.array.is_fully_addressable for leaf in stored]
-    if count > 1 and stored:
-        # Held whole by every process (each its own value), or a global array.
-        from jax.experimental import multihost_utils
+    write = _ShardedWrite(path, leaves, manifest, copy)
+    prepare = [Phase(write.create), Phase(write.copy_own, everyone=True)]
+    return prepare, [Phase(write.write_own, everyone=True), Phase(write.commit)]
 
-        every = np.asarray(multihost_utils.process_allgather(np.asarray(local)))
-        local = [bool(x) for x in np.all(every.reshape(count, -1), axis=0)]
-    writers = _balance(stored, local)
-    partial = partial_folder(path)
 
-    def create() -> None:
-        # Process 0: a fresh temporary folder (a leftover of an interrupted write
-        # of the same checkpoint is removed) and every array's metadata.
-        check_replaceable(path)
-        make_parent(path)
+class _ShardedWrite:
+    """One sharded write's state, shared by its phases."""
+
+    def __init__(
+        self, path: Path, leaves: list[tuple[Any, Any]], manifest: dict[str, Any],
+        copy: bool,
+    ):  # fmt: skip
+        self.path, self.manifest, self.ts = path, manifest, _tensorstore()
+        self.process, self.count = jax.process_index(), jax.process_count()
+        # NumPy arrays and Python numbers: in the manifest's data section, as in
+        # the single-file format (process 0's values).
+        manifest["leaves"], self.chunks, elsewhere = encode_leaves(
+            leaves, copy=copy, stored=lambda leaf: isinstance(leaf, jax.Array)
+        )
+        self.stored = [_Leaf(*leaf) for leaf in elsewhere]
+        local = [leaf.array.is_fully_addressable for leaf in self.stored]
+        if self.count > 1 and self.stored:
+            # Held whole by every process (each its own value), or a global array.
+            from jax.experimental import multihost_utils
+
+            every = np.asarray(multihost_utils.process_allgather(np.asarray(local)))
+            local = [bool(x) for x in np.all(every.reshape(self.count, -1), axis=0)]
+        self.writers = _balance(self.stored, local)
+        self.partial = partial_folder(path)
+        # This process's shards on its host (the run may overwrite the device
+        # buffers as soon as `save` returns, when the write goes on in the
+        # background).
+        self.own: list[tuple[_Leaf, list[tuple[tuple[int, ...], np.ndarray]]]] = []
+
+    def create(self) -> None:
+        """Process 0: a fresh temporary folder (a leftover of an interrupted
+        write of the same checkpoint is removed) and every array's metadata."""
+        ts, partial = self.ts, self.partial
+        check_replaceable(self.path)
+        make_parent(self.path)
         remove_tree(partial)
         (partial / ARRAYS).mkdir(parents=True)
-        for leaf in stored:
+        for leaf in self.stored:
             metadata = {
                 "shape": leaf.shape,
                 "data_type": leaf.stored_dtype,
@@ -210,16 +227,13 @@ def sharded_write(
                     _spec(partial / ARRAYS / str(leaf.index), metadata), create=True
                 ).result()
 
-    # This process's shards on its host now (the run may overwrite the device
-    # buffers as soon as `save` returns, when the write goes on in the background).
-    own: list[tuple[_Leaf, list[tuple[tuple[int, ...], np.ndarray]]]] = []
-
-    def copy_own() -> None:
-        for leaf in stored:
+    def copy_own(self) -> None:
+        """Every process: the shards it writes, copied to its host."""
+        for leaf in self.stored:
             shards = {shard.device: shard for shard in leaf.array.addressable_shards}
             hosts = []
             for start in sorted(leaf.holders):
-                if writers[(leaf.index, start)] != process:
+                if self.writers[(leaf.index, start)] != self.process:
                     continue
                 device = next(d for d in leaf.holders[start] if d in shards)
                 host = np.array(little_endian(np.asarray(shards[device].data)))
@@ -227,17 +241,17 @@ def sharded_write(
                     host = host.view(np.uint8).reshape(*host.shape, -1)
                 hosts.append((start, host))
             if hosts:
-                own.append((leaf, hosts))
+                self.own.append((leaf, hosts))
 
-    def write_own() -> None:
-        # Every process: the chunks it owns, in parallel; their digests to a part file.
+    def write_own(self) -> None:
+        """Every process: the chunks it owns, in parallel; their digests to a
+        part file."""
         futures = []
         digests: dict[str, list[dict[str, Any]]] = {}
-        for leaf, hosts in own:
+        for leaf, hosts in self.own:
             with _as_os_error():
-                store = ts.open(
-                    _spec(partial / ARRAYS / str(leaf.index)), open=True
-                ).result()
+                path = self.partial / ARRAYS / str(leaf.index)
+                store = self.ts.open(_spec(path), open=True).result()
             for start, host in hosts:
                 domain = tuple(
                     slice(begin, begin + extent)
@@ -248,34 +262,37 @@ def sharded_write(
                     {
                         "at": leaf.position(start),
                         "sha256": _digest(host),
-                        "process": process,
+                        "process": self.process,
                     }
                 )
         with _as_os_error():
             for future in futures:
                 future.result()
         write_file(
-            partial / f"part_{process}.ckpt",
+            self.partial / f"part_{self.process}.ckpt",
             {
                 "format": FORMAT_NAME,
                 "format_version": FORMAT_VERSION,
                 "part": _PART_FORMAT,
-                "process": process,
+                "process": self.process,
                 "chunks": digests,
             },
             [],
         )
 
-    def commit() -> None:
-        # Process 0: every chunk accounted for, the manifest, the rename.
-        found: dict[int, list[dict[str, Any]]] = {leaf.index: [] for leaf in stored}
-        for part in range(count):
+    def commit(self) -> None:
+        """Process 0: every chunk accounted for, the manifest, the rename."""
+        partial, path = self.partial, self.path
+        found: dict[int, list[dict[str, Any]]] = {
+            leaf.index: [] for leaf in self.stored
+        }
+        for part in range(self.count):
             part_path = partial / f"part_{part}.ckpt"
             with CheckpointFile(part_path) as file:
                 for index, entries in file.manifest["chunks"].items():
                     found[int(index)].extend(entries)
             os.unlink(part_path)
-        for leaf in stored:
+        for leaf in self.stored:
             entries = sorted(found[leaf.index], key=lambda entry: entry["at"])
             expected = sorted(leaf.position(start) for start in leaf.holders)
             if [entry["at"] for entry in entries] != expected:
@@ -289,7 +306,7 @@ def sharded_write(
                 "chunk": leaf.chunk,
                 "chunks": entries,
             }
-        write_file(partial / MANIFEST, manifest, chunks)
+        write_file(partial / MANIFEST, self.manifest, self.chunks)
         fsync_directory(partial)
 
         def rename() -> None:
@@ -297,9 +314,6 @@ def sharded_write(
             fsync_directory(path.parent)
 
         put_in_place(path, rename, folder=True)
-
-    prepare = [Phase(create), Phase(copy_own, everyone=True)]
-    return prepare, [Phase(write_own, everyone=True), Phase(commit)]
 
 
 @contextlib.contextmanager

@@ -297,7 +297,46 @@ def _shard_model(
     axes only."""
     from .ensemble import Ensemble
 
-    if not isinstance(tree, Ensemble):
+    _check_model_call(tree, mesh, axes, spec_fn, process_local, Ensemble)
+    member = eqx.filter_eval_shape(lambda ens: ens.member(first_of(ens.members)), tree)
+    is_none = lambda x: x is None  # noqa: E731
+    members_leaves = jtu.tree_leaves(tree.members, is_leaf=is_none)
+    shared_leaves = (
+        jtu.tree_leaves(tree.shared, is_leaf=is_none)
+        if tree.shared is not None
+        else [None] * len(members_leaves)
+    )
+    # Every leaf is checked before any is placed: a bad spec transfers nothing.
+    plan = _model_plan(
+        mesh, member, _member_specs(spec_fn, member), members_leaves, shared_leaves
+    )
+    members_out = [
+        leaf if sharding is None else place_leaf(leaf, sharding, process_local)
+        for leaf, (sharding, _) in zip(members_leaves, plan, strict=True)
+    ]
+    shared_out = [
+        leaf if sharding is None else place_leaf(leaf, sharding, process_local)
+        for leaf, (_, sharding) in zip(shared_leaves, plan, strict=True)
+    ]
+    members = jtu.tree_unflatten(
+        jtu.tree_structure(tree.members, is_leaf=is_none), members_out
+    )
+    shared = (
+        None
+        if tree.shared is None
+        else jtu.tree_unflatten(
+            jtu.tree_structure(tree.shared, is_leaf=is_none), shared_out
+        )
+    )
+    return Ensemble(members, shared, train_shared=tree.train_shared)
+
+
+def _check_model_call(
+    tree: Any, mesh: Mesh, axes: tuple[str, ...], spec_fn: Any, process_local: bool,
+    ensemble_type: type,
+) -> None:  # fmt: skip
+    """`shard(..., model=)`'s arguments, before any work."""
+    if not isinstance(tree, ensemble_type):
         raise TypeError(
             "`model=` places the inside of an ensemble's members: pass an "
             f"`ee.Ensemble`, got {type(tree).__name__} (an optimizer state made by "
@@ -321,39 +360,44 @@ def _shard_model(
         raise TypeError(
             f"`model` must be a function member -> PartitionSpecs, got {spec_fn!r}"
         )
-    member = eqx.filter_eval_shape(lambda ens: ens.member(first_of(ens.members)), tree)
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _member_specs(spec_fn: Any, member: Any) -> list[Any]:
+    """`spec_fn(member)` (a prefix of the member's structure) as one spec per
+    leaf of the member (its leaves `jax.ShapeDtypeStruct`s)."""
     try:
         prefix = spec_fn(member)
     except Exception as error:
         raise ValueError(
             f"`model=` failed on a member (its leaves are ShapeDtypeStructs): {error!r}"
         ) from error
-
-    def is_spec(x: Any) -> bool:
-        return x is None or isinstance(x, PartitionSpec)
-
     try:
         full = jax.tree.map(
             lambda spec, sub: jax.tree.map(lambda _: spec, sub),
             prefix,
             member,
-            is_leaf=is_spec,
+            is_leaf=_is_spec,
         )
     except ValueError as error:
         raise ValueError(
             "`model=` must return a PyTree of PartitionSpecs (or None) whose "
             f"structure is a prefix of the member's: {error}"
         ) from None
-    is_none = lambda x: x is None  # noqa: E731
-    member_paths = jtu.tree_flatten_with_path(member, is_leaf=is_none)[0]
-    specs = jtu.tree_leaves(full, is_leaf=is_spec)
-    members_leaves = jtu.tree_leaves(tree.members, is_leaf=is_none)
-    shared_leaves = (
-        jtu.tree_leaves(tree.shared, is_leaf=is_none)
-        if tree.shared is not None
-        else [None] * len(members_leaves)
-    )
-    # Every leaf is checked before any is placed: a bad spec transfers nothing.
+    return jtu.tree_leaves(full, is_leaf=_is_spec)
+
+
+def _model_plan(
+    mesh: Mesh, member: Any, specs: list[Any], members_leaves: list[Any],
+    shared_leaves: list[Any],
+) -> list[tuple[Any, Any]]:  # fmt: skip
+    """Per leaf, its sharding in the members and in the shared part (`None`:
+    not an array there), every spec checked; an error where no leaf splits
+    over a `"model"` axis of more than one device."""
+    member_paths = jtu.tree_flatten_with_path(member, is_leaf=lambda x: x is None)[0]
     plan: list[tuple[Any, Any]] = []
     splits = False
     for (path, shape_leaf), spec, stacked, held in zip(
@@ -366,8 +410,7 @@ def _shard_model(
         entries = _check_inner_spec(path, spec, tuple(shape_leaf.shape), mesh, where)
         member_sharding = shared_sharding = None
         if eqx.is_array(stacked):
-            if not process_local:
-                _check_leaf(path, stacked, mesh, (MEMBERS,), "the ensemble")
+            _check_leaf(path, stacked, mesh, (MEMBERS,), "the ensemble")
             member_sharding = NamedSharding(
                 mesh, partition_spec(mesh, (MEMBERS, *entries))
             )
@@ -386,25 +429,7 @@ def _shard_model(
             "leaves with `eqx.tree_at` or `lambda x: isinstance(x, "
             "jax.ShapeDtypeStruct)`. A mesh without a model split needs no `model=`."
         )
-    members_out = [
-        leaf if sharding is None else place_leaf(leaf, sharding, process_local)
-        for leaf, (sharding, _) in zip(members_leaves, plan, strict=True)
-    ]
-    shared_out = [
-        leaf if sharding is None else place_leaf(leaf, sharding, process_local)
-        for leaf, (_, sharding) in zip(shared_leaves, plan, strict=True)
-    ]
-    members = jtu.tree_unflatten(
-        jtu.tree_structure(tree.members, is_leaf=is_none), members_out
-    )
-    shared = (
-        None
-        if tree.shared is None
-        else jtu.tree_unflatten(
-            jtu.tree_structure(tree.shared, is_leaf=is_none), shared_out
-        )
-    )
-    return Ensemble(members, shared, train_shared=tree.train_shared)
+    return plan
 
 
 def first_of(members: Any) -> Any:
