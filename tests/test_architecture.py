@@ -465,3 +465,82 @@ def test_the_declared_floor_is_the_tested_one():
     assert set(declared) == set(pinned), (declared, pinned)
     for name, version in declared.items():
         assert same(version, pinned[name]), (name, version, pinned[name])
+
+
+MACHINERY = ("_training", "_execution", "_core", "_checkpoints", "_internal")
+
+
+def shape_offences(source: str, where: str) -> list[str]:
+    """What breaks the machinery's shape in one module's `source` (DESIGN
+    section 9): a `Run` class over 300 lines, a function whose body (without
+    its docstring) is over 80 lines, a test of a heterogeneous ensemble outside
+    `_core/` (`is_heterogeneous(...)`, `isinstance(..., Heterogeneous)`), and
+    each `mesh is None` / `mesh is not None` (counted by the caller)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name == "Run":
+            if node.end_lineno - node.lineno + 1 > 300:  # type: ignore[operator]
+                found.append(f"class Run is over 300 lines ({where})")
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if ast.get_docstring(node) is not None:
+                body = body[1:]
+            if body and body[-1].end_lineno - body[0].lineno + 1 > 80:  # type: ignore[operator]
+                found.append(f"{where}:{node.name} has a body over 80 lines")
+        elif isinstance(node, ast.Call) and not where.startswith("_core"):
+            name = ast.unparse(node.func)
+            args = [ast.unparse(arg) for arg in node.args]
+            if name.endswith("is_heterogeneous") or (
+                name == "isinstance" and "Heterogeneous" in "".join(args[1:])
+            ):
+                found.append(f"{where}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1:
+            subject = ast.unparse(node.left)
+            none = isinstance(node.comparators[0], ast.Constant) and (
+                node.comparators[0].value is None
+            )
+            if (
+                none
+                and isinstance(node.ops[0], ast.Is | ast.IsNot)
+                and (subject == "mesh" or subject.endswith(".mesh"))
+            ):
+                found.append(f"{where}: mesh-is-None {ast.unparse(node)}")
+    return found
+
+
+def test_the_machinery_keeps_its_shape():
+    """The run machinery stays small in the ways DESIGN section 9 names:
+    placement is an object (`_training.placement`: `SingleDevice` or `OnMesh`)
+    rather than `mesh is None` at each use (at most 3 in the machinery), an
+    ensemble is a tuple of groups outside `_core/`, `Run` at most 300 lines
+    and no function body over 80 lines."""
+    offences, mesh_tests = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(PACKAGE))
+        machinery = where.split("/")[0] in MACHINERY
+        for offence in shape_offences(path.read_text(), where):
+            if "mesh-is-None" in offence:
+                if machinery:
+                    mesh_tests.append(offence)
+            elif machinery or "heterogeneous" in offence.lower():
+                offences.append(offence)
+    assert not offences, offences
+    assert len(mesh_tests) <= 3, mesh_tests
+
+
+def test_the_shape_check_catches_each_form():
+    long_body = "\n".join(f"    x{i} = {i}" for i in range(81))
+    planted = {
+        f"def f():\n    '''doc'''\n{long_body}\n": 1,
+        "class Run:\n" + "\n".join(f"    a{i} = {i}" for i in range(300)) + "\n": 1,
+        "if is_heterogeneous(ens):\n    pass\n": 1,
+        "isinstance(ens, Heterogeneous)\n": 1,
+        "isinstance(ens, (Ensemble, Heterogeneous))\n": 1,
+        "mesh is None\nself.mesh is not None\nchunk.mesh is None\n": 3,
+        # Not offences: a short body, an Ensemble check, another None test.
+        "def f():\n    return 1\nisinstance(ens, Ensemble)\nkey is None\n": 0,
+    }
+    for source, count in planted.items():
+        assert len(shape_offences(source, "_training/x.py")) == count, source
+    # A heterogeneity test inside `_core/` is its own business.
+    assert not shape_offences("isinstance(ens, Heterogeneous)\n", "_core/x.py")
