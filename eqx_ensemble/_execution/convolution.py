@@ -1,27 +1,9 @@
 """Convolutions in the one form XLA's CPU backend runs fast in any program.
 
-XLA's CPU compiler hands a convolution to its fast kernels (YNNPACK or Eigen)
-only in one layout: batch, spatial dimensions, features for the input and the
-output, spatial dimensions, input and output features for the kernel
-(`NHWC`/`HWIO` in 2-D). It transposes other convolutions into that form
-itself, but only in a program's top level: a convolution inside a loop (a
-`jax.lax.scan`, a `fori_loop`, a `lax.map` over members) keeps the layout it
-was written in and runs on XLA's generic loop emitter, 6-25x slower (jax-ml/jax
-issue 12868). Equinox's convolutions are written channels first, and the
-backward pass's convolutions of any layout are others again (the kernel's
-gradient convolves over the batch).
-
-`canonical_convolutions(fn)` is `fn` with every real convolution of plain
-groups (no feature or batch groups: the members' own, not the vectorised
-members' grouped one) and no output sharding of its own written in that form:
-its operands transposed in, the result transposed out. The sums are the same
-(XLA's own transposes outside loops are these). It is a rewrite of `fn`'s
-jaxpr with JAX's public APIs (`jax.make_jaxpr`, `jax.extend.core`): the
-whole program is traced once, the rewrite walks its equations and those of
-the programs they hold (loops, conditionals, nested `jit`s, custom
-derivatives' primal programs), and the result is evaluated in the caller's
-trace. The library compiles its own programs on a CPU through it; a user's
-own programs are lowered as JAX lowers them.
+XLA's CPU kernels take a convolution only as `NHWC`/`HWIO`, and XLA transposes
+others only at a program's top level: inside a loop they run 6-25x slower
+(jax-ml/jax issue 12868). `canonical_convolutions(fn)` rewrites `fn`'s jaxpr so
+every plain-group convolution runs in that form (the same sums).
 """
 
 import contextlib
@@ -39,9 +21,7 @@ _PRIMITIVE = lax.conv_general_dilated_p
 
 
 def canonical_convolutions(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` with its convolutions in XLA's fast form (see the module), for
-    positional arguments that are PyTrees of arrays. Traced once; where the
-    program holds no convolution to rewrite, its jaxpr is evaluated as it is."""
+    """`fn` (of PyTrees of arrays) with its convolutions in XLA's fast form."""
 
     @functools.wraps(fn)
     def rewritten(*args: Any) -> Any:
@@ -53,9 +33,7 @@ def canonical_convolutions(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def canonical_numbers(spatial: int) -> lax.ConvDimensionNumbers:
-    """The dimension numbers of XLA's fast form for `spatial` spatial
-    dimensions: input and output `(batch, *spatial, feature)`, kernel
-    `(*spatial, in, out)`."""
+    """XLA's fast form: `(batch, *spatial, feature)`, kernel `(*spatial, in, out)`."""
     last = spatial + 1
     return lax.ConvDimensionNumbers(
         lhs_spec=(0, last, *range(1, last)),
@@ -149,8 +127,7 @@ class _Rewriter:
         if isinstance(value, jex.ClosedJaxpr):
             return self._rewrite(value)
         if isinstance(value, jex.Jaxpr) and not value.constvars:
-            # An open program (`jax.checkpoint`'s): rewritten as a closed one
-            # of no constants, kept as it is where the rewrite would add some.
+            # An open program (`jax.checkpoint`'s): kept if the rewrite adds consts.
             closed = jex.ClosedJaxpr(value, [])
             found = self._rewrite(closed)
             return value if found is closed or found.consts else found.jaxpr
@@ -161,11 +138,7 @@ class _Rewriter:
         return value
 
     def _rewrite(self, closed: Any) -> Any:
-        """`closed` with its convolutions rewritten: the same inputs and
-        outputs. Left as it is where it has none, or where an input is not a
-        plain shaped array (a mutable `Ref`) or carries a sharding of its own
-        (a mesh of explicit axes): a trace from shape and dtype would lose
-        that."""
+        """`closed` with its convolutions rewritten (where a retrace keeps it)."""
         kept = self._closed.get(id(closed))
         if kept is not None:
             return kept[1]
@@ -187,15 +160,13 @@ class _Rewriter:
             found = jax.make_jaxpr(
                 lambda *xs: self._eval(closed.jaxpr, closed.consts, xs)
             )(*structs)
-        # (Kept with the program it was made from: an id is only unique
-        # while its object lives, and `_param` wraps open programs anew.)
+        # (Kept with its program: an id is only unique while its object lives.)
         self._closed[id(closed)] = (closed, found)
         return found
 
 
 def _bind(eqn: Any, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
-    """`eqn`'s primitive bound to `inputs` with `params`, in its context (as
-    `jax.extend.core.jaxpr_as_fun` evaluates an equation)."""
+    """`eqn`'s primitive bound to `inputs` with `params`, in its context."""
     bind_params = eqn.primitive.get_bind_params(params)
     subfuns: Any = ()
     if isinstance(bind_params, tuple):  # JAX < 0.8: (subfunctions, parameters)
@@ -224,8 +195,7 @@ def _on_mesh(aval: Any) -> bool:
 
 
 def _explicit(aval: Any) -> bool:
-    """Whether `aval`'s sharding names an explicit mesh axis (part of its
-    type: a trace from shape and dtype would drop it)."""
+    """Whether `aval`'s sharding names an explicit mesh axis."""
     if not _on_mesh(aval):
         return False
     axis_types = getattr(aval.sharding.mesh, "axis_types", ())

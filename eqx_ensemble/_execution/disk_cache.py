@@ -6,8 +6,7 @@ import pathlib
 import jax
 from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
-# Where `compilation_cache()` keeps programs unless told: the variable, else the
-# user's cache folder.
+# The folder `compilation_cache()` uses unless told (else the user's cache folder).
 ENVIRONMENT_VARIABLE = "EQX_ENSEMBLE_COMPILATION_CACHE"
 
 
@@ -24,14 +23,12 @@ def compilation_cache(
     """Keep every compiled program on disk, so that a script run again, a
     restarted notebook or another process compiles nothing it compiled before.
 
-    One line, opt-in, process-wide: it turns on JAX's persistent compilation
-    cache (`jax_compilation_cache_dir`) for every program, the library's and
-    the caller's. A program is found again when the same computation is
-    compiled for the same shapes, options, devices and JAX version; tracing
-    still happens (milliseconds), XLA's compilation (most of a first call) does
-    not. Call it before the work, or at any point: programs compiled after the
-    call are cached. Only trusted users should write to the folder (JAX loads
-    what it finds there).
+    Opt-in and process-wide: it turns on JAX's persistent compilation cache
+    (`jax_compilation_cache_dir`) for every program, the library's and the
+    caller's. A program is found again for the same computation, shapes,
+    options, devices and JAX version; tracing still happens, XLA's compilation
+    does not. Programs compiled after the call are cached. Only trusted users
+    should write to the folder (JAX loads what it finds there).
 
     **Arguments:**
 
@@ -76,7 +73,6 @@ def compilation_cache(
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # JAX decides once per process, at its first compilation, whether to use
-    # the cache: start that decision again so the call works at any point.
+    # JAX decides at its first compilation whether to use the cache: decide again.
     _jax_cache.reset_cache()
     return path

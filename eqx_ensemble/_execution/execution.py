@@ -1,13 +1,4 @@
-"""`Execution`: how a run executes, never what it computes.
-
-One component holds every knob that changes speed, memory or placement but not
-the result (to floating-point rounding): steps fused per dispatch, the member
-layout, unrolling, XLA compiler options, the device mesh. `fit`, `make_step`,
-`map` and `predict` take it as `execution=`; each uses the fields that apply to
-it and refuses the others, so nothing set is silently ignored. Where a field is
-left at `None` the library chooses (see `plan.py`), once per function, input
-structure and mesh.
-"""
+"""`Execution`: how a run executes, never what it computes."""
 
 import functools
 from collections.abc import Callable
@@ -43,76 +34,60 @@ class Execution(Component):
     - `steps_per_dispatch`: `fit` only: steps fused into one compiled call.
       `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100;
       unrolled (`unroll=True`), at most about a second of estimated work (5
-      CNNs on 8x8 images: 40 steps; one step of 8 CNNs on 32x32); 1 with
-      `steps=None` and for unrolled steps of a stream.
-      Progress, callbacks, controllers and checkpoints run between dispatches.
-      On a CPU (array data) a dispatch is compiled for this many steps and
-      runs any number up to it: a run of any `steps=` reuses the program.
-      Unrolled, a dispatch is a loop on the host of calls of one compiled
-      step, one per step (its variant that evaluates after the step where
-      evaluation is due): the same computation for every dispatch length,
-      which is only the shape of the indices it is given, and the same
-      results, bit for bit, for any value.
+      CNNs on 8x8 images: 40 steps); 1 with `steps=None` and for unrolled
+      steps of a stream. Progress, callbacks, controllers and checkpoints run
+      between dispatches. On a CPU (array data) a dispatch is compiled for this
+      many steps and runs any number up to it: any `steps=` reuses the program.
+      Unrolled, a dispatch is a host loop of calls of one compiled step: the
+      same program and results, bit for bit, for any value.
     - `layout`: how a step computes the member axis: `"vmap"` (one vectorised
       computation), `"sequential"` (members one after another inside the
-      compiled step: straight-line code whose compile time grows with the
-      member count), or `"auto"` (the default: sequential on one CPU device for
-      a function that convolves and at most 16 members, where XLA's CPU
-      backend runs a member-batched convolution as a slow grouped convolution;
-      for `fit`, only in runs whose forward convolutions add up to 1.5e11
-      FLOPs, long enough to repay compiling one copy of the step per member,
-      and in shorter runs (or with more than 16 members) one member at a
-      time in a loop (`member_chunk=1`, vectorised layout), where members
-      convolve at least 3e7 FLOPs forward per step and share nothing (the
-      fit guide, "Convolutions: the member layout");
-      on one GPU, for `fit` only, when a member convolves at least 1 GFLOP
-      per step and the run 8e13 FLOPs, where cuDNN's grouped convolution
-      falls behind the members' own (measured on an H100); vectorised
-      otherwise).
-      Coupled losses and a trained shared part are always vectorised.
+      compiled step; compile time grows with the member count), or `"auto"`
+      (the default): sequential on one CPU device for a function that convolves
+      and at most 16 members (XLA's CPU backend runs a member-batched
+      convolution as a slow grouped one); for `fit` only in runs of at least
+      1.5e11 forward convolution FLOPs, and in shorter runs (or above 16
+      members) one member at a time in a loop (`member_chunk=1`) where members
+      convolve at least 3e7 FLOPs forward per step and share nothing (the fit
+      guide, "Convolutions: the member layout"); on one GPU, for `fit` only,
+      when a member convolves at least 1 GFLOP per step and the run 8e13 FLOPs
+      (measured on an H100); vectorised otherwise. Coupled losses and a
+      trained shared part are always vectorised.
     - `unroll`: `fit` only: run each step as straight-line code, one compiled
-      call per step, instead of a compiled loop over a dispatch's steps.
-      `None` (the default): a compiled loop (on a CPU the library's programs
-      lower convolutions in the form XLA runs fast inside a loop too).
+      call per step, instead of a compiled loop over a dispatch's steps (the
+      default, `None`).
     - `compiler_options`: XLA options for the compiled step (a dict of option
-      name -> str, bool, int or float). `None`: the library's choice (on a
-      CPU, LLVM at optimisation level 1 unless `XLA_FLAGS` set a level, and
-      on a multi-core CPU big steps' matmuls on every core); `{}`: XLA's
-      defaults.
+      name -> str, bool, int or float). `None`: the library's choice (on a CPU,
+      LLVM level 1 unless `XLA_FLAGS` set one, and big steps' matmuls on every
+      core); `{}`: XLA's defaults.
     - `mesh`: `fit` and `make_step`: a device mesh from
       [`ee.make_mesh`][eqx_ensemble.make_mesh]; the member axis is split over
       its `"members"` axis and each batch over `"data"`. Results equal the
       one-device run's to rounding (see the sharding guide).
     - `member_chunk`: `fit`, `make_step`, `map` and `predict`: compute `k`
       members at a time inside the compiled step (a `jax.lax.map` over groups
-      of `k` vectorised members), so the step holds the activations of `k`
-      members, not of all: ensembles larger than memory. It must divide the
-      number of members; on a `mesh`, the number of each device's members
-      (each device computes `k` of its own members at a time, no transfer).
-      Vectorised layout only; not yet with a trained shared part or an
-      `ee.Coupled` loss. `None`: all members at once, except that on a CPU
-      `make_step` chooses chunks for a step whose temporaries, by an
-      estimate, would pass glibc's 32 MiB ceiling (taken from the system
-      afresh at every call; the fit guide), where a divisor of the member
-      count, at least two, fits under it: members that share nothing, a loss
-      that does not convolve, one device, not inside a trace of your own;
-      `k` equal to the member count keeps them all at once there.
+      of `k`), so the step holds only `k` members' activations: ensembles
+      larger than memory. It must divide the number of members (on a `mesh`,
+      each device's, computed `k` at a time with no transfer). Vectorised
+      layout only; not yet with a trained shared part or an `ee.Coupled` loss.
+      `None`: all members at once, except that on one CPU device `make_step`
+      chunks (by a divisor of at least two) a step of members that share
+      nothing, with a loss that does not convolve, outside a trace of your own,
+      whose estimated temporaries would pass glibc's 32 MiB ceiling (the fit
+      guide); `k` equal to the member count keeps them all at once there.
     - `guard`: `fit` only: where the divergence guard checks that every member
       is finite. `"auto"` (the default): with array data, once at the end of
-      each dispatch, and a dispatch in which a member failed is run again in
-      parts to freeze it at its step (the guide "`fit` in detail"); every
-      step for streamed data, unrolled dispatches (`unroll=True`), an
-      optimizer that replaces non-finite gradients (`optax.zero_nans`,
-      `optax.apply_if_finite`), a trained shared part or an `ee.Coupled`
-      loss. `"step"`: at every step, as `make_step` does: for
-      a loss that checks its own inputs at run time (`eqx.error_if`, a
-      `diffrax` solve that throws), which a failed member would reach with
-      non-finite weights before its dispatch ends, or an optimizer that makes
-      a non-finite gradient finite some other way (`optax.clip` of an
-      infinite one, a `nan_to_num`), which the end-of-dispatch check cannot
-      see; or a train state too big for device memory twice (an optimistic
-      dispatch keeps its start state until its check; a checked one updates
-      the state in place). Both freeze a member at the same step.
+      each dispatch, a dispatch in which a member failed being run again in
+      parts to freeze it at its step (the guide "`fit` in detail"); every step
+      for streamed data, unrolled dispatches, an optimizer that replaces
+      non-finite gradients (`optax.zero_nans`, `optax.apply_if_finite`), a
+      trained shared part or an `ee.Coupled` loss. `"step"`: at every step, as
+      `make_step` does: for a loss that checks its inputs at run time
+      (`eqx.error_if`, a `diffrax` solve that throws), an optimizer that makes
+      a non-finite gradient finite some other way (`optax.clip`, `nan_to_num`),
+      or a train state too big for device memory twice (an optimistic dispatch
+      keeps its start state until its check). Both freeze a member at the same
+      step.
 
     The results are the same whatever these say, to floating-point rounding;
     on a CPU, a run resumed from a checkpoint with the same `Execution` is bit
@@ -229,9 +204,7 @@ MOVED_TO_EXECUTION = {
 def refuses_moved(
     function: str, moved: dict[str, str] = MOVED_TO_EXECUTION
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A decorator: calls of the decorated function with a keyword of `moved`
-    raise `refuse_moved`'s `TypeError` (the signature shown stays the
-    function's own)."""
+    """A decorator: a keyword of `moved` raises `refuse_moved`'s `TypeError`."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)

@@ -1,49 +1,13 @@
 """Programs keyed by what they compute, not by the identity of Python closures.
 
-Every optax constructor returns new closures: two `optax.adam(1e-3)` are two
-`(init, update)` pairs of distinct functions, and a cache keyed on them (JAX's
-own `jit` cache, the library's compiled functions, its plans) compiles the same
-program twice. `canonical(fn)` returns the first function seen that provably
-computes the same thing as `fn`, else `fn` itself.
-
-The rule: a program is reused for a new function object only where a fresh
-`jax.jit` of that object could not trace differently. So everything a function
-can reach while it is traced is keyed by value (`structural_key`):
-
-- numbers, strings and other plain values by value; tuples, lists, dicts,
-  sets, ranges and slices by their contents (up to `MAX_CONTAINER` items);
-  NumPy and JAX arrays by shape, dtype, weak type and contents (up to
-  `MAX_ARRAY` elements; a larger JAX array, which cannot change, by identity);
-- functions, `functools.partial`s and bound methods by their code, closure
-  cells, defaults, attributes and the current values of the globals their
-  code names, recursively (a user's module-level helper too), and the data
-  attributes their code may read of a module they name (`os.environ`);
-- pytrees (`eqx.Module`s, optax's named tuples) by their structure and leaves;
-  other objects by their class and their attributes (`vars(obj)`); a user's
-  class by its identity and its own attributes (class attributes, methods,
-  properties, those of its user bases);
-- the code of installed libraries and of Python itself (their modules,
-  functions and classes: `jnp`, `optax.adam`, `eqx.nn.MLP`) and JAX's own
-  callables (jitted functions) by identity.
-
-Anything that cannot be keyed so makes the function *doubtful*: a user's
-module object, a NumPy array above `MAX_ARRAY` elements or of Python objects,
-a container above `MAX_CONTAINER` items, an object whose state lives outside
-`vars` (a builtin base such as a `dict` or `float` subclass, `__slots__`, a
-library object with nothing to read: a `deque`, a NumPy generator), code that
-imports a module or reads its namespace by name (`globals()`, `eval`). A
-doubtful function is its own key, so a new function object traces and
-compiles again, as with `jax.jit`. A canonical function whose dicts or
-objects changed in place since it was first seen is not given to a new,
-equal object (it is keyed again on such a hit).
-
-As in `jax.jit`, the same function object passed again is not traced again (a
-global changed since is not seen for it), and a closure cell reassigned after
-a function was first seen is not looked at again (optax's own schedules do
-so on their first call). A class reached only through an argument's tree
-structure (the model's class) is keyed by identity, as JAX keys tree
-definitions: a class attribute of the model's class changed between calls is
-not seen.
+Two `optax.adam(1e-3)` are distinct closures: identity-keyed caches would compile
+the same program twice. `canonical(fn)` returns the first function seen that
+provably computes the same as `fn` (a fresh `jax.jit` could not trace it
+differently), else `fn`. `structural_key` keys code, closures, the globals read,
+containers, arrays and objects by value, library code by identity; what it cannot
+key (a user's module, an oversized array, state outside `vars`, code that imports
+or calls `globals()`) makes the function *doubtful*: its own key. As in `jax.jit`,
+a closure cell reassigned later, or an argument's class, is not looked at again.
 """
 
 import collections
@@ -67,11 +31,9 @@ from .._internal.tree import is_traced
 
 # Arrays with at most this many elements are keyed by value.
 MAX_ARRAY = 4096
-# Tuples, lists, dicts and objects' attributes with at most this many items
-# are keyed by contents.
+# Containers and objects' attributes with at most this many items: by contents.
 MAX_CONTAINER = 256
-# Canonical functions kept (the least recently used dropped first): each is one
-# entry in the caches below it, which are bounded too.
+# Canonical functions kept (least recently used dropped first).
 MAX_CANONICAL = 512
 
 
@@ -80,9 +42,7 @@ class Doubtful(Exception):
 
 
 class _Identity:
-    """A key part that is its object's identity (and keeps the object alive, so
-    the identity cannot be reused while the key exists): only for objects that
-    cannot change what a trace of them sees."""
+    """A key part that is its object's identity (only for what cannot change)."""
 
     __slots__ = ("obj",)
 
@@ -97,8 +57,7 @@ class _Identity:
 
 
 _PLAIN = (type(None), bool, int, str, bytes, type(Ellipsis))
-# Callables implemented in C (`len`, `jnp.float32`'s methods, a ufunc): code
-# that cannot be changed from Python.
+# Callables implemented in C (`len`, a ufunc): code Python cannot change.
 _BUILTIN = (
     types.BuiltinFunctionType,
     types.MethodWrapperType,
@@ -110,19 +69,14 @@ _BUILTIN = (
 
 
 def structural_key(obj: Any) -> Hashable:
-    """A hashable key equal for two objects that compute the same thing (see
-    the module's docstring). Raises `Doubtful` where that cannot be shown."""
+    """A hashable key equal for objects computing the same thing (else `Doubtful`)."""
     return _key(obj, _Walk())
 
 
 class _Walk(dict[int, int]):
-    """The objects being walked (id -> depth), and whether the walk read
-    state that can change in place (a list, a dict, an object's or a class's
-    attributes): `mutable`."""
+    """Objects being walked (id -> depth); `mutable`: read in-place-mutable state."""
 
     mutable = False
-    # Inside a library's own closure (an optax schedule's list of
-    # boundaries): its state is the library's, not marked.
     library = 0
 
 
@@ -189,11 +143,7 @@ def _key(obj: Any, visiting: "_Walk") -> Hashable:
 
 
 def _object_key(obj: Any, visiting: "_Walk") -> Hashable:
-    # An instance of a plain class: by its class (and the class's own
-    # attributes) and its attributes. Doubtful where state may live elsewhere:
-    # a builtin base (a `dict` or `float` subclass holds its contents outside
-    # `vars`), slots, or a library object with nothing to read (a `deque`, a
-    # NumPy generator) but a JAX callable (a jitted function: JAX keys it so).
+    # By class and `vars`; doubtful where state lives elsewhere (builtin base, slots).
     kind = type(obj)
     if any(
         base is not object and base.__module__ == "builtins" for base in kind.__mro__
@@ -216,9 +166,7 @@ def _package(module: str | None) -> str:
 
 
 def _class_key(cls: type, visiting: "_Walk") -> Hashable:
-    """A class by identity, and a user's class also by its own attributes
-    (class attributes, methods, properties), those of its user bases too: a
-    `Config.lr = ...` or a method replaced changes what a trace reads."""
+    """A class by identity; a user's class also by its (and user bases') attributes."""
     own = [
         base
         for base in cls.__mro__
@@ -251,13 +199,11 @@ def _mark_mutable(visiting: "_Walk") -> None:
         visiting.mutable = True
 
 
-# Attributes Python and Equinox add to a class (not the user's state).
+# Attributes Python adds to a class (not the user's state).
 _CLASS_MACHINERY = frozenset({"_abc_impl"})
 
 
 def _is_pytree_node(obj: Any) -> bool:
-    # A registered pytree node (a NamedTuple, an `eqx.Module`, a dataclass
-    # registered with JAX), not a leaf.
     try:
         leaves = jax.tree_util.tree_leaves(obj, is_leaf=lambda x: x is not obj)
     except Exception:  # noqa: BLE001 - e.g. a dict whose keys cannot be sorted
@@ -292,8 +238,7 @@ def _library_folders() -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _is_library(module_name: str | None) -> bool:
-    """Whether `module_name` is Python's, an installed package's or this
-    library's: code whose functions and classes are keyed by identity."""
+    """Whether `module_name` is Python's, an installed package's or this library's."""
     if not module_name or module_name == "__main__":
         return False
     top = module_name.partition(".")[0]
@@ -310,9 +255,7 @@ def _function_key(fn: types.FunctionType, visiting: "_Walk") -> Hashable:
     if id(fn) in visiting:  # recursion (a function naming itself): its name
         return ("recursive", fn.__module__, fn.__qualname__)
     if _is_library(fn.__module__) and "<locals>" not in fn.__qualname__:
-        # A library's own function: the same code while the module is loaded
-        # (walking every global it names would walk the library's call graph).
-        return _Identity(fn)
+        return _Identity(fn)  # (walking its globals would walk the library)
     code = fn.__code__
     if _reads_beyond_its_names(code, fn.__globals__):
         raise Doubtful(f"{fn.__qualname__} imports or reads its namespace by name")
@@ -327,8 +270,7 @@ def _function_key(fn: types.FunctionType, visiting: "_Walk") -> Hashable:
             for name in _global_names(code)
             if name in fn_globals
         )
-        # A library module's data attributes the code may read (`os.environ`,
-        # `some_module.SCALE`): by value; its functions and classes are code.
+        # Data attributes the code may read of modules (`os.environ`): by value.
         read = tuple(
             (name, attribute, _key(getattr(module, attribute), visiting))
             for name, module in ((n, fn_globals.get(n)) for n in _global_names(code))
@@ -369,8 +311,7 @@ def _is_data(value: Any) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _imports(code: types.CodeType) -> bool:
-    """Whether the code (or a function defined in it) imports a module when
-    run (what it then reads is not among its globals)."""
+    """Whether the code (or a function defined in it) imports a module."""
     if any(op.opname == "IMPORT_NAME" for op in dis.get_instructions(code)):
         return True
     return any(_imports(c) for c in code.co_consts if isinstance(c, types.CodeType))
@@ -393,9 +334,7 @@ def _cell_key(cell: Any, visiting: "_Walk") -> Hashable:
 
 @functools.lru_cache(maxsize=1024)
 def _code_key(code: types.CodeType) -> Hashable:
-    # What the code computes: its bytecode, names and constants, not where it
-    # was written (its file, line numbers and name), so that one loss written
-    # twice (a re-run notebook cell, two tests) is one program.
+    # What the code computes, not where it was written (a re-run notebook cell).
     consts = tuple(
         _code_key(c) if isinstance(c, types.CodeType) else (type(c), repr(c))
         for c in code.co_consts
@@ -417,9 +356,7 @@ def _code_key(code: types.CodeType) -> Hashable:
 
 @functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    # Every name the code (and the functions defined inside it) may look up
-    # among its globals: `co_names` also holds attribute names, which are
-    # simply absent from the globals.
+    # Every global name the code and nested functions may look up.
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
@@ -431,15 +368,12 @@ _INTERNABLE = (types.FunctionType, functools.partial, types.MethodType)
 
 # Structural key -> the first function seen with it (least recently used last).
 _CANONICAL: "collections.OrderedDict[_Key, Any]" = collections.OrderedDict()
-# A function seen before -> its key (held weakly: the entry goes with the
-# function).
+# A function seen before -> its key (held weakly).
 _SEEN: "weakref.WeakKeyDictionary[Any, _Key]" = weakref.WeakKeyDictionary()
 
 
 class _Key:
-    """A structural key with its hash computed once: a lookup on the hot path
-    (every `fit` call, every dispatch's static leaves) hashes no nested tuple,
-    and finds the stored key by identity."""
+    """A structural key with its hash computed once (lookups on the hot path)."""
 
     __slots__ = ("value", "hash", "mutable")
 
@@ -457,18 +391,12 @@ class _Key:
 
 
 def canonical(obj: Any) -> Any:
-    """`obj` if it is not a function, else the first function seen that
-    provably computes the same thing (`structural_key`), else `obj` itself
-    (a doubtful function: its own program, as with `jax.jit`): pass the
-    result wherever a cache keys on identity."""
+    """`obj`, or the first function seen computing the same (`structural_key`)."""
     if type(obj) not in _INTERNABLE:
         return obj
     remembered = _remembered(obj)
     if not remembered:
-        # A bound method equals every other of the same object and function
-        # (`==`, `hash`), whatever the object's state since: as a key of an
-        # identity-keyed cache it would find the program of an earlier state.
-        # The same call as a partial, which compares by identity.
+        # A bound method compares equal whatever its object's state: a partial.
         obj = functools.partial(obj.__func__, obj.__self__)
     key = _SEEN.get(obj) if remembered else None
     if key is None:
@@ -489,11 +417,7 @@ def canonical(obj: Any) -> Any:
         and key.mutable
         and not _still(found, key)
     ):
-        # Its state (a dict, an object's attributes) changed since it was
-        # first seen: it no longer computes what `key` says. (A closure cell
-        # reassigned, as optax's own schedules do on their first call, is
-        # not looked at again: as in `jax.jit`, for the same function object.)
-        found = None
+        found = None  # its state changed in place since it was first seen
     if found is None:
         _CANONICAL[key] = found = obj
         while len(_CANONICAL) > MAX_CANONICAL:
@@ -504,33 +428,25 @@ def canonical(obj: Any) -> Any:
 
 
 def _still(found: Any, key: "_Key") -> bool:
-    """Whether the canonical function `found` still computes what `key`
-    says (its closure or an object it reads may have changed since)."""
+    """Whether the canonical function `found` still computes what `key` says."""
     try:
         return _Key(structural_key(found)) == key
     except (Doubtful, TypeError):
         return False
 
 
-# The key of a function found doubtful.
 _DOUBTFUL = _Key(("doubtful",))
 
 
 def _remembered(obj: Any) -> bool:
-    # A function's or partial's key is kept for the object (as `jax.jit` keeps
-    # its trace for the same function object). Not a bound method's: Python
-    # makes one per attribute read, equal to every other of the same object
-    # and function, so a kept key would outlive a change of the object; but
-    # for an `eqx.Module`'s, which is frozen.
+    # The key is kept per object (as `jax.jit`), not a mutable bound method's.
     if type(obj) is types.MethodType:
         return isinstance(obj.__self__, eqx.Module)
     return True
 
 
 def canonical_tree(tree: Any) -> Any:
-    """`tree` with every function leaf `canonical` (an optax
-    `GradientTransformation`, a loss that is an `eqx.Module` holding a
-    function...); a function itself is interned too."""
+    """`tree` with every function leaf (or `tree` itself) made `canonical`."""
     if type(tree) in _INTERNABLE:
         return canonical(tree)
     leaves, treedef = jax.tree_util.tree_flatten(tree)

@@ -1,25 +1,8 @@
-"""Optax's learning rate, momentum and weight decay as inputs of a program.
-
-A float hyperparameter closed over by an optimizer is a constant of its
-program (`intern.py` keys it by value): a new learning rate compiles again,
-seconds per value in a sweep. The hyperparameters Optax applies as a single
-multiplication are made inputs instead (a Python float and a weakly typed
-float32 input meet an array alike; float16 parameters see the value rounded
-through float32 first): the step size of `optax.scale` (every Optax optimizer's
-`learning_rate`, through `scale_by_learning_rate`), the decay of
-`optax.trace` (momentum) and a nonzero weight decay of
-`optax.add_decayed_weights` (a zero one skips its update: a constant).
-Others (Adam's `b1`, which enters as `1 - b1` computed in double precision,
-`eps`, a clipping norm) stay constants: a new value compiles, as `jax.jit`.
-A fresh process computes the same bits; against the constant program, bits
-differ by rounding only where XLA folded a second constant factor into the
-learning rate (a chain of two `optax.scale`s, Adafactor: 1.5e-8 measured).
-
-`lifted(fn)`: for a canonical function (`intern.canonical`), `None` where it
-holds none of those values, else a `Lifted` static leaf (equal for two
-functions that differ in those values only) and the values as Python floats
-(traced as weakly typed scalars). Inside the trace `Lifted.filled` rebuilds
-the function with the traced values in their closure cells.
+"""Optax's learning rate, momentum and weight decay as inputs of a program, so
+that a new value does not compile again: `optax.scale`'s step size (every
+`learning_rate`), `optax.trace`'s decay and a nonzero `add_decayed_weights`.
+Others (Adam's `b1`, `eps`) stay constants. `lifted(fn)`: `None`, or a `Lifted`
+static leaf (equal for functions differing only in those values) and the values.
 """
 
 import enum
@@ -45,8 +28,7 @@ _HOLE = _Hole.HOLE
 
 
 def _codes() -> dict[types.CodeType, tuple[str, Callable[[float], bool]]]:
-    # The update functions' code (shared by every closure of the same `def`),
-    # and the closure variable lifted with the values it is lifted for.
+    # The update functions' code -> the closure variable lifted, and for which values.
     def nonzero(value: float) -> bool:
         return value != 0.0
 
@@ -72,10 +54,7 @@ _MAX_DEPTH = 32
 
 
 def _substitute(obj: Any, fill: Callable[[Any, bool], Any], depth: int = 0) -> Any:
-    """`obj` with each lifted closure value `v` replaced by `fill(v, liftable)`,
-    the functions, tuples, lists and partials on the way copied (the others
-    shared): `obj` itself where nothing changed. Walked in one fixed order,
-    so a template and its filling meet the values in the same order."""
+    """`obj` with each lifted closure value `v` replaced by `fill(v, liftable)`."""
     if depth > _MAX_DEPTH:
         return obj
     if isinstance(obj, types.FunctionType):
@@ -128,8 +107,7 @@ def _function(
 
 
 class Lifted:
-    """A static leaf: a template function (canonical; its lifted values
-    `_HOLE`) and how many values fill it. Equal for equal templates."""
+    """A static leaf: a canonical template function and how many values fill it."""
 
     __slots__ = ("template", "count", "__weakref__")
 
@@ -156,16 +134,14 @@ class Lifted:
         return _substitute(self.template, fill)
 
 
-# A canonical function -> its `Lifted` leaf and values, or `None` (held weakly:
-# the entry goes with the function).
+# A canonical function -> its `Lifted` leaf and values, or `None` (held weakly).
 _LIFTS: "weakref.WeakKeyDictionary[Any, tuple[Lifted, tuple[float, ...]] | None]" = (
     weakref.WeakKeyDictionary()
 )
 
 
 def lifted(fn: Any) -> "tuple[Lifted, tuple[float, ...]] | None":
-    """`fn`'s lifted values and the static leaf standing for it (see the
-    module's docstring), or `None`."""
+    """`fn`'s static leaf and lifted values, or `None`."""
     try:
         return _LIFTS[fn]
     except KeyError:
@@ -190,7 +166,6 @@ def lifted(fn: Any) -> "tuple[Lifted, tuple[float, ...]] | None":
 
 
 def lifts(tree: Any) -> bool:
-    """Whether a function leaf of `tree` (canonical) has lifted values."""
     return any(
         type(leaf) is types.FunctionType and lifted(leaf) is not None
         for leaf in jax.tree_util.tree_leaves(tree)

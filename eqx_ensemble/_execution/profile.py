@@ -1,7 +1,4 @@
-"""What a training step (or any per-member function) is made of, read from the
-jaxpr of ONE member's call: the facts the library's CPU choices rest on (see
-`compile`, `layout` and the training loop). `training.loss.profile_step` reads
-a loss's."""
+"""What a per-member function is made of, read from ONE member's jaxpr."""
 
 import weakref
 from collections.abc import Callable
@@ -15,17 +12,10 @@ from jaxtyping import PyTree
 
 
 class StepProfile(NamedTuple):
-    """`convolutions`: the loss convolves (XLA's CPU backend then needs the steps
-    outside any loop); `batched_dots`: a matmul with a batch dimension of its own
-    (attention heads), which Eigen's dot kernels run slower than XLA's default
-    path; `convolution_flops`: the
-    FLOPs of the convolutions as written (each counted once, even inside a
-    loop; a differentiated loss includes its backward convolutions);
-    `dot_flops`: the FLOPs of its matmuls, a `scan`'s body counted as many
-    times as it runs (a `while` loop's once); `intermediate_bytes`: the bytes
-    of every value it computes as written, a `scan`'s body counted as for the
-    FLOPs (its backward pass keeps every iteration's), what the size of a
-    compiled step's temporaries is estimated from (`plan.scratch_chunk`)."""
+    """`convolutions`: the loss convolves; `batched_dots`: a matmul has a batch
+    dimension of its own (attention heads); `convolution_flops`: as written (each
+    counted once, even in a loop); `dot_flops` and `intermediate_bytes` (every
+    value computed, for `plan.scratch_chunk`): a `scan`'s body counted per run."""
 
     convolutions: bool = False
     batched_dots: bool = False
@@ -35,9 +25,6 @@ class StepProfile(NamedTuple):
 
 
 # Primitives that call a body and return what it computed (counted there).
-# Every other equation's outputs are values of its own, also where its
-# parameters hold a jaxpr (a loop's iterations, a branch taken, a scatter's or
-# a reduction's combiner).
 _CALLS = frozenset(
     {
         "jit",
@@ -55,8 +42,7 @@ _CALLS = frozenset(
 
 
 def inner_jaxprs(params: dict[str, Any]) -> list[Any]:
-    """The jaxprs an equation's parameters hold (a closed one's own), as
-    `jax.extend.core.jaxprs_in_params` gives them (which JAX 0.8 lacks)."""
+    """The jaxprs an equation's parameters hold (`jaxprs_in_params`, not in 0.8)."""
     found = []
     for value in params.values():
         for item in value if isinstance(value, tuple | list) else (value,):
@@ -115,8 +101,7 @@ def _dot_flops(equation: Any, contracting: Any) -> float:
 
 
 def _convolution_flops(equation: Any) -> float:
-    # 2 x (output elements) x (one output element's multiply-adds: the kernel's
-    # elements per output feature, i.e. input features per group x window).
+    # 2 x (output elements) x (kernel elements per output feature).
     out_shape = equation.outvars[0].aval.shape
     kernel_shape = equation.invars[1].aval.shape
     out_features = kernel_shape[equation.params["dimension_numbers"].rhs_spec[0]]
@@ -131,13 +116,7 @@ def profile_call(
     owner: Any = None,
     extra: Any = (),
 ) -> StepProfile:
-    """The profile of `fn(*inputs)` (shapes only: an input leaf may be a
-    `jax.ShapeDtypeStruct`; an error while tracing gives the empty profile, the
-    real call reports it).
-
-    Traced once per `owner` (held weakly: a user's function and what it closes
-    over are not kept alive by the cache; `None`: traced every time), hashable
-    `extra` and input signature."""
+    """The profile of `fn(*inputs)` from shapes (empty if tracing fails)."""
     table, key = None, None
     if owner is not None:
         try:
@@ -148,7 +127,6 @@ def profile_call(
         except TypeError:  # not weakly referable, or an unhashable leaf
             table = None
 
-    # Shapes only: no array is read (the inputs may live on other processes).
     dynamic, static = eqx.partition(inputs, _is_array_like)
     structs = jax.tree.map(_struct, dynamic)
 
@@ -167,17 +145,14 @@ def profile_call(
     return profile
 
 
-# One trace per owner (a loss, a mapped function) and input signature: a profile
-# is read once, not per call (the tests count traces). Weak keys: the entry goes
-# with its owner.
+# One trace per owner and input signature (the tests count traces).
 _CACHE: "weakref.WeakKeyDictionary[Any, dict[Any, StepProfile]]" = (
     weakref.WeakKeyDictionary()
 )
 
 
 def signature(tree: Any) -> Any:
-    """A hashable record of `tree`'s structure, shapes and dtypes (TypeError
-    when a non-array leaf is unhashable)."""
+    """A hashable record of `tree`'s structure, shapes and dtypes (or TypeError)."""
     leaves, treedef = jax.tree.flatten(tree)
     record = tuple(
         (tuple(leaf.shape), leaf.dtype) if hasattr(leaf, "shape") else leaf
@@ -196,8 +171,7 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
 
 
 def first_member(tree: PyTree[Any]) -> PyTree[Any]:
-    """The shapes of member 0's slice of a stacked tree, as
-    `jax.ShapeDtypeStruct`s (`None` stays `None`; no array is read)."""
+    """Member 0's slice of a stacked tree as `jax.ShapeDtypeStruct`s."""
     if tree is None:
         return None
     return jax.tree.map(
@@ -209,8 +183,7 @@ def first_member(tree: PyTree[Any]) -> PyTree[Any]:
 
 
 def example_structs(data: PyTree[Any], batch_size: int, axis: int = 0) -> Any:
-    """Shapes of a batch of `batch_size` examples of `data` (leading example axis
-    at `axis`), as `jax.ShapeDtypeStruct`s."""
+    """A batch of `batch_size` examples of `data` as `jax.ShapeDtypeStruct`s."""
 
     def struct(leaf: Any) -> Any:
         shape = list(np.shape(leaf))

@@ -1,23 +1,5 @@
-"""The compiled part of `fit`: one dispatch runs a chunk of steps with `lax.scan`.
-
-The data path, in order: the sampling's indices (array data) or the stacked group
-of streamed batches -> the step's batch (one per member, or one shared batch that
-stays unbatched inside the member `vmap`) -> the member-vmapped
-`filter_value_and_grad` + optax update -> trackers -> evaluation -> one int32
-vector returned to the host (`readout`: the per-step losses and scores, the
-members' divergence and stop steps). The chunk has a fixed length (one
-compilation per configuration); steps past `end` are skipped with `lax.cond`,
-compiled into every dispatch on a CPU (one program for full and partial
-dispatches keeps resumed runs bitwise equal to uninterrupted ones); elsewhere a
-chunk the host knows to be `full` runs its steps with no conditional (on a GPU
-each conditional waits for its predicate on the host).
-Sharding is pinned once where the state enters and leaves the loop and once per
-step on the carry; nothing inside the step names a mesh axis but the update.
-An unrolled dispatch (`Execution(unroll=True)`: `Chunk.unrolled`) is a loop on the
-host of calls of one compiled step (`_dispatch_steps`): one program whatever the
-dispatch's length, its example indices drawn once before the calls
-(`IndexedBatches`), its readouts read when the host records the dispatch.
-"""
+"""The compiled part of `fit`: one dispatch runs a chunk of steps (`lax.scan`),
+and returns one int32 vector to the host (`readout`)."""
 
 import dataclasses
 from collections.abc import Callable, Hashable
@@ -58,11 +40,7 @@ from .train_state import (
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class Chunk:
-    """Everything one dispatch reads (the train state is passed, and donated,
-    separately). Non-array fields are static: changing them recompiles. A plain
-    dataclass registered as a pytree (every field a child, as in an
-    `eqx.Module`): it is made and replaced on the host for every dispatch, where
-    a module's construction and attribute reads cost tens of microseconds."""
+    """Everything one dispatch reads but the (donated) train state (a dataclass)."""
 
     loss_fn: LossFn
     optimizer: optax.GradientTransformation
@@ -78,19 +56,13 @@ class Chunk:
     size: int
     length: int
     placement: Placement  # one device, or a mesh
-    # Unrolled: straight-line code (no loop, no conditional), one call of a
-    # one-step program per step of the dispatch (`_dispatch_steps`); a call
-    # runs the step of row `row` of the dispatch's `length` rows of scanned
-    # inputs (a NumPy int32 scalar: an input, not part of the program) and
-    # evaluates after it if `evaluate_last`.
+    # Unrolled: a call runs the step of row `row` (an input) of the scanned inputs.
     unrolled: bool = False
     evaluate_last: bool = False
     row: Int[ArrayLike, ""] | None = None
     # Every one of the `length` steps runs (known on the host): no conditional.
     full: bool = False
-    # A loop of a traced trip count (`end` - the first step) and no conditional:
-    # one program for any dispatch up to `length` steps (CPU; a GPU's loop
-    # would wait for each trip's predicate on the host).
+    # A loop of a traced trip count, no conditional (CPU): see `_counted`.
     counted: bool = False
     layout: Layout = "vmap"  # the members vectorised, or one after another
     member_chunk: int | None = None  # vectorised members per group (`Execution`)
@@ -100,39 +72,25 @@ class Chunk:
 
 
 def _make_chunk_runner(options: Options, *program: Hashable) -> Callable[..., Any]:
-    # What the program is compiled for: the key, not an input; its last entry
-    # says whether the dispatch is optimistic (its check deferred).
-    deferred = program[-1]
+    deferred = program[-1]  # (the key's last entry)
 
-    # A function of its own (not `run_chunk` itself): JAX's caches keyed on the
-    # function then go with this one when it is dropped.
+    # A function of its own: JAX's caches keyed on it go when it is dropped.
     def run(chunk: Chunk, train_state: TrainState) -> Any:
         train_state, losses, scores = run_chunk(chunk, train_state)
         return train_state, _readout(chunk, train_state, losses, scores)
 
-    # The optimistic dispatch keeps its start state (not donated): the host
-    # replays the dispatch from it where a member was not finite.
+    # An optimistic dispatch keeps its start state (the host may replay from it).
     return filter_jit(run, options, donate=None if deferred else "all-except-first")
 
 
-# `run_chunk` compiled with XLA `options`, one function per program (the
-# chunk's static configuration and the state's shapes: `dispatch_chunk`), at most
-# `compile.MAX_PROGRAMS` kept; the state is donated.
+# `run_chunk` compiled, one function per program (`dispatch_chunk`), bounded.
 chunk_runner = CompiledFunctions(_make_chunk_runner)
 
 
 def dispatch_chunk(
     options: Options, chunk: Chunk, train_state: TrainState, steps: int | None = None
 ) -> tuple[TrainState, "DispatchReadout"]:
-    """One compiled dispatch of `chunk` from `train_state` (donated), returning
-    the new state and the dispatch's `readout`, on the device until the host
-    reads it (`DispatchReadout.read`). The program is looked up by what it
-    is compiled for (one function per XLA options, static configuration of
-    the chunk: loss, optimizer, components, lengths; and shapes of the train
-    state), so that a loop of `fit` calls with new optimizers or models keeps
-    a bounded number of programs. The arguments are flattened once, for the
-    lookup and the call. An unrolled chunk runs `steps` steps, the last
-    before `chunk.end` (`_dispatch_steps`)."""
+    """One compiled dispatch of `chunk` from `train_state` (donated)."""
     if chunk.unrolled:
         assert steps is not None, "an unrolled dispatch is told its steps"
         return _dispatch_steps(options, chunk, train_state, steps)
@@ -149,16 +107,7 @@ def dispatch_chunk(
 def _dispatch_steps(
     options: Options, chunk: Chunk, train_state: TrainState, steps: int
 ) -> tuple[TrainState, "DispatchReadout"]:
-    """An unrolled dispatch (`Execution.unroll`): a loop on the host of calls
-    of one compiled step, one per step. The program is the same for every
-    step and every dispatch length (a run of any `steps=` and a resumed run
-    reuse it), and for array data the dispatch's example indices are drawn
-    once, before the calls (a step would otherwise draw its epoch's whole
-    permutation). The arguments are flattened once per form of the call
-    (with and without an evaluation after it): each call passes the previous
-    one's output arrays on as they are, and only the row changes.
-    The readouts are read when the host records the dispatch, so that the
-    calls run while it reads the next group of a stream."""
+    """An unrolled dispatch: a host loop of calls of one compiled step."""
     start = int(np.asarray(chunk.end)) - steps
     if isinstance(chunk.batches, SampledBatches):
         indices = _drawers.call(
@@ -207,9 +156,7 @@ def _position_of(marker: np.ndarray, leaves: list[Any]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DispatchReadout:
-    """A dispatch's `readout`: one array, or its calls' step by step (an
-    unrolled dispatch, `_dispatch_steps`), on the device until `read` brings
-    them to the host and joins them into one."""
+    """A dispatch's `readout` (an unrolled one's per step) until `read`."""
 
     parts: list[Any]
     members: int
@@ -239,9 +186,7 @@ def _make_drawer(*program: Hashable) -> Callable[..., Any]:
     return filter_jit(SampledBatches.draw, one_shot_options())
 
 
-# `SampledBatches.draw` compiled, one function per configuration (at most
-# `compile.MAX_PROGRAMS` kept, as the dispatches' programs): the same integers
-# the sampling draws inside a dispatch.
+# `SampledBatches.draw` compiled, one function per configuration (bounded).
 _drawers = CompiledFunctions(_make_drawer)
 
 
@@ -252,14 +197,7 @@ def readout(
     stopped_at: Int[Array, " members"],
     placement: Placement,
 ) -> Int[Array, " n"]:
-    """Everything the host reads after a dispatch, in one int32 vector,
-    replicated over the mesh: the float32 losses and the scores (where the chunk
-    evaluates; `None` otherwise) bit-cast to int32, then the members'
-    `diverged_at` and `stopped_at`; `unpack_readout` casts back, exactly.
-    Integers, so that no float operation can touch the values on the way (a
-    NaN's payload may not survive one). One array is one transfer and one wait
-    for the host: on a GPU each array read is its own device-to-host copy and
-    completion callback (a fraction of a millisecond each)."""
+    """What the host reads after a dispatch, as one int32 vector (bit-cast)."""
     floats = [losses] if scores is None else [losses, scores]
     *floats, diverged_at, stopped_at = placement.replicate(
         [*floats, diverged_at, stopped_at]
@@ -302,8 +240,7 @@ def pack_readout(
 
 
 def unpack_readout(values: np.ndarray, size: int, evaluated: bool) -> Readout:
-    """`readout`'s parts from the host's copy of it (`size` members; the number
-    of steps follows from the length, so a dispatch of any length reads)."""
+    """`readout`'s parts from the host's copy of it (`size` members)."""
     per_step = size * (2 if evaluated else 1)
     steps, rest = divmod(len(values) - 2 * size, per_step)
     if steps < 0 or rest:
@@ -325,7 +262,6 @@ def unpack_readout(values: np.ndarray, size: int, evaluated: bool) -> Readout:
 
 
 def _nan_row(chunk: Chunk) -> Float[Array, " members"]:
-    # What a step reports when it has nothing to report (split like the members).
     row = jnp.full((chunk.size,), jnp.nan, dtype=jnp.float32)
     return chunk.placement.constrain(row, (MEMBERS,))
 
@@ -337,11 +273,8 @@ def _train_step(
     evaluate: Any = "due",
     kept: TrainState | None = None,
 ) -> tuple:
-    """One step of every member, then trackers, evaluation (`"due"`: when the
-    step count says so, decided in compiled code; `True`/`False`: decided here)
-    and best members. `kept`: an optimistic dispatch's start state, whose
-    frozen members' weights and model states the trackers and the evaluation
-    see (those members compute along unchecked; `_settle_members`)."""
+    """One step of every member, then trackers, evaluation and best members;
+    `kept`: an optimistic dispatch's start state."""
     update = vmapped_update(
         chunk.loss_fn,
         chunk.optimizer,
@@ -484,16 +417,8 @@ def run_chunk(
 def _settle_members(
     start: TrainState, end: TrainState, placement: Placement
 ) -> TrainState:
-    """The end of an optimistic dispatch (`Run.dispatch`): the members frozen
-    at its start (diverged or stopped: they computed along, unchecked) get
-    back their start weights, optimizer and model states, and every other
-    member whose weights or optimizer state is not finite is marked
-    `NOT_FINITE` in `diverged_at` for the host, which then finds the step it
-    failed at. That check is enough: a non-finite weight stays non-finite
-    under `apply_updates` (an addition), and a non-finite gradient makes the
-    weights or the optimizer state non-finite under any optimizer that does
-    not replace it (those that do run the guarded step: `hides_non_finite`);
-    a non-finite loss the host reads from the losses."""
+    """The end of an optimistic dispatch: frozen members restored, any other
+    non-finite member marked `NOT_FINITE`."""
     frozen = (start.diverged_at >= 0) | (start.stopped_at >= 0)
     frozen = placement.constrain(frozen, (MEMBERS,))
     ens, opt_state, model_state = end.ensemble, end.opt_state, end.model_state
@@ -510,11 +435,7 @@ def _settle_members(
 
 
 def _members_finite(ens: Any, opt_state: Any) -> Any:
-    """Per member: whether its own weights (not a shared part) and optimizer
-    state are all finite (the optimizer state as `member_select` takes it with
-    `ens`; its scalars: not NaN), what the guarded step checks of the state
-    (`step.apply_member`; a model state may hold infinities by design, a
-    running maximum's start)."""
+    """Per member: whether its own weights and optimizer state are finite."""
 
     finite = eqx.filter_vmap(
         lambda members, state: all_finite(members, check="by_shape", state=state)
@@ -537,11 +458,7 @@ def _counted(
     nan_row: Array,
     count: Int[Array, ""],
 ) -> tuple[Any, Array, Array]:
-    """The `count` steps before `chunk.end` in a loop whose trip count is a
-    traced value: one program for a dispatch of any length up to
-    `chunk.length` (a run of any `steps=` reuses it), and no conditional per
-    step. The rows of steps not run stay NaN (the host reads only the rows it
-    ran)."""
+    """The `count` steps before `chunk.end` in a loop of traced trip count."""
     scanned = chunk.batches.scanned() if chunk.batches is not None else None
     rows = chunk.placement.constrain(
         jnp.broadcast_to(nan_row, (chunk.length, chunk.size)), (None, MEMBERS)
@@ -566,9 +483,7 @@ def _counted(
 def _unrolled(
     chunk: Chunk, dynamic: Any, static: Any, batch_of: Any
 ) -> tuple[Any, Array, Array]:
-    """One step as straight-line code, of row `chunk.row` of the dispatch's
-    scanned inputs, with no conditional, one call per step
-    (`_dispatch_steps`, `Execution(unroll=True)`)."""
+    """One step of row `chunk.row` of the scanned inputs, no conditional."""
     ts = eqx.combine(dynamic, static)
     assert chunk.batches is not None and chunk.row is not None
     row = jnp.asarray(chunk.row, jnp.int32)
@@ -591,9 +506,7 @@ def _compiled_copy(tree: PyTree[Any]) -> PyTree[Any]:
 
 
 def copy(tree: PyTree[Any]) -> PyTree[Any]:
-    """A copy of every array leaf of `tree` (distinct buffers even where leaves
-    alias each other), in one compiled call where the leaves share their devices
-    (one dispatch per leaf otherwise)."""
+    """A copy of every array leaf of `tree` (distinct buffers)."""
     try:
         return _compiled_copy(tree)
     except ValueError:  # leaves committed to different devices

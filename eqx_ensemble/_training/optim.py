@@ -42,33 +42,19 @@ def optimizer_update(
     key: Any = None,
     value: Any = None,
 ) -> tuple[PyTree[Any], PyTree[Any]]:
-    """`optimizer.update`, passing optax's extra arguments to an optimizer that
-    takes them: `key` (a member's optimizer key, see
-    `_internal.keys.optimizer_key`; the SG-MCMC samplers of `ee.sgmcmc`) and
-    `value` (the loss these `updates` are the gradient of, as
-    `optax.contrib.reduce_on_plateau` and `optax.polyak_sgd` read it).
-
-    Which it takes is read from its `update`'s signature: all of them where
-    it has `**extra_args` (every `optax.chain`, and `optax.MultiSteps`, which
-    passes them on although it is not typed `GradientTransformationExtraArgs`),
-    else those it names (`optax.contrib.sam`'s transparent mode names only
-    `grad_fn`: it gets neither). An optimizer that does not use them ignores
-    them, and its trace is unchanged."""
+    """`optimizer.update`, passing `key` and `value` where it takes them."""
     takes = _takes(optimizer)
     extra = {"key": key, "value": value}
     extra = {
         name: arg for name, arg in extra.items() if arg is not None and takes(name)
     }
-    # Optax relies on standard dtype promotion (e.g. `decay**count` with an int32
-    # count in Adam's bias correction); trace it that way even when the user runs
-    # with `jax_numpy_dtype_promotion="strict"`.
+    # Optax relies on standard dtype promotion, even under "strict" promotion.
     with jax.numpy_dtype_promotion("standard"):
         return optimizer.update(updates, state, params, **extra)
 
 
 def _takes(optimizer: Any) -> Callable[[str], bool]:
-    """Whether `optimizer.update` takes a keyword argument, by its signature (one
-    Python cannot read: by optax's type, `GradientTransformationExtraArgs`)."""
+    """Whether `optimizer.update` takes a keyword (by signature, else by type)."""
     try:
         parameters = inspect.signature(optimizer.update).parameters.values()
     except (TypeError, ValueError):
@@ -81,11 +67,7 @@ def _takes(optimizer: Any) -> Callable[[str], bool]:
 
 
 def _init_state(optimizer: Any, members: PyTree[Any], shared: PyTree[Any]) -> Any:
-    # One compiled program per optimizer and structure (op by op, an
-    # optimizer's init compiled a program per operation and leaf shape), as
-    # `fit`'s own start state is.
-    # (`init` alone: two optimizers that differ in their updates only, as
-    # two learning rates, share the program.)
+    # One program per `init` and structure (two learning rates share it).
     return compiled_call(_init, optimizer.init, members, shared)
 
 
@@ -101,19 +83,11 @@ def _trained_shared(ens: Ensemble) -> PyTree[Any]:
 
 
 def members_opt_state(opt_state: Any) -> Any:
-    """The per-member part of an optimizer state."""
     return opt_state.members if isinstance(opt_state, SharedOptState) else opt_state
 
 
 def hides_non_finite(opt_state: PyTree[Any]) -> bool:
-    """Whether the optimizer state shows a transformation that replaces or
-    skips non-finite gradients itself (`optax.zero_nans`,
-    `optax.apply_if_finite`): its weights and state stay finite where the
-    gradient was not, so `fit` checks every step rather than the end of each
-    dispatch (`Run.dispatch`). So does `optax.MultiSteps` given a
-    `should_skip_update_fn` (`optax.skip_not_finite`): a skipped step leaves
-    its accumulator and weights as they were; its state holds the skip
-    function's state."""
+    """Whether the state shows a transformation that hides non-finite gradients."""
     kinds = (optax.ZeroNansState, optax.ApplyIfFiniteState, optax.MultiStepsState)
     nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
     return any(
@@ -126,8 +100,6 @@ def hides_non_finite(opt_state: PyTree[Any]) -> bool:
 
 
 def is_hyperparam_node(x: Any) -> bool:
-    """Whether `x` is the state of an `optax.inject_hyperparams` transformation
-    (a named tuple with a `hyperparams` dict)."""
     return (
         isinstance(x, tuple)
         and hasattr(x, "hyperparams")
@@ -147,12 +119,7 @@ def hyperparam_nodes(opt_state: PyTree[Any]) -> list[tuple[str, Any]]:
 
 
 def member_hparams(train_state: Any) -> dict[str, np.ndarray]:
-    """Each member's scalar hyperparameters in a train state, on the host: those
-    injected with `optax.inject_hyperparams` (by name, prefixed with the node's
-    path where there are several) and the leaves of `hyper`. Of an
-    `ee.Heterogeneous` (an optimizer state per group) each name's values are
-    joined over the groups (NaN for the members of a group whose optimizer has
-    no such hyperparameter)."""
+    """Each member's injected hyperparameters and `hyper` leaves, on the host."""
     size = int(np.shape(train_state.diverged_at)[0])
     values: dict[str, np.ndarray] = {}
     groups = [
@@ -190,8 +157,7 @@ def _injected(opt_state: Any, size: int) -> dict[str, np.ndarray]:
 def _looks_grouped(
     opt_state: Any, owners: list[tuple[str, Any]], name: str, size: int
 ) -> bool:
-    # A heterogeneous ensemble's state: a tuple of per-group states, whose
-    # stacked hyperparameters have the groups' sizes (not all the ensemble's).
+    # A heterogeneous ensemble's state: per-group states of the groups' sizes.
     shapes = [np.shape(node.hyperparams[name]) for _, node in owners]
     return (
         isinstance(opt_state, tuple)
@@ -202,7 +168,6 @@ def _looks_grouped(
 
 
 def map_hyperparam_nodes(fn: Any, opt_state: PyTree[Any]) -> PyTree[Any]:
-    """`opt_state` with every `inject_hyperparams` state replaced by `fn(node)`."""
     return jtu.tree_map(
         lambda node: fn(node) if is_hyperparam_node(node) else node,
         opt_state,
@@ -211,7 +176,6 @@ def map_hyperparam_nodes(fn: Any, opt_state: PyTree[Any]) -> PyTree[Any]:
 
 
 def check_hyperparams_mapping(hyperparams: Any) -> None:
-    """Refuse `hyperparams` that is not a mapping from names to values."""
     if not isinstance(hyperparams, Mapping) or not all(
         isinstance(name, str) for name in hyperparams
     ):
@@ -304,9 +268,7 @@ def set_hyperparams(
 
 
 def _hyperparam_value(name: str, value: Any, current: Any, size: int) -> Any:
-    """`value` for the injected hyperparameter `name` (held as `current`):
-    checked (one value per member, or one for a state held once; real and
-    finite) and cast to `current`'s dtype and weak type."""
+    """`value` for the hyperparameter `name`, checked and cast like `current`."""
     given_shape = np.shape(value)  # pyright: ignore[reportArgumentType]
     if current.ndim == 0 and len(given_shape) > 0:
         raise ValueError(
@@ -344,9 +306,7 @@ def _hyperparam_value(name: str, value: Any, current: Any, size: int) -> Any:
                 f"Hyperparameter {name!r} is not finite for members {bad}: "
                 f"{np.asarray(array).tolist()}"
             )
-    # Match the state's dtype exactly, weak type included (`jnp.full(3, 0.1)` is
-    # weakly typed; optax would make it strong at the first update, changing the
-    # state's type from one step to the next).
+    # The state's dtype, weak type included (optax would change it at an update).
     if (
         not isinstance(value, jax.Array)
         or not jax.numpy.issubdtype(array.dtype, current.dtype)
@@ -359,8 +319,7 @@ def _hyperparam_value(name: str, value: Any, current: Any, size: int) -> Any:
 def init_state(
     optimizer: optax.GradientTransformation, ens: Ensemble | Heterogeneous
 ) -> PyTree[Any]:
-    """The fresh stacked optimizer state of `ens` (traceable: `fit` computes it
-    inside its start program); of a heterogeneous ensemble, one per group."""
+    """The fresh stacked optimizer state of `ens` (traceable; one per group)."""
     states = [
         _init_state(optimizer, trainable(group.members), _trained_shared(group))
         for (group,) in group_parts(ens)
@@ -379,10 +338,8 @@ def init_optimizer(
 
     The state is `filter_vmap(optimizer.init)` over the members' floating-point
     leaves, so every transformation keeps its per-member meaning (Adam moments,
-    `clip_by_global_norm`'s norm, schedules' step counts are all per member).
-    It is compiled once per `init` and structure, as `fit`'s own start state
-    is: an `init` with Python side effects runs them when it is traced, not
-    at every call.
+    `clip_by_global_norm`'s norm, schedules' step counts). It is compiled once
+    per `init` and structure: Python side effects of `init` run when traced.
 
     **Arguments:**
 
@@ -429,16 +386,13 @@ def init_optimizer(
 def _init_group(
     optimizer: optax.GradientTransformation, ens: Ensemble, hyperparams: Any
 ) -> PyTree[Any]:
-    # `init_optimizer` of one group.
     size = len(ens)
     opt_state = _init_state(optimizer, trainable(ens.members), _trained_shared(ens))
     if hyperparams:
         opt_state = set_hyperparams(opt_state, hyperparams, size)
         check_hyperparams_kept(optimizer, ens.members, opt_state, hyperparams)
     opt_state = placement_of(model_mesh(ens)).follow_model(opt_state, ens)
-    # Beside its weights, as `fit` places it: global arrays split over
-    # "members" (so that every process of a multi-process run holds, and
-    # saves, only its members' part), not copies on each default device.
+    # Split over "members" as `fit` places it (each process holds its part).
     opt_state = placement_of(members_mesh(ens)).shard(opt_state)
     return opt_state
 
@@ -467,15 +421,7 @@ def check_hyperparams_kept(
     opt_state: PyTree[Any],
     names: Mapping[str, Any],
 ) -> None:
-    """Raise if `optimizer.update` overwrites an injected hyperparameter in `names`.
-
-    `optax.inject_hyperparams` recomputes a hyperparameter given as a schedule from
-    the step count at every update, so per-member values set in the state would be
-    silently replaced after the first step. Found by tracing one member's update
-    (no compilation, no computation): a kept hyperparameter is passed through.
-    """
-    # One member's shapes only: nothing is computed (op by op, taking member
-    # 0 of every leaf compiled two programs per leaf shape).
+    """Raise if `optimizer.update` overwrites an injected hyperparameter in `names`."""
     opt_state = members_opt_state(opt_state)
     member_params = first_member(trainable(members))
     member_state = first_member(opt_state)
@@ -524,8 +470,7 @@ def check_hyperparams_kept(
             )
 
 
-# Primitives whose outputs are their inputs' values (`convert_element_type`
-# only to its input's own dtype, below).
+# Primitives whose outputs are their inputs' values.
 _IDENTITIES = frozenset({"copy", "optimization_barrier"})
 
 
@@ -537,10 +482,7 @@ _CALLS = frozenset(
 
 
 def _kept_carries(body: Any, consts: int) -> list[bool]:
-    """For each output of a loop's `body` (inputs: `consts` constants, then
-    the carries), whether it is its own carry passed through unchanged: then
-    the loop's carry keeps its initial value for any number of iterations
-    (none included)."""
+    """For each output of a loop's `body`, whether it is its carry unchanged."""
     marks = [frozenset({index}) for index in range(len(body.invars))]
     return [consts + j in kept for j, kept in enumerate(_kept_inputs(body, marks))]
 
@@ -548,12 +490,7 @@ def _kept_carries(body: Any, consts: int) -> list[bool]:
 def _kept_inputs(
     jaxpr: Any, given: Sequence[frozenset[int]] | None = None
 ) -> list[frozenset[int]]:
-    """For each output of `jaxpr`, the inputs it is provably equal to: passed
-    through as they are, or through calls, `cond` branches and `select_n`
-    cases that all pass the same input through (what `optax.MultiSteps`
-    makes of an inner state it keeps). Read from the jaxpr only: nothing is
-    computed; an output it cannot prove equal has none. `given`: the inputs
-    each of the jaxpr's inputs is equal to (default: itself)."""
+    """For each output of `jaxpr`, the inputs it provably equals."""
     origin: dict[Any, frozenset[int]] = {
         var: frozenset({index}) if given is None else given[index]
         for index, var in enumerate(jaxpr.invars)
@@ -608,8 +545,7 @@ def check_opt_state(
     ens: Ensemble | Heterogeneous,
     opt_state: Any,
 ) -> None:
-    """Raise a clear error if `opt_state` was not made for this ensemble (of
-    an `ee.Heterogeneous`: each group's, the error naming the group)."""
+    """Raise a clear error if `opt_state` was not made for this ensemble."""
     parts = group_parts(ens, opt_state, what="The optimizer state")
     for (label, _), (group, group_state) in zip(
         labelled(ens, parts), parts, strict=True
@@ -639,9 +575,7 @@ def _check_group_state(
         )
 
 
-# The optimizer state's expected structure per (optimizer as interned, members'
-# and trained shared part's structures): tracing `optimizer.init` is most of a
-# short `fit` call given its `opt_state` otherwise (~8 ms). Bounded.
+# Expected states per optimizer and structures (tracing `init` costs ~8 ms).
 _EXPECTED: dict[Any, Any] = {}
 
 
@@ -661,9 +595,7 @@ def _expected_state(
         key, found = None, None
     if found is None:
         expected = eqx.filter_eval_shape(_init_state, optimizer, members, shared)
-        # `filter_eval_shape` gives `ShapeDtypeStruct`s, which
-        # `eqx.is_array_like` does not count as arrays: keep them, or every
-        # real state would "differ".
+        # Keep the `ShapeDtypeStruct`s (not `eqx.is_array_like`).
         found = jax.tree.map(_as_struct, eqx.filter(expected, _is_array_or_struct))
         if key is not None:
             if len(_EXPECTED) >= 64:
@@ -704,16 +636,12 @@ def _as_struct(x: Any) -> Any:
     return _Spec(np.shape(x), jnp.result_type(x))
 
 
-# The names under which optax's transformations close over a learning-rate
-# schedule (`sgd`'s and `adam`'s `learning_rate`, `inject_hyperparams`'
-# schedules). Not `scale_by_schedule`'s `step_size_fn`: `sgd` hands it the
-# negated schedule, negative by design.
+# Where optax closes over a learning-rate schedule (`sgd` negates `step_size_fn`).
 _SCHEDULE_NAMES = ("learning_rate",)
 
 
 def _schedules(optimizer: Any) -> list[tuple[str, Callable[[Any], Any]]]:
-    """The learning-rate schedules an optax optimizer closes over (found by
-    name in the closures of its `init` and `update`, recursively)."""
+    """The learning-rate schedules an optax optimizer closes over (by name)."""
     found: list[tuple[str, Callable[[Any], Any]]] = []
     seen: set[int] = set()
 
@@ -757,12 +685,7 @@ def _schedules(optimizer: Any) -> list[tuple[str, Callable[[Any], Any]]]:
 
 
 def schedule_problem(optimizer: Any, steps: Sequence[int]) -> str | None:
-    """A sentence naming a step-size schedule of `optimizer` that is negative
-    or not finite at a step up to the last of `steps` (steps' indices, from 0:
-    optax's count, the update of step `s + 1` reads the schedule at `s`), else
-    `None`; the sentence counts steps from 1, as every step number users read. For the
-    message of a run whose members diverged: gradient ascent diverges with no
-    NaN in sight."""
+    """A sentence naming a negative or non-finite step-size schedule, or `None`."""
     last = max((int(s) for s in steps), default=-1)
     if last < 0:
         return None

@@ -1,12 +1,4 @@
-"""`fit`'s data behind one interface: arrays or a stream.
-
-A `DataSource` lives on the host for one run. It checks the data before any
-work, says what one member's batch looks like (for the step's profile), reads
-the next group of batches for a dispatch (a stream's, stacked; nothing for
-arrays, which are sampled inside compiled code), and hands the compiled
-dispatch a `Batches` component that produces each step's batch there. Nothing
-else in the loop asks which kind of data it has.
-"""
+"""`fit`'s data behind one interface: arrays or a stream."""
 
 import abc
 import dataclasses
@@ -30,10 +22,7 @@ from .stream import BatchGroups, batch_digest, example_count, open_stream
 
 
 class Batches(abc.ABC):
-    """What a compiled dispatch reads to make each step's batch (abstract). The
-    implementations are dataclasses registered as pytrees (every field a child;
-    non-array fields static): made per run or per dispatch on the host, where
-    an `eqx.Module`'s construction costs tens of microseconds."""
+    """What a compiled dispatch reads to make each step's batch (a dataclass)."""
 
     @abc.abstractmethod
     def scanned(self) -> PyTree[Any]:
@@ -47,9 +36,7 @@ class Batches(abc.ABC):
         placement: Placement,
         count: Int[Array, ""] | None = None,
     ) -> Callable[[Int[Array, ""], Any], PyTree[Any]]:
-        """`batch(step, scanned_slice)` for the steps of a dispatch that starts at
-        `first_step` and compiles `length` steps, of which it runs `count`
-        (`None`: all); work shared by those steps is done once, here."""
+        """`batch(step, scanned_slice)` for a dispatch's steps."""
 
 
 @jax.tree_util.register_dataclass
@@ -75,10 +62,7 @@ class SampledBatches(Batches):
     def draw(
         self, first_step: Int[Array, ""], length: int, count: Int[Array, ""]
     ) -> Array:
-        """The indices of the `count` steps from `first_step`, one row per step,
-        in `length` rows (the rest zeros): what `maker` gathers, drawn before
-        an unrolled dispatch's calls (`IndexedBatches`). One program for any
-        `count` up to `length`."""
+        """The indices of the `count` steps from `first_step`, in `length` rows."""
         indices_of = self.indices_maker(first_step, length, count)
         shape = jax.eval_shape(indices_of, first_step)
         rows = jnp.zeros((length, *shape.shape), shape.dtype)
@@ -95,8 +79,6 @@ class SampledBatches(Batches):
         length: int,
         count: Int[Array, ""] | None = None,
     ) -> Callable[[Int[Array, ""]], Array]:
-        """The sampling's `step -> indices` for a dispatch (`Batches.maker`'s
-        arguments)."""
         return self.sampling.chunk_indices(
             self.data_key,
             self.prepared,
@@ -112,9 +94,7 @@ class SampledBatches(Batches):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class IndexedBatches(Batches):
-    """Array data at example indices drawn before the dispatch
-    (`SampledBatches.draw`), one row of `indices` per step: `(steps, batch)`,
-    or `(steps, members, batch)` for a per-member sampling."""
+    """Array data at indices drawn before the dispatch, one row per step."""
 
     data: PyTree[Any]
     indices: Int[Array, "steps ..."]
@@ -152,8 +132,7 @@ class DataSource(abc.ABC):
     num_examples: int | None
     # "arrays" (sampled inside compiled code) or "stream" (read on the host).
     kind: ClassVar[str] = "arrays"
-    # Whether a dispatch's group of batches is read and padded on the host
-    # (a stream), so that it costs host work per compiled step.
+    # Whether a dispatch's group is read and padded on the host (a stream).
     pads_on_host: ClassVar[bool] = False
 
     @abc.abstractmethod
@@ -161,29 +140,25 @@ class DataSource(abc.ABC):
         """One member's batch of one step, as shapes (for the step's profile)."""
 
     def batch_signature(self) -> Hashable:
-        """A hashable record of `member_batch()`'s structure, shapes and dtypes
-        (a key of the run's execution plan)."""
+        """A hashable record of `member_batch()` (a key of the run's plan)."""
         return signature(self.member_batch())
 
     @abc.abstractmethod
     def next_group(self, count: int, length: int, placement: Placement) -> int:
-        """Read the next `count` steps' batches (padded to `length`), placed on
-        the devices; returns how many steps they hold (fewer: the data ends)."""
+        """Read the next `count` steps' batches; returns how many it read."""
 
     @abc.abstractmethod
     def batches(self) -> Batches:
         """The compiled dispatch's view of the data read last."""
 
     def position(self, step: int) -> dict[str, Any] | None:
-        """What a checkpoint at `step` records of the data, to check and place
-        the data of a resumed run (JSON; `None`: nothing)."""
+        """What a checkpoint at `step` records of the data (JSON, or `None`)."""
         del step
         return None
 
 
 class ArraySource(DataSource):
-    """Arrays with a leading example axis: every step's batch is drawn inside
-    compiled code; nothing is read on the host between dispatches."""
+    """Arrays with a leading example axis, sampled inside compiled code."""
 
     def __init__(
         self,
@@ -193,8 +168,7 @@ class ArraySource(DataSource):
         size: int,
         checked: bool = False,
     ):
-        # `checked`: data of the structure, shapes and dtypes of data checked
-        # before with these arguments (`run.prepare`): the checks are skipped.
+        # `checked`: data like data checked before (`run.prepare`): no checks.
         if batch_size is None:
             raise TypeError("`fit` on array data needs `batch_size`")
         self.batch_size = check_positive_int(batch_size, "batch_size")
@@ -233,8 +207,7 @@ class ArraySource(DataSource):
     def start(
         self, data_key: PRNGKeyArray, bootstrap_key: PRNGKeyArray, placement: Placement
     ) -> None:
-        """The run's sampling from its keys (`fit`'s documented derivation), the
-        arrays put where `placement` says; once, before the first dispatch."""
+        """The run's sampling from its keys, placed; once, before any dispatch."""
         batches = SampledBatches(
             data=self.data,
             sampling=self.sampling,
@@ -247,16 +220,12 @@ class ArraySource(DataSource):
         self._batches = placement.on_mesh(batches)
 
 
-# A stream's group is cut short once reading it has taken this long, so that a
-# slow stream's run reports progress (and reaches its callbacks) about once a
-# second of wall time, whatever the stream's speed.
+# A stream's group is cut short after this long: progress about once a second.
 READ_SECONDS = 1.0
 
 
 class StreamSource(DataSource):
-    """An iterable of batches, or a function `step -> iterator` (resumable):
-    groups of batches are read and stacked on the host, the next while the
-    current dispatch runs."""
+    """An iterable of batches, or a resumable `step -> iterator`, read in groups."""
 
     kind: ClassVar[str] = "stream"
     pads_on_host: ClassVar[bool] = True
@@ -329,8 +298,7 @@ class StreamSource(DataSource):
     def position(self, step: int) -> dict[str, Any] | None:
         groups = self._groups
         if groups.group_start != step and self._resumable:
-            # The run's last checkpoint: the batch after it is read now, so that
-            # a run continued from there (to more steps) can be checked too.
+            # The run's last checkpoint: read the batch after it for a continuation.
             groups.group_start, groups.group_state = step, groups.state()
             try:
                 groups.peek()
@@ -359,7 +327,6 @@ class StreamSource(DataSource):
 
 @functools.cache
 def _physical_memory() -> int:
-    """This machine's memory in bytes (read once: two system calls)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -367,8 +334,7 @@ def _physical_memory() -> int:
 
 
 def _check_batch_memory(data: PyTree[Any], batch_size: int, members: int) -> None:
-    # A step's batch must fit in memory (and XLA's int32 dimensions) before it
-    # reaches XLA, which aborts the process on an impossible shape.
+    # Before XLA, which aborts the process on an impossible shape.
     per_example = sum(
         leaf.nbytes // max(leaf.shape[0], 1)
         for leaf in jax.tree.leaves(data)

@@ -88,18 +88,8 @@ class StepOutput(NamedTuple):
 def all_finite(
     *trees: PyTree[Any], check: FiniteCheck, state: PyTree[Any] = None
 ) -> Bool[Array, ""]:
-    """Whether every floating-point element of `trees` is finite, in the form
-    `check` names (the same answer in either; see `_execution.guard`).
-
-    `state`: ONE member's (or a shared part's) optimizer state, whose
-    per-parameter arrays (moments) must be finite too, and whose scalars
-    (counts, scales, best values, injected hyperparameters) must not be NaN:
-    an optimizer's scalar may be infinite by design (`optax.contrib.
-    reduce_on_plateau`'s best value before its first average, a clipping
-    threshold of `inf`: no clipping), and what it controls shows up in the
-    updates and weights, which are checked. Optax's sentinels are all
-    scalars; for Adam (whose only scalar is an integer count) the check is
-    the program it was before scalars were told apart."""
+    """Whether every floating-point element of `trees` is finite; of `state` (one
+    member's optimizer state), scalars need only not be NaN."""
     pairs = [(leaf, False) for leaf in jax.tree.leaves(trees)]
     pairs += [(leaf, jnp.ndim(leaf) == 0) for leaf in jax.tree.leaves(state)]
     pairs = [(leaf, scalar) for leaf, scalar in pairs if eqx.is_inexact_array(leaf)]
@@ -110,10 +100,7 @@ def all_finite(
             ~jnp.isnan(x) if scalar else jnp.all(jnp.isfinite(x)) for x, scalar in pairs
         ]
         return jnp.all(jnp.stack(ok))
-    # By shape: `x * 0` is (+-)0 for a finite x and NaN for an infinite or NaN
-    # one, so a sum of such terms is finite exactly when every term's x is (and
-    # it cannot overflow). One reduction per shape and dtype. A scalar's term
-    # is 0 where it is infinite (only a NaN fails it).
+    # By shape: `x * 0` is NaN exactly where x is not finite (0 for an inf scalar).
     groups: dict[Any, Any] = {}
     for leaf, scalar in pairs:
         key = (leaf.shape, leaf.dtype)
@@ -147,17 +134,9 @@ def member_update(
     *,
     check: FiniteCheck = "per_leaf",
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
-    """One step for ONE member (vmapped over members by the callers).
-
-    A member whose loss, gradients or updated parameters are not finite, or that
-    is `frozen`, keeps its parameters, optimizer state and model state;
-    `diverged` reports the former. `shared`: a frozen shared part (closed over,
-    not differentiated), completing `member` (the stacked part) into a model.
-    `check`: the form of the finiteness check (`_execution.guard`).
-    """
+    """One step for ONE member: a non-finite or `frozen` member keeps its states."""
     stateful = state is not None
-    # `loss_fn` may consume the state it is given (`state.set` returns a new state
-    # and invalidates the old one, as in plain Equinox): keep a copy to fall back on.
+    # `loss_fn` may consume its state (`state.set`): keep a copy to fall back on.
     kept_state = jax.tree.map(lambda x: x, state) if stateful else None
 
     def loss_of(part):
@@ -180,7 +159,6 @@ def member_update(
         key,
         check=check,
     )
-    # A frozen member (diverged or stopped) does not train: no loss to report.
     loss = jnp.where(frozen, jnp.nan, loss)
     return new_member, new_opt_state, loss, aux, new_state, diverged
 
@@ -199,11 +177,7 @@ def apply_member(
     *,
     check: FiniteCheck = "per_leaf",
 ) -> tuple[Any, Any, Any, Any]:
-    """ONE member's optimizer update from its gradients, kept only if everything
-    is finite and the member is not `frozen`. An optimizer that takes extra
-    arguments receives the member's optimizer key (`optimizer_key(key)`) and,
-    as `value` (optax's name: `optax.contrib.reduce_on_plateau`), what `grads`
-    are the gradient of: `value`, or else the member's `loss`."""
+    """ONE member's optimizer update, kept only if finite and not `frozen`."""
     updates, new_opt_state = optimizer_update(
         optimizer,
         grads,
@@ -215,8 +189,7 @@ def apply_member(
     new_member = eqx.apply_updates(member, updates)
     if check == "deferred":  # checked once per dispatch (`loop.run_chunk`)
         return new_member, new_opt_state, new_state, jnp.zeros((), bool)
-    # The update is checked too: a finite gradient times a huge (or non-finite)
-    # per-member learning rate still gives non-finite parameters.
+    # The update too: a huge per-member learning rate makes non-finite weights.
     finite = jnp.isfinite(loss) & all_finite(
         grads, trainable(new_member), check=check, state=new_opt_state
     )
@@ -230,8 +203,7 @@ def apply_member(
 
 
 def _gate(shared: Any, drop: Bool[Array, ""]) -> Any:
-    """`shared` (the same values), whose gradient is exactly zero where `drop`
-    (a select, not a product: a NaN or infinite cotangent does not pass)."""
+    """`shared`, whose gradient is exactly zero where `drop` (a select: no NaN)."""
 
     def gate(leaf: Any) -> Any:
         if not eqx.is_inexact_array(leaf):
@@ -242,13 +214,7 @@ def _gate(shared: Any, drop: Bool[Array, ""]) -> Any:
 
 
 def _stand_ins(members: Any, frozen: Bool[Array, " members"]) -> Any:
-    """`members` with every frozen member's floating-point arrays set to zero:
-    a stand-in whose forward and backward passes are finite wherever the shared
-    part's are (its own weights may overflow at every step), so that its zero
-    loss cotangent gives an exact zero (not `0 * inf`) in the shared part's
-    gradient. Members that are not frozen are untouched, and so are their
-    gradients. (Zeros, not a healthy member's weights: those would need a
-    gather across the member axis, which is sharded on a mesh.)"""
+    """`members` with frozen members zeroed: no `0 * inf` in the shared gradient."""
 
     def replace(leaf):
         if not eqx.is_inexact_array(leaf):
@@ -272,28 +238,11 @@ def _coupled_update(
     hyper: Any,
     check: FiniteCheck,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
-    """One step of an ensemble whose shared part is trained: the members' summed
-    loss is differentiated once, which gives every member its own gradient and
-    the shared part the SUM of the members' gradients (a `vmap`'s broadcast
-    transposes to a sum: no per-member copy of the shared gradient is made).
-
-    Diverged (`frozen`) members are left out of the sum, and out of its
-    gradient: each computes with zeros in place of its own weights
-    (`_stand_ins`), so that those weights (which may overflow the forward pass
-    at every step) put no NaN into the shared part's gradient; its loss is
-    reported as NaN. A member that diverges at this step (its loss, gradient
-    or update not finite), or a frozen one whose stand-in's backward pass is
-    still not finite (`where`'s unselected branch: `0 * nan`), drops out of
-    the shared gradient: then the shared part's gradient is computed again
-    with each dropped member's part selected away (`_gate`), as a loop over
-    the healthy members sums it (a conditional: the common step pays nothing
-    more). If even that is not finite, the shared part skips the step."""
+    """One step with a trained shared part (the members' summed loss). Where the
+    shared gradient is not finite it is recomputed without the dropped members."""
     member_axis = eqx.if_array(0)
     stateful = state is not None
     kept_state = jax.tree.map(lambda x: x, state) if stateful else None
-
-    # The loss may consume the state it is given (`state.set`): a copy for
-    # the second pass below.
     redo_state = jax.tree.map(lambda x: x, state) if stateful else None
 
     def total_loss(parts, dropped, gated, state):
@@ -301,8 +250,6 @@ def _coupled_update(
         members = _stand_ins(members, dropped)
 
         def one(member, member_batch, key, member_state, member_hyper, drop):
-            # Gated: a dropped member's part of the shared gradient is selected
-            # away (exactly 0, even where its backward pass made 0 * inf).
             own = _gate(shared, drop) if gated else shared
             model = eqx.combine(member, own)
             return call_loss(
@@ -333,10 +280,6 @@ def _coupled_update(
         keys,
     )
 
-    # A member that diverges at this step, or whose frozen stand-in's backward
-    # pass is not finite, drops out of the shared gradient: only then (rare)
-    # is the shared part's gradient computed again with every dropped member
-    # selected away, as a loop over the healthy members would sum it.
     def healthy_sum() -> Any:
         dropped = frozen | diverged
         (_, gated), _ = eqx.filter_grad(
@@ -369,10 +312,7 @@ def _shared_update(
     opt_state: Any,
     check: FiniteCheck,
 ) -> tuple[Any, Any]:
-    """The shared part's optimizer step, kept only if its gradients, new weights
-    and new optimizer state are all finite (else the old ones stay). The shared
-    part is one model, not a member: no member key for it; its `loss` (what
-    `grads` are the gradient of) is passed as optax's `value`."""
+    """The shared part's optimizer step, kept only if everything is finite."""
     updates, new_opt_state = optimizer_update(
         optimizer, grads, opt_state, trainable(shared), value=loss
     )
@@ -393,9 +333,7 @@ def _joint_update(
     hyper: Any,
     check: FiniteCheck,
 ) -> tuple[Any, Any, Any, Any, Any, Any]:
-    """One step with a loss over all members at once (`ee.Coupled`): the sum of
-    the members' losses is differentiated jointly; each member then takes its
-    own optimizer step, with its own divergence isolation."""
+    """One step of an `ee.Coupled` loss, then each member's guarded update."""
     if state is not None:
         raise ValueError(
             "an `ee.Coupled` loss does not take a model state (`state=`); write the "
@@ -439,20 +377,8 @@ def _joint_update(
 def _skip_if_frozen(
     compute: Callable[[Any], Any], frozen: Any, member: Any, opt_state: Any, state: Any
 ) -> Any:
-    """ONE member's `member_update` (member by member: the sequential layout),
-    run only if the member is not frozen (diverged or stopped); a frozen
-    member's step is skipped at run time: it keeps its weights, optimizer state
-    and model state, as `member_update` would keep them, and reports a NaN loss,
-    as the vectorised layout does. `compute(state)` is traced twice (its shapes,
-    then the step), each time on its own copy of `state`: a loss may `state.set`
-    the state it is given, which invalidates that object (plain Equinox).
-
-    Not for a step that convolves: XLA's CPU backend gives a convolution inside
-    a conditional its slow channels-first layout (an order of magnitude slower
-    for small CNNs, measured with JAX's lowering; the library's own,
-    `_execution/convolution.py`, was not measured under a conditional), so
-    such a step always runs, and `member_update`'s select keeps a
-    frozen member's weights as the vectorised layout does."""
+    """ONE member's `member_update`, skipped at run time for a frozen member; not
+    for a step that convolves (slow inside a conditional on a CPU)."""
 
     def fresh():
         return compute(jax.tree.map(lambda x: x, state))
@@ -490,7 +416,6 @@ def _skip_if_frozen(
 
 
 def group_loss(loss_fn: LossFn, index: int) -> Callable[..., Any]:
-    """Group `index`'s loss: `loss_fn` itself, or its entry of a tuple."""
     return loss_fn[index] if isinstance(loss_fn, tuple) else loss_fn
 
 
@@ -504,21 +429,12 @@ def vmapped_update(
     check: FiniteCheck = "per_leaf",
 ) -> Callable[..., Any]:
     """`(ens, opt_state, batch, keys, state, frozen, hyper) -> (ens, opt_state,
-    losses, aux, state, diverged)`: `member_update` under `eqx.filter_vmap` over
-    the member axis (on a mesh: members split over its `"members"` axis, the
-    batch over `"data"`), `member_chunk` members at a time if given, or member
-    by member with `layout="sequential"` (see `_layout`), the finiteness
-    check in the form `check` names (`_execution.guard`). A frozen shared part
-    is closed over (one copy for every member); a trained one goes through
-    `_coupled_update`."""
-    # A shared batch is not mapped: it stays one array inside the member `vmap`,
-    # so the member axis folds into the weights (one wide matmul per layer).
+    losses, aux, state, diverged)`."""
+    # A shared batch is not mapped: the member axis folds into the weights.
     batch_axes = eqx.if_array(0) if per_member_batch else None
 
     def update(ens, opt_state, batch, keys, state, frozen, hyper):
-        # Every ensemble is a tuple of groups (a plain one: one group), each
-        # updated with its own loss, optimizer and model state on its slice
-        # of the per-member inputs.
+        # Every ensemble is a tuple of groups, each updated on its own slice.
         if isinstance(loss_fn, tuple):
             check_group_losses(ens, loss_fn)
         per_member = (keys, frozen, hyper, batch if per_member_batch else None)
@@ -571,9 +487,7 @@ def _plain_update(
     frozen: Any,
     hyper: Any,
 ) -> tuple:
-    """`vmapped_update`'s step of one group (a plain ensemble): a coupled loss
-    jointly, a trained shared part through `_coupled_update`, else every
-    member's `member_update` mapped over the member axis."""
+    """One group's step: `_joint_update`, `_coupled_update` or `member_update`s."""
     member_axis = eqx.if_array(0)
     check_shared_shapes(ens)
     if member_chunk is not None:
@@ -626,9 +540,7 @@ def _plain_update(
 
 
 def _join_updates(ens: Any, state: Any, outputs: list[tuple]) -> tuple:
-    """The groups' updates of an `ee.Heterogeneous` as one: per-member outputs
-    joined along the member axis (the loss's `aux` must agree across groups),
-    the groups' optimizer and model states a tuple each."""
+    """The groups' updates of an `ee.Heterogeneous` joined (states: one per group)."""
     groups, opt_states, losses, aux, states, diverged = zip(*outputs, strict=True)
     return (
         regroup(ens, groups),
@@ -641,8 +553,7 @@ def _join_updates(ens: Any, state: Any, outputs: list[tuple]) -> tuple:
 
 
 def _examples(batch: PyTree[Any], per_member_batch: bool) -> int:
-    # Examples per member in a batch (its first array leaf's example axis), for the
-    # compiler options' cost estimate; 1 when the batch has no such leaf.
+    # Examples per member in a batch (1 without an example axis), for the plan.
     axis = 1 if per_member_batch else 0
     for leaf in jax.tree.leaves(batch):
         shape = getattr(leaf, "shape", ())
@@ -680,8 +591,7 @@ class Step(eqx.Module):
     compiler_options: Options | None = None
     layout: str = "auto"
     member_chunk: int | None = None
-    # On a mesh with a "model" axis: where the call's weights and states lived
-    # (set per call by `_placed`), so that the outputs are pinned there.
+    # On a mesh with a "model" axis: where the call's inputs lived (`_placed`).
     pinned: Any = None
 
     @property
@@ -704,8 +614,6 @@ class Step(eqx.Module):
         *,
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
-        # The plan (layout, XLA options, guard) is looked up per call by the
-        # inputs' structure, and compiled with.
         placement = self.placement
         step = self._placed(ens, opt_state, state)
         compiled = _compiled_step(step, step._plan(ens, batch, state, hyper))
@@ -749,8 +657,6 @@ class Step(eqx.Module):
             structure = None
 
         def profile() -> StepProfile:
-            # The losses are checked before one is traced for the profile (the
-            # step checks the rest when it is traced).
             check_losses(self.loss_fn, ens, state is not None, hyper is not None)
             return _profile_of(self, (ens, batch, state, hyper))
 
@@ -763,17 +669,14 @@ class Step(eqx.Module):
             examples=_examples(batch, self.per_member_batch),
             size=len(ens),
             placement=self.placement,
-            # Inside a trace of the user's own (a `jit`, a `scan` of steps)
-            # the temporaries are taken once per call of that program, as in
-            # `fit`'s loop: no automatic member chunks there.
+            # No automatic member chunks inside a user's trace.
             groupable=independent_members(self.loss_fn, ens)
             and not any(is_traced(x) for x in jax.tree.leaves(ens.members)),
         )
 
 
 class _LoweredStep:
-    """`Step.lower(...)`: `.as_text()`, and `.compile()` giving a function with
-    the step's own signature."""
+    """`Step.lower(...)`: `.as_text()`, and `.compile()` with the step's signature."""
 
     def __init__(self, lowered: Any, step: "Step | None"):
         self._lowered, self._step = lowered, step
@@ -814,14 +717,7 @@ def ensemble_profile(
     state: PyTree[Any],
     hyper: PyTree[Any],
 ) -> StepProfile:
-    """The step's profile from one member; of a heterogeneous ensemble, from one
-    member per group: a group that convolves (or has batched matmuls) makes the
-    step do so, and the FLOPs are a member's on average (each group's weighted
-    by its size), so that the rules' "per member" and "times the member count"
-    read what the step does (a plain sum over groups would over-count the
-    run's FLOPs by up to the number of groups). The GPU layout rule's
-    per-member threshold reads this mean too: a group of large CNNs beside
-    members that do not convolve counts as smaller CNNs there."""
+    """The step's profile from one member per group (FLOPs: the size-weighted mean)."""
     groups = groups_of(ens)
     profiles = [
         profile_step(
@@ -893,7 +789,7 @@ def _step_impl(
 
 
 def _check_not_empty(batch: PyTree[Any], per_member_batch: bool) -> None:
-    # At trace time (shapes are static): a step on no example has a NaN mean loss.
+    # At trace time: a step on no example has a NaN mean loss.
     axis = 1 if per_member_batch else 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = getattr(leaf, "shape", ())
@@ -905,32 +801,24 @@ def _check_not_empty(batch: PyTree[Any], per_member_batch: bool) -> None:
 
 
 def _compiled_step(step: Step, plan: Plan) -> Callable[..., StepOutput]:
-    """The compiled step: one `filter_jit` wrapper per step (equal steps are one)
-    and plan, compiled with the plan's XLA options, each with its own cache,
-    taking the arguments of a step call. A step holding arrays (a `loss_fn`
-    that is a Module with weights) cannot be a cache key; it is passed as a
-    traced argument instead, as is a step whose optimizer's learning rate
-    (momentum, weight decay) is an input of the program."""
+    """The compiled step, one per step and plan (else a traced argument)."""
     try:
         hash(step)
     except TypeError:
         return functools.partial(_compiled_generic(plan), step)
-    if lifts(step.optimizer):  # its learning rate...: an input (`lift.py`)
+    if lifts(step.optimizer):
         return functools.partial(_compiled_generic(plan), step)
     return _compiled_for(step, plan)
 
 
 def _make_compiled_for(step: Step, plan: Plan) -> Callable[..., StepOutput]:
-    # A plain closure (not a `functools.partial` holding the step): `filter_jit`
-    # then hashes a function per call, not the step's fields.
+    # A closure, not a partial: no hashing of the step's fields per call.
     def compiled(*args: Any) -> StepOutput:
         return _step_impl(step, plan, *args)
 
     return filter_jit(compiled, plan.compiler_options)
 
 
-# One compiled step per step and plan; the least recently used are dropped
-# with their programs (`_xla.CompiledFunctions`).
 _compiled_for = CompiledFunctions(_make_compiled_for)
 
 
@@ -972,34 +860,27 @@ def make_step(
     - `per_member_batch`: `False`: every member gets the same `batch`; `True`: every
       array leaf of `batch` has a leading member axis and member `i` gets slice `i`.
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `make_step`
-      uses its `mesh` (inside the step the members, of the ensemble and both
-      states, are split over the mesh's `"members"` axis and the batch's
-      example axis over `"data"`; the returned ensemble and states keep that
-      placement, `losses` are replicated; place the inputs with
+      uses its `mesh` (members of the ensemble and both states split over the
+      mesh's `"members"` axis, the batch's examples over `"data"`; the outputs
+      keep that placement, `losses` are replicated; place the inputs with
       [`ee.shard`][eqx_ensemble.shard] to avoid a transfer per call),
-      `compiler_options`, `layout` (`"auto"`: `"sequential"` on one CPU
-      device for a loss that convolves and at most 16 members, else `"vmap"`)
-      and `member_chunk` (left out, on one CPU device a large vectorised step
-      of members that share nothing, without convolutions, is computed in
-      chunks of at least two members where such a chunk keeps its estimated
-      temporaries under the allocator's 32 MiB ceiling: the fit guide).
+      `compiler_options`, `layout` (`"auto"`: `"sequential"` on one CPU device
+      for a loss that convolves and at most 16 members, else `"vmap"`) and
+      `member_chunk` (automatic chunks on one CPU device: see `ee.Execution`).
       The results are the same whatever it says, to floating-point rounding.
 
     **Returns:**
 
     A [`Step`][eqx_ensemble.Step] module: `step(ens, opt_state, batch, key,
     state=None) -> StepOutput`, a `(ensemble, opt_state, losses, aux, state)`
-    named tuple with per-member
-    `losses` of shape `(len(ens),)`. Member `i` is called with key
-    `jax.random.split(key, len(ens))[i]` (and an optimizer taking extra arguments,
-    such as [`ee.sgmcmc.sgld`][eqx_ensemble.sgmcmc.sgld], gets
-    `jax.random.fold_in` of it with `0x6F707478` as `key=`, and the member's
-    loss as `value=`, as `optax.contrib.reduce_on_plateau` reads it). A member
-    whose loss or gradient is not finite, or whose update would make its
-    parameters non-finite, keeps its previous parameters and optimizer state
-    (its loss is reported as non-finite), so it cannot corrupt anything.
-    `step.lower(...)` lowers the step ahead of time, as
-    `eqx.filter_jit(...).lower`.
+    named tuple with per-member `losses` of shape `(len(ens),)`. Member `i` is
+    called with key `jax.random.split(key, len(ens))[i]` (and an optimizer taking
+    extra arguments, such as [`ee.sgmcmc.sgld`][eqx_ensemble.sgmcmc.sgld], gets
+    `jax.random.fold_in` of it with `0x6F707478` as `key=`, and the member's loss
+    as `value=`, as `optax.contrib.reduce_on_plateau` reads it). A member whose
+    loss, gradient or update is not finite keeps its previous parameters and
+    optimizer state (its loss is reported as non-finite). `step.lower(...)`
+    lowers the step ahead of time, as `eqx.filter_jit(...).lower`.
 
     Per-member hyperparameters of the loss or model (weight decay, dropout rate,
     label smoothing...): `step(..., hyper=h)` with `h` a PyTree of arrays with a

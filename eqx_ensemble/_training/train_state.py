@@ -1,5 +1,4 @@
-"""`TrainState`: everything a `fit` run carries from step to step, and the
-state before the first step."""
+"""`TrainState`: what a `fit` run carries from step to step, and its start."""
 
 import dataclasses
 import functools
@@ -29,9 +28,7 @@ from .optim import init_state
 
 
 def _field(member_axis: str | None) -> Any:
-    # The placement a field needs on a mesh (read by `placement.place_state`):
-    # "stacked" fields carry the member axis, "bookkeeping" fields are small
-    # per-member arrays, others are replicated.
+    # A field's mesh placement: "stacked", "bookkeeping" or replicated (`None`).
     return eqx.field(metadata={"member_axis": member_axis})
 
 
@@ -92,12 +89,7 @@ class TrainState(eqx.Module):
 def member_select(
     better: Any, new: PyTree[Any], old: PyTree[Any], ens: Any = None
 ) -> PyTree[Any]:
-    """Per-member choice over stacked leaves: member i takes `new` where
-    `better[i]`, else `old`. `new` is an ensemble (a shared part: one copy, the
-    newest; of a heterogeneous one: group by group), or, with `ens`, a tree
-    every array leaf of which carries `ens`'s member axis (the members'
-    optimizer or model states; of a heterogeneous `ens`: a tuple per group).
-    `None` stays `None`."""
+    """Member i takes `new` where `better[i]`, else `old`; `None` stays `None`."""
     if new is None:
         return None
     if ens is None:  # ensembles, group by group
@@ -113,7 +105,6 @@ def member_select(
 
 
 def _select(better: Any, new: PyTree[Any], old: PyTree[Any], ens: Any) -> PyTree[Any]:
-    # `member_select` of one group.
     def pick(n, o, per_member=True):
         if not eqx.is_array(n) or not per_member:  # a shared part: the newest
             return n
@@ -126,8 +117,7 @@ def _select(better: Any, new: PyTree[Any], old: PyTree[Any], ens: Any) -> PyTree
 
 
 def track_init(tracker: Any, ens: Any) -> Any:
-    """`tracker`'s first state (of a heterogeneous ensemble: a tuple, one state
-    per group)."""
+    """`tracker`'s first state (one per group)."""
     return joined(ens, [tracker.init(group.members) for (group,) in group_parts(ens)])
 
 
@@ -146,8 +136,7 @@ def _joined_results(results: list[Any]) -> Any:
 
 
 def track_result(tracker: Any, state: Any, ens: Any) -> Any:
-    """`tracker`'s result (per group, as `track_init`: the groups' results, as
-    an `ee.Heterogeneous` where each is an `ee.Ensemble`)."""
+    """`tracker`'s result (per group; ensembles joined as an `ee.Heterogeneous`)."""
     parts = group_parts(ens, state)
     results = [tracker.result(part, group) for group, part in parts]
     return joined(ens, results, _joined_results)
@@ -163,8 +152,7 @@ def initial_state(
     with_eval: bool,
     controllers: tuple[Any, ...] = (),
 ) -> TrainState:
-    """The state before the first step (its arrays may alias the inputs: copy it
-    before donating it)."""
+    """The state before the first step (its arrays may alias the inputs)."""
     size = len(ens)
     train_state = TrainState(
         ensemble=ens,
@@ -193,15 +181,13 @@ def fresh_state(
     model_state: PyTree[Any],
     hyper: PyTree[Any],
 ) -> TrainState:
-    """The state before the first step (traced: inside a compiled call), a fresh
-    optimizer state (from the optimizer's `init`) when `opt_state` is `None`."""
+    """The traced start state (a fresh optimizer state where `opt_state` is None)."""
     if opt_state is None:
         opt_state = init_state(optax.GradientTransformation(init, _no_update), ens)
     train_state = initial_state(
         ens, opt_state, model_state, hyper=hyper, track=track, with_eval=with_eval
     )
-    # New buffers for every leaf, also where leaves alias each other or the
-    # caller's arrays: the loop donates its state.
+    # New buffers for every leaf: the loop donates its state.
     return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, train_state)
 
 
@@ -217,10 +203,7 @@ def _make_start(init: Any, track: tuple[Any, ...], with_eval: bool) -> Any:
     return filter_jit(start, one_shot_options())
 
 
-# One start program per optimizer `init` (two learning rates share it),
-# trackers and evaluation (bounded, least
-# recently used dropped: `compile.CompiledFunctions`); a program that runs
-# once per call: compiled with `ONE_SHOT`.
+# One start program per optimizer `init`, trackers and evaluation (bounded).
 _started = CompiledFunctions(_make_start)
 
 
@@ -242,17 +225,10 @@ def start_state(
     key: PRNGKeyArray,
     controlled: tuple[Any, ...] = (),
 ) -> tuple[TrainState, RunKeys]:
-    """The state before the first step (a fresh optimizer state when
-    `opt_state` is `None`), every leaf a new buffer (one compiled call
-    instead of a dispatch per array), and the run's keys (`run_keys`: a
-    program of their own, compiled once, which the start programs of every
-    optimizer and structure then need not compile again). `controlled`: the
-    checkpointed callbacks, whose `init` states (made on the host) fill
-    `TrainState.controlled`."""
+    """The state before the first step in new buffers, and the run's keys."""
     init = optimizer.init
     try:
-        # An unhashable optimizer or tracker, or an `init` reading a lifted
-        # weight decay (`lift.py`): passed as arguments.
+        # Unhashable, or reading a lifted weight decay (`lift.py`): arguments.
         generic = hash((init, track)) is None or lifts(init)
     except TypeError:
         generic = True
@@ -272,10 +248,7 @@ def start_state(
 
 
 def reads_weights(optimizer: Any, ens: Ensemble | Heterogeneous) -> bool:
-    """Whether a fresh optimizer state reads any value of the weights (not
-    Adam's zeros; Lookahead's copy of them): found in the jaxpr of its `init`,
-    an output computed from no input (an operation inside a nested program
-    counts as reading all of that program's inputs)."""
+    """Whether a fresh optimizer state reads the weights (from `init`'s jaxpr)."""
     closed, _, _ = eqx.filter_make_jaxpr(lambda e: init_state(optimizer, e))(ens)
     jaxpr = closed.jaxpr
     read = set(jaxpr.invars)
@@ -287,15 +260,8 @@ def reads_weights(optimizer: Any, ens: Ensemble | Heterogeneous) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class FreshStart:
-    """A fresh run's start state without a start program, for a call made
-    twice before (`fit`'s known calls) whose dispatches donate nothing (the
-    optimistic guard, no mesh, no trackers, evaluation or controllers) and
-    whose arrays are JAX arrays committed to no device: the call's own arrays
-    (nothing copies them: nothing is donated), a fresh optimizer state that
-    reads no weight (`reads_weights`) and the counters, kept from the second
-    such call's start state (`template`: the same values for every ensemble
-    of the structure), and the run's keys from a program of their own. What
-    the start program computes, to the bit; ~0.3 ms less per call on a CPU."""
+    """A fresh run's start state without a start program, for a known `fit` call
+    that donates nothing (~0.3 ms less)."""
 
     template: TrainState  # no weights; `opt_state` `None`: the call passes its own
     kept: tuple[jax.Array, ...]  # the template's arrays
@@ -320,8 +286,7 @@ class FreshStart:
     def __call__(
         self, ens: Any, opt_state: Any, model_state: Any, key: PRNGKeyArray
     ) -> tuple[TrainState, RunKeys] | None:
-        """The start state and keys, or `None` where a kept array was deleted
-        since (by the caller: `jax.Array.delete`, the live arrays cleared)."""
+        """The start state and keys, or `None` where a kept array was deleted."""
         if any(leaf.is_deleted() for leaf in self.kept):
             return None
         template = self.template
@@ -334,13 +299,7 @@ class FreshStart:
 
 
 def derived_keys(key: PRNGKeyArray) -> RunKeys:
-    """`run_keys(key)`, computed once per key object while it lives (a loop of
-    `fit` calls given one `key`: one compiled call less per call, ~40 us on a
-    CPU). A JAX array is immutable, so the same object derives the same keys;
-    found by identity, held weakly (the entry goes with the key), bounded,
-    and for the `jax_threefry_partitionable` setting it was derived under
-    (which changes what `split` gives). Not under a mesh (`jax.set_mesh`, a
-    run on a mesh): the keys made there carry it."""
+    """`run_keys(key)`, cached per key object (weakly) and PRNG setting, off a mesh."""
     if not jax.sharding.get_abstract_mesh().empty:
         return _keys()(key)
     partitionable = jax.config.jax_threefry_partitionable  # pyright: ignore[reportAttributeAccessIssue]
@@ -362,6 +321,5 @@ _DERIVED: dict[tuple[int, bool], tuple[Any, RunKeys]] = {}
 
 @functools.cache
 def _keys() -> Any:
-    # Made on first use: the options depend on the backend. (A `jax.jit`
-    # itself: one array in, no tree to split; `fit` is not called in a trace.)
+    # Made on first use: the options depend on the backend.
     return jax.jit(run_keys, compiler_options=dict(one_shot_options()) or None)
