@@ -1083,6 +1083,11 @@ def write_page(regression, classification, figures, seconds, size_name, path):
         "this machine's: the median over splits or seeds (the first of a data "
         "set also compiles; the others reuse its programs).",
         "",
+        "Every split's and seed's number is beside this page: "
+        "[results-per-split.csv](results-per-split.csv) (one row per number: "
+        "part, data set, method, column, split or seed, value) and the same "
+        "as JSON; the cells and claims below are computed from them.",
+        "",
         "## Regression: the deep-ensembles recipe",
         "",
         "20 random 90/10 splits per data set (Boston housing, Concrete: the "
@@ -1195,6 +1200,25 @@ def write_page(regression, classification, figures, seconds, size_name, path):
     path.write_text("\n".join(parts))
 
 
+def write_csv(raw: dict, path: Path) -> None:
+    """Every split's and seed's number as one CSV table in long form: part,
+    data set, method, column, index (the split or seed), value (`repr` of a
+    float: the JSON's number exactly). The page's cells are computed from
+    these (`cell`, `claims`)."""
+    lines = ["part,data set,method,column,index,value"]
+    for part, sets in raw.items():
+        for name, rows in sets.items():
+            for method, columns in rows.items():
+                for column, values in columns.items():
+                    fields = [part, name, method, column]
+                    quoted = [
+                        f'"{field}"' if "," in field else field for field in fields
+                    ]
+                    for index, value in enumerate(values):
+                        lines.append(",".join([*quoted, str(index), repr(value)]))
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Every method on the same data.")
     group = p.add_mutually_exclusive_group()
@@ -1224,6 +1248,10 @@ def main(argv=None):
     raw.write_text(json.dumps(
         {"regression": regression, "classification": classification}, indent=1
     ) + "\n")  # fmt: skip
+    write_csv(
+        {"regression": regression, "classification": classification},
+        out.with_name(out.stem + "-per-split.csv"),
+    )
     print(f"wrote {out} in {(time.perf_counter() - begin) / 60:.1f} min")
 
 
