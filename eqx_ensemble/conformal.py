@@ -9,6 +9,9 @@
 - Classification prediction sets: APS and RAPS.
 - Jackknife+-after-bootstrap intervals from a bootstrapped run's own
   out-of-bag examples (no calibration set).
+- Decisions at a guaranteed risk: conformal risk control (`risk_control`,
+  the expected loss) and Learn-then-Test (`learn_then_test`, the risk with
+  high probability) for any loss given on a grid of thresholds.
 - Time series: EnbPI intervals from the same out-of-bag residuals, slid along
   the series, with adaptive conformal inference on top (`sequential`).
 
@@ -41,6 +44,12 @@ from ._metrics.classification import (
     prepare_predictions,
 )
 from ._metrics.regression import means_variances_targets, one_output
+from ._metrics.risk import (
+    RiskControl as RiskControl,
+    RiskNotControlledWarning as RiskNotControlledWarning,
+    learn_then_test as learn_then_test,
+    risk_control as risk_control,
+)
 from ._metrics.time_series import (
     EnbPI,
     Sequential,
@@ -66,6 +75,10 @@ __all__ = [
     "Sequential",
     "sequential",
     "UnboundedIntervalWarning",
+    "RiskControl",
+    "risk_control",
+    "learn_then_test",
+    "RiskNotControlledWarning",
 ]
 
 
