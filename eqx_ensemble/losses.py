@@ -9,6 +9,10 @@ heteroscedastic regression beyond the Gaussian NLL.
   et al. 2022): the mean is no longer neglected where the variance is large.
 - [`student_t_nll`][eqx_ensemble.losses.student_t_nll]: the Student-t negative
   log-likelihood (heavy tails: robust to outliers).
+- [`evidential_regression`][eqx_ensemble.losses.evidential_regression] and
+  [`evidential_classification`][eqx_ensemble.losses.evidential_classification]:
+  single-pass evidential heads (a Normal-Inverse-Gamma, a Dirichlet) whose
+  spread stands in for an ensemble's.
 
 Each takes one model's outputs for a batch (any matching shapes) and returns
 the mean over its elements; wrap it in a loss of the model:
@@ -34,12 +38,18 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.special import gammaln
+from jax.scipy.special import digamma, gammaln
 from jaxtyping import Array, ArrayLike, Float
 
 from ._internal.tree import is_traced
 
-__all__ = ["gaussian_nll", "beta_nll", "student_t_nll"]
+__all__ = [
+    "gaussian_nll",
+    "beta_nll",
+    "student_t_nll",
+    "evidential_regression",
+    "evidential_classification",
+]
 
 
 def _floored(variance: Array) -> Array:
@@ -212,3 +222,134 @@ def _log_t_normaliser(df: Array) -> Array:
     inverse = 1 / jnp.where(large, df, _SERIES_DF)  # 0 at df = inf
     series = -0.5 * math.log(2.0) - inverse / 4 + inverse**3 / 24 + inverse**5 / 20
     return jnp.where(large, series, direct) - 0.5 * math.log(math.pi)
+
+
+def evidential_regression(
+    gamma: Float[ArrayLike, "*batch"],
+    nu: Float[ArrayLike, "*batch"],
+    alpha: Float[ArrayLike, "*batch"],
+    beta: Float[ArrayLike, "*batch"],
+    target: Float[ArrayLike, "*batch"],
+    *,
+    coefficient: float = 0.01,
+) -> Float[Array, ""]:
+    """Deep evidential regression (Amini et al. 2020): the negative log of
+    the Normal-Inverse-Gamma's marginal likelihood of the targets (a
+    Student-t with `2 alpha` degrees of freedom, location `gamma` and scale
+    `sqrt(beta (1 + nu) / (nu alpha))`) plus `coefficient` times the
+    evidence regulariser `|y - gamma| (2 nu + alpha)`, averaged.
+
+    One forward pass predicts the mean `gamma`, the aleatoric variance
+    `beta / (alpha - 1)` and the epistemic variance `beta / (nu (alpha - 1))`.
+
+    **Arguments:**
+
+    - `gamma`, `nu`, `alpha`, `beta`: one model's NIG parameters (`nu > 0`,
+      `alpha > 1`, `beta > 0`: e.g. softplus outputs, plus 1 for `alpha`).
+    - `target`: the targets, all of one shape with the parameters.
+    - `coefficient`: the regulariser's weight (the paper's lambda).
+
+    **Returns:**
+
+    A scalar.
+
+    **Example:**
+
+    ```python
+    def loss(model, batch, key):
+        x, y = batch
+        out = jax.vmap(model)(x)                         # (batch, 4)
+        nu, beta = jax.nn.softplus(out[:, 1]), jax.nn.softplus(out[:, 3])
+        alpha = jax.nn.softplus(out[:, 2]) + 1.0
+        return ee.losses.evidential_regression(out[:, 0], nu, alpha, beta, y)
+
+    ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 4, 16, 1, key=k), size=3,
+                      key=jax.random.key(0))
+    x = jax.random.uniform(jax.random.key(1), (64, 1))
+    result = ee.fit(ens, loss, optax.adam(1e-2), (x, jnp.sin(6 * x[:, 0])),
+                    steps=50, batch_size=16, key=jax.random.key(2), callbacks=())
+    ```
+    """
+    gamma, nu, alpha, beta, target = _arrays(gamma, nu, alpha, beta, target)
+    for name, value, low in (
+        ("nu", nu, 0.0),
+        ("alpha", alpha, 1.0),
+        ("beta", beta, 0.0),
+    ):
+        if not is_traced(value) and not bool(jnp.all(value > low)):
+            raise ValueError(
+                f"`{name}` must be greater than {low:g}, got a minimum of "
+                f"{float(jnp.min(value))}"
+            )
+    omega = 2 * beta * (1 + nu)
+    nll = (
+        0.5 * jnp.log(math.pi / nu)
+        - alpha * jnp.log(omega)
+        + (alpha + 0.5) * jnp.log((target - gamma) ** 2 * nu + omega)
+        + gammaln(alpha)
+        - gammaln(alpha + 0.5)
+    )
+    regulariser = jnp.abs(target - gamma) * (2 * nu + alpha)
+    return jnp.mean(nll + coefficient * regulariser)
+
+
+def evidential_classification(
+    evidence: Float[ArrayLike, "*batch classes"],
+    labels: ArrayLike,
+    *,
+    kl_weight: float | Float[ArrayLike, ""] = 0.0,
+) -> Float[Array, ""]:
+    """Evidential classification (Sensoy et al. 2018): the Dirichlet with
+    parameters `evidence + 1`, its expected squared error against the one-hot
+    labels (the paper's equation 5), plus `kl_weight` times the KL divergence
+    from the uniform Dirichlet of the evidence left on the wrong classes
+    (the paper anneals it as `min(1, epoch / 10)`), averaged over the batch.
+
+    The predictive probabilities are `(evidence + 1) / S` and the
+    uncertainty `classes / S`, with `S = sum(evidence + 1)`.
+
+    **Arguments:**
+
+    - `evidence`: one model's non-negative evidence per class (e.g. `relu`
+      or `softplus` of its outputs).
+    - `labels`: integer class labels, the shape of `evidence` without its
+      last axis.
+    - `kl_weight`: the KL term's weight (a traced value is fine: an annealing
+      schedule inside the loss).
+
+    **Returns:**
+
+    A scalar.
+
+    **Example:**
+
+    ```python
+    evidence = jax.nn.softplus(jnp.array([[4.0, -2.0, -2.0], [0.0, 0.0, 0.0]]))
+    ee.losses.evidential_classification(evidence, jnp.array([0, 2]), kl_weight=0.5)
+    ```
+    """
+    evidence = jnp.asarray(evidence)
+    labels = jnp.asarray(labels)
+    if labels.shape != evidence.shape[:-1] or not jnp.issubdtype(
+        labels.dtype, jnp.integer
+    ):
+        raise ValueError(
+            f"`labels` must be integer labels of shape {evidence.shape[:-1]} (the "
+            f"evidence's without its class axis), got {labels.dtype}{labels.shape}"
+        )
+    _check_not_negative("evidence", evidence)
+    classes = evidence.shape[-1]
+    alpha = evidence + 1
+    strength = alpha.sum(-1, keepdims=True)
+    p = alpha / strength
+    y = jax.nn.one_hot(labels, classes, dtype=p.dtype)
+    squared = jnp.sum((y - p) ** 2 + p * (1 - p) / (strength + 1), axis=-1)
+    wrong = y + (1 - y) * alpha  # the evidence of the true class removed
+    total = wrong.sum(-1)
+    kl = (
+        gammaln(total)
+        - gammaln(jnp.asarray(classes, p.dtype))
+        - gammaln(wrong).sum(-1)
+        + jnp.sum((wrong - 1) * (digamma(wrong) - digamma(total)[..., None]), -1)
+    )
+    return jnp.mean(squared + kl_weight * kl)
