@@ -51,6 +51,10 @@ from ._loggers.files import CSVLogger as CSVLogger
 from ._loggers.tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._loggers.weights_and_biases import WandbLogger as WandbLogger
 from ._methods.adversarial import Adversarial as Adversarial, adversarial as adversarial
+from ._methods.augment import (
+    AugmentedPass as AugmentedPass,
+    test_time_augmentation as test_time_augmentation,
+)
 from ._methods.average import average as average, tree_weighted_sum as tree_weighted_sum
 from ._methods.batch_stats import (
     mc_batchnorm as mc_batchnorm,
