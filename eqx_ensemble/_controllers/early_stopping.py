@@ -19,28 +19,22 @@ class EarlyStopping(Controller):
     """Stop training a member once its evaluation score (from
     [`ee.Evaluate`][eqx_ensemble.Evaluate], lower is better) has not improved by
     more than `min_delta` for `patience` evaluations in a row; the others train
-    on. Each member stops on its own (Ensemble-PyTorch and Keras stop the whole
-    model).
+    on (Ensemble-PyTorch and Keras stop the whole model).
 
-    A stopped member is frozen from then on (`TrainState.stopped_at`): its
-    weights are set to its best ones (`TrainState.best_ensemble`, the lowest score
-    so far) and no longer change; `FitResult.stopped` says when each stopped. When
-    every member has stopped (or diverged), `fit` returns at once, with
-    `result.step < steps`. Its state is checkpointed: a resumed run stops members
-    exactly where the uninterrupted run does.
+    A stopped member is frozen (`TrainState.stopped_at`) at its best weights
+    (`TrainState.best_ensemble`); `FitResult.stopped` says when each stopped.
+    When every member has stopped (or diverged), `fit` returns at once, with
+    `result.step < steps`. The state is checkpointed: a resumed run stops
+    members exactly where the uninterrupted run does.
 
-    What is restored and what is not: a stopped member's own weights and its
-    optimizer state are kept from the stop on, but its model state
-    (`eqx.nn.State`, e.g. BatchNorm's running statistics) is the one at the stop,
-    not the one saved with the best weights; a trained shared part
-    (`ee.ensemble(..., shared=..., train_shared=True)`) keeps training on the
-    other members' losses, so a stopped member's predictions can still change
-    through it. It cannot be combined with [`ee.PBT`][eqx_ensemble.PBT] (PBT's
-    copies would inherit the replaced member's patience record): refused.
+    Not restored: a stopped member's model state (`eqx.nn.State`, e.g.
+    BatchNorm's statistics) is the one at the stop, not at the best weights;
+    a trained shared part (`train_shared=True`) keeps training on the other
+    members' losses, so a stopped member's predictions can still change. It
+    cannot be combined with [`ee.PBT`][eqx_ensemble.PBT] (refused).
 
-    An evaluation counts as an improvement when its score is below the best
-    score counted so far minus `min_delta` (Keras' rule); a NaN score never
-    improves. Diverged members are left alone.
+    An improvement is a score below the best so far minus `min_delta` (Keras'
+    rule); a NaN score never improves. Diverged members are left alone.
 
     **Arguments:**
 
@@ -49,12 +43,9 @@ class EarlyStopping(Controller):
     - `patience`: evaluations without improvement before a member stops, `>= 1`.
     - `min_delta`: the improvement that counts, `>= 0` (in the score's units).
 
-    Compute: member by member (`ee.Execution(layout="sequential")`, the
-    automatic choice for a few convolutional members on a CPU) a stopped
-    member's step is skipped at run time; vectorised (`"vmap"`), one batched
-    computation serves every member, so a stopped member's step still runs and
-    its result is discarded. Either way the run ends when the last member
-    stops. A stopped member's later losses are recorded as NaN.
+    Compute: member by member (`ee.Execution(layout="sequential")`) a stopped
+    member's step is skipped; vectorised (`"vmap"`) it still runs and its
+    result is discarded. A stopped member's later losses are recorded as NaN.
 
     **Example:**
 
@@ -106,9 +97,8 @@ class EarlyStopping(Controller):
     def init(self, train_state: TrainState) -> PyTree[Any]:
         size = int(np.shape(train_state.diverged_at)[0])
         return {
-            # The best score counted (with `min_delta`), evaluations since it,
-            # how many evaluations of the history are processed, and when each
-            # member stopped (for events).
+            # Best score, evaluations since it, evaluations processed, and
+            # each member's stop step.
             "best": jnp.full((size,), jnp.inf, jnp.float32),
             "waited": jnp.zeros((size,), jnp.int32),
             "seen": jnp.zeros((), jnp.int32),
@@ -154,8 +144,7 @@ class EarlyStopping(Controller):
         if not newly.any():
             return train_state, new_state
         assert train_state.best_ensemble is not None  # `check`: there is evaluation
-        # Stopped members take their best weights; the others (and a shared
-        # part, one copy) keep the current ones.
+        # Stopped members take their best weights; the others keep theirs.
         keep = as_array(~newly)
         train_state = dataclasses.replace(
             train_state,

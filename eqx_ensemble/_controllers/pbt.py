@@ -42,12 +42,10 @@ def _gather(tree: PyTree[Any], source: Array) -> PyTree[Any]:
 class PBT(Controller):
     """Population-based training (Jaderberg et al. 2017) inside one compiled run:
     every `every` steps, members are ranked on their latest evaluation score
-    (lower is better, as [`ee.Evaluate`][eqx_ensemble.Evaluate] scores), and
-    each of the worst `fraction` takes a copy of a random one of the best
-    `fraction` (*exploit*: weights, optimizer state, model state, tracker
-    states and `hyper`, gathered along the member axis of the stacked arrays),
-    then has its hyperparameters multiplied by a factor drawn from `factors`
-    (*explore*).
+    (lower is better), and each of the worst `fraction` copies a random one of
+    the best `fraction` (*exploit*: weights, optimizer, model and tracker states
+    and `hyper`), then has its hyperparameters multiplied by a factor drawn
+    from `factors` (*explore*).
 
     **Arguments:**
 
@@ -55,20 +53,18 @@ class PBT(Controller):
       least once in between (`ee.Evaluate(every=...)` with a divisor of it).
     - `fraction`: the share of members copied from and to, in `(0, 0.5]`
       (at least one member each way).
-    - `hyperparams`: names of injected optimizer hyperparameters to perturb
-      (from `optax.inject_hyperparams`, set per member with
-      `ee.init_optimizer(..., hyperparams=...)` given to `fit` as `opt_state=`);
-      each must be a plain value, not a schedule.
+    - `hyperparams`: names of `optax.inject_hyperparams` hyperparameters to
+      perturb (set per member with `ee.init_optimizer(..., hyperparams=...)`
+      as `fit`'s `opt_state=`); each a plain value, not a schedule.
     - `perturb_hyper`: whether to perturb every floating-point leaf of the run's
       `hyper=` as well.
     - `factors`: the multipliers explore draws from, uniformly.
-    - `seed`: the explore/exploit randomness (the key for round `s` is
+    - `seed`: the explore/exploit randomness (round `s` uses
       `fold_in(key(seed), s)`, so a resumed run repeats it exactly).
-    - `max_events`: capacity of the lineage record (fixed, so that it is
-      checkpointed like any state); `PBT.lineage` says if it overflowed.
+    - `max_events`: capacity of the lineage record (fixed, so it is
+      checkpointed); `PBT.lineage` says if it overflowed.
 
-    The controller's state holds the lineage: rows `(step, child, parent)`, one
-    per copy; read it with [`PBT.lineage`][eqx_ensemble.PBT.lineage].
+    Read the copies with [`PBT.lineage`][eqx_ensemble.PBT.lineage].
 
     **Example:**
 
@@ -173,9 +169,8 @@ class PBT(Controller):
         }
 
     def check(self, steps: int, evaluate_every: int | None) -> None:
-        """Refuse, before any work, an evaluation period that leaves a round
-        without a fresh score: every window of `self.every` steps holds an
-        evaluation exactly when `evaluate_every <= self.every`."""
+        """Refuse, before any work, an evaluation period longer than `every`
+        (a round without a fresh score)."""
         del steps
         every = evaluate_every
         if every is not None and every > self.every:
@@ -187,11 +182,8 @@ class PBT(Controller):
             )
 
     def check_run(self, ens: Any, controllers: tuple[Controller, ...]) -> None:
-        """Refuse an `ee.Heterogeneous` (a member's weights cannot be copied into
-        another architecture) and `ee.EarlyStopping` beside it: an exploited
-        member takes its parent's weights, but EarlyStopping's per-member
-        record (best score, evaluations without improvement) is its own, so the
-        copy would be judged by the replaced member's history."""
+        """Refuse an `ee.Heterogeneous` (weights cannot cross architectures) and
+        `ee.EarlyStopping` (its per-member record would not follow a copy)."""
         if not isinstance(ens, Ensemble):  # (an `ee.Heterogeneous`)
             raise ValueError(
                 "`ee.PBT` copies one member's weights into another, which members "
@@ -231,9 +223,7 @@ class PBT(Controller):
         ]
         source = np.arange(size)
         source[bottom] = parents
-        # The copies and the perturbation in one program per run structure
-        # (op by op: a program per operation and leaf shape, ~30 at the
-        # first round); gathers, selects and products: the bits of op by op.
+        # One compiled program per run structure (op by op: ~30).
         exploit = functools.partial(
             _exploit_explore,
             factors=tuple(self.factors),
@@ -241,8 +231,7 @@ class PBT(Controller):
             perturb_hyper=self.perturb_hyper,
         )
         explored = np.isin(np.arange(size), bottom)
-        # Only the fields it changes (the controllers' states may hold values
-        # that would key a program per round).
+        # Only the fields it changes (others could key a program per round).
         parts = {name: getattr(train_state, name) for name in _PARTS}
         parts = compiled_call(exploit, parts, source, explored, factor_key)
         new = dataclasses.replace(train_state, **parts)
@@ -262,9 +251,7 @@ class PBT(Controller):
         return new, new_state
 
     def events(self, state: PyTree[Any]) -> list[dict[str, Any]]:
-        """Every copy so far: `{"step", "event": "exploit", "member", "parent"}`
-        (member `member` became a copy of member `parent`, with its
-        hyperparameters perturbed)."""
+        """Every copy so far: `{"step", "event": "exploit", "member", "parent"}`."""
         count = min(int(state["count"]), self.max_events)
         rows = np.asarray(state["lineage"])[:count]
         return [
@@ -291,7 +278,7 @@ class PBT(Controller):
         **Arguments:**
 
         - `result`: the [`FitResult`][eqx_ensemble.FitResult] of a run with this
-          controller (its state is found in `result.train_state.controlled`).
+          controller.
 
         **Example:** see [`PBT`][eqx_ensemble.PBT].
         """
@@ -326,10 +313,8 @@ def _exploit_explore(
     names: tuple[str, ...],
     perturb_hyper: bool,
 ) -> dict[str, Any]:
-    """`PBT`'s round on the run's `_PARTS`: slot `i` takes member
-    `source[i]`'s run (weights, optimizer and model state, `hyper`, trackers,
-    freeze marks); the `explored` slots' hyperparameters are multiplied by a
-    random factor."""
+    """`PBT`'s round on the run's `_PARTS`: slot `i` takes member `source[i]`'s;
+    the `explored` slots' hyperparameters get a random factor."""
     size = explored.shape[0]
     parts = {
         name: jnp.where(explored, value[source], value)

@@ -36,10 +36,9 @@ def _packed_sizes(
     last: bool,
     names: tuple[str, str] = ("in_features", "out_features"),
 ) -> tuple[int, int, int]:
-    """`(extended in, extended out, groups)` of a packed layer (Laurent et al.
-    2023): widths times `alpha` (the input of the first layer and the output of
-    the last are the network's own), `members * gamma` groups (one for the first
-    layer, whose input every member shares)."""
+    """`(extended in, extended out, groups)` of a packed layer: widths times
+    `alpha` (except the first layer's input and last's output), `members * gamma`
+    groups (one for the first layer)."""
     check_positive_int(in_size, f"{name}.{names[0]}")
     check_positive_int(out_size, f"{name}.{names[1]}")
     check_positive_int(members, f"{name}.members")
@@ -62,31 +61,26 @@ def _packed_sizes(
 class PackedLinear(eqx.Module):
     """A Packed-Ensembles linear layer (Laurent et al. 2023, "Packed-Ensembles
     for efficient uncertainty estimation"): `members` independent linear layers
-    of width `alpha * width / members` held as one grouped (block-diagonal)
-    layer, with `gamma` groups inside each member.
+    of width `alpha * width / members` as one grouped (block-diagonal) layer,
+    `gamma` groups per member.
 
     Stack them into a network whose first layer has `first=True` (it reads the
-    shared input: a dense layer whose outputs are split between the members)
-    and whose last has `last=True` (it returns `(members, out_features)`: one
-    output per member). In between, member `m` reads and writes only its own
-    `1/members` of the features, so the network is `members` independent
-    networks.
+    shared input) and whose last has `last=True` (it returns `(members,
+    out_features)`). In between, member `m` reads and writes only its own
+    `1/members` of the features: `members` independent networks.
 
     **Arguments:**
 
     - `in_features`, `out_features`: the widths of the network being packed
-      (the layer's actual widths are `alpha` times these, except the first
-      layer's input and the last layer's output).
+      (the layer's are `alpha` times these, except the first layer's input and
+      the last layer's output); they must divide into `members * gamma` groups.
     - `members`: the number of members `M`.
-    - `alpha`: the width factor (the paper's `alpha`; `alpha = M` gives each
-      member the original width).
+    - `alpha`: the width factor (`alpha = M` gives each member the original
+      width).
     - `gamma`: groups per member (the paper's `gamma`; 1 by default).
     - `first`, `last`: see above.
     - `use_bias`: as `eqx.nn.Linear`.
-    - `key`: PRNG key; each group is initialised as an `eqx.nn.Linear` of its
-      own widths.
-
-    Widths must divide into `members * gamma` groups (an error says which).
+    - `key`: PRNG key; each group is initialised as an `eqx.nn.Linear`.
 
     **Example:**
 
@@ -163,14 +157,11 @@ class PackedLinear(eqx.Module):
 
 class PackedConv2d(eqx.Module):
     """A Packed-Ensembles 2-D convolution (Laurent et al. 2023): `members`
-    independent convolutions with `alpha * channels / members` channels each,
-    held as one grouped convolution (`feature_group_count = members * gamma`).
-    Channels first, one image `(channels, height, width)` per call, as
-    `eqx.nn.Conv2d`.
-
-    `first=True`: the layer reads the shared input image (every member sees all
-    its channels); `last=True`: the output is `(members, out_channels, height,
-    width)`.
+    independent convolutions of `alpha * channels / members` channels, held as
+    one grouped convolution (`members * gamma` groups). One image `(channels,
+    height, width)` per call, as `eqx.nn.Conv2d`. `first=True`: the layer reads
+    the shared input image; `last=True`: the output is `(members, out_channels,
+    height, width)`.
 
     **Arguments:**
 
@@ -238,8 +229,7 @@ class MIMO(eqx.Module):
 
     Train it on [`mimo_batch`][eqx_ensemble.nn.mimo_batch]'s independently
     shuffled inputs, each head on its own input's label; predict with
-    [`predict`][eqx_ensemble.nn.MIMO.predict], which feeds the same input to
-    every head: the heads' outputs are the members' predictions.
+    [`predict`][eqx_ensemble.nn.MIMO.predict] (the same input to every head).
 
     **Arguments:**
 
@@ -308,18 +298,18 @@ def mimo_batch(
     input_repetition: float | int = 0.0,
     batch_repetition: int = 1,
 ) -> PyTree[Any]:
-    """A MIMO training batch (Havasi et al. 2021, with the input and batch
-    repetition of their code): the batch is repeated `batch_repetition` times
-    and shuffled; then each member gets its own shuffle of the first
-    `1 - input_repetition` of it, while the rest is the same for every member.
+    """A MIMO training batch (Havasi et al. 2021, with their code's input and
+    batch repetition): the batch is repeated `batch_repetition` times and
+    shuffled; each member gets its own shuffle of the first `1 - input_repetition`
+    of it, the rest the same for every member.
 
     **Arguments:**
 
     - `key`: PRNG key (e.g. the loss's key).
     - `batch`: a PyTree of arrays with a leading example axis `n`, e.g. `(x, y)`.
     - `members`: the MIMO network's members.
-    - `input_repetition`: the fraction, in `[0, 1)`, of examples every member
-      sees at the same position (the paper's `rho`).
+    - `input_repetition`: the fraction in `[0, 1)` of examples every member sees
+      at the same position (the paper's `rho`).
     - `batch_repetition`: how many times the batch is repeated (`>= 1`).
 
     **Returns:**
@@ -384,14 +374,12 @@ def masksembles_masks(
     positions, and every channel is kept by at least one mask.
 
     `scale = 1` gives identical all-ones masks (one model); larger scales give
-    less overlap (more independent, smaller members; the paper uses up to 6).
-    The draw is repeated with the effective scale adjusted (a bisection, as in
-    the authors' code) until exactly `features` positions are used.
+    less overlap (the paper uses up to 6). The scale is bisected, as in the
+    authors' code, until exactly `features` positions are used.
 
     **Arguments:**
 
-    - `features`: channels to mask (at least 10 for `scale > 1`, as the paper's
-      construction needs).
+    - `features`: channels to mask (at least 10 for `scale > 1`).
     - `members`: the number of masks.
     - `scale`: the overlap control, in `[1, 6]`.
     - `key`: PRNG key.
@@ -423,8 +411,7 @@ def masksembles_masks(
         )
     seed = np.asarray(jax.random.key_data(jax.random.fold_in(key, 0))).ravel()
     rng = np.random.default_rng(seed.tolist())
-    # The number of kept channels per mask for which `members` masks over
-    # `m * scale` positions use `features` of them on average.
+    # Kept channels per mask so `members` masks use `features` on average.
     kept = int(features / (scale * (1 - (1 - 1 / scale) ** members)))
     low, high = scale * 0.8, scale * 1.2
     for _ in range(1000):
@@ -448,14 +435,10 @@ def masksembles_masks(
 
 class Masksembles(eqx.Module):
     """Masksembles (Durasov et al. 2021): member `m`'s features multiplied by
-    its fixed binary mask. Inputs and outputs carry the member axis first,
-    `(members, features, ...)` (an image's channels, a vector's features):
-    broadcast the input to `(members, ...)` at the start of the network and map
-    the shared layers over the member axis with `jax.vmap`.
-
-    The masks are drawn once by
-    [`masksembles_masks`][eqx_ensemble.nn.masksembles_masks] and are not
-    trained (a boolean array: `eqx.is_inexact_array` leaves it out).
+    its fixed binary mask. Inputs and outputs are `(members, features, ...)`:
+    broadcast the input to `(members, ...)` at the start of the network and
+    `jax.vmap` the shared layers over the member axis. The masks are drawn once
+    by [`masksembles_masks`][eqx_ensemble.nn.masksembles_masks] and not trained.
 
     **Arguments:**
 
@@ -495,9 +478,8 @@ class Masksembles(eqx.Module):
 
 
 def members_first(outputs: Float[Array, "batch members ..."]) -> Array:
-    """An implicit ensemble's batched outputs `(batch, members, ...)` (from
-    `jax.vmap(net)(x)`) as `(members, batch, ...)`: the layout every `ee.metrics`
-    and `ee.conformal` function takes.
+    """An implicit ensemble's batched outputs `(batch, members, ...)` as
+    `(members, batch, ...)`, the layout `ee.metrics` and `ee.conformal` take.
 
     **Example:**
 

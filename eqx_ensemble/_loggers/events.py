@@ -1,14 +1,11 @@
 """TensorBoard event files written in bulk.
 
 An event file is a sequence of TFRecords (`uint64` length, its masked CRC-32C,
-the data, the data's masked CRC-32C), each holding one serialized `Event`
-protocol buffer. Writing a scalar through a general-purpose writer costs tens of
-microseconds (a protocol buffer built, queued and checksummed one at a time); a
-dispatch of `fit` logs thousands of them. Here the scalars of a dispatch are
-encoded together with NumPy: every record of the same length has the same
-layout, so the bytes are filled column by column and the checksums computed for
-all records at once. Rare events (text, hyperparameters) take any serialized
-`Summary` and are encoded one by one.
+the data, the data's masked CRC-32C), each one serialized `Event`. A dispatch's
+scalars (thousands; tens of microseconds each through a general writer) are
+encoded together with NumPy: records of one length share a layout, so bytes
+and checksums are computed column by column. Rare events (text,
+hyperparameters) take any serialized `Summary`, one by one.
 
 The wire format (TensorFlow's `event.proto`, `summary.proto`):
 `Event{1: double wall_time, 2: int64 step, 3: string file_version, 5: Summary
@@ -41,8 +38,7 @@ _TABLE_LIST = _TABLE.tolist()
 
 
 def _crc32c_of(data: bytes) -> int:
-    """CRC-32C of one short message (a Python loop: cheaper than NumPy's
-    per-call cost for a few dozen bytes)."""
+    """CRC-32C of one short message (a Python loop: cheaper than NumPy here)."""
     crc = 0xFFFFFFFF
     for byte in data:
         crc = _TABLE_LIST[(crc ^ byte) & 0xFF] ^ (crc >> 8)

@@ -23,28 +23,24 @@ FLUSH_SECONDS = 1.0
 
 
 class CSVLogger(Logger):
-    """Writes a [`fit`][eqx_ensemble.fit] run's record to a folder as plain files,
-    readable by NumPy, pandas or a spreadsheet:
+    """Writes a [`fit`][eqx_ensemble.fit] run's record to a folder as plain files
+    (NumPy, pandas or a spreadsheet read them):
 
     - `losses.csv`: `step, member_0, member_1, ...`: every member's training loss
-      at every step (equal to `FitResult.history.losses`);
-    - `evaluations.csv`: the same columns for every evaluation
+      at every step (`FitResult.history.losses`);
+    - `evaluations.csv`: the same for every evaluation
       (`FitResult.history.eval_scores`);
     - `hyperparameters.csv`: `step, name, member_0, ...`: each member's injected
-      hyperparameters (`optax.inject_hyperparams`) and `hyper` values, at the
-      start and whenever they change (PBT);
-    - `events.jsonl`: one JSON record per event (a member diverged, a PBT
-      exploit with its parent, a snapshot taken, weight averaging started);
+      hyperparameters and `hyper` values, at the start and whenever they change;
+    - `events.jsonl`: one JSON record per event (divergence, PBT exploit,
+      snapshot, averaging start);
     - `run.json`: the run's description.
 
-    Files are flushed after a dispatch once a second at most, before every
-    checkpoint (so a run killed and resumed from it loses no row), and at the
-    end. A resumed run rewrites each file aside and renames it into place, so
-    a kill during that rewrite leaves the earlier file whole.
-    A resumed run (from
-    `ee.Checkpoints`) drops the rows after the step it resumes from (the part
-    of the cut-off run that is redone) and appends; a new run replaces the
-    files.
+    Files are flushed once a second at most, before every checkpoint (a run
+    resumed from it loses no row), and at the end. A run resumed from
+    `ee.Checkpoints` drops the rows after its resume step and appends (each
+    file rewritten aside and renamed, so a kill leaves it whole); a new run
+    replaces the files.
 
     **Arguments:**
 
@@ -141,9 +137,8 @@ class CSVLogger(Logger):
 
 
 def _reopen(path: Path, lines: list[str]) -> Any:
-    """`path` holding exactly `lines`, open for appending. Written aside and
-    renamed over `path`, so a kill at any moment leaves either the old file
-    or the new one whole (a resumed run's earlier rows are never lost)."""
+    """`path` holding exactly `lines`, open for appending; written aside and
+    renamed, so a kill leaves the old file or the new one whole."""
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a killed open's
         stale.unlink(missing_ok=True)
     aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")

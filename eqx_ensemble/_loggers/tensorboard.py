@@ -18,19 +18,18 @@ from .files import FLUSH_SECONDS
 
 class TensorBoardLogger(Logger):
     """Writes a [`fit`][eqx_ensemble.fit] run to TensorBoard: one run folder per
-    member (`member_000`, `member_001`, ...), so that TensorBoard draws the
-    members' curves in one chart and its HParams dashboard compares them.
+    member (`member_000`, ...), so TensorBoard draws the members' curves in one
+    chart and its HParams dashboard compares them.
 
     Per member: the scalar `loss` at every `every`-th step, `eval` at every
-    evaluation, `hparams/<name>` (injected hyperparameters and `hyper` values)
-    whenever they change, `diverged` (1.0) at the step a member diverged, and
-    the text `events` (PBT exploits with their parent). The run's description
-    and the member's hyperparameters at the start are its HParams session.
-    A resumed run drops what was written after the step it resumes from
-    (TensorBoard's purge step).
+    evaluation, `hparams/<name>` whenever they change, `diverged` (1.0) at the
+    step a member diverged, and the text `events` (e.g. PBT exploits). The
+    run's description and the member's starting hyperparameters are its
+    HParams session. A resumed run drops what was written after its resume
+    step (TensorBoard's purge step).
 
-    Needs `tensorboardX` (`pip install "eqx_ensemble[loaders]"`); read the files
-    with TensorBoard (`tensorboard --logdir <directory>`) or its event reader.
+    Needs `tensorboardX` (`pip install "eqx_ensemble[loaders]"`); read with
+    `tensorboard --logdir <directory>`.
 
     **Arguments:**
 

@@ -14,24 +14,22 @@ _MODES = ("offline", "online", "disabled")
 
 class WandbLogger(Logger):
     """Writes a [`fit`][eqx_ensemble.fit] run to Weights & Biases: one W&B run
-    with every member's curves (`loss/member_<i>`, `eval/member_<i>`), each
-    member's hyperparameters (`hparams/<name>/member_<i>`, logged at the start
-    and whenever they change), divergences (`diverged/member_<i>`: 1 at the
-    step), PBT exploits (`exploit/member_<i>`: the parent copied) and
-    trackers' events (`events/snapshot`, `events/averaging_starts`), with the
-    run's description and the members' starting hyperparameters as its config.
+    with every member's curves (`loss/member_<i>`, `eval/member_<i>`),
+    hyperparameters (`hparams/<name>/member_<i>`, at the start and on change),
+    divergences (`diverged/member_<i>`: 1 at the step), PBT exploits
+    (`exploit/member_<i>`: the parent) and trackers' events
+    (`events/snapshot`, `events/averaging_starts`); the run's description and
+    the starting hyperparameters are its config.
 
-    `mode="offline"` (the default) writes under `directory` only; `wandb sync`
-    uploads it later. A run resumed from `ee.Checkpoints` is a new W&B run whose
-    config says where it resumed (`resumed_from`) and which logs the steps after
-    it. Needs the `wandb` package.
+    `mode="offline"` (the default) writes under `directory` only (`wandb sync`
+    uploads it). A run resumed from `ee.Checkpoints` is a new W&B run (config
+    `resumed_from`) logging the steps after it. Needs the `wandb` package.
 
     **Arguments:**
 
     - `project`: the W&B project (`None`: W&B's default).
-    - `directory`: where W&B writes (`None`: the working directory); checked to
-      be writable before any training. A relative folder is taken from the
-      working directory when the run opens.
+    - `directory`: where W&B writes (`None`: the working directory, when the run
+      opens); checked to be writable before any training.
     - `mode`: `"offline"`, `"online"` or `"disabled"`.
     - `name`, `group`: the W&B run's name and group.
     - `every`: log the loss at every `every`-th step (default 1: all; W&B
@@ -74,10 +72,8 @@ class WandbLogger(Logger):
         config: dict[str, Any] = dict(run.hparams)
         for name, values in run.member_hparams.items():
             config[name] = np.asarray(values).tolist()
-        # An absolute folder: W&B's service process, started by the process's
-        # first run, resolves a relative one (and `None`) against the working
-        # directory it started in, so a run opened after a `chdir` split its
-        # files between two folders and lost its data file.
+        # An absolute folder: W&B's service resolves a relative one against the
+        # directory it started in (after a `chdir`, a run lost its data file).
         directory = os.getcwd() if self.directory is None else self.directory
         handle = wandb.init(
             project=self.project,

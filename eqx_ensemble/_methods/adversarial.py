@@ -17,10 +17,9 @@ def _loss_value(out: Any) -> Any:
 
 
 class Adversarial(eqx.Module):
-    """A loss trained with adversarial examples; made by
-    [`ee.adversarial`][eqx_ensemble.adversarial] (see there). Called exactly as
-    the loss it wraps: `(model, batch, key)` or `(model, state, batch, key)`,
-    with `hyper=` passed through.
+    """A loss with adversarial examples, made by
+    [`ee.adversarial`][eqx_ensemble.adversarial]; called as the loss it wraps
+    (`hyper=` passed through).
 
     **Example:**
 
@@ -55,8 +54,7 @@ class Adversarial(eqx.Module):
     def _step(self, grad: Array) -> Array:
         if not isinstance(self.epsilon, jax.Array):
             return self.epsilon * jnp.sign(grad)
-        # One step per feature: broadcast explicitly (rank promotion may be
-        # "raise"), naming the shapes where they do not fit.
+        # Broadcast explicitly (rank promotion may be "raise").
         try:
             epsilon = jnp.broadcast_to(self.epsilon, grad.shape)
         except ValueError:
@@ -91,8 +89,7 @@ class Adversarial(eqx.Module):
             return _loss_value(out)
 
         grads = jax.grad(loss_at)(x)
-        # Fast gradient sign (Goodfellow et al. 2015): a fixed step, no gradient
-        # through its construction.
+        # Fast gradient sign (Goodfellow et al. 2015), no gradient through it.
         adversarial_x = jax.lax.stop_gradient(
             jax.tree.map(
                 lambda value, g: value + self._step(g).astype(value.dtype),
@@ -109,8 +106,7 @@ class Adversarial(eqx.Module):
             return (clean + _loss_value(adv)) / 2
         clean = self.loss_fn(model, state, batch, key, **kwargs)
         adv = self.loss_fn(model, clean[1], adversarial_batch, key, **kwargs)
-        # The model state threads through both passes (as two forward passes of
-        # a PyTorch training step would update BatchNorm's statistics twice).
+        # The state threads through both passes (as in PyTorch).
         return ((clean[0] + adv[0]) / 2, adv[1], *clean[2:])
 
 
@@ -122,21 +118,18 @@ def adversarial(
 ) -> Adversarial:
     """Wrap a loss with fast-gradient-sign adversarial examples, as in the deep
     ensembles paper (Lakshminarayanan, Pritzel & Blundell 2017): each member's
-    loss becomes `(loss(x) + loss(x + epsilon * sign(grad_x loss(x)))) / 2`, with
-    the perturbation computed for THAT member (inside the member `vmap`, so
-    members stay independent). The paper sums the two terms; the average has the
-    same minimiser and makes `epsilon=0` exactly the plain loss (a factor of 2
-    that Adam-style optimizers ignore anyway).
+    loss becomes `(loss(x) + loss(x + epsilon * sign(grad_x loss(x)))) / 2`, the
+    perturbation computed for THAT member. The paper sums the two terms; the
+    average has the same minimiser and makes `epsilon=0` the plain loss.
 
     **Arguments:**
 
     - `loss_fn`: a loss as [`fit`][eqx_ensemble.fit] takes it, for ONE model:
       `(model, batch, key)` or `(model, state, batch, key)`, returning a scalar
       or a tuple starting with it.
-    - `epsilon`: the step, in input units, `>= 0` and finite: a number, or an
-      array that broadcasts against every perturbed input leaf (one step per
-      feature: the paper uses 1% of each input dimension's range,
-      `0.01 * (x.max(0) - x.min(0))`).
+    - `epsilon`: the step in input units, `>= 0` and finite: a number, or an
+      array broadcasting against every perturbed input leaf (the paper uses 1%
+      of each dimension's range, `0.01 * (x.max(0) - x.min(0))`).
     - `inputs`: which part of the batch to perturb, as a function of the batch
       (as in `eqx.tree_at`); default: `batch[0]` for a tuple `(x, y)`, else the
       whole batch. Its leaves must be floating point.

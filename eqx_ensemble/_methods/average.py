@@ -30,8 +30,8 @@ def tree_weighted_sum(
 ) -> PyTree[Any]:
     """`sum_i weights[i] * trees[i]`, leaf by leaf, for same-structure PyTrees.
 
-    Array and Python-number leaves are summed; any other leaf (a function, a string,
-    `None`, a static field) must be equal across the trees and is kept once.
+    Array and number leaves are summed; any other leaf must be equal across the
+    trees and is kept once.
 
     **Arguments:**
 
@@ -93,9 +93,8 @@ def average(
 ) -> T:
     """One model whose weights are the (weighted) mean of the members' weights.
 
-    This is a "model soup" (Wortsman et al. 2022): useful when the members share an
-    initialisation or were fine-tuned from one model; averaging independently
-    initialised networks usually gives a poor model.
+    A "model soup" (Wortsman et al. 2022): for members fine-tuned from one model;
+    averaging independently initialised networks usually gives a poor model.
 
     **Arguments:**
 

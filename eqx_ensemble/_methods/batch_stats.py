@@ -91,24 +91,21 @@ def recompute_batch_stats(
     apply: Callable[..., Any] | None = None,
 ) -> PyTree[Any]:
     """BatchNorm running statistics recomputed for every member's CURRENT weights
-    (as PyTorch's `update_bn` does for SWA): the statistics a member's
-    `eqx.nn.BatchNorm` layers hold are those of its training weights, not of
-    averaged (`ee.SWA`, `ee.EMA`) or sampled (`ee.SWAG`) ones.
+    (as PyTorch's `update_bn` for SWA): a member's `eqx.nn.BatchNorm` statistics
+    are those of its training weights, not of averaged (`ee.SWA`, `ee.EMA`) or
+    sampled (`ee.SWAG`) ones.
 
-    Each batch of `x` is run through each member in training mode from a reset
-    state; the layers' running mean and variance become the average over the
-    batches of the batch means and variances, weighted by batch size (the
-    variance is the mean of the per-batch variances, as in PyTorch). Both
-    `eqx.nn.BatchNorm` modes (`"ema"` and `"batch"`) are handled; inference then
-    uses exactly these statistics.
+    Each batch of `x` runs through each member in training mode from a reset
+    state; the running mean and variance become the batch-size-weighted average
+    of the batch means and variances (as PyTorch). Both `eqx.nn.BatchNorm` modes
+    are handled; inference then uses exactly these statistics.
 
     **Arguments:**
 
-    - `ens`: the ensemble whose statistics to recompute (e.g. `result.tracked[0]`).
-    - `state`: its stacked model state (from `ee.ensemble` of
-      `eqx.nn.make_with_state`, or `FitResult.state`).
-    - `x`: the inputs (training data), a batch with a leading example axis.
-    - `batch_size`: examples per batch (the last batch may be smaller).
+    - `ens`: the ensemble (e.g. `result.tracked[0]`).
+    - `state`: its stacked model state (e.g. `FitResult.state`).
+    - `x`: the training inputs, with a leading example axis.
+    - `batch_size`: examples per batch (the last may be smaller).
     - `apply`: `apply(model, x_batch, state) -> new_state` for ONE member in
       training mode; default `jax.vmap(model, axis_name=<the BatchNorm layers'
       axis name>, in_axes=(0, None), out_axes=(0, None))(x_batch, state)[1]`.
@@ -177,9 +174,8 @@ def recompute_batch_stats(
 
 
 class _FrozenNorm(eqx.nn.StatefulLayer):
-    """An `eqx.nn.BatchNorm` with its statistics held as arrays: inference
-    with `mean` and `var` (the same computation as Equinox's), whatever the
-    mode; the state passes through untouched."""
+    """An `eqx.nn.BatchNorm` normalising with fixed `mean` and `var` arrays (as
+    Equinox's inference); the state passes through."""
 
     weight: Any
     bias: Any
@@ -216,27 +212,24 @@ def mc_batchnorm(
 ) -> tuple[Ensemble, PyTree[Any]]:
     """MC BatchNorm (Teye, Azizpour & Smith 2018): one trained model with
     `eqx.nn.BatchNorm` as an ensemble of `samples` members, each normalising
-    with the statistics of its own random training batch, the stochasticity
-    batch normalisation had in training.
+    with the statistics of its own random training batch.
 
     Member `t` draws `batch_size` training examples without replacement
     (`jax.random.choice(jax.random.split(key, samples)[t], n, (batch_size,),
     replace=False)`), runs the model on them in training mode from a reset
-    state, and keeps each BatchNorm layer's batch mean and variance. Its
-    BatchNorm layers then normalise every input with those (inference with
-    that batch's statistics, in either `eqx.nn.BatchNorm` mode). The weights
-    are held ONCE, as the ensemble's shared part; a member holds only its
-    statistics. [`ee.predict`][eqx_ensemble.predict], every metric, calibrator
-    and conformal method take the members' predictions as any ensemble's.
+    state, and normalises every input with each BatchNorm layer's batch mean
+    and variance. The weights are held ONCE, as the ensemble's shared part; a
+    member holds only its statistics. [`ee.predict`][eqx_ensemble.predict] and
+    every metric take it as any ensemble.
 
     **Arguments:**
 
     - `model`: a trained model with at least one `eqx.nn.BatchNorm`, called
       as `model(x, state)` for one example.
     - `state`: its `eqx.nn.State`.
-    - `x`: the training inputs (a batch with a leading example axis).
+    - `x`: the training inputs, with a leading example axis.
     - `samples`: the number of members (batches), `>= 1`.
-    - `batch_size`: examples per batch (the training batch size, as in the
+    - `batch_size`: examples per batch (the training batch size, as the
       paper), at most the number of examples.
     - `key`: PRNG key of the batches.
     - `apply`: `apply(model, x_batch, state) -> new_state` in training mode, as
@@ -245,8 +238,8 @@ def mc_batchnorm(
     **Returns:**
 
     `(ensemble, ensemble_state)`: pass both to `ee.predict(ensemble, x,
-    state=ensemble_state)` (the state, copied per member, is what the model's
-    other stateful layers read; the BatchNorm layers no longer do).
+    state=ensemble_state)` (the state, copied per member, serves the model's
+    other stateful layers).
 
     **Example:**
 
@@ -326,7 +319,6 @@ def mc_batchnorm(
         if not _is_bn(node):
             return node
         mean, var = next(stats_iter)
-        # (pyright reads StatefulLayer's abstract `__call__` as a field.)
         return _FrozenNorm(  # pyright: ignore[reportCallIssue]
             weight=node.weight,
             bias=node.bias,

@@ -33,26 +33,22 @@ def greedy_selection(
     """Ensemble selection with replacement (Caruana, Niculescu-Mizil, Crew &
     Ksikes 2004) over a pool of members, on validation predictions.
 
-    Starting from the `start` best members alone, it adds, `size - start` times,
-    the member (repeats allowed) whose addition gives the lowest `score`; ties go
-    to the lower index. Indexing the pool with the result, `ens[indices]`, gives
-    the selected ensemble: a member chosen twice counts twice in its average.
+    From the `start` best members alone, it adds, `size - start` times, the
+    member whose addition gives the lowest `score` (ties: the lower index).
+    `ens[indices]` is the selected ensemble; a member chosen twice counts twice.
 
     **Arguments:**
 
-    - `predictions`: the pool's validation predictions, with the member axis
-      first on every leaf (e.g. `ee.predict(ens, x_val)`: `(members, batch,
-      classes)`).
-    - `score`: `score(selected_predictions) -> scalar`, lower is better, on the
-      stacked predictions of a selection (e.g.
+    - `predictions`: the pool's validation predictions, the member axis first on
+      every leaf (e.g. `ee.predict(ens, x_val)`).
+    - `score`: `score(selected_predictions) -> scalar`, lower is better (e.g.
       `lambda p: ee.metrics.nll(p, y_val, from_logits=True)`).
     - `size`: the number of picks (with repeats), at least `start`.
     - `start`: how many of the best single members start the selection (the
       paper's "sorted initialization"; 1 = the best member).
     - `replacement`: whether a member may be picked again (Caruana et al.'s
-      default). Without replacement the result is `size` distinct members
-      (`size` at most the pool), as a hyper-deep ensemble of `size` members
-      needs when one member dominates the validation score.
+      default). Without, `size` distinct members (at most the pool), as a
+      hyper-deep ensemble needs when one member dominates the score.
 
     **Returns:**
 
@@ -91,10 +87,7 @@ def greedy_selection(
             "without replacement"
         )
 
-    # The predictions on the device once; each selection's rows gathered in
-    # one program per selection size (op by op: five, for the indices'
-    # normalisation and the gather, per leaf). `score` runs as written: on
-    # concrete arrays, its checks and side effects as the user wrote them.
+    # On the device once; `score` runs eagerly, on concrete arrays.
     arrays = jax.tree.map(jnp.asarray, predictions)
 
     def take(indices):
@@ -127,13 +120,11 @@ def greedy_soup(
     score: Callable[[Any], Any],
 ) -> tuple[Any, Int[Array, " chosen"]]:
     """A greedy soup (Wortsman et al. 2022): one model whose weights average a
-    subset of the members. Members are visited from best to worst by their own
-    `score`; each is added to the soup only if the averaged weights score no
-    worse than the soup without it.
+    subset of the members. Members are visited best first by their own `score`;
+    each joins the soup if the averaged weights score no worse without it.
+    Only for members fine-tuned from the same starting point (the paper's
+    setting).
 
-    Averaging weights only makes sense for members fine-tuned from the same
-    starting point (the paper's setting), e.g. members that share an
-    initialisation and differ in hyperparameters or data order.
 
     **Arguments:**
 

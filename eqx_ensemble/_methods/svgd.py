@@ -60,8 +60,7 @@ def _check_particles(ens: Any, name: str) -> int:
 
 
 def _per_member(keys: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    # `hyper=` holds one value per member (its leading axis), as `fit` gives a
-    # coupled loss: each member's loss gets its own.
+    # `hyper=`: one value per member, each member's loss gets its own.
     return (keys,) if "hyper" not in kwargs else (keys, kwargs["hyper"])
 
 
@@ -70,11 +69,9 @@ def svgd_direction(
 ) -> jax.Array:
     """The SVGD direction of every particle, `(members, parameters)`:
     `phi_j = (1/M) sum_i [k(t_i, t_j) grad log p(t_i) + grad_{t_i} k(t_i, t_j)]`
-    with the RBF kernel `k = exp(-|t_i - t_j|^2 / h)`, `h` the median of the
-    squared distances over `log M` (Liu & Wang 2016) unless given. A particle
-    whose weights or gradient are not finite takes no part (the others'
-    directions are those of the finite particles alone) and gets a NaN
-    direction, so that `fit`'s guard freezes it alone."""
+    with the RBF kernel `k = exp(-|t_i - t_j|^2 / h)`, `h` the median heuristic
+    unless given. A non-finite particle takes no part and gets a NaN direction,
+    so `fit`'s guard freezes it alone."""
     finite = jnp.all(jnp.isfinite(theta), axis=1) & jnp.all(
         jnp.isfinite(log_prob_grads), axis=1
     )
@@ -102,21 +99,18 @@ def svgd(
     particles: each member moves along the kernel-weighted average of every
     member's log-posterior gradient plus a repulsion from the others, so the
     ensemble approximates the posterior instead of collapsing on its modes
-    (repulsive deep ensembles, D'Angelo & Fortuin 2021, in weight space).
+    (D'Angelo & Fortuin 2021's repulsive ensembles in weight space).
 
-    It is an [`ee.Coupled`][eqx_ensemble.Coupled] loss: train it with `fit` and
-    an optimizer. With `optax.sgd(lr)` every step is exactly the SVGD update
-    `theta_j += lr * phi_j` (tested against a hand-written SVGD); with Adam,
-    the direction is preconditioned per member, as is common in practice. Each
-    member's reported loss is its own `loss_fn` value.
+    An [`ee.Coupled`][eqx_ensemble.Coupled] loss: with `optax.sgd(lr)` every step
+    is exactly `theta_j += lr * phi_j`; Adam preconditions the direction per
+    member. Each member reports its own `loss_fn` value.
 
-    The log posterior of a member is `-num_data * loss_fn(model, batch, key)`:
-    write `loss_fn` as the mean negative log likelihood of the batch plus the
-    negative log prior divided by `num_data`. Every member sees the same batch
-    (`sampling=ee.Shared()`, the default; a per-member sampling is refused).
-    The kernel is the RBF kernel on the members' flattened weights, its
-    bandwidth the median heuristic
-    (`median of squared distances / log(members)`) unless `bandwidth` is given.
+    A member's log posterior is `-num_data * loss_fn(model, batch, key)`: write
+    `loss_fn` as the batch's mean NLL plus the negative log prior over
+    `num_data`. Every member sees the same batch (`sampling=ee.Shared()`, the
+    default; a per-member sampling is refused). The kernel is the RBF kernel on
+    the flattened weights, its bandwidth the median heuristic (`median of
+    squared distances / log(members)`) unless `bandwidth` is given.
 
     **Arguments:**
 
@@ -135,8 +129,7 @@ def svgd(
         x, y = batch
         prior = 0.5 * sum(jnp.sum(w**2) for w in jax.tree.leaves(
             eqx.filter(model, eqx.is_inexact_array)))
-        # A Gaussian likelihood with its noise scale (0.1): a bare mean
-        # squared error is one of variance 0.5, which the prior barely moves.
+        # A Gaussian likelihood of noise scale 0.1 (a bare MSE is variance 0.5).
         nll = jnp.mean((jax.vmap(model)(x)[:, 0] - y) ** 2) / (2 * 0.1**2)
         return nll + prior / 64
 
@@ -193,8 +186,8 @@ def repulsive(
     """Repulsive deep ensembles (D'Angelo & Fortuin 2021): each member climbs
     its own log posterior and is pushed away from the others by the gradient of
     a kernel density estimate of the members, in weight space or, with
-    `features`, in function space. The members then follow a Wasserstein
-    gradient flow towards the posterior instead of each settling on a mode.
+    `features`, in function space: a Wasserstein gradient flow towards the
+    posterior instead of each member settling on a mode.
 
     Member `i` moves along
 
@@ -205,26 +198,22 @@ def repulsive(
 
     - weight space (`features=None`): `f_i` its flattened weights, `J_i = I`;
     - function space: `f_i = features(model, batch)` flattened, e.g. the
-      member's outputs on the batch or on points beyond the data; the repulsion
-      acts on what the members predict there, whatever their weights (the
+      member's outputs on the batch or on points beyond the data (the
       functional prior's gradient is approximated by the weight prior's, in
-      `loss_fn`, as the paper does in practice).
+      `loss_fn`, as the paper does).
 
     `k` is the RBF kernel `exp(-|f_i - f_j|^2 / h)` with the median heuristic
-    (median squared distance over `log M`) unless `bandwidth` is given. It is
-    an [`ee.Coupled`][eqx_ensemble.Coupled] loss: with `optax.sgd(lr)` a step
-    is `theta_i += lr * (that direction)` (tested against a hand-written
-    update); each member reports its own `loss_fn` value. Every member sees
-    the same batch (`sampling=ee.Shared()`, the default; a per-member sampling
-    is refused). A member whose loss or features are not finite at a step
-    takes no part in that step's repulsion and is frozen by `fit`'s guard at
-    its last finite weights, where it counts as a particle again.
+    unless `bandwidth` is given. An [`ee.Coupled`][eqx_ensemble.Coupled] loss:
+    with `optax.sgd(lr)` a step is `theta_i += lr * (that direction)`; each
+    member reports its own `loss_fn` value. Every member sees the same batch
+    (`sampling=ee.Shared()`; a per-member sampling is refused). A member whose
+    loss or features are not finite takes no part in that step's repulsion and
+    is frozen by `fit`'s guard.
 
-    Compared with [`ee.svgd`][eqx_ensemble.svgd] (weight space only, the
-    gradients smoothed over the members), the repulsion here is per member
-    (one extra backward pass through `features`), and the function-space
-    kernel sidesteps the weights' symmetries: two members with permuted hidden
-    units are the same function.
+    Unlike [`ee.svgd`][eqx_ensemble.svgd] (weight space, gradients smoothed over
+    members), the repulsion is per member (one extra backward pass through
+    `features`), and the function-space kernel sidesteps the weights'
+    symmetries (permuted hidden units are the same function).
 
     **Arguments:**
 
@@ -251,7 +240,7 @@ def repulsive(
         weights = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
         prior = 0.5 * sum(jnp.sum(w**2) for w in weights)
         nll = jnp.mean((jax.vmap(model)(xs)[:, 0] - ys) ** 2) / (2 * 0.1**2)
-        return nll + prior / 64  # (the noise's scale written: see `ee.svgd`)
+        return nll + prior / 64
 
     ens = ee.ensemble(lambda k: eqx.nn.MLP(1, 1, 16, 1, key=k), size=5,
                       key=jax.random.key(0))

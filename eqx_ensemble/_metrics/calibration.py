@@ -23,9 +23,8 @@ class CalibrationBins(eqx.Module):
     - `count`: number of examples in the bin (as a float).
     - `accuracy`: fraction of them whose predicted class is the label (0 if empty).
     - `confidence`: their mean confidence (0 if empty).
-    - `lower`, `upper`: the bin's range of confidence. For equal-width bins these are
-      the fixed edges `k / n_bins`; for equal-mass bins, the smallest and largest
-      confidence in the bin (NaN if the bin is empty).
+    - `lower`, `upper`: the bin's range: equal-width, the edges `k / n_bins`;
+      equal-mass, its smallest and largest confidence (NaN if empty).
 
     **Example:**
 
@@ -52,9 +51,7 @@ def _equal_width_bins(confidence: Array, n_bins: int) -> Array:
 
 
 def _equal_mass_bins(confidence: Array, n_bins: int) -> Array:
-    # Sort by confidence and cut into `n_bins` consecutive groups whose sizes
-    # differ by at most one, the first `batch % n_bins` groups one larger (the
-    # split of `numpy.array_split`). Ties are cut in their (stable) sorted order.
+    # Sorted (stably) by confidence and cut as `numpy.array_split` does.
     batch = confidence.shape[0]
     size, larger = divmod(batch, n_bins)
     rank = np.arange(batch)
@@ -127,12 +124,10 @@ def calibration_bins(
     """Bin the ensemble's top-label confidence and compare it with accuracy: the
     data of a reliability diagram.
 
-    Confidence is the largest probability of the ensemble's mean prediction, and
-    an example is correct when that class is the label. Equal-width bins are
-    right-closed, `(k/n, (k+1)/n]` (0 falls in the first); equal-mass bins
-    (`adaptive=True`) sort the examples by confidence and cut them into `n_bins`
-    groups whose sizes differ by at most one (larger groups first, as
-    `numpy.array_split`).
+    Confidence is the ensemble's largest mean probability; an example is correct
+    when that class is the label. Equal-width bins are right-closed,
+    `(k/n, (k+1)/n]` (0 falls in the first); equal-mass bins (`adaptive=True`)
+    cut the examples sorted by confidence as `numpy.array_split`.
 
     **Arguments:**
 
@@ -201,8 +196,8 @@ def expected_calibration_error(
     equal-width bins (Naeini et al. 2015; Guo et al. 2017):
     `sum_b (n_b / N) |accuracy_b - confidence_b|`.
 
-    Top-label confidence, bins `(k/n, (k+1)/n]` as in `ee.metrics.calibration_bins`.
-    The default of 15 bins follows Guo et al. (2017).
+    Top-label confidence, bins as `ee.metrics.calibration_bins`; 15 bins by
+    default, as Guo et al. (2017).
 
     **Arguments:**
 
@@ -234,13 +229,10 @@ def adaptive_calibration_error(
     *,
     from_logits: bool = False,
 ) -> Float[Array, ""]:
-    """ECE with equal-mass (adaptive) bins: every bin holds the same number of
-    examples, up to one (Nguyen & O'Connor 2015; Nixon et al. 2019 for the
-    top-label variant).
-
-    Less sensitive than equal-width ECE to empty or near-empty bins when the
-    confidences bunch up near 1. Binning as in `ee.metrics.calibration_bins`
-    with `adaptive=True`.
+    """ECE with equal-mass (adaptive) bins, each holding the same number of
+    examples up to one (Nguyen & O'Connor 2015; Nixon et al. 2019 for the
+    top-label variant): less sensitive to near-empty bins when confidences bunch
+    up near 1. Binning as `ee.metrics.calibration_bins(adaptive=True)`.
 
     **Arguments:** as `ee.metrics.expected_calibration_error`.
 

@@ -1,12 +1,7 @@
 """Post-hoc calibrators fitted on a calibration split: vector, matrix and Dirichlet
-scaling (parametric, on logits) and histogram binning and isotonic regression
-(non-parametric, on probabilities), for the ensemble's mean prediction or for
-each member.
-
-Each calibrator is an `eqx.Module` with one job: `calibrator(predictions)` maps
-stacked predictions `(members, batch, classes)` to calibrated ones, so every
-metric takes the result unchanged.
-"""
+scaling (on logits), histogram binning and isotonic regression (on probabilities),
+for the ensemble's mean or each member. Each is an `eqx.Module` mapping stacked
+predictions `(members, batch, classes)` to calibrated ones."""
 
 from typing import Any
 
@@ -26,8 +21,6 @@ from .classification import (
     prepare_labels,
     prepare_predictions,
 )
-
-# --------------------------------------------------------------------------- checks
 
 
 def _check_count(value: Any, name: str, *, low: int, high: int) -> int:
@@ -83,17 +76,13 @@ def _check_applied(predictions: Array, classes: int, members: int | None, who: s
         )
 
 
-# ------------------------------------------------------------- parametric scaling
-
-
 def _lead(vector: Array, like: Array) -> Array:
     """`vector` (classes,) with leading axes of size 1 to broadcast over `like`."""
     return jnp.reshape(vector, (1,) * (like.ndim - 1) + vector.shape)
 
 
 def _norm(tree: Any) -> Array:
-    # The L2 norm of a tree (`optax.tree_utils.tree_norm`, which optax 0.2.4
-    # lacks; its `tree_l2_norm` is deprecated from 0.2.5).
+    # A tree's L2 norm (optax 0.2.4 lacks `tree_norm`).
     return jnp.sqrt(sum(jnp.sum(leaf**2) for leaf in jax.tree.leaves(tree)))
 
 
@@ -124,11 +113,10 @@ class _Affine(eqx.Module):
 
 
 class VectorScaling(_Affine):
-    """Vector scaling (Guo et al. 2017): `z' = w * z + b`, one weight and one bias
-    per class. Fitted by
-    [`fit_vector_scaling`][eqx_ensemble.calibration.fit_vector_scaling]; calling
-    it maps logits `(members, batch, classes)` to calibrated logits of the same
-    shape.
+    """Vector scaling (Guo et al. 2017): `z' = w * z + b`, a weight and a bias per
+    class. Fitted by
+    [`fit_vector_scaling`][eqx_ensemble.calibration.fit_vector_scaling]; maps
+    logits `(members, batch, classes)` to calibrated logits of the same shape.
 
     **Example:**
 
@@ -144,10 +132,9 @@ class VectorScaling(_Affine):
 
 
 class MatrixScaling(_Affine):
-    """Matrix scaling (Guo et al. 2017): `z' = W z + b`, a full `classes x
-    classes` matrix. Fitted by
-    [`fit_matrix_scaling`][eqx_ensemble.calibration.fit_matrix_scaling]; calling
-    it maps logits to calibrated logits of the same shape.
+    """Matrix scaling (Guo et al. 2017): `z' = W z + b`, `W` `classes x classes`.
+    Fitted by [`fit_matrix_scaling`][eqx_ensemble.calibration.fit_matrix_scaling];
+    maps logits to calibrated logits of the same shape.
 
     **Example:**
 
@@ -185,8 +172,8 @@ class DirichletScaling(_Affine):
 
 
 def _ensemble_nll(logits: Array, labels: Array, weights: Array | None = None) -> Array:
-    """The NLL of the mean of the members' softmaxes, `logits` `(M, B, C)`;
-    with `weights` `(B,)`, their weighted mean over the examples."""
+    """The NLL of the members' mean softmax, `logits` `(M, B, C)`, weighted over
+    examples by `weights` `(B,)` if given."""
     probs, log_probs = member_log_probs(logits, from_logits=True)
     per_example = label_log_probs(
         ensemble_log_probs(probs, log_probs, from_logits=True), labels
@@ -196,25 +183,18 @@ def _ensemble_nll(logits: Array, labels: Array, weights: Array | None = None) ->
     return -jnp.sum(weights * per_example) / jnp.sum(weights)
 
 
-# The fit also stops after this many L-BFGS steps in a row without progress
-# (a lower objective, or a gradient norm half the one at the last progress):
-# it has converged as far as its precision can tell. (In float32 the gradient
-# norm of some fits stays at 1e-6 to 1e-5 for good, and those fits idled to
-# `iterations`: 500 steps where 30-90 had found the minimum, most of a
-# cross-validated fit's run time. With 10 steps some fits along a nearly flat
-# valley, at penalties <= 1e-4, stopped short of where they would end.)
+# The fit stops after this many L-BFGS steps in a row without progress: in
+# float32 some gradient norms never reach the tolerance (they idled 500 steps
+# where 30-90 found the minimum); 10 stopped some flat-valley fits short.
 STALL_STEPS = 25
 
 
 def _lbfgs(
     objective, init: Any, iterations: Int[Array, ""] | int, tolerance: float
 ) -> tuple[Any, Int[Array, ""]]:
-    """Minimise a smooth `objective(params)` with L-BFGS and a zoom line search
-    (`optax.lbfgs`), until the gradient norm is below `tolerance`, the
-    fit has stopped progressing (`STALL_STEPS` steps in a row without an
-    objective below the lowest so far or a halved gradient norm), or after
-    `iterations` steps.
-    Returns the parameters and the number of steps taken."""
+    """Minimise `objective(params)` with `optax.lbfgs` until the gradient norm is
+    below `tolerance`, `STALL_STEPS` steps pass without progress, or after
+    `iterations` steps. Returns the parameters and the steps taken."""
     solver = optax.lbfgs()
     value_and_grad = optax.value_and_grad_from_state(objective)
     dtype = jax.tree.leaves(init)[0].dtype
@@ -226,13 +206,10 @@ def _lbfgs(
             grad, state, params, value=value, grad=grad, value_fn=objective
         )
         norm = _norm(grad)
-        # Progress: an objective below the lowest so far, or a gradient norm
-        # half the one at the last progress (a float32 objective can stay
-        # flat for a dozen steps while the gradient still shrinks, and then
-        # fall again; a norm that only jitters at its floor does not halve).
-        # Not "below the previous step's": an objective that jitters by an
-        # ulp at its floor would count every other step as progress and run
-        # to `iterations` (XLA's default CPU code did, for 1 fit in 31).
+        # Progress: an objective below the lowest so far (not the previous
+        # step's: an ulp of jitter would count), or a gradient norm half the
+        # one at the last progress (a float32 objective can stay flat while
+        # the gradient still shrinks).
         moved = (value < best) | (norm < 0.5 * reference)
         stalled = jnp.where(moved, 0, stalled + 1)
         reference = jnp.where(moved, norm, reference)
@@ -271,8 +248,7 @@ def _fit_affine(
     members, batch, classes = predictions.shape
     parameters = classes * classes + classes if full_matrix else 2 * classes
     _check_enough_examples(batch, parameters, cls.__name__)
-    # `l2` and `iterations` as arrays: one program per shape, whatever their
-    # values (a search over `l2` compiles once).
+    # `l2` and `iterations` as arrays: a search over `l2` compiles once.
     options = (full_matrix,)
     if l2 == "cv":
         if is_traced(predictions):
@@ -293,9 +269,8 @@ def _fit_affine(
 
 
 def _penalty_array(l2: Any, predictions: Array, per_member: bool) -> Array:
-    """`l2` as the fit's traced argument: per member, one value per member
-    (a search's single values and its per-member choice then share one
-    program: a first `per_member=True` fit compiled two, ~4 s each)."""
+    """`l2` as the fit's traced argument, one value per member when per member
+    (so a search and its per-member choice share one program)."""
     l2 = jnp.asarray(l2, predictions.dtype)
     return jnp.broadcast_to(l2, predictions.shape[:1]) if per_member else l2
 
@@ -308,11 +283,9 @@ def _cross_validated_l2(
     iterations: int,
     options: tuple[bool],
 ) -> Any:
-    """The `L2_GRID` penalty with the lowest held-out NLL over `CV_FOLDS`
-    folds of the calibration split (Kull et al. 2019 choose their penalty
-    so), one per member when fitted per member. Folds are fixed (a
-    permutation seeded by 0) and given as weights: every fit of every penalty
-    and fold runs the final fit's compiled program (30 short calls)."""
+    """The `L2_GRID` penalty with the lowest held-out NLL over `CV_FOLDS` folds
+    (as Kull et al. 2019), one per member when per member. Folds are fixed (seed
+    0) and given as weights, so every fit runs the final fit's program."""
     batch = labels.shape[0]
     fold = np.empty(batch, np.int64)
     for index, part in enumerate(
@@ -323,7 +296,6 @@ def _cross_validated_l2(
     for k in range(CV_FOLDS):
         weights = jnp.asarray(fold != k, predictions.dtype)
         for position, l2 in enumerate(L2_GRID):
-            # The final fit's own program (`l2` and the weights are traced).
             weight, bias = _fit_affine_compiled(
                 cls, predictions, labels, per_member,
                 _penalty_array(l2, predictions, per_member),
@@ -340,8 +312,7 @@ def _cross_validated_l2(
 
 @eqx.filter_jit
 def _held_out_nll(cls, weight, bias, predictions, labels, per_member, weights):
-    """The NLL on the examples `weights` leaves out (per member: each
-    member's own)."""
+    """The NLL on the examples `weights` leaves out (per member: each its own)."""
     template = cls(weight, bias, per_member)
     inputs = template._inputs(predictions)
     held = 1.0 - weights
@@ -366,9 +337,8 @@ def _fit_affine_params(
 
     def penalty(params, l2):
         weight, bias = params
-        # The distance to temperature scaling's family (`c * identity`, any
-        # scale `c`): the mean of the diagonal is free, so a strong penalty
-        # gives temperature scaling, not the uncalibrated identity.
+        # The distance to `c * identity`, any `c`: a strong penalty gives
+        # temperature scaling, not the uncalibrated identity.
         diagonal = weight if not full_matrix else jnp.diagonal(weight)
         deviation = weight - jnp.mean(diagonal) * identity
         return l2 * (jnp.sum(deviation**2) + jnp.sum(bias**2))
@@ -384,14 +354,10 @@ def _fit_affine_params(
 
         if jax.default_backend() != "cpu":
             return jax.vmap(fit_one)(inputs, l2)
-        # On a CPU, one member after another: `vmap`'s batching of L-BFGS's
-        # while loop (and of its line search's, nested) traced the body again
-        # and again and stepped every member until the slowest stopped. A
-        # first `fit_matrix_scaling(..., per_member=True)` of 3 x 300 x 4
-        # logits (XLA's defaults, one program already) took 7.7 s with `vmap`
-        # (trace 2.1 s, compile 3.9 s), 4.6 s with `lax.map`. On an
-        # accelerator, where each step of a loop costs launches and a
-        # host round trip, `vmap` runs the members' steps together.
+        # On a CPU, one member after another: a vmapped while loop steps every
+        # member until the slowest stops, and traced slower (7.7 s against
+        # 4.6 s for a first 3-member fit). On an accelerator `vmap` saves
+        # a launch and host round trip per step.
         return jax.lax.map(lambda args: fit_one(*args), (inputs, l2))
 
     def objective(params):
@@ -411,26 +377,21 @@ _AFFINE_ARGS = """
       batch, classes)`; for a single model pass `logits[None]`.
     - `labels`: integer class labels, shape `(batch,)`.
     - `per_member`: `False` (default): ONE calibrator for the ensemble, applied to
-      every member's logits and fitted to minimise the NLL of the ensemble's mean
-      prediction (as `ee.metrics.fit_temperature`); `True`: one per member, each
-      fitted to minimise its own member's NLL (its parameters get a leading member
-      axis).
-    - `l2`: the weight of an L2 penalty pulling the parameters to temperature
-      scaling's family (the weight a multiple of the identity, whatever the
-      multiple; the bias zero), added to the mean NLL: a strong penalty gives
-      temperature scaling, and it keeps the fit finite on a calibration split
-      the logits separate perfectly. `0` fits the NLL alone. Default `"cv"`:
-      chosen from `1e-4, 1e-3, ..., 10` by 5-fold cross-validation on the
-      calibration split (the held-out NLL; Kull et al. 2019 choose their
-      penalty so): a small split gets a strong pull (close to temperature
-      scaling), a large one a weak one.
+      every member's logits, minimising the NLL of the ensemble's mean prediction
+      (as `ee.metrics.fit_temperature`); `True`: one per member, minimising its
+      member's NLL (its parameters get a leading member axis).
+    - `l2`: the weight of an L2 penalty, added to the mean NLL, pulling the
+      parameters to temperature scaling's family (the weight any multiple of the
+      identity, the bias zero): a strong penalty gives temperature scaling, and
+      it keeps the fit finite on a split the logits separate perfectly. `0`
+      fits the NLL alone. Default `"cv"`: chosen from `1e-4, 1e-3, ..., 10` by
+      5-fold cross-validation of the held-out NLL (as Kull et al. 2019): a
+      small split gets a strong pull, a large one a weak one.
     - `iterations`: the most L-BFGS steps (`optax.lbfgs`, zoom line search); the
       fit stops earlier when the gradient norm falls below `1e-6` or after 25
-      steps in a row without progress (neither a lower objective nor a
-      gradient norm half the last one: converged as far as its precision
-      can tell). The objective
-      is convex for one member (softmax regression on fixed features), so the
-      minimum found is the global one.
+      steps in a row without progress (neither a lower objective nor a halved
+      gradient norm). The objective is convex for one member, so the minimum
+      found is the global one.
 """
 
 
@@ -481,9 +442,8 @@ def fit_matrix_scaling(
     iterations: int = 500,
 ) -> MatrixScaling:
     """Fit matrix scaling (Guo et al. 2017): calibrated logits `W z + b`,
-    `classes**2 + classes` parameters; prone to overfit with many classes (use
-    the default `l2="cv"`, which pulls it towards temperature scaling on a small
-    split).
+    `classes**2 + classes` parameters; prone to overfit with many classes (the
+    default `l2="cv"` pulls it towards temperature scaling on a small split).
 
     {args}
     Raises `ValueError` when the split holds fewer examples than the calibrator
@@ -522,8 +482,7 @@ def fit_dirichlet_scaling(
     obtaining well-calibrated multiclass probabilities with Dirichlet
     calibration"): calibrated logits `W log p + b` on the log probabilities,
     `classes**2 + classes` parameters. The penalty is the others' (towards
-    temperature scaling's family, the diagonal's deviations included), so a
-    strong penalty is temperature scaling; the paper's ODIR leaves the
+    temperature scaling, the diagonal included); the paper's ODIR leaves the
     diagonal free.
 
     {args}
@@ -554,20 +513,15 @@ for _fn in (fit_vector_scaling, fit_matrix_scaling, fit_dirichlet_scaling):
     _fn.__doc__ = (_fn.__doc__ or "").replace("{args}", _AFFINE_ARGS.strip("\n"))
 
 
-# ----------------------------------------------------------- non-parametric maps
-
-
 def _floored(probs: Array, floor: float) -> Array:
-    """Rows normalised, every class at least `floor` before normalising (a
-    class the calibration split never saw in a bin gets `floor`, not 0: a
+    """Rows normalised, every class clipped to at least `floor` first (a
     probability of 0 for a class that occurs costs an infinite NLL)."""
     return _normalise(jnp.clip(probs, floor, 1.0 - floor) if floor > 0 else probs)
 
 
 def _check_floor(floor: Any, batch: int) -> float:
-    """`floor=None`: 1 / (2 (batch + 1)), half of the smallest frequency the
-    calibration split can tell from zero (Laplace's rule of succession gives
-    1 / (batch + 2) to a class never seen); else a number in [0, 0.5)."""
+    """`floor=None`: 1 / (2 (batch + 1)), half the smallest frequency the split
+    can tell from zero; else a number in [0, 0.5)."""
     if floor is None:
         return 1.0 / (2 * (batch + 1))
     if isinstance(floor, bool) or not isinstance(floor, int | float):
@@ -588,8 +542,8 @@ def _normalise(probs: Array) -> Array:
 def _calibration_inputs(
     probs: ArrayLike, labels: ArrayLike, from_logits: bool, per_member: bool
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`(fits, batch, classes)` probabilities on the host (the mean prediction as
-    one fit, or one per member) and the labels."""
+    """`(fits, batch, classes)` host probabilities (the mean as one fit, or one
+    per member) and the labels."""
     per_member = _check_per_member(per_member)
     predictions = prepare_predictions(probs, from_logits=from_logits)
     labels = prepare_labels(labels, predictions)
@@ -600,22 +554,20 @@ def _calibration_inputs(
 
 
 def _applied_probs(predictions: Array, from_logits: bool, per_member: bool) -> Array:
-    """The probabilities a non-parametric map applies to: each member's, or the
-    ensemble's mean as one."""
+    """Each member's probabilities, or the ensemble's mean as one."""
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
     return member_probs if per_member else jnp.mean(member_probs, axis=0)[None]
 
 
 class HistogramBinning(eqx.Module):
     """Histogram binning (Zadrozny and Elkan 2001), one-vs-rest per class: each
-    class's probability is replaced by the frequency of that class among the
-    calibration examples in its bin, then each row is normalised. Fitted by
+    class's probability becomes that class's frequency among the calibration
+    examples in its bin, then rows are normalised. Fitted by
     [`fit_histogram_binning`][eqx_ensemble.calibration.fit_histogram_binning].
 
     Calling it on probabilities `(members, batch, classes)` (logits with
-    `from_logits=True`) returns calibrated probabilities: `(1, batch, classes)`
-    (the ensemble's calibrated mean prediction) or, fitted per member, `(members,
-    batch, classes)`.
+    `from_logits=True`) returns calibrated probabilities `(1, batch, classes)`
+    (the calibrated mean) or, fitted per member, `(members, batch, classes)`.
 
     **Example:**
 
@@ -661,10 +613,9 @@ def fit_histogram_binning(
     """Fit histogram binning (Zadrozny and Elkan 2001; the multiclass
     one-vs-rest form of Guo et al. 2017) on a calibration split.
 
-    Each class's predicted probability is cut into `n_bins` equal-width bins of
-    `[0, 1]`; a bin's calibrated value is the fraction of its calibration examples
-    whose label is that class (an empty bin keeps its midpoint). Calibrated rows
-    are normalised to sum to one (a row of zeros becomes uniform).
+    Each class's probability is cut into `n_bins` equal-width bins of `[0, 1]`;
+    a bin's value is the fraction of its examples with that label (an empty bin
+    keeps its midpoint). Rows are normalised (a row of zeros becomes uniform).
 
     **Arguments:**
 
@@ -676,10 +627,9 @@ def fit_histogram_binning(
       `True`: one map per member.
     - `from_logits`: whether `probs` holds logits.
     - `floor`: the least probability a class is given before each row is
-      normalised. Default `None`: `1 / (2 (batch + 1))` for a calibration
-      split of `batch` examples (a class never seen in a bin is not called
-      impossible: its probability 0 would cost an infinite NLL on the first
-      test example of that class); `0` keeps the raw map (scikit-learn's).
+      normalised. Default `None`: `1 / (2 (batch + 1))` for `batch` calibration
+      examples (a probability 0 would cost an infinite NLL on the first test
+      example of that class); `0` keeps the raw map (scikit-learn's).
 
     **Returns:**
 
@@ -716,8 +666,8 @@ def fit_histogram_binning(
 
 
 def _pool_adjacent_violators(y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The non-decreasing fit of `y` (weights `w`) minimising the weighted squared
-    error: pool adjacent violators, one pass with a stack of blocks."""
+    """The non-decreasing least-squares fit of `y` (weights `w`): pool adjacent
+    violators."""
     means: list[float] = []
     weights: list[float] = []
     sizes: list[int] = []
@@ -736,13 +686,11 @@ def _pool_adjacent_violators(y: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 class IsotonicCalibration(eqx.Module):
     """Isotonic regression (Zadrozny and Elkan 2002), one-vs-rest per class: each
-    class's probability is mapped through a non-decreasing piecewise-linear
-    function fitted on the calibration split, then each row is normalised (as
-    scikit-learn's `CalibratedClassifierCV(method="isotonic")`). Fitted by
-    [`fit_isotonic_regression`][eqx_ensemble.calibration.fit_isotonic_regression].
-
-    Calling it returns calibrated probabilities: `(1, batch, classes)` or, fitted
-    per member, `(members, batch, classes)`.
+    class's probability goes through a fitted non-decreasing piecewise-linear
+    map, then rows are normalised (as scikit-learn's
+    `CalibratedClassifierCV(method="isotonic")`). Fitted by
+    [`fit_isotonic_regression`][eqx_ensemble.calibration.fit_isotonic_regression];
+    returns `(1, batch, classes)` or, per member, `(members, batch, classes)`.
 
     **Example:**
 
@@ -788,27 +736,18 @@ def fit_isotonic_regression(
 ) -> IsotonicCalibration:
     """Fit isotonic regression (Zadrozny and Elkan 2002) one-vs-rest per class on
     a calibration split: for class `c`, the non-decreasing function of `p_c`
-    closest in squared error to the indicator `label == c` (pool adjacent
-    violators; equal inputs pooled first), interpolated linearly between the
-    calibration points and constant beyond them. Each class's map equals
+    closest in squared error to `label == c` (pool adjacent violators),
+    linear between the points and constant beyond. Each class's map equals
     `sklearn.isotonic.IsotonicRegression(out_of_bounds="clip")`; rows are then
-    normalised (a row of zeros becomes uniform).
-
-    Fitting runs on the host (NumPy): it is done once, after training.
+    normalised (a row of zeros becomes uniform). Fitted on the host (NumPy).
 
     **Arguments:**
 
     - `probs`: per-member probabilities on the calibration split, shape
       `(members, batch, classes)` (logits with `from_logits=True`).
     - `labels`: integer class labels, shape `(batch,)`; at least 2 examples.
-    - `per_member`: `False` (default): fit the ensemble's mean prediction;
-      `True`: one map per member.
-    - `from_logits`: whether `probs` holds logits.
-    - `floor`: the least probability a class is given before each row is
-      normalised. Default `None`: `1 / (2 (batch + 1))` for a calibration
-      split of `batch` examples (a class never seen in a bin is not called
-      impossible: its probability 0 would cost an infinite NLL on the first
-      test example of that class); `0` keeps the raw map (scikit-learn's).
+    - `per_member`, `from_logits`, `floor` (default `None`): as
+      [`fit_histogram_binning`][eqx_ensemble.calibration.fit_histogram_binning].
 
     **Returns:**
 

@@ -1,10 +1,5 @@
-"""Input validation for `ee.metrics`.
-
-Every check runs eagerly on concrete inputs, before any computation, and is
-skipped for values that are traced (inside `jax.jit`, `jax.vmap`, ...), whose
-contents are unknown until run time. Shape checks always run: shapes are known
-even under tracing.
-"""
+"""Input validation for `ee.metrics`: value checks run eagerly on concrete inputs
+and are skipped for traced ones; shape checks always run."""
 
 import numbers
 from typing import Any
@@ -41,8 +36,7 @@ def as_float_array(x: Any, name: str) -> Array:
             f"`{name}` must be a floating-point array, got dtype {array.dtype} "
             f"(shape {tuple(array.shape)})"
         )
-    # Computed in at least float32: a bfloat16 accuracy or ECE summed in
-    # bfloat16 is wrong in the third digit (0.9453 for 468/497 = 0.9417).
+    # At least float32: bfloat16 sums are wrong in the third digit.
     return array.astype(jnp.float32) if array.dtype.itemsize < 4 else array
 
 
@@ -69,8 +63,7 @@ def check_classification_predictions(
         )
     if is_traced(predictions):
         return
-    # Reductions run where the array lives; only a few scalars come to the host
-    # (now, also where a caller's trace closes over the predictions).
+    # Reductions on the device; a few scalars come to the host.
     with jax.ensure_compile_time_eval():
         _check_concrete_predictions(predictions, from_logits, name, shape, given)
 
@@ -103,7 +96,6 @@ def _check_concrete_predictions(
             f"`{name}` (probabilities of shape {shape}) contains NaN or infinite "
             f"values, first at index {where} (member, example, class)"
         )
-    # The tolerance of the precision the probabilities were given in.
     tolerance = probability_tolerance(predictions.dtype if given is None else given)
     low, high = float(low), float(high)
     if low < -tolerance or high > 1 + tolerance:
@@ -125,8 +117,7 @@ def _check_concrete_predictions(
         )
 
 
-# The checks' reductions, each one program per shape (op by op, a new shape
-# compiled every operation anew).
+# The checks' reductions, one program per shape.
 @one_shot_jit
 def _any_nan_or_inf(logits: Array) -> Array:
     return jnp.any(jnp.isnan(logits) | (logits == jnp.inf))
@@ -173,7 +164,6 @@ def check_labels(
         )
     if is_traced(labels):
         return
-    # Concrete labels inside a caller's trace (closed over) are read now too.
     with jax.ensure_compile_time_eval():
         bounds = _bounds(labels)
     low, high = (int(bound) for bound in jax.device_get(bounds))

@@ -24,8 +24,7 @@ def prepare_predictions(
     probs: ArrayLike, *, from_logits: bool, name: str = "probs"
 ) -> Array:
     """Validated `(members, batch, classes)` predictions as a float array of at
-    least 32 bits (every metric, calibrator and conformal method computes in
-    float32 or wider, whatever the predictions' precision)."""
+    least 32 bits."""
     given = getattr(probs, "dtype", None)
     array = as_float_array(probs, name)
     check_classification_predictions(
@@ -47,8 +46,7 @@ def member_log_probs(predictions: Array, *, from_logits: bool) -> tuple[Array, A
     if from_logits:
         log_probs = jax.nn.log_softmax(predictions, axis=-1)
         return jnp.exp(log_probs), log_probs
-    # Probabilities within tolerance of [0, 1] may stray by rounding: clip so the
-    # logarithm never sees a negative number.
+    # Probabilities may stray from [0, 1] by rounding: keep `log` off negatives.
     probs = jnp.clip(predictions, 0.0, 1.0)
     return probs, safe_log(probs)
 
@@ -60,11 +58,8 @@ def safe_log(probs: Array) -> Array:
 
 
 def ensemble_log_probs(probs: Array, log_probs: Array, *, from_logits: bool) -> Array:
-    """`log((1/M) sum_i p_i)` over the member axis.
-
-    From logits it is computed in log-space (`logsumexp`), exact where the
-    probabilities underflow.
-    """
+    """`log((1/M) sum_i p_i)` over the member axis (from logits in log-space,
+    exact where the probabilities underflow)."""
     if not from_logits:
         return safe_log(jnp.mean(probs, axis=0))
     members = log_probs.shape[0]
@@ -74,10 +69,8 @@ def ensemble_log_probs(probs: Array, log_probs: Array, *, from_logits: bool) -> 
 
 
 def log_floor(dtype) -> float:
-    """The log-probability a loss uses for a probability of exactly 0: the `log` of
-    the smallest positive (subnormal) float, about -103.3 in float32, so the loss is
-    large but finite rather than `inf`, and no smaller than for any positive
-    probability."""
+    """The log-probability a loss uses for a probability of exactly 0: the `log`
+    of the smallest subnormal, about -103.3 in float32 (large but finite)."""
     return float(np.log(float(jnp.finfo(dtype).smallest_subnormal)))
 
 
@@ -97,9 +90,8 @@ def label_log_probs(log_probs: Array, labels: Array) -> Array:
 
 
 def compiled(*static_argnames: str):
-    """`jax.jit` with static options: validation runs eagerly in the public function,
-    the computation compiles once per shape (`one_shot_jit`: for compile time;
-    inlined under an outer `jit`)."""
+    """`one_shot_jit` with static options: the public function validates eagerly,
+    the computation compiles once per shape."""
     return one_shot_jit(static_argnames=static_argnames)
 
 
@@ -118,9 +110,8 @@ def accuracy(
     from_logits: bool = False,
 ) -> Float[Array, ""]:
     """Accuracy of the ensemble: the fraction of examples whose most probable class
-    under the mean of the members' probabilities is the label.
-
-    Ties go to the smallest class index (as `jnp.argmax`).
+    under the members' mean probabilities is the label (ties go to the smallest
+    class index, as `jnp.argmax`).
 
     **Arguments:**
 
@@ -193,11 +184,10 @@ def nll(
     """Negative log-likelihood of the labels under the ensemble's mean prediction,
     `-log((1/M) sum_i p_i[label])`, in nats.
 
-    With `from_logits=True` the mean is taken in log-space (`logsumexp` over
-    members of `log_softmax`), exact even where probabilities underflow. A
-    probability of exactly 0 on the true class gives a large finite loss instead
-    of `inf`: it counts as the smallest positive float (a loss of about 103.3
-    nats in float32), never less than the loss of any positive probability.
+    With `from_logits=True` the mean is taken in log-space, exact even where
+    probabilities underflow. A probability of exactly 0 on the true class counts
+    as the smallest positive float (a loss of about 103.3 nats in float32, not
+    `inf`), never less than the loss of any positive probability.
 
     **Arguments:**
 
@@ -283,10 +273,9 @@ def brier_score(
     """Brier score of the ensemble's mean prediction, **summed over classes**:
     `sum_c (pbar_c - onehot(label)_c)^2`, averaged over the batch.
 
-    This is Brier's (1950) multi-class definition, used by Lakshminarayanan et al.
-    (2017) and Ovadia et al. (2019); it lies in `[0, 2]`. For two classes it is
-    twice scikit-learn's binary `brier_score_loss` (which scores the positive
-    class only); it equals `brier_score_loss(..., scale_by_half=False)`.
+    Brier's (1950) multi-class definition, as Lakshminarayanan et al. (2017) and
+    Ovadia et al. (2019), in `[0, 2]`. For two classes it is twice scikit-learn's
+    binary `brier_score_loss`, i.e. `brier_score_loss(..., scale_by_half=False)`.
 
     **Arguments:**
 

@@ -62,8 +62,7 @@ def _class_means(f: np.ndarray, y: np.ndarray, classes: int) -> np.ndarray:
 
 
 def _applied(features: Any, members: int, dim: int, who: str) -> Array:
-    """`features` as a float array, refused unless it is `(members, batch,
-    dim)` for the members and dimension the detector was fitted on."""
+    """`features` as a float array `(members, batch, dim)` matching the fit."""
     f = as_float_array(features, "features")
     if f.ndim != 3 or f.shape[0] != members or f.shape[2] != dim:
         raise ValueError(
@@ -71,7 +70,6 @@ def _applied(features: Any, members: int, dim: int, who: str) -> Array:
             f"got features of shape {tuple(f.shape)} (members, batch, dim)"
         )
     if not is_traced(f):
-        # A NaN feature would score NaN: neither in nor out of distribution.
         bad = ~np.isfinite(np.asarray(f))
         if bad.any():
             member, example, _ = np.argwhere(bad)[0].tolist()
@@ -85,11 +83,11 @@ def _applied(features: Any, members: int, dim: int, who: str) -> Array:
 
 class Mahalanobis(eqx.Module):
     """The Mahalanobis OOD score (Lee et al. 2018): each example's smallest
-    squared Mahalanobis distance to a class mean, under one covariance shared by
-    the classes; higher is more likely out of distribution. Fitted by
-    [`fit_mahalanobis`][eqx_ensemble.ood.fit_mahalanobis]; calling it on features
-    `(members, batch, dim)` returns each member's scores, `(members, batch)`
-    (average over axis 0 for the ensemble's).
+    squared Mahalanobis distance to a class mean, under one shared covariance;
+    higher is more likely OOD. Fitted by
+    [`fit_mahalanobis`][eqx_ensemble.ood.fit_mahalanobis]; maps features
+    `(members, batch, dim)` to each member's scores `(members, batch)` (average
+    over axis 0 for the ensemble's).
 
     **Example:**
 
@@ -101,13 +99,9 @@ class Mahalanobis(eqx.Module):
 
     means: Float[Array, "members classes dim"]
     precision: Float[Array, "members dim dim"]
-    # A square root `W` of the precision (`W' W = P`: its eigenvectors as rows,
-    # scaled): a distance is the squared length of the whitened offset `W c`,
-    # a sum of squares, where `c' P c` in float32 cancels (0.75% off
-    # scikit-learn for feature scales 1 to 1e-3, 71% at 1e-4). Computed in
-    # float64 from the covariance by `fit_mahalanobis` (a float32 precision
-    # has already lost the large-variance directions at such scales), else
-    # from `precision`.
+    # `W` with `W' W = P`: a distance is `|W c|^2`, a sum of squares, where
+    # `c' P c` cancels in float32 (71% off scikit-learn at feature scale 1e-4).
+    # `fit_mahalanobis` computes it in float64 from the covariance.
     whitening: Float[Array, "members dim dim"]
 
     def __init__(
@@ -133,10 +127,8 @@ class Mahalanobis(eqx.Module):
 
 
 def _square_root(precision: Any, dtype: Any) -> Array:
-    """`W` with `W' W = precision` for each member (eigenvectors as rows,
-    times the square roots of their eigenvalues; a negative one, rounding's,
-    taken as 0), computed in float64 on the host (in the precision's dtype
-    inside a trace)."""
+    """`W` with `W' W = precision` for each member (negative eigenvalues taken
+    as 0), in float64 on the host (the precision's dtype inside a trace)."""
     if is_traced(precision):
         values, vectors = jnp.linalg.eigh(precision)
         root = jnp.sqrt(jnp.maximum(values, 0))
@@ -148,9 +140,8 @@ def _square_root(precision: Any, dtype: Any) -> Array:
 
 
 def _inverse_square_root(covariance: np.ndarray) -> np.ndarray:
-    """`W` with `W' W = pinv(covariance)` for each member, in float64: the
-    eigenvectors as rows over the square roots of their eigenvalues, those
-    under `np.linalg.pinv`'s cut-off (relative 1e-15) taken as 0."""
+    """`W` with `W' W = pinv(covariance)` for each member, in float64
+    (eigenvalues under `np.linalg.pinv`'s relative 1e-15 cut-off taken as 0)."""
     values, vectors = np.linalg.eigh(covariance)
     cutoff = 1e-15 * np.max(np.abs(values), axis=-1, keepdims=True)
     kept = values > cutoff
@@ -169,9 +160,8 @@ def fit_mahalanobis(
     features: Float[ArrayLike, "members batch dim"], labels: Int[ArrayLike, " batch"]
 ) -> Mahalanobis:
     """Fit the Mahalanobis detector on training features (Lee et al. 2018): per
-    member, the class means and the covariance of the features around their
-    class means, pooled over the classes (`sklearn.covariance.EmpiricalCovariance`
-    of the centred features), inverted with a pseudo-inverse.
+    member, the class means and the pooled covariance around them
+    (`sklearn.covariance.EmpiricalCovariance`), pseudo-inverted.
 
     **Arguments:**
 
@@ -210,10 +200,9 @@ def fit_mahalanobis(
 class GaussianDensity(eqx.Module):
     """The feature-density OOD score of DDU (Mukhoti et al. 2023): minus the log
     density of each example's features under a mixture of class-conditional
-    Gaussians, each with its own covariance, weighted by the classes'
-    frequencies; higher is more likely out of distribution. Fitted by
-    [`fit_gaussian_density`][eqx_ensemble.ood.fit_gaussian_density]; returns
-    `(members, batch)`.
+    Gaussians weighted by the classes' frequencies; higher is more likely OOD.
+    Fitted by [`fit_gaussian_density`][eqx_ensemble.ood.fit_gaussian_density];
+    returns `(members, batch)`.
 
     **Example:**
 
@@ -263,10 +252,10 @@ def fit_gaussian_density(
     jitter: float = 0.0,
 ) -> GaussianDensity:
     """Fit DDU's class-conditional Gaussians (Mukhoti et al. 2023) on training
-    features: per member and class, the mean and the covariance (divided by
-    the class's count, as `np.cov(bias=True)`), plus `jitter` times the identity
-    and, where a covariance is still not positive definite, the smallest power
-    of ten (from 1e-10 of its mean variance) that makes it so, as DDU does.
+    features: per member and class, the mean and covariance (`np.cov(bias=True)`)
+    plus `jitter` times the identity and, where still not positive definite,
+    the smallest power of ten (from 1e-10 of its mean variance) that makes it
+    so, as DDU does.
 
     **Arguments:**
 
@@ -320,10 +309,8 @@ def fit_gaussian_density(
 
 
 def _cholesky(covariance: np.ndarray, pooled: float, where: str) -> np.ndarray:
-    """The Cholesky factor of `covariance`, with the smallest power of ten of
-    its mean variance (of the member's features' variance, `pooled`, where a
-    class's features do not vary) added to its diagonal that makes it
-    positive definite in float32 as well."""
+    """The Cholesky factor of `covariance` plus the smallest power of ten of its
+    mean variance (or `pooled`'s) that makes it positive definite in float32."""
     scale = float(np.mean(np.diag(covariance)))
     if not scale > 0:
         scale = pooled if pooled > 0 else 1.0
@@ -342,11 +329,10 @@ def _cholesky(covariance: np.ndarray, pooled: float, where: str) -> np.ndarray:
 
 
 class KNN(eqx.Module):
-    """The k-th nearest neighbour OOD score (Sun et al. 2022): the Euclidean
-    distance from each example's normalised features to the `k`-th nearest of
-    the normalised training features; higher is more likely out of
-    distribution. Fitted by [`fit_knn`][eqx_ensemble.ood.fit_knn]; returns
-    `(members, batch)`.
+    """The k-th nearest neighbour OOD score (Sun et al. 2022): the distance from
+    each example's normalised features to the `k`-th nearest normalised
+    training features; higher is more likely OOD. Fitted by
+    [`fit_knn`][eqx_ensemble.ood.fit_knn]; returns `(members, batch)`.
 
     **Example:**
 
@@ -423,14 +409,14 @@ def penultimate_features(
     *,
     chunk_size: int | None = None,
 ) -> Float[Array, "members batch dim"]:
-    """Every member's features before its last layer, the input the detectors
-    of this module are fitted on: each member with its last layer (and an
-    `eqx.nn.MLP`'s `final_activation`) replaced by the identity, run by
-    [`ee.predict`][eqx_ensemble.predict] (inference mode, one program).
+    """Every member's features before its last layer, what the detectors are
+    fitted on: each member with its last layer (and an `eqx.nn.MLP`'s
+    `final_activation`) replaced by the identity, run by
+    [`ee.predict`][eqx_ensemble.predict].
 
-    For members that are an `eqx.nn.MLP` or an `eqx.nn.Sequential`; for any
-    other model, write the features as a function of one member and map it,
-    `ee.map(lambda m, xs: jax.vmap(m.features)(xs), ens, x)`.
+    For `eqx.nn.MLP` or `eqx.nn.Sequential` members; for any other model, map
+    a function of one member: `ee.map(lambda m, xs: jax.vmap(m.features)(xs),
+    ens, x)`.
 
     **Arguments:**
 

@@ -34,10 +34,9 @@ def ood_auroc(
     """Area under the ROC curve for telling out-of-distribution inputs from
     in-distribution ones by an uncertainty score (higher = more likely OOD).
 
-    It is the Mann-Whitney statistic: the probability that a random OOD input
-    scores higher than a random in-distribution one, ties counting one half.
-    1 separates perfectly, 0.5 is chance. Computed by sorting (`O(n log n)`,
-    `searchsorted` for the ties), so it runs under `jax.jit`. It equals
+    The Mann-Whitney statistic: the probability that a random OOD input scores
+    higher than a random in-distribution one, ties counting one half (1 is
+    perfect, 0.5 chance). Computed by sorting, so it runs under `jax.jit`; equals
     `sklearn.metrics.roc_auc_score` with the OOD inputs as the positive class.
 
     **Arguments:**
@@ -72,8 +71,7 @@ def _ood_auroc(in_scores: Array, out_scores: Array) -> Array:
     out_scores = out_scores.astype(dtype)
     below = jnp.searchsorted(sorted_in, out_scores, side="left")
     not_above = jnp.searchsorted(sorted_in, out_scores, side="right")
-    # Per OOD input: the fraction of in-distribution inputs it outscores (ties
-    # half). Averaging fractions avoids integer overflow of the pair count.
+    # Averaging per-input fractions avoids overflowing the pair count.
     wins = (below + not_above).astype(dtype) / (2 * in_scores.shape[0])
     return jnp.mean(wins)
 
@@ -84,13 +82,10 @@ def ood_fpr_at_tpr(
     tpr: float = 0.95,
 ) -> Float[Array, ""]:
     """False-positive rate at a true-positive rate (FPR at 95% TPR by default):
-    with the threshold that flags at least `tpr` of the out-of-distribution inputs
-    (score at or above it), the fraction of in-distribution inputs also flagged.
-    Lower is better; OOD inputs are the positive class, as in
-    [`ood_auroc`][eqx_ensemble.metrics.ood_auroc].
-
-    It is the false-positive rate of the first point of
-    `sklearn.metrics.roc_curve` whose true-positive rate reaches `tpr`.
+    with the threshold that flags (score at or above) at least `tpr` of the OOD
+    inputs, the fraction of in-distribution inputs also flagged; lower is
+    better. The FPR of the first point of `sklearn.metrics.roc_curve` whose TPR
+    reaches `tpr` (OOD inputs positive).
 
     **Arguments:**
 
@@ -119,8 +114,7 @@ def ood_fpr_at_tpr(
     _check_scores(in_scores, "in_scores")
     _check_scores(out_scores, "out_scores")
     n_out = out_scores.shape[0]
-    # The k-th largest OOD score flags at least k of them: the smallest k that
-    # reaches `tpr` (a tiny slack absorbs 0.95 * n in floating point).
+    # The smallest k reaching `tpr` (the slack absorbs 0.95 * n's rounding).
     k = max(1, math.ceil(tpr * n_out - 1e-9))
     return _fpr_at(in_scores, out_scores, k)
 
@@ -136,12 +130,9 @@ def ood_aupr(
     in_scores: Float[ArrayLike, " n_in"], out_scores: Float[ArrayLike, " n_out"]
 ) -> Float[Array, ""]:
     """Area under the precision-recall curve for detecting out-of-distribution
-    inputs (AUPR-Out: OOD inputs are the positive class), as average precision:
-    the precision at each threshold weighted by the recall it adds.
-
-    It equals `sklearn.metrics.average_precision_score` with the OOD inputs as
-    positives. For AUPR-In (in-distribution as positives), swap the arguments
-    and negate the scores.
+    inputs (AUPR-Out), as average precision: `sklearn.metrics.
+    average_precision_score` with the OOD inputs as positives. For AUPR-In,
+    swap the arguments and negate the scores.
 
     **Arguments:**
 

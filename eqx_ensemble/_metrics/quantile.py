@@ -39,10 +39,8 @@ def _pit(means: Array, variances: Array, targets: Array, predictive: str) -> Arr
 
 
 def _standardised(means: Array, variances: Array, targets: Array) -> Array:
-    """Each target's residual in units of the moment-matched predictive's
-    standard deviation: `F(y) = Phi(z)`, kept as `z` (the CDF's float32 values
-    are exactly 1 from `z` of about 5.4, where an overconfident model's
-    residuals lie)."""
+    """Each target's standardised residual `z` under the moment-matched
+    predictive, `F(y) = Phi(z)` (kept as `z`: float32 `Phi` is 1 from 5.4)."""
     mean, variance = gaussian_mixture(means, variances)
     return (targets - mean) / jnp.sqrt(
         jnp.maximum(variance, jnp.finfo(variance.dtype).tiny)
@@ -57,13 +55,11 @@ def regression_calibration_error(
     levels: int = 99,
     predictive: Predictive = "gaussian",
 ) -> Float[Array, ""]:
-    """Calibration error of a regression ensemble's quantiles: the mean, over
-    the levels `p = 1/(levels+1), ..., levels/(levels+1)`, of `|p - freq(p)|`,
-    where `freq(p)` is the fraction of targets at or below the predictive
-    distribution's `p`-quantile (`F(y) <= p`, `F` its CDF). 0 for a calibrated
-    predictive; at most 0.5. Kuleshov et al. (2018) sum the squared differences;
-    this is the mean absolute one (Uncertainty Toolbox's "mean absolute
-    calibration error"), in probability units.
+    """Calibration error of a regression ensemble's quantiles: the mean over the
+    levels `p = 1/(levels+1), ..., levels/(levels+1)` of `|p - freq(p)|`,
+    `freq(p)` the fraction of targets with `F(y) <= p` (`F` the predictive CDF):
+    0 when calibrated, at most 0.5. Uncertainty Toolbox's "mean absolute
+    calibration error" (Kuleshov et al. 2018 sum squared differences).
 
     **Arguments:**
 
@@ -73,8 +69,7 @@ def regression_calibration_error(
     - `levels`: how many quantile levels, evenly spaced in `(0, 1)`.
     - `predictive`: `"gaussian"` (default): the moment-matched Gaussian, as
       [`interval_coverage`][eqx_ensemble.metrics.interval_coverage];
-      `"mixture"`: the members' exact Gaussian mixture (its CDF is the mean of
-      theirs).
+      `"mixture"`: the members' exact Gaussian mixture.
 
     **Returns:**
 
@@ -109,19 +104,17 @@ def _calibration_error(means, variances, targets, levels, predictive):
 
 class QuantileRecalibration(eqx.Module):
     """Quantile recalibration of a regression ensemble (Kuleshov et al. 2018): a
-    non-decreasing map `R` of the predictive CDF's values, fitted so that the
-    calibrated CDF `R(F(y))` is calibrated on the calibration split. Fitted by
+    non-decreasing map `R` of the predictive CDF's values such that `R(F(y))` is
+    calibrated on the calibration split. Fitted by
     [`fit_quantile_recalibration`][eqx_ensemble.calibration.fit_quantile_recalibration].
 
-    The predictive `F` is the moment-matched Gaussian of the members' means and
-    variances, `F(y) = Phi(z)` with `z` the standardised residual; `R` is held
-    as a function of `z` (points `z`, values `levels`; the same map, as `Phi`
-    is increasing, without the CDF's rounding to 1 in its tails), linear
-    between the calibration points and constant beyond them. `cdf` gives the
-    calibrated CDF at targets, `quantile` the calibrated quantiles and
-    `interval` the calibrated central interval (beyond the calibration
-    points' levels: the extreme point); all take the members' predictions,
-    `(members, batch)`.
+    `F` is the moment-matched Gaussian, `F(y) = Phi(z)`; `R` is held as a
+    function of the standardised residual `z` (points `z`, values `levels`,
+    avoiding the CDF's rounding to 1 in its tails), linear between the points
+    and constant beyond. `cdf` gives the calibrated CDF at targets, `quantile`
+    the calibrated quantiles and `interval` the calibrated central interval
+    (beyond the points' levels: the extreme point); all take the members'
+    predictions `(members, batch)`.
 
     **Example:**
 
@@ -187,11 +180,8 @@ def fit_quantile_recalibration(
     on a calibration split: with `p_t = F_t(y_t)` each target's predictive CDF
     value, the isotonic regression `R` of the empirical frequencies
     `#{s : p_s <= p_t} / T` on the `p_t` (as
-    `sklearn.isotonic.IsotonicRegression`; those frequencies are the empirical
-    CDF of the `p_t`, non-decreasing already), linear between the points and
-    constant beyond them (`out_of_bounds="clip"`).
-
-    Fitting runs on the host (NumPy), once, after training.
+    `sklearn.isotonic.IsotonicRegression(out_of_bounds="clip")`). Fitted on the
+    host (NumPy).
 
     **Arguments:**
 
@@ -227,19 +217,16 @@ def fit_quantile_recalibration(
             "the predictive CDF is not finite at some targets: the means, "
             "variances or targets hold NaN or inf"
         )
-    # F(y_t) <= F(y_s) exactly when z_t <= z_s: the empirical frequencies and
-    # the isotonic fit depend only on that order.
+    # F(y) is increasing in z: the fit depends only on the order of z.
     z_unique, fitted = isotonic_frequencies(z)
     dtype = means.dtype
     return QuantileRecalibration(as_array(z_unique, dtype), as_array(fitted, dtype))
 
 
 def isotonic_frequencies(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Kuleshov et al.'s recalibration map at the calibration points: the
-    distinct `values` (increasing) and the empirical frequencies `#{s : v_s <=
-    v_t} / T` there. Those are non-decreasing in `v` already (the empirical
-    CDF of the values): their isotonic regression is themselves, equal values
-    sharing one. One distinct value is a step, as two points."""
+    """Kuleshov et al.'s map at the calibration points: the distinct `values`
+    (increasing) and the empirical frequencies `#{s : v_s <= v_t} / T` there
+    (their own isotonic fit: non-decreasing already). One value gives two points."""
     empirical = np.searchsorted(np.sort(values), values, side="right") / values.size
     unique, inverse = np.unique(values, return_inverse=True)
     fitted = np.bincount(inverse, empirical) / np.bincount(inverse)
@@ -249,9 +236,8 @@ def isotonic_frequencies(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def map_inverse(points: Array, levels: Array, level: Array) -> Array:
-    """The generalised inverse `min {x : R(x) >= level}` of the piecewise
-    linear map `R` through `(points, levels)`: linear on each rising segment,
-    flat ones skipped, the extreme points beyond the fitted levels."""
+    """`min {x : R(x) >= level}` of the piecewise linear `R` through `(points,
+    levels)` (flat segments skipped, clipped to the extreme points)."""
     x, y = points.astype(level.dtype), levels.astype(level.dtype)
     k = jnp.clip(jnp.searchsorted(y, level, side="left"), 1, len(y) - 1)
     y0, y1, x0, x1 = y[k - 1], y[k], x[k - 1], x[k]
@@ -260,9 +246,7 @@ def map_inverse(points: Array, levels: Array, level: Array) -> Array:
 
 
 def _check_spread(variance: Array, who: str) -> None:
-    # A predictive variance of 0 (every member the same mean and a variance of
-    # 0) has no spread to recalibrate: its quantiles would all be the mean,
-    # an interval of width 0 at any level. Refused where it can be read.
+    # A predictive variance of 0 has no spread to recalibrate (when concrete).
     if is_traced(variance):
         return
     flat = np.asarray(variance).reshape(-1)

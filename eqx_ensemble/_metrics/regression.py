@@ -22,10 +22,8 @@ from .classification import Reduction, compiled, reduce
 
 
 def _single_output(array: Array, name: str, rank: int) -> Array:
-    # `(members, batch, 1)` is what `eqx.nn.MLP(out_size=1)` gives: one output,
-    # accepted as `(members, batch)` (targets: `(batch, 1)` as `(batch,)`).
-    # `(members, batch, outputs)` is kept: the metrics treat the outputs as
-    # independent (see the module docs of `ee.metrics`).
+    # `(members, batch, 1)` (`eqx.nn.MLP(out_size=1)`) as `(members, batch)`;
+    # several outputs are kept, and treated as independent.
     if array.ndim == rank + 1 and array.shape[-1] == 1:
         return array[..., 0]
     return array
@@ -72,8 +70,7 @@ def means_variances_targets(
 
 
 def _floored(variances: Array) -> Array:
-    # A variance of exactly 0 would give 0/0 = NaN for an exact prediction; the
-    # smallest normal float keeps the NLL finite (and huge for a wrong one).
+    # A variance of 0 would give 0/0 = NaN for an exact prediction.
     return jnp.maximum(variances, jnp.finfo(variances.dtype).tiny)
 
 
@@ -211,11 +208,10 @@ def gaussian_nll(
     """Gaussian negative log-likelihood of the targets under the ensemble, in nats,
     including the constant `0.5 log(2 pi)`.
 
-    With `predictive="gaussian"` (the default) the ensemble is the moment-matched
-    Gaussian `N(predictive_mean, predictive_variance)`, as evaluated by
-    Lakshminarayanan et al. (2017). With `predictive="mixture"` it is the exact
-    mixture `(1/M) sum_i N(mu_i, s_i^2)`, computed with `logsumexp` over members.
-    A variance of exactly 0 is raised to the dtype's smallest normal number.
+    `predictive="gaussian"` (default): the moment-matched Gaussian
+    `N(predictive_mean, predictive_variance)`, as Lakshminarayanan et al. (2017);
+    `"mixture"`: the exact mixture `(1/M) sum_i N(mu_i, s_i^2)`. A variance of
+    exactly 0 is raised to the dtype's smallest normal number.
 
     **Arguments:**
 
@@ -374,11 +370,9 @@ def interval_coverage(
     """Fraction of targets inside the ensemble's central prediction interval at
     `level` (ideally close to `level`).
 
-    The interval is the central one of the moment-matched Gaussian
-    `N(predictive_mean, predictive_variance)`: `mean +- z sqrt(variance)` with
-    `z = ndtri((1 + level) / 2)` (1.96 for 0.95), endpoints included. (The exact
-    mixture's interval differs when members disagree strongly; the moment-matched
-    one is what `predictive_mean`/`predictive_variance` report.)
+    The interval is the moment-matched Gaussian's, `mean +- z sqrt(variance)` with
+    `z = ndtri((1 + level) / 2)` (1.96 for 0.95), endpoints included (the exact
+    mixture's differs when members disagree strongly).
 
     **Arguments:**
 

@@ -1,16 +1,10 @@
 """Selective prediction: the risk of answering only where the model is confident.
 
-A model that may abstain ranks inputs by a confidence score (e.g. the ensemble's
-maximum mean probability, or minus its mutual information) and answers the most
-confident fraction, the *coverage*. The metrics here summarise that trade-off:
-the risk-coverage curve, its area (AURC, Geifman, Uziel & El-Yaniv 2019), the
-area under the generalized risk-coverage curve (AUGRC, Traub et al. 2024), and
-the accuracy at a chosen coverage.
-
-Ties in the confidence are resolved by their expected value under a random order
-(the cumulative loss is interpolated linearly across a group of tied scores), so
-every result is a function of the scores and losses alone, not of an arbitrary
-tie-break.
+A model that may abstain answers the most confident fraction (the *coverage*) of
+inputs. Here: the risk-coverage curve, its area (AURC, Geifman, Uziel & El-Yaniv
+2019), the generalized one's (AUGRC, Traub et al. 2024), and the accuracy at a
+coverage. Ties in the confidence count by their expected value under a random
+order, not an arbitrary tie-break.
 """
 
 import math
@@ -110,9 +104,7 @@ def aurc(
     losses: Float[ArrayLike, " _batch"] | Bool[ArrayLike, " _batch"],
 ) -> Float[Array, ""]:
     """Area under the risk-coverage curve (Geifman, Uziel & El-Yaniv 2019): the
-    mean selective risk over the `n` coverages `k / n`. Lower is better; a
-    confidence that ranks every mistake last reaches the minimum for the
-    model's error rate.
+    mean selective risk over the `n` coverages `k / n`; lower is better.
 
     **Arguments:** as [`risk_coverage_curve`][eqx_ensemble.metrics.risk_coverage_curve].
 
@@ -138,14 +130,10 @@ def augrc(
 ) -> Float[Array, ""]:
     """Area under the generalized risk-coverage curve (Traub et al. 2024): the
     generalized risk at coverage `k / n` is the total loss of the `k` answered
-    examples divided by `n` (for 0/1 losses, the probability that an example is
-    answered AND wrong). The area is taken by the trapezoid rule from coverage 0
-    (risk 0). Lower is better.
-
-    For 0/1 losses it equals the closed form of Traub et al.,
-    `(1 - acc) acc (1 - AUROC) + (1 - acc)^2 / 2`, with `acc` the accuracy and
-    `AUROC` that of the confidence separating correct from wrong predictions
-    (ties counting one half), exactly.
+    examples over `n` (for 0/1 losses, P(answered AND wrong)); trapezoid rule
+    from coverage 0. Lower is better. For 0/1 losses it equals Traub et al.'s
+    `(1 - acc) acc (1 - AUROC) + (1 - acc)^2 / 2` exactly (`AUROC` of the
+    confidence separating correct from wrong, ties one half).
 
     **Arguments:** as [`risk_coverage_curve`][eqx_ensemble.metrics.risk_coverage_curve].
 

@@ -38,13 +38,10 @@ def fit_temperature(
     scaling, Guo et al. 2017): the `T` minimising the ensemble's NLL
     `-log((1/M) sum_i softmax(logits_i / T)[label])`.
 
-    The search is a golden-section search over `log T` in `bounds`, which finds
-    the minimum of a unimodal function (the NLL of one model is convex in `1/T`,
-    hence unimodal in `log T`); `iterations` steps shrink the bracket by
-    `0.618**iterations` (60 steps: about `1e-12` of its width, below float32
-    resolution). Every step is a fixed amount of work, so it runs under `jax.jit`.
-    If the best temperature lies outside `bounds`, the nearest bound is returned.
-
+    A golden-section search over `log T` in `bounds` (one model's NLL is
+    unimodal in `log T`); `iterations` steps shrink the bracket by
+    `0.618**iterations` (60: about `1e-12`, below float32 resolution). It runs
+    under `jax.jit`. A best temperature outside `bounds` gives the nearest bound.
     For a single model pass `logits[None]`; for one temperature per member,
     `jax.vmap` over members (see the example).
 
@@ -52,8 +49,7 @@ def fit_temperature(
 
     - `logits`: per-member logits on held-out data, shape `(members, batch, classes)`.
     - `labels`: integer class labels, shape `(batch,)`.
-    - `bounds`: the range `(lower, upper)` of temperatures searched,
-      `0 < lower < upper`.
+    - `bounds`: the temperatures searched, `(lower, upper)`, `0 < lower < upper`.
     - `iterations`: the number of golden-section steps.
 
     **Returns:**
@@ -108,12 +104,8 @@ class TemperatureAtBoundWarning(UserWarning):
 def _warn_at_bound(
     temperature: Array, nlls: Array, bounds: tuple[float, float]
 ) -> None:
-    # Where the held-out split has no error, the NLL falls all the way to
-    # T -> 0 (or is 0 on a whole stretch towards it, where float32's
-    # probabilities are 1) and the search returns a temperature at or near
-    # its lower bound: probabilities of 0 and 1 on new data (breast cancer,
-    # one seed: test NLL 0.220 -> 2.604). Said, not hidden (a traced
-    # temperature, inside the caller's `jax.jit` or `vmap`, cannot be read).
+    # A split without errors drives T to its lower bound: probabilities of 0 and
+    # 1 on new data (breast cancer: test NLL 0.220 -> 2.604). Traced: unread.
     if is_traced(temperature):
         return
     fitted, at_low, at_high = (float(x) for x in np.asarray(nlls))
@@ -141,11 +133,8 @@ def _warn_at_bound(
     )
 
 
-# A search turns its objective's last bit into its result (the argmin of a
-# float32 NLL is known to about 3e-4): compiled with XLA's default options, as
-# a caller's own `jax.jit` compiles it, so that the temperature is the same
-# inside a jit and outside (the metrics' `ONE_SHOT` code rounds `exp` and `log`
-# otherwise, which moved it by 2.5e-4).
+# Plain `jax.jit` (not `one_shot_jit`, whose `exp`/`log` rounding moved the
+# result by 2.5e-4): the same temperature inside a caller's jit and outside.
 @functools.partial(jax.jit, static_argnames=("bounds", "iterations"))
 def _fit_temperature(
     predictions: Array,
@@ -164,7 +153,6 @@ def _fit_temperature(
     low = jnp.asarray(np.log(bounds[0]), dtype)
     high = jnp.asarray(np.log(bounds[1]), dtype)
     log_temperature = golden_section(objective, low, high, iterations)
-    # (The NLL there and at both bounds: whether the search ran into one.)
     nlls = jnp.stack([objective(x) for x in (log_temperature, low, high)])
     return jnp.exp(log_temperature), nlls
 
@@ -175,8 +163,7 @@ def apply_temperature(
 ) -> Float[Array, " *batch classes"]:
     """Divide logits by a temperature (from `ee.metrics.fit_temperature`).
 
-    `T > 1` softens the predictions, `T < 1` sharpens them; the predicted class
-    never changes, so accuracy is unchanged.
+    `T > 1` softens the predictions, `T < 1` sharpens them; accuracy is unchanged.
 
     **Arguments:**
 

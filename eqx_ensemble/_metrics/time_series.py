@@ -1,10 +1,7 @@
 """Conformal prediction for time series from a bootstrapped ensemble's
 out-of-bag predictions: EnbPI (Xu & Xie 2021) and adaptive conformal inference
-(Gibbs & Candes 2021). `ee.conformal` re-exports them.
-
-The out-of-bag bookkeeping (`out_of_bag`) is shared with jackknife+-after-
-bootstrap (`conformal.jackknife_plus_after_bootstrap`).
-"""
+(Gibbs & Candes 2021), re-exported by `ee.conformal`. `out_of_bag` is shared with
+`conformal.jackknife_plus_after_bootstrap`."""
 
 import math
 import numbers
@@ -23,10 +20,10 @@ from .regression import one_output
 
 
 class OutOfBag(eqx.Module):
-    """Each training example's out-of-bag (leave-in-bag-out) prediction.
+    """Each training example's out-of-bag prediction.
 
     - `weights`: `(n_kept, members)`, row `i` averages the members that never
-      drew example `i` (float64, NumPy).
+      drew example `i` (NumPy float64).
     - `predictions`: `mu_{-i}(x_i)` of each kept example `(n_kept,)`.
     - `targets`: the kept examples' targets.
     - `excluded`: how many examples every member drew (they are left out).
@@ -41,8 +38,8 @@ class OutOfBag(eqx.Module):
 def out_of_bag(
     train_means: Any, targets: Any, run: Any, in_bag: Any, method: str
 ) -> OutOfBag:
-    """The out-of-bag predictions of a bootstrapped run (from its `FitResult`,
-    whose resamples are rebuilt from its key) or of given in-bag counts."""
+    """The out-of-bag predictions of a bootstrapped `FitResult` or of in-bag
+    counts."""
     from .._training.sampling import Bootstrap
 
     means = one_output(as_array(train_means), "train_means", 2)
@@ -98,8 +95,8 @@ def out_of_bag(
 
 
 def _check_finite(array: Array, name: str) -> None:
-    """Refuse NaN or infinite values (where they can be read: not under a
-    trace): one diverged member would make every out-of-bag prediction NaN."""
+    """Refuse non-finite values (when not traced): one diverged member would make
+    every out-of-bag prediction NaN."""
     if is_traced(array):
         return
     bad = ~np.isfinite(np.asarray(array))
@@ -118,30 +115,24 @@ def _is_real(value: Any) -> bool:
 
 def _traced_ranks(alpha: Array, n: Any) -> tuple[Array, Array]:
     """The ranks of `interval` with `beta = alpha / 2` for a traced `alpha`:
-    `k = floor(alpha / 2 (n + 1))` below and `n + 1 - k` above (the same
-    whole numbers as `ceil((1 - alpha / 2)(n + 1))`), nudged up by float32's
-    resolution (relative `eps`) so that a level the Python path puts exactly
-    on a rank (0.06 at n = 99, which float32 rounds to 0.0599999986) gets that
-    rank here too. A level whose rank lies within that resolution of a whole
-    number without being one cannot be told apart in float32; an absolute
-    nudge (`1e-6 (n + 1)`) moved levels such as 0.099999 at n = 999 a rank
-    away."""
+    `k = floor(alpha / 2 (n + 1))` below and `n + 1 - k` above, nudged up by a
+    relative float32 `eps` so a level exactly on a rank in Python (0.06 at
+    n = 99) gets it here too (an absolute nudge moved some levels a rank)."""
     x = alpha / 2 * (n + 1)
     k = jnp.floor(x + jnp.finfo(jnp.float32).eps * x)
     return k, n + 1 - k
 
 
 def _concrete_ranks(alpha: float, beta: float, n: int) -> tuple[int, int]:
-    """`floor(beta (n + 1))` and `ceil((1 - alpha + beta)(n + 1))`, after a 1e-9
-    nudge towards the exact value where it is a whole number (as `conformal`'s
-    other methods)."""
+    """`floor(beta (n + 1))` and `ceil((1 - alpha + beta)(n + 1))`, nudged by 1e-9
+    towards a whole number (as `conformal`'s other methods)."""
     low = math.floor(beta * (n + 1) + 1e-9)
     return low, math.ceil((1 - alpha + beta) * (n + 1) - 1e-9)
 
 
 def _order_statistic(sorted_scores: Array, rank: Array, n: int, infinite: float):
     """The `rank`-th smallest score, or `infinite` where the rank is outside
-    `1..n` (too few scores for the level: an unbounded side)."""
+    `1..n` (an unbounded side)."""
     index = jnp.clip(rank.astype(jnp.int32) - 1, 0, n - 1)
     value = sorted_scores[index]
     return jnp.where((rank < 1) | (rank > n), jnp.asarray(infinite, value.dtype), value)
@@ -151,11 +142,10 @@ class EnbPI(eqx.Module):
     """EnbPI intervals for a time series; see
     [`enbpi`][eqx_ensemble.conformal.enbpi].
 
-    - `weights`: `(members,)`: the centre of the interval is `weights @ means`,
-      the average over training examples `i` of their out-of-bag predictors
-      `mu_{-i}` (members out of bag for more examples weigh more).
+    - `weights`: `(members,)`: the interval's centre is `weights @ means`, the
+      average of the training examples' out-of-bag predictors `mu_{-i}`.
     - `residuals`: the window of signed residuals `y - centre`, oldest first
-      (the out-of-bag residuals of the training series, then whatever
+      (the training series' out-of-bag residuals, then whatever
       [`update`][eqx_ensemble.conformal.EnbPI.update] appended).
     - `alpha`: the miscoverage level; `members`; `excluded`: training examples
       every member drew (no out-of-bag prediction, left out).
@@ -193,8 +183,7 @@ class EnbPI(eqx.Module):
                 f"{self.members}: predict with every member of the bootstrapped "
                 "ensemble"
             )
-        # A NaN prediction would give NaN bounds, or a NaN in the window that
-        # every later interval reads; half precision computes in float32.
+        # A NaN would poison the window; half precision computes in float32.
         _check_finite(array, "means")
         return array.astype(jnp.float32) if jnp.finfo(array.dtype).bits < 32 else array
 
@@ -223,13 +212,13 @@ class EnbPI(eqx.Module):
         **Arguments:**
 
         - `means`: `(members, batch)`.
-        - `alpha`: the miscoverage level; by default the calibrated `alpha`. A
-          traced scalar is accepted (adaptive conformal inference): a level too
-          small for the window gives an infinite side, a level of 1 or more the
-          empty interval (`lower = inf`, `upper = -inf`).
-        - `optimize_beta`: choose `beta` in `[1/(n+1), alpha]` that minimises the
-          width of the uncorrected quantiles (Xu & Xie's `beta-hat`, 100 values
-          tried, as MAPIE); needs a Python float `alpha`.
+        - `alpha`: the miscoverage level (default: the calibrated one); may be
+          traced (adaptive conformal inference): too small for the window gives
+          an infinite side, 1 or more the empty interval (`lower = inf`,
+          `upper = -inf`).
+        - `optimize_beta`: choose `beta` in `[1/(n+1), alpha]` minimising the
+          uncorrected quantiles' width (Xu & Xie's `beta-hat`, 100 values, as
+          MAPIE); needs a Python float `alpha`.
 
         **Returns:**
 
@@ -262,7 +251,6 @@ class EnbPI(eqx.Module):
             if traced.shape != ():
                 raise ValueError(f"`alpha` must be a scalar, got shape {traced.shape}")
             low_rank, high_rank = _traced_ranks(traced, n)
-            # From 1 on, the empty interval (`lower = inf`, `upper = -inf`).
             empty = traced >= 1
             lower = jnp.where(
                 empty, jnp.inf, _order_statistic(scores, low_rank, n, -jnp.inf)
@@ -276,9 +264,8 @@ class EnbPI(eqx.Module):
         return centre + lower, centre + upper
 
     def _best_beta(self, alpha: float) -> float:
-        """Xu & Xie's `beta-hat`: of 100 values in `[1/(n+1), alpha]` (as MAPIE),
-        the one whose uncorrected quantiles are closest together, among those
-        whose conformal ranks exist in the window."""
+        """Xu & Xie's `beta-hat`: of 100 values in `[1/(n+1), alpha]` (as MAPIE)
+        with ranks in the window, the one with the narrowest quantiles."""
         scores = np.sort(np.asarray(self.residuals, np.float64))
         n = scores.size
         betas = np.linspace(1 - n / (n + 1), alpha, num=100, endpoint=True)
@@ -299,8 +286,7 @@ class EnbPI(eqx.Module):
         targets: Float[ArrayLike, " batch *target_one"],
     ) -> "EnbPI":
         """A copy whose residual window drops its `batch` oldest residuals and
-        appends `targets - centre` of the new observations (EnbPI's sliding
-        window; at most the window's length at once).
+        appends the new `targets - centre` (at most the window's length at once).
 
         **Example:** see [`EnbPI`][eqx_ensemble.conformal.EnbPI].
         """
@@ -335,25 +321,23 @@ def enbpi(
 ) -> EnbPI:
     """EnbPI (Xu & Xie 2021): conformal intervals for a time series from a
     bootstrapped ensemble's own out-of-bag residuals, with no calibration set and
-    no refitting as the series goes on.
+    no refitting.
 
     Each training example `i` gets its out-of-bag prediction `mu_{-i}(x_i)`
-    (the average of the members that never drew it) and the signed residual
-    `y_i - mu_{-i}(x_i)`. A new input's interval is centred on the average of
-    all `mu_{-i}(x)` and runs from the `floor(beta (n + 1))`-th to the
+    (the mean of the members that never drew it) and residual `y_i -
+    mu_{-i}(x_i)`. A new input's interval is centred on the mean of all
+    `mu_{-i}(x)` and runs from the `floor(beta (n + 1))`-th to the
     `ceil((1 - alpha + beta)(n + 1))`-th smallest residual (`beta = alpha / 2`).
-    As observations arrive, [`update`][eqx_ensemble.conformal.EnbPI.update]
-    slides the residual window, and
+    [`update`][eqx_ensemble.conformal.EnbPI.update] slides the residual window;
     [`sequential`][eqx_ensemble.conformal.sequential] runs the whole loop,
-    optionally with adaptive conformal inference on top. The same quantities as
-    MAPIE's `TimeSeriesRegressor(method="enbpi", agg_function="mean")` (which
-    keeps an example every member drew as a NaN residual in its window, where
-    this window leaves it out).
+    optionally with adaptive conformal inference. As MAPIE's
+    `TimeSeriesRegressor(method="enbpi", agg_function="mean")`, except that an
+    example every member drew is left out, not kept as a NaN residual.
 
-    Train with `ee.fit(..., sampling=ee.Bootstrap(block_length=L))`: blocks of
-    `L` consecutive examples keep a member's out-of-bag examples away from its
-    training neighbours in a correlated series (with `L=1`, the out-of-bag
-    residuals of a smooth series are too small and the intervals too narrow).
+    Train with `ee.fit(..., sampling=ee.Bootstrap(block_length=L))`: blocks keep
+    a member's out-of-bag examples away from its training neighbours in a
+    correlated series (with `L=1` the intervals of a smooth series are too
+    narrow).
 
     **Arguments:**
 
@@ -361,10 +345,8 @@ def enbpi(
       time order, `(members, n)`.
     - `targets`: the training series `(n,)`.
     - `alpha`: miscoverage in `(0, 1)`.
-    - `run`: the [`FitResult`][eqx_ensemble.FitResult] of a bootstrapped `fit`
-      (its resamples are rebuilt from its key); or
-    - `in_bag`: the in-bag counts `(members, n)` directly (exactly one of the
-      two).
+    - `run`: the [`FitResult`][eqx_ensemble.FitResult] of a bootstrapped `fit`;
+      or `in_bag`: its in-bag counts `(members, n)` (exactly one of the two).
 
     **Returns:**
 
@@ -394,14 +376,12 @@ class Sequential(eqx.Module):
     """The intervals of [`sequential`][eqx_ensemble.conformal.sequential], one
     per time step.
 
-    - `lower`, `upper`: `(T,)` (infinite where the level asked for more
-      residuals than the window holds).
-    - `alpha`: the level each interval was made at `(T,)` (constant without
-      adaptation).
+    - `lower`, `upper`: `(T,)` (infinite where the level is too small for the
+      window).
+    - `alpha`: the level of each interval `(T,)`.
     - `covered`: whether each target fell inside its interval `(T,)`.
-    - `calibrated`: the [`EnbPI`][eqx_ensemble.conformal.EnbPI] after the last
-      update, and `next_alpha` the level of the next interval: pass both to
-      `sequential` to go on.
+    - `calibrated`, `next_alpha`: the [`EnbPI`][eqx_ensemble.conformal.EnbPI]
+      after the last update and the next level: pass both to `sequential` to go on.
 
     **Example:**
 
@@ -456,36 +436,30 @@ def sequential(
     update: bool = True,
     start_alpha: float | Float[ArrayLike, ""] | None = None,
 ) -> Sequential:
-    """Run conformal intervals along a series, one observation at a time: the
-    interval for step `t` is made before its target is seen, then the target
-    updates the residual window (EnbPI) and, with `gamma > 0`, the level
-    (adaptive conformal inference, Gibbs & Candes 2021):
+    """Run conformal intervals along a series, one observation at a time: step
+    `t`'s interval is made before its target is seen, then the target updates
+    the residual window (EnbPI) and, with `gamma > 0`, the level (adaptive
+    conformal inference, Gibbs & Candes 2021): `alpha_{t+1} = alpha_t + gamma
+    (alpha - err_t)`, `err_t = 1` when `y_t` fell outside its interval.
 
-    `alpha_{t+1} = alpha_t + gamma (alpha - err_t)`, `err_t = 1` when `y_t`
-    fell outside its interval.
-
-    After a miss the level drops (wider intervals), after a hit it rises; over
-    any stretch of `T` steps the miss rate is within `(max(alpha_1, 1 - alpha_1)
-    + gamma) / (gamma T)` of `alpha`, whatever the series does. As in the paper,
-    `alpha_t` is not clipped: below the smallest level the window resolves
-    (about `2 / (n + 1)` for `n` residuals; below 0 certainly) a side is
-    infinite (`lower = -inf`, `upper = inf`), from 1 on the interval is empty
-    (`lower = inf`, `upper = -inf`). Such intervals are warned about, with
-    their count (a mean width would be infinite): summarise the finite ones
-    (`np.isfinite`), or take a smaller `gamma` or a longer window. (MAPIE clips
-    `alpha_t` to `[0, 1]`; the two agree while it stays inside.)
+    Over any `T` steps the miss rate is within `(max(alpha_1, 1 - alpha_1) +
+    gamma) / (gamma T)` of `alpha`, whatever the series does. As in the paper,
+    `alpha_t` is not clipped (MAPIE clips it to `[0, 1]`): below the smallest
+    level the window resolves (about `2 / (n + 1)`) a side is infinite, from 1
+    on the interval is empty (`lower = inf`, `upper = -inf`). Such intervals are
+    counted in an `UnboundedIntervalWarning`: summarise the finite ones
+    (`np.isfinite`), or take a smaller `gamma` or a longer window.
 
     **Arguments:**
 
     - `calibrated`: an [`EnbPI`][eqx_ensemble.conformal.EnbPI].
-    - `means`: every member's prediction at each step, in time order
-      `(members, T)`.
+    - `means`: every member's prediction at each step, `(members, T)`.
     - `targets`: the series `(T,)`.
     - `gamma`: the step size of the level (`0`: plain EnbPI).
-    - `update`: slide the residual window with each new residual (EnbPI's
-      online update); `False` keeps the training residuals.
-    - `start_alpha`: the level of the first interval (by default the
-      calibrated `alpha`); a previous call's `next_alpha` goes on from there.
+    - `update`: slide the residual window with each new residual; `False`
+      keeps the training residuals.
+    - `start_alpha`: the first interval's level (default: the calibrated
+      `alpha`); pass a previous call's `next_alpha` to go on.
 
     **Returns:**
 

@@ -19,9 +19,8 @@ def predictive_entropy(
     probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
 ) -> Float[Array, " batch"]:
     """Entropy of the ensemble's mean prediction, `H[(1/M) sum_i p_i]` (total
-    uncertainty), per example, in nats.
-
-    Terms with probability 0 contribute 0. It lies in `[0, log(classes)]`.
+    uncertainty), per example, in nats, in `[0, log(classes)]` (a probability 0
+    contributes 0).
 
     **Arguments:**
 
@@ -86,9 +85,8 @@ def mutual_information(
     """Mutual information between the prediction and the member (the epistemic
     part of the uncertainty): predictive entropy minus expected entropy, per
     example, in nats (Depeweg et al. 2018; the BALD score of Houlsby et al. 2011).
-
-    It is 0 when all members agree and at most `log(min(members, classes))`;
-    rounding below 0 is clipped to 0.
+    0 when all members agree, at most `log(min(members, classes))`; rounding
+    below 0 is clipped to 0.
 
     **Arguments:** as `ee.metrics.predictive_entropy`.
 
@@ -127,11 +125,9 @@ def _vote_counts(predictions: Array) -> Array:
 def variation_ratio(
     probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
 ) -> Float[Array, " batch"]:
-    """Variation ratio of the members' votes, `1 - (votes for the modal class) / M`
-    (Freeman 1965; Gal 2016), per example.
-
-    Each member votes for its most probable class. It is 0 when all members agree
-    and at most `1 - 1/min(members, classes)`.
+    """Variation ratio of the members' votes (each its most probable class),
+    `1 - (votes for the modal class) / M` (Freeman 1965; Gal 2016), per example:
+    0 when all members agree, at most `1 - 1/min(members, classes)`.
 
     **Arguments:** as `ee.metrics.predictive_entropy`.
 
@@ -160,10 +156,9 @@ def disagreement(
     probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
 ) -> Float[Array, " batch"]:
     """Member disagreement: the fraction of pairs of distinct members whose
-    most probable classes differ, per example (0 for a single member).
-
-    Averaged over a batch it is the mean pairwise prediction disagreement of
-    Fort et al. (2019); see `ee.metrics.pairwise_disagreement` for each pair.
+    most probable classes differ, per example (0 for a single member). Averaged
+    over a batch, Fort et al. (2019)'s mean pairwise disagreement; see
+    `ee.metrics.pairwise_disagreement` for each pair.
 
     **Arguments:** as `ee.metrics.predictive_entropy`.
 
@@ -217,8 +212,7 @@ def pairwise_disagreement(
 @one_shot_jit
 def _pairwise_disagreement(predictions: Array) -> Array:
     votes = jnp.argmax(predictions, axis=-1)
-    # Counted in integers: exact, so the diagonal is exactly 0 and the matrix
-    # exactly symmetric (a float einsum gave -1.5e-8 on the diagonal).
+    # In integers: an exact zero diagonal and symmetry (floats gave -1.5e-8).
     one_hot = jax.nn.one_hot(votes, predictions.shape[-1], dtype=jnp.int32)
     disagree = predictions.shape[1] - jnp.einsum("ibc,jbc->ij", one_hot, one_hot)
     return (disagree / predictions.shape[1]).astype(predictions.dtype)
@@ -243,11 +237,9 @@ def energy_score(
 ) -> Float[Array, " batch"]:
     """The free energy of each input, `-T logsumexp(f(x) / T)` (Liu et al. 2020,
     "Energy-based out-of-distribution detection"), averaged over members: an OOD
-    score, higher for inputs more likely out of distribution.
-
-    Unlike the probabilities, it keeps the logits' scale: an input that no class
-    claims strongly (all logits low) gets a high energy even when its softmax is
-    confident. With one member it is Liu et al.'s score.
+    score, higher for inputs more likely out of distribution. It keeps the
+    logits' scale: an input no class claims strongly (all logits low) scores
+    high even when its softmax is confident.
 
     **Arguments:**
 
@@ -312,10 +304,8 @@ def max_probability_score(
 ) -> Float[Array, " batch"]:
     """One minus the ensemble's largest class probability, `1 - max_c p_c` with
     `p = (1/M) sum_i p_i` (the maximum-softmax-probability baseline of Hendrycks
-    and Gimpel 2017): an OOD score, higher for inputs more likely out of
-    distribution.
-
-    It lies in `[0, 1 - 1/classes]`.
+    and Gimpel 2017): an OOD score in `[0, 1 - 1/classes]`, higher for inputs
+    more likely out of distribution.
 
     **Arguments:** as `ee.metrics.predictive_entropy`.
 

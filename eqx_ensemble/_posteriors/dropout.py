@@ -19,9 +19,8 @@ def _is_dropout(node: Any) -> bool:
 
 
 class _AlwaysOn(eqx.Module):
-    """`eqx.nn.Dropout` in training mode whatever `inference_mode` says (it has
-    no `inference` flag to switch): what `ee.predict` calls in inference mode
-    still samples masks. The same computation as `eqx.nn.Dropout`'s."""
+    """`eqx.nn.Dropout`'s computation, always in training mode (even under
+    `ee.predict`'s inference mode)."""
 
     p: Any
 
@@ -36,9 +35,9 @@ class _AlwaysOn(eqx.Module):
 
 
 class DropoutPass(eqx.Module):
-    """One stochastic forward pass of a model with dropout: the model with its
-    `eqx.nn.Dropout` layers switched on, and the key of its masks. A member of
-    the ensemble [`ee.mc_dropout`][eqx_ensemble.mc_dropout] makes (see there).
+    """One stochastic forward pass of a model with dropout (its dropout layers
+    switched on) and the key of its masks: a member of
+    [`ee.mc_dropout`][eqx_ensemble.mc_dropout]'s ensemble.
 
     **Example:**
 
@@ -64,18 +63,15 @@ def mc_dropout(model: Any, samples: int, *, key: PRNGKeyArray) -> Ensemble:
     of one trained model, as an ensemble whose members are the passes.
 
     Every `eqx.nn.Dropout` layer of `model` is switched on for good (whatever
-    its `inference` flag, and `ee.predict`'s inference mode: other layers,
-    e.g. BatchNorm, follow the mode as usual) and each member holds one PRNG
-    key of its masks; the model's weights are held ONCE, as the ensemble's
-    shared part (nothing is copied per sample). So
-    [`ee.predict`][eqx_ensemble.predict], `ens(x)`, every metric, calibrator,
-    OOD score and conformal method take the passes' predictions, `(samples,
-    batch, ...)`, as they take members'.
+    its `inference` flag and `ee.predict`'s inference mode; other layers follow
+    the mode as usual), and each member holds one PRNG key of its masks; the
+    weights are held ONCE, as the ensemble's shared part. So
+    [`ee.predict`][eqx_ensemble.predict] and every metric take the passes'
+    predictions `(samples, batch, ...)` as members'.
 
     A pass applies its masks to every example (one sampled network, like a
-    member: the passes are function samples, so their disagreement across
-    inputs is consistent); `ee.predict(passes, x, key=k)` instead draws
-    masks per example (the same per-example predictive distribution).
+    member); `ee.predict(passes, x, key=k)` instead draws masks per example
+    (the same per-example predictive distribution).
 
     **Arguments:**
 

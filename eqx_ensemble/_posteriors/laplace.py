@@ -34,9 +34,6 @@ PRIOR_BOUNDS = (1e-6, 1e8)
 PRIOR_ITERATIONS = 100
 
 
-# ------------------------------------------------------------------- the part
-
-
 def last_linear(model: Any) -> Any:
     """The last `eqx.nn.Linear` of `model` (in the order of its fields)."""
     found = [
@@ -85,31 +82,26 @@ class _Tapped(eqx.Module):
         return out + self.delta.reshape(jnp.shape(out))
 
 
-# -------------------------------------------------------------- the posterior
-
-
 class LaplacePosterior(eqx.Module):
     """Each member's Laplace approximation, made by
     [`ee.laplace`][eqx_ensemble.laplace]: a Gaussian over the member's part with
-    mean the trained weights and precision `H + prior_precision * I`, `H` the
-    generalised Gauss-Newton matrix (GGN) of the summed negative log likelihood.
+    mean the trained weights and precision `H + prior_precision * I`, `H` the GGN
+    of the summed negative log likelihood.
 
     - `ensemble`: the trained ensemble (the means).
     - `prior_precision`: `(members,)` each member's prior precision.
     - `log_likelihood`: `(members,)` each member's log likelihood of the data.
-    - `mean`: `(members, P)` the part's weights, flattened (`jax.flatten_util`
-      order of the part's arrays).
+    - `mean`: `(members, P)` the part's weights, flattened (`ravel_pytree`
+      order).
     - the curvature's eigendecomposition: `eigenvalues` (diagonal: the diagonal
-      itself; full: of `H`) and `eigenvectors` (full), or for KFAC
-      `H = G (x) A` the factors' `out_eigenvalues`, `out_eigenvectors`
-      (`G`, over the layer's outputs) and `in_eigenvalues`, `in_eigenvectors`
-      (`A`, over its inputs and a bias column).
+      itself; full: of `H`) and `eigenvectors` (full), or for KFAC `H = G (x) A`
+      `out_eigenvalues`, `out_eigenvectors` (`G`, over the layer's outputs) and
+      `in_eigenvalues`, `in_eigenvectors` (`A`, inputs and a bias column).
     - `sigma_noise`, `num_data`: the regression noise's standard deviation and
       the number of examples fitted on (scalars).
 
-    Saved and loaded as any tree: `ee.save(path, posterior)`, then
-    `ee.load(path, ee.LaplacePosterior.like(ens, likelihood=...))` in a new
-    process (the file is verified like every checkpoint).
+    Saved as any tree: `ee.save(path, posterior)`, then
+    `ee.load(path, ee.LaplacePosterior.like(ens, likelihood=...))`.
 
     **Example:**
 
@@ -151,9 +143,9 @@ class LaplacePosterior(eqx.Module):
         part: Callable[[Any], Any] | None = None,
     ) -> "LaplacePosterior":
         """The structure `ee.laplace(ens, ..., likelihood=, curvature=, part=)`
-        returns, as shapes (no data read, nothing computed): the `like` of
-        [`ee.load`][eqx_ensemble.load] for a saved posterior. `ens` may be a
-        freshly built ensemble of the same architecture and size.
+        returns, as shapes (nothing computed): the `like` of
+        [`ee.load`][eqx_ensemble.load] for a saved posterior. `ens` may be freshly
+        built, of the same architecture and size.
 
         **Example:**
 
@@ -193,8 +185,6 @@ class LaplacePosterior(eqx.Module):
             lambda e, s: _finish(e, s, 1, likelihood, part, curvature, 1.0), ens, sums
         )
 
-    # ------------------------------------------------------------ structure
-
     def _unravel(self) -> Callable[[Array], Any]:
         _, arrays = _part_arrays(self.part, self.ensemble[0])
         return ravel_pytree(arrays)[1]
@@ -215,8 +205,6 @@ class LaplacePosterior(eqx.Module):
             values = self.eigenvalues
         return jnp.sum(jnp.log(values + prior[:, None]), axis=-1)
 
-    # ------------------------------------------------------------ evidence
-
     def log_marginal_likelihood(
         self,
         prior_precision: Float[ArrayLike, " members"]
@@ -224,10 +212,9 @@ class LaplacePosterior(eqx.Module):
         | float
         | None = None,
     ) -> Float[Array, " members"]:
-        """Each member's Laplace approximation of the log marginal likelihood,
-        `log p(D | theta) - prior/2 |theta|^2 + P/2 log(prior) - 1/2 log det(H +
-        prior I)` at its trained weights `theta` (MacKay 1992; Immer et al.
-        2021), for the given prior precision (default: the posterior's own).
+        """Each member's Laplace log marginal likelihood, `log p(D | theta) -
+        prior/2 |theta|^2 + P/2 log(prior) - 1/2 log det(H + prior I)` (MacKay
+        1992; Immer et al. 2021), at the given prior precision (default: its own).
 
         **Arguments:**
 
@@ -266,29 +253,25 @@ class LaplacePosterior(eqx.Module):
     ) -> "LaplacePosterior":
         """The posterior with each member's prior precision tuned.
 
-        - Without `validation`: the prior precision that maximises each member's
-          log marginal likelihood (a golden-section search over `log prior` in
-          `[1e-6, 1e8]`; the marginal likelihood has one maximum there, where
-          MacKay's `gamma / prior = |theta|^2` holds). Fast and needs no held-out
-          data, but it trusts the trained weights to be the MAP of that prior:
-          for a network trained without the matching weight decay it can pick a
-          far too weak prior (underconfident predictions).
-        - With `validation=(x, y)`: for each member, the value of `grid`
-          (default: 41 values from `1e-4` to `1e4`, evenly spaced in log,
-          extended by 20 values over 4 more decades on a side whose end a
-          member chose; its top, `1e8`, is the trained weights' own
-          predictive to rounding) whose
-          linearised predictive has the lowest negative log likelihood on the
-          held-out data (laplace-torch's `gridsearch`). A member whose best
-          value is the grid's lowest (or either end of a `grid` given) is
-          warned about, with an
-          [`ee.PriorAtGridEndWarning`][eqx_ensemble.PriorAtGridEndWarning]:
-          the search stopped short of its best.
+        - Without `validation`: the prior precision maximising each member's log
+          marginal likelihood (golden-section search over `log prior` in
+          `[1e-6, 1e8]`, where it has one maximum). Needs no held-out data, but
+          trusts the trained weights to be the MAP of that prior: for a network
+          trained without the matching weight decay it can pick a far too weak
+          prior (underconfident predictions).
+        - With `validation=(x, y)`: for each member, the value of `grid` whose
+          linearised predictive has the lowest NLL on the held-out data
+          (laplace-torch's `gridsearch`). Default grid: 41 values from `1e-4` to
+          `1e4`, log-spaced, extended by 20 values over 4 more decades on a side
+          whose end a member chose (its top, `1e8`, is the trained weights' own
+          predictive to rounding). A member whose best value is the grid's
+          lowest (or either end of a given `grid`) is warned about with an
+          [`ee.PriorAtGridEndWarning`][eqx_ensemble.PriorAtGridEndWarning].
 
         **Arguments:**
 
         - `validation`: optional held-out `(x, y)`, as `ee.laplace`'s `data`.
-        - `grid`: the positive values tried with `validation`.
+        - `grid`: the positive values tried with `validation` (default above).
 
         **Returns:**
 
@@ -323,12 +306,9 @@ class LaplacePosterior(eqx.Module):
             prior = _validation_prior(self, validation, grid)
         return eqx.tree_at(lambda p: p.prior_precision, self, prior)
 
-    # ------------------------------------------------------------ predictions
-
     def sample(self, key: PRNGKeyArray, samples: int = 1) -> Ensemble:
-        """Draw weights of every member's part from its posterior (the rest of
-        each member unchanged): the Laplace mixture's Monte Carlo predictive is
-        `ee.predict` on the result.
+        """Draw weights of every member's part from its posterior (the rest
+        unchanged); `ee.predict` on the result is the Monte Carlo predictive.
 
         **Arguments:**
 
@@ -365,24 +345,19 @@ class LaplacePosterior(eqx.Module):
         key: PRNGKeyArray | None = None,
     ) -> Any:
         """The linearised (GLM) predictive of every member on a batch of inputs
-        `x` (a leading batch axis): the network linearised in its part around the
-        trained weights, so the outputs are Gaussian with covariance `J Sigma J^T`
-        (Immer et al. 2021).
+        `x`: the network linearised in its part around the trained weights, so
+        the outputs are Gaussian with covariance `J Sigma J^T` (Immer et al. 2021).
 
-        - Classification: each member's predictive log-probabilities, shape
-          `(members, batch, classes)`: logits, as `ee.predict` returns (every
-          `ee.metrics` function takes them with `from_logits=True`;
-          `jax.nn.softmax` gives the probabilities). By the probit
-          approximation `log_softmax(f / sqrt(1 + pi/8 diag(S)))` (MacKay
-          1992), or, with `samples` and `key`, the log of the mean softmax of
-          `samples` draws of the logits.
+        - Classification: each member's predictive log-probabilities `(members,
+          batch, classes)`, usable as logits (`from_logits=True` in
+          `ee.metrics`). By the probit approximation `log_softmax(f / sqrt(1 +
+          pi/8 diag(S)))` (MacKay 1992), or, with `samples` and `key`, the log of
+          the mean softmax of `samples` draws of the logits.
         - Regression: `(mean, variance)`, each `(members, batch)` (or `(members,
-          batch, outputs)` for several outputs), the variance `diag(S) +
-          sigma_noise**2`.
+          batch, outputs)`), the variance `diag(S) + sigma_noise**2`.
 
-        The mixture over members is the mean of their probabilities: every
-        `ee.metrics` function takes these per-member predictions as they are
-        (with `from_logits=True` for classification).
+        Every `ee.metrics` function takes these per-member predictions as they
+        are, and mixes the members.
 
         **Arguments:**
 
@@ -420,9 +395,8 @@ class LaplacePosterior(eqx.Module):
         return _predict(self, x, samples, key)
 
     def curvature_matrix(self) -> Float[Array, "members parameters parameters"]:
-        """Each member's curvature `H` (without the prior) as a dense matrix over
-        the part's flattened weights (the order of `mean`); for inspection and
-        tests of small parts.
+        """Each member's curvature `H` (without the prior), dense over the part's
+        flattened weights (the order of `mean`); for inspecting small parts.
 
         **Returns:**
 
@@ -476,16 +450,13 @@ def _model(member: Any, shared: Any) -> Any:
 
 
 def _kfac_order(out_size: int, in_size: int, bias: bool) -> np.ndarray:
-    """Index into the `(out, in [+ 1])` row-major KFAC order for each weight of
-    the flattened part (`weight` then `bias`, as `ravel_pytree` orders them)."""
+    """Index into the row-major `(out, in [+ 1])` KFAC order of each weight of
+    the flattened part (`weight` then `bias`)."""
     columns = in_size + (1 if bias else 0)
     weight = (np.arange(out_size)[:, None] * columns + np.arange(in_size)).ravel()
     if not bias:
         return weight
     return np.concatenate([weight, np.arange(out_size) * columns + in_size])
-
-
-# ------------------------------------------------------------------ checks
 
 
 def _check_prior(value: Any, size: int) -> Array:
@@ -514,9 +485,6 @@ def _check_prior(value: Any, size: int) -> Array:
     return array
 
 
-# --------------------------------------------------------------- the fitting
-
-
 def laplace(
     ens: Ensemble,
     data: tuple[PyTree[Any], ArrayLike],
@@ -535,58 +503,50 @@ def laplace(
 ) -> LaplacePosterior:
     """Fit a Laplace approximation to every member around its trained weights
     (MacKay 1992; Daxberger et al. 2021), for one part of the model, all members
-    at once; the ensemble of the members' approximations is the mixture of
-    Laplace approximations of Eschenhagen et al. (2021).
+    at once: the mixture of Laplace approximations of Eschenhagen et al. (2021).
 
-    Each member's part gets the Gaussian posterior `N(theta, (H + prior I)^-1)`
-    where `theta` are its trained weights and `H` the generalised Gauss-Newton
-    matrix (GGN) of the summed negative log likelihood of `data`: `sum_n J_n^T
-    Lambda_n J_n`, `J_n` the Jacobian of the model's output with respect to the
-    part and `Lambda_n` the likelihood's Hessian in the output (`diag(p) - p
-    p^T` for a softmax, `I / sigma_noise**2` for a Gaussian). For these
-    likelihoods the GGN is also the Fisher information.
+    Each member's part gets the posterior `N(theta, (H + prior I)^-1)`, `theta`
+    its trained weights and `H` the generalised Gauss-Newton matrix (GGN, here
+    also the Fisher) of the summed NLL of `data`: `sum_n J_n^T Lambda_n J_n`,
+    `J_n` the Jacobian of the output in the part and `Lambda_n` the likelihood's
+    Hessian in the output (`diag(p) - p p^T` softmax, `I / sigma_noise**2`
+    Gaussian).
 
     **Arguments:**
 
     - `ens`: the trained ensemble; a member maps ONE input to logits `(classes,)`
-      (classification) or to its mean, a scalar or `(outputs,)` (regression).
-    - `data`: `(x, y)`, arrays with a leading example axis: the training data
-      (`y`: integer labels, or regression targets shaped like the outputs).
-    - `likelihood`: `"classification"` (softmax, categorical) or `"regression"`
-      (Gaussian with standard deviation `sigma_noise`).
+      (classification) or its mean, a scalar or `(outputs,)` (regression).
+    - `data`: the training data `(x, y)` with a leading example axis (`y`:
+      integer labels, or regression targets shaped like the outputs).
+    - `likelihood`: `"classification"` (softmax) or `"regression"` (Gaussian
+      with standard deviation `sigma_noise`).
     - `part`: `part(model) -> sub-tree` selecting the weights to approximate
-      (as `eqx.tree_at`'s `where`), its floating-point arrays; default the last
-      `eqx.nn.Linear` (last-layer Laplace). The rest stays at its trained value.
+      (as `eqx.tree_at`'s `where`); default the last `eqx.nn.Linear`
+      (last-layer Laplace). The rest stays at its trained value.
     - `curvature`: `"kfac"` (Kronecker-factored, Martens and Grosse 2015; the
       part must be one `eqx.nn.Linear` applied once per input: `H ~ G (x) A`, `G`
-      the mean over examples of the output-side GGN and `A` the sum of the
-      layer's input outer products; exact only when the output-side factor
-      `D^T Lambda D` is the same for every example: the last layer (`D = I`)
-      under the Gaussian likelihood, where `Lambda` is constant; otherwise an
-      approximation); `"diagonal"` (the GGN's diagonal, any part);
-      `"full"` (the dense GGN, any part of at most 4096 weights).
+      the mean output-side GGN, `A` the sum of the layer's input outer products;
+      exact only when `D^T Lambda D` is the same for every example, e.g. the
+      last layer under the Gaussian likelihood); `"diagonal"` (the GGN's
+      diagonal, any part); `"full"` (the dense GGN, a part of at most 4096
+      weights).
     - `prior_precision`: the isotropic Gaussian prior's precision, a positive
-      scalar or one per member; or `"marglik"`: each member's own, tuned by
-      its log marginal likelihood
+      scalar or one per member; or `"marglik"`: each member's own, tuned by its
+      log marginal likelihood
       ([`optimize_prior_precision`][eqx_ensemble.LaplacePosterior.optimize_prior_precision]
-      without `validation`). The marginal likelihood needs no held-out data
-      but trusts the trained weights to be the MAP of the prior it tunes; for
-      a network trained without the matching weight decay it picks a far too
-      weak prior, and the predictive comes out underconfident (digits, 5 MLPs
-      64-64-64-10 trained without weight decay: test NLL 0.26-0.52 by the
-      marginal likelihood, 0.07 by a 300-example validation split; the
-      members' own 0.08 on average). So there is no default: pass this or
-      `validation`.
+      without `validation`), which trusts the trained weights to be the MAP of
+      that prior: without the matching weight decay it picks a far too weak
+      prior and an underconfident predictive (digits, 5 MLPs: test NLL
+      0.26-0.52, against 0.07 tuned on a 300-example validation split). No
+      default: pass this or `validation`.
     - `validation`: held-out `(x, y)` (as `data`) to tune each member's prior
-      precision on, by the negative log likelihood of its predictive: the
-      choice that serves.
+      precision on, by its predictive's NLL: the choice that serves.
     - `sigma_noise`: the regression noise's standard deviation (ignored for
       classification).
     - `batch_size`: examples per compiled pass over the data (bounds memory).
 
-    The curvature's eigenvalues are clipped at 0 (a dense GGN is positive
-    semi-definite up to rounding); with a positive prior precision the
-    posterior's precision is positive definite, so no prediction is NaN.
+    The curvature's eigenvalues are clipped at 0, so with a positive prior the
+    posterior's precision is positive definite and no prediction is NaN.
 
     **Returns:**
 
@@ -685,8 +645,8 @@ def _check_kfac_part(selected: Any) -> None:
 
 
 def _check_part_per_member(ens: Ensemble, part: Any, leaves: int) -> None:
-    """The part must be held per member: weights of a part held once for every
-    member (`ee.ensemble(..., shared=...)`) have no per-member posterior here."""
+    """Refuse a part in the ensemble's shared weights: it has no per-member
+    posterior."""
     try:
         own = len(jtu.tree_leaves(eqx.filter(part(ens.members), eqx.is_inexact_array)))
     except Exception:  # noqa: BLE001 - the part reaches into the shared part
@@ -729,8 +689,7 @@ def _check_data(
         raise TypeError(
             f"classification targets `y` must be integer labels, got dtype {y.dtype}"
         )
-    # A NaN or infinity would reach the curvature and the prior's fit, and come
-    # back as a posterior whose every prediction is NaN: refuse it here.
+    # A non-finite value would make every prediction NaN.
     where_from = name
     named = [
         (f"x{keystr(path)}" if path else "x", leaf)
@@ -816,16 +775,14 @@ def _fit(
 
 @eqx.filter_jit
 def _accumulate(ens, x, y, count, chunk, likelihood, part, curvature, sigma):
-    """Per member, the curvature's sums over the data and the log likelihood
-    (a scan over the data's chunks, vmapped over members). The data are cut
-    into chunks here, in the same program (op by op: a program per leaf)."""
+    """Per member, the curvature's sums over the data and the log likelihood (a
+    scan over chunks, vmapped over members; chunked inside the program)."""
     chunks = -(-count // chunk)
     padded = chunks * chunk
 
     def pad(a):
-        # The last chunk is completed with copies of the last example (weighted
-        # 0 by `mask`): real inputs, so a model that is not finite at zeros
-        # cannot put a NaN into the sums (0 * NaN is NaN).
+        # Pad with copies of the last example (weighted 0 by `mask`), not
+        # zeros, where a model may be non-finite (0 * NaN is NaN).
         widths = [(0, padded - count)] + [(0, 0)] * (a.ndim - 1)
         return jnp.pad(a, widths, mode="edge").reshape(chunks, chunk, *a.shape[1:])
 
@@ -898,10 +855,8 @@ def _accumulate(ens, x, y, count, chunk, likelihood, part, curvature, sigma):
 
 def _kfac_pieces(model: Any, part: Any, selected: eqx.nn.Linear, x: Any):
     """For one input: `D = d output / d layer output` `(outputs, out)` and the
-    layer's input with a bias column, `phi` `(in [+ 1],)`, read from the
-    Jacobian with respect to the weight, `D_oj phi_i` (a least-squares fit of
-    that rank-one structure; exact unless the layer does not reach the
-    output, when `D = 0` and `phi` is set to 0)."""
+    layer's input with a bias column, `phi` `(in [+ 1],)`, fitted to the weight
+    Jacobian `D_oj phi_i` (`phi = 0` where `D = 0`)."""
     out_size = selected.weight.shape[0]
 
     def output(weight, delta):
@@ -959,9 +914,6 @@ def _finish(ens, sums, count, likelihood, part, curvature, sigma) -> LaplacePost
     )
 
 
-# ----------------------------------------------------------- the evidence
-
-
 @eqx.filter_jit
 def _log_marginal_likelihood(posterior: LaplacePosterior, prior: Array) -> Array:
     parameters = posterior.mean.shape[1]
@@ -986,8 +938,7 @@ def _optimize_prior(posterior: LaplacePosterior) -> Array:
     return jnp.exp(golden_section(objective, low, high, PRIOR_ITERATIONS))
 
 
-# The default grid, and how far it is extended where a member's best value is
-# at one of its ends (4 more decades on that side).
+# The default grid, and its extension past an end a member chose.
 DEFAULT_GRID = np.logspace(-4, 4, 41)
 EXTENDED_GRID = {0: np.logspace(-8, -4.2, 20), 1: np.logspace(4.2, 8, 20)}
 
@@ -1008,7 +959,6 @@ def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -
     losses = np.asarray(_grid_nll(posterior, x, y, jnp.asarray(values, jnp.float32)))
     best = np.argmin(losses, axis=0)  # (members,): first of ties
     if grid is None:
-        # The default grid's end chosen: search 4 more decades that way.
         for side, at_end in ((0, 0), (1, values.size - 1)):
             if (best == at_end).any():
                 more = EXTENDED_GRID[side]
@@ -1019,9 +969,8 @@ def _validation_prior(posterior: LaplacePosterior, validation: Any, grid: Any) -
                 stacked = (extra, losses) if side == 0 else (losses, extra)
                 values, losses = np.concatenate(joined), np.concatenate(stacked)
                 best = np.argmin(losses, axis=0)
-    # (The default grid's top, 1e8, is the limit itself: the trained weights'
-    # own predictive, to rounding. Its bottom, and a given grid's ends, cut
-    # the search short.)
+    # The default grid's top, 1e8, is the trained weights' own predictive: no
+    # warning there.
     _warn_at_grid_end(values, best, top_is_limit=grid is None)
     return jnp.asarray(values[best], jnp.float32)
 
@@ -1042,8 +991,6 @@ class PriorAtGridEndWarning(UserWarning):
 def _warn_at_grid_end(
     values: np.ndarray, best: np.ndarray, *, top_is_limit: bool
 ) -> None:
-    # (On the results page's digits, seed 0: the grid's top, 1e4, for 3 of 5
-    # members, said nowhere.)
     if values.size < 2:
         return
     meaning = {
@@ -1069,8 +1016,7 @@ def _warn_at_grid_end(
 @eqx.filter_jit
 def _grid_nll(posterior: LaplacePosterior, x: Any, y: Array, values: Array) -> Array:
     """`(values, members)`: every member's validation NLL at every prior
-    precision, in one program (a loop over the values: vmapped, the
-    Jacobian products would take the grid's size times the memory)."""
+    precision (a loop, not a vmap: that would take grid-size times the memory)."""
     size = posterior.mean.shape[0]
 
     def at(value: Array) -> Array:
@@ -1082,8 +1028,7 @@ def _grid_nll(posterior: LaplacePosterior, x: Any, y: Array, values: Array) -> A
 
 
 def _member_nll(posterior: LaplacePosterior, x: Any, y: Array) -> Array:
-    """Each member's mean negative log likelihood of `(x, y)` under its
-    linearised predictive."""
+    """Each member's mean NLL of `(x, y)` under its linearised predictive."""
     if posterior.likelihood == "classification":
         log_probs = jnp.asarray(_predict(posterior, x, None, None))
         picked = jnp.take_along_axis(log_probs, y[None, :, None], axis=-1)[..., 0]
@@ -1092,9 +1037,6 @@ def _member_nll(posterior: LaplacePosterior, x: Any, y: Array) -> Array:
     target = jnp.reshape(y, mean.shape[1:])[None]
     nll = 0.5 * (jnp.log(2 * jnp.pi * variance) + (target - mean) ** 2 / variance)
     return jnp.mean(nll.reshape(nll.shape[0], -1), axis=1)
-
-
-# ----------------------------------------------------------- predictions
 
 
 def _sample(posterior: LaplacePosterior, key: Any, samples: int) -> Ensemble:

@@ -17,10 +17,9 @@ class EMA(Tracker):
     """An exponential moving average of every member's weights.
 
     After each step, `average = decay * average + (1 - decay) * weights`, per
-    member, starting from the weights before the first step (as PyTorch's
-    `AveragedModel` with an EMA). `FitResult.tracked` holds the averages as an
-    `Ensemble` (non-trainable leaves, such as BatchNorm's state-index or integer
-    buffers, are taken from the trained ensemble).
+    member, from the weights before the first step (as PyTorch's
+    `AveragedModel`). `FitResult.tracked` holds the averages as an `Ensemble`
+    (non-trainable leaves from the trained ensemble).
 
     **Arguments:**
 
@@ -71,11 +70,11 @@ class SWA(Tracker):
     """Stochastic weight averaging (Izmailov et al. 2018), for every member.
 
     Each member's weights are averaged, with equal weight, over the steps
-    `start, start + every, start + 2 * every, ...` (counted in steps done, so
-    `start=100` averages from the weights after step 100). `FitResult.tracked`
-    holds the averages as an `Ensemble` (non-trainable leaves from the trained
-    ensemble). With BatchNorm, recompute the running statistics of the averaged
-    weights before using them (a pass over the training data in training mode).
+    `start, start + every, ...` (steps done: `start=100` averages from the
+    weights after step 100). `FitResult.tracked` holds the averages as an
+    `Ensemble` (non-trainable leaves from the trained ensemble). With
+    BatchNorm, recompute the statistics of the averaged weights
+    ([`ee.recompute_batch_stats`][eqx_ensemble.recompute_batch_stats]).
 
     **Arguments:**
 
@@ -121,7 +120,6 @@ class SWA(Tracker):
 
     def init(self, members):
         weights = trainable(members)
-        # One count per member, so the whole state carries the member axis.
         count = jnp.zeros((leading_size(members),), jnp.int32)
         return (jax.tree.map(lambda x: x.copy(), weights), count)
 
@@ -129,7 +127,6 @@ class SWA(Tracker):
         average, count = state
         due = (done >= self.start) & ((done - self.start) % self.every == 0)
         new_count = count + due.astype(jnp.int32)
-        # A running mean: average + (w - average) / n, only on the steps averaged.
         weight = jnp.where(
             due, 1.0 / jnp.maximum(new_count, 1).astype(jnp.float32), 0.0
         )

@@ -11,20 +11,17 @@ from .._internal.checks import check_int
 
 
 def due(done: Any, start: int, every: int) -> Any:
-    """Whether a tracker that starts at step `start` and acts every `every`
-    steps acts after `done` steps (traced)."""
+    """Whether a tracker acting from `start` every `every` steps acts at `done`."""
     return (done >= start) & ((done - start) % every == 0)
 
 
 def untrained_leaves(ensemble: Ensemble) -> Any:
-    """The members' leaves an optimizer does not see (integer buffers, static
-    fields), to complete averaged or sampled weights into models."""
+    """The members' non-trainable leaves, to complete averaged or sampled weights."""
     return eqx.filter(ensemble.members, eqx.is_inexact_array, inverse=True)
 
 
 def repeat_members(rest: Any, repeats: int) -> Any:
-    """Each member's leaves of `rest` repeated `repeats` times (member-major), for
-    a tracker whose result holds several models per member."""
+    """Each member's leaves of `rest` repeated `repeats` times (member-major)."""
     return jax.tree.map(
         lambda x: jnp.repeat(x, repeats, axis=0) if eqx.is_array(x) else x, rest
     )

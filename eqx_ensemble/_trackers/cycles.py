@@ -19,9 +19,8 @@ def _float(value: Any, name: str) -> float:
 
 def cosine_cycles(peak: float, *, cycle_steps: int, cycles: int) -> Any:
     """Cosine annealing with warm restarts, as in snapshot ensembles (Huang et
-    al. 2017): each cycle of `cycle_steps` steps falls from `peak` to 0 along
-    half a cosine, `peak / 2 * (cos(pi * t / cycle_steps) + 1)` for the
-    `t`-th step of the cycle. An optax schedule (step count -> learning rate).
+    al. 2017): each cycle of `cycle_steps` steps falls from `peak` to 0 as
+    `peak / 2 * (cos(pi * t / cycle_steps) + 1)`. An optax schedule.
 
     **Example:**
 
@@ -62,10 +61,9 @@ def triangular_cycles(
     high: float, low: float, *, cycle_steps: int, start: int = 0
 ) -> Any:
     """The cyclic schedule of fast geometric ensembling (Garipov et al. 2018):
-    after `start` steps (during which it stays at `high`), each cycle of
-    `cycle_steps` steps goes linearly from `high` down to `low` in its first half
-    and back up in its second. Snapshots are taken at the middle of each cycle,
-    where the rate is lowest ([`fge_snapshots`][eqx_ensemble.schedules.fge_snapshots]).
+    `high` for `start` steps, then each cycle of `cycle_steps` steps goes
+    linearly from `high` to `low` and back. Snapshots are taken mid-cycle
+    ([`fge_snapshots`][eqx_ensemble.schedules.fge_snapshots]).
 
     **Example:**
 

@@ -19,10 +19,8 @@ class Snapshots(Tracker):
     """Each member's weights at chosen steps, collected inside the compiled loop
     into a larger `Ensemble`: snapshot ensembles (Huang et al. 2017) and fast
     geometric ensembling (Garipov et al. 2018) with the cyclic schedules of
-    [`ee.schedules`][eqx_ensemble.schedules].
-
-    The steps are given up front (`at`), so the buffer has a fixed size and the
-    state does not depend on the run's length; checkpoints and resume keep it.
+    [`ee.schedules`][eqx_ensemble.schedules]. The buffer has a fixed size;
+    checkpoints and resume keep it.
 
     **Arguments:**
 
@@ -84,7 +82,6 @@ class Snapshots(Tracker):
         weights = trainable(members)
 
         def take(state):
-            # One row per member written in place (not a pass over the buffer).
             slot = jnp.argmax(hits)
             return jax.tree.map(
                 lambda buffer, value: jax.lax.dynamic_update_index_in_dim(
@@ -94,11 +91,9 @@ class Snapshots(Tracker):
                 weights,
             )
 
-        # The step count is one scalar for all members: other steps skip the work.
         return jax.lax.cond(jnp.any(hits), take, lambda s: s, state)
 
     def result(self, state: PyTree[Any], ensemble: Ensemble) -> Ensemble:
-        # One program for every leaf (op by op: one per leaf shape).
         flat = compiled_call(_member_rows, state)
         members = eqx.combine(
             flat, repeat_members(untrained_leaves(ensemble), len(self.at))

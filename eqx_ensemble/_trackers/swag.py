@@ -23,10 +23,10 @@ from .base import (
 
 
 class SWAGPosterior(eqx.Module):
-    """Each member's SWAG posterior, made by [`ee.SWAG`][eqx_ensemble.SWAG] (it
-    is what `FitResult.tracked` holds for it): a Gaussian with the mean and
-    diagonal variance of the collected weights plus a low-rank part from their
-    last `rank` deviations (Maddox et al. 2019).
+    """Each member's SWAG posterior, what `FitResult.tracked` holds for
+    [`ee.SWAG`][eqx_ensemble.SWAG]: a Gaussian with the collected weights' mean
+    and diagonal variance plus a low-rank part from their last `rank`
+    deviations (Maddox et al. 2019).
 
     - `mean`: the SWA means, an `Ensemble` (like `ee.SWA`'s result).
     - `variance`: per-member diagonal variances of the trainable leaves.
@@ -79,20 +79,15 @@ class SWAGPosterior(eqx.Module):
         An `Ensemble` of `members * samples` models, member `i`'s draws at
         `i * samples, ..., (i + 1) * samples - 1`.
 
-        The draw is one compiled program per posterior structure, `samples`
-        and `scale` (op by op it was a program per operation and leaf shape:
-        5 MLPs x 4 draws, 73 programs). Compiled, XLA fuses a product and a
-        sum into one multiply-add and divides by the broadcast denominator
-        as a multiplication by its reciprocal, so a draw may differ from the
-        same formula run op by op in the last bit of some weights.
+        The draw is compiled (one program per posterior structure, `samples`
+        and `scale`), so it may differ from the same formula run op by op in
+        the last bit of some weights.
 
         **Example:** see [`ee.SWAG`][eqx_ensemble.SWAG].
         """
         check_tracker_int("SWAGPosterior.sample", "samples", samples, 1)
         if not (isinstance(scale, int | float) and math.isfinite(scale) and scale >= 0):
             raise ValueError(f"`scale` must be finite and >= 0, got {scale!r}")
-        # One program per posterior structure, draw count and scale: op by
-        # op, a draw compiles a program per operation and leaf shape.
         draw = functools.partial(_draw, samples=samples, root_scale=math.sqrt(scale))
         return compiled_call(draw, self, key)
 
@@ -100,8 +95,7 @@ class SWAGPosterior(eqx.Module):
 def _draw(
     posterior: SWAGPosterior, key: PRNGKeyArray, *, samples: int, root_scale: float
 ) -> Ensemble:
-    """`SWAGPosterior.sample`'s draws (module-level: `compiled_call` keys
-    its program by this function)."""
+    """`SWAGPosterior.sample`'s draws (module-level: `compiled_call` keys by it)."""
     means = trainable(posterior.mean.members)
     size = int(posterior.count.shape[0])
     used = jnp.minimum(posterior.count, posterior.rank)  # (members,)
@@ -138,10 +132,9 @@ def _draw(
 
 class SWAG(Tracker):
     """SWA-Gaussian (Maddox, Garipov, Izmailov, Vetrov & Wilson 2019) for every
-    member, updated inside the compiled loop: over the steps `start, start +
-    every, ...` each member's running mean and mean of squares of its weights,
-    and its last `rank` deviations from the running mean, in fixed-size buffers
-    (the state does not depend on the number of steps).
+    member, inside the compiled loop: over the steps `start, start + every, ...`
+    each member's running mean and mean of squares, and its last `rank`
+    deviations from the running mean, in fixed-size buffers.
     `FitResult.tracked` holds a [`SWAGPosterior`][eqx_ensemble.SWAGPosterior];
     its `.sample(key, samples)` gives MultiSWAG (Wilson & Izmailov 2020).
 
@@ -230,8 +223,7 @@ class SWAG(Tracker):
             square = jax.tree.map(
                 running, state["square"], jax.tree.map(jnp.square, weights)
             )
-            # Every member collects on the same steps: one slot (a scalar) for
-            # all, so each buffer gets one row written in place.
+            # Every member collects on the same steps: one slot for all.
             slot = (jnp.max(count) - 1) % self.rank
 
             def write(buffer, value, average):
@@ -247,8 +239,7 @@ class SWAG(Tracker):
                 "count": count,
             }
 
-        # The step count is one scalar for all members: off-period steps skip
-        # the work (the identity branch leaves the buffers where they are).
+        # One step count for all members: off-period steps skip the work.
         return jax.lax.cond(
             due(done, self.start, self.every), collect, lambda s: s, state
         )
@@ -257,9 +248,8 @@ class SWAG(Tracker):
         mean = with_members(
             ensemble, eqx.combine(state["mean"], untrained_leaves(ensemble))
         )
-        # Two programs for every leaf (op by op: three per leaf shape); the
-        # squares apart, so that XLA cannot fuse them into the subtraction as
-        # multiply-adds: the bits of op by op.
+        # The squares in their own program, so XLA cannot fuse them into the
+        # subtraction (the bits of op by op).
         squares = compiled_call(_squares, state["mean"])
         variance = compiled_call(_variance, state["square"], squares)
         return SWAGPosterior(
