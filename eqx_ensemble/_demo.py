@@ -31,11 +31,8 @@ from ._training.fit import fit
 NOISE_STD = 3.0
 TRAIN_RANGE = 4.0
 HIDDEN = 100
-# 20 points are easy to overfit: with AdamW's weight decay at 1e-2 the band
-# inside the data was 1.7 to 10.8 over seeds 0-9 (noise 3) and on seed 2 it did
-# not grow outside at all (`x` uniform, so some seeds' data stopped short of
-# the range). At 2.0, with the points spread over the range and 10 members:
-# 2.6 to 4.6 inside, the members' disagreement 3.6 to 8.7 times larger outside.
+# 20 points are easy to overfit (at 1e-2 the band inside the data ranged 1.7-10.8
+# over seeds 0-9); at 2.0: 2.6-4.6 inside, disagreement 3.6-8.7x larger outside.
 WEIGHT_DECAY = 2.0
 MEMBERS = 10
 TEST_POINTS = 400
@@ -43,8 +40,8 @@ NOMINAL = (0.5, 0.8, 0.95)
 
 
 def make_member(key: PRNGKeyArray) -> eqx.nn.MLP:
-    """One member: a public `eqx.nn.MLP` (so the checkpoint loads without this
-    module); output 0 is the mean, output 1 the variance before a softplus."""
+    """A public `eqx.nn.MLP` (the checkpoint loads without this module); output 0 is
+    the mean, output 1 the variance before a softplus."""
     return eqx.nn.MLP(1, 2, HIDDEN, 1, activation=jax.nn.relu, key=key)
 
 
@@ -68,8 +65,8 @@ def gaussian_nll(mean: Array, var: Array, y: Array) -> Array:
 
 
 def coverage_verdict(coverage: float, nominal: float, n: int) -> str:
-    """`"ok"`, `"too wide"` or `"too narrow"`: the coverage against its nominal
-    level, with a tolerance of 2.5 binomial standard errors for `n` test points."""
+    """`"ok"`, `"too wide"` or `"too narrow"`: the coverage against `nominal`, within
+    2.5 binomial standard errors for `n` test points."""
     tolerance = 2.5 * math.sqrt(nominal * (1 - nominal) / n)
     if coverage > nominal + tolerance:
         return "too wide"
@@ -109,8 +106,7 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
         means, variances = heads(_predict(trained, xs))
         return means * y_scale, variances * y_scale**2
 
-    # Test grid: fresh noisy points on the training range (where the intervals can
-    # be checked against data), and a wider grid for the picture.
+    # Fresh noisy test points on the training range; a wider grid for the picture.
     x_test = jnp.linspace(-TRAIN_RANGE, TRAIN_RANGE, TEST_POINTS)[:, None]
     y_test = x_test[:, 0] ** 3 + NOISE_STD * jax.random.normal(test_key, (TEST_POINTS,))
     means, variances = predict(x_test)
@@ -184,7 +180,6 @@ def run(members: int, steps: int, seed: int, out: Path, progress: bool) -> dict:
         "member_nll": member_nll.tolist(),
         "member_rmse": member_rmse.tolist(),
         "coverage": coverages,
-        "coverage_95": coverages[0.95],
         "ensemble_nll": ens_nll,
         "ensemble_rmse": ens_rmse,
         "std_inside": float(wide_std[inside].mean()),

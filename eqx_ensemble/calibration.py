@@ -1,19 +1,19 @@
 """Post-hoc calibration on a held-out calibration split, beyond one temperature
 (`ee.metrics.fit_temperature`).
 
-Parametric maps act on logits and return logits, applied to each member (one
-map for the ensemble, fitted to its mean prediction's NLL, or one per member):
+Parametric maps act on logits and return logits, applied to each member (one map for
+the ensemble, fitted to its mean prediction's NLL, or one per member):
 
-- [`fit_vector_scaling`][eqx_ensemble.calibration.fit_vector_scaling]:
-  `w * z + b` (Guo et al. 2017).
-- [`fit_matrix_scaling`][eqx_ensemble.calibration.fit_matrix_scaling]:
-  `W z + b` (Guo et al. 2017).
+- [`fit_vector_scaling`][eqx_ensemble.calibration.fit_vector_scaling]: `w * z + b`
+  (Guo et al. 2017).
+- [`fit_matrix_scaling`][eqx_ensemble.calibration.fit_matrix_scaling]: `W z + b`
+  (Guo et al. 2017).
 - [`fit_dirichlet_scaling`][eqx_ensemble.calibration.fit_dirichlet_scaling]:
   `W log p + b` with the off-diagonal penalty (Kull et al. 2019).
 
 Non-parametric maps act on probabilities, one-vs-rest per class, and return
-probabilities: of the ensemble's mean prediction, shape `(1, batch, classes)`,
-or of each member:
+probabilities: of the ensemble's mean prediction, shape `(1, batch, classes)`, or of
+each member:
 
 - [`fit_histogram_binning`][eqx_ensemble.calibration.fit_histogram_binning]
   (Zadrozny and Elkan 2001).
@@ -21,13 +21,12 @@ or of each member:
   (Zadrozny and Elkan 2002).
 
 For regression, on the members' means and variances:
+[`fit_quantile_recalibration`][eqx_ensemble.calibration.fit_quantile_recalibration],
+an isotonic map of the predictive CDF's values (Kuleshov et al. 2018), giving
+calibrated quantiles and intervals.
 
-- [`fit_quantile_recalibration`][eqx_ensemble.calibration.fit_quantile_recalibration]:
-  an isotonic map of the predictive CDF's values (Kuleshov et al. 2018), giving
-  calibrated quantiles and intervals.
-
-Every fitted calibrator is an `eqx.Module`: save it with `ee.save`, call it
-under `jax.jit`, feed its output to any `ee.metrics` function.
+Every fitted calibrator is an `eqx.Module`: save it with `ee.save`, call it under
+`jax.jit`, feed its output to any `ee.metrics` function.
 
 ```python
 key_logits, key_labels = jax.random.split(jax.random.key(0))

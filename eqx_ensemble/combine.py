@@ -1,7 +1,7 @@
 """Combining the stacked predictions of an ensemble into one prediction.
 
-Every function takes predictions with a leading member axis, as returned by
-`ens(x)` or `ee.map`, and an optional weight per member.
+Every function takes predictions with a leading member axis, as returned by `ens(x)`
+or `ee.map`, and an optional weight per member.
 
 ```python
 import eqx_ensemble as ee
@@ -33,8 +33,8 @@ __all__ = [
 
 
 def _check_floating(x: Array, name: str) -> Array:
-    """`x` as an array of floats, or a clear error (integer predictions would be
-    averaged with integer weights: zeros)."""
+    """`x` as a float array with a member axis, or an error (integer predictions
+    would be averaged with integer weights: zeros)."""
     x = as_array(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
@@ -118,10 +118,9 @@ def log_mean_probs_from_logits(
     logits: Float[Array, " members *batch classes"],
     weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> Float[Array, " *batch classes"]:
-    """`log(mean_i softmax(logits_i))` computed in log-space (no underflow).
-
-    Use it for the ensemble's negative log-likelihood: the log of the mean of very
-    small probabilities stays finite.
+    """`log(mean_i softmax(logits_i))` computed in log-space (no underflow): for the
+    ensemble's negative log-likelihood, where the log of the mean of very small
+    probabilities stays finite.
 
     **Example:**
 
@@ -159,10 +158,9 @@ def mean_logits(
     logits: Float[Array, " members *batch classes"],
     weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> Float[Array, " *batch classes"]:
-    """Logit averaging: the (weighted) mean of the members' logits.
-
-    The softmax of the result is a normalised geometric mean of the members'
-    probabilities (sharper than `mean_probs`).
+    """Logit averaging: the (weighted) mean of the members' logits. Its softmax is a
+    normalised geometric mean of the members' probabilities (sharper than
+    `mean_probs`).
 
     **Example:**
 
@@ -181,10 +179,8 @@ def majority_vote(
     num_classes: int,
     weights: Real[ArrayLike, " members"] | Sequence[float | int] | None = None,
 ) -> Int[Array, " *batch"]:
-    """The class predicted by the most members (weighted votes if `weights`).
-
-    Ties are broken deterministically in favour of the **smallest class index**
-    among the tied classes.
+    """The class predicted by the most members (weighted votes if `weights`). Ties go
+    to the **smallest class index** among the tied classes.
 
     **Arguments:**
 
@@ -215,13 +211,12 @@ def majority_vote(
                 f"[{low}, {high}]"
             )
     if weights is None:
-        # Integer vote counts: exact, so ties are exact ties.
+        # Integer vote counts: ties are exact.
         one_hot = jax.nn.one_hot(predictions, num_classes, dtype=jnp.int32)
         counts = one_hot.sum(axis=0)
     else:
         one_hot = jax.nn.one_hot(predictions, num_classes, dtype=jnp.float32)
-        # Checked, then summed unnormalised: integer weights stay exact, so ties
-        # are exact ties.
+        # Checked, then summed unnormalised: integer weights keep ties exact.
         normalised_weights(weights, len(predictions), jnp.float32, "predictions have")
         raw = jnp.asarray(weights).astype(jnp.float32)
         counts = jnp.tensordot(raw, one_hot, axes=1)
@@ -237,10 +232,9 @@ def gaussian_mixture(
     """Mean and variance of the mixture of the members' Gaussian predictions.
 
     For members predicting `N(mu_i, sigma_i^2)` with mixture weights `w_i`:
-    `mean = sum_i w_i mu_i` and
-    `variance = sum_i w_i sigma_i^2 + sum_i w_i (mu_i - mean)^2`
-    (aleatoric plus epistemic; Lakshminarayanan et al. 2017), computed in the
-    centred form, which never goes negative through cancellation.
+    `mean = sum_i w_i mu_i` and `variance = sum_i w_i sigma_i^2 + sum_i w_i (mu_i -
+    mean)^2` (aleatoric plus epistemic; Lakshminarayanan et al. 2017), in the centred
+    form, which never goes negative through cancellation.
 
     **Example:**
 

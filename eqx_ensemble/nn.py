@@ -1,27 +1,25 @@
 """Layers for ensembles whose members share parts, and for ensembles inside one
 network.
 
-Each layer here is written for ONE member, like any Equinox layer; an ensemble
-of them is built with [`ee.ensemble`][eqx_ensemble.ensemble] and `shared=` (see
-the shared-parts guide):
+Each layer here is written for ONE member, like any Equinox layer; an ensemble of
+them is built with [`ee.ensemble`][eqx_ensemble.ensemble] and `shared=` (see the
+shared-parts guide):
 
 - [`BatchEnsembleLinear`][eqx_ensemble.nn.BatchEnsembleLinear] and
   [`BatchEnsembleConv`][eqx_ensemble.nn.BatchEnsembleConv] (Wen, Tran & Ba 2020,
   "BatchEnsemble"): a slow weight shared by all members, modulated by per-member
-  rank-1 fast weights `r` (input side) and `s` (output side). Share the slow
-  weights with `shared=ee.nn.slow_weights` and train them with
-  `train_shared=True`.
-- [`LoRALinear`][eqx_ensemble.nn.LoRALinear] and [`lora`][eqx_ensemble.nn.lora]
-  (Hu et al. 2022, "LoRA"): low-rank adapters added to the linear layers of any
-  Equinox model; an ensemble of adapters over one frozen base model shares the
-  base with `shared=ee.nn.lora_base`.
+  rank-1 fast weights `r` (input side) and `s` (output side). Share the slow weights
+  with `shared=ee.nn.slow_weights` and train them with `train_shared=True`.
+- [`LoRALinear`][eqx_ensemble.nn.LoRALinear] and [`lora`][eqx_ensemble.nn.lora] (Hu
+  et al. 2022, "LoRA"): low-rank adapters added to the linear layers of any Equinox
+  model; an ensemble of adapters over one frozen base model shares the base with
+  `shared=ee.nn.lora_base`.
 
-Under the member `vmap`, a shared slow weight or base weight is not batched: the
-members' inputs meet ONE weight matrix (one wide matmul or convolution), which is
-where these methods save memory and time.
+Under the member `vmap` a shared weight is not batched: the members' inputs meet ONE
+weight matrix (one wide matmul or convolution), saving memory and time.
 
-Implicit ensembles are ONE network holding several members; it maps one input
-to per-member outputs `(members, ...)` ([`members_first`][eqx_ensemble.nn.members_first]
+Implicit ensembles are ONE network holding several members, mapping one input to
+per-member outputs `(members, ...)` ([`members_first`][eqx_ensemble.nn.members_first]
 turns a batch of them into the metrics' layout):
 
 - [`PackedLinear`][eqx_ensemble.nn.PackedLinear] and
@@ -81,16 +79,16 @@ def _fast_init(key: PRNGKeyArray, shape: tuple[int, ...], init: str) -> Array:
 class BatchEnsembleLinear(eqx.Module):
     """One member of a BatchEnsemble linear layer: `s * (weight @ (r * x)) + bias`.
 
-    `weight` is the slow weight (shared by all members when the ensemble is
-    built with `shared=ee.nn.slow_weights`); `r` (in) and `s` (out) are this
-    member's fast weights; `bias` is per member, as in Wen et al. (2020).
+    `weight` is the slow weight (shared by all members when the ensemble is built
+    with `shared=ee.nn.slow_weights`); `r` (in) and `s` (out) are this member's fast
+    weights; `bias` is per member, as in Wen et al. (2020).
 
     **Arguments:**
 
     - `in_features`, `out_features`: sizes, as `eqx.nn.Linear`.
-    - `key`: PRNG key. The slow weight is initialised as `eqx.nn.Linear`'s;
-      the fast weights are random signs (`fast_init="sign"`, the paper's
-      choice) or ones (`"ones"`: every member starts as the same layer).
+    - `key`: PRNG key. The slow weight is initialised as `eqx.nn.Linear`'s; the fast
+      weights are random signs (`fast_init="sign"`, the paper's choice) or ones
+      (`"ones"`: every member starts as the same layer).
 
     **Example:**
 
@@ -143,14 +141,14 @@ class BatchEnsembleLinear(eqx.Module):
 
 
 class BatchEnsembleConv(eqx.Module):
-    """One member of a BatchEnsemble convolution: the slow convolution applied to
-    the input scaled per channel by `r`, its output scaled per channel by `s`,
-    plus a per-member bias (Wen et al. 2020).
+    """One member of a BatchEnsemble convolution: the slow convolution applied to the
+    input scaled per channel by `r`, its output scaled per channel by `s`, plus a
+    per-member bias (Wen et al. 2020).
 
     **Arguments:**
 
-    - `num_spatial_dims`, `in_channels`, `out_channels`, `kernel_size`,
-      `stride`, `padding`: as `eqx.nn.Conv`.
+    - `num_spatial_dims`, `in_channels`, `out_channels`, `kernel_size`, `stride`,
+      `padding`: as `eqx.nn.Conv`.
     - `key`, `fast_init`: as
       [`BatchEnsembleLinear`][eqx_ensemble.nn.BatchEnsembleLinear].
 
@@ -216,8 +214,8 @@ class BatchEnsembleConv(eqx.Module):
 
 
 def slow_weights(model: Any) -> tuple[Any, ...]:
-    """The slow (shared) weights of every BatchEnsemble layer in `model`: pass it
-    as `shared=` to [`ee.ensemble`][eqx_ensemble.ensemble].
+    """The slow (shared) weights of every BatchEnsemble layer in `model`: pass it as
+    `shared=` to [`ee.ensemble`][eqx_ensemble.ensemble].
 
     **Example:**
 
@@ -242,16 +240,15 @@ def slow_weights(model: Any) -> tuple[Any, ...]:
 
 
 class LoRALinear(eqx.Module):
-    """A linear layer plus a low-rank adapter: `base(x) + scale * b @ (a @ x)`
-    (Hu et al. 2022). `a` starts random and `b` at zero, so a fresh adapter
-    leaves the base layer's output unchanged.
+    """A linear layer plus a low-rank adapter: `base(x) + scale * b @ (a @ x)` (Hu et
+    al. 2022). `a` starts random and `b` at zero, so a fresh adapter leaves the base
+    layer's output unchanged.
 
     **Arguments:**
 
     - `base`: the `eqx.nn.Linear` adapted.
     - `rank`: the adapter's rank.
-    - `alpha`: `scale = alpha / rank` (the paper's scaling; default `alpha = rank`,
-      scale 1).
+    - `alpha`: `scale = alpha / rank` (the paper's scaling; default `alpha = rank`).
     - `key`: PRNG key for `a`.
 
     **Example:**
@@ -300,12 +297,10 @@ def lora(
     where: Callable[[eqx.nn.Linear], bool] | None = None,
     alpha: float | None = None,
 ) -> Any:
-    """`model` with every `eqx.nn.Linear` (or those `where(layer)` picks) wrapped
-    in a [`LoRALinear`][eqx_ensemble.nn.LoRALinear] adapter.
-
-    An ensemble of adapters over ONE frozen base model:
-    `ee.ensemble(lambda k: ee.nn.lora(base, rank=4, key=k), size=8, key=key,
-    shared=ee.nn.lora_base)`; only the adapters are stacked and trained.
+    """`model` with every `eqx.nn.Linear` (or those `where(layer)` picks) wrapped in a
+    [`LoRALinear`][eqx_ensemble.nn.LoRALinear] adapter. With `shared=ee.nn.lora_base`
+    (see the example), an ensemble of adapters over ONE frozen base model: only the
+    adapters are stacked and trained.
 
     **Arguments:**
 
@@ -345,8 +340,8 @@ def lora(
 
 
 def lora_base(model: Any) -> tuple[Any, ...]:
-    """Every array leaf of `model` except the LoRA adapters' `a` and `b`: the
-    frozen base that an adapter ensemble shares (pass as `shared=`).
+    """Every array leaf of `model` except the LoRA adapters' `a` and `b`: the frozen
+    base that an adapter ensemble shares (pass as `shared=`).
 
     **Example:**
 

@@ -1,10 +1,10 @@
 """Plots of an ensemble's uncertainty: reliability diagram, predictive band for 1-D
-regression, histogram of an uncertainty score for in- vs out-of-distribution data.
+regression, histogram of an uncertainty score for in- vs out-of-distribution data,
+risk-coverage curves, a PBT lineage.
 
-matplotlib is an optional dependency (`pip install eqx_ensemble[plot]`), imported
-only when a plot is drawn: `import eqx_ensemble` never imports it. Every function
-draws on `ax` if given, otherwise on a new figure (`plt.subplots()`), and returns
-`(figure, axes)` for further styling or `figure.savefig(...)`.
+matplotlib is an optional dependency (`pip install eqx_ensemble[plot]`), imported only
+when a plot is drawn. Every function draws on `ax` if given, else on a new figure
+(`plt.subplots()`), and returns `(figure, axes)`.
 
 ```python
 probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (5, 200, 3)), axis=-1)
@@ -57,11 +57,10 @@ def reliability_diagram(
 ) -> tuple[Any, Any]:
     """Reliability diagram of the ensemble's mean prediction (Guo et al. 2017).
 
-    For each of `n_bins` equal-width bins of top-label confidence, a bar shows the
-    accuracy; a shaded, hatched bar shows the gap up to the bin's mean confidence
-    (red above the bar: overconfident; below: underconfident). The dashed diagonal
-    is perfect calibration, and the title reports the ECE. Empty bins draw
-    zero-height bars. Bins as in `ee.metrics.calibration_bins`.
+    For each of `n_bins` equal-width bins of top-label confidence (as
+    `ee.metrics.calibration_bins`), a bar shows the accuracy and a hatched bar the gap
+    to the bin's mean confidence (above the bar: overconfident). The dashed diagonal
+    is perfect calibration; the title reports the ECE. Empty bins draw zero-height bars.
 
     **Arguments:**
 
@@ -144,9 +143,7 @@ def predictive_band(
 ) -> tuple[Any, Any]:
     """Predictive band of a 1-D regression ensemble: the mixture mean with a band of
     `+- k` predictive standard deviations (aleatoric plus epistemic, as
-    `ee.metrics.predictive_variance`).
-
-    Inputs are sorted by `x` before drawing, so they may come in any order.
+    `ee.metrics.predictive_variance`). Inputs may come in any order of `x`.
 
     **Arguments:**
 
@@ -246,9 +243,9 @@ def uncertainty_histogram(
     xlabel: str = "uncertainty score",
     names: tuple[str, str] = ("in-distribution", "out-of-distribution"),
 ) -> tuple[Any, Any]:
-    """Overlaid histograms (densities) of an uncertainty score on in-distribution
-    and out-of-distribution inputs, on shared bins, with the AUROC
-    (`ee.metrics.ood_auroc`) in the title.
+    """Overlaid histograms (densities) of an uncertainty score on in- and
+    out-of-distribution inputs, on shared bins, with the AUROC (`ee.metrics.ood_auroc`)
+    in the title.
 
     **Arguments:**
 
@@ -296,9 +293,8 @@ def risk_coverage(
     ax: Any = None,
     ylabel: str = "selective risk (error rate)",
 ) -> tuple[Any, Any]:
-    """Risk-coverage curves of several models on the same data, with each
-    curve's AURC (`ee.metrics.aurc`) in its legend entry: e.g. the ensemble
-    against its members, or two confidence scores of one model.
+    """Risk-coverage curves of several models on the same data, each curve's AURC
+    (`ee.metrics.aurc`) in its legend entry: e.g. the ensemble against its members.
 
     **Arguments:**
 
@@ -367,8 +363,8 @@ def lineage(
     ax: Any = None,
 ) -> tuple[Any, Any]:
     """The family tree of a population-based training run
-    ([`ee.PBT`][eqx_ensemble.PBT]): one horizontal line per member slot over
-    the steps, and at each copy an arrow from the parent's slot to the child's.
+    ([`ee.PBT`][eqx_ensemble.PBT]): one horizontal line per member slot over the steps,
+    and at each copy an arrow from the parent's slot to the child's.
 
     **Arguments:**
 
@@ -381,8 +377,7 @@ def lineage(
 
     **Returns:**
 
-    `(figure, axes)`; `axes.lines` holds the `size` member lines, then one line
-    per copy.
+    `(figure, axes)`; `axes.lines` holds the `size` member lines, then one per copy.
 
     **Example:**
 

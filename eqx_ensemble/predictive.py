@@ -1,16 +1,14 @@
-"""Predictive distributions of regression models and ensembles, scored and
-calibrated whatever their form: a Gaussian, a Student-t (heavy tails, as
-trained by [`ee.losses.student_t_nll`][eqx_ensemble.losses.student_t_nll])
-and the mixture of the members' (the ensemble's predictive).
+"""Predictive distributions of regression models and ensembles, scored and calibrated
+whatever their form: a Gaussian, a Student-t (heavy tails, as trained by
+[`ee.losses.student_t_nll`][eqx_ensemble.losses.student_t_nll]) and the mixture of the
+members' (the ensemble's predictive).
 
-Each is an `eqx.Module` of arrays with the batch's shape (a mixture's
-components with a leading member axis) and the same methods: `log_prob`,
-`cdf`, `quantile`, `interval`, `crps`, `mean`, `variance`. The functions
-below score a data set with them (`nll`, `crps`, `coverage`,
-`calibration_error`) and recalibrate their quantiles (`fit_recalibration`,
-Kuleshov et al. 2018, on the probability integral transform). A conformal
-interval of any of them: its `interval` on a calibration split into
-[`ee.conformal.cqr`][eqx_ensemble.conformal.cqr].
+Each is an `eqx.Module` of arrays with the batch's shape (a mixture's components with a
+leading member axis) and the methods `log_prob`, `cdf`, `quantile`, `interval`, `crps`,
+`mean`, `variance`. The functions below score a data set (`nll`, `crps`, `coverage`,
+`calibration_error`) and recalibrate quantiles (`fit_recalibration`, Kuleshov et al.
+2018, on the probability integral transform). For a conformal interval, pass its
+`interval` on a calibration split to [`ee.conformal.cqr`][eqx_ensemble.conformal.cqr].
 
 ```python
 loc = jax.random.normal(jax.random.key(0), (5, 100))       # (members, batch)
@@ -85,8 +83,7 @@ class _Distribution(eqx.Module):
     def interval(
         self, level: Float[ArrayLike, ""] | float = 0.9
     ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
-        """The central interval at `level`: the quantiles at `(1 - level) / 2`
-        and `(1 + level) / 2`."""
+        """The central interval at `level`: the quantiles at `(1 ± level) / 2`."""
         check_level(level)
         level = as_array(level)
         return self.quantile((1 - level) / 2), self.quantile((1 + level) / 2)
@@ -128,8 +125,7 @@ class Normal(_Distribution):
         return _ends(self.loc + self.scale * ndtri(p), p)
 
     def crps(self, y: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
-        """The continuous ranked probability score at `y` (Gneiting and
-        Raftery 2007), in closed form."""
+        """The CRPS at `y` (Gneiting and Raftery 2007), in closed form."""
         z = (jnp.asarray(y) - self.loc) / self.scale
         return self.scale * (
             z * (2 * ndtr(z) - 1) + 2 * _phi(z) - 1 / math.sqrt(math.pi)
@@ -150,9 +146,8 @@ def _phi(z: Array) -> Array:
 
 
 class StudentT(_Distribution):
-    """A Student-t predictive with location `loc`, scale `scale` and `df`
-    degrees of freedom (`scipy.stats.t(df, loc, scale)`), per example;
-    `df=inf` is the Gaussian.
+    """A Student-t predictive with location `loc`, scale `scale` and `df` degrees of
+    freedom (`scipy.stats.t(df, loc, scale)`), per example; `df=inf` is the Gaussian.
 
     **Example:**
 
@@ -204,16 +199,14 @@ class StudentT(_Distribution):
         return _ends(_implicit(self, q, p), p)
 
     def crps(self, y: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
-        """The continuous ranked probability score at `y`, in closed form
-        (Jordan, Krüger and Lerch 2019) for `df >= 2`, by quadrature below;
-        infinite for `df <= 1/2`, where the integral diverges."""
+        """The CRPS at `y`: in closed form (Jordan, Krüger and Lerch 2019) for
+        `df >= 2`, by quadrature below; infinite for `df <= 1/2` (it diverges)."""
         z, df = self._z(y), self.df
         infinite = jnp.isinf(df)
         nu = jnp.where(infinite | (df < 2), 3.0, df)
         density = jnp.exp(self.log_prob(y) + jnp.log(self.scale))
-        # 2 sqrt(nu) B(1/2, nu - 1/2) / ((nu - 1) B(1/2, nu / 2)^2), with
-        # log B(1/2, b) = log(pi) / 2 - [log Gamma(b + 1/2) - log Gamma(b)]
-        # from the density's normaliser (accurate for large `nu`).
+        # 2 sqrt(nu) B(1/2, nu - 1/2) / ((nu - 1) B(1/2, nu / 2)^2), the log Betas
+        # through the density's normaliser (accurate for large `nu`).
         ratio = -_gamma_ratio(nu - 0.5) + 2 * _gamma_ratio(nu / 2)
         spread = 2 * jnp.sqrt(nu) / (nu - 1) * jnp.exp(ratio - 0.5 * math.log(math.pi))
         finite = (
@@ -221,9 +214,7 @@ class StudentT(_Distribution):
         )
         gaussian = z * (2 * ndtr(z) - 1) + 2 * _phi(z) - 1 / math.sqrt(math.pi)
         score = self.scale * jnp.where(infinite, gaussian, finite)
-        # Below df = 2 the closed form's 1 / (df - 1) loses float32's digits
-        # (and has no value at or below 1, where the integral still
-        # converges above 1/2): quadrature there.
+        # Below df = 2, 1 / (df - 1) loses float32's digits (or is undefined).
         y = jnp.broadcast_to(jnp.asarray(y), score.shape)
         heavy = _crps_by_quadrature(
             self.cdf,
@@ -250,24 +241,22 @@ def _gamma_ratio(b: Array) -> Array:
     return _log_t_normaliser(2 * b) + 0.5 * jnp.log(2 * b * math.pi)
 
 
-# Above this many degrees of freedom the CDF is Gaussian with a correction:
-# float32's incomplete beta function loses digits with `df` (2e-3 off SciPy
-# at df = 1e4, 2e-2 at 1e5); the approximation is within 1e-5 from here on.
+# Above this `df`, a corrected Gaussian CDF: float32's incomplete beta loses digits
+# with `df` (2e-2 off SciPy at 1e5); the approximation is within 1e-5 from here on.
 _LARGE_DF = 100.0
 
 
 def _t_cdf(z: Array, df: Array) -> Array:
     large = df > _LARGE_DF
     nu = jnp.where(large, 1.0, df)
-    # The tail `I_{nu/(nu+z^2)}(nu/2, 1/2) / 2` for |z| >= 1; near the centre,
-    # where `nu / (nu + z^2)` rounds to 1, the mass between 0 and `|z|`,
+    # The tail `I_{nu/(nu+z^2)}(nu/2, 1/2) / 2` for |z| >= 1; near the centre, where
+    # `nu / (nu + z^2)` rounds to 1, the mass between 0 and |z|,
     # `I_{z^2/(nu+z^2)}(1/2, nu/2) / 2`. At z = +-inf: 0 and 1.
     centre = z**2 < 1  # (beyond, the tail's argument is at most nu / (nu + 1))
     tail = 0.5 * betainc(nu / 2, 0.5, jnp.where(centre, 0.5, nu / (nu + z**2)))
     inner = 0.5 * betainc(0.5, nu / 2, jnp.where(centre, z**2 / (nu + z**2), 0.5))
     t = jnp.where(centre, 0.5 + jnp.sign(z) * inner, jnp.where(z < 0, tail, 1 - tail))
-    # Phi(z (1 - 1/(4 df)) / sqrt(1 + z^2 / (2 df))) (Abramowitz and Stegun
-    # 26.7.8's form), exact at df = inf.
+    # Phi(z (1 - 1/(4 df)) / sqrt(1 + z^2 / (2 df))) (Abramowitz and Stegun 26.7.8).
     big = jnp.where(large, df, _LARGE_DF)
     finite_z = jnp.where(jnp.isinf(z), 0.0, z)
     approx = ndtr(finite_z * (1 - 0.25 / big) / jnp.sqrt(1 + finite_z**2 / (2 * big)))
@@ -276,9 +265,8 @@ def _t_cdf(z: Array, df: Array) -> Array:
 
 
 def _implicit(dist: Any, q: Array, p: Array) -> Array:
-    """`q` (a quantile found without gradients, `F(q) = p`) with the
-    implicit function theorem's derivatives: `q - (F(q) - p) / f(q)` is `q`
-    in value (to rounding), and its derivatives are `dq = (dp - dF) / f`."""
+    """`q` (`F(q) = p`, found without gradients) with the implicit function theorem's
+    derivatives `dq = (dp - dF) / f`; the value is `q` (to rounding)."""
     correction = (dist.cdf(q) - p) / jnp.exp(dist.log_prob(q))
     return q - (correction - jax.lax.stop_gradient(correction))
 
@@ -292,8 +280,8 @@ def _ends(q: Array, p: Array) -> Array:
 def _bisect(
     cdf, p: Array, low: float, high: float, steps: int = 64, *, widen: bool = True
 ) -> Array:
-    """The `x` with `cdf(x) = p` (`cdf` non-decreasing, elementwise), by
-    bisection inside a bracket doubled outwards from `[low, high]`."""
+    """The `x` with `cdf(x) = p` (`cdf` non-decreasing, elementwise), by bisection
+    inside a bracket doubled outwards from `[low, high]` (if `widen`)."""
     low_x, high_x = jnp.full_like(p, low), jnp.full_like(p, high)
 
     def widened(x, sign):
@@ -323,9 +311,9 @@ def _bisect(
 
 
 class Mixture(_Distribution):
-    """The mixture of `components` (a `Normal` or `StudentT` whose arrays have
-    a leading member axis) with `weights` (default: equal): the ensemble's
-    predictive, `sum_i w_i p_i(y)`.
+    """The mixture of `components` (a `Normal` or `StudentT` whose arrays have a
+    leading member axis) with `weights` (default: equal): the ensemble's predictive,
+    `sum_i w_i p_i(y)`.
 
     **Example:**
 
@@ -389,7 +377,6 @@ class Mixture(_Distribution):
 
     @eqx.filter_jit
     def _quantile(self, p: Array) -> Array:
-        # (a member axis in front; a scalar `p` as it is)
         each = self.components.quantile(p if p.ndim == 0 else p[None])
         low, high = jnp.min(each, axis=0), jnp.max(each, axis=0)
         p = jnp.broadcast_to(p, low.shape)
@@ -398,19 +385,16 @@ class Mixture(_Distribution):
         def cdf(t):  # on [0, 1] across the bracket
             return self.cdf(low + t * width)
 
-        # (the bracket holds the quantile: not widened, and a bracket of no
-        # width, members that agree, is its own answer; 40 halvings of it
-        # leave less than float32's rounding of `low + t * width`)
+        # The bracket holds the quantile; 40 halvings reach float32's rounding.
         t = _bisect(cdf, p, 0.0, 1.0, 40, widen=False)
         q = jax.lax.stop_gradient(low + t * width)
         return _ends(_implicit(self, q, p), p)
 
     def crps(self, y: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
-        """The continuous ranked probability score at `y`: in closed form for
-        Gaussian members (`E|X - y| - E|X - X'| / 2`, Grimit et al. 2006);
-        for Student-t members by Gauss-Legendre quadrature of `int (F(x) -
-        1{x >= y})^2 dx` (`_crps_by_quadrature`), infinite where a member
-        of positive weight has `df <= 1/2`."""
+        """The CRPS at `y`: in closed form for Gaussian members (`E|X - y| -
+        E|X - X'| / 2`, Grimit et al. 2006); for Student-t members by Gauss-Legendre
+        quadrature of `int (F(x) - 1{x >= y})^2 dx`, infinite where a member of
+        positive weight has `df <= 1/2`."""
         return self._crps(jnp.asarray(y))
 
     @eqx.filter_jit
@@ -425,7 +409,6 @@ class Mixture(_Distribution):
             return to_y - 0.5 * jnp.sum(weights * pair, axis=(0, 1))
         loc, scale = jnp.broadcast_arrays(self.components.loc, self.components.scale)
         df = jnp.broadcast_to(self.components.df, loc.shape)
-        # Finite for df > 1/2 (the integral converges), not for df <= 1/2.
         heavy = jnp.any((df <= 0.5) & (self._w(loc) > 0), axis=0)
         centre = jnp.sum(self._w(loc) * loc, axis=0)
         spread = jnp.sum(self._w(scale) * scale, axis=0) + jnp.std(loc, axis=0)
@@ -438,8 +421,7 @@ class Mixture(_Distribution):
         return jnp.sum(self._w(means) * means, axis=0)
 
     def variance(self) -> Float[Array, "..."]:
-        """The law of total variance: mean of the variances plus the variance
-        of the means."""
+        """The mean of the variances plus the variance of the means."""
         means, variances = self.components.mean(), self.components.variance()
         w = self._w(means)
         mean = jnp.sum(w * means, axis=0, keepdims=True)
@@ -451,11 +433,10 @@ _NODES = 128
 
 
 def _crps_by_quadrature(cdf: Any, y: Array, centre: Array, spread: Array) -> Array:
-    """`int_-inf^y F^2 + int_y^inf (1 - F)^2` in three pieces: the tails
-    beyond `a = min(centre, y)` and `b = max(centre, y)`, mapped onto (0, 1)
-    by `x = a - s t / (1 - t)` and `x = b + s t / (1 - t)` (`s`: the spread;
-    the tails' integrands stay bounded for df >= 1 and integrable above 1/2),
-    and `[a, b]` as it is; 128 Gauss-Legendre nodes each."""
+    """`int_-inf^y F^2 + int_y^inf (1 - F)^2` in three pieces, `_NODES` nodes each:
+    the tails beyond `a = min(centre, y)` and `b = max(centre, y)`, mapped onto (0, 1)
+    by `x = a - s t / (1 - t)` and `x = b + s t / (1 - t)` (`s = spread`; integrable
+    for df > 1/2), and `[a, b]` as it is."""
     nodes, node_weights = np.polynomial.legendre.leggauss(_NODES)
     t = jnp.asarray((nodes + 1) / 2, y.dtype).reshape((-1,) + (1,) * y.ndim)
     w = jnp.asarray(node_weights / 2, y.dtype).reshape(t.shape)
@@ -574,12 +555,11 @@ def calibration_error(
 
 
 class Recalibration(eqx.Module):
-    """Quantile recalibration of any predictive (Kuleshov, Fenner and Ermon
-    2018): a non-decreasing map `R` of its CDF's values, linear between the
-    calibration points and constant beyond them, so that `R(F(y))` is
-    calibrated. Fitted by
-    [`fit_recalibration`][eqx_ensemble.predictive.fit_recalibration]; its
-    methods take the predictive of new inputs.
+    """Quantile recalibration of any predictive (Kuleshov, Fenner and Ermon 2018): a
+    non-decreasing map `R` of its CDF's values, linear between the calibration points
+    and constant beyond them, so that `R(F(y))` is calibrated. Fitted by
+    [`fit_recalibration`][eqx_ensemble.predictive.fit_recalibration]; its methods
+    take the predictive of new inputs.
 
     **Example:**
 
@@ -626,11 +606,10 @@ class Recalibration(eqx.Module):
 def fit_recalibration(
     dist: Distribution, targets: Float[ArrayLike, "..."]
 ) -> Recalibration:
-    """Fit quantile recalibration (Kuleshov et al. 2018, Algorithm 1) on a
-    calibration split: `R` is the isotonic regression of the empirical
-    frequencies `#{s : p_s <= p_t} / T` on the PIT values `p_t = F_t(y_t)`
-    (those frequencies are non-decreasing already: `R` is them, equal values
-    sharing one). Runs on the host, once.
+    """Fit quantile recalibration (Kuleshov et al. 2018, Algorithm 1) on a calibration
+    split: `R` maps the PIT values `p_t = F_t(y_t)` to the empirical frequencies
+    `#{s : p_s <= p_t} / T` (already isotonic; equal values share one). Runs on the
+    host, once.
 
     **Arguments:**
 

@@ -1,29 +1,26 @@
-"""Stochastic-gradient MCMC as Optax transformations: every member of an ensemble
-is one chain.
+"""Stochastic-gradient MCMC as Optax transformations: every member of an ensemble is
+one chain.
 
 [`sgld`][eqx_ensemble.sgmcmc.sgld] (Welling and Teh 2011) and
 [`sghmc`][eqx_ensemble.sgmcmc.sghmc] (Chen et al. 2014) are
-`optax.GradientTransformationExtraArgs`: their update takes the chain's PRNG key
-as the extra argument `key`. `ee.fit` and `ee.make_step` pass each member its own
-key (`fold_in(member_key, 0x6F707478)`, independent of the key its loss gets), so
-`M` members run `M` independent chains in one compiled program; in a loop of
-your own, pass `key=` to `update`. Collect samples with
-[`ee.Snapshots`][eqx_ensemble.Snapshots]: its ensemble of `chains x samples`
-models is the posterior predictive's Monte Carlo sample, and every `ee.metrics`
-function averages over it.
+`optax.GradientTransformationExtraArgs` whose update takes the chain's PRNG key as
+the extra argument `key`. `ee.fit` and `ee.make_step` pass each member its own key
+(`fold_in(member_key, 0x6F707478)`, independent of its loss's key), so `M` members
+run `M` independent chains in one compiled program; in a loop of your own, pass
+`key=` to `update`. Collect samples with [`ee.Snapshots`][eqx_ensemble.Snapshots]:
+its ensemble of `chains x samples` models is the posterior predictive's Monte Carlo
+sample, which every `ee.metrics` function averages over.
 
-**The loss convention.** `fit`'s loss is a mean over a batch. For the posterior
-`p(theta | D)` of `num_data` examples, write it as the mean negative log
-likelihood plus the negative log prior divided by `num_data`, so that
-`U(theta) = num_data * loss` is the negative log posterior; the samplers scale
-their noise by `num_data` to match, and `learning_rate` is in the same units as
-SGD's.
+**The loss convention.** `fit`'s loss is a mean over a batch. For the posterior of
+`num_data` examples, write it as the mean negative log likelihood plus the negative
+log prior divided by `num_data`, so that `U(theta) = num_data * loss` is the negative
+log posterior; the samplers scale their noise to match, and `learning_rate` is in
+SGD's units.
 
 Cyclical SG-MCMC (Zhang et al. 2020) is a cyclical learning rate
-(`ee.schedules.cosine_cycles`) with a temperature of 0 in each cycle's
-exploration stage ([`cyclical_temperature`][eqx_ensemble.sgmcmc.cyclical_temperature]),
-sampled at the end of each cycle
-([`sample_steps`][eqx_ensemble.sgmcmc.sample_steps]).
+(`ee.schedules.cosine_cycles`) with a temperature of 0 in each cycle's exploration
+stage ([`cyclical_temperature`][eqx_ensemble.sgmcmc.cyclical_temperature]), sampled
+at the end of each cycle ([`sample_steps`][eqx_ensemble.sgmcmc.sample_steps]).
 
 ```python
 steps, cycle = 400, 100
@@ -61,8 +58,8 @@ def _check_value(
     closed: bool,
     schedule: bool = True,
 ):
-    """A constant in range, or (`schedule=True`) a schedule whose value at step 0
-    is in range; a schedule may start at `low` itself (a warm-up from 0)."""
+    """A constant in range, or (`schedule=True`) a schedule whose value at step 0 is
+    in range; a schedule may start at `low` itself (a warm-up from 0)."""
     if callable(value) and not schedule:
         raise TypeError(f"`{name}` must be a number (not a schedule), got {value!r}")
     if callable(value):
@@ -106,8 +103,8 @@ def _check_num_data(num_data: Any) -> int:
 
 
 def _noise(key: Any, updates: PyTree[Any], scale: Any) -> PyTree[Any]:
-    """Independent standard normal noise times `scale`, shaped like `updates`:
-    leaf `i` draws `jax.random.normal(split(key, n)[i], shape, float32)`."""
+    """Standard normal noise times `scale`, shaped like `updates`: leaf `i` draws
+    `jax.random.normal(split(key, n)[i], shape, float32)`."""
     leaves, treedef = jax.tree.flatten(updates)
     keys = jax.random.split(key, len(leaves)) if leaves else []
     draws = _normals(keys, [leaf.shape for leaf in leaves])
@@ -118,21 +115,15 @@ def _noise(key: Any, updates: PyTree[Any], scale: Any) -> PyTree[Any]:
     return jax.tree.unflatten(treedef, noise)
 
 
-# Leaves of at most this many elements draw their noise in one call of the
-# threefry hash (a larger leaf, which a model axis may shard, draws its own).
+# Leaves up to this size share one threefry call (a larger, maybe sharded one: its own).
 GROUPED_DRAW_MAX = 2**16
 
 
 def _normals(keys: Any, shapes: list[tuple[int, ...]]) -> list[Array]:
-    """`[jax.random.normal(keys[i], shapes[i], float32) for i ...]`, but the
-    small leaves' draws through ONE call of the threefry hash on their
-    concatenated counters: each call site of the hash is ~100 operations that
-    XLA compiles anew (six leaves' draws compiled in 2.3-2.7 s against 0.6 s
-    for one draw). The same bits op by op; compiled, XLA may evaluate the
-    inverse error function's polynomial with fused multiply-adds in one
-    fusion and not in another (a few ulps). Where JAX's threefry is not the
-    partitionable one (`jax_threefry_partitionable`) or its primitive is not
-    found, every leaf draws its own."""
+    """`[jax.random.normal(keys[i], shapes[i], float32) for i ...]`, the small leaves
+    drawn by ONE threefry call on their concatenated counters (each call site is ~100
+    operations XLA compiles anew). Same bits; compiled values may differ by a few ulps
+    (fused multiply-adds). Without partitionable threefry, every leaf draws its own."""
     group = [
         i for i, shape in enumerate(shapes) if math.prod(shape) <= GROUPED_DRAW_MAX
     ]
@@ -150,8 +141,8 @@ def _normals(keys: Any, shapes: list[tuple[int, ...]]) -> list[Array]:
 
 
 def _groupable(keys: Any) -> bool:
-    """Whether `keys` are typed threefry keys whose bits are JAX's
-    partitionable ones (what `_grouped_normals` computes)."""
+    """Whether `keys` are typed threefry keys with partitionable bits (what
+    `_grouped_normals` computes)."""
     partitionable = getattr(jax.config, "jax_threefry_partitionable", False)
     if _THREEFRY is None or not partitionable:
         return False
@@ -161,10 +152,8 @@ def _groupable(keys: Any) -> bool:
 
 
 def _grouped_normals(key_data: Array, sizes: list[int]) -> Array:
-    """The standard normal draws of `len(sizes)` threefry keys (`key_data`,
-    `(n, 2)`) of `sizes[i]` elements each, concatenated: the counters of
-    leaf `i` are its flat indices (`jax.random`'s partitionable bits), and
-    bits to uniform to normal as `jax.random.normal` (float32)."""
+    """The concatenated float32 standard normal draws of threefry keys `key_data`
+    (`(n, 2)`), `sizes[i]` each, bit for bit as `jax.random.normal` (partitionable)."""
     assert _THREEFRY is not None  # (`_groupable`)
     total = sum(sizes)
     k1, k2 = (
@@ -195,8 +184,7 @@ def _increment(count: Array) -> Array:
 
 
 def _non_negative(value: Any, who: str, what: str) -> Any:
-    """`value`, checked where it is computed: a schedule that goes below 0
-    mid-run would make the noise's scale NaN and end as "members diverged"."""
+    """`value`, checked where computed: a schedule below 0 would make the noise NaN."""
     if isinstance(value, int | float):
         return value  # a constant, checked when the sampler was made
     return eqx.error_if(
@@ -219,8 +207,7 @@ def _require_key(key: Any, who: str) -> None:
 
 
 class SGLDState(NamedTuple):
-    """The state of [`sgld`][eqx_ensemble.sgmcmc.sgld]: the number of updates
-    done (for schedules).
+    """The state of [`sgld`][eqx_ensemble.sgmcmc.sgld]: the number of updates done.
 
     **Example:**
 
@@ -240,14 +227,13 @@ def sgld(
     temperature: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic-gradient Langevin dynamics (Welling and Teh 2011): the update
-    `-lr * g + sqrt(2 * lr * T / num_data) * xi`, `xi ~ N(0, I)` drawn from the
-    chain's key, where `g` is the gradient of the (mean) loss.
+    `-lr * g + sqrt(2 * lr * T / num_data) * xi`, `xi ~ N(0, I)` drawn from the chain's
+    key, where `g` is the gradient of the (mean) loss.
 
-    With `U = num_data * loss` the negative log posterior, this is the
-    Euler-Maruyama step of Langevin dynamics with step size `lr / num_data`,
-    whose stationary distribution (as `lr -> 0`) is `exp(-U / T)`: the
-    posterior at `T = 1`, a tempered ("cold") posterior at `T < 1`, plain SGD
-    at `T = 0`.
+    With `U = num_data * loss` the negative log posterior, this is the Euler-Maruyama
+    step of Langevin dynamics with step size `lr / num_data`, whose stationary
+    distribution (as `lr -> 0`) is `exp(-U / T)`: the posterior at `T = 1`, a tempered
+    ("cold") posterior at `T < 1`, plain SGD at `T = 0`.
 
     **Arguments:**
 
@@ -294,8 +280,8 @@ def sgld(
 
 
 class SGHMCState(NamedTuple):
-    """The state of [`sghmc`][eqx_ensemble.sgmcmc.sghmc]: the number of updates
-    done and the momentum (shaped like the parameters).
+    """The state of [`sghmc`][eqx_ensemble.sgmcmc.sghmc]: the number of updates done
+    and the momentum (shaped like the parameters).
 
     **Example:**
 
@@ -316,23 +302,22 @@ def sghmc(
     friction: float | int = 0.1,
     temperature: ScalarOrSchedule = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
-    """Stochastic-gradient Hamiltonian Monte Carlo (Chen et al. 2014, in its
-    "SGD with momentum" form, eq. 15): the momentum
-    `v <- (1 - a) v - lr * g + sqrt(2 * a * lr * T / num_data) * xi` and the
-    update `v`, with friction `a` and `xi ~ N(0, I)` drawn from the chain's key
-    (the gradient noise's own contribution is not estimated: `beta_hat = 0`).
+    """Stochastic-gradient Hamiltonian Monte Carlo (Chen et al. 2014, in its "SGD with
+    momentum" form, eq. 15): the momentum
+    `v <- (1 - a) v - lr * g + sqrt(2 * a * lr * T / num_data) * xi` and the update
+    `v`, with friction `a` and `xi ~ N(0, I)` drawn from the chain's key (the gradient
+    noise's own contribution is not estimated: `beta_hat = 0`).
 
     Its stationary distribution (as `lr -> 0`) is `exp(-U / T)` with
-    `U = num_data * loss`, as for [`sgld`][eqx_ensemble.sgmcmc.sgld]; the
-    momentum moves the chains further per gradient evaluation.
+    `U = num_data * loss`, as for [`sgld`][eqx_ensemble.sgmcmc.sgld]; the momentum
+    moves the chains further per gradient evaluation.
 
     **Arguments:**
 
     - `learning_rate`: `lr > 0` (or a schedule).
     - `num_data`: the number of training examples the mean loss stands for.
-    - `friction`: `a` in `(0, 1]` (`1 - a` is the momentum's decay; with 1 the
-      momentum is forgotten every step and the update is exactly `sgld`'s at the
-      same `lr`).
+    - `friction`: `a` in `(0, 1]` (`1 - a` is the momentum's decay; at 1 the update
+      is exactly `sgld`'s at the same `lr`).
     - `temperature`: `T >= 0`, or a schedule.
 
     **Returns:**
@@ -385,10 +370,10 @@ def cyclical_temperature(
     exploration: float | int = 0.5,
     temperature: float | int = 1.0,
 ) -> Callable[[Any], Any]:
-    """The temperature schedule of cyclical SG-MCMC (Zhang et al. 2020): 0 during
-    the first `exploration` fraction of each cycle of `cycle_steps` steps (an
-    optimisation stage: plain SGD), `temperature` for the rest (the sampling
-    stage). Use it with `ee.schedules.cosine_cycles` as the learning rate.
+    """The temperature schedule of cyclical SG-MCMC (Zhang et al. 2020): 0 during the
+    first `exploration` fraction of each cycle of `cycle_steps` steps (plain SGD),
+    `temperature` for the rest (the sampling stage). Use it with
+    `ee.schedules.cosine_cycles` as the learning rate.
 
     **Arguments:**
 
@@ -433,9 +418,8 @@ def sample_steps(
     cycle_steps: int, cycles: int, *, per_cycle: int = 1, spacing: int = 1
 ) -> tuple[int, ...]:
     """The steps at which to collect samples of cyclical SG-MCMC with
-    `ee.Snapshots(at=...)`: the last `per_cycle` points of each cycle,
-    `spacing` steps apart, ending at the cycle's end (where the learning rate
-    is smallest).
+    `ee.Snapshots(at=...)`: the last `per_cycle` points of each cycle, `spacing` steps
+    apart, ending at the cycle's end (where the learning rate is smallest).
 
     **Arguments:**
 

@@ -1,10 +1,9 @@
 """Random search over hyperparameters, trained as ONE ensemble.
 
-A search space is a PyTree (e.g. a dict) whose leaves are distributions
-(`log_uniform`, `uniform`, `choice`) or fixed numbers;
-[`sample`][eqx_ensemble.sweep.sample] draws one setting per member, as arrays
-with a leading member axis: exactly what `ee.fit(..., hyper=...)` (loss and
-model hyperparameters) and `ee.fit(..., hyperparams=...)` (optimizer
+A search space is a PyTree (e.g. a dict) whose leaves are distributions (`log_uniform`,
+`uniform`, `choice`) or fixed numbers; [`sample`][eqx_ensemble.sweep.sample] draws one
+setting per member, as arrays with a leading member axis: what `ee.fit(..., hyper=...)`
+(loss and model hyperparameters) and `ee.fit(..., hyperparams=...)` (optimizer
 hyperparameters injected with `optax.inject_hyperparams`) take.
 
 ```python
@@ -45,8 +44,7 @@ __all__ = [
 class Distribution(eqx.Module):
     """A distribution of one hyperparameter (abstract); see
     [`log_uniform`][eqx_ensemble.sweep.log_uniform],
-    [`uniform`][eqx_ensemble.sweep.uniform] and
-    [`choice`][eqx_ensemble.sweep.choice].
+    [`uniform`][eqx_ensemble.sweep.uniform] and [`choice`][eqx_ensemble.sweep.choice].
 
     **Example:**
 
@@ -94,8 +92,8 @@ def _check_bounds(low: Any, high: Any, name: str) -> tuple[float, float]:
 
 
 def log_uniform(low: float, high: float) -> Distribution:
-    """Log-uniform on `[low, high)`: `exp(U(log low, log high))`, for scales such
-    as learning rates and weight decays (`0 < low < high`).
+    """Log-uniform on `[low, high)`: `exp(U(log low, log high))`, for scales such as
+    learning rates and weight decays (`0 < low < high`).
 
     **Example:**
 
@@ -150,9 +148,8 @@ def choice(values: Any) -> Distribution:
 def sample(
     key: PRNGKeyArray, space: PyTree[Any], size: int
 ) -> PyTree[Float[Array, " size"]]:
-    """One setting per member: every distribution in `space` drawn `size` times
-    (each with its own key, `fold_in(key, position)`), every fixed number
-    repeated.
+    """One setting per member: every distribution in `space` drawn `size` times (each
+    with its own key, `fold_in(key, position)`), every fixed number repeated.
 
     **Arguments:**
 
@@ -196,10 +193,10 @@ def sample(
 class Architectures(NamedTuple):
     """What [`architectures`][eqx_ensemble.sweep.architectures] returns.
 
-    - `ensemble`: an [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous], one
-      group per distinct architecture drawn.
-    - `settings`: `space`'s structure with one value per member, in the
-      ensemble's member order (arrays of shape `(size,)`).
+    - `ensemble`: an [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous], one group per
+      distinct architecture drawn.
+    - `settings`: `space`'s structure with one value per member, in the ensemble's
+      member order (arrays of shape `(size,)`).
     - `state`: the model states (a tuple, one per group) when `make` returns a
       `(model, eqx.nn.State)` pair, else `None`.
 
@@ -230,18 +227,18 @@ def architectures(
     size: int,
     key: PRNGKeyArray,
 ) -> Architectures:
-    """A hyper-deep ensemble's pool over architectures (Wenzel, Snoek, Tran &
-    Jenatton 2020): `size` members, each with an architecture drawn from
-    `space`, built as one [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous]
-    with one natively stacked group per distinct architecture.
+    """A hyper-deep ensemble's pool over architectures (Wenzel, Snoek, Tran & Jenatton
+    2020): `size` members, each with an architecture drawn from `space`, built as one
+    [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous] with one natively stacked group
+    per distinct architecture.
 
     **Arguments:**
 
     - `make`: `make(key, **setting) -> model` (or `(model, eqx.nn.State)`), e.g.
-      `lambda key, width, depth: eqx.nn.MLP(2, 1, width, depth, key=key)`. A
-      drawn number that is whole is passed as an `int`.
-    - `space`: a dict, name -> distribution (`ee.sweep.choice` for discrete
-      choices such as widths and depths) or fixed number.
+      `lambda key, width, depth: eqx.nn.MLP(2, 1, width, depth, key=key)`. A drawn
+      number that is whole is passed as an `int`.
+    - `space`: a dict, name -> distribution (`ee.sweep.choice` for discrete choices
+      such as widths and depths) or fixed number.
     - `size`: the number of members.
     - `key`: a PRNG key; `split(key)[0]` draws the settings (as
       [`sample`][eqx_ensemble.sweep.sample]), `split(key)[1]` is split into one
@@ -249,13 +246,12 @@ def architectures(
 
     **Returns:**
 
-    An [`Architectures`][eqx_ensemble.sweep.Architectures] `(ensemble,
-    settings, state)`. Each architecture's group is built as one compiled
-    program, cached as [`ee.ensemble`][eqx_ensemble.ensemble]'s builds are
-    (an object `make` reads and changes in place later is not read again).
-    Groups are in the order their architecture was first drawn; members
-    within a group in draw order. Train the pool with one
-    `ee.fit`, pick members with
+    An [`Architectures`][eqx_ensemble.sweep.Architectures] `(ensemble, settings,
+    state)`. Each architecture's group is built as one compiled program, cached as
+    [`ee.ensemble`][eqx_ensemble.ensemble]'s builds are (an object `make` reads and
+    changes in place later is not read again). Groups are in the order their
+    architecture was first drawn; members within a group in draw order. Train the pool
+    with one `ee.fit`, pick members with
     [`ee.greedy_selection`][eqx_ensemble.greedy_selection] on its validation
     predictions, and index the pool with the picks (`pool[indices]`).
 
@@ -294,10 +290,7 @@ def architectures(
         }
 
         try:
-            # One compiled program per architecture and group size (as
-            # `ee.ensemble` builds), its members' keys picked inside: op by op
-            # a group's initialisation compiled a program per operation and
-            # shape (6 MLP architectures: 115 programs, 9.4 s; now 3.6 s).
+            # One compiled program per architecture and group size, as `ee.ensemble`.
             made = compiled_call(
                 functools.partial(_build_group, make, setting),
                 (member_keys, np.asarray(members, np.int32)),
@@ -314,7 +307,7 @@ def architectures(
         states.append(made[1] if stateful else None)
         order.extend(members)
     permutation = np.asarray(order)
-    # Reordered on the host (as `jnp` indexing, a program per operation).
+    # Reordered on the host (`jnp` indexing would compile a program per operation).
     settings = {name: as_array(np.asarray(drawn[name])[permutation]) for name in names}
     with_state = [state is not None for state in states]
     if any(with_state) and not all(with_state):
@@ -329,10 +322,8 @@ def architectures(
 def _build_group(
     make: Callable[..., Any], setting: dict[str, Any], keys_rows: Any
 ) -> Any:
-    """One architecture's members: `make(key, **setting)` under
-    `eqx.filter_vmap` over the keys `keys[rows]`. (A module-level function in
-    a `functools.partial`, keyed by what it computes: a `def` inside the
-    caller is a new object per call under jaxtyping's import hook, which
-    wraps each.)"""
+    """One architecture's members: `make(key, **setting)` under `eqx.filter_vmap`
+    over `keys[rows]`. Module-level so that the `functools.partial` is a stable cache
+    key (a nested `def` is a new object per call under jaxtyping's import hook)."""
     keys, rows = keys_rows
     return eqx.filter_vmap(lambda key: make(key, **setting))(keys[rows])
