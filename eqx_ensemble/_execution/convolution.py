@@ -169,7 +169,7 @@ def _bind(eqn: Any, inputs: list[Any], params: dict[str, Any]) -> list[Any]:
     """`eqn`'s primitive bound to `inputs` with `params`, in its context."""
     bind_params = eqn.primitive.get_bind_params(params)
     subfuns: Any = ()
-    if isinstance(bind_params, tuple):  # JAX < 0.8: (subfunctions, parameters)
+    if isinstance(bind_params, tuple):  # JAX 0.8: (subfunctions, parameters)
         subfuns, bind_params = bind_params
     context = getattr(getattr(eqn, "ctx", None), "manager", None)
     with context if context is not None else contextlib.nullcontext():
