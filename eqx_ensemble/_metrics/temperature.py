@@ -112,8 +112,12 @@ def _warn_at_bound(
     value = float(temperature)
     low, high = np.log(bounds)
     near = 1e-3 * (high - low)
-    reached_low = np.log(value) - low <= near or at_low <= fitted
-    reached_high = high - np.log(value) <= near or at_high <= fitted
+    # (An NLL at a bound within float32 rounding of the fitted one counts as
+    # no worse: every prediction right saturates the NLL at 0 before the
+    # lower bound, where rounding can leave the fitted NLL at -1e-12.)
+    flat = 1e-6 * (1.0 + abs(fitted))
+    reached_low = np.log(value) - low <= near or at_low <= fitted + flat
+    reached_high = high - np.log(value) <= near or at_high <= fitted + flat
     if not (reached_low or reached_high):
         return
     at, side = (bounds[0], "lower") if reached_low else (bounds[1], "upper")
