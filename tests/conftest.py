@@ -242,12 +242,12 @@ def library_codegen(monkeypatch):
     options."""
     import weakref
 
-    from eqx_ensemble._execution import compile as compile_module, plan
+    from eqx_ensemble._execution import cache, compile as compile_module
 
     level = tuple(sorted(compile_module.FAST_CODEGEN.items()))
     monkeypatch.setattr(compile_module, "cpu_codegen_options", lambda: level)
-    monkeypatch.setattr(plan, "_PLANS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(plan, "_BY_ID", {})
+    monkeypatch.setattr(cache, "_OWNED", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(cache, "_BY_ID", {})
 
 
 def repeat(*values: object) -> object:

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import eqx_ensemble as ee
-from eqx_ensemble._execution import plan as plan_module
+from eqx_ensemble._execution import cache as cache_module
 from eqx_ensemble._execution.compile import _split_leaves
 from eqx_ensemble._execution.intern import canonical_tree
 from eqx_ensemble._training import run as run_module
@@ -68,7 +68,7 @@ def test_a_call_like_one_checked_before_skips_its_checks_with_the_same_bits(
     first = _fit(ens, loss)
     again = _fit(_ens(), loss)  # equal inputs, new arrays: no checks
     assert len(calls) == 1
-    plan_module.owner_table(loss).clear()  # forgotten with the plans
+    cache_module.owner_table(loss).clear()  # forgotten with the plans
     checked = _fit(_ens(), loss)
     assert len(calls) == 2
     for result in (again, checked):
@@ -205,7 +205,7 @@ def _own(loss):
 
 
 def _table(loss):
-    return plan_module.owner_table(canonical_tree(loss))
+    return cache_module.owner_table(canonical_tree(loss))
 
 
 def _kept(loss):
@@ -214,7 +214,7 @@ def _kept(loss):
         for key, found in _table(loss).items()
         if isinstance(key, tuple) and key[0] == "fit call"
     ]
-    return entry[2]
+    return entry.fresh
 
 
 def _shifted(tree, by):

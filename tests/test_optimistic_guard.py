@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import eqx_ensemble as ee
-from eqx_ensemble._execution import plan as plan_module
+from eqx_ensemble._execution import cache as cache_module, plan as plan_module
 from eqx_ensemble._training import (
     guard as guard_module,
     loop as loop_module,
@@ -158,7 +158,7 @@ def _as_off_a_cpu(monkeypatch):
     """Dispatches as off a CPU (a GPU: `plan.COUNTED`): the run's plans made
     anew, no traced trip count, full dispatches without the per-step
     conditional."""
-    monkeypatch.setattr(plan_module, "_PLANS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(cache_module, "_OWNED", weakref.WeakKeyDictionary())
     monkeypatch.setattr(plan_module, "COUNTED", frozenset())
     monkeypatch.setattr(run_module, "_skips_conditional", lambda chunk: True)
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import assert_tree_allclose, run_with_xla_defaults, tree_equal
 
 import eqx_ensemble as ee
-from eqx_ensemble._execution import compile as _xla
+from eqx_ensemble._execution import cache as _cache, compile as _xla
 from eqx_ensemble._training.placement import SINGLE_DEVICE, OnMesh
 
 EIGEN = dict(_xla.EIGEN_DOTS)
@@ -405,7 +405,7 @@ def test_make_step_lowers_ahead_of_time():
 def test_compiled_functions_drop_the_least_recently_used_with_their_programs(
     monkeypatch,
 ):
-    monkeypatch.setattr(_xla, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(_cache, "MAX_PROGRAMS", 2)
     made = []
 
     def make(scale):
@@ -437,7 +437,7 @@ def test_fit_and_make_step_with_new_optimizers_keep_memory_maps_bounded(monkeypa
     # per call used to keep every program (and crash past ~230 calls).
     from eqx_ensemble._training import loop as _loop, step as _step
 
-    monkeypatch.setattr(_xla, "MAX_PROGRAMS", 3)
+    monkeypatch.setattr(_cache, "MAX_PROGRAMS", 3)
     ens = ee.ensemble(make_mlp, size=2, key=jax.random.key(0))
 
     def maps():

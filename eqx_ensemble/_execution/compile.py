@@ -2,7 +2,6 @@
 a CPU, LLVM level 1 and, above ~16 MFLOP of matmuls, every dot on all cores
 (YNNPACK's fusions off; docs/benchmarks.md). Elsewhere XLA's defaults."""
 
-import collections
 import functools
 import gc
 import os
@@ -18,6 +17,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._internal.tree import is_traced
+from .cache import keep, program, programs_of
 from .convolution import canonical_convolutions
 from .intern import canonical
 from .lift import Lifted, lifted
@@ -275,29 +275,18 @@ class _StaticOutput:
         )
 
 
-# Each CPU program keeps memory maps (Linux's `vm.max_map_count`): bounded.
-MAX_PROGRAMS = 32
-
-
 class CompiledFunctions:
-    """Up to `MAX_PROGRAMS` functions `make(*key)`, least recently used dropped."""
+    """The functions `make(*key)`, kept in the process's one table of programs
+    (`cache.program`)."""
 
     def __init__(self, make: Callable[..., Any]):
         self._make = make
-        self._made: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
 
     def __call__(self, *key: Hashable) -> Any:
-        jitted = self._made.get(key)
-        if jitted is None:
-            jitted = self._made[key] = self._make(*key)
-            while len(self._made) > MAX_PROGRAMS:
-                self._made.popitem(last=False)
-        else:
-            self._made.move_to_end(key)
-        return jitted
+        return program(self._make, *key)
 
     def __len__(self) -> int:
-        return len(self._made)
+        return programs_of(self._make)
 
     def call(self, *args: Any, unhashable: Callable[..., Any] | None = None) -> Any:
         """The function made for `args` (by structure and shapes), called on them."""
@@ -484,9 +473,7 @@ def compiled_function(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as error:  # noqa: BLE001 - the op-by-op run reports it
             # Tracing failed on reading values: op by op from now on.
             if isinstance(error, (*NEEDS_VALUES, TypeError, AttributeError)):
-                _needs_values[structure] = None
-                while len(_needs_values) > MAX_PROGRAMS:
-                    del _needs_values[next(iter(_needs_values))]
+                keep(_needs_values, structure, None)
             return fn(*args)
 
     return call
@@ -499,7 +486,7 @@ NEEDS_VALUES = (
     jax.errors.TracerArrayConversionError,
     jax.errors.NonConcreteBooleanIndexError,
 )
-# The structures `compiled_function` found reading values (oldest forgotten).
+# The structures `compiled_function` found reading values.
 _needs_values: dict[Any, None] = {}
 
 

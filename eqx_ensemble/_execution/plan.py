@@ -4,15 +4,14 @@ dispatch, XLA options, the divergence guard's form), in one place and once per
 loss, execution and input structure."""
 
 import dataclasses
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
 from .._internal.tree import trainable
+from .cache import keep, owner_table
 from .compile import (
     Options,
     default_steps_per_dispatch,
@@ -129,35 +128,10 @@ def plan_step(
             groupable,
         )
         if table is not None:
-            if len(table) > 64:
-                table.clear()
-            table[key] = found
+            keep(table, key, found)
     if steps is None or found.counted or (found.unroll and not pads_on_host):
         return found  # one program for any length
     return dataclasses.replace(found, length=min(found.length, steps))
-
-
-# Plans per loss (held weakly: the entry goes with the loss) and inputs; a
-# loss that cannot be hashed (a module holding arrays) by identity. `fit`'s
-# known calls are kept beside them (`run._checked`): emptying this empties both.
-_PLANS: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
-_BY_ID: dict[int, tuple[Any, dict[Any, Any]]] = {}
-
-
-def owner_table(owner: Any) -> dict[Any, Any]:
-    """What is kept per `owner` (a loss): its plans, and `fit`'s known calls
-    under keys of their own (TypeError: it cannot be referred to weakly)."""
-    try:
-        return _PLANS.setdefault(owner, {})
-    except TypeError:
-        if type(owner).__hash__ is not None and not isinstance(owner, eqx.Module):
-            raise  # hashable but not weakly referable: a tuple, a number
-    entry = _BY_ID.get(id(owner))
-    if entry is None or entry[0]() is not owner:
-        key = id(owner)
-        ref = weakref.ref(owner, lambda _, key=key: _BY_ID.pop(key, None))
-        entry = _BY_ID[key] = (ref, {})
-    return entry[1]
 
 
 def _settings_key(settings: Any) -> Hashable:

@@ -1,6 +1,5 @@
 """What a per-member function is made of, read from ONE member's jaxpr."""
 
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -9,6 +8,8 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 from jaxtyping import PyTree
+
+from .cache import keep, owner_table
 
 
 class StepProfile(NamedTuple):
@@ -120,8 +121,8 @@ def profile_call(
     table, key = None, None
     if owner is not None:
         try:
-            table = _CACHE.setdefault(owner, {})
-            key = (extra, signature(inputs))
+            table = owner_table(owner)
+            key = ("profile", extra, signature(inputs))
             if key in table:
                 return table[key]
         except TypeError:  # not weakly referable, or an unhashable leaf
@@ -139,16 +140,8 @@ def profile_call(
     except Exception:  # noqa: BLE001 - the first real call reports it
         profile = StepProfile()
     if table is not None:
-        if len(table) > 64:
-            table.clear()
-        table[key] = profile
+        keep(table, key, profile)
     return profile
-
-
-# One trace per owner and input signature (the tests count traces).
-_CACHE: "weakref.WeakKeyDictionary[Any, dict[Any, StepProfile]]" = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def signature(tree: Any) -> Any:

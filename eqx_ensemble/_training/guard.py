@@ -18,6 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from .._execution.cache import keep
 from .coupled import Coupled
 from .loop import NOT_FINITE, Chunk, Readout, unpack_readout
 from .optim import hides_non_finite
@@ -194,9 +195,7 @@ def _hides_non_finite(optimizer: Any, opt_state: Any) -> bool:
         pass
     hides = hides_non_finite(opt_state)
     try:
-        if len(_HIDES) > 64:
-            _HIDES.clear()
-        _HIDES[optimizer] = hides
+        keep(_HIDES, optimizer, hides)
     except TypeError:  # unhashable
         pass
     return hides

@@ -13,6 +13,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from .._core.ensemble import Ensemble
 from .._core.heterogeneous import Heterogeneous, groups_of, labelled
+from .._execution.cache import keep, owner_table
 from .._execution.compile import (
     Options,
 )
@@ -21,14 +22,14 @@ from .._execution.intern import canonical_tree
 from .._execution.layout import (
     check_member_chunk,
 )
-from .._execution.plan import Plan, owner_table, plan_step
+from .._execution.plan import Plan, plan_step
 from .._execution.profile import signature
 from .._internal.checks import MAX_INT32, check_positive_int
 from .._internal.tree import first_difference, with_fields
 from .callback import Callback, RunSetup, RunView, as_callbacks, stateful
 from .coupled import Coupled
 from .evaluate import Evaluate
-from .guard import choose_guard
+from .guard import Deferred, PerStep, choose_guard
 from .history import Recorder
 from .inputs import (
     check_callbacks,
@@ -118,34 +119,48 @@ def prepare(
     known = None
     if simple and _empty(track) and _empty(callbacks):
         known = _checked(call.loss_fn, settings, inputs)
-    fresh = None if known is None else known[2]
     if known is None:
         _check(call)
     else:  # a call like one checked before: the same checks pass
-        call.size, call.plan = known[:2]
+        call.size, call.plan = known.size, known.plan
         call.steps = check_positive_int(steps, "steps", high=MAX_INT32)  # (an int)
         call.sampling, call.track = as_sampling(sampling), ()
         call.source = ArraySource(data, call.sampling, batch_size, call.size, True)
-    started = _fresh(call, fresh)
-    fresh_started = started is not None
+    started = _fresh(call, known)
+    from_kept = started is not None
     if started is None:
         started = start_state(
             ens, call.optimizer, opt_state, state, hyper=hyper, track=tuple(call.track),
             with_eval=evaluate is not None, key=key,
             controlled=stateful(call.components),
         )  # fmt: skip
-    run = _assemble(call, started[0], started[1])
-    plan = call.plan
-    assert plan is not None
-    if fresh_started:  # (its arrays are the caller's: never donated)
-        assert run.guard_strategy.deferred, "internal error: a donating fresh start"
-    elif known is None:
+    run = _assemble(call, *started, None if known is None else known.guard)
+    if known is None:
         if simple and run.source.kind == "arrays" and not call.components:
-            _remember(call.loss_fn, settings, inputs, (call.size, plan, None))
-    elif fresh is not False:  # seen again (or its kept arrays deleted since)
+            _remember(call, settings, inputs, run, None)
+    elif not from_kept and known.fresh is not False:  # seen again, or deleted
         kept = _fresh_start(run, call.optimizer, opt_state, (ens, opt_state, state))
-        _remember(call.loss_fn, settings, inputs, (call.size, plan, kept or False))
+        _remember(call, settings, inputs, run, kept or False)
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What a `fit` call of array data with no components (no trackers,
+    evaluation, checkpoints or callbacks) nor `hyper` decided: its checks read
+    only the inputs' structure, types, shapes and dtypes and the call's
+    settings, so a call that matches it (`_call_key`) skips them, the plan's
+    lookup and the guard's choice, ~0.3 ms of a `fit` call in a loop. Kept
+    per loss (`cache.owner_table`); a key holds the optimizer, the settings
+    and the inputs' non-array leaves, no arrays. `fresh`: how a call seen a
+    second time starts (`FreshStart`: a fresh optimizer state's arrays, not
+    the weights), `False` where it cannot, `None` before; a sweep whose every
+    call differs keeps no arrays."""
+
+    size: int
+    plan: Plan
+    guard: PerStep | Deferred
+    fresh: FreshStart | bool | None
 
 
 def _check(call: FitCall) -> None:
@@ -165,26 +180,22 @@ def _check(call: FitCall) -> None:
         call.plan = _plan(call, call.source)
 
 
-def _fresh(call: FitCall, fresh: Any) -> tuple[TrainState, Any] | None:
+def _fresh(call: FitCall, known: Prepared | None) -> tuple[TrainState, Any] | None:
     """A known call's start from its kept `FreshStart`, for a run of arrays
     with the deferred guard (its dispatches donate nothing); `None` otherwise
     (or where a kept array was deleted since)."""
-    if not isinstance(fresh, FreshStart):
+    if known is None or not isinstance(known.fresh, FreshStart):
         return None
-    assert call.plan is not None
-    opt_state = fresh.template.opt_state if call.opt_state is None else call.opt_state
-    guard = choose_guard(
-        call.execution.guard, True, call.plan.unroll, call.loss_fn, call.optimizer,
-        groups_of(call.ens), opt_state,
-    )  # fmt: skip
-    if not guard.deferred:
-        return None
-    return fresh(call.ens, call.opt_state, call.state, call.key)
+    assert known.guard.deferred, "internal error: a donating fresh start"
+    return known.fresh(call.ens, call.opt_state, call.state, call.key)
 
 
-def _assemble(call: FitCall, train_state: TrainState, keys: Any) -> "Run":
+def _assemble(
+    call: FitCall, train_state: TrainState, keys: Any, guard: PerStep | Deferred | None
+) -> "Run":
     """The run from its start state: resumed from the newest checkpoint, its
-    data source started (a stream's planned now), placed, and its chunk."""
+    data source started (a stream's planned now), placed, its guard (`guard`:
+    a known call's), and its chunk."""
     placement = placement_of(call.execution.mesh)
     record = None if call.checkpoints is None else run_record(call, train_state)
     train_state, history, saved_data = _resumed(
@@ -204,13 +215,19 @@ def _assemble(call: FitCall, train_state: TrainState, keys: Any) -> "Run":
     plan = call.plan
     assert plan is not None
     train_state = placement.place_state(train_state)
+    if guard is None:
+        guard = choose_guard(
+            call.execution.guard, source.kind == "arrays", plan.unroll, call.loss_fn,
+            call.optimizer, groups_of(call.ens), train_state.opt_state,
+        )  # fmt: skip
     chunk = Chunk(
         loss_fn=call.loss_fn, optimizer=call.optimizer, sampling=call.sampling,
         evaluate=call.evaluate, track=tuple(call.track),
         batches=source.batches() if source.kind == "arrays" else None,
         train_key=keys.train, eval_key=keys.eval, end=np.int32(0), size=call.size,
         length=plan.length, placement=placement, unrolled=plan.unroll,
-        layout=plan.layout, check=plan.check, counted=plan.counted,
+        layout=plan.layout, check="deferred" if guard.deferred else plan.check,
+        counted=plan.counted,
         member_chunk=plan.member_chunk, pinned=placement.model_placement(train_state),
     )  # fmt: skip
     return Run(
@@ -218,22 +235,9 @@ def _assemble(call: FitCall, train_state: TrainState, keys: Any) -> "Run":
         train_state=train_state, recorder=Recorder(call.size, history),
         steps=call.steps, source=source, callbacks=call.components,
         track=tuple(call.track), record=record, sampling=call.sampling,
-        key=call.key, guard=call.execution.guard,
+        key=call.key, guard_strategy=guard,
         resumed_from=None if history is None else done,
     )  # fmt: skip
-
-
-# What `prepare` found for a call of array data with no components (no
-# trackers, evaluation, checkpoints or callbacks) nor `hyper` (whose values
-# are checked): its checks read only the inputs' structure, types, shapes and
-# dtypes and the call's settings, so a call that matches one checked before
-# (`_call_key`) skips them and the plan's lookup, ~0.1 ms of a `fit` call in
-# a loop. Kept with the loss's plans (`plan.owner_table`: held weakly, bounded,
-# emptied with them); a key holds the optimizer, the settings and the inputs'
-# non-array leaves (no arrays) for as long as its loss lives. A call seen a
-# second time also keeps how it starts (`FreshStart`: a fresh optimizer
-# state's arrays, not the weights), or `False` where it cannot; a sweep whose
-# every call differs keeps no arrays.
 
 
 def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
@@ -296,9 +300,8 @@ def _empty(components: Any) -> bool:
     return isinstance(components, list | tuple) and not components
 
 
-def _checked(loss_fn: Any, settings: tuple[Any, ...], call: Any) -> Any:
-    """`(size, plan)` of a call checked before with these settings and inputs,
-    or `None`."""
+def _checked(loss_fn: Any, settings: tuple[Any, ...], call: Any) -> Prepared | None:
+    """What a call checked before with these settings and inputs decided."""
     try:
         return owner_table(loss_fn).get(_call_key(settings, call))
     # An unhashable setting or leaf, a loss not weakly held, a leaf with a
@@ -308,16 +311,12 @@ def _checked(loss_fn: Any, settings: tuple[Any, ...], call: Any) -> Any:
 
 
 def _remember(
-    loss_fn: Any,
-    settings: tuple[Any, ...],
-    call: Any,
-    found: tuple[int, Plan, FreshStart | bool | None],
+    call: FitCall, settings: tuple[Any, ...], inputs: Any, run: "Run", fresh: Any
 ) -> None:
+    assert call.plan is not None
+    prepared = Prepared(call.size, call.plan, run.guard_strategy, fresh)
     try:
-        table = owner_table(loss_fn)
-        if len(table) > 64:  # (as the plans)
-            table.clear()
-        table[_call_key(settings, call)] = found
+        keep(owner_table(call.loss_fn), _call_key(settings, inputs), prepared)
     except (TypeError, AttributeError):  # as in `_checked`
         return
 
@@ -477,8 +476,8 @@ class Run:
     record: RunRecord | None
     sampling: Sampling
     key: PRNGKeyArray
+    guard_strategy: PerStep | Deferred
     resumed_from: int | None = None
-    guard: str = "auto"  # `Execution.guard`
 
     def __post_init__(self):
         if self.resumed_from is None:  # fresh: known without reading the state
@@ -501,15 +500,8 @@ class Run:
         self._attached: set[int] = set()  # errors carrying this run
         self._phase: int | None = None  # of the callback being called
         self._logbook = LogBook(self)
-        chunk, train_state = self.chunk, self.train_state
-        self.guard_strategy = choose_guard(
-            self.guard, self.source.kind == "arrays", chunk.unrolled, chunk.loss_fn,
-            chunk.optimizer, groups_of(train_state.ensemble), train_state.opt_state,
-        )  # fmt: skip
-        if self.guard_strategy.deferred:
-            self.chunk = dataclasses.replace(self.chunk, check="deferred")
         self._kept: Any = None  # what the guard keeps of a dispatch's start
-        self.to_host = chunk.placement.to_host
+        self.to_host = self.chunk.placement.to_host
 
     def run(self) -> FitResult:
         """Drive the run to its last step: one dispatch, then the host's work

@@ -20,6 +20,7 @@ from .._core.heterogeneous import (
     joined,
     regroup,
 )
+from .._execution.cache import keep
 from .._execution.compile import CompiledFunctions, filter_jit, one_shot_options
 from .._execution.lift import lifts
 from .._internal.keys import RunKeys, run_keys
@@ -310,9 +311,7 @@ def derived_keys(key: PRNGKeyArray) -> RunKeys:
             return found[1]
     keys = _keys()(key)
     if isinstance(key, jax.Array):  # (not a NumPy key: it could change in place)
-        if len(_DERIVED) >= 64:
-            _DERIVED.clear()
-        _DERIVED[entry] = (weakref.ref(key), keys)
+        keep(_DERIVED, entry, (weakref.ref(key), keys))
     return keys
 
 
