@@ -30,6 +30,9 @@ turns a batch of them into the metrics' layout):
 - [`Masksembles`][eqx_ensemble.nn.Masksembles] and
   [`masksembles_masks`][eqx_ensemble.nn.masksembles_masks] (Durasov et al.
   2021): fixed masks with a controlled overlap.
+
+Single-pass uncertainty: [`InducingPointGP`][eqx_ensemble.nn.InducingPointGP], a
+sparse variational Gaussian-process head (DUE, van Amersfoort et al. 2021).
 """
 
 from collections.abc import Callable
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._layers.gp import InducingPointGP as InducingPointGP
 from ._layers.implicit import (
     MIMO as MIMO,
     Masksembles as Masksembles,
@@ -65,6 +69,7 @@ __all__ = [
     "lora",
     "lora_base",
     "slow_weights",
+    "InducingPointGP",
 ]
 
 
