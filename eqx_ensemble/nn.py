@@ -31,8 +31,13 @@ turns a batch of them into the metrics' layout):
   [`masksembles_masks`][eqx_ensemble.nn.masksembles_masks] (Durasov et al.
   2021): fixed masks with a controlled overlap.
 
-Single-pass uncertainty: [`InducingPointGP`][eqx_ensemble.nn.InducingPointGP], a
-sparse variational Gaussian-process head (DUE, van Amersfoort et al. 2021).
+Single-pass uncertainty, one model's (or each member's) in closed form:
+
+- [`VBLLRegression`][eqx_ensemble.nn.VBLLRegression] and
+  [`VBLLClassification`][eqx_ensemble.nn.VBLLClassification] (Harrison et al.
+  2024): variational Bayesian last layers.
+- [`InducingPointGP`][eqx_ensemble.nn.InducingPointGP]: a sparse variational
+  Gaussian-process head (DUE, van Amersfoort et al. 2021).
 """
 
 from collections.abc import Callable
@@ -54,6 +59,10 @@ from ._layers.implicit import (
     members_first as members_first,
     mimo_batch as mimo_batch,
 )
+from ._layers.vbll import (
+    VBLLClassification as VBLLClassification,
+    VBLLRegression as VBLLRegression,
+)
 
 __all__ = [
     "PackedLinear",
@@ -70,6 +79,8 @@ __all__ = [
     "lora_base",
     "slow_weights",
     "InducingPointGP",
+    "VBLLRegression",
+    "VBLLClassification",
 ]
 
 
