@@ -1,6 +1,7 @@
 """A sparse variational Gaussian-process output layer: DUE's head."""
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -28,8 +29,9 @@ class InducingPointGP(eqx.Module):
     - `inducing`: the initial inducing points, `(M, features)`; DUE takes the
       k-means centres of the untrained extractor's features of a random subset.
     - `outputs`: the number of outputs (classes for `softmax_loss`).
-    - `lengthscale`, `outputscale`: the kernel's initial values (DUE: the
-      mean distance between those features).
+    - `lengthscale`, `outputscale`: the kernel's initial values; by default
+      the lengthscale is the mean distance between the inducing points (DUE's
+      initialisation, from the features' own scale).
     - `jitter`: added to the inducing points' kernel matrix's diagonal.
 
     ```python
@@ -53,12 +55,13 @@ class InducingPointGP(eqx.Module):
         inducing: Float[ArrayLike, "inducing features"],
         outputs: int,
         *,
-        lengthscale: float = 1.0,
+        lengthscale: float | None = None,
         outputscale: float = 1.0,
         jitter: float = 1e-4,
     ):
         inducing = jnp.asarray(inducing, float)
-        if inducing.ndim != 2 or outputs < 1 or min(lengthscale, outputscale) <= 0:
+        bad_scale = outputscale <= 0 or (lengthscale is not None and lengthscale <= 0)
+        if inducing.ndim != 2 or outputs < 1 or bad_scale:
             raise ValueError(
                 "`inducing` must be (M, features), `outputs` at least 1 and the "
                 f"scales positive; got inducing of shape {inducing.shape}, "
@@ -66,10 +69,16 @@ class InducingPointGP(eqx.Module):
                 f"outputscale={outputscale}"
             )
         m = inducing.shape[0]
+        scale: Any = lengthscale
+        if scale is None:  # DUE's: the mean distance between the points
+            distances = jnp.sqrt(
+                jnp.sum((inducing[:, None] - inducing[None]) ** 2, -1) + 1e-12
+            )
+            scale = jnp.sum(distances) / max(m * (m - 1), 1)
         self.inducing = inducing
         self.mean = jnp.zeros((outputs, m))
         self.scale = jnp.zeros((outputs, m, m))  # the prior: identity
-        self.log_lengthscale = jnp.full((outputs,), math.log(lengthscale))
+        self.log_lengthscale = jnp.full((outputs,), jnp.log(scale))
         self.log_outputscale = jnp.full((outputs,), math.log(outputscale))
         self.jitter = jitter
 
