@@ -794,7 +794,12 @@ def classification_methods(split: dict, seed: int, steps: int) -> dict[str, Any]
     )  # fmt: skip
     due_run, due_seconds = timed(
         lambda: ee.fit(
-            due_net, due_loss(n_train), adam, train, state=due_state, **common
+            due_net,
+            due_loss(n_train),
+            optax.adam(1e-2),
+            train,
+            state=due_state,
+            **common,
         )  # fmt: skip
     )
     out["DUE (1 model)"] = (
@@ -1328,8 +1333,10 @@ def write_page(regression, classification, figures, seconds, size_name, path):
         "predictive); DUE (van Amersfoort et al. 2021: a linear embedding to "
         f"{HEAD_WIDTH} features, two residual spectral-normalised layers, "
         f"`ee.nn.InducingPointGP` on {INDUCING} inducing points at the "
-        "embedding of random training inputs, 32 Monte Carlo draws at "
-        "prediction).",
+        "embedding of random training inputs, Adam at 1e-2: at 1e-3 its "
+        "head's variational parameters learn slowly, 0.81 against 0.98 "
+        "accuracy after 600 steps on digits' first seed; 32 Monte Carlo draws "
+        "at prediction).",
         "",
     ]
     for name, rows in classification.items():
