@@ -38,6 +38,9 @@ Single-pass uncertainty, one model's (or each member's) in closed form:
   2024): variational Bayesian last layers.
 - [`InducingPointGP`][eqx_ensemble.nn.InducingPointGP]: a sparse variational
   Gaussian-process head (DUE, van Amersfoort et al. 2021).
+- [`BoundedSpectralNorm`][eqx_ensemble.nn.BoundedSpectralNorm],
+  [`RandomFeatureGP`][eqx_ensemble.nn.RandomFeatureGP] and its posterior
+  (`gp_covariance`, `gp_variance`, `mean_field_logits`): SNGP (Liu et al. 2020).
 """
 
 from collections.abc import Callable
@@ -58,6 +61,13 @@ from ._layers.implicit import (
     masksembles_masks as masksembles_masks,
     members_first as members_first,
     mimo_batch as mimo_batch,
+)
+from ._layers.sngp import (
+    BoundedSpectralNorm as BoundedSpectralNorm,
+    RandomFeatureGP as RandomFeatureGP,
+    gp_covariance as gp_covariance,
+    gp_variance as gp_variance,
+    mean_field_logits as mean_field_logits,
 )
 from ._layers.vbll import (
     VBLLClassification as VBLLClassification,
@@ -81,6 +91,11 @@ __all__ = [
     "InducingPointGP",
     "VBLLRegression",
     "VBLLClassification",
+    "BoundedSpectralNorm",
+    "RandomFeatureGP",
+    "gp_covariance",
+    "gp_variance",
+    "mean_field_logits",
 ]
 
 
