@@ -41,6 +41,8 @@ Single-pass uncertainty, one model's (or each member's) in closed form:
 - [`BoundedSpectralNorm`][eqx_ensemble.nn.BoundedSpectralNorm],
   [`RandomFeatureGP`][eqx_ensemble.nn.RandomFeatureGP] and its posterior
   (`gp_covariance`, `gp_variance`, `mean_field_logits`): SNGP (Liu et al. 2020).
+
+[`Epinet`][eqx_ensemble.nn.Epinet] (Osband et al. 2023): one network, many predictions.
 """
 
 from collections.abc import Callable
@@ -52,6 +54,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._layers.epinet import Epinet as Epinet, epinet_loss as epinet_loss
 from ._layers.gp import InducingPointGP as InducingPointGP
 from ._layers.implicit import (
     MIMO as MIMO,
@@ -96,6 +99,8 @@ __all__ = [
     "gp_covariance",
     "gp_variance",
     "mean_field_logits",
+    "Epinet",
+    "epinet_loss",
 ]
 
 
