@@ -168,6 +168,19 @@ def test_the_index_variance_grows_away_from_the_data(toy):
         assert ratio(after[i]) > 4 * ratio(before[i])
 
 
+def test_samples_are_members_at_the_documented_indices(toy):
+    _, fitted = toy
+    keys = jax.random.split(jax.random.key(3), 3)
+    # An ensemble's indices: each member's as a group, members x indices.
+    groups = [m.samples(4, key=k) for m, k in zip(ee.unstack(fitted), keys)]
+    got = ee.predict(ee.Heterogeneous(groups), X[:6])
+    assert got.shape == (12, 6, 1)
+    for i, key in enumerate(keys):
+        for j, z in enumerate(jax.random.normal(key, (4, 8))):
+            want = _np_epinet(ee.unstack(fitted)[i], X[:6], z)
+            np.testing.assert_allclose(got[4 * i + j], want, rtol=1e-5, atol=1e-5)
+
+
 # One program for the two tests below: the same loss, optimizer and shapes.
 LOSS, ADAM, DATA = (
     ee.nn.epinet_loss(_mse, num_indices=4),
