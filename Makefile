@@ -18,6 +18,15 @@ $(VENV)/.installed-dev: pyproject.toml | $(BIN)/activate
 	$(PY) -m pip install -q -e ".[dev,docs,loaders,data,distributed]"
 	touch $@
 
+# The results page's peers. torchvision (which laplace-torch and
+# TorchUncertainty declare) goes again: the index has it only built for CUDA
+# torch, and with the CPU wheel its operators fail to register, which breaks
+# every import of torchmetrics; the peers' code paths used here need none of it.
+$(VENV)/.installed-peers: pyproject.toml | $(BIN)/activate
+	$(PY) -m pip install -q -e ".[dev,docs,loaders,data,distributed,bench,peers]"
+	$(PY) -m pip uninstall -y -q torchvision
+	touch $@ $(VENV)/.installed-dev
+
 $(VENV)/.installed-bench: pyproject.toml | $(BIN)/activate
 	$(PY) -m pip install -q -e ".[dev,loaders,bench,distributed]"
 	touch $@
@@ -70,7 +79,7 @@ bench: $(VENV)/.installed-bench
 
 # Every method on the same data: writes docs/results.md and its figures
 # (about 20 minutes on a 2-core CPU; `--full` for longer runs).
-results: $(VENV)/.installed-dev
+results: $(VENV)/.installed-peers
 	$(PY) benchmarks/results.py
 
 clean:
