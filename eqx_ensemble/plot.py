@@ -27,7 +27,7 @@ from .combine import gaussian_mixture
 __all__ = ["reliability_diagram", "predictive_band", "uncertainty_histogram"]
 
 
-def _pyplot() -> Any:
+def _figure_and_axes(ax: Any) -> tuple[Any, Any]:
     try:
         import matplotlib.pyplot as plt
     except ImportError as error:
@@ -36,11 +36,6 @@ def _pyplot() -> Any:
             "install it with `pip install eqx_ensemble[plot]` (or `pip install "
             "matplotlib`)."
         ) from error
-    return plt
-
-
-def _figure_and_axes(ax: Any) -> tuple[Any, Any]:
-    plt = _pyplot()
     if ax is None:
         return plt.subplots()
     return ax.figure, ax
@@ -201,23 +196,18 @@ def predictive_band(
                 linewidth=0.8,
                 label="member means" if member == 0 else None,
             )
-    ax.fill_between(
-        xs,
-        mean_np - k * std,
-        mean_np + k * std,
-        color="C0",
-        alpha=0.2,
-        label=f"$\\pm{k:g}\\sigma$ (total)",
-    )
+    bands = [(std, "C0", "total")]
     if show_aleatoric:
         aleatoric = np.sqrt(np.asarray(jnp.mean(variances, axis=0)))[order]
+        bands.append((aleatoric, "C1", "aleatoric"))
+    for spread, color, name in bands:
         ax.fill_between(
             xs,
-            mean_np - k * aleatoric,
-            mean_np + k * aleatoric,
-            color="C1",
+            mean_np - k * spread,
+            mean_np + k * spread,
+            color=color,
             alpha=0.2,
-            label=f"$\\pm{k:g}\\sigma$ (aleatoric)",
+            label=f"$\\pm{k:g}\\sigma$ ({name})",
         )
     if x_train is not None and y_train is not None:
         ax.scatter(

@@ -248,8 +248,6 @@ def _fit_affine(
     members, batch, classes = predictions.shape
     parameters = classes * classes + classes if full_matrix else 2 * classes
     _check_enough_examples(batch, parameters, cls.__name__)
-    # `l2` and `iterations` as arrays: a search over `l2` compiles once.
-    options = (full_matrix,)
     if l2 == "cv":
         if is_traced(predictions):
             raise ValueError(
@@ -258,21 +256,26 @@ def _fit_affine(
                 "(e.g. `l2=1e-2`) to fit a calibrator in compiled code"
             )
         l2 = _cross_validated_l2(
-            cls, predictions, labels, per_member, iterations, options
+            cls, predictions, labels, per_member, iterations, full_matrix
         )
-    weight, bias = _fit_affine_compiled(
-        cls, predictions, labels, per_member,
-        _penalty_array(l2, predictions, per_member), jnp.asarray(iterations, jnp.int32),
-        *options, jnp.ones(labels.shape, predictions.dtype),
+    weight, bias = _fit_weighted(
+        cls, predictions, labels, per_member, l2, iterations, full_matrix,
+        jnp.ones(labels.shape, predictions.dtype),
     )  # fmt: skip
     return cls(weight, bias, per_member)
 
 
-def _penalty_array(l2: Any, predictions: Array, per_member: bool) -> Array:
-    """`l2` as the fit's traced argument, one value per member when per member
-    (so a search and its per-member choice share one program)."""
+def _fit_weighted(
+    cls, predictions, labels, per_member, l2, iterations, full_matrix, weights
+):  # fmt: skip
+    """`_fit_affine_compiled` with `l2` (one value per member when per member)
+    and `iterations` as arrays: a search over `l2` compiles once."""
     l2 = jnp.asarray(l2, predictions.dtype)
-    return jnp.broadcast_to(l2, predictions.shape[:1]) if per_member else l2
+    l2 = jnp.broadcast_to(l2, predictions.shape[:1]) if per_member else l2
+    return _fit_affine_compiled(
+        cls, predictions, labels, per_member, l2, jnp.asarray(iterations, jnp.int32),
+        full_matrix, weights,
+    )  # fmt: skip
 
 
 def _cross_validated_l2(
@@ -281,7 +284,7 @@ def _cross_validated_l2(
     labels: Array,
     per_member: bool,
     iterations: int,
-    options: tuple[bool],
+    full_matrix: bool,
 ) -> Any:
     """The `L2_GRID` penalty with the lowest held-out NLL over `CV_FOLDS` folds
     (as Kull et al. 2019), one per member when per member. Folds are fixed (seed
@@ -296,10 +299,9 @@ def _cross_validated_l2(
     for k in range(CV_FOLDS):
         weights = jnp.asarray(fold != k, predictions.dtype)
         for position, l2 in enumerate(L2_GRID):
-            weight, bias = _fit_affine_compiled(
-                cls, predictions, labels, per_member,
-                _penalty_array(l2, predictions, per_member),
-                jnp.asarray(iterations, jnp.int32), *options, weights,
+            weight, bias = _fit_weighted(
+                cls, predictions, labels, per_member, l2, iterations, full_matrix,
+                weights,
             )  # fmt: skip
             scores[position] += np.asarray(
                 _held_out_nll(
@@ -343,28 +345,23 @@ def _fit_affine_params(
         deviation = weight - jnp.mean(diagonal) * identity
         return l2 * (jnp.sum(deviation**2) + jnp.sum(bias**2))
 
-    if per_member:  # `l2`: one value per member (`_penalty_array`)
+    def fit(inputs, l2):  # per member: one member's inputs and `l2`
+        def objective(params):
+            out = template._transform(*params, inputs)
+            out = out[None] if per_member else out
+            return _ensemble_nll(out, labels, weights) + penalty(params, l2)
 
-        def fit_one(member_inputs, member_l2):
-            def objective(params):
-                out = template._transform(*params, member_inputs)[None]
-                return _ensemble_nll(out, labels, weights) + penalty(params, member_l2)
+        return _lbfgs(objective, init, iterations, 1e-6)[0]
 
-            return _lbfgs(objective, init, iterations, 1e-6)[0]
-
-        if jax.default_backend() != "cpu":
-            return jax.vmap(fit_one)(inputs, l2)
-        # On a CPU, one member after another: a vmapped while loop steps every
-        # member until the slowest stops, and traced slower (7.7 s against
-        # 4.6 s for a first 3-member fit). On an accelerator `vmap` saves
-        # a launch and host round trip per step.
-        return jax.lax.map(lambda args: fit_one(*args), (inputs, l2))
-
-    def objective(params):
-        out = template._transform(*params, inputs)
-        return _ensemble_nll(out, labels, weights) + penalty(params, l2)
-
-    return _lbfgs(objective, init, iterations, 1e-6)[0]
+    if not per_member:
+        return fit(inputs, l2)
+    if jax.default_backend() != "cpu":
+        return jax.vmap(fit)(inputs, l2)
+    # On a CPU, one member after another: a vmapped while loop steps every
+    # member until the slowest stops, and traced slower (7.7 s against
+    # 4.6 s for a first 3-member fit). On an accelerator `vmap` saves
+    # a launch and host round trip per step.
+    return jax.lax.map(lambda args: fit(*args), (inputs, l2))
 
 
 _fit_affine_compiled = eqx.filter_jit(_fit_affine_params)
@@ -541,22 +538,30 @@ def _normalise(probs: Array) -> Array:
 
 def _calibration_inputs(
     probs: ArrayLike, labels: ArrayLike, from_logits: bool, per_member: bool
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, Any]:
     """`(fits, batch, classes)` host probabilities (the mean as one fit, or one
-    per member) and the labels."""
+    per member), the labels and the predictions' dtype."""
     per_member = _check_per_member(per_member)
     predictions = prepare_predictions(probs, from_logits=from_logits)
     labels = prepare_labels(labels, predictions)
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
     if not per_member:
         member_probs = jnp.mean(member_probs, axis=0, keepdims=True)
-    return np.asarray(member_probs, np.float64), np.asarray(labels)
+    return np.asarray(member_probs, np.float64), np.asarray(labels), predictions.dtype
 
 
-def _applied_probs(predictions: Array, from_logits: bool, per_member: bool) -> Array:
-    """Each member's probabilities, or the ensemble's mean as one."""
+def _applied_probs(
+    calibrator: Any, probs: ArrayLike, from_logits: bool, fits: int, classes: int
+) -> Array:
+    """Each member's probabilities, or the ensemble's mean as one, checked
+    against what `calibrator` was fitted on."""
+    predictions = prepare_predictions(probs, from_logits=from_logits)
+    members = fits if calibrator.per_member else None
+    _check_applied(predictions, classes, members, type(calibrator).__name__)
     member_probs, _ = member_log_probs(predictions, from_logits=from_logits)
-    return member_probs if per_member else jnp.mean(member_probs, axis=0)[None]
+    if calibrator.per_member:
+        return member_probs
+    return jnp.mean(member_probs, axis=0)[None]
 
 
 class HistogramBinning(eqx.Module):
@@ -589,10 +594,7 @@ class HistogramBinning(eqx.Module):
         from_logits: bool = False,
     ) -> Float[Array, " fits batch classes"]:
         fits, classes, bins = self.values.shape
-        predictions = prepare_predictions(probs, from_logits=from_logits)
-        members = fits if self.per_member else None
-        _check_applied(predictions, classes, members, "HistogramBinning")
-        p = _applied_probs(predictions, from_logits, self.per_member)
+        p = _applied_probs(self, probs, from_logits, fits, classes)
         index = jnp.clip(jnp.floor(p * bins).astype(jnp.int32), 0, bins - 1)
         # values[f, c, index[f, b, c]]
         picked = jnp.take_along_axis(
@@ -647,7 +649,7 @@ def fit_histogram_binning(
     ```
     """
     n_bins = _check_count(n_bins, "n_bins", low=1, high=100_000)
-    p, y = _calibration_inputs(probs, labels, from_logits, per_member)
+    p, y, dtype = _calibration_inputs(probs, labels, from_logits, per_member)
     fits, batch, classes = p.shape
     _check_enough_examples(batch, n_bins, "HistogramBinning with `n_bins` bins")
     index = np.clip(np.floor(p * n_bins).astype(np.int64), 0, n_bins - 1)
@@ -659,7 +661,6 @@ def fit_histogram_binning(
             counts = np.bincount(index[f, :, c], minlength=n_bins)
             hits = np.bincount(index[f, :, c], positive[0, :, c], minlength=n_bins)
             values[f, c] = np.where(counts > 0, hits / np.maximum(counts, 1), midpoints)
-    dtype = prepare_predictions(probs, from_logits=from_logits).dtype
     return HistogramBinning(
         jnp.asarray(values, dtype), per_member, _check_floor(floor, batch)
     )
@@ -713,11 +714,7 @@ class IsotonicCalibration(eqx.Module):
         *,
         from_logits: bool = False,
     ) -> Float[Array, " fits batch classes"]:
-        fits, classes, _ = self.x.shape
-        predictions = prepare_predictions(probs, from_logits=from_logits)
-        members = fits if self.per_member else None
-        _check_applied(predictions, classes, members, "IsotonicCalibration")
-        p = _applied_probs(predictions, from_logits, self.per_member)
+        p = _applied_probs(self, probs, from_logits, *self.x.shape[:2])
         # Inputs outside the fitted range take the end values (`np.interp`).
         per_class = jax.vmap(jnp.interp, in_axes=(-1, 0, 0), out_axes=-1)
         calibrated = jax.vmap(per_class)(
@@ -764,7 +761,7 @@ def fit_isotonic_regression(
     calibrate(logits, from_logits=True).shape                # (1, 500, 4)
     ```
     """
-    p, y = _calibration_inputs(probs, labels, from_logits, per_member)
+    p, y, dtype = _calibration_inputs(probs, labels, from_logits, per_member)
     fits, batch, classes = p.shape
     _check_enough_examples(batch, 2, "IsotonicCalibration")
     points: list[list[tuple[np.ndarray, np.ndarray]]] = []
@@ -785,7 +782,6 @@ def fit_isotonic_regression(
 
     xs = np.stack([np.stack([padded(x) for x, _ in row]) for row in points])
     ys = np.stack([np.stack([padded(v) for _, v in row]) for row in points])
-    dtype = prepare_predictions(probs, from_logits=from_logits).dtype
     return IsotonicCalibration(
         jnp.asarray(xs, dtype),
         jnp.asarray(ys, dtype),

@@ -173,14 +173,8 @@ class LaplacePosterior(eqx.Module):
 
         if curvature == "kfac":
             _check_kfac_part(selected)
-            out_size, in_size = selected.weight.shape
-            width = in_size + (selected.bias is not None)
-            curvature_sums = (zeros(out_size, out_size), zeros(width, width))
-        elif curvature == "diagonal":
-            curvature_sums = (zeros(parameters),)
-        else:
-            curvature_sums = (zeros(parameters, parameters),)
-        sums = (zeros(parameters), curvature_sums, zeros())
+        shapes = _curvature_shapes(selected, parameters, curvature)
+        sums = (zeros(parameters), tuple(zeros(*shape) for shape in shapes), zeros())
         return eqx.filter_eval_shape(
             lambda e, s: _finish(e, s, 1, likelihood, part, curvature, 1.0), ens, sums
         )
@@ -189,16 +183,33 @@ class LaplacePosterior(eqx.Module):
         _, arrays = _part_arrays(self.part, self.ensemble[0])
         return ravel_pytree(arrays)[1]
 
-    def _kfac_shapes(self) -> tuple[int, int, bool]:
+    def _kfac_order(self) -> np.ndarray:
+        """Index into the row-major `(out, in [+ 1])` KFAC order of each weight
+        of the flattened part (`weight` then `bias`)."""
         linear = self.part(self.ensemble[0])
         out_size, in_size = linear.weight.shape
-        return out_size, in_size, linear.bias is not None
+        columns = in_size + (1 if linear.bias is not None else 0)
+        weight = (np.arange(out_size)[:, None] * columns + np.arange(in_size)).ravel()
+        if linear.bias is None:
+            return weight
+        return np.concatenate([weight, np.arange(out_size) * columns + in_size])
+
+    def _kfac_factors(self) -> tuple[Array, Array, Array, Array]:
+        """`G`'s eigenvalues and eigenvectors, then `A`'s."""
+        assert self.out_eigenvalues is not None and self.out_eigenvectors is not None
+        assert self.in_eigenvalues is not None and self.in_eigenvectors is not None
+        return (
+            self.out_eigenvalues,
+            self.out_eigenvectors,
+            self.in_eigenvalues,
+            self.in_eigenvectors,
+        )
 
     def _log_eigenvalues_sum(self, prior: Array) -> Array:
         """`log det(H + prior I)` per member, `prior` `(members,)`."""
         if self.curvature == "kfac":
-            assert self.out_eigenvalues is not None and self.in_eigenvalues is not None
-            values = self.out_eigenvalues[:, :, None] * self.in_eigenvalues[:, None, :]
+            g_values, _, a_values, _ = self._kfac_factors()
+            values = g_values[:, :, None] * a_values[:, None, :]
             values = values.reshape(values.shape[0], -1)
         else:
             assert self.eigenvalues is not None
@@ -414,49 +425,35 @@ class LaplacePosterior(eqx.Module):
         posterior.curvature_matrix().shape      # (3, 18, 18): the last layer's 18
         ```
         """
+
+        def product(values: Array, vectors: Array) -> Array:  # Q diag(values) Q^T
+            return jnp.einsum("mij,mj,mkj->mik", vectors, values, vectors)
+
         if self.curvature == "diagonal":
             assert self.eigenvalues is not None
             return jax.vmap(jnp.diag)(self.eigenvalues)
         if self.curvature == "full":
             assert self.eigenvalues is not None and self.eigenvectors is not None
-            q, values = self.eigenvectors, self.eigenvalues
-            return jnp.einsum("mpk,mk,mqk->mpq", q, values, q)
-        assert self.out_eigenvectors is not None and self.in_eigenvectors is not None
-        assert self.out_eigenvalues is not None and self.in_eigenvalues is not None
-        g = jnp.einsum(
-            "mij,mj,mkj->mik",
-            self.out_eigenvectors,
-            self.out_eigenvalues,
-            self.out_eigenvectors,
+            return product(self.eigenvalues, self.eigenvectors)
+        g_values, g_vectors, a_values, a_vectors = self._kfac_factors()
+        dense = jax.vmap(jnp.kron)(
+            product(g_values, g_vectors), product(a_values, a_vectors)
         )
-        a = jnp.einsum(
-            "mij,mj,mkj->mik",
-            self.in_eigenvectors,
-            self.in_eigenvalues,
-            self.in_eigenvectors,
-        )
-        dense = jax.vmap(jnp.kron)(g, a)  # over (out, in + bias), row-major
-        order = _kfac_order(*self._kfac_shapes())
+        order = self._kfac_order()  # `dense` is over (out, in + bias), row-major
         return dense[:, order][:, :, order]
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
+def _with_part(part: Callable[[Any], Any], model: Any, arrays: Any) -> Any:
+    """`model` with the arrays of its part replaced by `arrays`."""
+    static = eqx.filter(part(model), eqx.is_inexact_array, inverse=True)
+    return eqx.tree_at(
+        part, model, eqx.combine(arrays, static), is_leaf=lambda x: x is None
+    )
 
 
 def _model(member: Any, shared: Any) -> Any:
     """One member as a model: its own part completed by the shared one."""
     return member if shared is None else eqx.combine(member, shared)
-
-
-def _kfac_order(out_size: int, in_size: int, bias: bool) -> np.ndarray:
-    """Index into the row-major `(out, in [+ 1])` KFAC order of each weight of
-    the flattened part (`weight` then `bias`)."""
-    columns = in_size + (1 if bias else 0)
-    weight = (np.arange(out_size)[:, None] * columns + np.arange(in_size)).ravel()
-    if not bias:
-        return weight
-    return np.concatenate([weight, np.arange(out_size) * columns + in_size])
 
 
 def _check_prior(value: Any, size: int) -> Array:
@@ -795,12 +792,9 @@ def _accumulate(ens, x, y, count, chunk, likelihood, part, curvature, sigma):
         model = _model(member, ens.shared)
         selected, arrays = _part_arrays(part, model)
         theta, unravel = ravel_pytree(arrays)
-        static = eqx.filter(selected, eqx.is_inexact_array, inverse=True)
 
         def with_theta(t):
-            return eqx.tree_at(
-                part, model, eqx.combine(unravel(t), static), is_leaf=_is_none
-            )
+            return _with_part(part, model, unravel(t))
 
         def one(carry, batch):
             xb, yb, mb = batch
@@ -834,23 +828,27 @@ def _accumulate(ens, x, y, count, chunk, likelihood, part, curvature, sigma):
                 carry[1] + log_lik,
             ), None
 
-        if curvature == "kfac":
-            out_size, in_size = selected.weight.shape
-            columns = in_size + (1 if selected.bias is not None else 0)
-            zeros = (
-                jnp.zeros((out_size, out_size), theta.dtype),
-                jnp.zeros((columns, columns), theta.dtype),
-            )
-        elif curvature == "diagonal":
-            zeros = (jnp.zeros_like(theta),)
-        else:
-            zeros = (jnp.zeros((theta.shape[0], theta.shape[0]), theta.dtype),)
+        zeros = tuple(
+            jnp.zeros(shape, theta.dtype)
+            for shape in _curvature_shapes(selected, theta.shape[0], curvature)
+        )
         (sums, log_lik), _ = jax.lax.scan(
             one, (zeros, jnp.zeros((), theta.dtype)), (xs, ys, mask.astype(theta.dtype))
         )
         return theta, sums, log_lik
 
     return eqx.filter_vmap(member_sums)(ens.members)
+
+
+def _curvature_shapes(
+    selected: Any, parameters: int, curvature: str
+) -> list[tuple[int, ...]]:
+    """The shapes of one member's curvature sums."""
+    if curvature == "kfac":
+        out_size, in_size = selected.weight.shape
+        width = in_size + (selected.bias is not None)
+        return [(out_size, out_size), (width, width)]
+    return [(parameters,) if curvature == "diagonal" else (parameters, parameters)]
 
 
 def _kfac_pieces(model: Any, part: Any, selected: eqx.nn.Linear, x: Any):
@@ -886,20 +884,19 @@ def _finish(ens, sums, count, likelihood, part, curvature, sigma) -> LaplacePost
             "in_eigenvectors",
         )
     )
+
+    def clipped_eigh(matrix: Array) -> tuple[Array, Array]:
+        values, vectors = jnp.linalg.eigh(matrix)
+        return jnp.maximum(values, 0.0), vectors
+
     if curvature == "diagonal":
         eig["eigenvalues"] = jnp.maximum(curvature_sums[0], 0.0)
     elif curvature == "full":
-        values, vectors = jnp.linalg.eigh(curvature_sums[0])
-        eig["eigenvalues"] = jnp.maximum(values, 0.0)
-        eig["eigenvectors"] = vectors
+        eig["eigenvalues"], eig["eigenvectors"] = clipped_eigh(curvature_sums[0])
     else:
         g, a = curvature_sums
-        g_values, g_vectors = jnp.linalg.eigh(g / count)
-        a_values, a_vectors = jnp.linalg.eigh(a)
-        eig["out_eigenvalues"] = jnp.maximum(g_values, 0.0)
-        eig["out_eigenvectors"] = g_vectors
-        eig["in_eigenvalues"] = jnp.maximum(a_values, 0.0)
-        eig["in_eigenvectors"] = a_vectors
+        eig["out_eigenvalues"], eig["out_eigenvectors"] = clipped_eigh(g / count)
+        eig["in_eigenvalues"], eig["in_eigenvectors"] = clipped_eigh(a)
     return LaplacePosterior(
         ensemble=ens,
         prior_precision=jnp.ones((size,), jnp.float32),
@@ -1051,12 +1048,7 @@ def _sample(posterior: LaplacePosterior, key: Any, samples: int) -> Ensemble:
         ens.members,
     )
     flat = thetas.reshape(size * samples, parameters)
-    selected = posterior.part(repeated)
-    static = eqx.filter(selected, eqx.is_inexact_array, inverse=True)
-    drawn = jax.vmap(unravel)(flat)
-    members = eqx.tree_at(
-        posterior.part, repeated, eqx.combine(drawn, static), is_leaf=_is_none
-    )
+    members = _with_part(posterior.part, repeated, jax.vmap(unravel)(flat))
     return with_members(ens, members)
 
 
@@ -1065,36 +1057,23 @@ def _sample_deltas(posterior: LaplacePosterior, keys: Array, samples: int) -> Ar
     prior = posterior.prior_precision
 
     def one(key, index):
-        if posterior.curvature == "diagonal":
+        if posterior.curvature != "kfac":
             assert posterior.eigenvalues is not None
             values = posterior.eigenvalues[index]
             z = jax.random.normal(key, (samples, values.shape[0]))
-            return z / jnp.sqrt(values + prior[index])[None, :]
-        if posterior.curvature == "full":
-            assert posterior.eigenvalues is not None
+            z = z / jnp.sqrt(values + prior[index])[None, :]
+            if posterior.curvature == "diagonal":
+                return z
             assert posterior.eigenvectors is not None
-            values = posterior.eigenvalues[index]
-            z = jax.random.normal(key, (samples, values.shape[0]))
-            return (
-                z / jnp.sqrt(values + prior[index])[None, :]
-            ) @ posterior.eigenvectors[index].T
-        assert posterior.out_eigenvalues is not None
-        assert posterior.in_eigenvalues is not None
-        assert posterior.out_eigenvectors is not None
-        assert posterior.in_eigenvectors is not None
-        g_values = posterior.out_eigenvalues[index]
-        a_values = posterior.in_eigenvalues[index]
+            return z @ posterior.eigenvectors[index].T
+        g_values, g_vectors, a_values, a_vectors = posterior._kfac_factors()
+        g_values, a_values = g_values[index], a_values[index]
         z = jax.random.normal(key, (samples, g_values.shape[0], a_values.shape[0]))
         scale = jnp.sqrt(jnp.outer(g_values, a_values) + prior[index])
         delta = jnp.einsum(
-            "ij,sjk,lk->sil",
-            posterior.out_eigenvectors[index],
-            z / scale[None],
-            posterior.in_eigenvectors[index],
+            "ij,sjk,lk->sil", g_vectors[index], z / scale[None], a_vectors[index]
         )
-        out_size, in_size, bias = posterior._kfac_shapes()
-        flat = delta.reshape(samples, -1)
-        return flat[:, _kfac_order(out_size, in_size, bias)]
+        return delta.reshape(samples, -1)[:, posterior._kfac_order()]
 
     return jax.vmap(one)(keys, jnp.arange(keys.shape[0]))
 
@@ -1121,45 +1100,26 @@ def _predict_compiled(posterior: LaplacePosterior, x, samples, keys):
         def output_covariance(xi):
             f = _model_output(model, xi)
             if posterior.curvature == "kfac":
-                assert posterior.out_eigenvectors is not None
-                assert posterior.in_eigenvectors is not None
-                assert posterior.out_eigenvalues is not None
-                assert posterior.in_eigenvalues is not None
+                g_values, g_vectors, a_values, a_vectors = posterior._kfac_factors()
                 d, phi = _kfac_pieces(model, posterior.part, selected, xi)
-                u = d @ posterior.out_eigenvectors[index]
-                v = posterior.in_eigenvectors[index].T @ phi
+                u = d @ g_vectors[index]
+                v = a_vectors[index].T @ phi
                 scale = 1.0 / (
-                    jnp.outer(
-                        posterior.out_eigenvalues[index],
-                        posterior.in_eigenvalues[index],
-                    )
-                    + prior[index]
+                    jnp.outer(g_values[index], a_values[index]) + prior[index]
                 )
                 w = scale @ (v**2)
                 return f, (u * w[None, :]) @ u.T
-            static = eqx.filter(selected, eqx.is_inexact_array, inverse=True)
 
             def at(t):
-                return _model_output(
-                    eqx.tree_at(
-                        posterior.part,
-                        model,
-                        eqx.combine(unravel(t), static),
-                        is_leaf=_is_none,
-                    ),
-                    xi,
-                )
+                return _model_output(_with_part(posterior.part, model, unravel(t)), xi)
 
             jac = jax.jacrev(at)(posterior.mean[index])
-            if posterior.curvature == "diagonal":
-                assert posterior.eigenvalues is not None
-                variance = 1.0 / (posterior.eigenvalues[index] + prior[index])
-                return f, (jac * variance[None, :]) @ jac.T
             assert posterior.eigenvalues is not None
-            assert posterior.eigenvectors is not None
-            jq = jac @ posterior.eigenvectors[index]
+            if posterior.curvature == "full":
+                assert posterior.eigenvectors is not None
+                jac = jac @ posterior.eigenvectors[index]
             variance = 1.0 / (posterior.eigenvalues[index] + prior[index])
-            return f, (jq * variance[None, :]) @ jq.T
+            return f, (jac * variance[None, :]) @ jac.T
 
         f, s = jax.vmap(output_covariance)(x)
         if posterior.likelihood == "regression":
