@@ -23,19 +23,26 @@ def _flat(tree: Any, size: int) -> jax.Array:
     return jnp.concatenate([leaf.reshape(size, -1) for leaf in leaves], axis=1)
 
 
-def _bandwidth(
-    squared: jax.Array, pair: jax.Array, count: jax.Array, bandwidth: float | None
-) -> jax.Array:
-    """The RBF bandwidth `h`: given, or the median heuristic (the median of the
-    squared distances between distinct finite particles over `log M`)."""
+def _rbf_kernel(
+    points: jax.Array, finite: jax.Array, bandwidth: float | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The RBF kernel `exp(-|f_i - f_j|^2 / h)` between the finite points (0 for
+    the others), `h`, and the count of finite points. `h`: given, or the median
+    heuristic (the median of the squared distances between distinct finite
+    points over `log M`)."""
+    count = jnp.sum(finite).astype(points.dtype)
+    squared = jnp.sum((points[:, None, :] - points[None, :, :]) ** 2, axis=-1)
+    pair = finite[:, None] & finite[None, :]
     if bandwidth is not None:
-        return jnp.asarray(bandwidth, squared.dtype)
-    size = squared.shape[0]
-    upper = jnp.triu(jnp.ones((size, size), bool), k=1) & pair
-    median = jnp.nanmedian(jnp.where(upper, squared, jnp.nan))
-    h = median / jnp.log(jnp.maximum(count, 2.0))
-    h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1.0)
-    return jax.lax.stop_gradient(jnp.maximum(h, jnp.finfo(squared.dtype).tiny))
+        h = jnp.asarray(bandwidth, squared.dtype)
+    else:
+        size = squared.shape[0]
+        upper = jnp.triu(jnp.ones((size, size), bool), k=1) & pair
+        median = jnp.nanmedian(jnp.where(upper, squared, jnp.nan))
+        h = median / jnp.log(jnp.maximum(count, 2.0))
+        h = jnp.where(jnp.isfinite(h) & (h > 0), h, 1.0)
+        h = jax.lax.stop_gradient(jnp.maximum(h, jnp.finfo(squared.dtype).tiny))
+    return jnp.where(pair, jnp.exp(-squared / h), 0.0), h, count
 
 
 def _check_bandwidth(bandwidth: float | None) -> None:
@@ -75,13 +82,9 @@ def svgd_direction(
     finite = jnp.all(jnp.isfinite(theta), axis=1) & jnp.all(
         jnp.isfinite(log_prob_grads), axis=1
     )
-    count = jnp.sum(finite).astype(theta.dtype)
     theta = jnp.where(finite[:, None], theta, 0.0)
     grads = jnp.where(finite[:, None], log_prob_grads, 0.0)
-    squared = jnp.sum((theta[:, None, :] - theta[None, :, :]) ** 2, axis=-1)
-    pair = finite[:, None] & finite[None, :]
-    h = _bandwidth(squared, pair, count, bandwidth)
-    kernel = jnp.where(pair, jnp.exp(-squared / h), 0.0)
+    kernel, h, count = _rbf_kernel(theta, finite, bandwidth)
     driving = kernel @ grads
     # grad_{t_i} k(t_i, t_j) = -(2/h)(t_i - t_j) k_ij, summed over i.
     repulsive = (2 / h) * (theta * jnp.sum(kernel, axis=0)[:, None] - kernel @ theta)
@@ -289,11 +292,7 @@ def repulsive(
             jnp.isfinite(fixed), axis=1
         )
         fixed = jnp.where(finite[:, None], fixed, 0.0)
-        squared = jnp.sum((fixed[:, None, :] - fixed[None, :, :]) ** 2, axis=-1)
-        pair = finite[:, None] & finite[None, :]
-        count = jnp.sum(finite).astype(fixed.dtype)
-        h = _bandwidth(squared, pair, count, bandwidth)
-        kernel = jnp.where(pair, jnp.exp(-squared / h), 0.0)
+        kernel, h, _ = _rbf_kernel(fixed, finite, bandwidth)
         # sum_j grad_{f_i} k(f_i, f_j) = -(2/h) sum_j (f_i - f_j) k_ij
         grad_sum = -(2 / h) * (fixed * kernel.sum(1)[:, None] - kernel @ fixed)
         density_grad = grad_sum / jnp.maximum(kernel.sum(1), 1e-30)[:, None]
