@@ -241,6 +241,7 @@ class EnbPI(eqx.Module):
                     f"the smallest possible is about 2 / (n + 1) = {2 / (n + 1):.4g}"
                 )
             low_rank, high_rank = as_array(low), as_array(high)
+            empty = as_array(False)
         else:
             if optimize_beta:
                 raise TypeError(
@@ -252,15 +253,12 @@ class EnbPI(eqx.Module):
                 raise ValueError(f"`alpha` must be a scalar, got shape {traced.shape}")
             low_rank, high_rank = _traced_ranks(traced, n)
             empty = traced >= 1
-            lower = jnp.where(
-                empty, jnp.inf, _order_statistic(scores, low_rank, n, -jnp.inf)
-            )
-            upper = jnp.where(
-                empty, -jnp.inf, _order_statistic(scores, high_rank, n, jnp.inf)
-            )
-            return centre + lower, centre + upper
-        lower = _order_statistic(scores, low_rank, n, -jnp.inf)
-        upper = _order_statistic(scores, high_rank, n, jnp.inf)
+        lower = jnp.where(
+            empty, jnp.inf, _order_statistic(scores, low_rank, n, -jnp.inf)
+        )
+        upper = jnp.where(
+            empty, -jnp.inf, _order_statistic(scores, high_rank, n, jnp.inf)
+        )
         return centre + lower, centre + upper
 
     def _best_beta(self, alpha: float) -> float:
