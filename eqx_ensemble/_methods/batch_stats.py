@@ -19,9 +19,12 @@ from .._internal.keys import check_key
 from .._internal.tree import is_traced
 
 
+def _is_bn(node: Any) -> bool:
+    return isinstance(node, eqx.nn.BatchNorm)
+
+
 def _batch_norms(model: Any) -> list[eqx.nn.BatchNorm]:
-    is_bn = lambda x: isinstance(x, eqx.nn.BatchNorm)
-    return [node for node in jtu.tree_leaves(model, is_leaf=is_bn) if is_bn(node)]
+    return [node for node in jtu.tree_leaves(model, is_leaf=_is_bn) if _is_bn(node)]
 
 
 def _training_pass(axis_name: Any) -> Callable[..., Any]:
@@ -37,20 +40,14 @@ def _training_pass(axis_name: Any) -> Callable[..., Any]:
 
 def _reset(state: Any, layers: list[eqx.nn.BatchNorm]) -> Any:
     for bn in layers:
-        if bn.mode == "ema":
-            mean, var = state.get(bn.ema_state_index)
-            first = state.get(bn.ema_first_time_index)
-            state = state.set(bn.ema_first_time_index, jnp.ones_like(first))
-            state = state.set(
-                bn.ema_state_index, (jnp.zeros_like(mean), jnp.zeros_like(var))
-            )
-        else:
-            mean, var = state.get(bn.batch_state_index)
-            counter = state.get(bn.batch_counter)
-            state = state.set(bn.batch_counter, jnp.zeros_like(counter))
-            state = state.set(
-                bn.batch_state_index, (jnp.zeros_like(mean), jnp.zeros_like(var))
-            )
+        ema = bn.mode == "ema"
+        stats_index = bn.ema_state_index if ema else bn.batch_state_index
+        # "ema": the first-time flag set; "batch": the step counter at 0.
+        flag_index = bn.ema_first_time_index if ema else bn.batch_counter
+        mean, var = state.get(stats_index)
+        flag = state.get(flag_index)
+        state = state.set(flag_index, (jnp.ones_like if ema else jnp.zeros_like)(flag))
+        state = state.set(stats_index, (jnp.zeros_like(mean), jnp.zeros_like(var)))
     return state
 
 
@@ -194,10 +191,6 @@ class _FrozenNorm(eqx.nn.StatefulLayer):
             return out
 
         return jax.vmap(norm)(x, self.mean, self.var, self.weight, self.bias), state
-
-
-def _is_bn(node: Any) -> bool:
-    return isinstance(node, eqx.nn.BatchNorm)
 
 
 def mc_batchnorm(
