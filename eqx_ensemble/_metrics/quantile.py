@@ -33,9 +33,7 @@ def _pit(means: Array, variances: Array, targets: Array, predictive: str) -> Arr
     if predictive == "mixture":
         scale = jnp.sqrt(jnp.maximum(variances, jnp.finfo(variances.dtype).tiny))
         return jnp.mean(ndtr((targets[None] - means) / scale), axis=0)
-    mean, variance = gaussian_mixture(means, variances)
-    scale = jnp.sqrt(jnp.maximum(variance, jnp.finfo(variance.dtype).tiny))
-    return ndtr((targets - mean) / scale)
+    return ndtr(_standardised(means, variances, targets))
 
 
 def _standardised(means: Array, variances: Array, targets: Array) -> Array:
