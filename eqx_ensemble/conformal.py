@@ -1,19 +1,15 @@
 """Conformal prediction from an ensemble's stacked predictions.
 
-- Split conformal regression (Lei et al. 2018; Papadopoulos et al. 2002),
-  normalised by the ensemble's predictive standard deviation: on a calibration
-  set the scores `|y - mean| / std` of the Gaussian mixture of the members give a
-  quantile `q`, and the interval `mean +- q * std` covers a new target with
-  probability at least `1 - alpha` (for exchangeable data), whatever the model.
-- Conformalized quantile regression (`cqr`) for any lower/upper bounds.
+- Split conformal regression normalised by the ensemble's predictive standard
+  deviation (`split_regression`), and conformalized quantile regression for
+  any lower/upper bounds (`cqr`).
 - Classification prediction sets: APS and RAPS.
 - Jackknife+-after-bootstrap intervals from a bootstrapped run's own
   out-of-bag examples (no calibration set).
-- Decisions at a guaranteed risk: conformal risk control (`risk_control`,
-  the expected loss) and Learn-then-Test (`learn_then_test`, the risk with
-  high probability) for any loss given on a grid of thresholds.
-- Time series: EnbPI intervals from the same out-of-bag residuals, slid along
-  the series, with adaptive conformal inference on top (`sequential`).
+- Decisions at a guaranteed risk: conformal risk control (`risk_control`) and
+  Learn-then-Test (`learn_then_test`) for any loss on a grid of thresholds.
+- Time series: EnbPI intervals from the same out-of-bag residuals, with
+  adaptive conformal inference on top (`sequential`).
 
 ```python
 means = jax.random.normal(jax.random.key(0), (5, 200))     # (members, batch)
@@ -141,13 +137,14 @@ def split_regression(
     *,
     alpha: float,
 ) -> SplitRegression:
-    """Calibrate split-conformal intervals on held-out data.
+    """Calibrate split-conformal intervals on held-out data (Lei et al. 2018;
+    Papadopoulos et al. 2002).
 
     Scores are `|y - mean| / std` with the mean and variance of the members'
-    Gaussian mixture (`ee.combine.gaussian_mixture`); the quantile is the
-    `ceil((n + 1)(1 - alpha))`-th smallest of the `n` scores, the finite-sample
-    correction that makes the coverage of a new exchangeable example at least
-    `1 - alpha` (and below `1 - alpha + 1 / (n + 1)` without ties).
+    Gaussian mixture (`ee.combine.gaussian_mixture`); the quantile `q` is the
+    `ceil((n + 1)(1 - alpha))`-th smallest of the `n` scores, so that `mean +- q
+    * std` covers a new exchangeable example with probability at least `1 -
+    alpha` (and below `1 - alpha + 1 / (n + 1)` without ties).
 
     **Arguments:**
 
@@ -186,14 +183,13 @@ def split_regression(
     )
 
 
-# The ranks of every method here: `(n + 1)(1 - alpha)` is often a whole number
-# that floating point puts a hair above it (150 * 0.82 = 123.00000000000001), so
-# both ranks are taken after a 1e-9 nudge towards the exact value.
+# `(n + 1)(1 - alpha)` is often a whole number that floating point puts a hair
+# above it (150 * 0.82 = 123.00000000000001): both ranks take a 1e-9 nudge.
 
 
 def _upper_rank(alpha: float, n: int) -> int:
     """`ceil((n + 1)(1 - alpha))`, the rank of the conformal quantile among `n`
-    scores, or a clear error when it exceeds `n` (alpha below 1 / (n + 1))."""
+    scores; an error when it exceeds `n`."""
     rank = math.ceil((n + 1) * (1 - alpha) - 1e-9)
     if rank > n:
         raise ValueError(
@@ -283,9 +279,8 @@ class PredictionSets(eqx.Module):
                 "same ensemble"
             )
         _check_key(key, self.randomized)
-        # One program per shape (op by op: one per operation), the threshold
-        # an argument, cast to the scores' precision there (as a Python
-        # float is).
+        # One program per shape, the threshold an argument cast to the scores'
+        # precision there (as a Python float is).
         sets = functools.partial(
             _sets,
             from_logits=from_logits,
@@ -316,8 +311,7 @@ def _mean_scores(
     mean = jnp.mean(member_probs, axis=0)
     batch = mean.shape[0]
     # `u` in the probabilities' precision (with 64-bit floats enabled, a
-    # default uniform is float64: float32 probabilities' scores were then
-    # float64, which strict dtype promotion refuses).
+    # default uniform is float64, which strict dtype promotion refuses).
     if key is None:
         u = jnp.ones((batch,), mean.dtype)
     else:
@@ -369,7 +363,7 @@ def _calibrate_sets(
     n = int(predictions.shape[1])
     rank = _upper_rank(alpha, n)
     _check_key(key, randomized)
-    # The true labels' scores in one program per shape (op by op: ~20).
+    # The true labels' scores in one program per shape.
     scored = functools.partial(
         _true_scores, from_logits=from_logits, penalty=float(penalty), k_reg=int(k_reg)
     )
@@ -403,15 +397,15 @@ def aps(
     A class's score is the probability mass of the classes ranked above it plus
     `u` times its own (`u ~ U(0, 1)` per example when `randomized`, else 1); the
     threshold is the `ceil((n + 1)(1 - alpha))`-th smallest score of the true
-    labels, and a new example's set holds every class scoring at most that. The
-    sets cover the true label with probability at least `1 - alpha` for
+    labels, and a new example's set holds every class scoring at most that: it
+    covers the true label with probability at least `1 - alpha` for
     exchangeable data (randomized: also at most `1 - alpha + 1 / (n + 1)`).
 
     **Arguments:**
 
     - `probs`: the members' predictions on the calibration set, `(members,
-      batch, classes)`, never used for training: probabilities (rows summing to
-      one), or logits with `from_logits=True`.
+      batch, classes)`, never used for training: probabilities, or logits with
+      `from_logits=True`.
     - `labels`: the calibration labels, `(batch,)`.
     - `alpha`: miscoverage in `(0, 1)`, at least `1 / (n + 1)`.
     - `key`: the key for the uniforms of randomized scores.
@@ -439,8 +433,7 @@ def raps(
 ) -> PredictionSets:
     """Regularized adaptive prediction sets (Angelopoulos, Bates, Malik & Jordan
     2021): APS scores plus `penalty * max(0, rank - k_reg)` (rank 1 = the most
-    probable class), which keeps unlikely classes out and makes the sets smaller
-    and more stable, with the same coverage guarantee.
+    probable class), for smaller, more stable sets with the same guarantee.
 
     **Arguments:** as [`aps`][eqx_ensemble.conformal.aps], and
 
@@ -504,11 +497,9 @@ class QuantileRegression(eqx.Module):
     ) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
         """`(lower - quantile, upper + quantile)` for new bounds of the same model.
 
-        With a negative `quantile` (bounds that were too wide are pulled in),
-        an interval narrower than `2 * |quantile|` comes out with `lower >
-        upper`: an empty interval, as Romano et al. (2019) discuss. It is
-        returned as computed (sorting the bounds would claim coverage the
-        calibration did not give) and a warning says how many there are.
+        With a negative `quantile`, an interval narrower than `2 * |quantile|`
+        comes out with `lower > upper`: an empty interval (Romano et al. 2019),
+        returned as computed, with a warning that counts them.
 
         **Example:** see
         [`QuantileRegression`][eqx_ensemble.conformal.QuantileRegression].
@@ -548,14 +539,11 @@ def cqr(
     alpha: float,
 ) -> QuantileRegression:
     """Conformalized quantile regression (Romano, Patterson & Candès 2019): any
-    lower and upper bounds of the ensemble (e.g. the members' empirical
-    quantiles, quantile-regression heads, or `mean -+ z * std`) are widened or
-    narrowed by the same amount so that they cover a new target with
-    probability at least `1 - alpha`.
-
-    The score of a calibration example is `max(lower - y, y - upper)`; the
-    amount is its `ceil((n + 1)(1 - alpha))`-th smallest value. Unlike the
-    normalised split interval, the width adapts through the bounds themselves.
+    lower and upper bounds (e.g. the members' empirical quantiles,
+    quantile-regression heads, or `mean -+ z * std`) are widened or narrowed by
+    the same amount so that they cover a new target with probability at least
+    `1 - alpha`. The amount is the `ceil((n + 1)(1 - alpha))`-th smallest score
+    `max(lower - y, y - upper)` of the calibration examples.
 
     **Arguments:**
 
@@ -672,11 +660,9 @@ def jackknife_plus_after_bootstrap(
     resample left `i` out, and `R_i = |y_i - mu_{-i}(x_i)|`. For a new input the
     interval runs from the `floor(alpha (n + 1))`-th smallest of
     `mu_{-i}(x) - R_i` to the `ceil((1 - alpha)(n + 1))`-th smallest of
-    `mu_{-i}(x) + R_i`. The paper guarantees coverage `1 - 2 alpha` in the worst
-    case; in practice it is close to `1 - alpha`.
-
-    The resamples are rebuilt from the run's key
-    ([`Bootstrap.in_bag`][eqx_ensemble.Bootstrap.in_bag]); nothing was stored.
+    `mu_{-i}(x) + R_i`: coverage at least `1 - 2 alpha`, in practice close to `1
+    - alpha`. Examples that every member saw have no out-of-bag prediction and
+    are left out (`excluded` counts them; with `M` members about `n e^-M`).
 
     **Arguments:**
 
@@ -685,12 +671,9 @@ def jackknife_plus_after_bootstrap(
     - `targets`: the training targets, `(n,)`.
     - `alpha`: miscoverage in `(0, 1)`; needs `alpha (n + 1) >= 1`.
     - `run`: the [`FitResult`][eqx_ensemble.FitResult] of an
-      `ee.fit(..., sampling=ee.Bootstrap())` run; or
-    - `in_bag`: the in-bag counts `(members, n)` directly (exactly one of the
-      two).
-
-    Examples that every member saw have no out-of-bag prediction and are left
-    out (`excluded` counts them; with `M` members about `n e^-M` are).
+      `ee.fit(..., sampling=ee.Bootstrap())` run (its resamples are rebuilt from
+      the key by [`Bootstrap.in_bag`][eqx_ensemble.Bootstrap.in_bag]); or
+    - `in_bag`: the in-bag counts `(members, n)` (exactly one of the two).
 
     **Returns:**
 

@@ -2,9 +2,8 @@
 regression, histogram of an uncertainty score for in- vs out-of-distribution data,
 risk-coverage curves, a PBT lineage.
 
-matplotlib is an optional dependency (`pip install eqx_ensemble[plot]`), imported only
-when a plot is drawn. Every function draws on `ax` if given, else on a new figure
-(`plt.subplots()`), and returns `(figure, axes)`.
+matplotlib is an optional dependency (`pip install eqx_ensemble[plot]`). Every
+function draws on `ax` if given, else on a new figure, and returns `(figure, axes)`.
 
 ```python
 probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (5, 200, 3)), axis=-1)
@@ -55,15 +54,12 @@ def reliability_diagram(
     For each of `n_bins` equal-width bins of top-label confidence (as
     `ee.metrics.calibration_bins`), a bar shows the accuracy and a hatched bar the gap
     to the bin's mean confidence (above the bar: overconfident). The dashed diagonal
-    is perfect calibration; the title reports the ECE. Empty bins draw zero-height bars.
+    is perfect calibration; the title reports the ECE.
 
     **Arguments:**
 
-    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
-      (logits if `from_logits=True`); for a single model pass `probs[None]`.
-    - `labels`: integer class labels, shape `(batch,)`.
-    - `n_bins`: the number of bins.
-    - `from_logits`: whether `probs` holds logits.
+    - `probs`, `labels`, `n_bins`, `from_logits`: as
+      `ee.metrics.calibration_bins`.
     - `ax`: a matplotlib `Axes` to draw on; a new figure if `None`.
     - `title`: text put before the ECE in the title.
 
@@ -239,9 +235,8 @@ def uncertainty_histogram(
 
     **Arguments:**
 
-    - `in_scores`: the score of each in-distribution input, shape `(n_in,)`, e.g.
-      `ee.metrics.mutual_information(probs_in)`.
-    - `out_scores`: the score of each out-of-distribution input, shape `(n_out,)`.
+    - `in_scores`, `out_scores`: the score of each in- and out-of-distribution
+      input, shapes `(n_in,)` and `(n_out,)`, e.g. `ee.metrics.mutual_information`.
     - `bins`: the number of shared, equal-width bins.
     - `ax`: a matplotlib `Axes` to draw on; a new figure if `None`.
     - `xlabel`: the name of the score, for the x axis.
@@ -290,7 +285,7 @@ def risk_coverage(
 
     - `curves`: name -> `(confidence, losses)`, each of shape `(batch,)`, as
       [`ee.metrics.risk_coverage_curve`][eqx_ensemble.metrics.risk_coverage_curve]
-      takes them (higher confidence = answered first; 0/1 errors or any loss).
+      takes them.
     - `ax`: a matplotlib `Axes` to draw on; a new figure if `None`.
     - `ylabel`: the name of the risk, for the y axis.
 
@@ -353,8 +348,8 @@ def lineage(
     ax: Any = None,
 ) -> tuple[Any, Any]:
     """The family tree of a population-based training run
-    ([`ee.PBT`][eqx_ensemble.PBT]): one horizontal line per member slot over the steps,
-    and at each copy an arrow from the parent's slot to the child's.
+    ([`ee.PBT`][eqx_ensemble.PBT]): one line per member slot over the steps, and at
+    each copy an arrow from the parent's slot to the child's.
 
     **Arguments:**
 

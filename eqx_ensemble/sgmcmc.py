@@ -5,17 +5,14 @@ one chain.
 [`sghmc`][eqx_ensemble.sgmcmc.sghmc] (Chen et al. 2014) are
 `optax.GradientTransformationExtraArgs` whose update takes the chain's PRNG key as
 the extra argument `key`. `ee.fit` and `ee.make_step` pass each member its own key
-(`fold_in(member_key, 0x6F707478)`, independent of its loss's key), so `M` members
-run `M` independent chains in one compiled program; in a loop of your own, pass
-`key=` to `update`. Collect samples with [`ee.Snapshots`][eqx_ensemble.Snapshots]:
+(`fold_in(member_key, 0x6F707478)`), so `M` members run `M` independent chains in
+one compiled program. Collect samples with [`ee.Snapshots`][eqx_ensemble.Snapshots]:
 its ensemble of `chains x samples` models is the posterior predictive's Monte Carlo
-sample, which every `ee.metrics` function averages over.
+sample.
 
-**The loss convention.** `fit`'s loss is a mean over a batch. For the posterior of
-`num_data` examples, write it as the mean negative log likelihood plus the negative
-log prior divided by `num_data`, so that `U(theta) = num_data * loss` is the negative
-log posterior; the samplers scale their noise to match, and `learning_rate` is in
-SGD's units.
+**The loss convention.** Write `fit`'s loss as the batch's mean negative log
+likelihood plus the negative log prior divided by `num_data`, so that `U(theta) =
+num_data * loss` is the negative log posterior; `learning_rate` is in SGD's units.
 
 Cyclical SG-MCMC (Zhang et al. 2020) is a cyclical learning rate
 (`ee.schedules.cosine_cycles`) with a temperature of 0 in each cycle's exploration
@@ -121,9 +118,8 @@ GROUPED_DRAW_MAX = 2**16
 
 def _normals(keys: Any, shapes: list[tuple[int, ...]]) -> list[Array]:
     """`[jax.random.normal(keys[i], shapes[i], float32) for i ...]`, the small leaves
-    drawn by ONE threefry call on their concatenated counters (each call site is ~100
-    operations XLA compiles anew). Same bits; compiled values may differ by a few ulps
-    (fused multiply-adds). Without partitionable threefry, every leaf draws its own."""
+    drawn by ONE threefry call on their concatenated counters (same bits; compiled
+    values may differ by a few ulps). Without partitionable threefry, one call each."""
     group = [
         i for i, shape in enumerate(shapes) if math.prod(shape) <= GROUPED_DRAW_MAX
     ]
@@ -141,8 +137,7 @@ def _normals(keys: Any, shapes: list[tuple[int, ...]]) -> list[Array]:
 
 
 def _groupable(keys: Any) -> bool:
-    """Whether `keys` are typed threefry keys with partitionable bits (what
-    `_grouped_normals` computes)."""
+    """Whether `keys` are typed threefry keys with partitionable bits."""
     partitionable = getattr(jax.config, "jax_threefry_partitionable", False)
     if _THREEFRY is None or not partitionable:
         return False
@@ -228,11 +223,8 @@ def sgld(
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic-gradient Langevin dynamics (Welling and Teh 2011): the update
     `-lr * g + sqrt(2 * lr * T / num_data) * xi`, `xi ~ N(0, I)` drawn from the chain's
-    key, where `g` is the gradient of the (mean) loss.
-
-    With `U = num_data * loss` the negative log posterior, this is the Euler-Maruyama
-    step of Langevin dynamics with step size `lr / num_data`, whose stationary
-    distribution (as `lr -> 0`) is `exp(-U / T)`: the posterior at `T = 1`, a tempered
+    key, `g` the gradient of the (mean) loss. Its stationary distribution (as `lr ->
+    0`) is `exp(-U / T)`, `U = num_data * loss`: the posterior at `T = 1`, a tempered
     ("cold") posterior at `T < 1`, plain SGD at `T = 0`.
 
     **Arguments:**
@@ -305,12 +297,10 @@ def sghmc(
     """Stochastic-gradient Hamiltonian Monte Carlo (Chen et al. 2014, in its "SGD with
     momentum" form, eq. 15): the momentum
     `v <- (1 - a) v - lr * g + sqrt(2 * a * lr * T / num_data) * xi` and the update
-    `v`, with friction `a` and `xi ~ N(0, I)` drawn from the chain's key (the gradient
-    noise's own contribution is not estimated: `beta_hat = 0`).
-
-    Its stationary distribution (as `lr -> 0`) is `exp(-U / T)` with
-    `U = num_data * loss`, as for [`sgld`][eqx_ensemble.sgmcmc.sgld]; the momentum
-    moves the chains further per gradient evaluation.
+    `v`, with friction `a` and `xi ~ N(0, I)` drawn from the chain's key
+    (`beta_hat = 0`). Its stationary distribution is
+    [`sgld`][eqx_ensemble.sgmcmc.sgld]'s; the momentum moves the chains further per
+    gradient evaluation.
 
     **Arguments:**
 

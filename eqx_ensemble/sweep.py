@@ -247,10 +247,9 @@ def architectures(
     **Returns:**
 
     An [`Architectures`][eqx_ensemble.sweep.Architectures] `(ensemble, settings,
-    state)`. Each architecture's group is built as one compiled program, cached as
-    [`ee.ensemble`][eqx_ensemble.ensemble]'s builds are (an object `make` reads and
-    changes in place later is not read again). Groups are in the order their
-    architecture was first drawn; members within a group in draw order. Train the pool
+    state)`: groups in the order their architecture was first drawn, members
+    within a group in draw order. Each group is built as one compiled program,
+    cached as [`ee.ensemble`][eqx_ensemble.ensemble]'s builds are. Train the pool
     with one `ee.fit`, pick members with
     [`ee.greedy_selection`][eqx_ensemble.greedy_selection] on its validation
     predictions, and index the pool with the picks (`pool[indices]`).
@@ -290,7 +289,6 @@ def architectures(
         }
 
         try:
-            # One compiled program per architecture and group size, as `ee.ensemble`.
             made = compiled_call(
                 functools.partial(_build_group, make, setting),
                 (member_keys, np.asarray(members, np.int32)),
@@ -323,7 +321,6 @@ def _build_group(
     make: Callable[..., Any], setting: dict[str, Any], keys_rows: Any
 ) -> Any:
     """One architecture's members: `make(key, **setting)` under `eqx.filter_vmap`
-    over `keys[rows]`. Module-level so that the `functools.partial` is a stable cache
-    key (a nested `def` is a new object per call under jaxtyping's import hook)."""
+    over `keys[rows]` (module-level: a stable cache key)."""
     keys, rows = keys_rows
     return eqx.filter_vmap(lambda key: make(key, **setting))(keys[rows])

@@ -18,23 +18,19 @@ from .._training.train_state import TrainState, member_select
 class EarlyStopping(Controller):
     """Stop training a member once its evaluation score (from
     [`ee.Evaluate`][eqx_ensemble.Evaluate], lower is better) has not improved by
-    more than `min_delta` for `patience` evaluations in a row; the others train
-    on (Ensemble-PyTorch and Keras stop the whole model).
+    more than `min_delta` for `patience` evaluations in a row (Keras' rule; a
+    NaN score never improves); the others train on.
 
     A stopped member is frozen (`TrainState.stopped_at`) at its best weights
     (`TrainState.best_ensemble`); `FitResult.stopped` says when each stopped.
     When every member has stopped (or diverged), `fit` returns at once, with
-    `result.step < steps`. The state is checkpointed: a resumed run stops
-    members exactly where the uninterrupted run does.
+    `result.step < steps`. A resumed run stops members exactly where the
+    uninterrupted run does.
 
-    Not restored: a stopped member's model state (`eqx.nn.State`, e.g.
-    BatchNorm's statistics) is the one at the stop, not at the best weights;
-    a trained shared part (`train_shared=True`) keeps training on the other
-    members' losses, so a stopped member's predictions can still change. It
-    cannot be combined with [`ee.PBT`][eqx_ensemble.PBT] (refused).
-
-    An improvement is a score below the best so far minus `min_delta` (Keras'
-    rule); a NaN score never improves. Diverged members are left alone.
+    Not restored: a stopped member's model state (`eqx.nn.State`) is the one at
+    the stop, not at the best weights; a trained shared part
+    (`train_shared=True`) keeps training on the other members' losses. It
+    cannot be combined with [`ee.PBT`][eqx_ensemble.PBT].
 
     **Arguments:**
 
@@ -43,9 +39,9 @@ class EarlyStopping(Controller):
     - `patience`: evaluations without improvement before a member stops, `>= 1`.
     - `min_delta`: the improvement that counts, `>= 0` (in the score's units).
 
-    Compute: member by member (`ee.Execution(layout="sequential")`) a stopped
-    member's step is skipped; vectorised (`"vmap"`) it still runs and its
-    result is discarded. A stopped member's later losses are recorded as NaN.
+    A stopped member's step is skipped member by member
+    (`ee.Execution(layout="sequential")`), computed and discarded vectorised;
+    its later losses are recorded as NaN.
 
     **Example:**
 
@@ -97,8 +93,6 @@ class EarlyStopping(Controller):
     def init(self, train_state: TrainState) -> PyTree[Any]:
         size = int(np.shape(train_state.diverged_at)[0])
         return {
-            # Best score, evaluations since it, evaluations processed, and
-            # each member's stop step.
             "best": jnp.full((size,), jnp.inf, jnp.float32),
             "waited": jnp.zeros((size,), jnp.int32),
             "seen": jnp.zeros((), jnp.int32),

@@ -223,7 +223,7 @@ class PBT(Controller):
         ]
         source = np.arange(size)
         source[bottom] = parents
-        # One compiled program per run structure (op by op: ~30).
+        # One compiled program per run structure.
         exploit = functools.partial(
             _exploit_explore,
             factors=tuple(self.factors),

@@ -36,9 +36,7 @@ def _packed_sizes(
     last: bool,
     names: tuple[str, str] = ("in_features", "out_features"),
 ) -> tuple[int, int, int]:
-    """`(extended in, extended out, groups)` of a packed layer: widths times
-    `alpha` (except the first layer's input and last's output), `members * gamma`
-    groups (one for the first layer)."""
+    """`(extended in, extended out, groups)` of a packed layer."""
     check_positive_int(in_size, f"{name}.{names[0]}")
     check_positive_int(out_size, f"{name}.{names[1]}")
     check_positive_int(members, f"{name}.members")
@@ -62,12 +60,8 @@ class PackedLinear(eqx.Module):
     """A Packed-Ensembles linear layer (Laurent et al. 2023, "Packed-Ensembles
     for efficient uncertainty estimation"): `members` independent linear layers
     of width `alpha * width / members` as one grouped (block-diagonal) layer,
-    `gamma` groups per member.
-
-    Stack them into a network whose first layer has `first=True` (it reads the
-    shared input) and whose last has `last=True` (it returns `(members,
-    out_features)`). In between, member `m` reads and writes only its own
-    `1/members` of the features: `members` independent networks.
+    `gamma` groups per member. In a network of them, member `m` reads and writes
+    only its own `1/members` of the features.
 
     **Arguments:**
 
@@ -77,8 +71,9 @@ class PackedLinear(eqx.Module):
     - `members`: the number of members `M`.
     - `alpha`: the width factor (`alpha = M` gives each member the original
       width).
-    - `gamma`: groups per member (the paper's `gamma`; 1 by default).
-    - `first`, `last`: see above.
+    - `gamma`: groups per member (the paper's `gamma`).
+    - `first`: the network's first layer (it reads the shared input); `last`:
+      its last (it returns `(members, out_features)`).
     - `use_bias`: as `eqx.nn.Linear`.
     - `key`: PRNG key; each group is initialised as an `eqx.nn.Linear`.
 
@@ -279,7 +274,7 @@ class MIMO(eqx.Module):
     ) -> Float[Array, "members ..."]:
         """Every head on the same input `x` (one example): `(members, outputs)`.
 
-        **Example:** see [`MIMO`][eqx_ensemble.nn.MIMO].
+        **Example:**
 
         ```python
         mimo = ee.nn.MIMO(eqx.nn.Linear(2 * 3, 2 * 5, key=jax.random.key(0)),
@@ -298,10 +293,9 @@ def mimo_batch(
     input_repetition: float | int = 0.0,
     batch_repetition: int = 1,
 ) -> PyTree[Any]:
-    """A MIMO training batch (Havasi et al. 2021, with their code's input and
-    batch repetition): the batch is repeated `batch_repetition` times and
-    shuffled; each member gets its own shuffle of the first `1 - input_repetition`
-    of it, the rest the same for every member.
+    """A MIMO training batch (Havasi et al. 2021): the batch is repeated
+    `batch_repetition` times and shuffled; each member gets its own shuffle of
+    the first `1 - input_repetition` of it, the rest the same for every member.
 
     **Arguments:**
 
@@ -374,8 +368,8 @@ def masksembles_masks(
     positions, and every channel is kept by at least one mask.
 
     `scale = 1` gives identical all-ones masks (one model); larger scales give
-    less overlap (the paper uses up to 6). The scale is bisected, as in the
-    authors' code, until exactly `features` positions are used.
+    less overlap. The scale is bisected, as in the authors' code, until exactly
+    `features` positions are used.
 
     **Arguments:**
 

@@ -2,9 +2,8 @@
 
 An event file is a sequence of TFRecords (`uint64` length, its masked CRC-32C,
 the data, the data's masked CRC-32C), each one serialized `Event`. A dispatch's
-scalars (thousands; tens of microseconds each through a general writer) are
-encoded together with NumPy: records of one length share a layout, so bytes
-and checksums are computed column by column. Rare events (text,
+scalars are encoded together with NumPy: records of one length share a layout,
+so bytes and checksums are computed column by column. Rare events (text,
 hyperparameters) take any serialized `Summary`, one by one.
 
 The wire format (TensorFlow's `event.proto`, `summary.proto`):

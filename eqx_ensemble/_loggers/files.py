@@ -36,16 +36,13 @@ class CSVLogger(Logger):
       snapshot, averaging start);
     - `run.json`: the run's description.
 
-    Files are flushed once a second at most, before every checkpoint (a run
-    resumed from it loses no row), and at the end. A run resumed from
-    `ee.Checkpoints` drops the rows after its resume step and appends (each
-    file rewritten aside and renamed, so a kill leaves it whole); a new run
-    replaces the files.
+    Files are flushed once a second at most, before every checkpoint, and at
+    the end. A run resumed from `ee.Checkpoints` drops the rows after its
+    resume step and appends; a new run replaces the files.
 
     **Arguments:**
 
-    - `directory`: the folder (created; checked to be writable before any
-      training).
+    - `directory`: the folder (created; checked to be writable before training).
 
     **Example:**
 

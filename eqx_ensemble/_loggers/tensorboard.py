@@ -23,18 +23,15 @@ class TensorBoardLogger(Logger):
 
     Per member: the scalar `loss` at every `every`-th step, `eval` at every
     evaluation, `hparams/<name>` whenever they change, `diverged` (1.0) at the
-    step a member diverged, and the text `events` (e.g. PBT exploits). The
-    run's description and the member's starting hyperparameters are its
-    HParams session. A resumed run drops what was written after its resume
-    step (TensorBoard's purge step).
+    step a member diverged, and the text `events` (e.g. PBT exploits); the
+    run's description and starting hyperparameters are its HParams session. A
+    resumed run drops what was written after its resume step.
 
-    Needs `tensorboardX` (`pip install "eqx_ensemble[loaders]"`); read with
-    `tensorboard --logdir <directory>`.
+    Needs `tensorboardX` (`pip install "eqx_ensemble[loaders]"`).
 
     **Arguments:**
 
-    - `directory`: the folder (created; checked to be writable before any
-      training).
+    - `directory`: the folder (created; checked to be writable before training).
     - `every`: write the loss at every `every`-th step (default 1: all).
 
     **Example:**

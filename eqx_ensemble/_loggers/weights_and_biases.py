@@ -28,12 +28,11 @@ class WandbLogger(Logger):
     **Arguments:**
 
     - `project`: the W&B project (`None`: W&B's default).
-    - `directory`: where W&B writes (`None`: the working directory, when the run
-      opens); checked to be writable before any training.
+    - `directory`: where W&B writes (`None`: the working directory); checked to
+      be writable before training.
     - `mode`: `"offline"`, `"online"` or `"disabled"`.
     - `name`, `group`: the W&B run's name and group.
-    - `every`: log the loss at every `every`-th step (default 1: all; W&B
-      takes tens of microseconds per logged step).
+    - `every`: log the loss at every `every`-th step (default 1: all).
 
     **Example:**
 

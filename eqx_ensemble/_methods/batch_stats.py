@@ -88,14 +88,13 @@ def recompute_batch_stats(
     apply: Callable[..., Any] | None = None,
 ) -> PyTree[Any]:
     """BatchNorm running statistics recomputed for every member's CURRENT weights
-    (as PyTorch's `update_bn` for SWA): a member's `eqx.nn.BatchNorm` statistics
-    are those of its training weights, not of averaged (`ee.SWA`, `ee.EMA`) or
+    (as PyTorch's `update_bn` for SWA), e.g. averaged (`ee.SWA`, `ee.EMA`) or
     sampled (`ee.SWAG`) ones.
 
     Each batch of `x` runs through each member in training mode from a reset
     state; the running mean and variance become the batch-size-weighted average
-    of the batch means and variances (as PyTorch). Both `eqx.nn.BatchNorm` modes
-    are handled; inference then uses exactly these statistics.
+    of the batch means and variances, which inference then uses (both
+    `eqx.nn.BatchNorm` modes).
 
     **Arguments:**
 
@@ -171,8 +170,7 @@ def recompute_batch_stats(
 
 
 class _FrozenNorm(eqx.nn.StatefulLayer):
-    """An `eqx.nn.BatchNorm` normalising with fixed `mean` and `var` arrays (as
-    Equinox's inference); the state passes through."""
+    """An `eqx.nn.BatchNorm` normalising with fixed `mean` and `var` arrays."""
 
     weight: Any
     bias: Any
@@ -211,9 +209,7 @@ def mc_batchnorm(
     (`jax.random.choice(jax.random.split(key, samples)[t], n, (batch_size,),
     replace=False)`), runs the model on them in training mode from a reset
     state, and normalises every input with each BatchNorm layer's batch mean
-    and variance. The weights are held ONCE, as the ensemble's shared part; a
-    member holds only its statistics. [`ee.predict`][eqx_ensemble.predict] and
-    every metric take it as any ensemble.
+    and variance. The weights are held once, as the ensemble's shared part.
 
     **Arguments:**
 
@@ -223,7 +219,7 @@ def mc_batchnorm(
     - `x`: the training inputs, with a leading example axis.
     - `samples`: the number of members (batches), `>= 1`.
     - `batch_size`: examples per batch (the training batch size, as the
-      paper), at most the number of examples.
+      paper).
     - `key`: PRNG key of the batches.
     - `apply`: `apply(model, x_batch, state) -> new_state` in training mode, as
       [`ee.recompute_batch_stats`][eqx_ensemble.recompute_batch_stats]'s.

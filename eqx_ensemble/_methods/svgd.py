@@ -26,10 +26,8 @@ def _flat(tree: Any, size: int) -> jax.Array:
 def _rbf_kernel(
     points: jax.Array, finite: jax.Array, bandwidth: float | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The RBF kernel `exp(-|f_i - f_j|^2 / h)` between the finite points (0 for
-    the others), `h`, and the count of finite points. `h`: given, or the median
-    heuristic (the median of the squared distances between distinct finite
-    points over `log M`)."""
+    """The RBF kernel `exp(-|f_i - f_j|^2 / h)` between the finite points, `h`
+    (given, or the median heuristic) and the count of finite points."""
     count = jnp.sum(finite).astype(points.dtype)
     squared = jnp.sum((points[:, None, :] - points[None, :, :]) ** 2, axis=-1)
     pair = finite[:, None] & finite[None, :]
@@ -101,25 +99,22 @@ def svgd(
     """Stein variational gradient descent (Liu & Wang 2016) with the members as
     particles: each member moves along the kernel-weighted average of every
     member's log-posterior gradient plus a repulsion from the others, so the
-    ensemble approximates the posterior instead of collapsing on its modes
-    (D'Angelo & Fortuin 2021's repulsive ensembles in weight space).
-
-    An [`ee.Coupled`][eqx_ensemble.Coupled] loss: with `optax.sgd(lr)` every step
-    is exactly `theta_j += lr * phi_j`; Adam preconditions the direction per
-    member. Each member reports its own `loss_fn` value.
+    ensemble approximates the posterior instead of collapsing on its modes.
 
     A member's log posterior is `-num_data * loss_fn(model, batch, key)`: write
     `loss_fn` as the batch's mean NLL plus the negative log prior over
-    `num_data`. Every member sees the same batch (`sampling=ee.Shared()`, the
-    default; a per-member sampling is refused). The kernel is the RBF kernel on
-    the flattened weights, its bandwidth the median heuristic (`median of
-    squared distances / log(members)`) unless `bandwidth` is given.
+    `num_data`. With `optax.sgd(lr)` every step is exactly `theta_j += lr *
+    phi_j`; Adam preconditions it per member. Each member reports its own
+    `loss_fn` value. Every member sees the same batch (`sampling=ee.Shared()`,
+    the default; a per-member sampling is refused).
 
     **Arguments:**
 
     - `loss_fn`: the loss of ONE model, `(model, batch, key) -> scalar`.
     - `num_data`: the number of training examples (the posterior's scale).
-    - `bandwidth`: a fixed kernel bandwidth `h` in `exp(-|d|^2 / h)`.
+    - `bandwidth`: a fixed bandwidth `h` of the RBF kernel `exp(-|d|^2 / h)` on
+      the flattened weights; default the median heuristic (`median of squared
+      distances / log(members)`).
 
     **Returns:**
 
@@ -189,10 +184,7 @@ def repulsive(
     """Repulsive deep ensembles (D'Angelo & Fortuin 2021): each member climbs
     its own log posterior and is pushed away from the others by the gradient of
     a kernel density estimate of the members, in weight space or, with
-    `features`, in function space: a Wasserstein gradient flow towards the
-    posterior instead of each member settling on a mode.
-
-    Member `i` moves along
+    `features`, in function space. Member `i` moves along
 
     `grad log p(theta_i | D) - J_i^T [sum_j grad_{f_i} k(f_i, f_j) / sum_j k(f_i, f_j)]`
 
@@ -205,16 +197,11 @@ def repulsive(
       functional prior's gradient is approximated by the weight prior's, in
       `loss_fn`, as the paper does).
 
-    `k` is the RBF kernel `exp(-|f_i - f_j|^2 / h)` with the median heuristic
-    unless `bandwidth` is given. An [`ee.Coupled`][eqx_ensemble.Coupled] loss:
-    with `optax.sgd(lr)` a step is `theta_i += lr * (that direction)`; each
-    member reports its own `loss_fn` value. Every member sees the same batch
-    (`sampling=ee.Shared()`; a per-member sampling is refused). A member whose
-    loss or features are not finite takes no part in that step's repulsion and
-    is frozen by `fit`'s guard.
-
-    Unlike [`ee.svgd`][eqx_ensemble.svgd] (weight space, gradients smoothed over
-    members), the repulsion is per member (one extra backward pass through
+    `k` is the RBF kernel and the loss is coupled as in
+    [`ee.svgd`][eqx_ensemble.svgd] (one batch for every member, each reporting
+    its own `loss_fn`). A member whose loss or features are not finite takes no
+    part in that step's repulsion and is frozen by `fit`'s guard. Unlike
+    `svgd`, the repulsion is per member (one extra backward pass through
     `features`), and the function-space kernel sidesteps the weights'
     symmetries (permuted hidden units are the same function).
 
@@ -226,7 +213,7 @@ def repulsive(
     - `num_data`: the number of training examples.
     - `features`: `(model, batch) -> array` for function-space repulsion (the
       same shape for every member); `None` repels in weight space.
-    - `bandwidth`: a fixed kernel bandwidth `h`.
+    - `bandwidth`: a fixed kernel bandwidth `h` (default: median heuristic).
 
     **Returns:**
 

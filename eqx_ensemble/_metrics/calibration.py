@@ -194,18 +194,10 @@ def expected_calibration_error(
 ) -> Float[Array, ""]:
     """Expected calibration error (ECE) of the ensemble's mean prediction with
     equal-width bins (Naeini et al. 2015; Guo et al. 2017):
-    `sum_b (n_b / N) |accuracy_b - confidence_b|`.
+    `sum_b (n_b / N) |accuracy_b - confidence_b|`, the top-label confidence
+    binned as `ee.metrics.calibration_bins`.
 
-    Top-label confidence, bins as `ee.metrics.calibration_bins`; 15 bins by
-    default, as Guo et al. (2017).
-
-    **Arguments:**
-
-    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
-      (logits if `from_logits=True`).
-    - `labels`: integer class labels, shape `(batch,)`.
-    - `n_bins`: the number of equal-width bins, a Python int of at least 1.
-    - `from_logits`: whether `probs` holds logits.
+    **Arguments:** as `ee.metrics.calibration_bins` (no `adaptive`).
 
     **Returns:**
 
@@ -229,10 +221,10 @@ def adaptive_calibration_error(
     *,
     from_logits: bool = False,
 ) -> Float[Array, ""]:
-    """ECE with equal-mass (adaptive) bins, each holding the same number of
-    examples up to one (Nguyen & O'Connor 2015; Nixon et al. 2019 for the
-    top-label variant): less sensitive to near-empty bins when confidences bunch
-    up near 1. Binning as `ee.metrics.calibration_bins(adaptive=True)`.
+    """ECE with equal-mass (adaptive) bins, as
+    `ee.metrics.calibration_bins(adaptive=True)` (Nguyen & O'Connor 2015; Nixon
+    et al. 2019): less sensitive to near-empty bins when confidences bunch up
+    near 1.
 
     **Arguments:** as `ee.metrics.expected_calibration_error`.
 

@@ -153,7 +153,7 @@ class DirichletScaling(_Affine):
     """Dirichlet calibration (Kull et al. 2019): `z' = W log p + b` on the log
     probabilities `log p = log_softmax(z)`. Fitted by
     [`fit_dirichlet_scaling`][eqx_ensemble.calibration.fit_dirichlet_scaling];
-    calling it maps logits to calibrated logits of the same shape.
+    maps logits to calibrated logits of the same shape.
 
     **Example:**
 
@@ -184,17 +184,16 @@ def _ensemble_nll(logits: Array, labels: Array, weights: Array | None = None) ->
 
 
 # The fit stops after this many L-BFGS steps in a row without progress: in
-# float32 some gradient norms never reach the tolerance (they idled 500 steps
-# where 30-90 found the minimum); 10 stopped some flat-valley fits short.
+# float32 some gradient norms never reach the tolerance.
 STALL_STEPS = 25
 
 
 def _lbfgs(
     objective, init: Any, iterations: Int[Array, ""] | int, tolerance: float
 ) -> tuple[Any, Int[Array, ""]]:
-    """Minimise `objective(params)` with `optax.lbfgs` until the gradient norm is
-    below `tolerance`, `STALL_STEPS` steps pass without progress, or after
-    `iterations` steps. Returns the parameters and the steps taken."""
+    """Minimise `objective` with `optax.lbfgs` to a gradient norm below
+    `tolerance`, `STALL_STEPS` steps without progress or `iterations` steps;
+    returns the parameters and the steps taken."""
     solver = optax.lbfgs()
     value_and_grad = optax.value_and_grad_from_state(objective)
     dtype = jax.tree.leaves(init)[0].dtype
@@ -268,8 +267,8 @@ def _fit_affine(
 def _fit_weighted(
     cls, predictions, labels, per_member, l2, iterations, full_matrix, weights
 ):  # fmt: skip
-    """`_fit_affine_compiled` with `l2` (one value per member when per member)
-    and `iterations` as arrays: a search over `l2` compiles once."""
+    """`_fit_affine_compiled` with `l2` (per member when per member) and
+    `iterations` as arrays: a search over `l2` compiles once."""
     l2 = jnp.asarray(l2, predictions.dtype)
     l2 = jnp.broadcast_to(l2, predictions.shape[:1]) if per_member else l2
     return _fit_affine_compiled(
@@ -286,9 +285,8 @@ def _cross_validated_l2(
     iterations: int,
     full_matrix: bool,
 ) -> Any:
-    """The `L2_GRID` penalty with the lowest held-out NLL over `CV_FOLDS` folds
-    (as Kull et al. 2019), one per member when per member. Folds are fixed (seed
-    0) and given as weights, so every fit runs the final fit's program."""
+    """The `L2_GRID` penalty with the lowest held-out NLL over `CV_FOLDS` fixed
+    folds (as Kull et al. 2019), per member when per member."""
     batch = labels.shape[0]
     fold = np.empty(batch, np.int64)
     for index, part in enumerate(
@@ -358,9 +356,8 @@ def _fit_affine_params(
     if jax.default_backend() != "cpu":
         return jax.vmap(fit)(inputs, l2)
     # On a CPU, one member after another: a vmapped while loop steps every
-    # member until the slowest stops, and traced slower (7.7 s against
-    # 4.6 s for a first 3-member fit). On an accelerator `vmap` saves
-    # a launch and host round trip per step.
+    # member until the slowest stops. On an accelerator `vmap` saves a launch
+    # per step.
     return jax.lax.map(lambda args: fit(*args), (inputs, l2))
 
 
@@ -377,18 +374,18 @@ _AFFINE_ARGS = """
       every member's logits, minimising the NLL of the ensemble's mean prediction
       (as `ee.metrics.fit_temperature`); `True`: one per member, minimising its
       member's NLL (its parameters get a leading member axis).
-    - `l2`: the weight of an L2 penalty, added to the mean NLL, pulling the
+    - `l2`: the weight of an L2 penalty added to the mean NLL, pulling the
       parameters to temperature scaling's family (the weight any multiple of the
-      identity, the bias zero): a strong penalty gives temperature scaling, and
-      it keeps the fit finite on a split the logits separate perfectly. `0`
-      fits the NLL alone. Default `"cv"`: chosen from `1e-4, 1e-3, ..., 10` by
-      5-fold cross-validation of the held-out NLL (as Kull et al. 2019): a
-      small split gets a strong pull, a large one a weak one.
-    - `iterations`: the most L-BFGS steps (`optax.lbfgs`, zoom line search); the
-      fit stops earlier when the gradient norm falls below `1e-6` or after 25
-      steps in a row without progress (neither a lower objective nor a halved
-      gradient norm). The objective is convex for one member, so the minimum
-      found is the global one.
+      identity, the bias zero); it keeps the fit finite on a split the logits
+      separate perfectly. `0` fits the NLL alone. Default `"cv"`: chosen from
+      `1e-4, 1e-3, ..., 10` by 5-fold cross-validation of the held-out NLL (as
+      Kull et al. 2019).
+    - `iterations`: the most L-BFGS steps (`optax.lbfgs`); the fit stops earlier
+      when the gradient norm falls below `1e-6` or after 25 steps in a row
+      without progress (neither a lower objective nor a halved gradient norm).
+
+    Raises `ValueError` when the split holds fewer examples than the calibrator
+    has parameters.
 """
 
 
@@ -405,8 +402,6 @@ def fit_vector_scaling(
     change the predicted class (unlike temperature scaling).
 
     {args}
-    Raises `ValueError` when the split holds fewer examples than the calibrator
-    has parameters.
 
     **Returns:**
 
@@ -443,8 +438,6 @@ def fit_matrix_scaling(
     default `l2="cv"` pulls it towards temperature scaling on a small split).
 
     {args}
-    Raises `ValueError` when the split holds fewer examples than the calibrator
-    has parameters.
 
     **Returns:**
 
@@ -483,8 +476,6 @@ def fit_dirichlet_scaling(
     diagonal free.
 
     {args}
-    Raises `ValueError` when the split holds fewer examples than the calibrator
-    has parameters.
 
     **Returns:**
 
@@ -511,14 +502,12 @@ for _fn in (fit_vector_scaling, fit_matrix_scaling, fit_dirichlet_scaling):
 
 
 def _floored(probs: Array, floor: float) -> Array:
-    """Rows normalised, every class clipped to at least `floor` first (a
-    probability of 0 for a class that occurs costs an infinite NLL)."""
+    """Rows normalised, every class clipped to at least `floor` first."""
     return _normalise(jnp.clip(probs, floor, 1.0 - floor) if floor > 0 else probs)
 
 
 def _check_floor(floor: Any, batch: int) -> float:
-    """`floor=None`: 1 / (2 (batch + 1)), half the smallest frequency the split
-    can tell from zero; else a number in [0, 0.5)."""
+    """`floor=None`: 1 / (2 (batch + 1)); else a number in [0, 0.5)."""
     if floor is None:
         return 1.0 / (2 * (batch + 1))
     if isinstance(floor, bool) or not isinstance(floor, int | float):
@@ -529,8 +518,7 @@ def _check_floor(floor: Any, batch: int) -> float:
 
 
 def _normalise(probs: Array) -> Array:
-    """Rows divided by their sums; a row of zeros becomes uniform (as
-    scikit-learn's `CalibratedClassifierCV`)."""
+    """Rows divided by their sums; a row of zeros becomes uniform."""
     total = jnp.sum(probs, axis=-1, keepdims=True)
     uniform = jnp.full_like(probs, 1.0 / probs.shape[-1])
     return jnp.where(total > 0, probs / jnp.where(total > 0, total, 1.0), uniform)
@@ -553,8 +541,7 @@ def _calibration_inputs(
 def _applied_probs(
     calibrator: Any, probs: ArrayLike, from_logits: bool, fits: int, classes: int
 ) -> Array:
-    """Each member's probabilities, or the ensemble's mean as one, checked
-    against what `calibrator` was fitted on."""
+    """Each member's probabilities, or their mean as one, checked against the fit."""
     predictions = prepare_predictions(probs, from_logits=from_logits)
     members = fits if calibrator.per_member else None
     _check_applied(predictions, classes, members, type(calibrator).__name__)
@@ -568,11 +555,10 @@ class HistogramBinning(eqx.Module):
     """Histogram binning (Zadrozny and Elkan 2001), one-vs-rest per class: each
     class's probability becomes that class's frequency among the calibration
     examples in its bin, then rows are normalised. Fitted by
-    [`fit_histogram_binning`][eqx_ensemble.calibration.fit_histogram_binning].
-
-    Calling it on probabilities `(members, batch, classes)` (logits with
-    `from_logits=True`) returns calibrated probabilities `(1, batch, classes)`
-    (the calibrated mean) or, fitted per member, `(members, batch, classes)`.
+    [`fit_histogram_binning`][eqx_ensemble.calibration.fit_histogram_binning];
+    maps probabilities `(members, batch, classes)` (logits with
+    `from_logits=True`) to `(1, batch, classes)` (the calibrated mean) or, fitted
+    per member, `(members, batch, classes)`.
 
     **Example:**
 
@@ -617,7 +603,7 @@ def fit_histogram_binning(
 
     Each class's probability is cut into `n_bins` equal-width bins of `[0, 1]`;
     a bin's value is the fraction of its examples with that label (an empty bin
-    keeps its midpoint). Rows are normalised (a row of zeros becomes uniform).
+    keeps its midpoint). Rows are normalised.
 
     **Arguments:**
 
@@ -629,9 +615,8 @@ def fit_histogram_binning(
       `True`: one map per member.
     - `from_logits`: whether `probs` holds logits.
     - `floor`: the least probability a class is given before each row is
-      normalised. Default `None`: `1 / (2 (batch + 1))` for `batch` calibration
-      examples (a probability 0 would cost an infinite NLL on the first test
-      example of that class); `0` keeps the raw map (scikit-learn's).
+      normalised (a probability 0 costs an infinite NLL). Default `None`: `1 /
+      (2 (batch + 1))` for `batch` calibration examples; `0` keeps the raw map.
 
     **Returns:**
 
@@ -667,8 +652,7 @@ def fit_histogram_binning(
 
 
 def _pool_adjacent_violators(y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The non-decreasing least-squares fit of `y` (weights `w`): pool adjacent
-    violators."""
+    """The non-decreasing least-squares fit of `y` (weights `w`)."""
     means: list[float] = []
     weights: list[float] = []
     sizes: list[int] = []
@@ -734,9 +718,9 @@ def fit_isotonic_regression(
     """Fit isotonic regression (Zadrozny and Elkan 2002) one-vs-rest per class on
     a calibration split: for class `c`, the non-decreasing function of `p_c`
     closest in squared error to `label == c` (pool adjacent violators),
-    linear between the points and constant beyond. Each class's map equals
-    `sklearn.isotonic.IsotonicRegression(out_of_bounds="clip")`; rows are then
-    normalised (a row of zeros becomes uniform). Fitted on the host (NumPy).
+    linear between the points and constant beyond (as
+    `sklearn.isotonic.IsotonicRegression(out_of_bounds="clip")`); rows are then
+    normalised. Fitted on the host (NumPy).
 
     **Arguments:**
 

@@ -58,8 +58,7 @@ def safe_log(probs: Array) -> Array:
 
 
 def ensemble_log_probs(probs: Array, log_probs: Array, *, from_logits: bool) -> Array:
-    """`log((1/M) sum_i p_i)` over the member axis (from logits in log-space,
-    exact where the probabilities underflow)."""
+    """`log((1/M) sum_i p_i)` over the member axis (from logits in log-space)."""
     if not from_logits:
         return safe_log(jnp.mean(probs, axis=0))
     members = log_probs.shape[0]
@@ -70,7 +69,7 @@ def ensemble_log_probs(probs: Array, log_probs: Array, *, from_logits: bool) -> 
 
 def log_floor(dtype) -> float:
     """The log-probability a loss uses for a probability of exactly 0: the `log`
-    of the smallest subnormal, about -103.3 in float32 (large but finite)."""
+    of the smallest subnormal, about -103.3 in float32."""
     return float(np.log(float(jnp.finfo(dtype).smallest_subnormal)))
 
 
@@ -90,8 +89,7 @@ def label_log_probs(log_probs: Array, labels: Array) -> Array:
 
 
 def compiled(*static_argnames: str):
-    """`one_shot_jit` with static options: the public function validates eagerly,
-    the computation compiles once per shape."""
+    """`one_shot_jit` with static options (the public function validates eagerly)."""
     return one_shot_jit(static_argnames=static_argnames)
 
 
@@ -187,14 +185,10 @@ def nll(
     With `from_logits=True` the mean is taken in log-space, exact even where
     probabilities underflow. A probability of exactly 0 on the true class counts
     as the smallest positive float (a loss of about 103.3 nats in float32, not
-    `inf`), never less than the loss of any positive probability.
+    `inf`).
 
-    **Arguments:**
+    **Arguments:** as `ee.metrics.accuracy`, and
 
-    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
-      (logits if `from_logits=True`).
-    - `labels`: integer class labels, shape `(batch,)`.
-    - `from_logits`: whether `probs` holds logits.
     - `reduction`: `"mean"` (default) or `"sum"` over the batch, or `"none"` for
       one loss per example.
 
@@ -275,15 +269,9 @@ def brier_score(
 
     Brier's (1950) multi-class definition, as Lakshminarayanan et al. (2017) and
     Ovadia et al. (2019), in `[0, 2]`. For two classes it is twice scikit-learn's
-    binary `brier_score_loss`, i.e. `brier_score_loss(..., scale_by_half=False)`.
+    binary `brier_score_loss`.
 
-    **Arguments:**
-
-    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
-      (logits if `from_logits=True`).
-    - `labels`: integer class labels, shape `(batch,)`.
-    - `from_logits`: whether `probs` holds logits.
-    - `reduction`: `"mean"`, `"sum"` or `"none"` (one score per example).
+    **Arguments:** as `ee.metrics.nll`.
 
     **Returns:**
 

@@ -127,8 +127,7 @@ class Mahalanobis(eqx.Module):
 
 
 def _square_root(precision: Any, dtype: Any) -> Array:
-    """`W` with `W' W = precision` for each member (negative eigenvalues taken
-    as 0), in float64 on the host (the precision's dtype inside a trace)."""
+    """`W` with `W' W = precision` for each member, in float64 on the host."""
     if is_traced(precision):
         values, vectors = jnp.linalg.eigh(precision)
         root = jnp.sqrt(jnp.maximum(values, 0))
@@ -140,8 +139,7 @@ def _square_root(precision: Any, dtype: Any) -> Array:
 
 
 def _inverse_square_root(covariance: np.ndarray) -> np.ndarray:
-    """`W` with `W' W = pinv(covariance)` for each member, in float64
-    (eigenvalues under `np.linalg.pinv`'s relative 1e-15 cut-off taken as 0)."""
+    """`W` with `W' W = pinv(covariance)` for each member, in float64."""
     values, vectors = np.linalg.eigh(covariance)
     cutoff = 1e-15 * np.max(np.abs(values), axis=-1, keepdims=True)
     kept = values > cutoff
@@ -254,8 +252,7 @@ def fit_gaussian_density(
     """Fit DDU's class-conditional Gaussians (Mukhoti et al. 2023) on training
     features: per member and class, the mean and covariance (`np.cov(bias=True)`)
     plus `jitter` times the identity and, where still not positive definite,
-    the smallest power of ten (from 1e-10 of its mean variance) that makes it
-    so, as DDU does.
+    the smallest power of ten that makes it so (as DDU).
 
     **Arguments:**
 
@@ -309,8 +306,8 @@ def fit_gaussian_density(
 
 
 def _cholesky(covariance: np.ndarray, pooled: float, where: str) -> np.ndarray:
-    """The Cholesky factor of `covariance` plus the smallest power of ten of its
-    mean variance (or `pooled`'s) that makes it positive definite in float32."""
+    """The Cholesky factor of `covariance` plus the smallest power of ten times its
+    mean variance (or `pooled`) that makes it positive definite in float32."""
     scale = float(np.mean(np.diag(covariance)))
     if not scale > 0:
         scale = pooled if pooled > 0 else 1.0
@@ -409,14 +406,11 @@ def penultimate_features(
     *,
     chunk_size: int | None = None,
 ) -> Float[Array, "members batch dim"]:
-    """Every member's features before its last layer, what the detectors are
-    fitted on: each member with its last layer (and an `eqx.nn.MLP`'s
+    """Every member's features before its last layer: each `eqx.nn.MLP` or
+    `eqx.nn.Sequential` member with its last layer (and an MLP's
     `final_activation`) replaced by the identity, run by
-    [`ee.predict`][eqx_ensemble.predict].
-
-    For `eqx.nn.MLP` or `eqx.nn.Sequential` members; for any other model, map
-    a function of one member: `ee.map(lambda m, xs: jax.vmap(m.features)(xs),
-    ens, x)`.
+    [`ee.predict`][eqx_ensemble.predict]. For any other model, map a function of
+    one member: `ee.map(lambda m, xs: jax.vmap(m.features)(xs), ens, x)`.
 
     **Arguments:**
 

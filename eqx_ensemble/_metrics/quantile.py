@@ -28,8 +28,7 @@ def _check_predictive(predictive: str) -> None:
 
 
 def _pit(means: Array, variances: Array, targets: Array, predictive: str) -> Array:
-    """The predictive CDF at each target (the probability integral transform),
-    shape `(batch, ...)`."""
+    """The predictive CDF at each target (the probability integral transform)."""
     if predictive == "mixture":
         scale = jnp.sqrt(jnp.maximum(variances, jnp.finfo(variances.dtype).tiny))
         return jnp.mean(ndtr((targets[None] - means) / scale), axis=0)
@@ -37,8 +36,7 @@ def _pit(means: Array, variances: Array, targets: Array, predictive: str) -> Arr
 
 
 def _standardised(means: Array, variances: Array, targets: Array) -> Array:
-    """Each target's standardised residual `z` under the moment-matched
-    predictive, `F(y) = Phi(z)` (kept as `z`: float32 `Phi` is 1 from 5.4)."""
+    """Each target's `z` under the moment-matched predictive, `F(y) = Phi(z)`."""
     mean, variance = gaussian_mixture(means, variances)
     return (targets - mean) / jnp.sqrt(
         jnp.maximum(variance, jnp.finfo(variance.dtype).tiny)
@@ -107,12 +105,9 @@ class QuantileRecalibration(eqx.Module):
     [`fit_quantile_recalibration`][eqx_ensemble.calibration.fit_quantile_recalibration].
 
     `F` is the moment-matched Gaussian, `F(y) = Phi(z)`; `R` is held as a
-    function of the standardised residual `z` (points `z`, values `levels`,
-    avoiding the CDF's rounding to 1 in its tails), linear between the points
-    and constant beyond. `cdf` gives the calibrated CDF at targets, `quantile`
-    the calibrated quantiles and `interval` the calibrated central interval
-    (beyond the points' levels: the extreme point); all take the members'
-    predictions `(members, batch)`.
+    function of the standardised residual `z` (points `z`, values `levels`),
+    linear between the points and constant beyond. Its methods take the
+    members' predictions `(members, batch)`.
 
     **Example:**
 
@@ -222,9 +217,8 @@ def fit_quantile_recalibration(
 
 
 def isotonic_frequencies(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Kuleshov et al.'s map at the calibration points: the distinct `values`
-    (increasing) and the empirical frequencies `#{s : v_s <= v_t} / T` there
-    (their own isotonic fit: non-decreasing already). One value gives two points."""
+    """The distinct `values` (increasing) and the empirical frequencies `#{s : v_s
+    <= v_t} / T` there (non-decreasing already). One value gives two points."""
     empirical = np.searchsorted(np.sort(values), values, side="right") / values.size
     unique, inverse = np.unique(values, return_inverse=True)
     fitted = np.bincount(inverse, empirical) / np.bincount(inverse)

@@ -163,9 +163,8 @@ def epistemic_variance(
     means: Float[ArrayLike, " members batch *one"],
 ) -> Float[Array, " batch *outputs"]:
     """Epistemic (model) variance: the variance of the members' means over members
-    (population variance, dividing by `members`).
-
-    `aleatoric_variance + epistemic_variance == predictive_variance`.
+    (dividing by `members`); `aleatoric_variance + epistemic_variance ==
+    predictive_variance`.
 
     **Arguments:**
 
@@ -208,17 +207,16 @@ def gaussian_nll(
     """Gaussian negative log-likelihood of the targets under the ensemble, in nats,
     including the constant `0.5 log(2 pi)`.
 
-    `predictive="gaussian"` (default): the moment-matched Gaussian
-    `N(predictive_mean, predictive_variance)`, as Lakshminarayanan et al. (2017);
-    `"mixture"`: the exact mixture `(1/M) sum_i N(mu_i, s_i^2)`. A variance of
-    exactly 0 is raised to the dtype's smallest normal number.
+    A variance of exactly 0 is raised to the dtype's smallest normal number.
 
     **Arguments:**
 
     - `means`: the members' predicted means, shape `(members, batch)`.
     - `variances`: the members' predicted variances (non-negative), same shape.
     - `targets`: the observed values, shape `(batch,)`.
-    - `predictive`: `"gaussian"` (moment-matched) or `"mixture"` (exact).
+    - `predictive`: `"gaussian"` (default): the moment-matched Gaussian
+      `N(predictive_mean, predictive_variance)`, as Lakshminarayanan et al.
+      (2017); `"mixture"`: the exact mixture `(1/M) sum_i N(mu_i, s_i^2)`.
     - `reduction`: `"mean"`, `"sum"` or `"none"` (one loss per example).
 
     **Returns:**
@@ -371,14 +369,11 @@ def interval_coverage(
     `level` (ideally close to `level`).
 
     The interval is the moment-matched Gaussian's, `mean +- z sqrt(variance)` with
-    `z = ndtri((1 + level) / 2)` (1.96 for 0.95), endpoints included (the exact
-    mixture's differs when members disagree strongly).
+    `z = ndtri((1 + level) / 2)` (1.96 for 0.95), endpoints included.
 
-    **Arguments:**
+    **Arguments:** `means`, `variances`, `targets` as `ee.metrics.gaussian_nll`,
+    and
 
-    - `means`: the members' predicted means, shape `(members, batch)`.
-    - `variances`: the members' predicted variances (non-negative), same shape.
-    - `targets`: the observed values, shape `(batch,)`.
     - `level`: the nominal coverage, strictly between 0 and 1.
 
     **Returns:**

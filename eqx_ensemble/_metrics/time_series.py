@@ -95,8 +95,7 @@ def out_of_bag(
 
 
 def _check_finite(array: Array, name: str) -> None:
-    """Refuse non-finite values (when not traced): one diverged member would make
-    every out-of-bag prediction NaN."""
+    """Refuse non-finite values (when not traced)."""
     if is_traced(array):
         return
     bad = ~np.isfinite(np.asarray(array))
@@ -114,10 +113,8 @@ def _is_real(value: Any) -> bool:
 
 
 def _traced_ranks(alpha: Array, n: Any) -> tuple[Array, Array]:
-    """The ranks of `interval` with `beta = alpha / 2` for a traced `alpha`:
-    `k = floor(alpha / 2 (n + 1))` below and `n + 1 - k` above, nudged up by a
-    relative float32 `eps` so a level exactly on a rank in Python (0.06 at
-    n = 99) gets it here too (an absolute nudge moved some levels a rank)."""
+    """`k = floor(alpha / 2 (n + 1))` and `n + 1 - k` for a traced `alpha`, nudged
+    up by a relative float32 `eps` to agree with `_concrete_ranks` on a rank."""
     x = alpha / 2 * (n + 1)
     k = jnp.floor(x + jnp.finfo(jnp.float32).eps * x)
     return k, n + 1 - k
@@ -125,14 +122,13 @@ def _traced_ranks(alpha: Array, n: Any) -> tuple[Array, Array]:
 
 def _concrete_ranks(alpha: float, beta: float, n: int) -> tuple[int, int]:
     """`floor(beta (n + 1))` and `ceil((1 - alpha + beta)(n + 1))`, nudged by 1e-9
-    towards a whole number (as `conformal`'s other methods)."""
+    towards a whole number."""
     low = math.floor(beta * (n + 1) + 1e-9)
     return low, math.ceil((1 - alpha + beta) * (n + 1) - 1e-9)
 
 
 def _order_statistic(sorted_scores: Array, rank: Array, n: int, infinite: float):
-    """The `rank`-th smallest score, or `infinite` where the rank is outside
-    `1..n` (an unbounded side)."""
+    """The `rank`-th smallest score, or `infinite` where the rank is outside `1..n`."""
     index = jnp.clip(rank.astype(jnp.int32) - 1, 0, n - 1)
     value = sorted_scores[index]
     return jnp.where((rank < 1) | (rank > n), jnp.asarray(infinite, value.dtype), value)
@@ -206,12 +202,11 @@ class EnbPI(eqx.Module):
         optimize_beta: bool = False,
     ) -> tuple[Float[Array, " batch"], Float[Array, " batch"]]:
         """`(lower, upper)`: the centre plus the `beta` and `1 - alpha + beta`
-        conformal quantiles of the residual window (`beta = alpha / 2`), from
-        every member's mean prediction on new inputs `(members, batch)`.
+        conformal quantiles of the residual window (`beta = alpha / 2`).
 
         **Arguments:**
 
-        - `means`: `(members, batch)`.
+        - `means`: every member's mean prediction on new inputs, `(members, batch)`.
         - `alpha`: the miscoverage level (default: the calibrated one); may be
           traced (adaptive conformal inference): too small for the window gives
           an infinite side, 1 or more the empty interval (`lower = inf`,
@@ -262,8 +257,8 @@ class EnbPI(eqx.Module):
         return centre + lower, centre + upper
 
     def _best_beta(self, alpha: float) -> float:
-        """Xu & Xie's `beta-hat`: of 100 values in `[1/(n+1), alpha]` (as MAPIE)
-        with ranks in the window, the one with the narrowest quantiles."""
+        """Xu & Xie's `beta-hat`: of 100 values in `[1/(n+1), alpha]`, the one with
+        the narrowest quantiles."""
         scores = np.sort(np.asarray(self.residuals, np.float64))
         n = scores.size
         betas = np.linspace(1 - n / (n + 1), alpha, num=100, endpoint=True)
@@ -325,17 +320,15 @@ def enbpi(
     (the mean of the members that never drew it) and residual `y_i -
     mu_{-i}(x_i)`. A new input's interval is centred on the mean of all
     `mu_{-i}(x)` and runs from the `floor(beta (n + 1))`-th to the
-    `ceil((1 - alpha + beta)(n + 1))`-th smallest residual (`beta = alpha / 2`).
+    `ceil((1 - alpha + beta)(n + 1))`-th smallest residual (`beta = alpha / 2`),
+    as MAPIE's `TimeSeriesRegressor(method="enbpi", agg_function="mean")`
+    (except that an example every member drew is left out).
     [`update`][eqx_ensemble.conformal.EnbPI.update] slides the residual window;
-    [`sequential`][eqx_ensemble.conformal.sequential] runs the whole loop,
-    optionally with adaptive conformal inference. As MAPIE's
-    `TimeSeriesRegressor(method="enbpi", agg_function="mean")`, except that an
-    example every member drew is left out, not kept as a NaN residual.
+    [`sequential`][eqx_ensemble.conformal.sequential] runs the whole loop.
 
     Train with `ee.fit(..., sampling=ee.Bootstrap(block_length=L))`: blocks keep
     a member's out-of-bag examples away from its training neighbours in a
-    correlated series (with `L=1` the intervals of a smooth series are too
-    narrow).
+    correlated series.
 
     **Arguments:**
 
@@ -441,12 +434,10 @@ def sequential(
     (alpha - err_t)`, `err_t = 1` when `y_t` fell outside its interval.
 
     Over any `T` steps the miss rate is within `(max(alpha_1, 1 - alpha_1) +
-    gamma) / (gamma T)` of `alpha`, whatever the series does. As in the paper,
-    `alpha_t` is not clipped (MAPIE clips it to `[0, 1]`): below the smallest
-    level the window resolves (about `2 / (n + 1)`) a side is infinite, from 1
-    on the interval is empty (`lower = inf`, `upper = -inf`). Such intervals are
-    counted in an `UnboundedIntervalWarning`: summarise the finite ones
-    (`np.isfinite`), or take a smaller `gamma` or a longer window.
+    gamma) / (gamma T)` of `alpha`, whatever the series does. `alpha_t` is not
+    clipped (as in the paper): below the smallest level the window resolves
+    (about `2 / (n + 1)`) a side is infinite, from 1 on the interval is empty
+    (`lower = inf`, `upper = -inf`); an `UnboundedIntervalWarning` counts them.
 
     **Arguments:**
 

@@ -85,12 +85,11 @@ class _Tapped(eqx.Module):
 class LaplacePosterior(eqx.Module):
     """Each member's Laplace approximation, made by
     [`ee.laplace`][eqx_ensemble.laplace]: a Gaussian over the member's part with
-    mean the trained weights and precision `H + prior_precision * I`, `H` the GGN
-    of the summed negative log likelihood.
+    mean the trained weights and precision `H + prior_precision * I`.
 
     - `ensemble`: the trained ensemble (the means).
-    - `prior_precision`: `(members,)` each member's prior precision.
-    - `log_likelihood`: `(members,)` each member's log likelihood of the data.
+    - `prior_precision`, `log_likelihood`: `(members,)` each member's prior
+      precision and log likelihood of the data.
     - `mean`: `(members, P)` the part's weights, flattened (`ravel_pytree`
       order).
     - the curvature's eigendecomposition: `eigenvalues` (diagonal: the diagonal
@@ -98,7 +97,7 @@ class LaplacePosterior(eqx.Module):
       `out_eigenvalues`, `out_eigenvectors` (`G`, over the layer's outputs) and
       `in_eigenvalues`, `in_eigenvectors` (`A`, inputs and a bias column).
     - `sigma_noise`, `num_data`: the regression noise's standard deviation and
-      the number of examples fitted on (scalars).
+      the number of examples fitted on.
 
     Saved as any tree: `ee.save(path, posterior)`, then
     `ee.load(path, ee.LaplacePosterior.like(ens, likelihood=...))`.
@@ -143,9 +142,9 @@ class LaplacePosterior(eqx.Module):
         part: Callable[[Any], Any] | None = None,
     ) -> "LaplacePosterior":
         """The structure `ee.laplace(ens, ..., likelihood=, curvature=, part=)`
-        returns, as shapes (nothing computed): the `like` of
-        [`ee.load`][eqx_ensemble.load] for a saved posterior. `ens` may be freshly
-        built, of the same architecture and size.
+        returns, as shapes: the `like` of [`ee.load`][eqx_ensemble.load] for a
+        saved posterior. `ens` may be freshly built, of the same architecture and
+        size.
 
         **Example:**
 
@@ -266,17 +265,16 @@ class LaplacePosterior(eqx.Module):
 
         - Without `validation`: the prior precision maximising each member's log
           marginal likelihood (golden-section search over `log prior` in
-          `[1e-6, 1e8]`, where it has one maximum). Needs no held-out data, but
-          trusts the trained weights to be the MAP of that prior: for a network
-          trained without the matching weight decay it can pick a far too weak
+          `[1e-6, 1e8]`). Trusts the trained weights to be the MAP of that
+          prior: without the matching weight decay it can pick a far too weak
           prior (underconfident predictions).
         - With `validation=(x, y)`: for each member, the value of `grid` whose
           linearised predictive has the lowest NLL on the held-out data
-          (laplace-torch's `gridsearch`). Default grid: 41 values from `1e-4` to
-          `1e4`, log-spaced, extended by 20 values over 4 more decades on a side
-          whose end a member chose (its top, `1e8`, is the trained weights' own
-          predictive to rounding). A member whose best value is the grid's
-          lowest (or either end of a given `grid`) is warned about with an
+          (laplace-torch's `gridsearch`). Default grid: 41 log-spaced values
+          from `1e-4` to `1e4`, extended by 20 values over 4 more decades past
+          an end a member chose (up to `1e8`, the trained weights' own
+          predictive). A best value at the grid's lowest (or either end of a
+          given `grid`) raises an
           [`ee.PriorAtGridEndWarning`][eqx_ensemble.PriorAtGridEndWarning].
 
         **Arguments:**
@@ -318,8 +316,8 @@ class LaplacePosterior(eqx.Module):
         return eqx.tree_at(lambda p: p.prior_precision, self, prior)
 
     def sample(self, key: PRNGKeyArray, samples: int = 1) -> Ensemble:
-        """Draw weights of every member's part from its posterior (the rest
-        unchanged); `ee.predict` on the result is the Monte Carlo predictive.
+        """Draw weights of every member's part from its posterior; `ee.predict`
+        on the result is the Monte Carlo predictive.
 
         **Arguments:**
 
@@ -367,9 +365,6 @@ class LaplacePosterior(eqx.Module):
         - Regression: `(mean, variance)`, each `(members, batch)` (or `(members,
           batch, outputs)`), the variance `diag(S) + sigma_noise**2`.
 
-        Every `ee.metrics` function takes these per-member predictions as they
-        are, and mixes the members.
-
         **Arguments:**
 
         - `x`: inputs with a leading batch axis.
@@ -378,7 +373,7 @@ class LaplacePosterior(eqx.Module):
 
         **Returns:**
 
-        As above.
+        As above: per-member predictions that every `ee.metrics` function takes.
 
         **Example:**
 
@@ -407,7 +402,7 @@ class LaplacePosterior(eqx.Module):
 
     def curvature_matrix(self) -> Float[Array, "members parameters parameters"]:
         """Each member's curvature `H` (without the prior), dense over the part's
-        flattened weights (the order of `mean`); for inspecting small parts.
+        flattened weights (the order of `mean`).
 
         **Returns:**
 
@@ -507,7 +502,8 @@ def laplace(
     also the Fisher) of the summed NLL of `data`: `sum_n J_n^T Lambda_n J_n`,
     `J_n` the Jacobian of the output in the part and `Lambda_n` the likelihood's
     Hessian in the output (`diag(p) - p p^T` softmax, `I / sigma_noise**2`
-    Gaussian).
+    Gaussian). Its eigenvalues are clipped at 0: the posterior's precision is
+    positive definite.
 
     **Arguments:**
 
@@ -533,17 +529,12 @@ def laplace(
       ([`optimize_prior_precision`][eqx_ensemble.LaplacePosterior.optimize_prior_precision]
       without `validation`), which trusts the trained weights to be the MAP of
       that prior: without the matching weight decay it picks a far too weak
-      prior and an underconfident predictive (digits, 5 MLPs: test NLL
-      0.26-0.52, against 0.07 tuned on a 300-example validation split). No
-      default: pass this or `validation`.
+      prior and an underconfident predictive. Pass this or `validation`.
     - `validation`: held-out `(x, y)` (as `data`) to tune each member's prior
-      precision on, by its predictive's NLL: the choice that serves.
+      precision on, by its predictive's NLL.
     - `sigma_noise`: the regression noise's standard deviation (ignored for
       classification).
     - `batch_size`: examples per compiled pass over the data (bounds memory).
-
-    The curvature's eigenvalues are clipped at 0, so with a positive prior the
-    posterior's precision is positive definite and no prediction is NaN.
 
     **Returns:**
 
@@ -642,8 +633,7 @@ def _check_kfac_part(selected: Any) -> None:
 
 
 def _check_part_per_member(ens: Ensemble, part: Any, leaves: int) -> None:
-    """Refuse a part in the ensemble's shared weights: it has no per-member
-    posterior."""
+    """Refuse a part in the ensemble's shared weights (no per-member posterior)."""
     try:
         own = len(jtu.tree_leaves(eqx.filter(part(ens.members), eqx.is_inexact_array)))
     except Exception:  # noqa: BLE001 - the part reaches into the shared part
@@ -706,7 +696,7 @@ def _check_data(
 
 
 def _check_targets(ens: Ensemble, x: Any, y: Array, likelihood: str) -> None:
-    """The targets fit the model's output (shapes only: nothing is computed)."""
+    """The targets fit the model's output (by shapes)."""
     first = jax.tree.map(lambda leaf: jnp.asarray(leaf)[0], x)
     try:
         out = jax.eval_shape(lambda: _model_output(ens[0], first))
@@ -773,7 +763,7 @@ def _fit(
 @eqx.filter_jit
 def _accumulate(ens, x, y, count, chunk, likelihood, part, curvature, sigma):
     """Per member, the curvature's sums over the data and the log likelihood (a
-    scan over chunks, vmapped over members; chunked inside the program)."""
+    scan over chunks, vmapped over members)."""
     chunks = -(-count // chunk)
     padded = chunks * chunk
 
@@ -853,8 +843,7 @@ def _curvature_shapes(
 
 def _kfac_pieces(model: Any, part: Any, selected: eqx.nn.Linear, x: Any):
     """For one input: `D = d output / d layer output` `(outputs, out)` and the
-    layer's input with a bias column, `phi` `(in [+ 1],)`, fitted to the weight
-    Jacobian `D_oj phi_i` (`phi = 0` where `D = 0`)."""
+    layer's input with a bias column `phi`, fitted to the Jacobian `D_oj phi_i`."""
     out_size = selected.weight.shape[0]
 
     def output(weight, delta):
@@ -1013,7 +1002,7 @@ def _warn_at_grid_end(
 @eqx.filter_jit
 def _grid_nll(posterior: LaplacePosterior, x: Any, y: Array, values: Array) -> Array:
     """`(values, members)`: every member's validation NLL at every prior
-    precision (a loop, not a vmap: that would take grid-size times the memory)."""
+    precision (a loop: a vmap would take grid-size times the memory)."""
     size = posterior.mean.shape[0]
 
     def at(value: Array) -> Array:

@@ -79,10 +79,6 @@ class SWAGPosterior(eqx.Module):
         An `Ensemble` of `members * samples` models, member `i`'s draws at
         `i * samples, ..., (i + 1) * samples - 1`.
 
-        The draw is compiled (one program per posterior structure, `samples`
-        and `scale`), so it may differ from the same formula run op by op in
-        the last bit of some weights.
-
         **Example:** see [`ee.SWAG`][eqx_ensemble.SWAG].
         """
         check_tracker_int("SWAGPosterior.sample", "samples", samples, 1)
