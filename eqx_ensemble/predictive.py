@@ -34,7 +34,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from ._internal.tree import as_array, is_traced
 from ._metrics.checks import check_level
-from ._metrics.quantile import isotonic_frequencies, map_inverse
+from ._metrics.quantile import central_interval, isotonic_frequencies, map_inverse
 from .losses import _log_t_normaliser
 
 __all__ = [
@@ -84,9 +84,7 @@ class _Distribution(eqx.Module):
         self, level: Float[ArrayLike, ""] | float = 0.9
     ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
         """The central interval at `level`: the quantiles at `(1 ± level) / 2`."""
-        check_level(level)
-        level = as_array(level)
-        return self.quantile((1 - level) / 2), self.quantile((1 + level) / 2)
+        return central_interval(self.quantile, level)
 
     def quantile(self, p: Float[ArrayLike, "..."]) -> Float[Array, "..."]:
         raise NotImplementedError
@@ -596,11 +594,7 @@ class Recalibration(eqx.Module):
         self, dist: Distribution, level: Float[ArrayLike, ""] | float = 0.9
     ) -> tuple[Float[Array, "..."], Float[Array, "..."]]:
         """The calibrated central interval at `level`."""
-        check_level(level)
-        level = as_array(level)
-        return self.quantile(dist, (1 - level) / 2), self.quantile(
-            dist, (1 + level) / 2
-        )
+        return central_interval(lambda p: self.quantile(dist, p), level)
 
 
 def fit_recalibration(

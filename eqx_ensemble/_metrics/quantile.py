@@ -3,7 +3,7 @@ calibration error of its quantiles, and quantile recalibration (Kuleshov,
 Fenner and Ermon 2018)."""
 
 import numbers
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -158,10 +158,7 @@ class QuantileRecalibration(eqx.Module):
     ) -> tuple[Float[Array, " batch *one"], Float[Array, " batch *one"]]:
         """The calibrated central interval at `level`: the quantiles at
         `(1 - level) / 2` and `(1 + level) / 2`."""
-        check_level(level)
-        level = as_array(level)
-        low = self.quantile(means, variances, (1 - level) / 2)
-        return low, self.quantile(means, variances, (1 + level) / 2)
+        return central_interval(lambda p: self.quantile(means, variances, p), level)
 
 
 def fit_quantile_recalibration(
@@ -214,6 +211,13 @@ def fit_quantile_recalibration(
     z_unique, fitted = isotonic_frequencies(z)
     dtype = means.dtype
     return QuantileRecalibration(as_array(z_unique, dtype), as_array(fitted, dtype))
+
+
+def central_interval(quantile: Any, level: Any) -> tuple[Array, Array]:
+    """`quantile` at `(1 - level) / 2` and `(1 + level) / 2`."""
+    check_level(level)
+    level = as_array(level)
+    return quantile((1 - level) / 2), quantile((1 + level) / 2)
 
 
 def isotonic_frequencies(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
