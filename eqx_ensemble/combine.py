@@ -68,8 +68,12 @@ def _check_no_nan_or_inf(x: Array, name: str, *, allow_negative_inf: bool) -> No
 
 
 def _weighted_mean(
-    x: Array, weights: Real[ArrayLike, " members"] | Sequence[float | int] | None
+    x: Any,
+    weights: Real[ArrayLike, " members"] | Sequence[float | int] | None,
+    name: str,
 ) -> Array:
+    x = _check_floating(x, name)
+    _check_no_nan_or_inf(x, name, allow_negative_inf=False)
     w = normalised_weights(weights, x.shape[0], x.dtype, "predictions have")
     return jnp.tensordot(w, x, axes=1)
 
@@ -92,9 +96,7 @@ def mean_probs(
     ee.combine.mean_probs(probs)                        # [[0.7, 0.3]]
     ```
     """
-    probs = _check_floating(probs, "probs")
-    _check_no_nan_or_inf(probs, "probs", allow_negative_inf=False)
-    return _weighted_mean(probs, weights)
+    return _weighted_mean(probs, weights, "probs")
 
 
 def mean_probs_from_logits(
@@ -169,9 +171,7 @@ def mean_logits(
     ee.combine.mean_logits(logits)                     # [[1.0, 1.0]]
     ```
     """
-    logits = _check_floating(logits, "logits")
-    _check_no_nan_or_inf(logits, "logits", allow_negative_inf=False)
-    return _weighted_mean(logits, weights)
+    return _weighted_mean(logits, weights, "logits")
 
 
 def majority_vote(
