@@ -1,14 +1,13 @@
 """Predictive distributions of regression models and ensembles, scored and calibrated
-whatever their form: a Gaussian, a Student-t (heavy tails, as trained by
+whatever their form: a Gaussian, a Student-t (as trained by
 [`ee.losses.student_t_nll`][eqx_ensemble.losses.student_t_nll]) and the mixture of the
 members' (the ensemble's predictive).
 
 Each is an `eqx.Module` of arrays with the batch's shape (a mixture's components with a
 leading member axis) and the methods `log_prob`, `cdf`, `quantile`, `interval`, `crps`,
-`mean`, `variance`. The functions below score a data set (`nll`, `crps`, `coverage`,
-`calibration_error`) and recalibrate quantiles (`fit_recalibration`, Kuleshov et al.
-2018, on the probability integral transform). For a conformal interval, pass its
-`interval` on a calibration split to [`ee.conformal.cqr`][eqx_ensemble.conformal.cqr].
+`mean`, `variance`. The functions below score a data set and recalibrate quantiles
+(`fit_recalibration`). For a conformal interval, pass its `interval` on a calibration
+split to [`ee.conformal.cqr`][eqx_ensemble.conformal.cqr].
 
 ```python
 loc = jax.random.normal(jax.random.key(0), (5, 100))       # (members, batch)
@@ -240,7 +239,7 @@ def _gamma_ratio(b: Array) -> Array:
 
 
 # Above this `df`, a corrected Gaussian CDF: float32's incomplete beta loses digits
-# with `df` (2e-2 off SciPy at 1e5); the approximation is within 1e-5 from here on.
+# with `df`; the approximation is within 1e-5 from here on.
 _LARGE_DF = 100.0
 
 
@@ -263,8 +262,8 @@ def _t_cdf(z: Array, df: Array) -> Array:
 
 
 def _implicit(dist: Any, q: Array, p: Array) -> Array:
-    """`q` (`F(q) = p`, found without gradients) with the implicit function theorem's
-    derivatives `dq = (dp - dF) / f`; the value is `q` (to rounding)."""
+    """`q` (`F(q) = p`) with the implicit function theorem's derivatives
+    `dq = (dp - dF) / f`."""
     correction = (dist.cdf(q) - p) / jnp.exp(dist.log_prob(q))
     return q - (correction - jax.lax.stop_gradient(correction))
 
@@ -278,8 +277,8 @@ def _ends(q: Array, p: Array) -> Array:
 def _bisect(
     cdf, p: Array, low: float, high: float, steps: int = 64, *, widen: bool = True
 ) -> Array:
-    """The `x` with `cdf(x) = p` (`cdf` non-decreasing, elementwise), by bisection
-    inside a bracket doubled outwards from `[low, high]` (if `widen`)."""
+    """The `x` with `cdf(x) = p` by bisection inside a bracket doubled outwards from
+    `[low, high]` (if `widen`)."""
     low_x, high_x = jnp.full_like(p, low), jnp.full_like(p, high)
 
     def widened(x, sign):
@@ -433,8 +432,7 @@ _NODES = 128
 def _crps_by_quadrature(cdf: Any, y: Array, centre: Array, spread: Array) -> Array:
     """`int_-inf^y F^2 + int_y^inf (1 - F)^2` in three pieces, `_NODES` nodes each:
     the tails beyond `a = min(centre, y)` and `b = max(centre, y)`, mapped onto (0, 1)
-    by `x = a - s t / (1 - t)` and `x = b + s t / (1 - t)` (`s = spread`; integrable
-    for df > 1/2), and `[a, b]` as it is."""
+    by `x = a -+ spread t / (1 - t)`, and `[a, b]`."""
     nodes, node_weights = np.polynomial.legendre.leggauss(_NODES)
     t = jnp.asarray((nodes + 1) / 2, y.dtype).reshape((-1,) + (1,) * y.ndim)
     w = jnp.asarray(node_weights / 2, y.dtype).reshape(t.shape)
@@ -602,8 +600,7 @@ def fit_recalibration(
 ) -> Recalibration:
     """Fit quantile recalibration (Kuleshov et al. 2018, Algorithm 1) on a calibration
     split: `R` maps the PIT values `p_t = F_t(y_t)` to the empirical frequencies
-    `#{s : p_s <= p_t} / T` (already isotonic; equal values share one). Runs on the
-    host, once.
+    `#{s : p_s <= p_t} / T`. Runs on the host.
 
     **Arguments:**
 

@@ -69,8 +69,7 @@ class PackedLinear(eqx.Module):
       (the layer's are `alpha` times these, except the first layer's input and
       the last layer's output); they must divide into `members * gamma` groups.
     - `members`: the number of members `M`.
-    - `alpha`: the width factor (`alpha = M` gives each member the original
-      width).
+    - `alpha`: the width factor (`alpha = M`: each member the original width).
     - `gamma`: groups per member (the paper's `gamma`).
     - `first`: the network's first layer (it reads the shared input); `last`:
       its last (it returns `(members, out_features)`).
@@ -154,9 +153,8 @@ class PackedConv2d(eqx.Module):
     """A Packed-Ensembles 2-D convolution (Laurent et al. 2023): `members`
     independent convolutions of `alpha * channels / members` channels, held as
     one grouped convolution (`members * gamma` groups). One image `(channels,
-    height, width)` per call, as `eqx.nn.Conv2d`. `first=True`: the layer reads
-    the shared input image; `last=True`: the output is `(members, out_channels,
-    height, width)`.
+    height, width)` per call, as `eqx.nn.Conv2d`; with `last=True` the output is
+    `(members, out_channels, height, width)`.
 
     **Arguments:**
 

@@ -31,11 +31,9 @@ def greedy_selection(
     replacement: bool = True,
 ) -> Int[Array, " size"]:
     """Ensemble selection with replacement (Caruana, Niculescu-Mizil, Crew &
-    Ksikes 2004) over a pool of members, on validation predictions.
-
-    From the `start` best members alone, it adds, `size - start` times, the
-    member whose addition gives the lowest `score` (ties: the lower index).
-    `ens[indices]` is the selected ensemble; a member chosen twice counts twice.
+    Ksikes 2004) over a pool of members, on validation predictions: from the
+    `start` best members alone, it adds, `size - start` times, the member whose
+    addition gives the lowest `score` (ties: the lower index).
 
     **Arguments:**
 
@@ -47,12 +45,12 @@ def greedy_selection(
     - `start`: how many of the best single members start the selection (the
       paper's "sorted initialization"; 1 = the best member).
     - `replacement`: whether a member may be picked again (Caruana et al.'s
-      default). Without, `size` distinct members (at most the pool), as a
-      hyper-deep ensemble needs when one member dominates the score.
+      default). Without, `size` distinct members (at most the pool).
 
     **Returns:**
 
-    The member indices picked, in order, shape `(size,)`.
+    The member indices picked, in order, shape `(size,)`: `ens[indices]` is the
+    selected ensemble (a member chosen twice counts twice).
 
     **Example:**
 
@@ -124,7 +122,6 @@ def greedy_soup(
     each joins the soup if the averaged weights score no worse without it.
     Only for members fine-tuned from the same starting point (the paper's
     setting).
-
 
     **Arguments:**
 

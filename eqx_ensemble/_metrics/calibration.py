@@ -18,7 +18,7 @@ from .classification import (
 
 class CalibrationBins(eqx.Module):
     """Per-bin statistics of top-label confidence, from
-    `ee.metrics.calibration_bins`. Every field has shape `(n_bins,)`.
+    `ee.metrics.calibration_bins`, each of shape `(n_bins,)`.
 
     - `count`: number of examples in the bin (as a float).
     - `accuracy`: fraction of them whose predicted class is the label (0 if empty).
@@ -121,27 +121,19 @@ def calibration_bins(
     adaptive: bool = False,
     from_logits: bool = False,
 ) -> CalibrationBins:
-    """Bin the ensemble's top-label confidence and compare it with accuracy: the
-    data of a reliability diagram.
+    """Bin the ensemble's top-label confidence (its largest mean probability)
+    and compare it with accuracy: the data of a reliability diagram.
+    Equal-width bins are right-closed, `(k/n, (k+1)/n]` (0 falls in the first);
+    equal-mass bins cut the examples sorted by confidence as `numpy.array_split`.
 
-    Confidence is the ensemble's largest mean probability; an example is correct
-    when that class is the label. Equal-width bins are right-closed,
-    `(k/n, (k+1)/n]` (0 falls in the first); equal-mass bins (`adaptive=True`)
-    cut the examples sorted by confidence as `numpy.array_split`.
+    **Arguments:** `probs`, `labels`, `from_logits` as `ee.metrics.accuracy`, and
 
-    **Arguments:**
-
-    - `probs`: per-member class probabilities, shape `(members, batch, classes)`
-      (logits if `from_logits=True`).
-    - `labels`: integer class labels, shape `(batch,)`.
     - `n_bins`: the number of bins, a Python int of at least 1.
     - `adaptive`: equal-mass bins instead of equal-width bins.
-    - `from_logits`: whether `probs` holds logits.
 
     **Returns:**
 
-    A `CalibrationBins` of per-bin `count`, `accuracy`, `confidence`, `lower`,
-    `upper`, each of shape `(n_bins,)`.
+    A [`CalibrationBins`][eqx_ensemble.metrics.CalibrationBins].
 
     **Example:**
 
@@ -291,8 +283,7 @@ def per_member_calibration_error(
     adaptive: bool = False,
     from_logits: bool = False,
 ) -> Float[Array, " members"]:
-    """The expected calibration error of each member on its own (equal-width bins,
-    or equal-mass bins if `adaptive=True`).
+    """The expected calibration error of each member on its own.
 
     **Arguments:** as `ee.metrics.calibration_bins`.
 

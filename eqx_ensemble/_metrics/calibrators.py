@@ -1,7 +1,6 @@
 """Post-hoc calibrators fitted on a calibration split: vector, matrix and Dirichlet
 scaling (on logits), histogram binning and isotonic regression (on probabilities),
-for the ensemble's mean or each member. Each is an `eqx.Module` mapping stacked
-predictions `(members, batch, classes)` to calibrated ones."""
+for the ensemble's mean or each member."""
 
 from typing import Any
 
@@ -468,12 +467,9 @@ def fit_dirichlet_scaling(
     l2: float | int | str = "cv",
     iterations: int = 500,
 ) -> DirichletScaling:
-    """Fit Dirichlet calibration (Kull et al. 2019, "Beyond temperature scaling:
-    obtaining well-calibrated multiclass probabilities with Dirichlet
-    calibration"): calibrated logits `W log p + b` on the log probabilities,
-    `classes**2 + classes` parameters. The penalty is the others' (towards
-    temperature scaling, the diagonal included); the paper's ODIR leaves the
-    diagonal free.
+    """Fit Dirichlet calibration (Kull et al. 2019): calibrated logits `W log p +
+    b` on the log probabilities, `classes**2 + classes` parameters. The penalty
+    pulls the diagonal too (the paper's ODIR leaves it free).
 
     {args}
 
@@ -672,8 +668,7 @@ def _pool_adjacent_violators(y: np.ndarray, w: np.ndarray) -> np.ndarray:
 class IsotonicCalibration(eqx.Module):
     """Isotonic regression (Zadrozny and Elkan 2002), one-vs-rest per class: each
     class's probability goes through a fitted non-decreasing piecewise-linear
-    map, then rows are normalised (as scikit-learn's
-    `CalibratedClassifierCV(method="isotonic")`). Fitted by
+    map, then rows are normalised. Fitted by
     [`fit_isotonic_regression`][eqx_ensemble.calibration.fit_isotonic_regression];
     returns `(1, batch, classes)` or, per member, `(members, batch, classes)`.
 

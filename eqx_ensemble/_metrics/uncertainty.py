@@ -19,8 +19,7 @@ def predictive_entropy(
     probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
 ) -> Float[Array, " batch"]:
     """Entropy of the ensemble's mean prediction, `H[(1/M) sum_i p_i]` (total
-    uncertainty), per example, in nats, in `[0, log(classes)]` (a probability 0
-    contributes 0).
+    uncertainty), per example, in nats, in `[0, log(classes)]`.
 
     **Arguments:**
 
@@ -84,9 +83,8 @@ def mutual_information(
 ) -> Float[Array, " batch"]:
     """Mutual information between the prediction and the member (the epistemic
     part of the uncertainty): predictive entropy minus expected entropy, per
-    example, in nats (Depeweg et al. 2018; the BALD score of Houlsby et al. 2011).
-    0 when all members agree, at most `log(min(members, classes))`; rounding
-    below 0 is clipped to 0.
+    example, in nats, in `[0, log(min(members, classes))]` (Depeweg et al. 2018;
+    the BALD score of Houlsby et al. 2011).
 
     **Arguments:** as `ee.metrics.predictive_entropy`.
 
@@ -156,9 +154,8 @@ def disagreement(
     probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
 ) -> Float[Array, " batch"]:
     """Member disagreement: the fraction of pairs of distinct members whose
-    most probable classes differ, per example (0 for a single member). Averaged
-    over a batch, Fort et al. (2019)'s mean pairwise disagreement; see
-    `ee.metrics.pairwise_disagreement` for each pair.
+    most probable classes differ, per example (0 for a single member); averaged
+    over a batch, Fort et al. (2019)'s mean pairwise disagreement.
 
     **Arguments:** as `ee.metrics.predictive_entropy`.
 
@@ -212,7 +209,7 @@ def pairwise_disagreement(
 @one_shot_jit
 def _pairwise_disagreement(predictions: Array) -> Array:
     votes = jnp.argmax(predictions, axis=-1)
-    # In integers: an exact zero diagonal and symmetry (floats gave -1.5e-8).
+    # In integers: an exact zero diagonal and symmetry.
     one_hot = jax.nn.one_hot(votes, predictions.shape[-1], dtype=jnp.int32)
     disagree = predictions.shape[1] - jnp.einsum("ibc,jbc->ij", one_hot, one_hot)
     return (disagree / predictions.shape[1]).astype(predictions.dtype)
@@ -237,9 +234,8 @@ def energy_score(
 ) -> Float[Array, " batch"]:
     """The free energy of each input, `-T logsumexp(f(x) / T)` (Liu et al. 2020,
     "Energy-based out-of-distribution detection"), averaged over members: an OOD
-    score, higher for inputs more likely out of distribution. It keeps the
-    logits' scale: an input no class claims strongly (all logits low) scores
-    high even when its softmax is confident.
+    score, higher for inputs more likely out of distribution. Unlike softmax
+    scores it keeps the logits' scale.
 
     **Arguments:**
 
@@ -273,7 +269,7 @@ def max_logit_score(
 ) -> Float[Array, " batch"]:
     """Minus the largest logit, `-max_c f_c(x)` (Hendrycks et al. 2022, "Scaling
     out-of-distribution detection for real-world settings"), averaged over members:
-    an OOD score, higher for inputs more likely out of distribution.
+    an OOD score, higher for inputs more likely OOD.
 
     **Arguments:**
 
@@ -302,10 +298,9 @@ def _max_logit_score(predictions: Array) -> Array:
 def max_probability_score(
     probs: Float[ArrayLike, " members batch classes"], *, from_logits: bool = False
 ) -> Float[Array, " batch"]:
-    """One minus the ensemble's largest class probability, `1 - max_c p_c` with
-    `p = (1/M) sum_i p_i` (the maximum-softmax-probability baseline of Hendrycks
-    and Gimpel 2017): an OOD score in `[0, 1 - 1/classes]`, higher for inputs
-    more likely out of distribution.
+    """One minus the ensemble's largest mean class probability (the
+    maximum-softmax-probability baseline of Hendrycks and Gimpel 2017): an OOD
+    score in `[0, 1 - 1/classes]`, higher for inputs more likely OOD.
 
     **Arguments:** as `ee.metrics.predictive_entropy`.
 

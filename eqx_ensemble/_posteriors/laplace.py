@@ -293,11 +293,9 @@ class LaplacePosterior(eqx.Module):
         y = (x[:, 0] > 0).astype(jnp.int32)
         ens = ee.ensemble(lambda k: eqx.nn.MLP(2, 2, 8, 1, key=k), size=3,
                           key=jax.random.key(1))
-        posterior = ee.laplace(ens, (x, y), likelihood="classification",
-                               prior_precision="marglik")
         fixed = ee.laplace(ens, (x, y), likelihood="classification",
                           prior_precision=1.0)
-        fixed.optimize_prior_precision().prior_precision   # as `posterior`'s
+        fixed.optimize_prior_precision().prior_precision   # as "marglik" gives
         import warnings
 
         with warnings.catch_warnings(record=True) as caught:
@@ -355,15 +353,8 @@ class LaplacePosterior(eqx.Module):
     ) -> Any:
         """The linearised (GLM) predictive of every member on a batch of inputs
         `x`: the network linearised in its part around the trained weights, so
-        the outputs are Gaussian with covariance `J Sigma J^T` (Immer et al. 2021).
-
-        - Classification: each member's predictive log-probabilities `(members,
-          batch, classes)`, usable as logits (`from_logits=True` in
-          `ee.metrics`). By the probit approximation `log_softmax(f / sqrt(1 +
-          pi/8 diag(S)))` (MacKay 1992), or, with `samples` and `key`, the log of
-          the mean softmax of `samples` draws of the logits.
-        - Regression: `(mean, variance)`, each `(members, batch)` (or `(members,
-          batch, outputs)`), the variance `diag(S) + sigma_noise**2`.
+        the outputs are Gaussian with covariance `S = J Sigma J^T` (Immer et al.
+        2021).
 
         **Arguments:**
 
@@ -373,7 +364,14 @@ class LaplacePosterior(eqx.Module):
 
         **Returns:**
 
-        As above: per-member predictions that every `ee.metrics` function takes.
+        Per-member predictions, as every `ee.metrics` function takes them:
+
+        - classification: log-probabilities `(members, batch, classes)`, usable as
+          logits, by the probit approximation `log_softmax(f / sqrt(1 + pi/8
+          diag(S)))` (MacKay 1992), or the log of the mean softmax of `samples`
+          draws of the logits;
+        - regression: `(mean, variance)`, each `(members, batch)` (or `(members,
+          batch, outputs)`), the variance `diag(S) + sigma_noise**2`.
 
         **Example:**
 
@@ -516,13 +514,12 @@ def laplace(
     - `part`: `part(model) -> sub-tree` selecting the weights to approximate
       (as `eqx.tree_at`'s `where`); default the last `eqx.nn.Linear`
       (last-layer Laplace). The rest stays at its trained value.
-    - `curvature`: `"kfac"` (Kronecker-factored, Martens and Grosse 2015; the
-      part must be one `eqx.nn.Linear` applied once per input: `H ~ G (x) A`, `G`
-      the mean output-side GGN, `A` the sum of the layer's input outer products;
-      exact only when `D^T Lambda D` is the same for every example, e.g. the
-      last layer under the Gaussian likelihood); `"diagonal"` (the GGN's
-      diagonal, any part); `"full"` (the dense GGN, a part of at most 4096
-      weights).
+    - `curvature`: `"kfac"` (Kronecker-factored, Martens and Grosse 2015, for a
+      part that is one `eqx.nn.Linear` applied once per input: `H ~ G (x) A`,
+      `G` the mean output-side GGN, `A` the sum of the layer's input outer
+      products; exact when `D^T Lambda D` is the same for every example);
+      `"diagonal"` (the GGN's diagonal, any part); `"full"` (the dense GGN, a
+      part of at most 4096 weights).
     - `prior_precision`: the isotropic Gaussian prior's precision, a positive
       scalar or one per member; or `"marglik"`: each member's own, tuned by its
       log marginal likelihood
@@ -538,9 +535,7 @@ def laplace(
 
     **Returns:**
 
-    A [`LaplacePosterior`][eqx_ensemble.LaplacePosterior]: `.predict(x)` (the
-    linearised predictive per member), `.sample(key, samples)` (an ensemble of
-    draws), `.log_marginal_likelihood()`.
+    A [`LaplacePosterior`][eqx_ensemble.LaplacePosterior].
 
     **Example:**
 

@@ -17,9 +17,8 @@ class EMA(Tracker):
     """An exponential moving average of every member's weights.
 
     After each step, `average = decay * average + (1 - decay) * weights`, per
-    member, from the weights before the first step (as PyTorch's
-    `AveragedModel`). `FitResult.tracked` holds the averages as an `Ensemble`
-    (non-trainable leaves from the trained ensemble).
+    member, from the weights before the first step. `FitResult.tracked` holds
+    the averages as an `Ensemble` (non-trainable leaves from the trained one).
 
     **Arguments:**
 
@@ -70,11 +69,9 @@ class SWA(Tracker):
     """Stochastic weight averaging (Izmailov et al. 2018), for every member.
 
     Each member's weights are averaged, with equal weight, over the steps
-    `start, start + every, ...` (steps done: `start=100` averages from the
-    weights after step 100). `FitResult.tracked` holds the averages as an
-    `Ensemble` (non-trainable leaves from the trained ensemble). With
-    BatchNorm, recompute the statistics of the averaged weights
-    ([`ee.recompute_batch_stats`][eqx_ensemble.recompute_batch_stats]).
+    `start, start + every, ...` (steps done). `FitResult.tracked` holds the
+    averages as an `Ensemble`. With BatchNorm, recompute the statistics of the
+    averaged weights ([`ee.recompute_batch_stats`][eqx_ensemble.recompute_batch_stats]).
 
     **Arguments:**
 
@@ -112,8 +109,7 @@ class SWA(Tracker):
             )
 
     def events(self, first: int, last: int) -> list[dict[str, Any]]:
-        """An `"averaging_starts"` record at step `start` if it is in
-        `(first, last]`."""
+        """An `"averaging_starts"` record at step `start` if in `(first, last]`."""
         if first < self.start <= last:
             return [{"step": self.start, "event": "averaging_starts", "tracker": "SWA"}]
         return []
