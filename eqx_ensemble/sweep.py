@@ -234,9 +234,8 @@ def architectures(
 
     **Arguments:**
 
-    - `make`: `make(key, **setting) -> model` (or `(model, eqx.nn.State)`), e.g.
-      `lambda key, width, depth: eqx.nn.MLP(2, 1, width, depth, key=key)`. A drawn
-      number that is whole is passed as an `int`.
+    - `make`: `make(key, **setting) -> model` (or `(model, eqx.nn.State)`); a
+      drawn number that is whole is passed as an `int`.
     - `space`: a dict, name -> distribution (`ee.sweep.choice` for discrete choices
       such as widths and depths) or fixed number.
     - `size`: the number of members.

@@ -28,8 +28,7 @@ _STEP, _CHILD, _PARENT = 0, 1, 2
 
 
 def _gather(tree: PyTree[Any], source: Array) -> PyTree[Any]:
-    """Every per-member array leaf of `tree` reordered along the member axis:
-    slot `i` takes member `source[i]` (shared parts are left alone)."""
+    """Every per-member array leaf of `tree` with slot `i` taking member `source[i]`."""
 
     def take(leaf, per_member):
         if not eqx.is_array(leaf) or not per_member or leaf.ndim == 0:
@@ -49,10 +48,9 @@ class PBT(Controller):
 
     **Arguments:**
 
-    - `every`: steps between exploit/explore rounds. The run must evaluate at
-      least once in between (`ee.Evaluate(every=...)` with a divisor of it).
-    - `fraction`: the share of members copied from and to, in `(0, 0.5]`
-      (at least one member each way).
+    - `every`: steps between exploit/explore rounds; the run must evaluate at
+      least once in between.
+    - `fraction`: the share of members copied from and to, in `(0, 0.5]`.
     - `hyperparams`: names of `optax.inject_hyperparams` hyperparameters to
       perturb (set per member with `ee.init_optimizer(..., hyperparams=...)`
       as `fit`'s `opt_state=`); each a plain value, not a schedule.
@@ -61,10 +59,8 @@ class PBT(Controller):
     - `factors`: the multipliers explore draws from, uniformly.
     - `seed`: the explore/exploit randomness (round `s` uses
       `fold_in(key(seed), s)`, so a resumed run repeats it exactly).
-    - `max_events`: capacity of the lineage record (fixed, so it is
-      checkpointed); `PBT.lineage` says if it overflowed.
-
-    Read the copies with [`PBT.lineage`][eqx_ensemble.PBT.lineage].
+    - `max_events`: capacity of the lineage record, read with
+      [`PBT.lineage`][eqx_ensemble.PBT.lineage].
 
     **Example:**
 
@@ -169,8 +165,7 @@ class PBT(Controller):
         }
 
     def check(self, steps: int, evaluate_every: int | None) -> None:
-        """Refuse, before any work, an evaluation period longer than `every`
-        (a round without a fresh score)."""
+        """Refuse an evaluation period longer than `every`."""
         del steps
         every = evaluate_every
         if every is not None and every > self.every:

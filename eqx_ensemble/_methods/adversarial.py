@@ -119,8 +119,7 @@ def adversarial(
     """Wrap a loss with fast-gradient-sign adversarial examples, as in the deep
     ensembles paper (Lakshminarayanan, Pritzel & Blundell 2017): each member's
     loss becomes `(loss(x) + loss(x + epsilon * sign(grad_x loss(x)))) / 2`, the
-    perturbation computed for THAT member. The paper sums the two terms; the
-    average has the same minimiser and makes `epsilon=0` the plain loss.
+    perturbation computed for THAT member (the paper sums the two terms).
 
     **Arguments:**
 
@@ -137,8 +136,8 @@ def adversarial(
     **Returns:**
 
     An [`Adversarial`][eqx_ensemble.Adversarial] loss with `loss_fn`'s calling
-    convention (`hyper=` passed through); a model state is threaded through the
-    clean pass, then the adversarial one.
+    convention; a model state is threaded through the clean pass, then the
+    adversarial one.
 
     **Example:**
 

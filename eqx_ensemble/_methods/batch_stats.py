@@ -227,8 +227,7 @@ def mc_batchnorm(
     **Returns:**
 
     `(ensemble, ensemble_state)`: pass both to `ee.predict(ensemble, x,
-    state=ensemble_state)` (the state, copied per member, serves the model's
-    other stateful layers).
+    state=ensemble_state)`.
 
     **Example:**
 
