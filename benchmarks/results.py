@@ -1361,6 +1361,77 @@ def claims(regression: dict, classification: dict) -> list[str]:
     return lines
 
 
+def hyperparameter_table(steps: int) -> list[str]:
+    """Every classification row's optimizer, the members it trains (its
+    compute, in member-steps), its own settings and what the validation split
+    chooses: from the constants the rows are built with."""
+    adam, sgd = "Adam 1e-3", "SGD 0.05, momentum 0.9"
+    rates = ", ".join(map(str, GAL_RATES))
+    rows = [
+        ("single model", adam, 1, "", ""),
+        (f"deep ensemble ({MEMBERS})", adam, MEMBERS,
+         "own initialisation and batches per member", ""),
+        ("+ temperature", "", MEMBERS, "", "the temperature"),
+        ("OOD score rows", "", MEMBERS, "the deep ensemble's last hidden layer; "
+         "KNN k = 10", ""),
+        (DROPOUT_CLASSIFICATION, adam, len(GAL_RATES),
+         "dropout after each hidden layer, 20 passes", f"the rate ({rates})"),
+        ("MC BatchNorm (1 x 20 batches)", adam, 1, "20 batches of 64", ""),
+        (f"BatchEnsemble ({MEMBERS})", adam, 1, "rank-1 fast weights, slow "
+         "weights shared and trained", ""),
+        (f"Packed-Ensembles ({MEMBERS}, alpha 2)", adam, 1, "alpha 2, gamma 1", ""),
+        ("MIMO (3)", adam, 1, "3 inputs and heads", ""),
+        (f"Masksembles ({MEMBERS}, scale 2)", adam, 1, "scale 2", ""),
+        ("heterogeneous (widths 64/128/256)", adam, MEMBERS, "", ""),
+        (f"hyper-deep ({MEMBERS} of {2 * MEMBERS})", adam, 3 * MEMBERS,
+         "L2 log-uniform in 1e-6..1e-3, label smoothing in 0..0.2",
+         "greedy selection of members"),
+        (f"tuned deep ensemble ({MEMBERS} of {len(TUNED_L2) * MEMBERS})", adam,
+         len(TUNED_L2) * MEMBERS, f"L2 in {', '.join(map(str, TUNED_L2))}",
+         "the L2 coefficient; each member's stopping step"),
+        ("snapshot ensemble (1 x 5 cycles)", "SGD, cosine cycles from 0.1, "
+         "momentum 0.9", 1, "5 cycles, a snapshot at each end", ""),
+        (f"MultiSWAG ({MEMBERS} x 4)", sgd, MEMBERS, "SWAG from half-way, rank "
+         "10, 4 draws", ""),
+        ("Laplace mixture (KFAC, marglik)", "", MEMBERS, "the deep ensemble's "
+         "last layer, KFAC, probit", ""),
+        ("Laplace mixture (KFAC, validation)", "", MEMBERS, "as above",
+         "the prior precision"),
+        (MAP_ROW, adam, MEMBERS, "N(0, 1) prior (L2 1/(2n)), shared batches", ""),
+        (f"SVGD ({MEMBERS} particles)", adam, MEMBERS, "the same prior; RBF "
+         "kernel, median bandwidth", ""),
+        (f"repulsive, function space ({MEMBERS})", adam, MEMBERS, "the same "
+         "prior; the kernel on the members' logits", ""),
+        (f"cyclical SG-MCMC ({MEMBERS} chains x 12)", "SGHMC, cosine cycles "
+         "from 0.05", MEMBERS, "4 cycles, friction 0.1, exploration 0.7, 3 "
+         "samples per cycle", ""),
+        ("evidential (1 model, Sensoy et al.)", adam, 1,
+         f"softplus evidence, KL weight {EVIDENTIAL_KL}", ""),
+        ("VBLL (1 model)", adam, 1, f"{HEAD_WIDTH} features, prior scale 1", ""),
+        ("DUE (1 model)", "Adam 1e-2", 1, f"{HEAD_WIDTH} features, "
+         f"{INDUCING} inducing points, 8 draws in training, 32 at prediction", ""),
+        ("SNGP (1 model)", adam, 1, "bound 0.95, 1,024 random features, "
+         "lengthscale 1, prior variance 1", ""),
+    ]  # fmt: skip
+    lines = [
+        "## Hyperparameters",
+        "",
+        f"Classification, every row {steps} steps of batch {BATCH}; member-steps"
+        " count every member trained (a network holding several members is "
+        "one), the compute beside the wall time in the tables.",
+        "",
+        "| method | optimizer | members trained | member-steps | its settings | "
+        "chosen on validation |",
+        "|---|---|---:|---:|---|---|",
+    ]
+    for name, optimizer, trained, settings, chosen in rows:
+        lines.append(
+            f"| {name} | {optimizer} | {trained} | {trained * steps:,} | "
+            f"{settings} | {chosen} |"
+        )
+    return [*lines, ""]
+
+
 def write_page(regression, classification, figures, seconds, size_name, path):
     now = datetime.date.today().isoformat()
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
@@ -1512,6 +1583,7 @@ def write_page(regression, classification, figures, seconds, size_name, path):
                                   "parameters", "train s", "predict µs"],
                            {"train s": 1, "predict µs": 1, "AURC": 4}))  # fmt: skip
         parts.append("")
+    parts += hyperparameter_table(SIZES[size_name]["steps"])
     parts += ["## Figures (seed 0)", ""]
     for image in figures:
         parts += [f"![{image}](images/results/{image})", ""]
