@@ -77,13 +77,14 @@ def test_claims_follow_the_paired_differences():
         "Concrete": {  # RMSE far outside; NLL inside the noise; dropout better
             recipe: {"RMSE": [7.0, 7.2, 7.1], "NLL": [3.0, 3.1, 3.05]},
             "deep ensemble (NLL)": {"RMSE": [7.0] * 3, "NLL": [3.02, 3.05, 3.1]},
-            "MC dropout (1 x 20 passes, NLL)": {
+            results.DROPOUT_REGRESSION: {
                 "RMSE": [7.0] * 3, "NLL": [2.9, 2.95, 2.92]},
         },
     }  # fmt: skip
     deep = f"deep ensemble ({results.MEMBERS})"
     rows = {
-        "single model": {"NLL": [0.5, 0.52, 0.48], "parameters": [10]},
+        "single model": {"NLL": [0.5, 0.52, 0.48], "parameters": [10],
+                         "AUROC far": [0.8] * 3, "AUROC near": [0.7] * 3},
         deep: {"NLL": [0.29, 0.31, 0.30], "ECE": [0.2, 0.21, 0.19],
                "parameters": [50], "AUROC far": [0.8] * 3, "AUROC near": [0.7] * 3},
         f"{deep}, Mahalanobis OOD score": {"AUROC far": [0.9, 0.91, 0.89],
@@ -92,10 +93,15 @@ def test_claims_follow_the_paired_differences():
         f"Packed-Ensembles ({results.MEMBERS}, alpha 2)": {
             "NLL": [0.31, 0.30, 0.32], "parameters": [20]},
         "Laplace mixture (KFAC, validation)": {"NLL": [0.4, 0.42, 0.41]},
-        "MC dropout (1 x 20 passes)": {"NLL": [0.35, 0.36, 0.34]},
+        results.DROPOUT_CLASSIFICATION: {"NLL": [0.35, 0.36, 0.34]},
         f"MultiSWAG ({results.MEMBERS} x 4)": {"NLL": [0.2, 0.21, 0.19]},
         f"hyper-deep ({results.MEMBERS} of {2 * results.MEMBERS}: L2, label "
         "smoothing)": {"NLL": [0.30, 0.29, 0.31]},
+        f"tuned deep ensemble ({results.MEMBERS} of "
+        f"{len(results.TUNED_L2) * results.MEMBERS}: L2, early stopping)": {
+            "NLL": [0.35, 0.34, 0.36]},
+        "SNGP (1 model)": {"AUROC far": [0.95, 0.96, 0.94],
+                           "AUROC near": [0.5, 0.52, 0.48]},
         "MC BatchNorm (1 x 20 batches)": {"NLL": [0.6, 0.62, 0.61]},
         results.MAP_ROW: {"AUROC far": [0.8] * 3, "AUROC near": [0.7] * 3},
         f"repulsive, function space ({results.MEMBERS})": {
@@ -118,7 +124,11 @@ def test_claims_follow_the_paired_differences():
     assert verdict("digits: a deep ensemble beats MC dropout") == "supported"
     assert verdict("MultiSWAG beats") == "supported"
     assert verdict("temperature scaling lowers") == "supported"
-    assert verdict("hyper-deep ensemble beats") == "no difference measured"
+    assert verdict("hyper-deep ensemble beats the deep") == "no difference measured"
+    assert verdict("hyper-deep ensemble beats a deep ensemble tuned") == "supported"
+    assert verdict("SNGP's distance-aware", "far") == "supported"
+    assert verdict("SNGP's distance-aware", "near") == "not supported"
+    assert not [ln for ln in lines if "DUE" in ln]  # (no DUE row: no claim)
     assert verdict("MC BatchNorm beats") == "not supported"
     assert verdict("function-space repulsion", "far") == "supported"
     assert verdict("function-space repulsion", "near") == "not supported"
