@@ -107,7 +107,15 @@ def test_claims_follow_the_paired_differences():
         f"repulsive, function space ({results.MEMBERS})": {
             "AUROC far": [0.85, 0.86, 0.84], "AUROC near": [0.65, 0.66, 0.64]},
     }  # fmt: skip
-    lines = results.claims(regression, {"digits": rows})
+    aci = f"EnbPI + ACI (gamma {results.ACI_GAMMA})"
+    series = {"a series": {
+        aci: {"coverage after the shift": [0.88, 0.89, 0.87]},
+        "EnbPI, a sliding residual window": {
+            "coverage after the shift": [0.75, 0.77, 0.76]},
+        "EnbPI, the training residuals": {
+            "coverage after the shift": [0.89, 0.87, 0.88]},
+    }}  # fmt: skip
+    lines = results.claims(regression, {"digits": rows}, series)
 
     def verdict(*fragments):
         line = next(ln for ln in lines if all(f in ln for f in fragments))
@@ -126,6 +134,10 @@ def test_claims_follow_the_paired_differences():
     assert verdict("temperature scaling lowers") == "supported"
     assert verdict("hyper-deep ensemble beats the deep") == "no difference measured"
     assert verdict("hyper-deep ensemble beats a deep ensemble tuned") == "supported"
+    assert verdict("adaptive conformal", "sliding") == "supported"
+    assert verdict("adaptive conformal", "training residuals") == (
+        "no difference measured"
+    )
     assert verdict("SNGP's distance-aware", "far") == "supported"
     assert verdict("SNGP's distance-aware", "near") == "not supported"
     assert not [ln for ln in lines if "DUE" in ln]  # (no DUE row: no claim)
@@ -164,7 +176,9 @@ def test_the_pages_cells_and_verdicts_are_those_of_its_per_split_numbers():
         digits_of = 4 if column == "AURC" else 3
         assert f"| {results.cell(digits[deep][column], digits_of)} |" in row, column
     # Every claim line on the page is the one the numbers give.
-    for line in results.claims(raw["regression"], raw["classification"]):
+    for line in results.claims(
+        raw["regression"], raw["classification"], raw.get("time series")
+    ):
         assert line in page, line
 
 
@@ -191,7 +205,9 @@ def test_the_per_split_csv_is_the_json_and_gives_the_pages_cells():
     page = (ROOT / "docs" / "results.md").read_text()
     boston = rebuilt["regression"]["Boston"][results.RECIPE]
     assert f"| {results.cell(boston['RMSE'])} |" in page
-    for line in results.claims(rebuilt["regression"], rebuilt["classification"]):
+    for line in results.claims(
+        rebuilt["regression"], rebuilt["classification"], rebuilt.get("time series")
+    ):
         assert line in page, line
 
 
