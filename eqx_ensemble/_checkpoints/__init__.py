@@ -1,3 +1,2 @@
-"""Checkpoints: the verified file format, PyTree structure records, leaves on
-one or many processes, checkpoint folders, and the `Checkpoints` component of
-`fit`."""
+"""Checkpoints: the verified file format, structure records, leaves on one or
+many processes, checkpoint folders, and `fit`'s `Checkpoints` component."""

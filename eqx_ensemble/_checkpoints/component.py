@@ -39,8 +39,7 @@ _ON_CORRUPT = ("raise", "previous")
 
 
 class Resumed(NamedTuple):
-    """What a checkpoint gives back to `fit`: the train state, the history, and
-    what the data source recorded of its position (`None`: nothing)."""
+    """What a checkpoint gives back to `fit` (`data`: the data source's position)."""
 
     train_state: TrainState
     history: History
@@ -54,15 +53,13 @@ class RunMismatchError(CheckpointError):
 class Checkpoints(Checkpointer):
     """Save a [`fit`][eqx_ensemble.fit] run to a folder, and resume it from there.
 
-    Every `every` steps, and at the end, the whole run (ensemble, optimizer and
-    model states, step, divergence record, best members, trackers, controllers'
-    states and the history) is written atomically with
+    Every `every` steps, and at the end, the whole run (train state and
+    history) is written atomically with
     [`ee.save_checkpoint`][eqx_ensemble.save_checkpoint], keeping the newest
     `keep`. If the folder already holds a checkpoint of this run, `fit`
-    **resumes** from the newest one and continues exactly as the uninterrupted
-    run would (array data: bit for bit; same random stream). The folder is
-    created and checked to be writable before the first step, so a bad path
-    costs no training.
+    **resumes** from the newest one and continues bit for bit as the
+    uninterrupted run would. The folder is checked to be writable before the
+    first step.
 
     **Arguments:**
 
@@ -72,20 +69,13 @@ class Checkpoints(Checkpointer):
     - `on_corrupt`: what resuming does when the newest checkpoint cannot be
       read: `"raise"` (default) or `"previous"`: fall back to the newest intact
       one (the skipped files are left in place and named in a message).
-    - `sharded`: the format of the checkpoints written, as for
-      [`ee.save`][eqx_ensemble.save]: `None` (default) writes sharded folders
-      (each process writes only its shards) when `jax.process_count() > 1` and
-      single files otherwise; `True`/`False` force one. Resuming reads either,
-      onto any mesh and number of processes.
-    - `asynchronous`: write each checkpoint in the background while training
-      goes on (`False`: `fit` waits for each). The arrays are copied to the
-      host when the checkpoint is due (that much `fit` waits for); a thread
-      hashes and writes them, committing atomically as a synchronous save
-      does. The next checkpoint, and the end of `fit`, wait for the previous
-      one (a failed write is raised there, with the run attached). On several
-      processes the commit (a barrier, then process 0's rename) happens at
-      that next wait: a run killed before it resumes from the checkpoint
-      before.
+    - `sharded`: the format written, as for [`ee.save`][eqx_ensemble.save]
+      (`None`: sharded folders when `jax.process_count() > 1`). Resuming reads
+      either, onto any mesh and number of processes.
+    - `asynchronous`: copy the arrays to the host when a checkpoint is due and
+      write them on a thread while training goes on. The next checkpoint and
+      the end of `fit` wait for it (a failed write is raised there, with the
+      run attached); on several processes it is committed at that wait.
 
     **Example:**
 
@@ -146,8 +136,7 @@ class Checkpoints(Checkpointer):
         return bool(list_checkpoints(self.directory))
 
     def next_stop(self, done: int) -> int | None:
-        """The first step after `done` at which a checkpoint is due (`None`:
-        only at the end); a dispatch ends there."""
+        """The first step after `done` with a checkpoint due (`None`: the end)."""
         if self.every is None:
             return None
         return (done // self.every + 1) * self.every
@@ -162,9 +151,7 @@ class Checkpoints(Checkpointer):
         run: dict[str, Any],
         data: dict[str, Any] | None = None,
     ) -> "Path | PendingSave":
-        """Write the run at its current step (`data`: what the data source
-        records of its position there, JSON). Asynchronous: a `PendingSave`
-        whose `wait()` the caller calls before the next save."""
+        """Write the run at its current step (`data`: the data source's position)."""
         step = int(train_state.step)
         return _save_checkpoint(
             self.directory,
@@ -190,9 +177,8 @@ class Checkpoints(Checkpointer):
     def resume(
         self, template: TrainState, run: Any, steps: int | None
     ) -> Resumed | None:
-        """The newest checkpoint of this run (`None` if the folder has none).
-        Raises a `CheckpointError` if it belongs to another run, or holds more
-        than `steps` steps."""
+        """The newest checkpoint of this run (`None`: none); a `CheckpointError`
+        if it is of another run or past `steps`."""
         checkpoints = list_checkpoints(self.directory)
         if not checkpoints:
             return None
@@ -292,10 +278,7 @@ class Checkpoints(Checkpointer):
     ) -> FitResult | None:
         """The run's newest checkpoint as a [`FitResult`][eqx_ensemble.FitResult]
         (`None` if the folder holds none). The arguments describe the run as
-        given to `fit` (an ensemble of the same structure, the optimizer, and
-        the model state, `hyper`, evaluation, trackers and the `callbacks` it
-        had, whose controllers hold state in the checkpoint),
-        so the saved arrays can be checked against them.
+        given to `fit`, so the saved arrays can be checked against them.
 
         **Example:**
 

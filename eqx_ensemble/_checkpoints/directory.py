@@ -77,8 +77,7 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     for name in names:
         match = CHECKPOINT_NAME.match(name)
         path = directory / name
-        # (a named pipe under a checkpoint's name is not one; a folder is a
-        # sharded checkpoint, committed by its manifest)
+        # (not a named pipe; a folder is a sharded checkpoint if it has a manifest)
         if match is not None and (path.is_file() or (path / MANIFEST).is_file()):
             found.append((int(match.group(1)), path))
     return sorted(found)
@@ -115,16 +114,10 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Verify a whole checkpoint file without a `like`, and return its manifest.
 
-    Checks everything [`ee.load`][eqx_ensemble.load] checks that does not depend
-    on `like`: the header, the manifest's sha256, the file's length, every leaf
-    entry (a known kind and dtype, a known PRNG implementation, a well-formed
-    Python value, its bytes inside the data section), and the data's sha256
-    (read in chunks, not held in memory). For a file named like
-    [`ee.save_checkpoint`][eqx_ensemble.save_checkpoint]'s `step_<n>.ckpt`, also
-    that the manifest records step `n` (a renamed or copied checkpoint is
-    refused). For a sharded checkpoint (a folder), every stored shard is read and
-    checked against its sha256, one at a time. Use it to check a file before
-    relying on it, e.g. the newest of a folder, without building the model.
+    Checks everything [`ee.load`][eqx_ensemble.load] checks without `like`: the
+    header, the manifest's sha256, the file's length, every leaf entry, and the
+    data's sha256 (read in chunks); for a `step_<n>.ckpt` name, that the manifest
+    records step `n`; for a sharded checkpoint, every shard's sha256.
 
     **Arguments:**
 
@@ -184,13 +177,10 @@ def save_checkpoint(
     """Save `tree` as checkpoint number `step` in a folder, keeping the last `keep`.
 
     Writes `directory/step_<step>.ckpt` atomically with [`ee.save`][eqx_ensemble.save]
-    (the folder is created if needed; an existing checkpoint of the same step is
-    replaced), records `step` in the manifest, then deletes the oldest checkpoints
-    beyond the `keep` highest steps, and leftover temporary files of interrupted
-    writes. The checkpoint just written is never deleted. Find the newest with
-    [`ee.latest_checkpoint`][eqx_ensemble.latest_checkpoint]. Assumes one writer per
-    folder; in a multi-host run every process calls it (see `ee.save` for what
-    each writes).
+    (replacing a checkpoint of the same step), records `step` in the manifest,
+    then deletes all but the `keep` highest steps (never the one just written) and
+    temporaries of interrupted writes. One writer per folder; in a multi-host run
+    every process calls it.
 
     **Arguments:**
 
@@ -275,14 +265,11 @@ def _step_number(step: Any) -> int:
 
 
 def _prune(directory: Path, *, keep: int | None, written: Path) -> None:
-    """Remove abandoned temporaries of this folder's checkpoints (never a live
-    writer's, see `remove_abandoned`), then all but the `keep` newest."""
+    """Remove abandoned temporaries, then all but the `keep` newest checkpoints."""
     names = os.listdir(directory)
     remove_abandoned(directory / name for name in names if _TEMPORARY_NAME.match(name))
-    # Sharded checkpoints' temporary folders left by an interrupted write (one
-    # writer per folder: the one just written has been renamed). A checkpoint
-    # set aside for its replacement by a writer that died before the
-    # replacement was in place goes back; anything else is removed.
+    # A sharded temporary folder of an interrupted write is removed, except a
+    # checkpoint set aside for a replacement that never arrived: it goes back.
     for name in names:
         match = _PARTIAL_FOLDER.match(name)
         if match is None:
@@ -306,12 +293,8 @@ def _prune(directory: Path, *, keep: int | None, written: Path) -> None:
 
 
 def check_writable_directory(directory: str | os.PathLike[str]) -> Path:
-    """Create `directory` if needed and check that checkpoints can be written there,
-    by writing and removing a probe file the way checkpoints are written (temporary
-    file, fsync, rename). Raises a `CheckpointError` naming the folder and the
-    reason (not a folder, cannot be created, not writable, full...). For callers
-    that save after long work (`fit`): call it before the work, so a bad path
-    costs nothing. Returns the folder as a `Path`."""
+    """Create `directory` and write a probe file there the way checkpoints are
+    written, before any work; a `CheckpointError` names the folder and reason."""
     path = as_path(directory, "directory")
 
     def write(probe: Path) -> None:
@@ -332,14 +315,8 @@ def check_writable_directory(directory: str | os.PathLike[str]) -> Path:
 def newest_intact_checkpoint(
     directory: str | os.PathLike[str], verify: Callable[[Path], object]
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint of a folder that `verify` accepts, and the newer ones
-    it refused, newest first, with the reason.
-
-    `verify(path)` raises a `CheckpointError` or `OSError` for a checkpoint that
-    cannot be used (its return value is ignored); `verify_checkpoint` is the
-    check without a `like`, `lambda path: load(path, like)` the full one. Other
-    exceptions propagate. Returns `(None, skipped)` when no checkpoint passes,
-    `(None, [])` for an empty or missing folder."""
+    """The newest checkpoint `verify` accepts (it raises `CheckpointError` or
+    `OSError` to refuse), or `None`, and the newer refused ones with the reason."""
     skipped: list[tuple[Path, str]] = []
     for _, path in reversed(list_checkpoints(directory)):
         try:

@@ -1,20 +1,8 @@
 """The checkpoint container: one file holding a JSON manifest and the leaves' bytes.
 
-Layout (integers little-endian):
-
-| offset   | size     | content                                                  |
-|----------|----------|----------------------------------------------------------|
-| 0        | 8        | magic `b"\\x89EQXENS\\n"`                                 |
-| 8        | 8        | `M`, the manifest length (uint64)                        |
-| 16       | 32       | sha256 of the manifest bytes                             |
-| 48       | `M`      | the manifest: UTF-8 JSON                                 |
-| 48 + `M` | `D`      | the data: every array leaf's raw C-order little-endian   |
-|          |          | bytes at the 64-byte-aligned offset its manifest entry   |
-|          |          | names; `D` and the data's sha256 are in the manifest     |
-
-The file is exactly `48 + M + D` bytes long, so truncation and trailing garbage
-are detected before anything is decoded. Files are written atomically (see
-`write_file`).
+Layout (in the checkpoints guide): 8 magic bytes, the manifest's length (uint64
+LE) and sha256, the JSON manifest, then the data. The file is exactly
+`48 + M + D` bytes, so truncation and trailing bytes are caught before decoding.
 """
 
 import contextlib
@@ -54,9 +42,8 @@ _FILE_KINDS = {
     stat.S_IFCHR: "character device",
     stat.S_IFBLK: "block device",
 }
-# The temporaries of writers that lock them (see `remove_abandoned`); those of
-# older versions are `.<target>.<16 hex>.tmp`. A live write touches its file at
-# least every leaf: one untouched for `STALE_AFTER_SECONDS` is abandoned.
+# The temporaries of writers that lock them (others: `.<target>.<16 hex>.tmp`).
+# A live write touches its file at least every leaf.
 _LOCKING_WRITER = re.compile(r"-p[0-9]+" + re.escape(TEMP_SUFFIX) + "$")
 STALE_AFTER_SECONDS = 3600.0
 
@@ -66,10 +53,9 @@ class CheckpointError(ValueError):
 
     Raised by [`ee.load`][eqx_ensemble.load] and
     [`ee.load_manifest`][eqx_ensemble.load_manifest] for a file that is not a
-    checkpoint, is truncated, has trailing bytes, fails its sha256 check, was written
-    by a newer format version, or holds a tree that differs from `like` (the message
-    names the first differing leaf path with both shapes/dtypes, or both ensemble
-    sizes). A subclass of `ValueError`.
+    checkpoint, is truncated or corrupt, has a newer format version, or differs
+    from `like` (the message names the first differing leaf path with both
+    shapes/dtypes, or both ensemble sizes). A subclass of `ValueError`.
 
     **Example:**
 
@@ -88,10 +74,8 @@ class CheckpointError(ValueError):
 
 
 def as_path(value: Any, name: str) -> Path:
-    """A path argument as a `Path`, or a `TypeError` naming the argument (an int
-    would be taken by `os` functions as an open file descriptor), or a
-    `ValueError` for an empty string (which `Path` would read as the current
-    folder)."""
+    """A path argument as a `Path`: not an int (`os` takes it as a descriptor)
+    nor an empty string (`Path` reads it as the current folder)."""
     if not isinstance(value, str | os.PathLike) or isinstance(value, bytes):
         raise TypeError(
             f"`{name}` must be a path (str or os.PathLike), got "
@@ -106,14 +90,9 @@ def as_path(value: Any, name: str) -> Path:
 
 
 def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
-    """Write a checkpoint file atomically: into a temporary file in the same
-    folder, flushed and fsynced, renamed over `path`, then the folder fsynced.
-
-    `chunks` are the data section in order (bytes-like objects, padding included);
-    their length and sha256 are added to `manifest` under `"data"`. An `OSError`
-    (a full disk, a folder that cannot be written...) is raised again with `path`
-    named in it, after the temporary file is removed: nothing partial is left.
-    """
+    """Write a checkpoint atomically (temporary file, fsync, rename, folder
+    fsync); `chunks` are the data section, its length and sha256 go in the
+    manifest. An `OSError` names `path` and leaves nothing partial."""
     digest = hashlib.sha256()
     for chunk in chunks:
         digest.update(chunk)
@@ -173,9 +152,7 @@ _LIVE_LOCK = threading.Lock()
 
 
 def _create_temporary(path: Path) -> tuple[Path, int]:
-    """A new temporary file for `path`, open for writing and locked (`flock`) for
-    as long as it is open: a cleaner removes only temporaries it can lock, which
-    no live writer's are."""
+    """A new temporary file for `path`, open and `flock`ed while it is open."""
     while True:
         name = f".{path.name}.{secrets.token_hex(8)}-p{os.getpid()}{TEMP_SUFFIX}"
         temporary = path.parent / name
@@ -231,16 +208,10 @@ def remove_stale_temporaries(target: Path) -> None:
 
 
 def remove_abandoned(temporaries: Iterable[Path]) -> None:
-    """Remove those of `temporaries` (`write_file`'s) whose writer is gone, never
-    one a live writer is using.
-
-    A writer holds an exclusive `flock` on its temporary from its creation until
-    it is renamed or removed; the kernel drops the lock when the writer dies. A
-    locking writer's temporary (`-p<pid>.tmp`) that this process is not writing
-    and that can be locked is therefore abandoned, and is removed while the lock
-    is held (a writer that lost its fresh file this way starts over). Any other
-    goes once untouched for `STALE_AFTER_SECONDS`.
-    """
+    """Remove those of `temporaries` whose writer is gone. A writer `flock`s its
+    temporary until the rename and the kernel drops the lock when it dies, so a
+    locking writer's temporary (`-p<pid>.tmp`) we can lock is abandoned; any
+    other goes once untouched for `STALE_AFTER_SECONDS`."""
     now = time.time()
     for candidate in temporaries:
         with _LIVE_LOCK:

@@ -1,11 +1,7 @@
 """`save` / `load`: verified, atomic checkpoints of any PyTree (ensembles included).
 
-Why a container of our own rather than `eqx.tree_serialise_leaves`: that format is
-a bare stream of `np.save` records with no manifest, so it cannot say which leaf
-of a mismatched file differs, cannot detect a flipped byte, and cannot restore typed
-PRNG keys or shardings. Ours keeps its spirit (leaves stored in flattening order,
-non-array leaves taken from `like`) and adds a verified manifest; the layout is
-documented in `file.py` and in `ee.save`'s docstring.
+Not `eqx.tree_serialise_leaves`: its bare `np.save` stream cannot name a differing
+leaf, detect a flipped byte, or restore typed keys and shardings (checkpoints guide).
 """
 
 import json
@@ -85,33 +81,21 @@ def save(
     Other leaves (functions, strings...) and static fields are not stored: `load`
     takes them from `like`, as `eqx.tree_deserialise_leaves` does.
 
-    **File format** (version 1): 8 magic bytes `\\x89EQXENS\\n`, the manifest length
-    (uint64 little-endian), the manifest's sha256, the manifest (UTF-8 JSON), then
-    the data: each array's raw little-endian C-order bytes at a 64-byte-aligned
-    offset. The manifest holds the format name and version, the library, JAX and
-    Equinox versions, the tree's `treedef` text, its node types and static fields,
-    per leaf its path, kind, shape, dtype, offset and size (or its Python value),
-    the size of every `ee.Ensemble` in the tree (`ensemble_size` for the first),
-    the data's length and sha256, and your `metadata`.
+    **File format** (version 1, laid out in the checkpoints guide): a header,
+    a verified JSON manifest (versions, treedef, node types and static fields,
+    each leaf's path, kind, shape, dtype and offset, every `ee.Ensemble`'s size,
+    the data's sha256, your `metadata`), then each array's raw little-endian
+    C-order bytes at a 64-byte-aligned offset.
 
     **Sharded** (`sharded=True`; the default when `jax.process_count() > 1`):
-    `path` becomes a folder in which each process writes, in parallel, only the
-    shards of the `jax.Array` leaves its devices own (zarr v3 arrays written with
-    tensorstore, one chunk file per shard; a shard replicated on several processes
-    is written once, the bytes balanced among them): nothing is gathered, so an
-    ensemble larger than one host's memory can be saved. A manifest like the
-    single file's, with a sha256 per stored shard, commits the folder: it is
-    written to `.<name>.sharded.tmp/` and renamed into place by process 0 once
-    every process has written its shards. `load` reads only the shards the loading
-    devices need, checks each against its sha256, and places them on any mesh
-    (saved by 2 processes, loaded by 1, and the other way round). Needs
-    `tensorstore` (`pip install 'eqx_ensemble[distributed]'`); the layout is in the
-    checkpoints guide. Every process must call `save` with its part of the same
-    global tree, on a file system every process can read; all return once the
-    folder is in place. `sharded=False` on several processes writes the single
-    file: arrays that are not fully addressable are gathered to every process
-    (`process_allgather`) and process 0 writes it. In one process the default is
-    the single file, and nothing is synchronised.
+    `path` becomes a folder in which each process writes only the shards its
+    devices own (zarr v3 with tensorstore, each shard once): nothing is gathered.
+    A manifest with a sha256 per shard commits the folder once every process has
+    written. `load` reads only the shards its devices need, verified, onto any
+    mesh. Needs `tensorstore` (`pip install 'eqx_ensemble[distributed]'`). Every
+    process must call `save` with its part of the same global tree, on a shared
+    file system. `sharded=False` on several processes gathers the arrays and
+    process 0 writes the single file.
 
     **Arguments:**
 
@@ -225,19 +209,15 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
 def load(path: str | os.PathLike[str], like: Tree) -> Tree:
     """Load a checkpoint written by [`ee.save`][eqx_ensemble.save] into `like`'s shape.
 
-    The file is verified before anything is returned: its header, the manifest's
-    sha256, its length (truncation, trailing bytes) and the data's sha256; and the
-    stored tree is compared with `like`: ensemble sizes, node types and static
-    fields, leaf paths, and each leaf's kind, shape and dtype. Non-array leaves
-    (functions...) and static fields come from `like`; Python numbers are restored
-    from the file as the Python type found in `like`.
+    The file is verified (header, sha256s, length) and the stored tree compared
+    with `like` (ensemble sizes, node types and static fields, leaf paths, each
+    leaf's kind, shape and dtype) before anything is returned. Non-array leaves
+    and static fields come from `like`; Python numbers take `like`'s type.
 
-    Placement follows `like`: a loaded array is put on the sharding of `like`'s
-    leaf (`jax.device_put(x, like_leaf.sharding)`), so a checkpoint saved from a run
-    sharded over 8 devices loads onto 1 device or another mesh, and the other way
-    round. `like` may come from `eqx.filter_eval_shape` (leaves are
-    `jax.ShapeDtypeStruct`s): arrays then go on the struct's sharding if it has one,
-    otherwise on the default device. NumPy leaves in `like` load as NumPy arrays.
+    Placement follows `like`: each array goes on the sharding of `like`'s leaf,
+    so a checkpoint of any mesh loads onto any other. `like` may come from
+    `eqx.filter_eval_shape` (arrays then go on the struct's sharding, if any, else
+    the default device). NumPy leaves in `like` load as NumPy arrays.
 
     **Arguments:**
 
@@ -301,11 +281,9 @@ def load(path: str | os.PathLike[str], like: Tree) -> Tree:
     except Exception as error:  # noqa: BLE001 - raised below, after the agreement
         failure = error
     if jax.process_count() > 1 and path.is_dir():
-        # Each process read only its chunks of a sharded checkpoint: all must
-        # have succeeded, or all refuse the checkpoint (a resume then falls
-        # back, or fails, together). Any error counts: one process raising
-        # alone would leave the others waiting here. A single file is read
-        # whole by each process that loads it (one may load it on its own).
+        # Each process read only its own chunks: all succeed or all refuse (one
+        # raising alone would leave the others waiting). A single file is read
+        # whole by each process, so one may load it on its own.
         failed = failed_processes(failure)
         if failed and failure is None:
             raise CheckpointError(
@@ -408,8 +386,7 @@ def checked_records(file: CheckpointFile) -> list[dict[str, Any]]:
 def load_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and verify a checkpoint's manifest without loading its arrays.
 
-    Checks the header, the manifest's sha256 and the file's length (not the data's
-    sha256: [`ee.load`][eqx_ensemble.load] does that).
+    Checks the header, the manifest's sha256 and the file's length (not the data).
 
     **Arguments:**
 

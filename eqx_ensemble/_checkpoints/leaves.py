@@ -1,12 +1,5 @@
 """Leaves to bytes and back: what `save` stores per leaf, how a manifest's leaf
-records are checked, and where `load` puts each leaf.
-
-Arrays are stored as raw little-endian C-order bytes; typed PRNG keys as their
-`jax.random.key_data` plus the implementation name; Python numbers exactly in the
-manifest (floats as `float.hex`). Loaded arrays are placed like `like`'s leaf: on
-its sharding if it is a committed `jax.Array` or a `jax.ShapeDtypeStruct` with a
-sharding, uncommitted on the default device otherwise, weakly typed if it is.
-"""
+records are checked, and where `load` puts each leaf (like `like`'s leaf)."""
 
 import functools
 import math
@@ -31,12 +24,10 @@ def encode_leaves(
     copy: bool = False,
     stored: Callable[[Any], bool] = lambda leaf: False,
 ) -> tuple[list[dict], list[Any], list[tuple[int, dict[str, Any], Any]]]:
-    """Manifest records for `(path, leaf)` pairs, and the data section's chunks
-    (array bytes and alignment padding, in order). `copy`: the chunks own their
-    bytes (they may alias device buffers otherwise, which a run reuses while a
-    background write reads them). The array leaves that `stored` picks are not
-    in the data section (a sharded checkpoint stores them): returned as
-    `(index, record, array)`, the array a typed key's key data."""
+    """Manifest records for `(path, leaf)` pairs, and the data section's chunks.
+    `copy`: the chunks own their bytes (else they may alias device buffers that
+    the run reuses during a background write). The leaves `stored` picks are
+    returned as `(index, record, array)` instead (a sharded checkpoint's)."""
     records: list[dict[str, Any]] = []
     chunks: list[Any] = []
     elsewhere = []
@@ -141,8 +132,7 @@ def host_view(data: bytearray, record: dict[str, Any]) -> np.ndarray:
 
 
 def _placement(like_leaf: Any) -> tuple[Any, bool]:
-    """The sharding to put a loaded array on (`None`: default device, uncommitted)
-    and whether it should be weakly typed."""
+    """The loaded array's sharding (`None`: default device) and weak type."""
     if isinstance(like_leaf, jax.Array):
         sharding = like_leaf.sharding if like_leaf.committed else None
         return sharding, getattr(like_leaf, "weak_type", False)
@@ -156,9 +146,8 @@ def _whole(source: Any) -> np.ndarray:
 
 
 def place_array(source: Any, like_leaf: Any) -> Any:
-    """An array leaf from `source`, placed like `like_leaf`. `source` is a host
-    array or a leaf read lazily (`source[index]` reads that part, `.full()` all
-    of it): across processes, each reads only its devices' parts."""
+    """An array leaf from `source` (a host array, or a `LazyLeaf` read per part),
+    placed like `like_leaf`."""
     if isinstance(like_leaf, np.ndarray):
         return _whole(source).copy()
     if isinstance(like_leaf, np.generic):
@@ -188,11 +177,8 @@ def place_key(source: Any, impl: str, like_leaf: Any) -> Any:
 
 
 def record_error(record: Any, data_bytes: int, sharded: bool) -> str | None:
-    """What is wrong with one manifest leaf record on its own (no `like` needed),
-    or `None`: a known kind, a restorable dtype, a known PRNG implementation whose
-    key data has the recorded shape, a well-formed Python value, and a size and
-    offset inside the data section, or (`sharded`) a well-formed store entry. Run
-    before anything is allocated, so a forged shape cannot ask for more memory
+    """What is wrong with one manifest leaf record on its own, or `None`. Run
+    before anything is allocated: a forged shape cannot ask for more memory
     than the file holds."""
     if not isinstance(record, dict) or not isinstance(record.get("path"), str):
         return f"a leaf entry is malformed: {_short(record)}"
@@ -235,10 +221,8 @@ def record_error(record: Any, data_bytes: int, sharded: bool) -> str | None:
 
 
 def _store_error(record: dict[str, Any], where: str, sharded: bool) -> str | None:
-    """What is wrong with a leaf's `"store"` entry (a sharded checkpoint's
-    array's): a supported dtype and a shape agreeing with the leaf's, a positive
-    chunk shape, and chunk entries that cover the grid exactly once, each with a
-    sha256."""
+    """What is wrong with a sharded leaf's `"store"` entry: its chunks must cover
+    the grid exactly once, each with a sha256."""
     store = record["store"]
     if not sharded:
         return f"{where} names stored shards, which a single file has not"

@@ -1,30 +1,11 @@
 """Sharded checkpoints: a folder per checkpoint, each process writing the shards it
 owns with tensorstore, committed by a verified manifest.
 
-Layout of a sharded checkpoint `<name>/` (written as `.<name>.sharded.tmp/`, then
-renamed into place by process 0):
-
-- `manifest.ckpt`: the single-file container of `file.py`, whose manifest is a
-  single file's except that the record of each `jax.Array` leaf has a `"store"`
-  entry in place of `offset`/`nbytes`; its data section holds the other leaves
-  (NumPy arrays), written by process 0.
-- `arrays/<n>/`: the `n`-th leaf (a typed PRNG key as its key data) as a zarr v3
-  array: a regular chunk grid whose chunk is the leaf's shard (one chunk file
-  `c/<i>/<j>...` per stored shard), raw little-endian bytes (`bytes` codec),
-  every chunk stored. The `"store"` entry records the stored dtype and shape, the
-  chunk shape, and per chunk its grid position, the process that wrote it and
-  the sha256 of its bytes (C order, little-endian).
-
-Writing: process 0 creates the temporary folder and each array's `zarr.json`;
-each process writes the chunks it owns (a shard held by several processes is
-written by one of them, chosen to balance the bytes each writes; nothing is
-gathered) and a part file of their digests; process 0 checks that the parts
-cover every chunk, writes `manifest.ckpt` and renames the folder into place
-(atomic: a folder is either absent or complete). Loading reads only the chunks
-that overlap the parts of the arrays the loading devices hold. No code is
-executed on load: the tensorstore spec is built here (driver, path), the files
-choose only among tensorstore's built-in decoders, and every chunk's bytes are
-checked against the manifest's sha256 before they are used.
+Layout (in the checkpoints guide): `manifest.ckpt`, the single-file container whose
+`jax.Array` records hold a `"store"` entry (dtype, shapes, per chunk its position,
+writer and sha256), and `arrays/<n>/`, leaf `n` as a zarr v3 array whose chunk is
+its shard. No code runs on load: the tensorstore spec is built here, and every
+chunk is checked against its sha256 before use.
 """
 
 import contextlib
@@ -82,9 +63,8 @@ def _tensorstore() -> Any:
 
 
 class _Leaf:
-    """A `jax.Array` leaf to store (`array`: a key leaf's key data) and its chunk
-    plan: the chunk is a shard, `holders` maps each chunk's start to the devices
-    holding it, by id. From the global sharding only: every process agrees."""
+    """A `jax.Array` leaf to store and its chunk plan (`holders`: each chunk's
+    start to the devices holding it), from the global sharding only."""
 
     def __init__(self, index: int, record: dict[str, Any], array: jax.Array):
         self.index, self.record, self.array = index, record, array
@@ -122,11 +102,9 @@ class _Leaf:
 
 
 def _balance(leaves: list[_Leaf], local: list[bool]) -> dict[tuple[int, Any], int]:
-    """The process that writes each chunk `(leaf index, start)`: among those of
-    the devices holding it, the one that has written the fewest bytes so far
-    (then the lowest index), so every process agrees. An array that each
-    process holds whole (`local`, agreed beforehand) holds each process's own
-    value: process 0's is saved, as in one file."""
+    """The process that writes each chunk `(leaf index, start)`: of its holders,
+    the one with the fewest bytes so far. An array each process holds whole
+    (`local`) is process 0's, as in one file."""
     written: Counter[int] = Counter()
     writers = {}
     for leaf, own in zip(leaves, local, strict=True):
@@ -165,11 +143,8 @@ def _digest(host: np.ndarray) -> str:
 def sharded_write(
     path: Path, leaves: list[tuple[Any, Any]], manifest: dict[str, Any], copy: bool
 ) -> tuple[list[Phase], list[Phase]]:
-    """The phases (`writer.write`'s `prepare` and `finish`) that write the
-    flattened tree `leaves` as a sharded checkpoint at `path` (every process
-    calls it with its part of the same global tree). `manifest` is completed
-    with the leaves' records; `copy`: the host copies must not alias device
-    buffers (the write goes on in the background)."""
+    """The `prepare` and `finish` phases that write `leaves` as a sharded
+    checkpoint at `path`, completing `manifest` (`copy`: as `encode_leaves`)."""
     write = _ShardedWrite(path, leaves, manifest, copy)
     prepare = [Phase(write.create), Phase(write.copy_own, everyone=True)]
     return prepare, [Phase(write.write_own, everyone=True), Phase(write.commit)]
@@ -184,8 +159,7 @@ class _ShardedWrite:
     ):  # fmt: skip
         self.path, self.manifest, self.ts = path, manifest, _tensorstore()
         self.process, self.count = jax.process_index(), jax.process_count()
-        # NumPy arrays and Python numbers: in the manifest's data section, as in
-        # the single-file format (process 0's values).
+        # NumPy arrays and Python numbers: in the manifest's data section.
         manifest["leaves"], self.chunks, elsewhere = encode_leaves(
             leaves, copy=copy, stored=lambda leaf: isinstance(leaf, jax.Array)
         )
@@ -199,14 +173,11 @@ class _ShardedWrite:
             local = [bool(x) for x in np.all(every.reshape(self.count, -1), axis=0)]
         self.writers = _balance(self.stored, local)
         self.partial = partial_folder(path)
-        # This process's shards on its host (the run may overwrite the device
-        # buffers as soon as `save` returns, when the write goes on in the
-        # background).
+        # This process's shards on its host (the run may reuse the device buffers).
         self.own: list[tuple[_Leaf, list[tuple[tuple[int, ...], np.ndarray]]]] = []
 
     def create(self) -> None:
-        """Process 0: a fresh temporary folder (a leftover of an interrupted
-        write of the same checkpoint is removed) and every array's metadata."""
+        """Process 0: a fresh temporary folder and every array's metadata."""
         ts, partial = self.ts, self.partial
         check_replaceable(self.path)
         make_parent(self.path)
@@ -244,8 +215,7 @@ class _ShardedWrite:
                 self.own.append((leaf, hosts))
 
     def write_own(self) -> None:
-        """Every process: the chunks it owns, in parallel; their digests to a
-        part file."""
+        """Every process: its chunks, their digests to a part file."""
         futures = []
         digests: dict[str, list[dict[str, Any]]] = {}
         for leaf, hosts in self.own:
@@ -318,8 +288,7 @@ class _ShardedWrite:
 
 @contextlib.contextmanager
 def _as_os_error() -> Iterator[None]:
-    """Tensorstore reports I/O failures (a full disk, a file in the way) as
-    `ValueError`s: raise them as the `OSError`s every other write raises."""
+    """Tensorstore's I/O failures (`ValueError`s) as the `OSError`s of a write."""
     try:
         yield
     except ValueError as error:
@@ -355,8 +324,7 @@ class ShardedReader:
         self._chunks: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
 
     def forget(self) -> None:
-        """Drop the chunks read so far (after each leaf: a load holds one
-        leaf's chunks at a time)."""
+        """Drop the chunks read so far (a load holds one leaf's at a time)."""
         self._chunks.clear()
 
     def error(self, message: str) -> CheckpointError:
@@ -417,8 +385,8 @@ class ShardedReader:
     def check_file(
         self, index: int, record: dict[str, Any], position: tuple[int, ...]
     ) -> str:
-        """The chunk's file, described for errors, once it is known to exist with
-        the size its raw bytes have (before anything is allocated for it)."""
+        """The chunk's file, once known to have its raw bytes' size (before any
+        allocation), and its description for errors."""
         spec = record["store"]
         # zarr v3's default chunk key encoding: c/<i>/<j>...; a 0-d array's is c.
         path = self.folder.joinpath(ARRAYS, str(index), "c", *map(str, position))

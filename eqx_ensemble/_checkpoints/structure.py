@@ -1,18 +1,9 @@
 """How a PyTree is described in a checkpoint manifest, and compared with `like`.
 
-Each leaf is classified as one of:
-
-- `"array"`: a `jax.Array`, `np.ndarray` or NumPy scalar (or, in `like`, a
-  `jax.ShapeDtypeStruct`): its bytes are stored; shape and dtype must match.
-- `"key"`: a typed PRNG key array (`jax.random.key`): its `jax.random.key_data` is
-  stored with the implementation name, and the same typed key is restored.
-- `"bool"`, `"int"`, `"float"`, `"complex"`: a Python number, stored exactly in the
-  manifest and restored as the Python type found in `like`.
-- `"static"`: anything else (functions, strings...): not stored, taken from `like`.
-
-Nodes are described by their type name and, for dataclasses such as `eqx.Module`,
-their static fields, so that two trees with the same leaves but e.g. different
-static hyperparameters are told apart.
+A leaf is an `"array"` (bytes stored), a `"key"` (typed PRNG key: its key data and
+implementation), a Python `"bool"`/`"int"`/`"float"`/`"complex"` (stored exactly)
+or `"static"` (taken from `like`). Nodes are described by type name and static
+fields, so trees differing only in static hyperparameters are told apart.
 """
 
 import dataclasses

@@ -1,13 +1,7 @@
-"""The one checkpoint writer: a format (the single file, the sharded folder) is
-a list of phases that this module runs, now or on one background thread, with
-one multi-process agreement after each phase and one way to put the result in
-place.
-
-`prepare` runs before `save` returns (host copies of the arrays, the temporary
-folder); `finish` (the writing and the commit) now or on the `PendingSave`'s
-thread. On several processes an asynchronous write runs the first `finish`
-phase on the thread and the rest in `wait()`, so the collectives stay in
-program order on every process.
+"""The one checkpoint writer: a format is a list of phases run now or on a
+background thread, with a multi-process agreement after each. On several
+processes an asynchronous write runs the first `finish` phase on the thread and
+the rest in `wait()`, so the collectives stay in program order everywhere.
 """
 
 import contextlib
@@ -43,9 +37,7 @@ class Phase(NamedTuple):
 def write(
     path: Path, prepare: list[Phase], finish: list[Phase], asynchronous: bool
 ) -> "Path | PendingSave":
-    """Run a format's write phases for the checkpoint at `path`: `prepare` now,
-    `finish` now or (`asynchronous`) on a thread, whose `PendingSave` is
-    returned."""
+    """Run `prepare` now, `finish` now or (`asynchronous`) on a `PendingSave`."""
     run_phases(prepare, path)
     if not asynchronous:
         run_phases(finish, path)
@@ -88,9 +80,8 @@ def failed_processes(failure: BaseException | None) -> list[int]:
 
 
 def agree(failure: BaseException | None, path: Path) -> None:
-    """Wait for every process and raise on all of them if any failed
-    (`failure`: this process's error), after process 0 removed the temporary
-    folder: nothing is left half done."""
+    """Wait for every process; if any failed, process 0 removes the temporary
+    folder and all raise (`failure`: this process's error)."""
     failed = failed_processes(failure)
     if not failed:
         return
@@ -113,12 +104,8 @@ def agree(failure: BaseException | None, path: Path) -> None:
 
 
 class PendingSave:
-    """A checkpoint being written in the background
-    (`ee.Checkpoints(asynchronous=True)`): the arrays were copied to the host
-    when the save was asked for; a thread writes them.
-    `wait()` blocks until the checkpoint is committed (in place, atomically) and
-    raises the write's error, if any; on several processes, every process must
-    call it (a barrier, then process 0 commits)."""
+    """A checkpoint written on a thread from host copies of its arrays; every
+    process must call `wait()` (the commit)."""
 
     def __init__(
         self,
@@ -155,9 +142,8 @@ class PendingSave:
         return self.path
 
     def abandon(self) -> BaseException | None:
-        """Let the write end without committing it on several processes (for an
-        error path, where the other processes may not reach a barrier): joins
-        the thread, returns its error. On one process the write commits itself."""
+        """Join the thread without a multi-process commit (the others may not
+        reach the barrier); return its error."""
         self._thread.join()
         self._waited = True
         if self._commit is not None and self._failure is None:
@@ -199,10 +185,8 @@ def make_parent(path: Path) -> None:
 
 
 def set_aside(path: Path, *, doomed: bool = False) -> Path:
-    """Rename the checkpoint at `path` out of the listing: to be restored by the
-    next save if a crash comes before its replacement is in place (`.old`), or
-    removed (`doomed`, `.deleted`: pruning renames first, so a half-removed
-    folder is never listed)."""
+    """Rename the checkpoint at `path` out of the listing: `.old` (restored by the
+    next save after a crash) or, `doomed`, `.deleted`."""
     kind = "deleted" if doomed else "old"
     aside = path.parent / f".{path.name}.{secrets.token_hex(8)}.{kind}{PARTIAL_SUFFIX}"
     os.rename(path, aside)
@@ -217,11 +201,9 @@ def remove_tree(folder: Path) -> None:
 
 
 def put_in_place(path: Path, write: Callable[[], None], *, folder: bool) -> None:
-    """Run `write`, which puts a new checkpoint (a `folder` or a file) at `path`
-    with one atomic rename. A file replaces a file (`os.replace`); anything
-    else already there is first moved aside, put back if `write` fails, and
-    removed once it succeeds: a crash in between leaves the moved-aside one,
-    which the next save restores (`directory._prune`)."""
+    """Run `write` (one atomic rename to `path`). What is in the way, unless a
+    file replaces a file, is set aside, put back if `write` fails and removed
+    once it succeeds (after a crash, `directory._prune` restores it)."""
     in_the_way = path.is_dir() or (folder and (path.exists() or path.is_symlink()))
     aside = set_aside(path) if in_the_way else None
     try:

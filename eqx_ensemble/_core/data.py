@@ -70,10 +70,9 @@ SORT_ALONE_FROM = 16384
 
 
 def permutation(key: PRNGKeyArray, n: int) -> Int[Array, " n"]:
-    """`jax.random.permutation(key, n)`, bit for bit, ~3x faster on a CPU for
-    large `n`: each round sorts its keys alone (XLA's CPU sort of one array is
-    ~5x faster than key-value), see `_sorted_alone`. Elsewhere, or below
-    `SORT_ALONE_FROM`, it is `jax.random.permutation` itself."""
+    """`jax.random.permutation(key, n)`, bit for bit; on a CPU from
+    `SORT_ALONE_FROM` each round sorts its keys alone (XLA's CPU sort of one
+    array beats key-value)."""
 
     def reference(key: PRNGKeyArray) -> Array:
         return jax.random.permutation(key, n)
@@ -104,9 +103,8 @@ def _permutation_sorting_alone(key: PRNGKeyArray, n: int) -> Array:
 
 def _sorted_alone(keys: Array, values: Array) -> Array:
     """`lax.sort_key_val(keys, values)[1]` by sorting the keys alone: a value
-    goes to its key's first sorted position plus the equal keys before it. Ties
-    (~`n**2 / 2**33` pairs) are settled in rounds, one per tied key (all equal
-    would be quadratic)."""
+    goes to its key's first sorted position plus the equal keys before it (ties
+    settled in rounds)."""
     n = keys.shape[0]
     index = jnp.arange(n, dtype=jnp.int32)
     first = _first_positions(jnp.sort(keys), keys)

@@ -31,9 +31,8 @@ class Ensemble(eqx.Module, Generic[Member]):
     [`ee.ensemble`][eqx_ensemble.ensemble] or [`ee.stack`][eqx_ensemble.stack].
 
     Members may *share parts* (a frozen backbone under stacked heads): those array
-    leaves are held ONCE in `shared`, with `None` in their place in `members` (an
-    `eqx.partition` of the model); member `i` is `eqx.combine(<member i>, shared)`.
-    See the shared-parts guide.
+    leaves are held ONCE in `shared`, with `None` in their place in `members`;
+    member `i` is `eqx.combine(<member i>, shared)` (the shared-parts guide).
 
     **Arguments:**
 
@@ -112,8 +111,8 @@ class Ensemble(eqx.Module, Generic[Member]):
         - `index`: an `int` (a plain model), or a `slice`, a 1-D integer array or
           a boolean mask of length `len(ens)` (an `Ensemble`).
 
-        Concrete indices are bounds-checked; traced ones (under `jax.jit`) follow
-        JAX's indexing rules (clamped). Boolean masks must be concrete.
+        Concrete indices are bounds-checked; traced ones are clamped, as JAX
+        indexes. Boolean masks must be concrete.
         """
         size = len(self)
         if isinstance(index, slice):
@@ -229,9 +228,8 @@ def _take_leaves(leaves: list[Any], rows: Any, one: bool) -> list[Any]:
 
 
 def take_members(members: Any, index: Any, *, one: bool = False) -> Any:
-    """`leaf[index]` of every array leaf: one member (`one`) or a 1-D index array.
-    One compiled call when it pays (op by op compiles 10-15 programs, 0.2-0.4 s,
-    for an MLP); op by op when traced, on NumPy leaves, or across devices."""
+    """`leaf[index]` of every array leaf: one member (`one`) or a 1-D index array,
+    in one compiled call when it pays (op by op compiles a program per op)."""
     leaves, treedef = jax.tree.flatten(members)
     arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
     if _takes_in_one_call(arrays, index):
@@ -508,12 +506,10 @@ def ensemble(
     """Build an ensemble whose weights are born stacked.
 
     Calls `make(member_key)` under `eqx.filter_vmap` over
-    `jax.random.split(key, size)`: traced once, initialised for all members in one
-    compiled program, which a `make` with the same code and values reuses. As
-    under `jax.jit`, Python side effects happen at trace time, and an object
-    `make` reads that is not a number, array or function is keyed by identity
-    (changed in place, it is not read again). A `make` that reads an array's
-    value is run op by op instead.
+    `jax.random.split(key, size)`: one compiled program for all members, reused
+    by a `make` with the same code and values. As under `jax.jit`, side effects
+    happen at trace time and other objects `make` reads are keyed by identity
+    (not read again if changed in place).
 
     **Arguments:**
 
@@ -595,9 +591,8 @@ def _ensemble_with_shared(
 def _shared_parts(
     make: Callable[..., Any], stateful: bool, mask: PyTree[bool], member_keys: Any
 ) -> Any:
-    """The members' own parts (and states) under `eqx.filter_vmap`, and the
-    shared part built once from the first key. (Module-level so its cache key
-    is stable under jaxtyping's import hook.)"""
+    """The members' own parts under `eqx.filter_vmap`, and the shared part built
+    once (module-level: a cache key stable under jaxtyping's import hook)."""
 
     def stacked_part(member_key: Any) -> Any:
         made = make(member_key)

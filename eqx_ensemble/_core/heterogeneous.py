@@ -18,18 +18,15 @@ from .mapping import map_members
 class Heterogeneous(eqx.Module):
     """Several [`ee.Ensemble`][eqx_ensemble.Ensemble]s whose members differ in
     architecture, held and trained as one ensemble: members are numbered across
-    the groups in order. Each group stays stacked: a step runs one vectorised
-    computation per group, all in one compiled program.
+    the groups in order. Each group stays stacked: one vectorised computation
+    per group, all in one compiled program.
 
     [`ee.fit`][eqx_ensemble.fit], [`ee.predict`][eqx_ensemble.predict],
     [`ee.map`][eqx_ensemble.map] and calling it take it like an `Ensemble`:
-
-    - `fit`: one optimizer state and one model state per group (tuples), one
-      history `(steps, members)` over all members. Member `i` gets exactly the
-      key, batches, `hyper=` row and divergence guard of member `i` of an
-      `Ensemble` of `len(het)` members.
-    - `predict`/`map` return the groups' outputs concatenated along the member
-      axis when their structures and shapes agree, else a tuple per group.
+    `fit` holds one optimizer and model state per group (tuples), and member
+    `i` gets exactly the key, batches, `hyper=` row and guard of member `i` of
+    an `Ensemble` of `len(het)` members; `predict`/`map` concatenate the groups'
+    outputs along the member axis where they agree, else give a tuple.
 
     **Arguments:**
 
@@ -133,9 +130,8 @@ class Heterogeneous(eqx.Module):
         | Bool[ArrayLike, " n"],
     ) -> Any:
         """Global member `index` as a plain model; or, for a 1-D array of member
-        indices (repeats allowed) or a boolean mask, an `ee.Heterogeneous` of
-        those members, regrouped by group (empty groups dropped):
-        [`order`][eqx_ensemble.Heterogeneous.order] gives their global indices."""
+        indices or a boolean mask, an `ee.Heterogeneous` of those members,
+        regrouped by group ([`order`][eqx_ensemble.Heterogeneous.order])."""
         if isinstance(index, int | np.integer) and not isinstance(index, bool):
             group, position = self.locate(int(index))
             return self.groups[group][position]
@@ -230,7 +226,6 @@ def is_heterogeneous(x: Any) -> TypeIs[Heterogeneous]:
 
 
 def is_ensemble(x: Any) -> TypeIs[Ensemble | Heterogeneous]:
-    """Whether `x` is an `ee.Ensemble` or an `ee.Heterogeneous`."""
     return isinstance(x, Ensemble | Heterogeneous)
 
 
@@ -281,9 +276,8 @@ def regroup(like: Any, groups: Sequence[Any]) -> Any:
 def per_group_slices(
     ens: Any, value: Any, cut: Callable[[Any, int, int], Any]
 ) -> tuple[Any, ...]:
-    """`value`, given per member over all groups, as one entry per group: a
-    plain ensemble's `(value,)`; an `ee.Heterogeneous`'s `cut(value, start,
-    stop)` per group (its members' bounds)."""
+    """`value`, given per member over all groups, as `cut(value, start, stop)`
+    per group (a plain ensemble: `(value,)`)."""
     if not isinstance(ens, Heterogeneous):
         return (value,)
     return tuple(cut(value, start, stop) for start, stop in ens.bounds)

@@ -47,15 +47,11 @@ def map(
     - `key`: optional; member `i` gets `jax.random.split(key, len(ens))[i]`.
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `map` uses its
       `member_chunk` (as `chunk_size`; it need not divide the members) and its
-      `layout`, as in [`make_step`][eqx_ensemble.make_step]. `"vmap"`: one
-      vectorised computation. `"sequential"`: one member after another, the
-      results stacked (inside `jax.jit`: one copy of `fn` per member). `"auto"`
-      (default): `"sequential"` when `fn` convolves, on one CPU device, with at
-      most 16 members and no `chunk_size`, and (called eagerly) at least 100
-      MFLOP of convolution per member; else `"vmap"` (XLA's CPU backend runs a
-      member-batched convolution several times slower; see the guide "`fit` in
-      detail"). Deciding traces `fn` once per function and input shapes.
-      Results agree to floating-point rounding.
+      `layout`: `"vmap"`, `"sequential"` (one member after another; inside
+      `jax.jit`, one copy of `fn` per member) or `"auto"` (default:
+      `"sequential"` when `fn` convolves on one CPU device, with at most 16
+      members, no `chunk_size` and, called eagerly, at least 100 MFLOP of
+      convolution per member). Results agree to floating-point rounding.
 
     **Returns:**
 

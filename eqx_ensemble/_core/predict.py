@@ -48,9 +48,8 @@ def predict(
     """Every member's predictions on a batch, in inference mode.
 
     `ee.map(lambda m, xs: jax.vmap(m)(xs), ens, xs)` with each member in
-    `eqx.nn.inference_mode` (dropout off, BatchNorm on running statistics).
-    One compiled program per batch shape and structure, kept as `jax.jit` keeps
-    it (a global the model reads is read when first compiled).
+    `eqx.nn.inference_mode`, compiled once per batch shape and structure (as
+    `jax.jit`: a global the model reads is read when first compiled).
 
     **Arguments:**
 
@@ -64,8 +63,7 @@ def predict(
     - `chunk_size`: run the members this many at a time (bounds peak memory; see
       [`ee.map`][eqx_ensemble.map]).
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `predict` uses
-      its `layout` (`"vmap"`, `"sequential"`, or `"auto"`: sequential for a
-      convolutional model on one CPU device), as in [`ee.map`][eqx_ensemble.map].
+      its `layout` and `member_chunk`, as [`ee.map`][eqx_ensemble.map] does.
 
     **Returns:**
 

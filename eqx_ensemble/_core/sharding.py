@@ -1,21 +1,7 @@
-"""Meshes and placement: the member axis, the data axis and the inside of a member
-across devices and hosts.
-
-Three mesh axes, with fixed names: `"members"` splits the leading member axis of an
-ensemble (its optimizer and model states too); `"data"` splits the example axis of
-data and batches; `"model"` splits the inside of a member (its weights' own axes,
-as `ee.shard(ens, mesh, model=spec_fn)` places them: tensor-parallel or FSDP-style
-splits), and a shared part's. The library places the member and data axes; a
-leaf's `"model"` placement is the user's, and every placement the library makes
-keeps it (outside `jit` by reading it from the array, inside by leaving those
-array axes to the compiler on Auto meshes and by carrying them over on Explicit
-ones). A mesh may have any of the axes.
-
-The same helpers work for `AxisType.Auto` meshes (the compiler propagates shardings;
-we pin them with `with_sharding_constraint`) and `AxisType.Explicit` meshes (shardings
-are part of the types; we move them with `jax.sharding.reshard` and give gathers an
-`out_sharding`). `eqx.filter_shard` is not used: it fails on Explicit meshes.
-"""
+"""Placement on a mesh's axes: `"members"` (the member axis), `"data"` (the example
+axis) and `"model"` (a member's own axes, the user's via `shard(..., model=)`; every
+placement the library makes keeps it). Not `eqx.filter_shard`: it fails on
+`AxisType.Explicit` meshes."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -83,8 +69,7 @@ def place_leaf(leaf: Any, sharding: NamedSharding, process_local: bool) -> Array
         return jax.jit(lambda x: x, out_shardings=sharding)(leaf)
     if sharding.is_fully_addressable:
         return jax.device_put(leaf, sharding)
-    # Several processes: every process holds the same whole value; each one
-    # contributes the shards its own devices hold.
+    # Several processes, each holding the whole value: each gives its own shards.
     host = np.asarray(leaf)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
@@ -105,9 +90,8 @@ def shard(
     - Per-member batches `(members, batch, ...)`: `axes=("members", "data")`.
     - `axes=()` replicates every leaf on every device of the mesh.
 
-    An axis the mesh does not have leaves that array axis unsplit (so the same code
-    works with member-only, data-only and 2-D meshes). Non-array leaves are
-    returned untouched. Works outside `jit`; already placed leaves are not copied.
+    An axis the mesh lacks leaves that array axis unsplit. Non-array leaves are
+    returned untouched. Works outside `jit`; placed leaves are not copied.
 
     **Arguments:**
 
@@ -117,22 +101,16 @@ def shard(
     - `axes`: which mesh axes the leading array axes are split over, in order.
     - `model`: for an ensemble on a mesh with a `"model"` axis, a function
       `spec_fn(member) -> specs`: given one member (its leaves
-      `jax.ShapeDtypeStruct`s without the member axis; a shared part's leaves
-      in their place), a PyTree of `jax.sharding.PartitionSpec`s over the
-      member's own array axes naming `"model"` where a leaf splits, or `None`
-      (replicated); a prefix of the member's structure is fine (one spec for a
-      whole layer). The leaves are `ShapeDtypeStruct`s, not arrays:
-      `eqx.is_array` is `False` for them. A spec that splits no leaf over a
-      `"model"` axis of more than one device is refused. Each member's leaf
-      is then split `("members", *spec)`, a shared part's leaf `spec`
-      (replicated over `"members"`).
-      `ee.fit`, `ee.make_step`, `ee.init_optimizer` and the placements of the
-      library keep a leaf's `"model"` split; an optimizer state's leaves
-      follow the weights they belong to (matched by path and shape).
+      `jax.ShapeDtypeStruct`s, for which `eqx.is_array` is `False`), a PyTree
+      (or a prefix) of `jax.sharding.PartitionSpec`s over the member's own axes
+      naming `"model"` where a leaf splits, or `None` (replicated). Specs that
+      split no leaf over a `"model"` axis of several devices are refused. Each
+      member's leaf is split `("members", *spec)`, a shared leaf `spec`. `fit`,
+      `make_step` and `init_optimizer` keep the split (an optimizer state's
+      leaves follow their weights).
     - `process_local`: in a multi-process run, `tree` holds only THIS process's
       part of the global arrays (e.g. its rows of the data, see
-      [`process_rows`][eqx_ensemble.process_rows]); the global arrays are assembled
-      with `jax.make_array_from_process_local_data`. Default: every process passes
+      [`process_rows`][eqx_ensemble.process_rows]). Default: every process passes
       the same whole value.
 
     **Returns:**
@@ -143,8 +121,7 @@ def shard(
     **Raises:**
 
     `ValueError` before any transfer if a split axis is not divisible by its number
-    of devices (e.g. 6 members on a 4-device `"members"` axis); the message names
-    the leaf, both numbers and sizes that work. Sharding never pads.
+    of devices (the message names the leaf and sizes that work). It never pads.
 
     **Example:**
 
@@ -183,8 +160,7 @@ def shard(
     sharding = NamedSharding(mesh, spec)
     replicated = NamedSharding(mesh, PartitionSpec())
     leaves = jtu.tree_flatten_with_path(tree)[0]
-    # An ensemble's shared part (and its optimizer state) has no member axis: it
-    # is replicated wherever the members are split.
+    # A shared part (and its optimizer state) has no member axis: replicated.
     per_member = per_member_flags(tree, axes)
     what = "the tree" if axes == (MEMBERS,) else "the data"
     for (path, leaf), split in zip(leaves, jtu.tree_leaves(per_member)):
@@ -225,9 +201,7 @@ def shard(
 
 def inner_of(leaf: Any, mesh: Mesh) -> tuple[Any, ...] | None:
     """The `"model"` entries of a placed leaf's spec (others `None`), or `None`
-    when it is not split over `"model"`. A split made on another mesh with a
-    `"model"` axis carries over to `mesh` when it has one too (a run moved to
-    another mesh keeps its members' split)."""
+    when it is not split over `"model"` (a split on another mesh carries over)."""
     del mesh
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, NamedSharding) or MODEL not in sharding.mesh.axis_names:
@@ -239,8 +213,7 @@ def inner_of(leaf: Any, mesh: Mesh) -> tuple[Any, ...] | None:
 
 
 def _with_inner(mesh: Mesh, axes: Sequence[str], leaf: Any) -> NamedSharding:
-    """`leaf`'s leading axes over `axes`, and the `"model"` split it already has
-    on its other axes."""
+    """`leaf`'s leading axes over `axes`, keeping its `"model"` split."""
     leading = [name if name in mesh.axis_names else None for name in axes]
     inner = inner_of(leaf, mesh)
     entries = list(leading)
@@ -292,9 +265,6 @@ def _check_inner_spec(
 def _shard_model(
     tree: Any, mesh: Mesh, axes: tuple[str, ...], spec_fn: Any, process_local: bool
 ) -> Any:
-    """`shard(ens, mesh, model=spec_fn)`: each member leaf split over `"members"`
-    and its own axes as `spec_fn(member)` says; a shared part's leaves over their
-    axes only."""
     from .ensemble import Ensemble
 
     _check_model_call(tree, mesh, axes, spec_fn, process_local, Ensemble)
@@ -367,8 +337,7 @@ def _is_spec(x: Any) -> bool:
 
 
 def _member_specs(spec_fn: Any, member: Any) -> list[Any]:
-    """`spec_fn(member)` (a prefix of the member's structure) as one spec per
-    leaf of the member (its leaves `jax.ShapeDtypeStruct`s)."""
+    """`spec_fn(member)` (a prefix) as one spec per leaf of the member."""
     try:
         prefix = spec_fn(member)
     except Exception as error:
@@ -395,8 +364,7 @@ def _model_plan(
     shared_leaves: list[Any],
 ) -> list[tuple[Any, Any]]:  # fmt: skip
     """Per leaf, its sharding in the members and in the shared part (`None`:
-    not an array there), every spec checked; an error where no leaf splits
-    over a `"model"` axis of more than one device."""
+    not an array there), every spec checked."""
     member_paths = jtu.tree_flatten_with_path(member, is_leaf=lambda x: x is None)[0]
     plan: list[tuple[Any, Any]] = []
     splits = False

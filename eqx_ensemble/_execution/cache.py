@@ -1,8 +1,6 @@
-"""What the library keeps between calls, in two tables with one bound each:
-the compiled programs (one for the process: each CPU program holds memory
-maps, Linux's `vm.max_map_count`) and, per owner (a loss, held weakly: its
-entries go with it), what its configurations decided: plans, step profiles,
-prepared `fit` calls."""
+"""What the library keeps between calls, in bounded tables: the compiled programs
+(one table: each CPU program holds memory maps, bounded by `vm.max_map_count`)
+and, per owner (a loss, held weakly), its plans, profiles and prepared calls."""
 
 import collections
 import weakref

@@ -1,6 +1,5 @@
-"""XLA compiler options for the compiled training steps (`fit`, `make_step`): on
-a CPU, LLVM level 1 and, above ~16 MFLOP of matmuls, every dot on all cores
-(YNNPACK's fusions off; docs/benchmarks.md). Elsewhere XLA's defaults."""
+"""Compiling: `filter_jit`, the cached programs, and the XLA options of the training
+steps (on a CPU, LLVM level 1 and, for big matmuls, every dot on all cores)."""
 
 import functools
 import gc

@@ -1,9 +1,8 @@
 """Convolutions in the one form XLA's CPU backend runs fast in any program.
 
-XLA's CPU kernels take a convolution only as `NHWC`/`HWIO`, and XLA transposes
-others only at a program's top level: inside a loop they run 6-25x slower
-(jax-ml/jax issue 12868). `canonical_convolutions(fn)` rewrites `fn`'s jaxpr so
-every plain-group convolution runs in that form (the same sums).
+XLA's CPU kernels take a convolution only as `NHWC`/`HWIO` and transpose others
+only at a program's top level: inside a loop they run far slower (jax-ml/jax
+issue 12868). `canonical_convolutions(fn)` rewrites `fn`'s plain convolutions.
 """
 
 import contextlib

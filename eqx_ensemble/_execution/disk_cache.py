@@ -24,10 +24,8 @@ def compilation_cache(
     restarted notebook or another process compiles nothing it compiled before.
 
     Opt-in and process-wide: it turns on JAX's persistent compilation cache
-    (`jax_compilation_cache_dir`) for every program, the library's and the
-    caller's. A program is found again for the same computation, shapes,
-    options, devices and JAX version; tracing still happens, XLA's compilation
-    does not. Programs compiled after the call are cached. Only trusted users
+    (`jax_compilation_cache_dir`) for every program compiled after the call.
+    Tracing still happens, XLA's compilation does not. Only trusted users
     should write to the folder (JAX loads what it finds there).
 
     **Arguments:**
@@ -37,8 +35,7 @@ def compilation_cache(
       `~/.cache/eqx_ensemble/xla` (under `XDG_CACHE_HOME` when set).
     - `min_compile_seconds`: only programs that took at least this long to
       compile are written (JAX's `jax_persistent_cache_min_compile_time_secs`;
-      default 0: all of them, as the library's small steps compile in tenths
-      of a second).
+      default 0: all of them).
 
     **Returns:**
 

@@ -33,61 +33,44 @@ class Execution(Component):
 
     - `steps_per_dispatch`: `fit` only: steps fused into one compiled call.
       `None`: 1000 for tiny steps (under ~16 MFLOP of matmuls), else 100;
-      unrolled (`unroll=True`), at most about a second of estimated work (5
-      CNNs on 8x8 images: 40 steps); 1 with `steps=None` and for unrolled
-      steps of a stream. Progress, callbacks, controllers and checkpoints run
-      between dispatches. On a CPU (array data) a dispatch is compiled for this
-      many steps and runs any number up to it: any `steps=` reuses the program.
-      Unrolled, a dispatch is a host loop of calls of one compiled step: the
-      same program and results, bit for bit, for any value.
+      unrolled, at most about a second of estimated work; 1 with `steps=None`
+      and for unrolled steps of a stream. Callbacks and checkpoints run between
+      dispatches. On a CPU (array data) any `steps=` reuses the program.
     - `layout`: how a step computes the member axis: `"vmap"` (one vectorised
       computation), `"sequential"` (members one after another inside the
       compiled step; compile time grows with the member count), or `"auto"`
-      (the default): sequential on one CPU device for a function that convolves
-      and at most 16 members (XLA's CPU backend runs a member-batched
-      convolution as a slow grouped one); for `fit` only in runs of at least
-      1.5e11 forward convolution FLOPs, and in shorter runs (or above 16
-      members) one member at a time in a loop (`member_chunk=1`) where members
-      convolve at least 3e7 FLOPs forward per step and share nothing (the fit
-      guide, "Convolutions: the member layout"); on one GPU, for `fit` only,
-      when a member convolves at least 1 GFLOP per step and the run 8e13 FLOPs
-      (measured on an H100); vectorised otherwise. Coupled losses and a
-      trained shared part are always vectorised.
-    - `unroll`: `fit` only: run each step as straight-line code, one compiled
-      call per step, instead of a compiled loop over a dispatch's steps (the
-      default, `None`).
+      (the default): sequential for a function that convolves on one CPU
+      device with at most 16 members (XLA's CPU backend runs a member-batched
+      convolution as a slow grouped one) or on one GPU for large ones, with
+      `fit`'s thresholds in the fit guide ("Convolutions: the member layout");
+      vectorised otherwise, and always for coupled losses or a trained shared part.
+    - `unroll`: `fit` only: one compiled call per step instead of a compiled
+      loop over a dispatch's steps (the default, `None`).
     - `compiler_options`: XLA options for the compiled step (a dict of option
       name -> str, bool, int or float). `None`: the library's choice (on a CPU,
       LLVM level 1 unless `XLA_FLAGS` set one, and big steps' matmuls on every
       core); `{}`: XLA's defaults.
     - `mesh`: `fit` and `make_step`: a device mesh from
-      [`ee.make_mesh`][eqx_ensemble.make_mesh]; the member axis is split over
-      its `"members"` axis and each batch over `"data"`. Results equal the
-      one-device run's to rounding (see the sharding guide).
+      [`ee.make_mesh`][eqx_ensemble.make_mesh]; members split over its
+      `"members"` axis, each batch over `"data"` (the sharding guide).
     - `member_chunk`: `fit`, `make_step`, `map` and `predict`: compute `k`
-      members at a time inside the compiled step (a `jax.lax.map` over groups
-      of `k`), so the step holds only `k` members' activations: ensembles
-      larger than memory. It must divide the number of members (on a `mesh`,
-      each device's, computed `k` at a time with no transfer). Vectorised
-      layout only; not yet with a trained shared part or an `ee.Coupled` loss.
-      `None`: all members at once, except that on one CPU device `make_step`
-      chunks (by a divisor of at least two) a step of members that share
-      nothing, with a loss that does not convolve, outside a trace of your own,
-      whose estimated temporaries would pass glibc's 32 MiB ceiling (the fit
-      guide); `k` equal to the member count keeps them all at once there.
+      members at a time inside the compiled step, so the step holds only `k`
+      members' activations. It must divide the number of members (on a `mesh`,
+      each device's). Vectorised layout only; not yet with a trained shared
+      part or an `ee.Coupled` loss. `None`: all members at once, except that
+      on one CPU device `make_step` chunks a step whose temporaries would pass
+      glibc's 32 MiB ceiling (the fit guide; `k` = the member count opts out).
     - `guard`: `fit` only: where the divergence guard checks that every member
       is finite. `"auto"` (the default): with array data, once at the end of
-      each dispatch, a dispatch in which a member failed being run again in
-      parts to freeze it at its step (the guide "`fit` in detail"); every step
-      for streamed data, unrolled dispatches, an optimizer that replaces
-      non-finite gradients (`optax.zero_nans`, `optax.apply_if_finite`), a
-      trained shared part or an `ee.Coupled` loss. `"step"`: at every step, as
-      `make_step` does: for a loss that checks its inputs at run time
-      (`eqx.error_if`, a `diffrax` solve that throws), an optimizer that makes
-      a non-finite gradient finite some other way (`optax.clip`, `nan_to_num`),
-      or a train state too big for device memory twice (an optimistic dispatch
-      keeps its start state until its check). Both freeze a member at the same
-      step.
+      each dispatch, a failed dispatch being run again in parts to freeze the
+      member at its step (the guide "`fit` in detail"); every step for streamed
+      data, unrolled dispatches, an optimizer that replaces non-finite
+      gradients (`optax.zero_nans`, `optax.apply_if_finite`), a trained shared
+      part or an `ee.Coupled` loss. `"step"`: at every step, as `make_step`
+      does: for a loss that checks its inputs at run time (`eqx.error_if`), an
+      optimizer that makes non-finite gradients finite otherwise (`optax.clip`),
+      or a train state too big for device memory twice. Both freeze a member
+      at the same step.
 
     The results are the same whatever these say, to floating-point rounding;
     on a CPU, a run resumed from a checkpoint with the same `Execution` is bit

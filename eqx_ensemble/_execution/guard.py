@@ -1,8 +1,6 @@
 """The form of the divergence guard's finiteness check (`step.all_finite`), the
-same answer either way: `"per_leaf"` (one reduction per leaf: fastest on a tiny
-CPU step) or `"by_shape"` (leaves of a shape summed as `leaf * 0`: sooner to
-compile, faster on larger steps and GPUs). docs/benchmarks.md, "The divergence
-guard"."""
+same answer either way: `"per_leaf"` (fastest on a tiny CPU step) or
+`"by_shape"` (sooner to compile, faster on larger steps and GPUs)."""
 
 from typing import Any, Literal
 

@@ -2,12 +2,9 @@
 
 Two `optax.adam(1e-3)` are distinct closures: identity-keyed caches would compile
 the same program twice. `canonical(fn)` returns the first function seen that
-provably computes the same as `fn` (a fresh `jax.jit` could not trace it
-differently), else `fn`. `structural_key` keys code, closures, the globals read,
-containers, arrays and objects by value, library code by identity; what it cannot
-key (a user's module, an oversized array, state outside `vars`, code that imports
-or calls `globals()`) makes the function *doubtful*: its own key. As in `jax.jit`,
-a closure cell reassigned later, or an argument's class, is not looked at again.
+provably computes the same as `fn`, else `fn`. What `structural_key` cannot key by
+value (a user's module, an oversized array, code that imports) is *doubtful*: its
+own key. As in `jax.jit`, a closure cell reassigned later is not looked at again.
 """
 
 import collections

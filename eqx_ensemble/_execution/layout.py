@@ -1,10 +1,8 @@
 """How the member axis is laid out in a training step: vectorised or sequential.
 
 On XLA's CPU backend a member-batched (`"vmap"`) convolution is a grouped one,
-several times slower than the members' own in turn (5 CNNs on 8x8 images: 88 ms
-vs 11 ms; `benchmarks/bench_families.py`). `"sequential"` runs them in turn in
-one program (one copy per member: compile time grows), picked automatically only
-without a mesh, for a convolving loss and at most `SEQUENTIAL_MAX_MEMBERS`.
+several times slower than the members' own in turn. `"sequential"` runs them in
+turn in one program (compile time grows with the members).
 """
 
 from collections.abc import Callable
@@ -23,7 +21,7 @@ Layout = Literal["vmap", "sequential"]
 # Past this many members straight-line members cost more compile time than they save.
 SEQUENTIAL_MAX_MEMBERS = 16
 
-# Eagerly a member-by-member map pays off from here (1.5-2.3x at 157 MFLOP).
+# Eagerly a member-by-member map pays off from here.
 EAGER_SEQUENTIAL_MIN_FLOPS = 1e8
 
 _CHOICES = ("auto", "vmap", "sequential")
@@ -108,7 +106,6 @@ def any_traced(tree: PyTree[Any]) -> bool:
 
 
 def on_one_cpu_device(tree: PyTree[Any]) -> bool:
-    """Whether the arrays of `tree` sit on one CPU device."""
     if jax.default_backend() != "cpu":
         return False
     leaves = [leaf for leaf in jax.tree.leaves(tree) if eqx.is_array(leaf)]

@@ -65,19 +65,14 @@ def make_mesh(
       into this many equal groups. `None`: no member axis.
     - `data`: devices along the data axis: every batch's examples are split into
       this many equal parts. `None`: no data axis.
-    - `model`: devices along the model axis: each member's (and a shared
-      part's) weights are split over them where
-      [`shard(..., model=)`][eqx_ensemble.shard] says (for members too large
-      for one device). `None`: no model axis.
-      With none given, every device goes on the member axis.
+    - `model`: devices along the model axis: each member's weights are split
+      over them where [`shard(..., model=)`][eqx_ensemble.shard] says. `None`:
+      no model axis. With none given, every device goes on the member axis.
     - `devices`: the devices to use, `members * data * model` of them (default:
-      the first that many of `jax.devices()`, which in a multi-process run must
-      be all of them). The model axis is the innermost: its devices are
-      adjacent (the fastest links between them for a split member's traffic).
-    - `axis_types`: `jax.sharding.AxisType.Auto` (the default: the compiler
-      propagates shardings through your loss; the library pins the member and
-      data axes) or `AxisType.Explicit` (shardings are part of the array types, as
-      with the default of `jax.make_mesh`). Both give the same results.
+      the first that many of `jax.devices()`; all of them with several
+      processes). The model axis is the innermost (adjacent devices).
+    - `axis_types`: `jax.sharding.AxisType.Auto` (the default) or
+      `AxisType.Explicit` (shardings in the array types). Same results.
 
     **Returns:**
 
@@ -241,11 +236,9 @@ def divisibility_error(name: str, length: int, devices: int, where: str) -> Valu
 def process_rows(mesh: Mesh, num_examples: int) -> slice:
     """The rows of the data THIS process must feed in a multi-process run.
 
-    With a `"data"` mesh axis, `shard(data, mesh, axes="data")` splits the example
-    axis over devices, and each process holds the rows on its own devices. To load
-    only those rows, slice your data (or your reader) with this and pass the part
-    to `shard(part, mesh, axes="data", process_local=True)`. Without a data axis,
-    or with one that lies within each process, every process needs every row.
+    Slice your data (or reader) with it and pass the part to
+    `shard(part, mesh, axes="data", process_local=True)`. Without a data axis
+    split across processes, every process needs every row.
 
     **Arguments:**
 

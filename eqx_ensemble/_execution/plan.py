@@ -1,7 +1,6 @@
-"""The plan of a training step: every automatic choice that `fit` and
-`make_step` make about how a step runs (member layout, unrolling, steps per
-dispatch, XLA options, the divergence guard's form), in one place and once per
-loss, execution and input structure."""
+"""The plan of a training step: every automatic choice of `fit` and `make_step`
+(layout, unrolling, steps per dispatch, XLA options, the guard's form), made
+once per loss, execution and input structure."""
 
 import dataclasses
 from collections.abc import Callable, Hashable
@@ -29,37 +28,24 @@ from .layout import (
 from .placement import Devices
 from .profile import StepProfile
 
-# The platforms whose dispatches loop over a traced trip count. Not a GPU: its
-# loop waits for each trip's predicate on the host (8 MLPs 1-32-32-1 on an
-# H100: 52 us per step against 32.5 in a scan of fixed length;
-# `bench_guard.py --fit`, docs/benchmarks.md).
+# The platforms whose dispatches loop over a traced trip count (a GPU's loop
+# waits on the host for each trip's predicate).
 COUNTED = frozenset({"cpu"})
-# A dispatch of a CPU's convolving steps (or an unrolled one) returns to the
-# host after about this many seconds of estimated work (progress, callbacks,
-# a diverged run's end, the replay of an optimistic dispatch), at the rate
-# below: a 5-CNN step on 8x8 images 40 steps, on 16x16 6.
+# A CPU's convolving (or unrolled) dispatch returns to the host after about this
+# much estimated work, so progress, callbacks and a diverged run's end stay timely.
 UNROLLED_DISPATCH_SECONDS = 1.0
 CPU_FLOPS_PER_SECOND = 5e10  # a 2-core CPU's convolving steps (`bench_families`)
-# glibc's largest threshold for taking a block from the system (`mmap`) rather
-# than from the heap it keeps (`DEFAULT_MMAP_THRESHOLD_MAX`, 64-bit). XLA's CPU
-# runtime takes a program's temporaries as one block per call: above this
-# size every call maps it afresh and faults its pages in again (64 MLPs
-# 32-128-128-10, batch 256: 32.3 MiB of temporaries, `make_step` 33-39 ms
-# per step, 24-29 ms in chunks; docs/benchmarks.md, compute-bound).
+# glibc's `DEFAULT_MMAP_THRESHOLD_MAX` (64-bit): XLA's CPU runtime takes a call's
+# temporaries as one block, which above this size is mapped and faulted afresh.
 SCRATCH_BYTES = 32 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How a training step runs, resolved from the user's `Execution` (or a
-    `make_step`'s settings) with the library's choices where they are left
-    open: the member layout, the XLA options, the form of the divergence
-    guard's finiteness check (`_execution.guard`), and for `fit` whether a
-    dispatch is unrolled, how many steps it holds and whether it loops over a
-    traced trip count (`loop.Chunk.counted`); `member_chunk`: the vectorised
-    members computed at a time (`Execution.member_chunk`, or the plan's: one
-    at a time for a short convolving run, `scratch_chunk`'s for a large
-    `make_step`)."""
+    """How a training step runs: the user's `Execution` (or a `Step`'s
+    settings), with the library's choices where they are left open. For `fit`:
+    whether a dispatch is unrolled, its steps, and whether it loops over a
+    traced trip count; `member_chunk`: vectorised members computed at a time."""
 
     layout: Layout
     compiler_options: Options
@@ -84,18 +70,13 @@ def plan_step(
     pads_on_host: bool = False,
     groupable: bool = False,
 ) -> Plan:
-    """The plan of a step of `size` members (`members`: their stacked leaves)
-    on `examples` examples per member. `settings`: an `Execution` or a `Step`
-    (`layout`, `member_chunk`, `compiler_options`; `fit`'s `unroll` and
-    `steps_per_dispatch`). `profile()` is called only where a choice reads it
-    (one CPU device; one GPU where `fit`'s layout is automatic; options with
-    Eigen's dots, which batched matmuls refuse). Looked up per `owner` (the
-    loss, held weakly), `structure` (the inputs' shapes; `None`: planned every
-    time), settings, placement, backend and run length class. `steps`: `fit`'s run
-    length (`None`: a step per call); `pads_on_host`: a stream's short group
-    is padded on the host (no traced trip count); `groupable`: the members
-    share nothing (no shared part, no coupled loss, one group of members), so
-    that they may run in chunks (`Plan.member_chunk`)."""
+    """The plan of a step of `size` members on `examples` examples each, cached
+    per `owner` (the loss, held weakly), `structure` (`None`: planned every
+    time), settings, placement, backend and run length class. `settings`: an
+    `Execution` or a `Step`; `profile()` is called only where a choice reads it;
+    `steps`: `fit`'s run length (`None`: a step per call); `pads_on_host`: a
+    stream's short group is padded on the host; `groupable`: the members share
+    nothing, so they may run in chunks."""
     length_class = None if steps is None else run_length_class(steps)
     try:
         if structure is None:
@@ -173,8 +154,7 @@ def _plan(
     )
     if member_chunk is not None:  # chunks of vectorised members
         layout = "vmap"
-    # One device's CPU, no chunks given, the members vectorised and sharing
-    # nothing: the library's chunks below may apply.
+    # The library's own member chunks may apply (one CPU device, members apart).
     own_chunks = (
         member_chunk is None
         and layout == "vmap"
@@ -184,18 +164,13 @@ def _plan(
     )
     if own_chunks and automatic and steps is not None:
         if profile.convolution_flops >= GROUP_MIN_FLOPS:
-            # A run too short for the sequential layout's compile time, or
-            # with too many members for it: one member at a time in a loop
-            # (plain convolutions, not the vectorised members' grouped one),
-            # whose compile time does not grow with the members
-            # (`layout.GROUP_MIN_FLOPS`).
+            # One member at a time in a loop: plain convolutions, not the
+            # vectorised members' grouped one, and a compile time flat in size.
             member_chunk = 1
     unroll = getattr(settings, "unroll", None)
     if unroll is None:
-        # The library's programs lower a CPU's convolutions in the form XLA
-        # runs fast inside a loop too (`convolution.py`), but not the
-        # vectorised members' grouped ones: those stay straight-line code,
-        # a call per step, where XLA moves them itself.
+        # Vectorised members' grouped convolutions are slow inside a CPU loop
+        # (`convolution.py` rewrites only plain ones): a call per step.
         unroll = (
             profile.convolutions
             and platform == "cpu"
@@ -211,17 +186,12 @@ def _plan(
         settings.compiler_options, members, examples, size, placement, batched_dots
     )
     check = choose_finite_check(flops=flops, platform=placement.platform)
-    # On a CPU a scanned dispatch of array data loops over a traced trip
-    # count: one program for `length` steps, whatever the run's length.
+    # A traced trip count: one program for `length` steps, whatever the run.
     counted = steps is not None and placement.platform in COUNTED and not unroll
     counted = counted and not pads_on_host
     if own_chunks and steps is None and not profile.convolutions:
-        # A step per call (`make_step`): its temporaries are taken at every
-        # call, so kept under the allocator's ceiling (`SCRATCH_BYTES`). A
-        # compiled loop (`fit`) takes them once per dispatch. Not a step that
-        # convolves: XLA's CPU convolutions inside the chunks' loop ran 14x
-        # slower (24 CNNs on 8x8 images: 2.5 s per step in chunks of 3 to 12
-        # against 0.18 s vectorised whole).
+        # A step per call takes its temporaries at every call: kept under
+        # `SCRATCH_BYTES`. Not for convolutions: slow inside the chunks' loop.
         member_chunk = scratch_chunk(size, member_temporaries(profile, members, size))
     return Plan(layout, options, check, unroll, length, counted, member_chunk)
 
@@ -230,11 +200,8 @@ def _profile(
     settings: Any, profile_of: Callable[[], StepProfile], members: PyTree[Any],
     examples: int, size: int, placement: Devices, steps: int | None,
 ) -> tuple[StepProfile, bool]:  # fmt: skip
-    """The step's profile where a choice reads it (one CPU device; one GPU
-    where `fit`'s layout is automatic), and whether it has batched matmuls
-    (read for the options alone where they would take Eigen's dots, which
-    run batched matmuls slower: on a mesh every other choice is the rules'
-    without a profile)."""
+    """The step's profile where a choice reads it, and whether it has batched
+    matmuls (which Eigen's dots, an option, run slower)."""
     platform = jax.default_backend()
     automatic_layout = (
         settings.layout not in ("vmap", "sequential")
@@ -264,13 +231,8 @@ def _length(
     cpu_convolutions: bool, flops: float,
 ) -> int:  # fmt: skip
     """Steps per dispatch: the user's, else `default_steps_per_dispatch` for
-    a run of `fit` (one for a step per call, and for an unrolled stream's),
-    cut to about `UNROLLED_DISPATCH_SECONDS` of work where the steps are
-    unrolled or convolve on a CPU. An unrolled dispatch of array data is a
-    loop on the host of calls of one compiled step, given `length` rows of
-    drawn indices (one program for any run length: a resumed run is bit for
-    bit the whole); a stream's would be given its group padded to `length`
-    batches: one step per dispatch, as the stream is read."""
+    `fit` (one for a step per call or an unrolled stream), cut to about
+    `UNROLLED_DISPATCH_SECONDS` of work where steps unroll or convolve on a CPU."""
     length = getattr(settings, "steps_per_dispatch", None)
     if length is not None:
         return length
@@ -287,20 +249,11 @@ def _length(
 
 def scratch_chunk(size: int, member_bytes: float) -> int | None:
     """The most members, a divisor of `size` and at least two, whose
-    temporaries fit in `SCRATCH_BYTES` where all `size` members' do not
-    (`None`: no chunks, or none that fits). A member's temporaries are
-    estimated before compiling (`member_bytes`) as its loss's values as
-    written (`StepProfile`'s `intermediate_bytes`: the forward pass, whose
-    values the backward pass keeps) and three times its parameters (the
-    gradient, the optimizer's update and new moments): an overestimate,
-    which XLA's fusions bring to 0.19-0.75 of it (`tests/test_member_chunk.py`
-    compares it with XLA's memory analysis)."""
+    temporaries (`member_bytes` each) fit in `SCRATCH_BYTES` where all `size`
+    members' do not (`None`: no chunks, or none fits)."""
     if size * member_bytes <= SCRATCH_BYTES:
         return None
-    # At least two members per chunk: one at a time lost more than the
-    # allocator cost (5 transformers: 29.0 ms per step one by one, 22.8 all at
-    # once with 29.5 MiB of temporaries; 10 of them: 54.6 ms at once with 58.3
-    # MiB, 40.1 in chunks of 5, 33.0 in chunks of 2; session 17).
+    # At least two members per chunk: one at a time lost more than it saved.
     fitting = [
         k for k in range(2, size) if size % k == 0 and k * member_bytes <= SCRATCH_BYTES
     ]
@@ -308,8 +261,9 @@ def scratch_chunk(size: int, member_bytes: float) -> int | None:
 
 
 def member_temporaries(profile: StepProfile, members: PyTree[Any], size: int) -> float:
-    """`scratch_chunk`'s estimate of one member's temporaries in a compiled
-    step: its loss's values as written and three times its parameters."""
+    """One member's temporaries, overestimated before compiling: its loss's
+    values as written (kept for the backward pass) and three times its
+    parameters (gradient, update, new moments)."""
     parameters = sum(
         leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(trainable(members))
     )

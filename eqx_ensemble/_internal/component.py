@@ -6,9 +6,8 @@ import equinox as eqx
 
 
 class Component(eqx.Module):
-    """An `eqx.Module` whose methods read as plain bound methods: Equinox's
-    `BoundMethod` costs ~17 us per read, and components' methods are never
-    handed to a transformation."""
+    """An `eqx.Module` whose methods read as plain bound methods (Equinox wraps
+    each read; components' methods never go to a transformation)."""
 
     def __getattribute__(self, name: str, /) -> Any:
         return object.__getattribute__(self, name)

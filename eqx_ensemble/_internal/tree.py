@@ -174,7 +174,6 @@ def _first_difference(
 
 
 def array_leaves_with_path(tree: Any) -> list[tuple[str, jax.Array]]:
-    """All array leaves with their paths, in flattening order."""
     return [
         (keystr(path), leaf)
         for path, leaf in jtu.tree_flatten_with_path(tree)[0]
@@ -222,15 +221,13 @@ def leading_size(tree: Any, *, what: str = "ensemble") -> int:
 
 
 def is_traced(x: Any) -> bool:
-    """Whether `x` is a tracer (its value is unknown until run time)."""
     return isinstance(x, Tracer)
 
 
 def as_array(value: Any, dtype: Any = None) -> jax.Array:
-    """`jnp.asarray(value, dtype)`, but host data goes to the device without
-    compiling (`jnp.asarray` compiles per shape and dtype, 15-50 ms each;
-    jax-ml/jax#27460). Not under a transfer guard. NumPy arrays are copied
-    first: on a CPU `device_put` may alias a buffer the caller reuses."""
+    """`jnp.asarray(value, dtype)` without compiling per shape and dtype
+    (jax-ml/jax#27460); NumPy arrays are copied first, since on a CPU
+    `device_put` may alias a buffer the caller reuses."""
     if (
         isinstance(value, np.ndarray | np.generic | int | float | complex)
         and not isinstance(value, np.ma.MaskedArray)  # refused, not unmasked

@@ -61,10 +61,9 @@ class RunView:
     - `train_state`, `history`, `result()`: the run so far.
 
     Change: `state_of(callback)` and `update(callback, train_state, state)` (a
-    checkpointed callback's own state; a new train state of the same structure,
-    shapes and dtypes); `sync()`: every callback's `on_sync`. For loggers and
-    checkpoints: `run_info()`, `log_entry()` (from the `RECORD` phase on),
-    `run_record()` and `data_position()`.
+    train state of the same structure, shapes and dtypes); `sync()`. For
+    loggers and checkpoints: `run_info()`, `log_entry()` (from the `RECORD`
+    phase on), `run_record()` and `data_position()`.
 
     **Example:**
 
@@ -167,8 +166,7 @@ class RunView:
 
 class Callback(Component):
     """A component of a [`fit`][eqx_ensemble.fit] run on the host
-    (`fit(..., callbacks=[...])`): progress meters, controllers, loggers,
-    checkpoints and your own. Every hook defaults to nothing.
+    (`fit(..., callbacks=[...])`). Every hook defaults to nothing.
 
     - `on_check(setup: RunSetup) -> None`: before any work; raise to refuse.
     - `next_stop(done) -> int | None`: the first step after `done` at which
@@ -181,14 +179,12 @@ class Callback(Component):
 
     `phase` orders the callbacks (then the order given): `OBSERVE` (10,
     progress meters), `CHANGE` (20, controllers), `RECORD` (30, loggers),
-    `SAVE` (40, `fit(..., checkpoints=)`), `REACT` (50, the default). When
-    every member diverged, only `OBSERVE` and `RECORD` callbacks see the
-    dispatch, and the run fails. A callback with `checkpointed = True` keeps
-    its own state in the train state (`init`; `RunView.state_of`), saved and
-    resumed with the run; `events(state)` says what it did, for loggers.
-
-    A hook's error ends the run (attached as `error.result`); every callback
-    whose `on_start` ran still gets `on_end`.
+    `SAVE` (40, checkpoints), `REACT` (50, the default). When every member
+    diverged, only `OBSERVE` and `RECORD` callbacks see the dispatch, and the
+    run fails. With `checkpointed = True` a callback keeps its own state in the
+    train state (`init`; `RunView.state_of`); `events(state)` says what it did.
+    A hook's error ends the run (as `error.result`); every started callback
+    still gets `on_end`.
 
     **Example:** stop every member once all losses are small:
 
@@ -271,7 +267,7 @@ class _Function(Callback):
         function(run.result(copy=True))
 
 
-# Functions wrapped once each (a Module costs ~70 us to build), held weakly.
+# Functions wrapped once each (a Module is slow to build), held weakly.
 _WRAPPED: dict[int, _Function] = {}
 
 

@@ -17,15 +17,11 @@ class Coupled(eqx.Module):
     `fn(ensemble, batch, keys, **kwargs)` gets the current
     [`Ensemble`][eqx_ensemble.Ensemble], the batch (with a member axis under
     `ee.Independent()`), one PRNG key per member, and `hyper=` when given. It
-    returns one loss per member, `(members,)`, or a scalar total (reported as
-    every member's loss). The SUM is differentiated with respect to all members
-    jointly; each member then takes its own optimizer step (and keeps its own
-    divergence isolation).
-
-    `shared_batch=True`: `fn` reads ONE batch for all members (as
-    [`ee.svgd`][eqx_ensemble.svgd] and [`ee.repulsive`][eqx_ensemble.repulsive]
-    do); `fit` refuses a per-member sampling. Model state (`state=`) is not
-    supported.
+    returns one loss per member, `(members,)`, or a scalar total. The SUM is
+    differentiated jointly; each member then takes its own optimizer step (and
+    keeps its own divergence isolation). `shared_batch=True`: `fn` reads ONE
+    batch for all members (`fit` refuses a per-member sampling). Model state
+    (`state=`) is not supported.
 
     **Example:** negative correlation learning (Liu & Yao 1999): member `i`
     minimises `(f_i - y)^2 / 2 - lam (f_i - f_mean)^2 / 2`, the mean held fixed:
@@ -97,8 +93,7 @@ def distillation_loss(
     """A loss that trains a student to match an ensemble's mean prediction
     (Hinton, Vinyals & Dean 2015): the KL divergence from the teacher's mean
     probabilities at `temperature` to the student's, times `temperature^2`,
-    averaged over the batch. The teacher is frozen (in inference mode); train
-    an ensemble of one (or several) students with `ee.fit`.
+    averaged over the batch. The teacher is frozen (in inference mode).
 
     **Arguments:**
 

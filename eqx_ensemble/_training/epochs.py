@@ -112,19 +112,15 @@ def epochs(
     [`fit`][eqx_ensemble.fit] takes as `data`.
 
     `loader_for_epoch(epoch)` returns one epoch's batches. The stream is endless
-    and step-indexed: step `s` is batch `s % n` of epoch `s // n`, so a resumed
-    run equals the uninterrupted one bit for bit. It reaches its position,
-    cheapest first:
-
-    1. from the iterator's saved state (`get_state()` / `set_state()`, as
-       grain's), kept in the checkpoint: no batch is read twice;
-    2. by `loader_for_epoch(epoch, start=k)`, where it takes `start`;
-    3. else by reading and dropping the epoch's first `k` batches.
+    and step-indexed (step `s` is batch `s % n` of epoch `s // n`), so a resumed
+    run equals the uninterrupted one bit for bit. It resumes from the loader
+    iterator's saved state (`get_state()`/`set_state()`, as grain's), else by
+    `loader_for_epoch(epoch, start=k)` where it takes `start`, else by reading
+    and dropping the epoch's first `k` batches.
 
     A loader must give the same batches for the same epoch each call (seed its
-    shuffling with `epoch`); a resumed run whose first batch differs from the
-    checkpoint's record is refused. Batches may hold NumPy or JAX arrays or
-    PyTorch tensors.
+    shuffling with `epoch`): a resumed run whose first batch differs from the
+    checkpoint's record is refused. Batches may hold NumPy, JAX or PyTorch arrays.
 
     **Arguments:**
 

@@ -20,9 +20,8 @@ class Evaluate(Component):
 
     `fn` has the loss's signature, `fn(model, [state,] data, key)`, and returns
     a scalar score (lower is better) or a tuple starting with it (so the loss
-    itself can be passed), on the whole of `data`. Each member's best
-    parameters are kept in `FitResult.best_ensemble`, the scores in
-    `FitResult.history`.
+    itself can be passed). Each member's best parameters are kept in
+    `FitResult.best_ensemble`, the scores in `FitResult.history`.
 
     **Arguments:**
 

@@ -67,43 +67,36 @@ def fit(
       [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous] may take one per group.
     - `optimizer`: an `optax.GradientTransformation`, applied per member.
     - `data`: a PyTree of arrays sharing a leading example axis, e.g. `(x, y)`;
-      OR a stream: any iterable of same-shaped batches (a generator, a data
-      loader), or a function `step -> iterator` of the batches from `step` on
-      (needed to resume a stream).
+      OR a stream: an iterable of same-shaped batches, or a function
+      `step -> iterator` of the batches from `step` on (to resume a stream).
     - `steps`: the number of optimisation steps (in total, counting resumed ones).
     - `key`: ONE PRNG key; everything random derives from it (see below).
     - `batch_size`: examples per step (per member) for array data.
-    - `sampling`: [`ee.Shared()`][eqx_ensemble.Shared] (default: one batch for
-      all), [`ee.Independent()`][eqx_ensemble.Independent] (each member shuffles
-      on its own; a stream's batches then have a member axis) or
-      [`ee.Bootstrap()`][eqx_ensemble.Bootstrap] (bagging, array data only); or
-      their names `"shared"`, `"independent"`, `"bootstrap"`.
+    - `sampling`: [`ee.Shared()`][eqx_ensemble.Shared] (default),
+      [`ee.Independent()`][eqx_ensemble.Independent] or
+      [`ee.Bootstrap()`][eqx_ensemble.Bootstrap], or their names `"shared"`,
+      `"independent"`, `"bootstrap"`.
     - `opt_state`: a stacked optimizer state to continue from (default: fresh
       [`init_optimizer`][eqx_ensemble.init_optimizer]; per-member
       hyperparameters: `ee.init_optimizer(optimizer, ens, hyperparams={...})`).
     - `state`: the stacked model state for models with `eqx.nn.State`.
-    - `hyper`: per-member hyperparameters of the loss (weight decay, dropout
-      rate, ...): a PyTree of arrays with a leading member axis, passed to
-      `loss_fn` as the keyword `hyper` (member `i`'s slice). Traced: new values
-      do not recompile; controllers may change them (`TrainState.hyper`).
+    - `hyper`: per-member hyperparameters of the loss: a PyTree of arrays with
+      a leading member axis, passed to `loss_fn` as the keyword `hyper` (member
+      `i`'s slice). Traced: new values do not recompile.
     - `evaluate`: an [`ee.Evaluate`][eqx_ensemble.Evaluate], scoring members
       inside the loop (each member's best kept in `best_ensemble`).
     - `checkpoints`: an [`ee.Checkpoints`][eqx_ensemble.Checkpoints]: saves the
       run, and resumes it when the folder holds one.
     - `track`: trackers ([`ee.EMA`][eqx_ensemble.EMA], ...) updated after every
       step; their results are in `FitResult.tracked`.
-    - `callbacks`: any [`ee.Callback`][eqx_ensemble.Callback]s run on the host
-      between dispatches, by phase (then as given): progress meters
-      ([`ee.ProgressMeter`][eqx_ensemble.ProgressMeter]), controllers
-      ([`ee.Controller`][eqx_ensemble.Controller], e.g.
-      [`ee.PBT`][eqx_ensemble.PBT]), loggers ([`ee.Logger`][eqx_ensemble.Logger]),
-      your own, and plain functions of the current
-      [`FitResult`][eqx_ensemble.FitResult] (after every dispatch and its
-      checkpoint). `None` (default): `(ee.ProgressBar(),)`; `()`: nothing.
+    - `callbacks`: [`ee.Callback`][eqx_ensemble.Callback]s run on the host
+      between dispatches, by phase: progress meters, controllers (e.g.
+      [`ee.PBT`][eqx_ensemble.PBT]), loggers, your own, and plain functions of
+      the current [`FitResult`][eqx_ensemble.FitResult] (after every dispatch).
+      `None` (default): `(ee.ProgressBar(),)`; `()`: nothing.
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]: steps per
-      dispatch, member layout, unrolling, compiler options and the device mesh
-      (members split over `"members"`, batches over `"data"`; see the sharding
-      guide). None of it changes the result beyond floating-point rounding.
+      dispatch, member layout, compiler options, the device mesh... None of it
+      changes the result beyond floating-point rounding.
 
     **Returns:**
 

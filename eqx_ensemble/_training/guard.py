@@ -1,15 +1,9 @@
 """The divergence guard's two strategies on the host, as `Run` calls them.
 
-`PerStep`: every step of the program checks its members (the plan's check
-form, `_execution.guard`) and freezes a failing one at once; the dispatch
-donates its start state and the host has nothing to do after it.
-
-`Deferred` (the optimistic guard): the dispatch runs its steps with no check
-or select per step (frozen members compute along and get their weights back
-at its end, `loop._settle_members`) and checks every member once, at its
-end. Where a member was not finite, the host runs the dispatch again from
-its start state (kept: the dispatch donates nothing) with the same program,
-in parts, to find the step it failed at and freeze it there (`settle`).
+`PerStep`: every step checks its members and freezes a failing one at once.
+`Deferred` (the optimistic guard): no check per step, one at the dispatch's end;
+where a member was not finite, the host replays the dispatch from its kept start
+state with the same program, in parts, to freeze the member at its failing step.
 """
 
 import dataclasses
@@ -47,13 +41,10 @@ class Deferred:
     def part(
         self, run: Any, chunk: Chunk, state: TrainState, start: int, end: int
     ) -> tuple[Readout, TrainState]:
-        """Steps `start` (`state.step`) to `end` of a dispatch from `state`
-        (kept), as one dispatch of the same program (a CPU's counted loop).
-        Off a CPU a dispatch is a scan of fixed length: a longer part runs its
-        program with the per-step conditional, and a single step a program of
-        one step (the scan would run its whole length of conditional steps for
-        it, which the GPU's host waits on: a search step by step would cost
-        length squared)."""
+        """Steps `start` to `end` of a dispatch from `state`, as one dispatch of
+        the same program (off a CPU, with the per-step conditional, and a single
+        step as a one-step program: a step-by-step search would cost length
+        squared)."""
         if chunk.counted:
             chunk = dataclasses.replace(chunk, end=np.int32(end))
         else:
@@ -77,22 +68,14 @@ class Deferred:
         first: Readout,
     ) -> tuple[Readout, TrainState | None]:
         """The dispatch's readout where every member was finite (`None`: the
-        state stands); else the dispatch run again from its start state
-        (`kept`: its chunk, start state, members frozen at its start and
-        first step) in parts of the same program (a CPU's counted loop: a
-        step computes the same bits in a dispatch of any length, as a
-        resumed run does; off a CPU the parts shorter than the dispatch run
-        its program with the per-step conditional, and single steps a
-        one-step program, the same steps to rounding): up to just before
-        the first non-finite loss in one part, then step by step up to the
-        failing step. There the failing members are marked diverged (at that
-        step's index, as the guarded step marks them) and the step is run
-        again with them frozen (off a CPU, with any member that fails only in
-        that run too): they keep their last finite weights, trackers and
-        evaluation see those, and their loss of that step is the one
-        computed. Then the rest of the dispatch, in the same way. Returns
-        the readout and the state at the dispatch's end. (The members' marks
-        are read from the readouts only: replicated on every process.)"""
+        state stands). Else the dispatch is replayed from `kept` (its chunk,
+        start state, frozen members, first step) in parts: up to just before
+        the first non-finite loss, then step by step to the failing step,
+        which is run again with its failing members marked diverged and
+        frozen (they keep their last finite weights and that step's computed
+        loss); then the rest in the same way. Returns the readout and the
+        state at the dispatch's end (marks read from readouts: the same on
+        every process)."""
         chunk, state, frozen, start = kept
         if not _failing(first, end - start, frozen).any():
             return first, None
@@ -144,9 +127,8 @@ class Deferred:
                             f"internal error: step {position + 1} failed again "
                             "with its failing members frozen; please report it"
                         )
-                    # Off a CPU the step ran as another program, whose kernels
-                    # may round otherwise (a GPU's atomic scatter-adds): a
-                    # member at the edge failed in it; frozen at it too.
+                    # Off a CPU another program may round otherwise (a GPU's
+                    # atomic scatter-adds): a member failing only there too.
                     computed[failed] = again.losses[0, failed]
                     now = now | failed
                 row = again.losses[:1].copy()
@@ -161,8 +143,7 @@ class Deferred:
         return readout, state
 
 
-# `hides_non_finite` per optimizer (its state's kinds follow from it): a
-# tree walk of the state is tens of microseconds, on every `fit` call.
+# `hides_non_finite` per optimizer (its state's kinds follow from it).
 _HIDES: dict[Any, bool] = {}
 
 
@@ -170,13 +151,10 @@ def choose_guard(
     guard: str, arrays: bool, unrolled: bool, loss_fn: Any, optimizer: Any,
     groups: Any, opt_state: Any,
 ) -> PerStep | Deferred:  # fmt: skip
-    """The run's guard: `Deferred` (the optimistic guard) on dispatches of
-    array data that are not unrolled (a part of one is the same program, or
-    on a GPU its variant with the per-step conditional), not where the
-    optimizer replaces non-finite gradients itself (the end-of-dispatch check
-    could not see them), nor where members share anything trained (a trained
-    shared part, a coupled loss: a frozen member must drop out of those at
-    every step); `PerStep` otherwise, or where `Execution.guard` says so."""
+    """`Deferred` on non-unrolled dispatches of array data, unless the optimizer
+    hides non-finite gradients (the end check could not see them) or members
+    share anything trained (a frozen member must drop out at every step);
+    else, or where `Execution.guard` says so, `PerStep`."""
     deferred = (
         guard == "auto"
         and arrays
@@ -207,9 +185,8 @@ def frozen(diverged_at: np.ndarray, stopped_at: np.ndarray) -> np.ndarray:
 
 
 def _failing(readout: Readout, steps: int, frozen: np.ndarray) -> np.ndarray:
-    """The members an optimistic dispatch's `readout` (of `steps` steps) shows
-    not finite: a non-finite loss, or the end check's mark; frozen members
-    (their losses NaN, their state restored) are not failing."""
+    """The members not already `frozen` that `readout` (of `steps` steps) shows
+    not finite: a non-finite loss, or the end check's mark."""
     bad = readout.diverged_at == NOT_FINITE
     bad |= ~np.isfinite(readout.losses[:steps]).all(axis=0)
     return bad & ~frozen

@@ -33,11 +33,8 @@ def check_inputs(
     runner: Any,
     where: str,
 ) -> int:
-    """The checks of a training call (`where`: "fit" or "make_step"; `runner`: its
-    `Execution` or `Step`): the ensemble, the key, what a heterogeneous run
-    refuses, the model state, the loss's signature, the hyperparameters, a given
-    optimizer state (`make_step` always has one: `None` there is refused by
-    the same check). Returns the number of members."""
+    """The checks of a training call (`where`: "fit" or "make_step"; `runner`:
+    its `Execution` or `Step`); returns the number of members."""
     if not is_ensemble(ens):
         raise TypeError(
             f"`{where}` expects an `ee.Ensemble` (or an `ee.Heterogeneous`), got "
@@ -83,9 +80,8 @@ def check_chunkable(loss_fn: Any, ens: Any) -> None:
 
 
 def independent_members(loss_fn: Any, ens: Any) -> bool:
-    """Whether the members can run in chunks (`Plan.member_chunk`): one
-    ensemble whose every array leaf is a member's (no shared part), and a
-    loss that does not couple them."""
+    """Whether the members can run in chunks: one ensemble without a shared
+    part, and a loss that does not couple them."""
     return (
         isinstance(ens, Ensemble)
         and not jax.tree.leaves(ens.shared)
@@ -133,9 +129,8 @@ def check_components(
 
 
 def check_callbacks(callbacks: Any) -> None:
-    """What `fit`'s `callbacks` may not hold: the checkpointer (it goes in
-    `checkpoints=`, which resumes the run too), or one checkpointed callback
-    twice (its state has one place in the run)."""
+    """Refuse a checkpointer in `callbacks` (it goes in `checkpoints=`) and a
+    checkpointed callback given twice (its state has one place in the run)."""
     if not isinstance(callbacks, Sequence) or isinstance(callbacks, str):
         return  # refused, by name, in `as_callbacks`
     seen: set[int] = set()

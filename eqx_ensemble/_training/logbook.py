@@ -11,8 +11,7 @@ from .optim import member_hparams
 
 class LogBook:
     """The run's description and each dispatch's record, with what the loggers
-    were given so far: a resumed run's earlier events and evaluations were
-    logged (a fresh run: nothing)."""
+    were given so far (a resumed run's earlier events and evaluations)."""
 
     def __init__(self, run: Any):
         self._info: RunInfo | None = None
@@ -30,7 +29,6 @@ class LogBook:
             )
 
     def info(self, run: Any) -> RunInfo:
-        """The run's description."""
         if self._info is None:
             start_hparams = member_hparams(run.train_state)
             self._hparams = bool(start_hparams)  # none at the start: none later

@@ -59,10 +59,9 @@ class LogEntry:
     - `eval_steps`, `eval_scores`: `(e,)` and `(e, members)`: evaluations it ran.
     - `diverged_at`: `(members,)` each member's divergence step (`-1`: healthy).
     - `member_hparams`: each member's injected hyperparameters after it.
-    - `events`: what happened in it, as records with `"step"` (counted like
-      `steps`) and `"event"`: `"diverged"` with `"member"` (its update refused),
-      `"exploit"` with `"member"` and `"parent"` (PBT),
-      `"snapshot"` (`ee.Snapshots`), `"averaging_starts"` (`ee.SWA`, `ee.SWAG`).
+    - `events`: what happened in it, as records with `"step"` and `"event"`:
+      `"diverged"` with `"member"`, `"exploit"` with `"member"` and `"parent"`
+      (PBT), `"snapshot"` (`ee.Snapshots`), `"averaging_starts"` (`ee.SWA`).
 
     **Example:** a logger's `write` receives one per dispatch:
 
@@ -94,9 +93,8 @@ class LogEntry:
 
 class Logger(Callback):
     """Writes a [`fit`][eqx_ensemble.fit] run's record somewhere (abstract),
-    e.g. [`ee.CSVLogger`][eqx_ensemble.CSVLogger]. Passed in
-    `fit(..., callbacks=[...])`; called from a thread of its own, one call at a
-    time and in order:
+    e.g. [`ee.CSVLogger`][eqx_ensemble.CSVLogger]; called from a thread of its
+    own, one call at a time and in order:
 
     - `check() -> None`: before any work (e.g. refuse an unwritable folder).
     - `open(run: RunInfo) -> handle`: before the first dispatch.
@@ -104,7 +102,7 @@ class Logger(Callback):
     - `flush(handle) -> None`: before each checkpoint (optional).
     - `close(handle) -> None`: when the run ends (also on an error).
 
-    Its error ends the run at the next dispatch or the end. It is a
+    Its error ends the run at the next dispatch or the end. A
     [`Callback`][eqx_ensemble.Callback] of phase `RECORD`.
 
     **Example:**

@@ -336,10 +336,9 @@ def init_optimizer(
 ) -> PyTree[Any]:
     """Initialise one optax state per member, stacked like the ensemble.
 
-    The state is `filter_vmap(optimizer.init)` over the members' floating-point
-    leaves, so every transformation keeps its per-member meaning (Adam moments,
-    `clip_by_global_norm`'s norm, schedules' step counts). It is compiled once
-    per `init` and structure: Python side effects of `init` run when traced.
+    `filter_vmap(optimizer.init)` over the members' floating-point leaves, so
+    every transformation keeps its per-member meaning; compiled once per `init`
+    and structure.
 
     **Arguments:**
 
@@ -351,14 +350,11 @@ def init_optimizer(
 
     **Returns:**
 
-    The stacked optimizer state (leading member axis on every array leaf). For an
-    ensemble with a trained shared part (`train_shared=True`), a
-    [`SharedOptState`][eqx_ensemble.SharedOptState] holding that and ONE state
-    for the shared part (which keeps the optimizer's own hyperparameters). A
-    frozen shared part has no optimizer state. For an
-    [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous], a tuple with one such
-    state per group (`hyperparams` are still given per member, over all
-    groups).
+    The stacked optimizer state (leading member axis on every array leaf). With
+    `train_shared=True`, a [`SharedOptState`][eqx_ensemble.SharedOptState] that
+    adds ONE state for the shared part (with the optimizer's own
+    hyperparameters). For an [`ee.Heterogeneous`][eqx_ensemble.Heterogeneous],
+    a tuple with one state per group (`hyperparams` still per member).
 
     **Example:**
 

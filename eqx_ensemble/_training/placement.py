@@ -1,11 +1,6 @@
 """Placement inside `fit` and `make_step`, as one object per run: `SingleDevice`
-(no mesh: every method leaves arrays where JAX puts them) or `OnMesh` (the
-member, data and model axes of a mesh: optimizer states that follow a member's
-"model" split, the sharding constraints of a dispatch, the batch gather, a
-train state's placement recorded outside `jit` and pinned or restored inside
-it). `placement_of(mesh)` chooses; nothing else asks whether there is a mesh.
-(`_core/sharding.py` places an ensemble; `_execution/placement.py` holds the
-mesh's rules.)"""
+(no mesh: arrays stay where JAX puts them) or `OnMesh`. `placement_of(mesh)`
+chooses; nothing else asks whether there is a mesh."""
 
 import contextlib
 import dataclasses
@@ -61,9 +56,8 @@ class SingleDevice:
         return jax.default_backend()
 
     def to_host(self, value: Any) -> np.ndarray:
-        """One array on the host: on a CPU `np.asarray` (no transfer, so no
-        transfer guard applies), elsewhere `jax.device_get` (an explicit
-        transfer, which `jax.transfer_guard("disallow")` allows)."""
+        """One array on the host: `np.asarray` on a CPU (no transfer), else
+        `jax.device_get` (explicit: allowed by a `"disallow"` transfer guard)."""
         return np.asarray(value) if self.platform == "cpu" else jax.device_get(value)
 
     def context(self) -> Any:
@@ -165,21 +159,14 @@ class OnMesh(SingleDevice):
         return shard(tree, self.mesh)
 
     def follow_model(self, tree: PyTree[Any], ens: Any) -> PyTree[Any]:
-        """`tree` (an optimizer state, a tracker's state: leaves shaped like
-        an ensemble's weights) placed so that each leaf matching a weight of
-        `ens` by path suffix and shape keeps that weight's `"model"` split
-        (outside `jit`)."""
         return _follow_model(tree, ens, self.mesh)
 
     def constrain(
         self, tree: PyTree[Any], axes: Sequence[str | None], *, weights: bool = False
     ) -> Any:
-        """Pin the sharding of every array leaf of `tree` (inside or outside
-        `jit`). `weights=True` (weights and the states that follow them) on a
-        mesh with a `"model"` axis: pin only the leading axes and keep the rest
-        of each leaf's placement (Auto: those axes left to the compiler, which
-        propagates the inputs' split; Explicit: carried over from the leaf's
-        type)."""
+        """Pin the sharding of every array leaf of `tree`. `weights=True` on a
+        mesh with a `"model"` axis pins only the leading axes, keeping the rest
+        of each leaf's placement."""
         mesh = self.mesh
         sharding = NamedSharding(mesh, partition_spec(mesh, axes))
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -203,9 +190,8 @@ class OnMesh(SingleDevice):
         return self.constrain(tree, ())
 
     def gather_batch(self, data: PyTree[Any], indices: Array) -> Any:
-        """`gather(data, indices)` with the batch split over the mesh: the
-        example axis over `"data"`, and a leading member axis of per-member
-        indices over `"members"`. Each device gathers only its own part."""
+        """`gather(data, indices)` split over `"data"` (and `"members"` for
+        per-member indices): each device gathers only its own part."""
         axes = (MEMBERS, DATA) if indices.ndim == 2 else (DATA,)
         indices = self.constrain(indices, axes)
         if is_explicit(self.mesh):
@@ -219,8 +205,7 @@ class OnMesh(SingleDevice):
         return self.constrain(gather(data, indices), axes)
 
     def on_mesh(self, tree: PyTree[Any]) -> Any:
-        """Leaves already placed on the mesh stay as they are; the others are
-        replicated on it (outside `jit`)."""
+        """Leaves not yet on the mesh replicated on it (outside `jit`)."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
 
         def put(leaf):
@@ -234,11 +219,9 @@ class OnMesh(SingleDevice):
         return jax.tree.map(put, tree)
 
     def model_placement(self, state: Any) -> Any:
-        """With a `"model"` axis, the shardings of every array leaf of a
-        training state's weight fields (those whose metadata says
-        `"stacked"`: the ensemble and what follows its weights), read outside
-        `jit`, as a hashable record `((path, sharding), ...)` for `place_state`
-        to pin them exactly inside `jit`; `None` otherwise."""
+        """With a `"model"` axis, the shardings of a training state's `"stacked"`
+        fields' leaves, read outside `jit`, as `((path, sharding), ...)` for
+        `place_state` to pin inside it; `None` otherwise."""
         if MODEL not in self.mesh.axis_names:
             return None
         placed = []
@@ -287,15 +270,11 @@ class OnMesh(SingleDevice):
         self, state: Any, *, inside_jit: bool = False, in_loop: bool = False,
         placement: Any = None,
     ) -> Any:  # fmt: skip
-        """A training state (a dataclass such as `fit`'s `TrainState`) on the
-        mesh. Each field declares its member axis in its metadata
-        (`"member_axis"`): `"stacked"` fields are split over `"members"`;
-        `"bookkeeping"` fields (small per-member arrays) are split over
-        `"members"` inside the compiled loop (`in_loop=True`, so that a step
-        needs no collective) and replicated outside it (readable from every
-        process); other fields are replicated. Inside `jit`, `placement` (from
-        `model_placement` of the state outside it) pins the leaves split over
-        `"model"` exactly where they were."""
+        """A training state on the mesh, by each field's `"member_axis"`
+        metadata: `"stacked"` split over `"members"`; `"bookkeeping"` split
+        inside the loop (`in_loop`: no collective per step) and replicated
+        outside (readable by every process); others replicated. Inside `jit`,
+        `placement` pins the `"model"`-split leaves where they were."""
         changes = {}
         for field in dataclasses.fields(state):
             kind = field.metadata.get("member_axis")
@@ -317,12 +296,9 @@ class OnMesh(SingleDevice):
     def sharded_update(
         self, vmapped: Callable[..., Any], per_member_batch: bool
     ) -> Callable[..., Any]:
-        """Wrap the member-vmapped update `(members, opt_state, batch, keys,
-        state, frozen, hyper) -> (members, opt_state, losses, aux, state,
-        diverged)` so that every member-mapped input and output is split over
-        `"members"` and the batch over `"data"` (Explicit meshes need every
-        mapped input of a `vmap` sharded alike; Auto meshes get the placement
-        pinned instead of guessed)."""
+        """The member-vmapped update with its member-mapped inputs and outputs
+        pinned over `"members"` and the batch over `"data"` (an Explicit mesh's
+        `vmap` needs its inputs sharded alike)."""
         batch_axes = (MEMBERS, DATA) if per_member_batch else (DATA,)
 
         def update(members, opt_state, batch, keys, state, frozen, hyper):
@@ -342,15 +318,12 @@ Placement = SingleDevice  # (`OnMesh` is one too)
 
 
 def placement_of(mesh: Mesh | None) -> SingleDevice:
-    """`SINGLE_DEVICE` without a mesh, else `OnMesh(mesh)`."""
     return SINGLE_DEVICE if mesh is None else OnMesh(mesh)
 
 
 def _follow_model(tree: PyTree[Any], ens: Any, mesh: Mesh) -> PyTree[Any]:
-    """`tree` (an optimizer state, a tracker's state: leaves shaped like an
-    ensemble's weights) placed so that each leaf matching a weight of `ens` by
-    path suffix and shape keeps that weight's `"model"` split (outside `jit`).
-    Unchanged without a `"model"` axis or with no split weight."""
+    """`tree` (an optimizer or tracker state) with each leaf matching a weight
+    of `ens` by path suffix and shape given that weight's `"model"` split."""
     if MODEL not in mesh.axis_names or not hasattr(ens, "shared"):
         return tree
     table = _model_table(ens, mesh)
@@ -403,10 +376,8 @@ def members_mesh(ens: Any) -> Mesh | None:
 
 
 def _model_table(ens: Any, mesh: Mesh) -> dict[Any, Any] | None:
-    # (path within a member, whether stacked) -> (the weight's own shape, its
-    # inner spec entries), for EVERY weight of `ens` (unsplit ones with no
-    # "model" entry), so that the longest path suffix finds the right weight;
-    # `None` when no weight is split.
+    # (path in a member, stacked) -> (own shape, inner spec) for EVERY weight,
+    # so the longest path suffix finds the right one; `None`: none is split.
     table: dict[Any, Any] = {}
     split = False
     for part, stacked in ((ens.members, True), (ens.shared, False)):
@@ -429,10 +400,9 @@ def _lookup(
     shape: tuple[int, ...],
     stacked: bool,
 ) -> tuple[Any, ...] | None:
-    """The inner spec for a state leaf at `path`: that of the weight whose path
-    is the longest suffix of `path`, if the leaf's own axes end with the
-    weight's shape (an optimizer moment: equal; a SWAG deviation or a
-    snapshot buffer: extra leading axes, unsplit)."""
+    """The inner spec of the weight whose path is the longest suffix of
+    `path`, if the leaf's own axes end with its shape (extra leading axes,
+    such as a SWAG deviation's, unsplit)."""
     own = tuple(shape[1:] if stacked else shape)
     for start in range(len(path)):  # the longest suffix first
         found = table.get((path[start:], stacked))

@@ -9,17 +9,16 @@ from .callback import Callback, RunView
 
 
 class ProgressMeter(Callback):
-    """Shows a [`fit`][eqx_ensemble.fit] run's progress (abstract), on the host
-    between dispatches. Passed in `fit(..., callbacks=[...])`;
-    [`ee.ProgressBar`][eqx_ensemble.ProgressBar] is the default.
+    """Shows a [`fit`][eqx_ensemble.fit] run's progress (abstract) between
+    dispatches; [`ee.ProgressBar`][eqx_ensemble.ProgressBar] is the default.
 
     - `start(total, done, resumed) -> handle`: before the first dispatch.
     - `update(handle, done, losses, diverged_at) -> None`: after each dispatch:
       the steps done, its `(steps, members)` losses and each member's divergence
-      step, counted from 1 as in `FitResult.diverged` (`-1`: healthy).
+      step, counted from 1 (`-1`: healthy).
     - `close(handle) -> None`: when the run ends, also on an error.
 
-    It is a [`Callback`][eqx_ensemble.Callback] of phase `OBSERVE`.
+    A [`Callback`][eqx_ensemble.Callback] of phase `OBSERVE`.
 
     **Example:**
 

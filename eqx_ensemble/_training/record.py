@@ -71,9 +71,8 @@ def start_record(trees: list[tuple[str, Any]]) -> dict[str, Any] | None:
 
 
 def hyperparams_record(states: list[tuple[str, Any]]) -> dict[str, Any] | None:
-    """The injected hyperparameters of an optimizer state, as `start_record`,
-    from its groups' states (`heterogeneous.labelled`: each group's under its
-    own prefix)."""
+    """The injected hyperparameters of the groups' optimizer states, as
+    `start_record` (each group's under its own prefix)."""
     return start_record(
         [
             (prefix, dict(node.hyperparams))
@@ -86,9 +85,8 @@ def hyperparams_record(states: list[tuple[str, Any]]) -> dict[str, Any] | None:
 def optimizer_record(
     optimizer: optax.GradientTransformation, opt_state: PyTree[Any]
 ) -> str:
-    """A digest of an optimizer: its state's structure on a one-leaf model and
-    the values its `update` closes over (so `adam(1e-1)` cannot resume a run
-    saved with `adam(1e-2)`)."""
+    """A digest of an optimizer's state structure and the values its `update`
+    closes over (`adam(1e-1)` cannot resume a run of `adam(1e-2)`)."""
     del opt_state
     try:
         canonical = jax.eval_shape(

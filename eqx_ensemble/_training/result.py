@@ -23,13 +23,10 @@ class FitResult:
     - `history`: a [`History`][eqx_ensemble.History] of per-member losses and scores.
     - `diverged`: `{member: step}` for members whose loss, gradient or update
       became non-finite at that step (counted from 1); the member keeps its last
-      finite parameters and trains no more, the others train on. Row
-      `step - 1` of `history.losses` holds the loss computed at that step, and
-      `history.losses[step:]` is NaN.
+      finite parameters and trains no more (`history.losses[step:]` is NaN).
     - `stopped`: `{member: step}` for members stopped before the end (by
       [`ee.EarlyStopping`][eqx_ensemble.EarlyStopping]): the last step each
-      trained. When every member has stopped (or diverged), the run ends
-      there: `step` is less than `steps`.
+      trained. When every member has stopped (or diverged), the run ends.
     - `best_ensemble`: with `evaluate=`, each member at its best (lowest) score,
       else `None`; `best_step`: the step of each member's best.
     - `step`: the number of steps done.
@@ -123,9 +120,8 @@ def make_result(
 
 
 class EnsembleDivergedError(FloatingPointError):
-    """Raised by [`fit`][eqx_ensemble.fit] when every member has diverged
-    (while some are healthy, they train on and `FitResult.diverged` reports the
-    others). The run so far is attached as `error.result`.
+    """Raised by [`fit`][eqx_ensemble.fit] when every member has diverged (else
+    `FitResult.diverged` reports them). The run so far is `error.result`.
 
     **Example:**
 

@@ -146,16 +146,11 @@ def prepare(
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """What a `fit` call of array data with no components (no trackers,
-    evaluation, checkpoints or callbacks) nor `hyper` decided: its checks read
-    only the inputs' structure, types, shapes and dtypes and the call's
-    settings, so a call that matches it (`_call_key`) skips them, the plan's
-    lookup and the guard's choice, ~0.3 ms of a `fit` call in a loop. Kept
-    per loss (`cache.owner_table`); a key holds the optimizer, the settings
-    and the inputs' non-array leaves, no arrays. `fresh`: how a call seen a
-    second time starts (`FreshStart`: a fresh optimizer state's arrays, not
-    the weights), `False` where it cannot, `None` before; a sweep whose every
-    call differs keeps no arrays."""
+    """What a `fit` call of array data without components or `hyper` decided.
+    Its checks read only the inputs' structure, shapes, dtypes and the
+    settings, so a matching call (`_call_key`, per loss) skips them, the plan
+    and the guard's choice. `fresh`: how a call seen again starts (`False`: it
+    cannot; `None`: not yet seen again)."""
 
     size: int
     plan: Plan
@@ -164,9 +159,8 @@ class Prepared:
 
 
 def _check(call: FitCall) -> None:
-    """The checks of a call not known: inputs, steps, sampling, components;
-    array data checked and planned now, before any work (a stream where the
-    run starts: its plan needs its first batch)."""
+    """The checks of a call not known; array data planned now (a stream where
+    the run starts: its plan needs its first batch)."""
     call.size = check_inputs(
         call.ens, call.loss_fn, call.optimizer, call.key, state=call.state,
         hyper=call.hyper, opt_state=call.opt_state, runner=call.execution,
@@ -181,9 +175,8 @@ def _check(call: FitCall) -> None:
 
 
 def _fresh(call: FitCall, known: Prepared | None) -> tuple[TrainState, Any] | None:
-    """A known call's start from its kept `FreshStart`, for a run of arrays
-    with the deferred guard (its dispatches donate nothing); `None` otherwise
-    (or where a kept array was deleted since)."""
+    """A known call's start from its kept `FreshStart` (`None`: none, or a kept
+    array was deleted since)."""
     if known is None or not isinstance(known.fresh, FreshStart):
         return None
     assert known.guard.deferred, "internal error: a donating fresh start"
@@ -193,9 +186,8 @@ def _fresh(call: FitCall, known: Prepared | None) -> tuple[TrainState, Any] | No
 def _assemble(
     call: FitCall, train_state: TrainState, keys: Any, guard: PerStep | Deferred | None
 ) -> "Run":
-    """The run from its start state: resumed from the newest checkpoint, its
-    data source started (a stream's planned now), placed, its guard (`guard`:
-    a known call's), and its chunk."""
+    """The run from its start state: resumed, its source started, placed, its
+    guard chosen (`guard`: a known call's)."""
     placement = placement_of(call.execution.mesh)
     record = None if call.checkpoints is None else run_record(call, train_state)
     train_state, history, saved_data = _resumed(
@@ -241,12 +233,9 @@ def _assemble(
 
 
 def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
-    """`call`: `fit`'s inputs, `data` last. The settings (numbers with their
-    types: `steps=True` is not `1`), the backend, the default device and x64
-    mode, and every leaf of the inputs (a stream is one leaf): an array as
-    its type, shape, dtype and (committed) sharding, anything else as itself
-    (hashed where it is looked up: TypeError there where a part is
-    unhashable)."""
+    """The key of `fit`'s `call` (its inputs, `data` last): the settings with
+    their types (`steps=True` is not `1`), backend, default device, x64 mode,
+    and each input leaf (an array as type, shape, dtype and committed sharding)."""
     *inputs, data = call
     leaves, treedef = jax.tree.flatten(inputs)
     # (a stream is a leaf: not flattened, nor warned about, as an iterable)
@@ -277,12 +266,10 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
 def _fresh_start(
     run: "Run", optimizer: Any, opt_state: Any, inputs: Any
 ) -> FreshStart | None:
-    """How a call like `run`'s starts without a start program (`FreshStart`),
-    kept from `run`'s start state: where its dispatches donate nothing (the
-    optimistic guard, no mesh), its `inputs` (the ensemble, optimizer and
-    model states) are JAX arrays on no device of their own (so that the
-    dispatch sees what the start program gave it: no other program), and a
-    fresh optimizer state reads no weight."""
+    """How a call like `run`'s starts without a start program, kept from its
+    start state: only where dispatches donate nothing, the `inputs` are
+    uncommitted JAX arrays (the dispatch sees what the start program gave it)
+    and a fresh optimizer state reads no weight."""
     if not run.guard_strategy.deferred or run.chunk.placement.sharded:
         return None
     for leaf in jax.tree.leaves(inputs):
@@ -345,10 +332,8 @@ def check_sampling(loss_fn: LossFn, sampling: Sampling) -> Sampling:
 
 
 def _components(call: FitCall) -> tuple[tuple[Tracker, ...], tuple[Callback, ...]]:
-    """The run's trackers and its host components in the order they run
-    (`Callback.phase`), each checked: what a callback can check of the run (a
-    logger's folder; that `ee.PBT` gets a fresh evaluation for every round)
-    is refused before any work."""
+    """The run's trackers and its callbacks in phase order, each checked
+    before any work."""
     evaluate, checkpoints = call.evaluate, call.checkpoints
     track = check_components(evaluate, checkpoints, call.track)
     check_callbacks(call.callbacks)
@@ -382,8 +367,7 @@ def _resumed(
     checkpoints.prepare()
     template = train_state
     if checkpoints.has_checkpoints():
-        # Loaded straight onto a mesh: from a sharded checkpoint, each
-        # process reads only the shards its devices hold.
+        # Loaded straight onto the mesh: each process reads only its shards.
         placement.check_fit(size, 0)
         template = placement.place_state(train_state)
     resumed = checkpoints.resume(template, record, steps)
@@ -420,9 +404,7 @@ def plan_fit(
     placement: Placement,
     steps: int,
 ) -> Plan:
-    """`execution`'s choices, with the library's where it leaves them open
-    (`_execution.plan`), looked up per loss, execution, input structure, placement
-    and run length class."""
+    """`execution`'s choices, with the library's where it leaves them open."""
     if execution.member_chunk is not None:
         check_member_chunk(execution.member_chunk, size, placement.members_devices)
         check_chunkable(loss_fn, ens)
@@ -449,21 +431,16 @@ def plan_fit(
 
 
 def _skips_conditional(chunk: Chunk) -> bool:
-    """Whether a dispatch known to be full may run a program compiled without the
-    per-step conditional. Not on a CPU: there the conditional costs nothing
-    measurable, and one program for full and partial dispatches keeps a resumed
-    run bitwise equal to an uninterrupted one (two programs may round one step
-    differently, by an ulp). On a GPU a conditional waits for its predicate on the
-    host (a measurable share of a small step)."""
+    """Whether a full dispatch may run a program without the per-step
+    conditional: not on a CPU, where it costs nothing and one program keeps a
+    resume bitwise (two may round differently); a GPU's waits on the host."""
     return chunk.placement.platform != "cpu"
 
 
 @dataclasses.dataclass
 class Run:
     """A run between dispatches: it owns the train state and the history, and
-    calls its host components (`Callback`: progress meters, controllers,
-    loggers, checkpoints, functions) through their one protocol, in the
-    order of their phase."""
+    calls its `Callback`s in phase order."""
 
     chunk: Chunk
     options: Options
@@ -504,10 +481,8 @@ class Run:
         self.to_host = self.chunk.placement.to_host
 
     def run(self) -> FitResult:
-        """Drive the run to its last step: one dispatch, then the host's work
-        (history, then the callbacks in phase order). A failure to read the
-        next batches comes after the dispatch that ran is recorded and
-        checkpointed, and carries the run as `error.result`."""
+        """Drive the run to its last step, dispatch by dispatch. A failure to read
+        the next batches is raised after the dispatch that ran is recorded."""
         view = RunView(self)
         try:
             for item in self.callbacks:
@@ -531,18 +506,15 @@ class Run:
                     self._attach(read_error)
                     raise read_error
         except BaseException as error:
-            # The run's own error wins: the callbacks end quietly, a note each
-            # (a checkpoint being written ends; on one process it commits).
+            # The run's own error wins: the callbacks end quietly, a note each.
             self.end(error)
             raise
         self.end(None)
         return self.result()
 
     def end(self, error: BaseException | None) -> None:
-        """Every started callback's `on_end`, in phase order (the checkpoint is
-        committed before `REACT` callbacks end), with the error ending the run.
-        After a clean run the first error an `on_end` raises becomes the
-        run's: the callbacks after it end with it, and it is raised."""
+        """Every started callback's `on_end`, in phase order. After a clean run
+        the first error an `on_end` raises becomes the run's, and is raised."""
         raised = None
         for item, handle in zip(self.callbacks, self._handles, strict=False):
             if error is None:
@@ -618,7 +590,6 @@ class Run:
         self._may_stop = True
 
     def run_info(self) -> RunInfo:
-        """The run's description for loggers."""
         return self._logbook.info(self)
 
     def log_entry(self) -> LogEntry:
@@ -637,9 +608,8 @@ class Run:
         self._attached.add(id(error))
 
     def dispatch_end(self, done: int, available: int | None = None) -> int:
-        """Where the dispatch starting at `done` ends: after the plan's steps per
-        dispatch, where a component next needs the host, or where the data
-        available ends."""
+        """Where the dispatch starting at `done` ends: the plan's length, a
+        callback's next stop, or the data available."""
         ends = [self.steps, done + self.chunk.length]
         for item in self.callbacks:
             stop = item.next_stop(done)
@@ -676,8 +646,8 @@ class Run:
         return self.run_dispatch(chunk, end - self.done)
 
     def run_dispatch(self, chunk: Chunk, steps: int) -> Any:
-        """`chunk`'s dispatch of `steps` steps from the run's state (the
-        controllers' states stay on the host: one program with or without)."""
+        """`chunk`'s dispatch of `steps` steps (the controllers' states stay on
+        the host: one program with or without)."""
         controlled = self.train_state.controlled
         state, values = dispatch_chunk(
             self.options,
@@ -689,8 +659,7 @@ class Run:
         return values
 
     def record_dispatch(self, values: Any, end: int) -> np.ndarray:
-        """The dispatch's history from its `loop.readout` (`values`, one read of
-        everything the host needs); returns its `(steps, members)` losses."""
+        """Record the dispatch's readout; return its `(steps, members)` losses."""
         active = end - self.done
         evaluated = self.chunk.evaluate is not None
         readout = unpack_readout(values.read(self.to_host), self.chunk.size, evaluated)
@@ -708,16 +677,13 @@ class Run:
         return losses
 
     def finished(self) -> bool:
-        """Whether every member has stopped or diverged, at least one stopped
-        (the run ends early; all diverged is an error). Stops come from
-        callbacks' changes, so without one there is nothing to read."""
+        """Whether every member has stopped or diverged, at least one stopped."""
         if not self._may_stop:
             return False
         stopped = self._stopped_at >= 0
         return bool(stopped.any() and (stopped | (self.diverged_at >= 0)).all())
 
     def state(self) -> TrainState:
-        """The run's train state."""
         return self.train_state
 
     def result(self, copy_state: bool = False) -> FitResult:
@@ -739,8 +705,7 @@ class Run:
         raise error
 
     def diverged_steps(self) -> np.ndarray:
-        """Each member's divergence step counted from 1, as every step number
-        users read (`-1`: healthy); `diverged_at` holds the step's index."""
+        """Each member's divergence step counted from 1 (`-1`: healthy)."""
         return np.where(self.diverged_at >= 0, self.diverged_at + 1, -1)
 
 
@@ -763,8 +728,7 @@ def _stream_ended_message(run: Run) -> str:
 
 
 def _changed_structure(callback: Callback, done: int, old: Any, new: Any) -> str:
-    """The error for a callback's new train state whose structure, shapes or
-    dtypes differ from the run's (`""`: none differ)."""
+    """The error for a callback's train state of another structure (`""`: none)."""
     difference = first_difference(
         jax.tree.map(_spec, eqx.filter(old, eqx.is_array)),
         jax.tree.map(_spec, eqx.filter(new, eqx.is_array)),

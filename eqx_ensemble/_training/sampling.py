@@ -1,5 +1,5 @@
 """How `fit` draws each member's minibatch: `Shared`, `Independent`, `Bootstrap`.
-A chunk computes its epoch permutations up front (per step: 1/4 of step time)."""
+A chunk computes its epoch permutations up front, not per step."""
 
 import abc
 import operator
@@ -239,10 +239,9 @@ class Bootstrap(Sampling):
 
     Member `i`'s resample is
     `jax.random.randint(jax.random.split(bootstrap_key, size)[i], (n,), 0, n)`
-    (`n` draws with replacement; [`in_bag`][eqx_ensemble.Bootstrap.in_bag] rebuilds
-    it from the run's key), and step `s` draws positions
-    `jax.random.randint(jax.random.fold_in(data_key, s), (size, batch_size), 0, n)`
-    into it. The examples a member never drew are its out-of-bag examples.
+    ([`in_bag`][eqx_ensemble.Bootstrap.in_bag] rebuilds it), and step `s` draws
+    positions `jax.random.randint(jax.random.fold_in(data_key, s),
+    (size, batch_size), 0, n)` into it.
 
     `block_length=L > 1` draws blocks of `L` consecutive examples (the
     moving-block bootstrap, Kunsch 1989: `ceil(n / L)` starts uniform in

@@ -377,8 +377,8 @@ def _joint_update(
 def _skip_if_frozen(
     compute: Callable[[Any], Any], frozen: Any, member: Any, opt_state: Any, state: Any
 ) -> Any:
-    """ONE member's `member_update`, skipped at run time for a frozen member; not
-    for a step that convolves (slow inside a conditional on a CPU)."""
+    """ONE member's `member_update`, skipped for a frozen member (not for a step
+    that convolves: slow inside a conditional on a CPU)."""
 
     def fresh():
         return compute(jax.tree.map(lambda x: x, state))
@@ -567,9 +567,8 @@ class Step(eqx.Module):
     [`make_step`][eqx_ensemble.make_step] (see there for the arguments).
 
     `step(ens, opt_state, batch, key, state=None, *, hyper=None)` returns a
-    [`StepOutput`][eqx_ensemble.StepOutput]; `step.lower(...)` (same arguments)
-    lowers it ahead of time. Steps built with equal arguments share their
-    compilations.
+    [`StepOutput`][eqx_ensemble.StepOutput]; `step.lower(...)` lowers it ahead
+    of time. Steps built with equal arguments share their compilations.
 
     **Example:**
 
@@ -608,8 +607,7 @@ class Step(eqx.Module):
         *,
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
-        # (Module-level helpers: Equinox makes a bound-method module of each
-        # method read, ~17 us.)
+        # (Module-level helpers: Equinox wraps each method read.)
         placement = placement_of(self.mesh)
         step = _placed(self, placement, (ens, opt_state, state))
         compiled = _compiled_step(step, step._plan(ens, batch, state, hyper))
@@ -847,10 +845,9 @@ def make_step(
 ) -> Step:
     """A compiled training step that updates every member at once.
 
-    The step applies `eqx.filter_value_and_grad(loss_fn)` and the optax update to
-    each member under `eqx.filter_vmap`: one trace, one compile, one dispatch for the
-    whole ensemble. Every optax transformation keeps its per-member meaning
-    (`optax.clip_by_global_norm` clips each member by its own norm).
+    `eqx.filter_value_and_grad(loss_fn)` and the optax update for each member
+    under `eqx.filter_vmap`: one compile, one dispatch for the whole ensemble.
+    Every optax transformation keeps its per-member meaning.
 
     **Arguments:**
 
@@ -865,13 +862,9 @@ def make_step(
     - `per_member_batch`: `False`: every member gets the same `batch`; `True`: every
       array leaf of `batch` has a leading member axis and member `i` gets slice `i`.
     - `execution`: an [`ee.Execution`][eqx_ensemble.Execution]; `make_step`
-      uses its `mesh` (members of the ensemble and both states split over the
-      mesh's `"members"` axis, the batch's examples over `"data"`; the outputs
-      keep that placement, `losses` are replicated; place the inputs with
-      [`ee.shard`][eqx_ensemble.shard] to avoid a transfer per call),
-      `compiler_options`, `layout` (`"auto"`: `"sequential"` on one CPU device
-      for a loss that convolves and at most 16 members, else `"vmap"`) and
-      `member_chunk` (automatic chunks on one CPU device: see `ee.Execution`).
+      uses its `mesh` (members and states over `"members"`, examples over
+      `"data"`; place the inputs with [`ee.shard`][eqx_ensemble.shard] to avoid
+      a transfer per call), `compiler_options`, `layout` and `member_chunk`.
       The results are the same whatever it says, to floating-point rounding.
 
     **Returns:**
@@ -879,18 +872,14 @@ def make_step(
     A [`Step`][eqx_ensemble.Step] module: `step(ens, opt_state, batch, key,
     state=None) -> StepOutput`, a `(ensemble, opt_state, losses, aux, state)`
     named tuple with per-member `losses` of shape `(len(ens),)`. Member `i` is
-    called with key `jax.random.split(key, len(ens))[i]` (and an optimizer taking
-    extra arguments, such as [`ee.sgmcmc.sgld`][eqx_ensemble.sgmcmc.sgld], gets
-    `jax.random.fold_in` of it with `0x6F707478` as `key=`, and the member's loss
-    as `value=`, as `optax.contrib.reduce_on_plateau` reads it). A member whose
-    loss, gradient or update is not finite keeps its previous parameters and
-    optimizer state (its loss is reported as non-finite). `step.lower(...)`
-    lowers the step ahead of time, as `eqx.filter_jit(...).lower`.
+    called with key `jax.random.split(key, len(ens))[i]` (an optimizer taking
+    extra arguments gets keys and values as in [`fit`][eqx_ensemble.fit]). A
+    member whose loss, gradient or update is not finite keeps its previous
+    parameters and optimizer state (its loss is reported as non-finite).
 
-    Per-member hyperparameters of the loss or model (weight decay, dropout rate,
-    label smoothing...): `step(..., hyper=h)` with `h` a PyTree of arrays with a
-    leading member axis calls `loss_fn(..., hyper=h_i)`, member `i` seeing its
-    own slice. They are traced values, so new values do not recompile.
+    Per-member hyperparameters: `step(..., hyper=h)` with `h` a PyTree of
+    arrays with a leading member axis calls `loss_fn(..., hyper=h_i)`; traced,
+    so new values do not recompile.
 
     **Example:**
 

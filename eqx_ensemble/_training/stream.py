@@ -212,9 +212,8 @@ class BatchGroups:
     def next_group(
         self, count: int, length: int, seconds: float | None = None
     ) -> tuple[PyTree[Any], int]:
-        """Up to `count` next batches stacked, padded to `length` with the last
-        one, and the number of real ones (fewer when the stream ends or reading
-        took `seconds`; `(None, 0)` for none)."""
+        """Up to `count` next batches stacked, padded to `length` with the last,
+        and how many are real (fewer at the stream's end or after `seconds`)."""
         deadline = None if seconds is None else time.monotonic() + seconds
         self.group_first = None  # until this group's first batch is read
         if not self.pending:
