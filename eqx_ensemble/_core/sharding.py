@@ -173,24 +173,16 @@ def shard(
                 )
             if not process_local and split:
                 _check_leaf(path, leaf, mesh, axes, what)
-    if MODEL in mesh.axis_names:
-        # A leaf already split over "model" keeps that split (see the module).
-        return jax.tree.map(
-            lambda leaf, split: (
-                place_leaf(
-                    leaf,
-                    _with_inner(mesh, axes if split else (), leaf),
-                    process_local,
-                )
-                if eqx.is_array(leaf)
-                else leaf
-            ),
-            tree,
-            per_member,
-        )
+
+    def target(leaf: Any, split: bool) -> NamedSharding:
+        if MODEL in mesh.axis_names:
+            # A leaf already split over "model" keeps that split (see the module).
+            return _with_inner(mesh, axes if split else (), leaf)
+        return sharding if split else replicated
+
     return jax.tree.map(
         lambda leaf, split: (
-            place_leaf(leaf, sharding if split else replicated, process_local)
+            place_leaf(leaf, target(leaf, split), process_local)
             if eqx.is_array(leaf)
             else leaf
         ),

@@ -81,16 +81,6 @@ class Controller(Callback):
         `controllers` (itself included)."""
         del ens, controllers
 
-    def init(self, train_state: TrainState) -> PyTree[Any]:
-        """The controller's own state (default `None`)."""
-        del train_state
-        return None
-
-    def events(self, state: PyTree[Any]) -> list[dict[str, Any]]:
-        """What it did, from its state: `{"step", "event", ...}` records."""
-        del state
-        return []
-
     @abc.abstractmethod
     def __call__(
         self, train_state: TrainState, state: PyTree[Any], history: History

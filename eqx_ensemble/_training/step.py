@@ -608,8 +608,7 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> StepOutput:
         # (Module-level helpers: Equinox wraps each method read.)
-        placement = placement_of(self.mesh)
-        step = _placed(self, placement, (ens, opt_state, state))
+        placement, step = _placed(self, (ens, opt_state, state))
         compiled = _compiled_step(step, step._plan(ens, batch, state, hyper))
         with placement.context():
             return compiled(ens, opt_state, batch, key, state, hyper)
@@ -625,8 +624,7 @@ class Step(eqx.Module):
         hyper: PyTree[Any] = None,
     ) -> Any:
         """Ahead-of-time lowering, as `eqx.filter_jit(...).lower`."""
-        placement = placement_of(self.mesh)
-        step = _placed(self, placement, (ens, opt_state, state))
+        placement, step = _placed(self, (ens, opt_state, state))
         with placement.context():
             compiled: Any = _compiled_step(step, step._plan(ens, batch, state, hyper))
             if isinstance(compiled, functools.partial):  # a step holding arrays
@@ -670,12 +668,13 @@ class Step(eqx.Module):
         )
 
 
-def _placed(step: Step, placement: Placement, inputs: Any) -> Step:
-    """`step` with `pinned`: where the call's inputs live on a `"model"` axis."""
+def _placed(step: Step, inputs: Any) -> tuple[Placement, Step]:
+    """Its placement, and `step` with `pinned`: where the inputs live on "model"."""
+    placement = placement_of(step.mesh)
     pinned = placement.tree_placement(inputs)
     if pinned is None or pinned == step.pinned:
-        return step
-    return dataclasses.replace(step, pinned=pinned)
+        return placement, step
+    return placement, dataclasses.replace(step, pinned=pinned)
 
 
 class _LoweredStep:
