@@ -109,8 +109,7 @@ def write_file(path: Path, manifest: dict[str, Any], chunks: list[Any]) -> None:
     except OSError as error:
         raise _naming(error, path) from error
     try:
-        # Overwriting keeps the existing file's permissions (a checkpoint made
-        # private with chmod 600 stays private); a new file gets the umask's.
+        # Overwriting keeps the file's permissions; a new file gets the umask's.
         with contextlib.suppress(FileNotFoundError):
             os.fchmod(descriptor, stat.S_IMODE(os.stat(path).st_mode) & 0o777)
         with os.fdopen(descriptor, "wb", closefd=False) as stream:
@@ -145,8 +144,8 @@ def _naming(error: OSError, path: Path) -> OSError:
     )
 
 
-# Temporary files this process is writing now: never cleaned up as stale, also
-# where file locks are not exclusive within a process (POSIX locks over NFS).
+# This process's temporaries in writing: never stale (POSIX locks over NFS are
+# not exclusive within a process).
 _LIVE_TEMPORARIES: set[Path] = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -162,8 +161,7 @@ def _create_temporary(path: Path) -> tuple[Path, int]:
             _LIVE_TEMPORARIES.add(temporary)
         if _lock(descriptor, blocking=True) is False:
             return temporary, descriptor  # no locks here: the age bound protects it
-        # A cleaner may have locked and removed the file between its creation and
-        # our lock: then the name no longer leads to our file, and we start over.
+        # A cleaner may have removed it before our lock: then start over.
         with contextlib.suppress(FileNotFoundError):
             if os.stat(temporary).st_ino == os.fstat(descriptor).st_ino:
                 return temporary, descriptor

@@ -82,17 +82,13 @@ def save(
     takes them from `like`, as `eqx.tree_deserialise_leaves` does.
 
     **File format** (version 1, laid out in the checkpoints guide): a header,
-    a verified JSON manifest (versions, treedef, node types and static fields,
-    each leaf's path, kind, shape, dtype and offset, every `ee.Ensemble`'s size,
-    the data's sha256, your `metadata`), then each array's raw little-endian
-    C-order bytes at a 64-byte-aligned offset.
+    a verified JSON manifest (the tree's structure, each leaf's path, kind,
+    shape and dtype, your `metadata`), then the arrays' raw bytes.
 
     **Sharded** (`sharded=True`; the default when `jax.process_count() > 1`):
     `path` becomes a folder in which each process writes only the shards its
-    devices own (zarr v3 with tensorstore, each shard once): nothing is gathered.
-    A manifest with a sha256 per shard commits the folder once every process has
-    written. `load` reads only the shards its devices need, verified, onto any
-    mesh. Needs `tensorstore` (`pip install 'eqx_ensemble[distributed]'`). Every
+    devices own (with tensorstore: `pip install 'eqx_ensemble[distributed]'`),
+    committed by a verified manifest; `load` reads them onto any mesh. Every
     process must call `save` with its part of the same global tree, on a shared
     file system. `sharded=False` on several processes gathers the arrays and
     process 0 writes the single file.

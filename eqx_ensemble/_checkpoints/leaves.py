@@ -282,8 +282,7 @@ def stored_dtype(name: Any) -> np.dtype | None:
         dtype = jnp.dtype(name)
     except TypeError:
         return None
-    # Only the canonical names `save` writes: `">f4"` would read the
-    # (little-endian) bytes in the wrong order.
+    # Only the canonical names `save` writes (`">f4"` would swap the bytes).
     return dtype if _restorable(dtype) and dtype.name == name else None
 
 

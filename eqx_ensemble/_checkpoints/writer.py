@@ -117,8 +117,7 @@ class PendingSave:
         self._commit = commit
         self._failure: BaseException | None = None
         self._waited = False
-        # Not a daemon: a checkpoint being written is finished before the
-        # interpreter exits (a killed process leaves only a temporary folder).
+        # Not a daemon: a checkpoint in writing is finished before exit.
         self._thread = threading.Thread(
             target=self._run, args=(work,), name=f"eqx_ensemble save {path.name}"
         )

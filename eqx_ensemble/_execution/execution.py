@@ -61,16 +61,13 @@ class Execution(Component):
       on one CPU device `make_step` chunks a step whose temporaries would pass
       glibc's 32 MiB ceiling (the fit guide; `k` = the member count opts out).
     - `guard`: `fit` only: where the divergence guard checks that every member
-      is finite. `"auto"` (the default): with array data, once at the end of
-      each dispatch, a failed dispatch being run again in parts to freeze the
-      member at its step (the guide "`fit` in detail"); every step for streamed
-      data, unrolled dispatches, an optimizer that replaces non-finite
-      gradients (`optax.zero_nans`, `optax.apply_if_finite`), a trained shared
-      part or an `ee.Coupled` loss. `"step"`: at every step, as `make_step`
-      does: for a loss that checks its inputs at run time (`eqx.error_if`), an
-      optimizer that makes non-finite gradients finite otherwise (`optax.clip`),
-      or a train state too big for device memory twice. Both freeze a member
-      at the same step.
+      is finite. `"auto"` (the default): once at the end of each dispatch of
+      array data (a failed dispatch is rerun in parts to freeze the member at
+      its step), every step in the cases the guide "`fit` in detail" lists.
+      `"step"`: every step, as `make_step` does: for a loss that checks its
+      inputs at run time (`eqx.error_if`), an optimizer that makes non-finite
+      gradients finite (`optax.clip`), or a train state too big for device
+      memory twice. Both freeze a member at the same step.
 
     The results are the same whatever these say, to floating-point rounding;
     on a CPU, a run resumed from a checkpoint with the same `Execution` is bit

@@ -28,8 +28,7 @@ from .layout import (
 from .placement import Devices
 from .profile import StepProfile
 
-# The platforms whose dispatches loop over a traced trip count (a GPU's loop
-# waits on the host for each trip's predicate).
+# Platforms whose dispatches loop over a traced trip count (a GPU's waits on it).
 COUNTED = frozenset({"cpu"})
 # A CPU's convolving (or unrolled) dispatch returns to the host after about this
 # much estimated work, so progress, callbacks and a diverged run's end stay timely.
@@ -164,13 +163,11 @@ def _plan(
     )
     if own_chunks and automatic and steps is not None:
         if profile.convolution_flops >= GROUP_MIN_FLOPS:
-            # One member at a time in a loop: plain convolutions, not the
-            # vectorised members' grouped one, and a compile time flat in size.
+            # One member at a time: plain convolutions, compile time flat in size.
             member_chunk = 1
     unroll = getattr(settings, "unroll", None)
     if unroll is None:
-        # Vectorised members' grouped convolutions are slow inside a CPU loop
-        # (`convolution.py` rewrites only plain ones): a call per step.
+        # Grouped convolutions are slow in a CPU loop (`convolution.py`).
         unroll = (
             profile.convolutions
             and platform == "cpu"

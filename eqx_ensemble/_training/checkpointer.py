@@ -11,19 +11,16 @@ from .train_state import TrainState
 
 
 class Checkpointer(Callback):
-    """The protocol of `fit(..., checkpoints=)`: `prepare()`, `has_checkpoints()`,
-    `resume(...)` before the first step; `next_stop`, `due` and `save` at a
-    dispatch's end. `save` may return a pending write (`wait()`, `abandon()`,
-    `path`). An `OSError` or `error` is re-raised as `error` with the run."""
+    """The protocol of `fit(..., checkpoints=)`. `save` may return a pending write
+    (`wait()`, `abandon()`, `path`); its `OSError` or `error` is raised as `error`."""
 
     directory: eqx.AbstractVar[Any]
     error: ClassVar[type[Exception]] = OSError
 
-    # The handle holds a write still in progress.
     phase = Callback.SAVE
 
     def on_start(self, run: RunView) -> list[Any]:
-        return [None]
+        return [None]  # a write still in progress
 
     def on_dispatch(self, handle: list[Any], run: RunView) -> None:
         if not self.due(run.done, run.last):

@@ -106,8 +106,7 @@ class Deferred:
                     if not _failing(part, hint - 1, frozen).any():
                         _rows(losses, scores, part, position - start, hint - 1)
                         state, position = after, position + hint - 1
-                # Then (or where it failed earlier, or no loss says where)
-                # step by step up to the failing step.
+                # Then step by step up to the failing step.
                 stepwise, readout = True, None
             one, after = self.part(run, chunk, state, position, position + 1)
             failed = _failing(one, 1, frozen)

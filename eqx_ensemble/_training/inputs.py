@@ -141,8 +141,7 @@ def check_callbacks(callbacks: Any) -> None:
                 "`fit(..., checkpoints=...)`, which also resumes the run from it"
             )
         if isinstance(item, Tracker):
-            # (A tracker is callable: taken for a plain function, it would be
-            # called after every dispatch and fail far from here.)
+            # (A tracker is callable: as a plain function it would fail late.)
             raise TypeError(
                 f"`callbacks[{position}]` is a `{type(item).__name__}`, a tracker "
                 "updated inside the compiled loop: pass it as "

@@ -193,8 +193,7 @@ def _assemble(
     train_state, history, saved_data = _resumed(
         call.checkpoints, train_state, record, call.steps, placement, call.size
     )
-    # A run not resumed starts at step 0 (`initial_state`): no host read, which
-    # would wait for the start state's program before the dispatch is queued.
+    # Not resumed: step 0, without a host read that would wait for the start.
     done = 0 if history is None else int(train_state.step)
     source: ArraySource | StreamSource | None = call.source
     if source is None:
@@ -245,8 +244,7 @@ def _call_key(settings: tuple[Any, ...], call: Any) -> Hashable:
         shape = getattr(leaf, "shape", None)
         if shape is None:
             record.append(leaf)
-        else:  # (a committed array's device too: only calls of arrays
-            # committed to no device start from kept ones, `FreshStart`)
+        else:  # (a committed array's device too: see `FreshStart`)
             placed = leaf.sharding if getattr(leaf, "committed", False) else None
             record.append((type(leaf), shape, leaf.dtype, placed))
     return (
@@ -291,8 +289,7 @@ def _checked(loss_fn: Any, settings: tuple[Any, ...], call: Any) -> Prepared | N
     """What a call checked before with these settings and inputs decided."""
     try:
         return owner_table(loss_fn).get(_call_key(settings, call))
-    # An unhashable setting or leaf, a loss not weakly held, a leaf with a
-    # shape and no dtype (a data frame): checked, and refused there.
+    # Unhashable, not weakly held, or a shape without a dtype: checked in full.
     except (TypeError, AttributeError):
         return None
 
@@ -465,13 +462,11 @@ class Run:
             self.done = int(self.train_state.step)
             self.diverged_at = np.asarray(self.train_state.diverged_at)
             self._stopped_at = np.asarray(self.train_state.stopped_at)
-        # Members stop only by a callback's change (or were stopped before a
-        # resume): until then there is nothing to read.
+        # Members stop only by a callback's change (or before a resume).
         self._may_stop = self.resumed_from is not None
         self.losses = np.zeros((0, self.chunk.size), np.float32)  # last dispatch's
         self.stateful = stateful(self.callbacks)
-        # Where the callbacks after `OBSERVE` begin: when every member diverged
-        # only the observers and recorders see the dispatch.
+        # Where the callbacks after `OBSERVE` begin (see `after_dispatch`).
         self._observers = sum(item.phase <= Callback.OBSERVE for item in self.callbacks)
         self._handles: list[Any] = []
         self._attached: set[int] = set()  # errors carrying this run
@@ -577,8 +572,7 @@ class Run:
         problem = _changed_structure(callback, self.done, self.train_state, new_state)
         if problem:
             self.fail(TypeError, problem)
-        # Host-side edits (PBT's copies) may move leaves; put a "model"-split
-        # state back where it was.
+        # Host-side edits (PBT's copies) may move "model"-split leaves: put back.
         new_state = restore_placement(new_state, self.chunk.pinned)
         states = list(self.train_state.controlled)
         if callback.checkpointed:
