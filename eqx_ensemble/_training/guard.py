@@ -178,11 +178,6 @@ def _hides_non_finite(optimizer: Any, opt_state: Any) -> bool:
     return hides
 
 
-def frozen(diverged_at: np.ndarray, stopped_at: np.ndarray) -> np.ndarray:
-    """The members a dispatch starts with frozen (diverged or stopped)."""
-    return (diverged_at >= 0) | (stopped_at >= 0)
-
-
 def _failing(readout: Readout, steps: int, frozen: np.ndarray) -> np.ndarray:
     """The members not already `frozen` that `readout` (of `steps` steps) shows
     not finite: a non-finite loss, or the end check's mark."""
