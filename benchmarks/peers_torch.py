@@ -99,7 +99,7 @@ from torch import nn
 MEMBERS, WIDTH, BATCH = results.MEMBERS, results.WIDTH, results.BATCH
 PACKED_WIDTH, ALPHA = 120, 2  # as results.py's PackedMLP
 DROPOUT, PASSES = 0.1, 20  # as results.py's DropoutMLP and its MC dropout row
-THREADS = 2
+THREADS = 1  # (see the module docstring: 2 threads only on an idle machine)
 
 DEEP = f"torch: deep ensemble ({MEMBERS})"
 LAPLACE = (

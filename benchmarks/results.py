@@ -314,7 +314,7 @@ def gaussian_mixture(means, variances):
     return ee.predictive.Mixture(ee.predictive.Normal(means, jnp.sqrt(variances)))
 
 
-def run_regression(size: dict) -> dict:
+def run_regression(size: dict, peers: dict | None = None) -> dict:
     members = 5
     tables = {}
     for name, (x, y) in regression_sets().items():
@@ -1237,13 +1237,35 @@ def score_classification(predict, split, ood_score=None) -> tuple[dict, Any]:
     return {k: float(v) for k, v in scores.items()}, probs
 
 
-def run_classification(size: dict, figures: dict) -> dict:
+PEERS = ("peers_torch", "peers_tabular")
+
+
+def load_peers() -> tuple[dict[str, Any], dict[str, str]]:
+    """The peer modules that import here (`make results` installs the
+    `peers` extra), and for each that does not, why."""
+    import importlib
+
+    found, missing = {}, {}
+    for name in PEERS:
+        try:
+            found[name] = importlib.import_module(name)
+        except Exception as error:  # noqa: BLE001 - said on the page
+            missing[name] = f"{type(error).__name__}: {error}"
+    return found, missing
+
+
+def run_classification(size: dict, figures: dict, peers: dict | None = None) -> dict:
     tables = {}
+    torch_peers = (peers or {}).get("peers_torch")
     for name, data in classification_sets(size["mnist"]).items():
         rows: dict[str, dict[str, list[float]]] = {}
         for seed in range(size["seeds"]):
             split = classification_split(data, seed)
             methods = classification_methods(split, seed, size["steps"])
+            if torch_peers is not None:
+                found = torch_peers.classification_rows(split, seed, size["steps"])
+                for row, (predict, count, seconds) in found.items():
+                    methods[row] = (predict, count, seconds, None)
             for row, (predict, count, seconds, _, *score) in methods.items():
                 scores, probs = score_classification(predict, split, *score)
                 scores["parameters"] = count
@@ -1519,6 +1541,40 @@ def claims(regression: dict, classification: dict, series: dict | None = None):
     return lines
 
 
+def peers_section(found: dict, missing: dict) -> list[str]:
+    """What each peer library ran (its versions, its rows' recipe: the
+    module's docstring), and what could not run, and why."""
+    lines = ["## Peer libraries on the same splits", ""]
+    if found:
+        lines += [
+            "Rows whose name starts with a library's name ran that library on "
+            "the same split arrays, in the same run, scored by the same "
+            "functions; `benchmarks/peers_*.py` say exactly which API each "
+            "calls and where its recipe differs from ours. Versions: "
+            + "; ".join(
+                f"{name} {version}"
+                for module in found.values()
+                for name, version in module.versions().items()
+            )
+            + ".",
+            "",
+        ]
+    for name, why in missing.items():
+        lines += [f"- `{name}` did not run here: {why}.", ""]
+    lines += [
+        "Not run: TorchUncertainty's `ClassificationRoutine` and its package "
+        "`__init__` import torchvision, whose only build on this machine's "
+        "index is CUDA torch's (with the CPU wheel its operators do not "
+        "register), so its layers, models and wrappers are imported without "
+        "the package `__init__` and its routine's training step is written "
+        "out (three lines, in `peers_torch.py`); lightning-uq-box is on the "
+        "index at 0.2.0 only (the issue names 0.4) and needs torchvision too: "
+        "its single-pass methods stand beside our own implementations only.",
+        "",
+    ]
+    return lines
+
+
 def hyperparameter_table(steps: int) -> list[str]:
     """Every classification row's optimizer, the members it trains (its
     compute, in member-steps), its own settings and what the validation split
@@ -1591,8 +1647,9 @@ def hyperparameter_table(steps: int) -> list[str]:
 
 
 def write_page(
-    regression, classification, figures, seconds, size_name, path, series=None
-):
+    regression, classification, figures, seconds, size_name, path, series=None,
+    peers=None,
+):  # fmt: skip
     now = datetime.date.today().isoformat()
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     device = jax.devices()[0].device_kind
@@ -1776,6 +1833,7 @@ def write_page(
             ),  # fmt: skip
             "",
         ]
+    parts += peers_section(*(peers or ({}, {})))
     parts += hyperparameter_table(SIZES[size_name]["steps"])
     parts += ["## Figures (seed 0)", ""]
     for image in figures:
@@ -1818,6 +1876,7 @@ def main(argv=None):
     group.add_argument("--smoke", action="store_true", help="every row, toy sizes")
     group.add_argument("--full", action="store_true", help="longer runs, more seeds")
     p.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
+    p.add_argument("--no-peers", action="store_true", help="our rows only")
     p.add_argument(
         "--only", choices=("regression", "classification"), default=None,
         help="run one part (the page then holds that part only)",
@@ -1826,16 +1885,17 @@ def main(argv=None):
     size_name = "smoke" if args.smoke else "full" if args.full else "default"
     size = SIZES[size_name]
     begin = time.perf_counter()
-    regression = run_regression(size) if args.only != "classification" else {}
+    peers, missing = ({}, {"all": "--no-peers"}) if args.no_peers else load_peers()
+    regression = run_regression(size, peers) if args.only != "classification" else {}
     figures: dict = {}
     classification = (
-        run_classification(size, figures) if args.only != "regression" else {}
+        run_classification(size, figures, peers) if args.only != "regression" else {}
     )
     series = run_time_series(size) if args.only is None else {}
     out = Path(args.out)
     images = draw_figures(figures, out.parent / "images" / "results")
     write_page(regression, classification, images, time.perf_counter() - begin,
-               size_name, out, series)  # fmt: skip
+               size_name, out, series, (peers, missing))  # fmt: skip
     # Every split's and seed's number, for a reader's own tests (the page's
     # cells and claims are computed from these).
     raw = out.with_name(out.stem + "-per-split.json")
