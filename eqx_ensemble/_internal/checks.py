@@ -1,5 +1,7 @@
 """Argument checks shared by every family: one home, one wording."""
 
+import math
+import numbers
 import warnings
 from typing import Any
 
@@ -52,6 +54,15 @@ def check_positive_int(value: Any, name: str, *, high: int | None = None) -> int
             f"compiled code), got {value}"
         )
     return int(value)
+
+
+def check_positive(value: Any, name: str) -> float:
+    """`value` as a positive finite float, or a `ValueError` naming `name`."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    number = float(value) if real else math.nan
+    if not 0 < number < math.inf:
+        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}")
+    return number
 
 
 def real_array(value: Any, name: str) -> jax.Array:

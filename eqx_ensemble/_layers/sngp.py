@@ -2,21 +2,13 @@
 Gaussian-process output layer and its Laplace posterior."""
 
 import math
-import numbers
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, UInt32
 
-from .._internal.checks import check_positive_int
-
-
-def _positive(value: float, name: str) -> float:
-    number = math.nan if isinstance(value, bool) else value
-    if not isinstance(number, numbers.Real) or not 0 < number < math.inf:
-        raise ValueError(f"`{name}` must be a positive finite number, got {value!r}")
-    return float(number)
+from .._internal.checks import check_positive, check_positive_int
 
 
 class BoundedSpectralNorm(eqx.nn.StatefulLayer):
@@ -36,7 +28,9 @@ class BoundedSpectralNorm(eqx.nn.StatefulLayer):
     """
 
     norm: eqx.nn.SpectralNorm
-    bound: float = eqx.field(static=True, converter=lambda c: _positive(c, "bound"))
+    bound: float = eqx.field(
+        static=True, converter=lambda c: check_positive(c, "bound")
+    )
 
     def __call__(
         self, x: Array, state: eqx.nn.State, *, key: PRNGKeyArray | None = None
@@ -88,7 +82,7 @@ class RandomFeatureGP(eqx.Module):
         self.in_features = check_positive_int(in_features, "in_features")
         self.num_features = check_positive_int(num_features, "num_features")
         shape = (check_positive_int(out_features, "out_features"), self.num_features)
-        self.lengthscale = _positive(lengthscale, "lengthscale")
+        self.lengthscale = check_positive(lengthscale, "lengthscale")
         feature_key, beta_key = jax.random.split(key)
         self.seed = jax.random.key_data(feature_key)
         self.beta = jax.random.normal(beta_key, shape) / math.sqrt(num_features)
@@ -141,8 +135,8 @@ def gp_covariance(
     ee.nn.gp_covariance(phi, ee.predict(heads, x)).shape           # (4, 64, 64)
     ```
     """
-    phi, prior = jnp.asarray(features), _positive(prior_variance, "prior_variance")
-    noise = _positive(noise_variance, "noise_variance")
+    phi, prior = jnp.asarray(features), check_positive(prior_variance, "prior_variance")
+    noise = check_positive(noise_variance, "noise_variance")
     out = None if logits is None else jnp.asarray(logits)
     if phi.ndim < 2 or (out is not None and out.shape[:-1] != phi.shape[:-1]):
         raise ValueError(

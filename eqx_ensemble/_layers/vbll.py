@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
-from .._internal.checks import check_positive_int
+from .._internal.checks import check_positive, check_positive_int
 from .._internal.tree import is_traced
 from ..predictive import Normal
 
@@ -26,8 +26,7 @@ class _VBLL(eqx.Module):
     def _init(self, in_features: int, out: int, *, prior_scale=1.0, key) -> None:
         check_positive_int(in_features, "in_features")
         check_positive_int(out, "out_features")
-        if not (isinstance(prior_scale, int | float) and 0 < prior_scale < math.inf):
-            raise ValueError(f"`prior_scale` must be positive, got {prior_scale!r}")
+        prior_scale = check_positive(prior_scale, "prior_scale")
         self.mean = jax.random.normal(key, (out, in_features)) / in_features**0.5
         log_std = math.log(prior_scale / in_features**0.5)
         self.cholesky = jnp.broadcast_to(
