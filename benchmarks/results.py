@@ -1596,7 +1596,7 @@ def claims(regression: dict, classification: dict, series: dict | None = None):
                                0.0, lower_is_better=False)  # fmt: skip
                 lines.append(
                     f"- {name}: adaptive conformal inference raises the coverage "
-                    f"after a shift towards the 90% asked, above {baseline}'s "
+                    f"after a shift towards the 90% asked, above that of {baseline} "
                     f"(Gibbs & Candès 2021): {told}."
                 )
     return lines
@@ -1614,8 +1614,11 @@ def peers_section(found: dict, missing: dict) -> list[str]:
             "calls and where its recipe differs from ours. Versions: "
             + "; ".join(
                 f"{name} {version}"
-                for module in found.values()
-                for name, version in module.versions().items()
+                for name, version in {
+                    name: version
+                    for module in found.values()
+                    for name, version in module.versions().items()
+                }.items()
             )
             + ".",
             "",
