@@ -40,7 +40,7 @@ from .._execution.intern import canonical_tree
 from .._execution.layout import Layout, member_map
 from .._execution.lift import lifts
 from .._execution.plan import Plan, plan_step
-from .._execution.profile import StepProfile, first_member, signature
+from .._execution.profile import StepProfile, first_member, profile_jaxpr, signature
 from .._internal.keys import optimizer_key
 from .._internal.tree import is_traced, keystr
 from .coupled import Coupled, coupled_losses
@@ -374,6 +374,47 @@ def _joint_update(
     return new_ens, new_opt, losses, None, None, diverged
 
 
+def _skip_if_frozen(
+    compute: Callable[[Any], Any], frozen: Any, member: Any, opt_state: Any, state: Any
+) -> Any:
+    """ONE member's `member_update`, skipped for a frozen member (not for a step
+    that convolves: slow inside a conditional on a CPU)."""
+
+    def fresh():
+        return compute(jax.tree.map(lambda x: x, state))
+
+    jaxpr, out_dynamic, out_static = eqx.filter_make_jaxpr(fresh)()
+    if profile_jaxpr(jaxpr.jaxpr).convolutions:
+        return fresh()
+    shapes = eqx.combine(out_dynamic, out_static)
+    static = out_static
+
+    def run(_):
+        return eqx.filter(fresh(), eqx.is_array)
+
+    def skip(_):
+        _, _, loss, aux, _, _ = shapes
+        kept = (
+            member,
+            opt_state,
+            jnp.full(loss.shape, jnp.nan, loss.dtype),
+            jax.tree.map(
+                lambda x: (
+                    jnp.zeros(x.shape, x.dtype)
+                    if isinstance(x, jax.ShapeDtypeStruct)
+                    else x
+                ),
+                aux,
+            ),
+            state,
+            jnp.zeros((), bool),
+        )
+        return eqx.filter(kept, eqx.is_array)
+
+    dynamic = jax.lax.cond(frozen, skip, run, None)
+    return eqx.combine(dynamic, static)
+
+
 def group_loss(loss_fn: LossFn, index: int) -> Callable[..., Any]:
     return loss_fn[index] if isinstance(loss_fn, tuple) else loss_fn
 
@@ -460,19 +501,24 @@ def _plain_update(
     single = loss_fn
 
     def one(member, opt_state, batch, key, state, frozen, hyper):
-        return member_update(
-            single,
-            optimizer,
-            member,
-            opt_state,
-            batch,
-            key,
-            state,
-            frozen,
-            hyper,
-            ens.shared,
-            check=check,
-        )
+        def compute(state):
+            return member_update(
+                single,
+                optimizer,
+                member,
+                opt_state,
+                batch,
+                key,
+                state,
+                frozen,
+                hyper,
+                ens.shared,
+                check=check,
+            )
+
+        if layout != "sequential":
+            return compute(state)
+        return _skip_if_frozen(compute, frozen, member, opt_state, state)
 
     members, *rest = member_map(
         one,
