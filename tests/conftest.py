@@ -250,6 +250,21 @@ def library_codegen(monkeypatch):
     monkeypatch.setattr(cache, "_BY_ID", {})
 
 
+class Interrupt(Exception):
+    """Raised by `interrupt_at`'s callback: a run stopped as by a crash."""
+
+
+def interrupt_at(step: int):
+    """A `fit` callback raising `Interrupt` once the run has done `step` steps
+    (a resume test's interrupted run)."""
+
+    def interrupt(result):
+        if result.step >= step:
+            raise Interrupt
+
+    return interrupt
+
+
 def repeat(*values: object) -> object:
     """A parametrised case that repeats a check the default tier already makes
     with another case (a second axis type, sampling or size): run by

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 import scipy.special
+from conftest import Interrupt, interrupt_at
 
 import eqx_ensemble as ee
 
@@ -193,15 +194,8 @@ def test_an_ensemble_of_due_models_is_one_fit_and_distance_aware():
 def test_an_interrupted_due_run_resumes_bit_for_bit(tmp_path):
     reference = _train(60)
 
-    class Interrupt(Exception):
-        pass
-
-    def interrupt(result):
-        if result.step >= 40:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        _train(60, tmp_path, [interrupt])
+        _train(60, tmp_path, [interrupt_at(40)])
     resumed = _train(60, tmp_path)
     assert resumed.resumed_from == 40
     for a, b in zip(
@@ -210,6 +204,7 @@ def test_an_interrupted_due_run_resumes_bit_for_bit(tmp_path):
         strict=True,
     ):
         np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(resumed.history.losses, reference.history.losses)
 
 
 def test_bad_inputs_are_refused_by_name():

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import Interrupt, interrupt_at
 
 import eqx_ensemble as ee
 
@@ -239,20 +240,13 @@ def test_members_of_one_fit_equal_each_trained_alone():
 def test_resume_is_bit_exact(tmp_path):
     ens = ee.ensemble(_make, size=3, key=jax.random.key(5))
 
-    class Interrupt(Exception):
-        pass
-
-    def interrupt(result):
-        if result.step >= 20:
-            raise Interrupt
-
     def run(directory, callbacks=()):
         checkpoints = ee.Checkpoints(directory, every=10)
         return _fit(ens, 30, checkpoints=checkpoints, callbacks=callbacks)
 
     reference = run(tmp_path / "reference")
     with pytest.raises(Interrupt):
-        run(tmp_path / "run", [interrupt])
+        run(tmp_path / "run", [interrupt_at(20)])
     assert [step for step, _ in ee.list_checkpoints(tmp_path / "run")][-1] == 20
     resumed = run(tmp_path / "run")
     for part in ("ensemble", "opt_state"):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import Interrupt, interrupt_at
 
 import eqx_ensemble as ee
 
@@ -239,15 +240,8 @@ def _leaves(tree):
 
 
 def test_resume_is_bit_exact(trained, tmp_path):
-    class Interrupt(Exception):
-        pass
-
-    def interrupt(result):
-        if result.step >= 40:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        _fit(tmp_path / "run", callbacks=[interrupt])
+        _fit(tmp_path / "run", callbacks=[interrupt_at(40)])
     assert [s for s, _ in ee.list_checkpoints(tmp_path / "run")][-1] == 40
     resumed = _fit(tmp_path / "run")
     for field in ("ensemble", "opt_state", "state"):

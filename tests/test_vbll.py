@@ -14,6 +14,7 @@ import optax
 import pytest
 import scipy.special
 import scipy.stats
+from conftest import Interrupt, interrupt_at
 
 import eqx_ensemble as ee
 
@@ -201,16 +202,9 @@ def test_resume_is_bit_exact(tmp_path):
     reference = _fit(checkpoints=ee.Checkpoints(tmp_path / "ref", every=20),
                      callbacks=(), **common)  # fmt: skip
 
-    class Interrupt(Exception):
-        pass
-
-    def interrupt(result):
-        if result.step >= 40:
-            raise Interrupt
-
     run = ee.Checkpoints(tmp_path / "run", every=20)
     with pytest.raises(Interrupt):
-        _fit(checkpoints=run, callbacks=[interrupt], **common)
+        _fit(checkpoints=run, callbacks=[interrupt_at(40)], **common)
     assert [step for step, _ in ee.list_checkpoints(tmp_path / "run")][-1] == 40
     resumed = _fit(checkpoints=run, callbacks=(), **common)
     assert resumed.step == 60
